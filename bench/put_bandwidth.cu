@@ -1,0 +1,162 @@
+// Put bandwidth between GPUs, every rank pushing to the next one at once (a ring; with 2 ranks,
+// both directions of one link). tdist's block-scope put and copy-engine put, each beside a plain
+// baseline in the same run: an int4 store loop through the LSA peer pointer, and a raw
+// cudaMemcpyAsync to it. Medians of CUDA-event timings; the reported figure is the slowest rank's.
+//
+//   tdistrun -n 2 build/bench/bench_put_bandwidth [--bytes N] [--iters N] [--json FILE]
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/device.cuh"
+#include "tdist/runtime/stream.hpp"
+#include "tdist/runtime/symmetric_heap.hpp"
+#include "tdist/runtime/world.hpp"
+
+using namespace tdist;
+using namespace tdist::device;
+
+namespace {
+
+// Each block puts one contiguous share of the buffer.
+__global__ void block_put_kernel(SymmetricHeapView heap, char* dst, const char* src, u64 bytes, int peer) {
+  const u64 share = (bytes / gridDim.x + 15) / 16 * 16;
+  const u64 start = blockIdx.x * share;
+  if (start < bytes) putmem_nbi_block(heap, dst + start, src + start, bytes - start < share ? bytes - start : share, peer);
+}
+
+// The baseline: a grid-stride int4 store loop into the peer pointer.
+__global__ void plain_store_kernel(int4* dst, const int4* src, u64 count) {
+  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < count; i += static_cast<u64>(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
+}
+
+struct Row {
+  std::string method;
+  int sms;
+  double tdist_gbps, baseline_gbps, reference_gbps;
+};
+
+template <typename Launch>
+double median_gbps(World& world, cudaStream_t stream, size_t bytes, int iters, Launch&& launch) {
+  for (int i = 0; i < 3; ++i) launch();
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  world.barrier("bench start");  // every rank pushes at the same time
+  std::vector<cudaEvent_t> events(iters + 1);
+  for (auto& e : events) TDIST_CUDA_CHECK(cudaEventCreate(&e));
+  TDIST_CUDA_CHECK(cudaEventRecord(events[0], stream));
+  for (int i = 0; i < iters; ++i) {
+    launch();
+    TDIST_CUDA_CHECK(cudaEventRecord(events[i + 1], stream));
+  }
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) TDIST_CUDA_CHECK(cudaEventElapsedTime(&ms[i], events[i], events[i + 1]));
+  for (auto& e : events) cudaEventDestroy(e);
+  std::nth_element(ms.begin(), ms.begin() + iters / 2, ms.end());
+  double gbps = bytes / (ms[iters / 2] * 1e6);
+  // Report the slowest rank: a link is only as fast as its slower direction.
+  uint64_t mbps = static_cast<uint64_t>(gbps * 1000);
+  const auto all = world.all_gather("bench result", Bytes(reinterpret_cast<uint8_t*>(&mbps), reinterpret_cast<uint8_t*>(&mbps + 1)));
+  for (const auto& b : all) {
+    uint64_t v;
+    std::memcpy(&v, b.data(), sizeof(v));
+    gbps = std::min(gbps, v / 1000.0);
+  }
+  return gbps;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  size_t bytes = 256ull << 20;
+  int iters = 20;
+  std::string json_path;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--bytes" && i + 1 < argc) bytes = SymmetricHeap::parse_size(argv[++i], "--bytes");
+    else if (arg == "--iters" && i + 1 < argc) iters = std::max(3, std::atoi(argv[++i]));
+    else if (arg == "--json" && i + 1 < argc) json_path = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: %s [--bytes N[K|M|G]] [--iters N] [--json FILE]\n", argv[0]);
+      return 2;
+    }
+  }
+  bytes = bytes / 16 * 16;
+  World world;
+  if (world.world_size() < 2) {
+    std::fprintf(stderr, "put_bandwidth needs at least 2 ranks (tdistrun -n 2)\n");
+    return 2;
+  }
+  const int peer = (world.rank() + 1) % world.world_size();
+  SymmetricHeap heap(world, 2 * bytes + (4ull << 20));
+  char* dst = heap.allocate_array<char>(bytes);
+  char* src;
+  TDIST_CUDA_CHECK(cudaMalloc(&src, bytes));
+  TDIST_CUDA_CHECK(cudaMemset(src, 0x5A + world.rank(), bytes));  // non-zero data
+  cudaStream_t stream;
+  TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int num_sms = 0;
+  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, world.device()));
+  char* peer_dst = heap.peer_ptr(dst, peer);
+
+  // Reference figures measured on 2 x H200 with the same launch shapes (shared/BASELINES.md).
+  auto reference = [](int sms) { return sms == 8 ? 287.0 : sms == 16 ? 294.0 : sms == 32 ? 343.0 : sms == 132 ? 364.0 : 0.0; };
+  std::vector<Row> rows;
+  std::vector<int> sm_counts = {8, 16, 32, num_sms};
+  for (int sms : sm_counts) {
+    // Launch shape of the baseline probe: 2 blocks of 512 threads per SM asked for.
+    const int blocks = 2 * sms, threads = 512;
+    const double t = median_gbps(world, stream, bytes, iters, [&] {
+      block_put_kernel<<<blocks, threads, 0, stream>>>(heap.view(), dst, src, bytes, peer);
+    });
+    const double b = median_gbps(world, stream, bytes, iters, [&] {
+      plain_store_kernel<<<blocks, threads, 0, stream>>>(reinterpret_cast<int4*>(peer_dst), reinterpret_cast<const int4*>(src), bytes / 16);
+    });
+    TDIST_CUDA_CHECK(cudaGetLastError());
+    rows.push_back({"SM put (block scope)", sms, t, b, reference(sms)});
+  }
+  {
+    const double t = median_gbps(world, stream, bytes, iters, [&] { put_async(heap, dst, src, bytes, peer, stream); });
+    const double b = median_gbps(world, stream, bytes, iters, [&] {
+      TDIST_CUDA_CHECK(cudaMemcpyAsync(peer_dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+    });
+    rows.push_back({"copy-engine put", 0, t, b, 390.0});
+  }
+
+  if (world.rank() == 0) {
+    cudaDeviceProp prop;
+    TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, world.device()));
+    std::printf("\nput bandwidth per direction, %d ranks on %s, %zu MB per put, all ranks pushing at once, median of %d\n",
+                world.world_size(), prop.name, bytes >> 20, iters);
+    std::printf("%-22s %5s %12s %14s %8s %16s %8s\n", "method", "SMs", "tdist GB/s", "baseline GB/s", "ratio",
+                "BASELINES.md GB/s", "ratio");
+    for (const Row& r : rows) {
+      const std::string sms = r.sms ? std::to_string(r.sms) : "-";
+      std::printf("%-22s %5s %12.0f %14.0f %8.2f %16.0f %8.2f\n", r.method.c_str(), sms.c_str(), r.tdist_gbps,
+                  r.baseline_gbps, r.tdist_gbps / r.baseline_gbps, r.reference_gbps,
+                  r.reference_gbps > 0 ? r.tdist_gbps / r.reference_gbps : 0.0);
+    }
+    if (!json_path.empty()) {
+      std::ofstream json(json_path);
+      json << "{\n  \"bench\": \"put_bandwidth\",\n  \"gpu\": \"" << prop.name << "\",\n  \"ranks\": " << world.world_size()
+           << ",\n  \"bytes\": " << bytes << ",\n  \"iters\": " << iters << ",\n  \"rows\": [\n";
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const Row& r = rows[i];
+        json << "    {\"method\": \"" << r.method << "\", \"sms\": " << r.sms << ", \"tdist_gbps\": " << r.tdist_gbps
+             << ", \"baseline_gbps\": " << r.baseline_gbps << ", \"reference_gbps\": " << r.reference_gbps << "}"
+             << (i + 1 < rows.size() ? "," : "") << "\n";
+      }
+      json << "  ]\n}\n";
+    }
+  }
+  TDIST_CUDA_CHECK(cudaStreamDestroy(stream));
+  TDIST_CUDA_CHECK(cudaFree(src));
+  heap.free(dst);
+  return 0;
+}

@@ -1,0 +1,62 @@
+// A small key-value rendezvous store over TCP, used to bootstrap a job: exchange the NCCL
+// unique id, check that every rank agrees on sizes, and meet at barriers.
+//
+// Rank 0 hosts the server in a background thread and every rank, rank 0 included, is a client.
+// Every blocking call ends within the store's timeout: on expiry it throws tdist::TimeoutError
+// naming the ranks that did not arrive. A rank whose connection closes without a clean shutdown
+// is marked dead, and every later wait on any rank fails at once naming it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tdist {
+
+using Bytes = std::vector<uint8_t>;
+
+struct TcpStoreOptions {
+  std::string host = "127.0.0.1";  // where rank 0 listens and the others connect
+  int port = 29500;
+  int rank = 0;
+  int world_size = 1;
+  // Bound on every wait, the initial connection and the join of all ranks included.
+  std::chrono::milliseconds timeout = default_timeout();
+
+  // TDIST_HOST_TIMEOUT_S seconds when set (a positive number), else 300 s.
+  static std::chrono::milliseconds default_timeout();
+};
+
+class TcpStore {
+ public:
+  // Starts the server on rank 0, connects, and waits until all world_size ranks have joined.
+  // Errors: port in use (rank 0), master unreachable, a rank joining with another world size,
+  // two processes claiming one rank, ranks missing at the deadline.
+  explicit TcpStore(const TcpStoreOptions& options);
+  ~TcpStore();  // clean shutdown: this rank is not reported dead
+  TcpStore(const TcpStore&) = delete;
+  TcpStore& operator=(const TcpStore&) = delete;
+
+  int rank() const;
+  int world_size() const;
+
+  void set(const std::string& key, const Bytes& value);
+  Bytes get(const std::string& key);                     // waits for the key
+  void wait(const std::vector<std::string>& keys);       // waits for all keys
+  bool check(const std::vector<std::string>& keys);      // true when all exist, never waits
+  int64_t add(const std::string& key, int64_t delta);    // atomic; returns the new value
+
+  // Every rank contributes one value under `tag`; returns all, indexed by rank. Each tag may be
+  // used once per job, so callers pass a unique tag (a counter suffix).
+  std::vector<Bytes> all_gather(const std::string& tag, const Bytes& mine);
+  // All ranks meet; the timeout error lists the ranks that never reached it.
+  void barrier(const std::string& tag);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tdist
