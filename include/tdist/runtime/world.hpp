@@ -1,0 +1,73 @@
+// tdist::World: this process's place in a multi-GPU job, its GPU, and its NCCL communicator.
+//
+// Built from the launcher's environment (torchrun, tdistrun, Open MPI, Slurm; launch_env.hpp),
+// from explicit values, or around a communicator the caller already has. Every host wait is
+// bounded by `timeout`: rendezvous through the TCP store names the ranks that did not arrive,
+// and NCCL's initialisation runs non-blocking so a rank that never comes cannot hang the others.
+#pragma once
+
+#include <nccl.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tdist/runtime/launch_env.hpp"
+#include "tdist/runtime/tcp_store.hpp"
+
+namespace tdist {
+
+struct WorldOptions {
+  // Where this rank sits; read from the process environment when empty.
+  std::optional<LaunchEnv> env;
+  // CUDA device of this rank; -1 picks LOCAL_RANK.
+  int device = -1;
+  // Bound on every host wait (rendezvous, NCCL init, host barriers).
+  std::chrono::milliseconds timeout = TcpStoreOptions::default_timeout();
+};
+
+class World {
+ public:
+  // Joins the job: selects the GPU, rendezvous through the TCP store, creates the NCCL communicator.
+  explicit World(const WorldOptions& options = {});
+  // Wraps a communicator the caller created and keeps owning (not destroyed with the World).
+  // Host collectives then run through NCCL on a private stream.
+  World(ncclComm_t existing, std::chrono::milliseconds timeout = TcpStoreOptions::default_timeout());
+  ~World();
+  World(const World&) = delete;
+  World& operator=(const World&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  int local_rank() const { return local_rank_; }
+  int local_world_size() const { return local_world_size_; }
+  int device() const { return device_; }
+  ncclComm_t comm() const { return comm_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  // Ranks reachable with loads and stores (NCCL's LSA team): [lsa_first_rank, + lsa_size).
+  int lsa_size() const { return lsa_size_; }
+  int lsa_rank() const { return lsa_rank_; }
+
+  // Host collectives, for bootstrap-sized data. `tag` names the call in timeout errors.
+  std::vector<Bytes> all_gather(const std::string& tag, const Bytes& mine);
+  void barrier(const std::string& tag);
+
+  // Throws tdist::Error naming `what` and each rank's value when the ranks disagree.
+  void check_same_on_all_ranks(const std::string& what, const std::string& value);
+
+ private:
+  void init_from_comm();
+  std::vector<Bytes> all_gather_nccl(const Bytes& mine);
+
+  int rank_ = 0, world_size_ = 1, local_rank_ = 0, local_world_size_ = 1, device_ = 0;
+  int lsa_rank_ = 0, lsa_size_ = 1;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<TcpStore> store_;  // null when wrapping an existing communicator
+  ncclComm_t comm_ = nullptr;
+  bool owns_comm_ = false;
+  uint64_t collective_count_ = 0;  // makes store tags unique per call
+};
+
+}  // namespace tdist

@@ -1,0 +1,196 @@
+#include "tdist/runtime/symmetric_heap.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <cctype>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <sstream>
+
+#include "src/runtime/lsa_pointers.hpp"
+#include "tdist/common/cuda_check.hpp"
+
+namespace tdist {
+namespace {
+
+constexpr size_t kHeapGranularity = 2ull << 20;  // NVLink mappings are made in 2 MiB pages
+constexpr size_t kDefaultCapacity = 1ull << 30;
+
+size_t align_up(size_t value, size_t alignment) { return (value + alignment - 1) / alignment * alignment; }
+
+size_t capacity_from_env() {
+  const char* text = std::getenv("TDIST_SYMMETRIC_HEAP_SIZE");
+  if (text == nullptr || *text == '\0') return kDefaultCapacity;
+  return SymmetricHeap::parse_size(text, "TDIST_SYMMETRIC_HEAP_SIZE");
+}
+
+// The request every rank must agree on, exchanged before a collective allocation commits.
+struct AllocRequest {
+  uint64_t bytes, alignment, offset;
+  bool operator==(const AllocRequest&) const = default;
+};
+
+}  // namespace
+
+size_t SymmetricHeap::parse_size(const std::string& text, const std::string& what) {
+  size_t digits = 0;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  const std::string suffix = text.substr(digits);
+  size_t unit = 0;
+  if (suffix.empty()) unit = 1;
+  else if (suffix == "K" || suffix == "k") unit = 1ull << 10;
+  else if (suffix == "M" || suffix == "m") unit = 1ull << 20;
+  else if (suffix == "G" || suffix == "g") unit = 1ull << 30;
+  if (digits == 0 || digits > 15 || unit == 0)
+    TDIST_FAIL(what, "='", text, "': expected a byte count with an optional K, M or G suffix, e.g. 512M");
+  const size_t value = std::stoull(text.substr(0, digits)) * unit;
+  if (value == 0) TDIST_FAIL(what, "='", text, "': expected a size above zero");
+  return value;
+}
+
+SymmetricHeap::SymmetricHeap(World& world, size_t capacity) : world_(world) {
+  capacity_ = align_up(capacity == 0 ? capacity_from_env() : capacity, kHeapGranularity);
+  world_.check_same_on_all_ranks("symmetric heap capacity (bytes)", std::to_string(capacity_));
+  TDIST_CHECK(world_.lsa_size() <= device::kMaxLsaRanks, "the load/store team has ", world_.lsa_size(),
+              " ranks; SymmetricHeapView addresses at most ", device::kMaxLsaRanks);
+
+  TDIST_CUDA_CHECK(cudaSetDevice(world_.device()));
+  ncclResult_t result = ncclMemAlloc(&base_, capacity_);
+  if (result != ncclSuccess) {
+    size_t free_bytes = 0, total = 0;
+    cudaMemGetInfo(&free_bytes, &total);
+    TDIST_FAIL("ncclMemAlloc of a ", capacity_, "-byte symmetric heap failed (", ncclGetErrorString(result), "); ",
+               free_bytes, " of ", total, " bytes of GPU memory are free");
+  }
+  TDIST_NCCL_CHECK(ncclCommWindowRegister(world_.comm(), base_, capacity_, &window_, NCCL_WIN_COLL_SYMMETRIC));
+
+  view_.rank = world_.rank();
+  view_.num_ranks = world_.world_size();
+  view_.lsa_rank = world_.lsa_rank();
+  view_.lsa_size = world_.lsa_size();
+  view_.size = capacity_;
+  detail::fetch_lsa_bases(window_, view_.lsa_size, view_.lsa_bases);
+  TDIST_CHECK(view_.local_base() == base_, "NCCL maps this rank's window at ", static_cast<void*>(view_.local_base()),
+              ", not at the allocation ", base_);
+  free_blocks_[0] = capacity_;
+}
+
+SymmetricHeap::~SymmetricHeap() {
+  try {
+    // No peer may still be reading or writing this heap when its memory goes away.
+    TDIST_CUDA_CHECK(cudaDeviceSynchronize());
+    world_.barrier("symmetric heap destruction");
+    TDIST_NCCL_CHECK(ncclCommWindowDeregister(world_.comm(), window_));
+    TDIST_NCCL_CHECK(ncclMemFree(base_));
+  } catch (const std::exception& e) {
+    std::cerr << "tdist: rank " << world_.rank() << ": freeing the symmetric heap failed: " << e.what() << "\n";
+  }
+}
+
+void* SymmetricHeap::allocate(size_t bytes, size_t alignment) {
+  TDIST_CHECK_ARG(bytes > 0, "bytes", "expected a positive size, got 0");
+  TDIST_CHECK_ARG(alignment > 0 && (alignment & (alignment - 1)) == 0, "alignment",
+                  "expected a power of two, got ", alignment);
+
+  // First fit in offset order: the same history gives the same offset on every rank.
+  auto chosen = free_blocks_.end();
+  size_t offset = 0;
+  for (auto it = free_blocks_.begin(); it != free_blocks_.end(); ++it) {
+    const size_t aligned = align_up(it->first, alignment);
+    if (aligned + bytes <= it->first + it->second) {
+      chosen = it;
+      offset = aligned;
+      break;
+    }
+  }
+  const bool fits = chosen != free_blocks_.end();
+  const AllocRequest mine{bytes, alignment, fits ? offset : UINT64_MAX};
+  const auto all = world_.all_gather("symmetric allocation", Bytes(reinterpret_cast<const uint8_t*>(&mine),
+                                                                  reinterpret_cast<const uint8_t*>(&mine + 1)));
+  bool agree = true, all_fit = true;
+  std::ostringstream seen;
+  for (size_t r = 0; r < all.size(); ++r) {
+    AllocRequest theirs;
+    std::memcpy(&theirs, all[r].data(), sizeof(theirs));
+    agree = agree && theirs == mine;
+    all_fit = all_fit && theirs.offset != UINT64_MAX;
+    seen << " rank " << r << ": " << theirs.bytes << " bytes aligned to " << theirs.alignment << " at offset "
+         << (theirs.offset == UINT64_MAX ? std::string("none (no room)") : std::to_string(theirs.offset)) << ";";
+  }
+  if (!all_fit)
+    TDIST_FAIL("symmetric heap out of memory: ", bytes, " bytes requested, ", capacity_ - in_use_, " of ", capacity_,
+               " free, largest free block ", largest_free_block(),
+               " bytes; create a larger heap (capacity argument or TDIST_SYMMETRIC_HEAP_SIZE). Requests:", seen.str());
+  if (!agree)
+    TDIST_FAIL("symmetric allocation differs across ranks (every rank must allocate the same sizes in the same order):",
+               seen.str());
+
+  const size_t block_offset = chosen->first, block_size = chosen->second;
+  free_blocks_.erase(chosen);
+  if (offset > block_offset) free_blocks_[block_offset] = offset - block_offset;
+  if (offset + bytes < block_offset + block_size) free_blocks_[offset + bytes] = block_offset + block_size - (offset + bytes);
+  live_blocks_[offset] = bytes;
+  in_use_ += bytes;
+
+  void* ptr = static_cast<char*>(base_) + offset;
+  zero_and_meet(ptr, bytes, "symmetric allocation zeroed");
+  return ptr;
+}
+
+void SymmetricHeap::free(void* ptr) {
+  TDIST_CHECK_ARG(contains(ptr), "ptr", ptr, " is not inside this symmetric heap [", base_, ", +", capacity_, ")");
+  const size_t offset = static_cast<char*>(ptr) - static_cast<char*>(base_);
+  auto live = live_blocks_.find(offset);
+  TDIST_CHECK_ARG(live != live_blocks_.end(), "ptr", ptr, " (offset ", offset,
+                  ") is not the start of a live allocation of this heap (double free?)");
+  world_.check_same_on_all_ranks("offset of the symmetric buffer being freed", std::to_string(offset));
+  // Kernels of this rank may still use the buffer, and peers' kernels may still write it.
+  TDIST_CUDA_CHECK(cudaDeviceSynchronize());
+  world_.barrier("symmetric free");
+
+  size_t start = offset, size = live->second;
+  in_use_ -= size;
+  live_blocks_.erase(live);
+  // Coalesce with the free neighbours on both sides.
+  auto next = free_blocks_.lower_bound(start);
+  if (next != free_blocks_.end() && next->first == start + size) {
+    size += next->second;
+    next = free_blocks_.erase(next);
+  }
+  if (next != free_blocks_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {
+      start = prev->first;
+      size += prev->second;
+      free_blocks_.erase(prev);
+    }
+  }
+  free_blocks_[start] = size;
+}
+
+size_t SymmetricHeap::largest_free_block() const {
+  size_t largest = 0;
+  for (const auto& [offset, size] : free_blocks_) largest = std::max(largest, size);
+  return largest;
+}
+
+void* SymmetricHeap::peer_ptr(const void* local, int peer) const {
+  TDIST_CHECK_ARG(contains(local), "local", local, " is not inside this symmetric heap");
+  TDIST_CHECK_ARG(peer >= 0 && peer < view_.num_ranks, "peer", "expected a rank in [0, ", view_.num_ranks, "), got ", peer);
+  void* p = view_.symm_at(const_cast<void*>(local), peer);
+  TDIST_CHECK_ARG(p != nullptr, "peer", "rank ", peer, " is not load/store reachable from rank ", view_.rank,
+                  " (LSA team of ", view_.lsa_size, " ranks)");
+  return p;
+}
+
+void SymmetricHeap::zero_and_meet(void* ptr, size_t bytes, const char* tag) {
+  cudaStream_t stream;
+  TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  TDIST_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  TDIST_CUDA_CHECK(cudaStreamDestroy(stream));
+  world_.barrier(tag);
+}
+
+}  // namespace tdist
