@@ -1,0 +1,164 @@
+// Minimal harness for multi-rank GPU tests: each rank runs every case, catches errors, and prints
+// one line per case; the process prints "N passed, M failed" last and exits non-zero on failure.
+// Cases must be run in the same order on every rank (they contain collective calls).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstring>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/device.cuh"
+#include "tdist/runtime/symmetric_heap.hpp"
+#include "tdist/runtime/world.hpp"
+
+namespace tdist::test {
+
+class Suite {
+ public:
+  explicit Suite(const World& world) : rank_(world.rank()) {}
+
+  void run(const std::string& name, const std::function<void()>& body) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      body();
+      ++passed_;
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      std::printf("PASS %s (%.0f ms)\n", name.c_str(), ms);
+    } catch (const std::exception& e) {
+      ++failed_;
+      std::printf("FAIL %s: %s\n", name.c_str(), e.what());
+    }
+    std::fflush(stdout);
+  }
+
+  int finish() const {
+    std::printf("rank %d: %d passed, %d failed\n", rank_, passed_, failed_);
+    std::fflush(stdout);
+    return failed_ == 0 ? 0 : 1;
+  }
+
+ private:
+  int rank_;
+  int passed_ = 0, failed_ = 0;
+};
+
+// Pseudo-random, position-dependent bytes: a buffer that holds the wrong part of a pattern, or a
+// pattern of the wrong seed, fails the check.
+__host__ __device__ inline unsigned char pattern_byte(unsigned long long seed, unsigned long long index) {
+  unsigned long long x = (index + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return static_cast<unsigned char>(x);
+}
+
+__global__ void fill_pattern_kernel(unsigned char* p, unsigned long long bytes, unsigned long long seed) {
+  for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x; i < bytes;
+       i += static_cast<unsigned long long>(gridDim.x) * blockDim.x)
+    p[i] = pattern_byte(seed, i);
+}
+
+// Counts bytes of p[0, bytes) that differ from pattern(seed, first_index + i); records the first.
+__global__ void check_pattern_kernel(const unsigned char* p, unsigned long long bytes, unsigned long long seed,
+                                     unsigned long long first_index, unsigned long long* mismatches,
+                                     unsigned long long* first_bad) {
+  for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x; i < bytes;
+       i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
+    if (p[i] != pattern_byte(seed, first_index + i)) {
+      atomicAdd(mismatches, 1ull);
+      atomicMin(first_bad, i);
+    }
+  }
+}
+
+// Counts bytes of p[0, bytes) that differ from `value`.
+__global__ void check_value_kernel(const unsigned char* p, unsigned long long bytes, unsigned char value,
+                                   unsigned long long* mismatches, unsigned long long* first_bad) {
+  for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x; i < bytes;
+       i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
+    if (p[i] != value) {
+      atomicAdd(mismatches, 1ull);
+      atomicMin(first_bad, i);
+    }
+  }
+}
+
+inline void fill_pattern(void* p, size_t bytes, unsigned long long seed, cudaStream_t stream = nullptr) {
+  if (bytes == 0) return;
+  fill_pattern_kernel<<<1024, 256, 0, stream>>>(static_cast<unsigned char*>(p), bytes, seed);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+}
+
+// Device counters for the check kernels.
+class MismatchCounter {
+ public:
+  MismatchCounter() { TDIST_CUDA_CHECK(cudaMalloc(&counters_, 2 * sizeof(unsigned long long))); }
+  ~MismatchCounter() { cudaFree(counters_); }
+  MismatchCounter(const MismatchCounter&) = delete;
+  MismatchCounter& operator=(const MismatchCounter&) = delete;
+
+  // Throws naming `what`, the first bad index and the count when p differs from the pattern.
+  void expect_pattern(const void* p, size_t bytes, unsigned long long seed, size_t first_index, const std::string& what) {
+    reset();
+    if (bytes > 0)
+      check_pattern_kernel<<<1024, 256>>>(static_cast<const unsigned char*>(p), bytes, seed, first_index, counters_,
+                                          counters_ + 1);
+    report(what, bytes);
+  }
+
+  void expect_value(const void* p, size_t bytes, unsigned char value, const std::string& what) {
+    reset();
+    if (bytes > 0)
+      check_value_kernel<<<1024, 256>>>(static_cast<const unsigned char*>(p), bytes, value, counters_, counters_ + 1);
+    report(what, bytes);
+  }
+
+ private:
+  void reset() {
+    const unsigned long long init[2] = {0, ~0ull};
+    TDIST_CUDA_CHECK(cudaMemcpy(counters_, init, sizeof(init), cudaMemcpyHostToDevice));
+  }
+  void report(const std::string& what, size_t bytes) {
+    TDIST_CUDA_CHECK(cudaGetLastError());
+    unsigned long long host[2];
+    TDIST_CUDA_CHECK(cudaMemcpy(host, counters_, sizeof(host), cudaMemcpyDeviceToHost));
+    if (host[0] != 0)
+      TDIST_FAIL(what, ": ", host[0], " of ", bytes, " bytes wrong, first at byte ", host[1]);
+  }
+  unsigned long long* counters_ = nullptr;
+};
+
+// A fresh seed per call, different on every rank and every run.
+inline unsigned long long fresh_seed(int rank) {
+  static unsigned long long counter = static_cast<unsigned long long>(
+      std::chrono::high_resolution_clock::now().time_since_epoch().count());
+  counter = counter * 6364136223846793005ull + 1442695040888963407ull;
+  return counter ^ (static_cast<unsigned long long>(rank) << 56);
+}
+
+}  // namespace tdist::test
+
+namespace tdist::test {
+
+// Every rank's value, indexed by rank.
+inline std::vector<unsigned long long> all_gather_u64(World& world, const std::string& tag, unsigned long long mine) {
+  const auto* p = reinterpret_cast<const uint8_t*>(&mine);
+  const auto all = world.all_gather(tag, Bytes(p, p + sizeof(mine)));
+  std::vector<unsigned long long> out(all.size());
+  for (size_t r = 0; r < all.size(); ++r) std::memcpy(&out[r], all[r].data(), sizeof(unsigned long long));
+  return out;
+}
+
+// Waits for this rank's GPU work, then for every rank.
+inline void sync_all(World& world, const char* tag) {
+  TDIST_CUDA_CHECK(cudaDeviceSynchronize());
+  world.barrier(tag);
+}
+
+}  // namespace tdist::test
