@@ -295,3 +295,24 @@ TEST(JitKey, TdistHeadersAreFoundAndHashed) {
   unsetenv("TDIST_INCLUDE_DIR");
   EXPECT_NE(k1, k2);
 }
+
+TEST(JitCompile, DumpWritesSourceCubinPtxAndLog) {
+  TempDir dump, cache_dir;
+  jit::KernelCache cache(cache_dir.path);
+  jit::CompileRequest r;
+  r.source = "extern \"C\" __global__ void dumped(int* p) { p[threadIdx.x] = 1; }\n";
+  r.file_name = "dumped.cu";
+  r.arch = "sm_90a";
+  setenv("TDIST_JIT_DUMP", dump.path.c_str(), 1);
+  auto k = jit::compile(r, cache);
+  unsetenv("TDIST_JIT_DUMP");
+  std::string base = dump.file("dumped." + jit::to_hex(k->key).substr(0, 16));
+  std::string cubin, ptx, log;
+  ASSERT_TRUE(jit::read_file(base + ".cubin", cubin));
+  EXPECT_TRUE(cubin == k->cubin);
+  ASSERT_TRUE(jit::read_file(base + ".ptx", ptx));
+  EXPECT_NE(ptx.find(".entry dumped"), std::string::npos);
+  ASSERT_TRUE(jit::read_file(base + ".log", log));
+  EXPECT_NE(log.find("ptxas info"), std::string::npos);
+  EXPECT_TRUE(std::ifstream(base + ".cu").good());
+}

@@ -51,7 +51,8 @@ struct CompileRequest {
   std::string arch;                           // "sm_90a", "90a", ...; empty: the current GPU's
   CompilerKind compiler = CompilerKind::kAuto;
 
-  // Reads `path`; file_name becomes `path` and its folder the first include dir.
+  // Reads `path`; file_name becomes `path`, so diagnostics name it and its folder is searched
+  // first for the source's quoted includes.
   static CompileRequest from_file(const std::string& path);
 };
 

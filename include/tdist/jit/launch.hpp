@@ -63,10 +63,10 @@ struct Dim3 {
 };
 
 struct LaunchConfig {
-  Dim3 grid;
-  Dim3 block;
+  Dim3 grid{};
+  Dim3 block{};
   std::size_t shared_bytes = 0;       // dynamic shared memory; > 48 KiB raises the kernel's limit
-  Dim3 cluster;                       // thread block cluster (1,1,1: none)
+  Dim3 cluster{};                     // thread block cluster (1,1,1: none)
   bool programmatic_dependent_launch = false;  // may start before the previous kernel on the stream ends
   cudaStream_t stream = nullptr;
 };
@@ -109,6 +109,9 @@ class Module : public std::enable_shared_from_this<Module> {
 
 void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args);
 inline void launch(const Kernel& kernel, const LaunchConfig& cfg, KernelArgs& args) {
+  launch(kernel, cfg, args.data());
+}
+inline void launch(const Kernel& kernel, const LaunchConfig& cfg, KernelArgs&& args) {
   launch(kernel, cfg, args.data());
 }
 
