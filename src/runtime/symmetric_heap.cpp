@@ -71,8 +71,9 @@ SymmetricHeap::SymmetricHeap(World& world, size_t capacity) : world_(world) {
   view_.lsa_size = world_.lsa_size();
   view_.size = capacity_;
   detail::fetch_lsa_bases(window_, view_.lsa_size, view_.lsa_bases);
-  TDIST_CHECK(view_.local_base() == base_, "NCCL maps this rank's window at ", static_cast<void*>(view_.local_base()),
-              ", not at the allocation ", base_);
+  // NCCL maps the window again, this rank's own memory included, in a range of its own; the local
+  // entry stays the caller-visible allocation, so that symm_at(ptr, rank) == ptr.
+  view_.lsa_bases[view_.lsa_rank] = static_cast<char*>(base_);
   free_blocks_[0] = capacity_;
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "gpu/harness.cuh"
+#include "tdist/runtime/kernel_loading.hpp"
 
 using namespace tdist;
 using namespace tdist::device;
@@ -271,7 +272,7 @@ void run_signal_cmp(Context& ctx, tdist::test::Suite& suite, const char* type) {
 
 }  // namespace
 
-int main() {
+int run_all() {
   World world;
   TDIST_CUDA_CHECK(configure_waits(world.rank(), 30.0));
   tdist::test::Suite suite(world);
@@ -279,8 +280,30 @@ int main() {
     std::printf("test_primitives needs at least 2 ranks (tdistrun -n 2)\n");
     return 2;
   }
+  // Waiters spin until kernels launched after them run: load all of them up front.
+  preload_kernels(receive_kernel, put_signal_kernel<Group::kThread>, put_signal_kernel<Group::kWarp>,
+                  put_signal_kernel<Group::kBlock>, wait_cmp_kernel<u32>, wait_cmp_kernel<u64>, signal_kernel<u32>,
+                  signal_kernel<u64>, wait_threads_kernel, raise_flags_kernel, barrier_kernel<true>,
+                  barrier_kernel<false>, gpu_scope_kernel, add_all_kernel);
   SymmetricHeap heap(world, 2 * (kMaxBytes + kSlack) + (64ull << 20));
   Context ctx{world, heap, heap.allocate_array<char>(kMaxBytes + kSlack), heap.allocate_array<char>(kMaxBytes + kSlack), {}};
+
+  suite.run("the data checker rejects a wrong seed, a shifted index and one flipped byte", [&] {
+    tdist::test::fill_pattern(ctx.dst, 4096, 1234);
+    ctx.counter.expect_pattern(ctx.dst, 4096, 1234, 0, "control");
+    auto must_fail = [&](auto&& check, const char* what) {
+      try {
+        check();
+      } catch (const tdist::Error&) {
+        return;
+      }
+      TDIST_FAIL("the checker accepted ", what);
+    };
+    must_fail([&] { ctx.counter.expect_pattern(ctx.dst, 4096, 1235, 0, "wrong seed"); }, "a wrong seed");
+    must_fail([&] { ctx.counter.expect_pattern(ctx.dst, 4096, 1234, 1, "shifted"); }, "a shifted index");
+    TDIST_CUDA_CHECK(cudaMemset(ctx.dst + 4000, tdist::test::pattern_byte(1234, 4000) ^ 0xFF, 1));
+    must_fail([&] { ctx.counter.expect_pattern(ctx.dst, 4096, 1234, 0, "flipped"); }, "a flipped byte");
+  });
 
   run_copy_sweep<Group::kThread>(ctx, suite);
   run_copy_sweep<Group::kWarp>(ctx, suite);
@@ -385,4 +408,13 @@ int main() {
   heap.free(ctx.dst);
   heap.free(ctx.src);
   return suite.finish();
+}
+
+int main() {
+  try {
+    return run_all();
+  } catch (const std::exception& e) {
+    std::printf("FAIL test_primitives stopped: %s\n", e.what());
+    return 1;
+  }
 }

@@ -35,7 +35,7 @@ size_t free_device_memory() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_all(int argc, char** argv) {
   const int heap_cycles = argc > 1 ? std::atoi(argv[1]) : 1000;
   World world;
   tdist::test::Suite suite(world);
@@ -209,4 +209,13 @@ int main(int argc, char** argv) {
   });
 
   return suite.finish();
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run_all(argc, argv);
+  } catch (const std::exception& e) {
+    std::printf("FAIL test_symmetric_heap stopped: %s\n", e.what());
+    return 1;
+  }
 }
