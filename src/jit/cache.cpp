@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <iostream>
 #include <thread>
 
 #include "detail.hpp"
@@ -221,7 +222,13 @@ void KernelCache::store(const std::shared_ptr<const CompiledKernel>& kernel) {
   }
   stores_++;
   if (dir_.empty()) return;
-  write_file_atomic(entry_path(kernel->key), serialize(*kernel), detail::join(dir_, "tmp"));
+  try {
+    write_file_atomic(entry_path(kernel->key), serialize(*kernel), detail::join(dir_, "tmp"));
+  } catch (const Error& e) {
+    // The kernel is compiled and in memory; a cache that cannot be written (read-only, full)
+    // only costs a recompile in the next process.
+    std::cerr << "[tdist.jit] warning: cannot write the cache entry: " << e.what() << std::endl;
+  }
 }
 
 void KernelCache::clear_memory() {

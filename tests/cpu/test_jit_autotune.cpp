@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <map>
+#include <filesystem>
 #include <string>
 
 #include "tdist/common/error.hpp"
@@ -21,7 +22,10 @@ struct TempDir {
     char t[] = "/tmp/tdist-jit-test-XXXXXX";
     path = mkdtemp(t);
   }
-  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
 };
 
 struct FakeTimer {

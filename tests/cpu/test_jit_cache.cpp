@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -26,7 +27,10 @@ struct TempDir {
     char t[] = "/tmp/tdist-jit-test-XXXXXX";
     path = mkdtemp(t);
   }
-  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
 };
 
 std::vector<std::string> list_dir(const std::string& dir) {

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <filesystem>
 #include <string>
 
 #include "tdist/common/error.hpp"
@@ -23,10 +24,13 @@ struct TempDir {
     char t[] = "/tmp/tdist-jit-test-XXXXXX";
     path = mkdtemp(t);
   }
-  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
   std::string file(const std::string& name) const { return path + "/" + name; }
   void write(const std::string& name, const std::string& text) const {
-    std::system(("mkdir -p \"$(dirname '" + file(name) + "')\"").c_str());
+    std::filesystem::create_directories(std::filesystem::path(file(name)).parent_path());
     std::ofstream(file(name)) << text;
   }
 };
