@@ -68,6 +68,18 @@ __global__ void put_signal_kernel(SymmetricHeapView heap, char* dst, const char*
   }
 }
 
+// Each thread puts its own chunk, completes it with quiet(), then raises its flag with a relaxed
+// store: the fence inside quiet() makes the store a release of the thread's puts.
+__global__ void put_quiet_flag_kernel(SymmetricHeapView heap, char* dst, const char* src, u64 bytes, u64 chunk,
+                                      u64* flags, u64 epoch, int peer) {
+  const u64 c = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x;
+  if (c * chunk >= bytes) return;
+  const u64 start = c * chunk, len = bytes - start < chunk ? bytes - start : chunk;
+  putmem_nbi_thread(heap, dst + start, src + start, len, peer);
+  quiet();
+  st_relaxed<Scope::kSystem>(heap.symm_at(flags + c, peer), epoch);
+}
+
 // Waits for each chunk's flag, then reads the chunk (through a token-dependent pointer) into `out`.
 __global__ void receive_kernel(const char* data, char* out, u64 bytes, u64 chunk, const u64* flags, u64 epoch) {
   const u64 num_chunks = (bytes + chunk - 1) / chunk;
@@ -230,6 +242,31 @@ void run_put_signal(Context& ctx, u64* flags, u64& epoch, char* out, tdist::test
   });
 }
 
+void run_put_quiet(Context& ctx, u64* flags, u64& epoch, char* out, tdist::test::Suite& suite) {
+  suite.run("putmem_nbi_thread + quiet + relaxed flag store: data visible after the flag", [&] {
+    cudaStream_t receiver, sender;
+    TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&receiver, cudaStreamNonBlocking));
+    TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&sender, cudaStreamNonBlocking));
+    const u64 bytes = (32ull << 20) + 3, chunk = (bytes / 2048) | 1, threads = 256;
+    const u64 blocks = ((bytes + chunk - 1) / chunk + threads - 1) / threads;
+    for (int round = 0; round < 3; ++round) {
+      ++epoch;
+      const auto seeds = tdist::test::all_gather_u64(ctx.world, "quiet seeds", tdist::test::fresh_seed(ctx.world.rank()));
+      tdist::test::fill_pattern(ctx.src, bytes, seeds[ctx.world.rank()]);
+      TDIST_CUDA_CHECK(cudaMemset(out, kPoison, bytes));
+      tdist::test::sync_all(ctx.world, "quiet ready");
+      receive_kernel<<<32, 256, 0, receiver>>>(ctx.dst, out, bytes, chunk, flags, epoch);
+      put_quiet_flag_kernel<<<blocks, threads, 0, sender>>>(ctx.heap.view(), ctx.dst, ctx.src, bytes, chunk, flags, epoch,
+                                                           ctx.next());
+      TDIST_CUDA_CHECK(cudaGetLastError());
+      tdist::test::sync_all(ctx.world, "quiet done");
+      ctx.counter.expect_pattern(out, bytes, seeds[ctx.prev()], 0, tdist::detail::concat("round ", round));
+    }
+    TDIST_CUDA_CHECK(cudaStreamDestroy(receiver));
+    TDIST_CUDA_CHECK(cudaStreamDestroy(sender));
+  });
+}
+
 template <typename T>
 void expect_wait(Context& ctx, T* flag, T* seen, T initial, T value, SignalOp op, Cmp cmp, T target, T expect_seen) {
   cudaStream_t waiter, signaler;
@@ -284,7 +321,7 @@ int run_all() {
   preload_kernels(receive_kernel, put_signal_kernel<Group::kThread>, put_signal_kernel<Group::kWarp>,
                   put_signal_kernel<Group::kBlock>, wait_cmp_kernel<u32>, wait_cmp_kernel<u64>, signal_kernel<u32>,
                   signal_kernel<u64>, wait_threads_kernel, raise_flags_kernel, barrier_kernel<true>,
-                  barrier_kernel<false>, gpu_scope_kernel, add_all_kernel);
+                  barrier_kernel<false>, gpu_scope_kernel, add_all_kernel, put_quiet_flag_kernel);
   SymmetricHeap heap(world, 2 * (kMaxBytes + kSlack) + (64ull << 20));
   Context ctx{world, heap, heap.allocate_array<char>(kMaxBytes + kSlack), heap.allocate_array<char>(kMaxBytes + kSlack), {}};
 
@@ -318,6 +355,7 @@ int run_all() {
     run_put_signal<Group::kThread>(ctx, flags, epoch, out, suite);
     run_put_signal<Group::kWarp>(ctx, flags, epoch, out, suite);
     run_put_signal<Group::kBlock>(ctx, flags, epoch, out, suite);
+    run_put_quiet(ctx, flags, epoch, out, suite);
     TDIST_CUDA_CHECK(cudaFree(out));
     heap.free(flags);
   }

@@ -54,6 +54,26 @@ int run_all(int argc, char** argv) {
     expect_error("rank 1=1", [&] { world.check_same_on_all_ranks("per-rank value", std::to_string(rank)); });
   });
 
+  suite.run("World around an existing communicator: host collectives through NCCL, a heap on it", [&] {
+    World wrapped(world.comm(), std::chrono::milliseconds(30000));
+    TDIST_CHECK(wrapped.rank() == rank && wrapped.world_size() == n && wrapped.device() == world.device(),
+                "wrapped world is rank ", wrapped.rank(), " of ", wrapped.world_size(), " on GPU ", wrapped.device());
+    const auto values = tdist::test::all_gather_u64(wrapped, "nccl path", 77 * rank + 5);
+    for (int r = 0; r < n; ++r) TDIST_CHECK(values[r] == 77ull * r + 5, "rank ", r, " sent ", values[r]);
+    expect_error("rank 0=0", [&] { wrapped.check_same_on_all_ranks("per-rank value", std::to_string(rank)); });
+    SymmetricHeap heap(wrapped, 4ull << 20);
+    char* p = heap.allocate_array<char>(1 << 20);
+    tdist::test::fill_pattern(p, 1 << 20, 900 + rank);
+    tdist::test::sync_all(wrapped, "filled");
+    char* copy;
+    TDIST_CUDA_CHECK(cudaMalloc(&copy, 1 << 20));
+    TDIST_CUDA_CHECK(cudaMemcpy(copy, heap.peer_ptr(p, next), 1 << 20, cudaMemcpyDeviceToDevice));
+    counter.expect_pattern(copy, 1 << 20, 900 + next, 0, "peer data through the wrapped world's heap");
+    TDIST_CUDA_CHECK(cudaFree(copy));
+    tdist::test::sync_all(wrapped, "read");
+    heap.free(p);
+  });
+
   {
     SymmetricHeap heap(world, 512ull << 20);
 
