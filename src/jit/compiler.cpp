@@ -196,6 +196,9 @@ Plan make_plan(const CompileRequest& req) {
   }
   if (!user_std) p.options.push_back("-std=c++20");
   if (detail::env_flag("TDIST_JIT_LINEINFO")) p.options.push_back("-lineinfo");
+  // One program per module under either compiler: the device API's per-module settings get
+  // external linkage, so the loader can find and write them.
+  p.options.push_back("-DTDIST_JIT_MODULE=1");
   for (const auto& d : req.defines) p.options.push_back("-D" + d);
   p.options.insert(p.options.end(), user.begin(), user.end());
 

@@ -10,6 +10,8 @@
 
 #include "detail.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/process.hpp"
+#include "tdist/device/timeout.cuh"
 
 namespace tdist::jit {
 namespace {
@@ -23,6 +25,9 @@ struct Driver {
   decltype(&::cuLibraryLoadData) LibraryLoadData = nullptr;
   decltype(&::cuLibraryUnload) LibraryUnload = nullptr;
   decltype(&::cuLibraryGetKernel) LibraryGetKernel = nullptr;
+  decltype(&::cuLibraryGetGlobal) LibraryGetGlobal = nullptr;
+  decltype(&::cuLibraryGetModule) LibraryGetModule = nullptr;
+  decltype(&::cuMemcpyHtoD) MemcpyHtoD = nullptr;
   decltype(&::cuKernelSetAttribute) KernelSetAttribute = nullptr;
   decltype(&::cuLaunchKernelEx) LaunchKernelEx = nullptr;
   decltype(&::cuDeviceGetName) DeviceGetName = nullptr;
@@ -51,6 +56,9 @@ const Driver& driver() {
     sym(d.LibraryLoadData, "cuLibraryLoadData");
     sym(d.LibraryUnload, "cuLibraryUnload");
     sym(d.LibraryGetKernel, "cuLibraryGetKernel");
+    sym(d.LibraryGetGlobal, "cuLibraryGetGlobal");
+    sym(d.LibraryGetModule, "cuLibraryGetModule");
+    sym(d.MemcpyHtoD, "cuMemcpyHtoD_v2");
     sym(d.KernelSetAttribute, "cuKernelSetAttribute");
     sym(d.LaunchKernelEx, "cuLaunchKernelEx");
     sym(d.DeviceGetName, "cuDeviceGetName");
@@ -133,6 +141,20 @@ std::shared_ptr<Module> Module::load(std::shared_ptr<const CompiledKernel> compi
                r == CUDA_ERROR_NO_BINARY_FOR_GPU ? " - it was compiled for another GPU architecture" : "");
   }
   m->library_ = lib;
+  // Load into the current context now, not lazily at the first launch: a kernel that waits on a
+  // later launch would otherwise deadlock against that launch's loading.
+  current_device();
+  CUmodule loaded = nullptr;
+  TDIST_JIT_CU(d.LibraryGetModule(&loaded, lib));
+  // Modules that include tdist's device API carry their own wait timeout and rank.
+  CUdeviceptr config_ptr = 0;
+  size_t config_bytes = 0;
+  if (d.LibraryGetGlobal(&config_ptr, &config_bytes, lib, device::kWaitConfigSymbol) == CUDA_SUCCESS) {
+    TDIST_CHECK(config_bytes == sizeof(device::WaitConfig), "module ", m->compiled_->file_name, " has a ",
+                device::kWaitConfigSymbol, " of ", config_bytes, " bytes, expected ", sizeof(device::WaitConfig));
+    const device::WaitConfig config = device::make_wait_config(process_rank(), device::wait_timeout_seconds_from_env());
+    TDIST_JIT_CU(d.MemcpyHtoD(config_ptr, &config, sizeof(config)));
+  }
   return m;
 }
 

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/process.hpp"
 
 namespace tdist {
 namespace {
@@ -89,6 +90,7 @@ World::~World() {
 }
 
 void World::init_from_comm() {
+  set_process_rank(rank_);
   const ncclTeam_t lsa = ncclTeamLsa(comm_);
   lsa_rank_ = lsa.rank;
   lsa_size_ = lsa.nRanks;

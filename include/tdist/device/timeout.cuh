@@ -3,7 +3,7 @@
 // signal ends the kernel with a diagnostic instead of hanging the job.
 //
 // The timeout and the rank printed live in `tdist_device_config`, one copy per compiled module
-// (per translation unit under nvcc without -rdc, per program under NVRTC). Time is read from
+// (per translation unit under nvcc without -rdc, per program under the JIT). Time is read from
 // %globaltimer, which counts real nanoseconds whatever the SM clock, so no clock-rate conversion
 // is needed. The host sets the value at run time, without recompiling:
 //   - nvcc-compiled code: tdist::device::configure_waits(rank, seconds) from a host function of
@@ -23,10 +23,15 @@ struct WaitConfig {
 
 constexpr double kDefaultWaitTimeoutSeconds = 60.0;
 
+// Name of the per-module WaitConfig variable, for loaders that write it (the JIT).
+constexpr const char* kWaitConfigSymbol = "tdist_device_config";
+
 }  // namespace tdist::device
 
-#if defined(__CUDACC_RTC__)
-// One program per module: external linkage lets the JIT find the symbol by its plain name.
+#if defined(__CUDACC__)
+#if defined(__CUDACC_RTC__) || defined(TDIST_JIT_MODULE)
+// One program per module (NVRTC, or nvcc under the JIT): external linkage lets the JIT find the
+// symbol by its plain name.
 extern "C" __device__ tdist::device::WaitConfig tdist_device_config;
 __device__ tdist::device::WaitConfig tdist_device_config = {
     static_cast<tdist::device::u64>(tdist::device::kDefaultWaitTimeoutSeconds * 1e9), -1};
@@ -34,7 +39,7 @@ __device__ tdist::device::WaitConfig tdist_device_config = {
 // Internal linkage: each translation unit (each module without -rdc) owns its copy.
 static __device__ tdist::device::WaitConfig tdist_device_config = {
     static_cast<tdist::device::u64>(tdist::device::kDefaultWaitTimeoutSeconds * 1e9), -1};
-#endif
+#endif  // __CUDACC_RTC__
 
 namespace tdist::device {
 
@@ -73,6 +78,7 @@ __device__ __noinline__ inline void wait_timed_out(const char* what, const void*
 }
 
 }  // namespace tdist::device
+#endif  // __CUDACC__
 
 #if !defined(__CUDACC_RTC__)
 #include <cuda_runtime_api.h>
@@ -94,12 +100,18 @@ inline double wait_timeout_seconds_from_env() {
   return v;
 }
 
+inline WaitConfig make_wait_config(int rank, double timeout_seconds) {
+  return WaitConfig{static_cast<u64>(timeout_seconds * 1e9), rank};
+}
+
+#if defined(__CUDACC__)
 // Sets the wait timeout and the rank printed by this translation unit's kernels. Call it from the
 // same .cu file as the kernels, after selecting the device. Returns the CUDA status.
 static inline cudaError_t configure_waits(int rank, double timeout_seconds = wait_timeout_seconds_from_env()) {
-  WaitConfig config{static_cast<u64>(timeout_seconds * 1e9), rank};
+  const WaitConfig config = make_wait_config(rank, timeout_seconds);
   return cudaMemcpyToSymbol(tdist_device_config, &config, sizeof(config));
 }
+#endif
 
 }  // namespace tdist::device
 #endif
