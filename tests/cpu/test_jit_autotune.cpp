@@ -1,6 +1,7 @@
 // Autotuner without a GPU: a fake timer stands in for CUDA events. The winner is stored, then
 // reused by a new tuner without timing; another shape class, GPU or candidate set re-tunes;
 // the reduce hook makes ranks agree.
+#include "cpu/temp_dir.hpp"
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -16,17 +17,7 @@ namespace jit = tdist::jit;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char t[] = "/tmp/tdist-jit-test-XXXXXX";
-    path = mkdtemp(t);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
+using tdist::test::TempDir;
 
 struct FakeTimer {
   std::map<std::string, double> ms;  // per config name

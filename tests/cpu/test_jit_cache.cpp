@@ -1,5 +1,6 @@
 // The two-level kernel cache: memory and disk hits, a fresh process reading the disk entry,
 // corrupt entries recompiled, and six processes compiling one kernel into an empty cache.
+#include "cpu/temp_dir.hpp"
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -21,17 +22,7 @@ namespace jit = tdist::jit;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char t[] = "/tmp/tdist-jit-test-XXXXXX";
-    path = mkdtemp(t);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
+using tdist::test::TempDir;
 
 std::vector<std::string> list_dir(const std::string& dir) {
   std::vector<std::string> out;

@@ -1,6 +1,7 @@
 // Compiling for sm_90a without a GPU, through NVRTC and nvcc: CUBIN output, lowered names,
 // constants, compile errors that point at the user's file and line, spill detection, NCCL
 // routing, and what does (and does not) change the cache key.
+#include "cpu/temp_dir.hpp"
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -18,22 +19,7 @@ namespace jit = tdist::jit;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char t[] = "/tmp/tdist-jit-test-XXXXXX";
-    path = mkdtemp(t);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-  void write(const std::string& name, const std::string& text) const {
-    std::filesystem::create_directories(std::filesystem::path(file(name)).parent_path());
-    std::ofstream(file(name)) << text;
-  }
-};
+using tdist::test::TempDir;
 
 const char* kTemplateKernel = R"(#include "param.cuh"
 template <int N, typename T>

@@ -1,6 +1,7 @@
 // JIT on a real GPU: compile for the current GPU, load, launch (dynamic shared memory above
 // 48 KiB, clusters, programmatic dependent launch), and autotune with CUDA events. Every test
 // skips where no GPU driver is present (CI), and runs on the GPU machines.
+#include "cpu/temp_dir.hpp"
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -34,17 +35,7 @@ bool have_gpu() {
 
 #define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char t[] = "/tmp/tdist-jit-test-XXXXXX";
-    path = mkdtemp(t);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
+using tdist::test::TempDir;
 
 const char* kKernels = R"(
 template <int kScale>

@@ -1,5 +1,6 @@
 // tdist-compile fills a cache for sm_90a from a manifest (and from the library's registry);
 // manifest parsing; the argument packer; launch paths fail cleanly without a GPU driver.
+#include "cpu/temp_dir.hpp"
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -19,22 +20,7 @@ namespace jit = tdist::jit;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char t[] = "/tmp/tdist-jit-test-XXXXXX";
-    path = mkdtemp(t);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-  void write(const std::string& name, const std::string& text) const {
-    std::filesystem::create_directories(std::filesystem::path(file(name)).parent_path());
-    std::ofstream(file(name)) << text;
-  }
-};
+using tdist::test::TempDir;
 
 std::string run(const std::string& cmd, int& code) {
   std::string out;
