@@ -1,7 +1,6 @@
 // Autotuner without a GPU: a fake timer stands in for CUDA events. The winner is stored, then
 // reused by a new tuner without timing; another shape class, GPU or candidate set re-tunes;
 // the reduce hook makes ranks agree.
-#include "cpu/temp_dir.hpp"
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -10,6 +9,7 @@
 #include <filesystem>
 #include <string>
 
+#include "cpu/temp_dir.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/autotune.hpp"
 

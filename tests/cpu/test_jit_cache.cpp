@@ -1,6 +1,5 @@
 // The two-level kernel cache: memory and disk hits, a fresh process reading the disk entry,
 // corrupt entries recompiled, and six processes compiling one kernel into an empty cache.
-#include "cpu/temp_dir.hpp"
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -14,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/temp_dir.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"

@@ -1,7 +1,6 @@
 // Compiling for sm_90a without a GPU, through NVRTC and nvcc: CUBIN output, lowered names,
 // constants, compile errors that point at the user's file and line, spill detection, NCCL
 // routing, and what does (and does not) change the cache key.
-#include "cpu/temp_dir.hpp"
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -10,6 +9,7 @@
 #include <filesystem>
 #include <string>
 
+#include "cpu/temp_dir.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"

@@ -1,7 +1,6 @@
 // JIT on a real GPU: compile for the current GPU, load, launch (dynamic shared memory above
 // 48 KiB, clusters, programmatic dependent launch), and autotune with CUDA events. Every test
 // skips where no GPU driver is present (CI), and runs on the GPU machines.
-#include "cpu/temp_dir.hpp"
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -10,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/temp_dir.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/autotune.hpp"
 #include "tdist/jit/cache.hpp"

@@ -1,6 +1,5 @@
 // tdist-compile fills a cache for sm_90a from a manifest (and from the library's registry);
 // manifest parsing; the argument packer; launch paths fail cleanly without a GPU driver.
-#include "cpu/temp_dir.hpp"
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -9,6 +8,7 @@
 #include <filesystem>
 #include <string>
 
+#include "cpu/temp_dir.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"
