@@ -110,9 +110,9 @@ CUdevice current_device() {
 }  // namespace
 
 void KernelArgs::add_bytes(const void* data, std::size_t size, std::size_t align) {
-  if (align == 0 || align > alignof(std::max_align_t)) align = alignof(std::max_align_t);
+  if (align == 0 || align > kMaxAlign) align = kMaxAlign;
   std::size_t off = (used_ + align - 1) / align * align;
-  std::size_t need = (off + size + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t);
+  std::size_t need = (off + size + sizeof(Slot) - 1) / sizeof(Slot);
   if (need > storage_.size()) storage_.resize(std::max(need, storage_.size() * 2));
   std::memcpy(reinterpret_cast<char*>(storage_.data()) + off, data, size);
   used_ = off + size;

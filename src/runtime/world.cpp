@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl_device.h>  // ncclTeamLsa (host part of the device API)
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -106,6 +107,22 @@ void World::barrier(const std::string& tag) {
   ++collective_count_;
   if (store_) return store_->barrier(detail::concat("tdist/barrier/", collective_count_, "/", tag));
   all_gather_nccl({});
+}
+
+std::vector<double> World::max_across_ranks(const std::string& tag, const std::vector<double>& values) {
+  const auto* p = reinterpret_cast<const uint8_t*>(values.data());
+  const auto all = all_gather(tag, Bytes(p, p + values.size() * sizeof(double)));
+  std::vector<double> result = values;
+  for (size_t r = 0; r < all.size(); ++r) {
+    TDIST_CHECK(all[r].size() == values.size() * sizeof(double), "max_across_ranks('", tag, "'): rank ", r, " sent ",
+                all[r].size() / sizeof(double), " values, this rank ", values.size());
+    for (size_t i = 0; i < values.size(); ++i) {
+      double v;
+      std::memcpy(&v, all[r].data() + i * sizeof(double), sizeof(double));
+      result[i] = std::max(result[i], v);
+    }
+  }
+  return result;
 }
 
 void World::check_same_on_all_ranks(const std::string& what, const std::string& value) {

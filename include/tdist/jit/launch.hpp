@@ -38,12 +38,19 @@ class KernelArgs {
     return *this;
   }
   void add_bytes(const void* data, std::size_t size, std::size_t align);
+  // Widest alignment a kernel parameter needs (float4, double2, ...).
+  static constexpr std::size_t kMaxAlign = 16;
   // The void** array; valid until the next add().
   void** data();
   std::size_t size() const { return offsets_.size(); }
 
  private:
-  std::vector<std::max_align_t> storage_;
+  // Raw 16-byte-aligned storage: std::vector<std::max_align_t> makes nvcc 13's front end fail
+  // with an internal error in CUDA translation units that include this header.
+  struct alignas(kMaxAlign) Slot {
+    unsigned char bytes[kMaxAlign];
+  };
+  std::vector<Slot> storage_;
   std::size_t used_ = 0;
   std::vector<std::size_t> offsets_;
   std::vector<void*> pointers_;

@@ -54,6 +54,10 @@ class World {
   std::vector<Bytes> all_gather(const std::string& tag, const Bytes& mine);
   void barrier(const std::string& tag);
 
+  // Element-wise maximum over the ranks (every rank passes a vector of the same size), e.g. the
+  // reduce hook of tdist::jit::Autotuner, so that all ranks pick the same winner.
+  std::vector<double> max_across_ranks(const std::string& tag, const std::vector<double>& values);
+
   // Throws tdist::Error naming `what` and each rank's value when the ranks disagree.
   void check_same_on_all_ranks(const std::string& what, const std::string& value);
 
