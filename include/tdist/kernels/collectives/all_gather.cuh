@@ -1,0 +1,38 @@
+// AllGather on SMs (pull). out[r * B, (r + 1) * B) = rank r's input of B bytes (p.count = B).
+//
+// Block b of every rank owns the same byte range R_b of each rank's input:
+//   1. copy in[R_b] into this rank's workspace slot (skipped when p.zero_copy: peers read `in`),
+//      and into out[me * B + R_b];
+//   2. exchange phase 0 with block b of every peer;
+//   3. read R_b of every peer's slot (or input) over NVLink into out[peer * B + R_b];
+//   4. zero copy only: exchange phase 1, so no peer is still reading `in` when the call returns.
+// The copy-engine variants (push and pull) run on the host side (src/ops/collectives.cpp) with the
+// stream barrier of barrier.cuh between their phases.
+#pragma once
+
+#include "tdist/kernels/collectives/common.cuh"
+
+namespace tdist::kernels::coll {
+
+__global__ void __launch_bounds__(kThreads, 1) tdist_ag_sm(CollParams p) {
+  const u64 e = begin_call(p.epoch);
+  const int n = p.heap.num_ranks, me = p.heap.rank;
+  const u64 B = p.count;
+  u64 lo, hi;
+  block_range(B, blockIdx.x, gridDim.x, 16, lo, hi);
+  char* slot = slot_of(p, e);
+  const char* in = static_cast<const char*>(p.in);
+  char* out = static_cast<char*>(p.out);
+  const char* src = p.zero_copy ? in : slot;
+  if (!p.zero_copy) block_copy(slot + lo, in + lo, hi - lo);
+  block_copy(out + me * B + lo, in + lo, hi - lo);
+  exchange(p, 0, e);
+  for (int k = 1; k < n; ++k) {
+    const int peer = (me + k) % n;  // staggered, so ranks do not all read one peer at once
+    tdist::device::detail::group_copy<BlockGroup>(out + peer * B + lo, p.heap.symm_at(src, peer) + lo, hi - lo);
+  }
+  if (p.zero_copy) exchange(p, 1, e);
+  end_call(p.epoch, e);
+}
+
+}  // namespace tdist::kernels::coll

@@ -1,0 +1,105 @@
+// tdist::Collectives: AllGather, ReduceScatter, AllReduce and a stream barrier over the ranks of one
+// NVLink domain (the LSA team), on symmetric memory. docs/collectives.md has the protocols, the
+// methods and how the automatic choice is made.
+//
+//   tdist::World world;
+//   tdist::SymmetricHeap heap(world, 4ull << 30);
+//   tdist::Collectives coll(world, heap, 256 << 20);   // collective; owns workspace and flags
+//   coll.all_reduce(d_in, d_out, count, tdist::DType::kBFloat16, stream);          // method by size
+//   coll.all_gather(d_in, d_out, count_per_rank, tdist::DType::kFloat16, stream, tdist::AllGatherMethod::kCePush);
+//
+// Every call is stream-ordered, does no host synchronisation and can be captured in a CUDA graph
+// (the call count that orders the flags lives in device memory). Every rank must make the same
+// sequence of calls (same op, count, dtype and method) on streams ordered the same way; calls of
+// one context must not run concurrently on two streams.
+//
+// Buffers: ordinary device memory works for every method (staged through the context's workspace
+// inside the kernel). When `in` (or `out`) lies in `heap` it is used in place (zero copy), and must
+// then be the same symmetric buffer on every rank. In place: all_reduce(in == out),
+// all_gather(in == out + rank * count), reduce_scatter(out == in + rank * count).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "tdist/jit/launch.hpp"
+#include "tdist/kernels/collectives/common.cuh"
+#include "tdist/ops/collective_select.hpp"
+#include "tdist/runtime/symmetric_heap.hpp"
+#include "tdist/runtime/world.hpp"
+
+namespace tdist {
+
+struct CollectivesOptions {
+  // Low-latency payload per rank (bytes); LL is used up to this size.
+  size_t ll_bytes = 256 * 1024;
+  // Blocks of the SM kernels at most; 0: the GPU's SM count.
+  int max_blocks = 0;
+};
+
+class Collectives {
+ public:
+  // Collective over `world`. `max_bytes`: the largest buffer an op stages (AllReduce buffer,
+  // AllGather output, ReduceScatter input); allocates 2 * max_bytes of workspace from `heap`, plus
+  // flags, barrier pads and the LL buffer. Compiles (or loads from the JIT cache) every kernel.
+  Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, const CollectivesOptions& options = {});
+  ~Collectives();
+  Collectives(const Collectives&) = delete;
+  Collectives& operator=(const Collectives&) = delete;
+
+  // out[i] = sum over ranks of in[i], count elements; fp32 accumulation.
+  void all_reduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                  AllReduceMethod method = AllReduceMethod::kAuto);
+  // out[r * count, +count) = rank r's in[0, count).
+  void all_gather(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                  AllGatherMethod method = AllGatherMethod::kAuto);
+  // out[0, count) = sum over ranks of their in[rank * count, +count); in holds world_size * count.
+  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                      ReduceScatterMethod method = ReduceScatterMethod::kAuto);
+  // Work after it on `stream` (on every rank) starts after work before it on every rank's stream.
+  void barrier(cudaStream_t stream);
+
+  // The method a call with these arguments would run (resolves auto and the environment override;
+  // throws as the call would on an infeasible explicit method).
+  AllReduceMethod all_reduce_method(const void* in, void* out, size_t count, DType dtype,
+                                    AllReduceMethod method = AllReduceMethod::kAuto) const;
+  AllGatherMethod all_gather_method(const void* in, void* out, size_t count, DType dtype,
+                                    AllGatherMethod method = AllGatherMethod::kAuto) const;
+  ReduceScatterMethod reduce_scatter_method(const void* in, void* out, size_t count, DType dtype,
+                                            ReduceScatterMethod method = ReduceScatterMethod::kAuto) const;
+
+  size_t max_bytes() const { return max_bytes_; }
+  CollectiveLimits limits() const { return {max_bytes_, ll_bytes_}; }
+  World& world() const { return world_; }
+  SymmetricHeap& heap() const { return heap_; }
+
+ private:
+  struct Kernels;
+  CollectiveShape shape(size_t bytes, DType dtype, const void* in, size_t in_bytes, const void* out,
+                        size_t out_bytes, size_t stride_bytes) const;
+  kernels::coll::CollParams params(const void* in, void* out, size_t count, bool zero_copy, bool vec) const;
+  void launch(const jit::Kernel& k, unsigned blocks, const kernels::coll::CollParams& p, cudaStream_t stream);
+  void ce_barrier(cudaStream_t stream);
+  unsigned blocks_for(size_t bytes, size_t per_block) const;
+
+  World& world_;
+  SymmetricHeap& heap_;
+  size_t max_bytes_;
+  size_t ll_bytes_;
+  int max_blocks_;
+  char* workspace_ = nullptr;            // 2 slots of max_bytes_
+  device::u64* flags_ = nullptr;         // kPhases x max_blocks x world_size
+  device::u64* barrier_pads_ = nullptr;  // [0]: barrier(), [1]: copy-engine phases
+  char* ll_ = nullptr;                   // 2 x world_size x ll_words
+  kernels::coll::EpochState* epoch_ = nullptr;  // ordinary device memory
+  std::unique_ptr<Kernels> kernels_;
+};
+
+// JIT compile requests of every collective kernel (registered for tdist-compile --all).
+std::vector<jit::CompileRequest> collective_compile_requests();
+
+}  // namespace tdist

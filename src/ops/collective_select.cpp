@@ -1,0 +1,285 @@
+// Method choice and argument checks of the collectives (pure host code; docs/collectives.md).
+#include "tdist/ops/collective_select.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdint>
+
+#include "tdist/common/error.hpp"
+
+namespace tdist {
+namespace {
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+constexpr size_t KiB = 1024, MiB = 1024 * 1024;
+
+// Thresholds measured against BASELINES.md (2 x H200): small AllReduce through NCCL costs ~21 us per
+// op in a graph up to 256 KB, symm_mem's one_shot wins up to ~64 KB and its two_shot above. Larger
+// teams read (n - 1) copies in one-shot and LL, so their windows shrink with n.
+size_t ar_ll_max(int n) { return n <= 2 ? 64 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
+size_t ar_one_shot_max(int n) { return n <= 2 ? 256 * KiB : n <= 4 ? 128 * KiB : 64 * KiB; }
+size_t ag_ll_max_per_rank(int n) { return n <= 2 ? 32 * KiB : 16 * KiB; }
+// From this total size on, a copy-engine AllGather (no SMs, 390 GB/s per direction) beats the SM
+// pull when it needs no staging copy (the caller's symmetric buffer is the output or the input).
+constexpr size_t kAgCeMin = 64 * MiB;
+
+std::string infeasible_reason(const char* method, const char* op, const CollectiveShape& s, size_t need, size_t have,
+                              const char* what) {
+  return detail::concat(method, " cannot run this ", op, " of ", s.bytes, " bytes: it needs ", need, " bytes of ",
+                        what, " and the context has ", have,
+                        " (create the Collectives context with a larger max_bytes, or use method nccl)");
+}
+
+}  // namespace
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat16: return 2;
+    case DType::kBFloat16: return 2;
+  }
+  TDIST_FAIL("invalid argument 'dtype': ", static_cast<int>(dtype), " is not a DType (float32, float16, bfloat16)");
+}
+
+const char* to_string(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "f32";
+    case DType::kFloat16: return "f16";
+    case DType::kBFloat16: return "bf16";
+  }
+  return "invalid";
+}
+
+DType parse_dtype(const std::string& text) {
+  const std::string s = lower(text);
+  if (s == "f32" || s == "fp32" || s == "float32" || s == "float") return DType::kFloat32;
+  if (s == "f16" || s == "fp16" || s == "float16" || s == "half") return DType::kFloat16;
+  if (s == "bf16" || s == "bfloat16") return DType::kBFloat16;
+  TDIST_FAIL("invalid argument 'dtype': '", text, "' (expected bf16, f16 or f32)");
+}
+
+const char* kernel_type_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "float";
+    case DType::kFloat16: return "__half";
+    case DType::kBFloat16: return "__nv_bfloat16";
+  }
+  check_dtype(dtype);
+  return "";
+}
+
+const char* to_string(AllReduceMethod m) {
+  switch (m) {
+    case AllReduceMethod::kAuto: return "auto";
+    case AllReduceMethod::kOneShot: return "one_shot";
+    case AllReduceMethod::kTwoShot: return "two_shot";
+    case AllReduceMethod::kLowLatency: return "ll";
+    case AllReduceMethod::kNccl: return "nccl";
+  }
+  return "invalid";
+}
+
+const char* to_string(AllGatherMethod m) {
+  switch (m) {
+    case AllGatherMethod::kAuto: return "auto";
+    case AllGatherMethod::kSm: return "sm";
+    case AllGatherMethod::kCePush: return "ce_push";
+    case AllGatherMethod::kCePull: return "ce_pull";
+    case AllGatherMethod::kLowLatency: return "ll";
+    case AllGatherMethod::kNccl: return "nccl";
+  }
+  return "invalid";
+}
+
+const char* to_string(ReduceScatterMethod m) {
+  switch (m) {
+    case ReduceScatterMethod::kAuto: return "auto";
+    case ReduceScatterMethod::kFused: return "fused";
+    case ReduceScatterMethod::kCe: return "ce";
+    case ReduceScatterMethod::kNccl: return "nccl";
+  }
+  return "invalid";
+}
+
+AllReduceMethod parse_all_reduce_method(const std::string& text, const std::string& what) {
+  const std::string s = lower(text);
+  for (auto m : {AllReduceMethod::kAuto, AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot,
+                 AllReduceMethod::kLowLatency, AllReduceMethod::kNccl})
+    if (s == to_string(m)) return m;
+  TDIST_FAIL("invalid ", what, " '", text, "' for all_reduce (expected auto, one_shot, two_shot, ll or nccl)");
+}
+
+AllGatherMethod parse_all_gather_method(const std::string& text, const std::string& what) {
+  const std::string s = lower(text);
+  for (auto m : {AllGatherMethod::kAuto, AllGatherMethod::kSm, AllGatherMethod::kCePush, AllGatherMethod::kCePull,
+                 AllGatherMethod::kLowLatency, AllGatherMethod::kNccl})
+    if (s == to_string(m)) return m;
+  TDIST_FAIL("invalid ", what, " '", text, "' for all_gather (expected auto, sm, ce_push, ce_pull, ll or nccl)");
+}
+
+ReduceScatterMethod parse_reduce_scatter_method(const std::string& text, const std::string& what) {
+  const std::string s = lower(text);
+  for (auto m : {ReduceScatterMethod::kAuto, ReduceScatterMethod::kFused, ReduceScatterMethod::kCe,
+                 ReduceScatterMethod::kNccl})
+    if (s == to_string(m)) return m;
+  TDIST_FAIL("invalid ", what, " '", text, "' for reduce_scatter (expected auto, fused, ce or nccl)");
+}
+
+bool feasible(AllReduceMethod m, const CollectiveShape& s, const CollectiveLimits& l) {
+  switch (m) {
+    case AllReduceMethod::kLowLatency: return s.bytes <= l.ll_bytes;
+    case AllReduceMethod::kOneShot:
+    case AllReduceMethod::kTwoShot: return s.bytes <= l.workspace_bytes;
+    default: return true;
+  }
+}
+
+bool feasible(AllGatherMethod m, const CollectiveShape& s, const CollectiveLimits& l) {
+  const size_t per_rank = s.bytes / std::max(1, s.world_size);
+  switch (m) {
+    case AllGatherMethod::kLowLatency: return per_rank <= l.ll_bytes;
+    case AllGatherMethod::kSm:
+    case AllGatherMethod::kCePull: return s.in_symmetric || per_rank <= l.workspace_bytes;
+    case AllGatherMethod::kCePush: return s.out_symmetric || s.bytes <= l.workspace_bytes;
+    default: return true;
+  }
+}
+
+bool feasible(ReduceScatterMethod m, const CollectiveShape& s, const CollectiveLimits& l) {
+  switch (m) {
+    case ReduceScatterMethod::kFused: return s.in_symmetric || s.bytes <= l.workspace_bytes;
+    case ReduceScatterMethod::kCe: return s.bytes <= l.workspace_bytes;
+    default: return true;
+  }
+}
+
+AllReduceMethod select_all_reduce(const CollectiveShape& s, const CollectiveLimits& l) {
+  const int n = s.world_size;
+  if (n <= 1) return AllReduceMethod::kNccl;
+  if (s.bytes <= ar_ll_max(n) && feasible(AllReduceMethod::kLowLatency, s, l)) return AllReduceMethod::kLowLatency;
+  if (s.bytes <= ar_one_shot_max(n) && feasible(AllReduceMethod::kOneShot, s, l)) return AllReduceMethod::kOneShot;
+  if (feasible(AllReduceMethod::kTwoShot, s, l)) return AllReduceMethod::kTwoShot;
+  return AllReduceMethod::kNccl;
+}
+
+AllGatherMethod select_all_gather(const CollectiveShape& s, const CollectiveLimits& l) {
+  const int n = s.world_size;
+  if (n <= 1) return AllGatherMethod::kNccl;
+  const size_t per_rank = s.bytes / n;
+  if (per_rank <= ag_ll_max_per_rank(n) && feasible(AllGatherMethod::kLowLatency, s, l))
+    return AllGatherMethod::kLowLatency;
+  if (s.bytes >= kAgCeMin) {
+    if (s.out_symmetric) return AllGatherMethod::kCePush;
+    if (s.in_symmetric) return AllGatherMethod::kCePull;
+  }
+  if (feasible(AllGatherMethod::kSm, s, l)) return AllGatherMethod::kSm;
+  return AllGatherMethod::kNccl;
+}
+
+ReduceScatterMethod select_reduce_scatter(const CollectiveShape& s, const CollectiveLimits& l) {
+  if (s.world_size <= 1) return ReduceScatterMethod::kNccl;
+  if (feasible(ReduceScatterMethod::kFused, s, l)) return ReduceScatterMethod::kFused;
+  return ReduceScatterMethod::kNccl;
+}
+
+namespace {
+
+template <typename M, typename Parse, typename Select, typename Explain>
+M resolve(M requested, const char* env_name, const char* env_value, const CollectiveShape& s,
+          const CollectiveLimits& l, Parse parse, Select select, Explain explain) {
+  std::string what = "argument 'method'";
+  M m = requested;
+  if (m == M::kAuto && env_value != nullptr && *env_value != '\0') {
+    what = detail::concat("environment variable ", env_name);
+    m = parse(env_value, what);
+  }
+  if (m == M::kAuto) return select(s, l);
+  if (!feasible(m, s, l)) TDIST_FAIL("invalid ", what, ": ", explain(m));
+  return m;
+}
+
+}  // namespace
+
+AllReduceMethod resolve_all_reduce(AllReduceMethod requested, const char* env_value, const CollectiveShape& s,
+                                   const CollectiveLimits& l) {
+  return resolve(requested, kAllReduceMethodEnv, env_value, s, l, parse_all_reduce_method, select_all_reduce,
+                 [&](AllReduceMethod m) {
+                   return m == AllReduceMethod::kLowLatency
+                              ? infeasible_reason("ll", "all_reduce", s, s.bytes, l.ll_bytes, "low-latency buffer")
+                              : infeasible_reason(to_string(m), "all_reduce", s, s.bytes, l.workspace_bytes,
+                                                  "workspace");
+                 });
+}
+
+AllGatherMethod resolve_all_gather(AllGatherMethod requested, const char* env_value, const CollectiveShape& s,
+                                   const CollectiveLimits& l) {
+  const size_t per_rank = s.bytes / std::max(1, s.world_size);
+  return resolve(requested, kAllGatherMethodEnv, env_value, s, l, parse_all_gather_method, select_all_gather,
+                 [&](AllGatherMethod m) {
+                   if (m == AllGatherMethod::kLowLatency)
+                     return infeasible_reason("ll", "all_gather", s, per_rank, l.ll_bytes, "low-latency buffer per rank");
+                   if (m == AllGatherMethod::kCePush)
+                     return infeasible_reason("ce_push", "all_gather", s, s.bytes, l.workspace_bytes, "workspace");
+                   return infeasible_reason(to_string(m), "all_gather", s, per_rank, l.workspace_bytes, "workspace");
+                 });
+}
+
+ReduceScatterMethod resolve_reduce_scatter(ReduceScatterMethod requested, const char* env_value,
+                                           const CollectiveShape& s, const CollectiveLimits& l) {
+  return resolve(requested, kReduceScatterMethodEnv, env_value, s, l, parse_reduce_scatter_method,
+                 select_reduce_scatter, [&](ReduceScatterMethod m) {
+                   return infeasible_reason(to_string(m), "reduce_scatter", s, s.bytes, l.workspace_bytes, "workspace");
+                 });
+}
+
+void check_dtype(DType dtype) {
+  const int v = static_cast<int>(dtype);
+  TDIST_CHECK_ARG(v >= 0 && v <= static_cast<int>(DType::kBFloat16), "dtype", v,
+                  " is not a supported type (bf16, f16, f32)");
+}
+
+void check_count(const char* op, size_t count) {
+  TDIST_CHECK_ARG(count > 0, "count", op, " needs at least one element");
+  TDIST_CHECK_ARG(count <= (SIZE_MAX >> 8), "count", op, ": ", count, " elements is not a plausible size");
+}
+
+void check_buffers(const char* op, const void* in, size_t in_bytes, const void* out, size_t out_bytes,
+                   const void* in_place_in) {
+  TDIST_CHECK_ARG(in != nullptr, "in", op, ": null input");
+  TDIST_CHECK_ARG(out != nullptr, "out", op, ": null output");
+  if (in == in_place_in) return;
+  const auto a = reinterpret_cast<uintptr_t>(in), b = reinterpret_cast<uintptr_t>(out);
+  const bool overlap = a < b + out_bytes && b < a + in_bytes;
+  TDIST_CHECK_ARG(!overlap, "out", op, ": the output [", out, ", +", out_bytes, ") overlaps the input [", in, ", +",
+                  in_bytes, ") other than in the in-place layout (input at ", in_place_in, ")");
+}
+
+size_t reduce_scatter_recv_count(size_t total_count, int world_size) {
+  TDIST_CHECK_ARG(world_size > 0, "world_size", "must be positive, got ", world_size);
+  TDIST_CHECK_ARG(total_count % static_cast<size_t>(world_size) == 0, "count", "reduce_scatter input of ",
+                  total_count, " elements does not divide into ", world_size, " equal slices");
+  return total_count / static_cast<size_t>(world_size);
+}
+
+bool check_symmetric_range(const char* what, const void* p, size_t bytes, const void* heap_base, size_t heap_size) {
+  const auto a = reinterpret_cast<uintptr_t>(p), base = reinterpret_cast<uintptr_t>(heap_base);
+  const bool starts_inside = a >= base && a < base + heap_size;
+  if (!starts_inside) {
+    if (a < base && a + bytes > base)
+      detail::throw_at(__FILE__, __LINE__, "invalid argument '", what, "': the buffer [", p, ", +", bytes,
+                       ") runs into the symmetric heap; pass a buffer wholly inside or wholly outside it");
+    return false;
+  }
+  if (a + bytes > base + heap_size) {
+    detail::throw_at(__FILE__, __LINE__, "invalid argument '", what, "': the buffer [", p, ", +", bytes,
+                     ") starts inside the symmetric heap but runs ", a + bytes - (base + heap_size),
+                     " bytes past its end");
+  }
+  return true;
+}
+
+}  // namespace tdist

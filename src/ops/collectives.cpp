@@ -1,0 +1,346 @@
+// Host side of tdist::Collectives: buffers, kernel loading, method resolution and launches.
+// Protocols and the CUDA-graph argument: include/tdist/kernels/collectives/*.cuh and
+// docs/collectives.md.
+#include "tdist/ops/collectives.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/jit/compiler.hpp"
+#include "tdist/jit/registry.hpp"
+
+namespace tdist {
+
+using kernels::coll::CollParams;
+using kernels::coll::EpochState;
+
+namespace {
+
+constexpr const char* kNs = "tdist::kernels::coll::";
+constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
+
+std::string instance(const char* kernel, DType t) {
+  return detail::concat(kNs, kernel, "<", kernel_type_name(t), ">");
+}
+
+jit::CompileRequest family(const char* header, const char* file_name, std::vector<std::string> names) {
+  jit::CompileRequest r;
+  r.source = detail::concat("#include \"tdist/kernels/collectives/", header, "\"\n");
+  r.file_name = file_name;
+  r.name_expressions = std::move(names);
+  return r;
+}
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kFloat16: return ncclFloat16;
+    case DType::kBFloat16: return ncclBfloat16;
+  }
+  check_dtype(t);
+  return ncclFloat32;
+}
+
+// barrier_pad_words(n) of tdist/device/barrier.cuh, which only CUDA code can include.
+size_t barrier_pad_words(int n) { return static_cast<size_t>(n) + 2; }
+
+size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+}  // namespace
+
+std::vector<jit::CompileRequest> collective_compile_requests() {
+  std::vector<std::string> rs, ar, ll = {std::string(kNs) + "tdist_ll_all_gather"};
+  for (DType t : kDTypes) {
+    rs.push_back(instance("rs_fused", t));
+    rs.push_back(instance("rs_local_reduce", t));
+    ar.push_back(instance("ar_one_shot", t));
+    ar.push_back(instance("ar_two_shot", t));
+    ll.push_back(instance("ll_all_reduce", t));
+  }
+  return {family("all_gather.cuh", "collectives_all_gather.cu", {std::string(kNs) + "tdist_ag_sm"}),
+          family("reduce_scatter.cuh", "collectives_reduce_scatter.cu", rs),
+          family("all_reduce.cuh", "collectives_all_reduce.cu", ar),
+          family("ll.cuh", "collectives_ll.cu", ll),
+          family("barrier.cuh", "collectives_barrier.cu", {"tdist_coll_barrier"})};
+}
+
+TDIST_JIT_REGISTER_KERNELS(collectives, collective_compile_requests);
+
+struct Collectives::Kernels {
+  std::vector<std::shared_ptr<jit::Module>> modules;
+  jit::Kernel ag_sm, ll_all_gather, barrier;
+  std::array<jit::Kernel, 3> rs_fused, rs_local_reduce, ar_one_shot, ar_two_shot, ll_all_reduce;  // by DType
+
+  Kernels() {
+    auto reqs = collective_compile_requests();
+    for (auto& r : reqs) modules.push_back(jit::Module::load(jit::compile(r)));
+    ag_sm = modules[0]->kernel(std::string(kNs) + "tdist_ag_sm");
+    barrier = modules[4]->kernel("tdist_coll_barrier");
+    ll_all_gather = modules[3]->kernel(std::string(kNs) + "tdist_ll_all_gather");
+    for (DType t : kDTypes) {
+      const int i = static_cast<int>(t);
+      rs_fused[i] = modules[1]->kernel(instance("rs_fused", t));
+      rs_local_reduce[i] = modules[1]->kernel(instance("rs_local_reduce", t));
+      ar_one_shot[i] = modules[2]->kernel(instance("ar_one_shot", t));
+      ar_two_shot[i] = modules[2]->kernel(instance("ar_two_shot", t));
+      ll_all_reduce[i] = modules[3]->kernel(instance("ll_all_reduce", t));
+    }
+  }
+};
+
+Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, const CollectivesOptions& options)
+    : world_(world), heap_(heap) {
+  TDIST_CHECK_ARG(max_bytes > 0, "max_bytes", "the workspace must hold at least one byte");
+  TDIST_CHECK_ARG(options.ll_bytes > 0, "options.ll_bytes", "the low-latency buffer must hold at least one byte");
+  const int n = world.world_size();
+  TDIST_CHECK(n <= device::kMaxLsaRanks && n <= kernels::coll::kThreads, "world of ", n, " ranks is too large");
+  TDIST_CHECK(world.lsa_size() == n, "Collectives needs every rank in one NVLink (LSA) domain; the LSA team has ",
+              world.lsa_size(), " of ", n, " ranks");
+  int sms = 0;
+  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, world.device()));
+  max_blocks_ = options.max_blocks > 0 ? options.max_blocks : sms;
+  max_bytes_ = round_up(max_bytes, 256);
+  ll_bytes_ = round_up(options.ll_bytes, 16);
+  workspace_ = static_cast<char*>(heap.allocate(2 * max_bytes_));
+  flags_ = heap.allocate_signals64(static_cast<size_t>(kernels::coll::kPhases) * max_blocks_ * n);
+  barrier_pads_ = heap.allocate_signals64(2 * barrier_pad_words(n));
+  ll_ = static_cast<char*>(heap.allocate(2 * static_cast<size_t>(n) * (ll_bytes_ / 4) * 8));
+  TDIST_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(EpochState)));
+  TDIST_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(EpochState)));
+  TDIST_CUDA_CHECK(cudaDeviceSynchronize());
+  kernels_ = std::make_unique<Kernels>();
+  world.barrier("tdist collectives ready");
+}
+
+Collectives::~Collectives() {
+  cudaDeviceSynchronize();
+  try {
+    heap_.free(ll_);
+    heap_.free(barrier_pads_);
+    heap_.free(flags_);
+    heap_.free(workspace_);
+  } catch (...) {
+  }
+  cudaFree(epoch_);
+}
+
+unsigned Collectives::blocks_for(size_t bytes, size_t per_block) const {
+  const size_t b = (bytes + per_block - 1) / per_block;
+  return static_cast<unsigned>(std::clamp<size_t>(b, 1, static_cast<size_t>(max_blocks_)));
+}
+
+CollectiveShape Collectives::shape(size_t bytes, DType dtype, const void* in, size_t in_bytes, const void* out,
+                                   size_t out_bytes, size_t stride_bytes) const {
+  const auto& v = heap_.view();
+  CollectiveShape s;
+  s.bytes = bytes;
+  s.dtype = dtype;
+  s.world_size = world_.world_size();
+  s.in_symmetric = check_symmetric_range("in", in, in_bytes, v.local_base(), v.size);
+  s.out_symmetric = check_symmetric_range("out", out, out_bytes, v.local_base(), v.size);
+  s.aligned16 = aligned(in, 16) && aligned(out, 16) && stride_bytes % 16 == 0;
+  return s;
+}
+
+CollParams Collectives::params(const void* in, void* out, size_t count, bool zero_copy, bool vec) const {
+  CollParams p{};
+  p.heap = heap_.view();
+  p.out = out;
+  p.in = in;
+  p.ws = workspace_;
+  p.slot_bytes = max_bytes_;
+  p.count = count;
+  p.flags = flags_;
+  p.max_blocks = static_cast<device::u64>(max_blocks_);
+  p.epoch = epoch_;
+  p.ll = ll_;
+  p.ll_words = ll_bytes_ / 4;
+  p.zero_copy = zero_copy ? 1 : 0;
+  p.vec = vec ? 1 : 0;
+  return p;
+}
+
+void Collectives::launch(const jit::Kernel& k, unsigned blocks, const CollParams& p, cudaStream_t stream) {
+  jit::LaunchConfig cfg;
+  cfg.grid = {blocks};
+  cfg.block = {static_cast<unsigned>(kernels::coll::kThreads)};
+  cfg.stream = stream;
+  jit::launch(k, cfg, jit::make_args(p));
+}
+
+void Collectives::ce_barrier(cudaStream_t stream) {
+  jit::LaunchConfig cfg;
+  cfg.grid = {1};
+  cfg.block = {128};
+  cfg.stream = stream;
+  jit::launch(kernels_->barrier, cfg, jit::make_args(heap_.view(), barrier_pads_ + barrier_pad_words(world_.world_size())));
+}
+
+void Collectives::barrier(cudaStream_t stream) {
+  jit::LaunchConfig cfg;
+  cfg.grid = {1};
+  cfg.block = {128};
+  cfg.stream = stream;
+  jit::launch(kernels_->barrier, cfg, jit::make_args(heap_.view(), barrier_pads_));
+}
+
+AllReduceMethod Collectives::all_reduce_method(const void* in, void* out, size_t count, DType dtype,
+                                               AllReduceMethod method) const {
+  check_dtype(dtype);
+  check_count("all_reduce", count);
+  const size_t bytes = count * dtype_size(dtype);
+  check_buffers("all_reduce", in, bytes, out, bytes, out);
+  return resolve_all_reduce(method, std::getenv(kAllReduceMethodEnv), shape(bytes, dtype, in, bytes, out, bytes, 16),
+                            limits());
+}
+
+AllGatherMethod Collectives::all_gather_method(const void* in, void* out, size_t count, DType dtype,
+                                               AllGatherMethod method) const {
+  check_dtype(dtype);
+  check_count("all_gather", count);
+  const size_t b = count * dtype_size(dtype), total = b * world_.world_size();
+  check_buffers("all_gather", in, b, out, total, static_cast<const char*>(out) + world_.rank() * b);
+  return resolve_all_gather(method, std::getenv(kAllGatherMethodEnv), shape(total, dtype, in, b, out, total, b),
+                            limits());
+}
+
+ReduceScatterMethod Collectives::reduce_scatter_method(const void* in, void* out, size_t count, DType dtype,
+                                                       ReduceScatterMethod method) const {
+  check_dtype(dtype);
+  check_count("reduce_scatter", count);
+  const size_t b = count * dtype_size(dtype), total = b * world_.world_size();
+  const void* in_place_in = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(out) - world_.rank() * b);
+  check_buffers("reduce_scatter", in, total, out, b, in_place_in);
+  return resolve_reduce_scatter(method, std::getenv(kReduceScatterMethodEnv),
+                                shape(total, dtype, in, total, out, b, b), limits());
+}
+
+void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                             AllReduceMethod method) {
+  const AllReduceMethod m = all_reduce_method(in, out, count, dtype, method);
+  const size_t bytes = count * dtype_size(dtype);
+  const CollectiveShape s = shape(bytes, dtype, in, bytes, out, bytes, 16);
+  const int t = static_cast<int>(dtype);
+  switch (m) {
+    case AllReduceMethod::kNccl:
+      TDIST_NCCL_CHECK(ncclAllReduce(in, out, count, nccl_type(dtype), ncclSum, world_.comm(), stream));
+      return;
+    case AllReduceMethod::kLowLatency:
+      launch(kernels_->ll_all_reduce[t], blocks_for((bytes + 3) / 4, kernels::coll::kThreads),
+             params(in, out, count, false, false), stream);
+      return;
+    case AllReduceMethod::kOneShot: {
+      // Zero copy needs out != in: peers read `in` until the closing exchange.
+      const bool zc = s.in_symmetric && in != out;
+      launch(kernels_->ar_one_shot[t], blocks_for(bytes, 16 << 10), params(in, out, count, zc, s.aligned16), stream);
+      return;
+    }
+    case AllReduceMethod::kTwoShot: {
+      const size_t slice = kernels::coll::two_shot_slice(count, world_.world_size()) * dtype_size(dtype);
+      launch(kernels_->ar_two_shot[t], blocks_for(slice, 16 << 10), params(in, out, count, s.in_symmetric, s.aligned16),
+             stream);
+      return;
+    }
+    default: TDIST_FAIL("unreachable all_reduce method ", to_string(m));
+  }
+}
+
+void Collectives::all_gather(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                             AllGatherMethod method) {
+  const AllGatherMethod m = all_gather_method(in, out, count, dtype, method);
+  const int n = world_.world_size(), me = world_.rank();
+  const size_t b = count * dtype_size(dtype), total = b * n;
+  const CollectiveShape s = shape(total, dtype, in, b, out, total, b);
+  char* o = static_cast<char*>(out);
+  switch (m) {
+    case AllGatherMethod::kNccl:
+      TDIST_NCCL_CHECK(ncclAllGather(in, out, count, nccl_type(dtype), world_.comm(), stream));
+      return;
+    case AllGatherMethod::kLowLatency:
+      launch(kernels_->ll_all_gather, blocks_for((b + 3) / 4, kernels::coll::kThreads), params(in, out, b, false, false),
+             stream);
+      return;
+    case AllGatherMethod::kSm:
+      launch(kernels_->ag_sm, blocks_for(b, 32 << 10), params(in, out, b, s.in_symmetric, s.aligned16), stream);
+      return;
+    case AllGatherMethod::kCePush: {
+      // Push this rank's input into every peer's output (zero copy) or workspace slot 0, then, in the
+      // workspace case, copy the gathered blocks to the output. Barriers: before (peers are done with
+      // the destination) and after (every push has landed).
+      char* dst = s.out_symmetric ? o : workspace_;
+      ce_barrier(stream);
+      for (int k = 1; k < n; ++k) {
+        const int peer = (me + k) % n;
+        TDIST_CUDA_CHECK(cudaMemcpyAsync(heap_.peer_ptr(dst + me * b, peer), in, b, cudaMemcpyDeviceToDevice, stream));
+      }
+      if (o + me * b != in) TDIST_CUDA_CHECK(cudaMemcpyAsync(o + me * b, in, b, cudaMemcpyDeviceToDevice, stream));
+      ce_barrier(stream);
+      if (!s.out_symmetric) {
+        if (me > 0) TDIST_CUDA_CHECK(cudaMemcpyAsync(o, workspace_, me * b, cudaMemcpyDeviceToDevice, stream));
+        if (me < n - 1)
+          TDIST_CUDA_CHECK(cudaMemcpyAsync(o + (me + 1) * b, workspace_ + (me + 1) * b, (n - 1 - me) * b,
+                                           cudaMemcpyDeviceToDevice, stream));
+      }
+      return;
+    }
+    case AllGatherMethod::kCePull: {
+      // Every rank's input sits in its own symmetric buffer (zero copy) or workspace slot 0; each rank
+      // reads the peers' copies into its output. The closing barrier keeps the source alive until
+      // every peer has read it.
+      const char* src = s.in_symmetric ? static_cast<const char*>(in) : workspace_;
+      ce_barrier(stream);  // nobody still reads this rank's workspace from an earlier call
+      if (!s.in_symmetric) {
+        TDIST_CUDA_CHECK(cudaMemcpyAsync(workspace_, in, b, cudaMemcpyDeviceToDevice, stream));
+        ce_barrier(stream);
+      }
+      if (o + me * b != in) TDIST_CUDA_CHECK(cudaMemcpyAsync(o + me * b, in, b, cudaMemcpyDeviceToDevice, stream));
+      for (int k = 1; k < n; ++k) {
+        const int peer = (me + k) % n;
+        TDIST_CUDA_CHECK(cudaMemcpyAsync(o + peer * b, heap_.peer_ptr(src, peer), b, cudaMemcpyDeviceToDevice, stream));
+      }
+      ce_barrier(stream);
+      return;
+    }
+    default: TDIST_FAIL("unreachable all_gather method ", to_string(m));
+  }
+}
+
+void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                                 ReduceScatterMethod method) {
+  const ReduceScatterMethod m = reduce_scatter_method(in, out, count, dtype, method);
+  const int n = world_.world_size(), me = world_.rank();
+  const size_t b = count * dtype_size(dtype), total = b * n;
+  const CollectiveShape s = shape(total, dtype, in, total, out, b, b);
+  const int t = static_cast<int>(dtype);
+  switch (m) {
+    case ReduceScatterMethod::kNccl:
+      TDIST_NCCL_CHECK(ncclReduceScatter(in, out, count, nccl_type(dtype), ncclSum, world_.comm(), stream));
+      return;
+    case ReduceScatterMethod::kFused:
+      launch(kernels_->rs_fused[t], blocks_for(b, 16 << 10), params(in, out, count, s.in_symmetric, s.aligned16), stream);
+      return;
+    case ReduceScatterMethod::kCe: {
+      // Scatter by copy engine: slice p of this rank's input goes to peer p's workspace slot 0 at
+      // [me * b]; after the barrier each rank adds up its slot and its own slice on the SMs.
+      const char* src = static_cast<const char*>(in);
+      ce_barrier(stream);
+      for (int k = 1; k < n; ++k) {
+        const int peer = (me + k) % n;
+        TDIST_CUDA_CHECK(cudaMemcpyAsync(heap_.peer_ptr(workspace_ + me * b, peer), src + peer * b, b,
+                                         cudaMemcpyDeviceToDevice, stream));
+      }
+      ce_barrier(stream);
+      launch(kernels_->rs_local_reduce[t], blocks_for(b, 32 << 10), params(in, out, count, false, s.aligned16), stream);
+      return;
+    }
+    default: TDIST_FAIL("unreachable reduce_scatter method ", to_string(m));
+  }
+}
+
+}  // namespace tdist

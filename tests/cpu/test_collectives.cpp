@@ -1,0 +1,178 @@
+// Collectives without a GPU: the method-selection table, per-call and environment overrides,
+// argument checks, and that every collective kernel instance compiles for sm_90a through NVRTC.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "tdist/common/error.hpp"
+#include "tdist/jit/cache.hpp"
+#include "tdist/jit/compiler.hpp"
+#include "tdist/jit/registry.hpp"
+#include "tdist/ops/collective_select.hpp"
+#include "tdist/ops/collectives.hpp"
+
+using namespace tdist;
+
+namespace {
+
+constexpr size_t KiB = 1024, MiB = 1024 * KiB;
+
+CollectiveShape shape(size_t bytes, int n = 2, bool in_sym = false, bool out_sym = false) {
+  CollectiveShape s;
+  s.bytes = bytes;
+  s.world_size = n;
+  s.in_symmetric = in_sym;
+  s.out_symmetric = out_sym;
+  return s;
+}
+
+const CollectiveLimits kLimits{256 * MiB, 256 * KiB};
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const tdist::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(CollectiveSelect, AllReduceTable) {
+  EXPECT_EQ(select_all_reduce(shape(1 * KiB), kLimits), AllReduceMethod::kLowLatency);
+  EXPECT_EQ(select_all_reduce(shape(64 * KiB), kLimits), AllReduceMethod::kLowLatency);
+  EXPECT_EQ(select_all_reduce(shape(128 * KiB), kLimits), AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(256 * KiB), kLimits), AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(1 * MiB), kLimits), AllReduceMethod::kTwoShot);
+  EXPECT_EQ(select_all_reduce(shape(256 * MiB), kLimits), AllReduceMethod::kTwoShot);
+  // Beyond the workspace: NCCL, never an error.
+  EXPECT_EQ(select_all_reduce(shape(1024 * MiB), kLimits), AllReduceMethod::kNccl);
+  // Larger teams: narrower LL and one-shot windows.
+  EXPECT_EQ(select_all_reduce(shape(64 * KiB, 8), kLimits), AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(16 * KiB, 8), kLimits), AllReduceMethod::kLowLatency);
+  EXPECT_EQ(select_all_reduce(shape(128 * KiB, 8), kLimits), AllReduceMethod::kTwoShot);
+  EXPECT_EQ(select_all_reduce(shape(32 * KiB, 4), kLimits), AllReduceMethod::kLowLatency);
+  // A single rank has nothing to exchange: NCCL's copy.
+  EXPECT_EQ(select_all_reduce(shape(1 * KiB, 1), kLimits), AllReduceMethod::kNccl);
+  // A small LL buffer narrows the LL window.
+  EXPECT_EQ(select_all_reduce(shape(64 * KiB), CollectiveLimits{256 * MiB, 16 * KiB}), AllReduceMethod::kOneShot);
+}
+
+TEST(CollectiveSelect, AllGatherTable) {
+  EXPECT_EQ(select_all_gather(shape(2 * KiB), kLimits), AllGatherMethod::kLowLatency);
+  EXPECT_EQ(select_all_gather(shape(64 * KiB), kLimits), AllGatherMethod::kLowLatency);
+  EXPECT_EQ(select_all_gather(shape(128 * KiB), kLimits), AllGatherMethod::kSm);
+  EXPECT_EQ(select_all_gather(shape(256 * MiB), kLimits), AllGatherMethod::kSm);
+  EXPECT_EQ(select_all_gather(shape(256 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
+  EXPECT_EQ(select_all_gather(shape(256 * MiB, 2, true, false), kLimits), AllGatherMethod::kCePull);
+  EXPECT_EQ(select_all_gather(shape(16 * MiB, 2, true, true), kLimits), AllGatherMethod::kSm);
+  EXPECT_EQ(select_all_gather(shape(512 * MiB, 2), kLimits), AllGatherMethod::kSm);    // 256 MB per rank: fits
+  EXPECT_EQ(select_all_gather(shape(1024 * MiB, 2), kLimits), AllGatherMethod::kNccl);  // 512 MB per rank: does not
+  EXPECT_EQ(select_all_gather(shape(2048 * MiB, 2), kLimits), AllGatherMethod::kNccl);
+  EXPECT_EQ(select_all_gather(shape(2048 * MiB, 2, true, false), kLimits), AllGatherMethod::kCePull);
+}
+
+TEST(CollectiveSelect, ReduceScatterTable) {
+  EXPECT_EQ(select_reduce_scatter(shape(1 * KiB), kLimits), ReduceScatterMethod::kFused);
+  EXPECT_EQ(select_reduce_scatter(shape(256 * MiB), kLimits), ReduceScatterMethod::kFused);
+  EXPECT_EQ(select_reduce_scatter(shape(512 * MiB), kLimits), ReduceScatterMethod::kNccl);
+  EXPECT_EQ(select_reduce_scatter(shape(512 * MiB, 2, true), kLimits), ReduceScatterMethod::kFused);
+}
+
+TEST(CollectiveSelect, OverridesAndEnvironment) {
+  // Per call wins over the environment; the environment wins over auto.
+  EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kNccl, "one_shot", shape(1 * KiB), kLimits), AllReduceMethod::kNccl);
+  EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, "two_shot", shape(1 * KiB), kLimits), AllReduceMethod::kTwoShot);
+  EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, "NCCL", shape(1 * KiB), kLimits), AllReduceMethod::kNccl);
+  EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, "", shape(1 * KiB), kLimits), AllReduceMethod::kLowLatency);
+  EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, nullptr, shape(1 * MiB), kLimits), AllReduceMethod::kTwoShot);
+  EXPECT_EQ(resolve_all_gather(AllGatherMethod::kAuto, "ce_push", shape(1 * MiB), kLimits), AllGatherMethod::kCePush);
+  EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, "ce", shape(1 * MiB), kLimits), ReduceScatterMethod::kCe);
+  // Bad names name the variable.
+  EXPECT_NE(error_of([] { resolve_all_reduce(AllReduceMethod::kAuto, "three_shot", shape(1 * KiB), kLimits); })
+                .find("TDIST_ALLREDUCE_METHOD"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { parse_all_gather_method("bogus"); }).find("method"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_reduce_scatter_method("x", "TDIST_REDUCESCATTER_METHOD"); }).find("TDIST_REDUCESCATTER_METHOD"),
+            std::string::npos);
+  // Infeasible explicit methods fail with the reason, naming the argument or the variable.
+  const std::string e1 = error_of([] { resolve_all_reduce(AllReduceMethod::kLowLatency, nullptr, shape(1 * MiB), kLimits); });
+  EXPECT_NE(e1.find("'method'"), std::string::npos) << e1;
+  EXPECT_NE(e1.find("low-latency"), std::string::npos) << e1;
+  const std::string e2 = error_of([] { resolve_all_reduce(AllReduceMethod::kAuto, "one_shot", shape(1024 * MiB), kLimits); });
+  EXPECT_NE(e2.find("TDIST_ALLREDUCE_METHOD"), std::string::npos) << e2;
+  EXPECT_NE(e2.find("workspace"), std::string::npos) << e2;
+  EXPECT_NE(error_of([] { resolve_all_gather(AllGatherMethod::kCePush, nullptr, shape(1024 * MiB), kLimits); }), "");
+  EXPECT_EQ(resolve_all_gather(AllGatherMethod::kCePush, nullptr, shape(1024 * MiB, 2, false, true), kLimits),
+            AllGatherMethod::kCePush);
+  // Round trips of every name.
+  for (auto m : {AllReduceMethod::kAuto, AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot,
+                 AllReduceMethod::kLowLatency, AllReduceMethod::kNccl})
+    EXPECT_EQ(parse_all_reduce_method(to_string(m)), m);
+  for (auto m : {AllGatherMethod::kAuto, AllGatherMethod::kSm, AllGatherMethod::kCePush, AllGatherMethod::kCePull,
+                 AllGatherMethod::kLowLatency, AllGatherMethod::kNccl})
+    EXPECT_EQ(parse_all_gather_method(to_string(m)), m);
+  for (auto m : {ReduceScatterMethod::kAuto, ReduceScatterMethod::kFused, ReduceScatterMethod::kCe,
+                 ReduceScatterMethod::kNccl})
+    EXPECT_EQ(parse_reduce_scatter_method(to_string(m)), m);
+}
+
+TEST(CollectiveSelect, DTypes) {
+  EXPECT_EQ(parse_dtype("bf16"), DType::kBFloat16);
+  EXPECT_EQ(parse_dtype("FP16"), DType::kFloat16);
+  EXPECT_EQ(parse_dtype("float32"), DType::kFloat32);
+  EXPECT_EQ(dtype_size(DType::kBFloat16), 2u);
+  EXPECT_EQ(dtype_size(DType::kFloat32), 4u);
+  EXPECT_NE(error_of([] { parse_dtype("int8"); }).find("'dtype'"), std::string::npos);
+  EXPECT_NE(error_of([] { check_dtype(static_cast<DType>(7)); }).find("'dtype'"), std::string::npos);
+  EXPECT_NO_THROW(check_dtype(DType::kFloat16));
+}
+
+TEST(CollectiveSelect, ArgumentChecks) {
+  EXPECT_NE(error_of([] { check_count("all_reduce", 0); }).find("'count'"), std::string::npos);
+  EXPECT_NO_THROW(check_count("all_reduce", 1));
+  alignas(16) static char buf[4096];
+  EXPECT_NE(error_of([] { check_buffers("all_reduce", nullptr, 16, buf, 16, buf); }).find("'in'"), std::string::npos);
+  EXPECT_NE(error_of([] { check_buffers("all_reduce", buf, 16, nullptr, 16, nullptr); }).find("'out'"), std::string::npos);
+  EXPECT_NO_THROW(check_buffers("all_reduce", buf, 64, buf, 64, buf));           // in place
+  EXPECT_NO_THROW(check_buffers("all_reduce", buf, 64, buf + 64, 64, buf + 64));  // disjoint
+  EXPECT_NE(error_of([] { check_buffers("all_reduce", buf, 64, buf + 32, 64, buf + 32); }).find("overlaps"),
+            std::string::npos);
+  // all_gather in place: in = out + rank * bytes.
+  EXPECT_NO_THROW(check_buffers("all_gather", buf + 64, 64, buf, 128, buf + 64));
+  EXPECT_NE(error_of([] { check_buffers("all_gather", buf + 32, 64, buf, 128, buf + 64); }), "");
+  EXPECT_EQ(reduce_scatter_recv_count(12, 4), 3u);
+  EXPECT_NE(error_of([] { reduce_scatter_recv_count(10, 4); }).find("'count'"), std::string::npos);
+  // Zero-copy buffers lie wholly inside the heap or wholly outside.
+  EXPECT_TRUE(check_symmetric_range("in", buf + 100, 100, buf, 1024));
+  EXPECT_FALSE(check_symmetric_range("in", buf + 2048, 100, buf, 1024));
+  EXPECT_NE(error_of([] { check_symmetric_range("out", buf + 1000, 100, buf, 1024); }).find("'out'"), std::string::npos);
+  EXPECT_NE(error_of([] { check_symmetric_range("in", buf + 1000, 100, buf + 1024, 1024); }).find("'in'"),
+            std::string::npos);
+}
+
+TEST(CollectiveKernels, EveryInstanceCompilesForSm90a) {
+  bool registered = false;
+  for (const auto& family : jit::registered_kernels()) registered |= family.name == "collectives";
+  EXPECT_TRUE(registered) << "the collectives family is not registered for tdist-compile --all";
+  jit::KernelCache cache("");  // memory only: compile every instance for real
+  const auto reqs = collective_compile_requests();
+  size_t instances = 0;
+  for (auto req : reqs) {
+    req.arch = "sm_90a";
+    req.compiler = jit::CompilerKind::kNvrtc;
+    std::shared_ptr<const jit::CompiledKernel> k;
+    ASSERT_NO_THROW(k = jit::compile(req, cache)) << req.file_name;
+    for (const auto& name : req.name_expressions) {
+      EXPECT_FALSE(k->lowered_name(name).empty()) << name;
+      ++instances;
+    }
+    EXPECT_EQ(k->spill_stores, 0) << req.file_name << "\n" << k->log;
+    EXPECT_EQ(k->spill_loads, 0) << req.file_name << "\n" << k->log;
+  }
+  // 3 dtypes x (rs_fused, rs_local_reduce, ar_one_shot, ar_two_shot, ll_all_reduce) + ag_sm, ll_all_gather, barrier.
+  EXPECT_EQ(instances, 18u);
+}
