@@ -1,0 +1,390 @@
+// tdist::Collectives across ranks: every op x dtype x method against a reference computed in double
+// from (seed, rank, index), sizes from one element to 256 MB (odd counts, unaligned buffers), ordinary
+// and symmetric (zero-copy) buffers, in place and out of place, outputs poisoned first; 1000 replays of
+// captured CUDA graphs whose inputs are regenerated inside the graph; the stream barrier; argument
+// errors. Run with tdistrun -n N (N >= 2), one GPU per rank.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "gpu/harness.cuh"
+#include "tdist/ops/collectives.hpp"
+
+using namespace tdist;
+using tdist::device::u64;
+
+namespace {
+
+constexpr size_t kMaxBytes = 256ull << 20;
+
+// Input element `i` of `rank`: a multiple of 1/64 in [-1, 1], exact in bf16, f16 and f32, so sums of
+// up to 8 ranks are exact in fp32 and the only error of a reduction is the final rounding.
+__host__ __device__ inline float input_value(u64 seed, int rank, u64 i) {
+  u64 x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed ^ (static_cast<u64>(rank + 1) * 0xD1B54A32D192ED03ull);
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  const int k = static_cast<int>(x % 129) - 64;
+  return static_cast<float>(k == 0 ? 1 : k) / 64.0f;  // never zero: a zero output is a real error
+}
+
+__device__ inline float load_f(const float* p, u64 i) { return p[i]; }
+__device__ inline float load_f(const __half* p, u64 i) { return __half2float(p[i]); }
+__device__ inline float load_f(const __nv_bfloat16* p, u64 i) { return __bfloat162float(p[i]); }
+template <typename T> __device__ inline T store_f(float v);
+template <> __device__ inline float store_f<float>(float v) { return v; }
+template <> __device__ inline __half store_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ inline __nv_bfloat16 store_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+enum class Op { kAllReduce, kAllGather, kReduceScatter };
+
+// p[i] = input_value(seed ^ *counter, rank, first + i); `counter` (may be null) lets a graph
+// regenerate fresh inputs on each replay.
+template <typename T>
+__global__ void fill_kernel(T* p, u64 count, u64 seed, const u64* counter, int rank, u64 first) {
+  const u64 s = seed ^ (counter ? *counter * 0x2545F4914F6CDD1Dull : 0);
+  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < count; i += static_cast<u64>(gridDim.x) * blockDim.x)
+    p[i] = store_f<T>(input_value(s, rank, first + i));
+}
+
+// Compares out[0, out_count) with the op's expected result in double; counts the mismatches.
+template <typename T>
+__global__ void check_kernel(const T* out, u64 out_count, Op op, u64 c, int n, int me, u64 seed, const u64* counter,
+                             double tol, unsigned long long* bad, unsigned long long* first_bad) {
+  const u64 s = seed ^ (counter ? *counter * 0x2545F4914F6CDD1Dull : 0);
+  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < out_count; i += static_cast<u64>(gridDim.x) * blockDim.x) {
+    double expect = 0;
+    if (op == Op::kAllGather) {
+      expect = input_value(s, static_cast<int>(i / c), i % c);
+    } else {
+      const u64 j = op == Op::kAllReduce ? i : me * c + i;
+      for (int r = 0; r < n; ++r) expect += input_value(s, r, j);
+    }
+    const double got = load_f(out, i);
+    if (!(fabs(got - expect) <= tol * fabs(expect) + 1e-30)) {
+      atomicAdd(bad, 1ull);
+      atomicMin(first_bad, static_cast<unsigned long long>(i));
+    }
+  }
+}
+
+__global__ void bump_kernel(u64* counter) { ++*counter; }
+
+// Barrier test: write this round's value into a cell, meet, then read every peer's cell.
+__global__ void write_cell_kernel(u64* cell, u64 value) { *cell = value; }
+__global__ void read_cells_kernel(device::SymmetricHeapView heap, u64* cell, u64 value, unsigned long long* bad) {
+  for (int p = threadIdx.x; p < heap.num_ranks; p += blockDim.x)
+    if (device::ld_relaxed<device::Scope::kSystem>(heap.symm_at(cell, p)) != value) atomicAdd(bad, 1ull);
+}
+
+double tolerance(DType t) {
+  // Half an ulp of the output type, relative (inputs and fp32 sums are exact).
+  return t == DType::kFloat32 ? 1e-6 : t == DType::kFloat16 ? 1.0 / 1024 : 1.0 / 128;
+}
+
+template <typename F>
+void dispatch(DType t, F&& f) {
+  if (t == DType::kFloat32) f(float{});
+  else if (t == DType::kFloat16) f(__half{});
+  else f(__nv_bfloat16{});
+}
+
+enum class Kind { kOrdinary, kUnaligned, kInPlace, kSymmetric, kSymmetricInPlace };
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kOrdinary: return "ordinary";
+    case Kind::kUnaligned: return "unaligned";
+    case Kind::kInPlace: return "in-place";
+    case Kind::kSymmetric: return "symmetric";
+    default: return "symmetric in-place";
+  }
+}
+
+struct Env {
+  World& world;
+  SymmetricHeap& heap;
+  Collectives& coll;
+  char *d_in, *d_out, *s_in, *s_out;  // ordinary and symmetric, kMaxBytes + 256 each
+  unsigned long long* counters;       // bad, first_bad
+  u64 seed_base;
+  u64 cases = 0;
+  cudaStream_t stream;
+  int n() const { return world.world_size(); }
+  int me() const { return world.rank(); }
+};
+
+// Every rank's mismatch count, so that all ranks pass or fail a case together (a rank that left a
+// group early would desynchronise the collectives of the next one).
+void agree(Env& env, unsigned long long bad, unsigned long long first, const std::string& what) {
+  const auto all = tdist::test::all_gather_u64(env.world, "coll check", bad);
+  for (int r = 0; r < env.n(); ++r)
+    if (all[r] != 0) TDIST_FAIL(what, ": rank ", r, " has ", all[r], " wrong elements", r == env.me() ? detail::concat(", first at ", first) : "");
+}
+
+void reset_counters(Env& env, cudaStream_t s) {
+  const unsigned long long init[2] = {0, ~0ull};
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(env.counters, init, sizeof(init), cudaMemcpyHostToDevice, s));
+}
+
+// Buffers of one case: where the input is filled, what the op gets, where the output is checked.
+struct Layout {
+  char* fill;      // input elements go here (in_count of them)
+  const void* in;
+  void* out;
+  bool poison;     // the output is separate from the input
+};
+
+Layout layout(Env& env, Op op, Kind kind, size_t c, size_t sz) {
+  const bool sym = kind == Kind::kSymmetric || kind == Kind::kSymmetricInPlace;
+  char* in = sym ? env.s_in : env.d_in;
+  char* out = sym ? env.s_out : env.d_out;
+  if (kind == Kind::kUnaligned) {
+    in += sz;       // one element off 16-byte alignment
+    out += 3 * sz;  // another
+  }
+  if (kind == Kind::kInPlace || kind == Kind::kSymmetricInPlace) {
+    if (op == Op::kAllReduce) return {out, out, out, false};
+    if (op == Op::kAllGather) return {out + env.me() * c * sz, out + env.me() * c * sz, out, true};
+    return {in, in, in + env.me() * c * sz, false};
+  }
+  return {in, in, out, true};
+}
+
+template <typename T>
+void run_case(Env& env, Op op, DType dtype, size_t c, Kind kind, int method) {
+  const size_t sz = sizeof(T), n = env.n();
+  const size_t in_count = op == Op::kReduceScatter ? n * c : c;
+  const size_t out_count = op == Op::kAllGather ? n * c : c;
+  const Layout L = layout(env, op, kind, c, sz);
+  const u64 seed = env.seed_base + 7919 * ++env.cases;
+  cudaStream_t s = env.stream;
+  if (L.poison) TDIST_CUDA_CHECK(cudaMemsetAsync(L.out, 0xFF, out_count * sz, s));  // NaN in every dtype
+  fill_kernel<T><<<1024, 256, 0, s>>>(reinterpret_cast<T*>(L.fill), in_count, seed, nullptr, env.me(), 0);
+  if (op == Op::kAllReduce) env.coll.all_reduce(L.in, L.out, c, dtype, s, static_cast<AllReduceMethod>(method));
+  if (op == Op::kAllGather) env.coll.all_gather(L.in, L.out, c, dtype, s, static_cast<AllGatherMethod>(method));
+  if (op == Op::kReduceScatter) env.coll.reduce_scatter(L.in, L.out, c, dtype, s, static_cast<ReduceScatterMethod>(method));
+  reset_counters(env, s);
+  check_kernel<T><<<1024, 256, 0, s>>>(reinterpret_cast<const T*>(L.out), out_count, op, c, env.n(), env.me(), seed,
+                                      nullptr, op == Op::kAllGather ? 0.0 : tolerance(dtype), env.counters,
+                                      env.counters + 1);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+  unsigned long long host[2];
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  agree(env, host[0], host[1], detail::concat(kind_name(kind), ", ", c, " elements"));
+}
+
+// Whether the context can run `method` on this case (explicit infeasible methods are errors).
+bool runnable(Env& env, Op op, DType dtype, size_t c, Kind kind, int method) {
+  const size_t sz = dtype_size(dtype);
+  const Layout L = layout(env, op, kind, c, sz);
+  try {
+    if (op == Op::kAllReduce) env.coll.all_reduce_method(L.in, L.out, c, dtype, static_cast<AllReduceMethod>(method));
+    if (op == Op::kAllGather) env.coll.all_gather_method(L.in, L.out, c, dtype, static_cast<AllGatherMethod>(method));
+    if (op == Op::kReduceScatter)
+      env.coll.reduce_scatter_method(L.in, L.out, c, dtype, static_cast<ReduceScatterMethod>(method));
+  } catch (const tdist::Error&) {
+    return false;
+  }
+  return true;
+}
+
+const char* op_name(Op op) {
+  return op == Op::kAllReduce ? "all_reduce" : op == Op::kAllGather ? "all_gather" : "reduce_scatter";
+}
+
+std::string method_name(Op op, int m) {
+  if (op == Op::kAllReduce) return to_string(static_cast<AllReduceMethod>(m));
+  if (op == Op::kAllGather) return to_string(static_cast<AllGatherMethod>(m));
+  return to_string(static_cast<ReduceScatterMethod>(m));
+}
+
+std::vector<int> methods_of(Op op) {
+  if (op == Op::kAllReduce) return {0, 1, 2, 3, 4};
+  if (op == Op::kAllGather) return {0, 1, 2, 3, 4, 5};
+  return {0, 1, 2, 3};
+}
+
+void run_sweep(Env& env, tdist::test::Suite& suite, Op op) {
+  const size_t n = env.n();
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    const size_t sz = dtype_size(dtype);
+    // Per-op element count c: the AllReduce count, the per-rank AllGather input, the per-rank
+    // ReduceScatter output. The largest makes the op's buffer 256 MB.
+    const size_t largest = (kMaxBytes / sz) / (op == Op::kAllReduce ? 1 : n);
+    std::vector<size_t> counts = {1, 3, 8, 1001, 4096 + 5, 65536, 262147, (1u << 20) + 1, 8u << 20};
+    if (dtype == DType::kBFloat16) counts.push_back(largest);
+    for (int m : methods_of(op)) {
+      suite.run(detail::concat(op_name(op), " ", to_string(dtype), " ", method_name(op, m)), [&] {
+        size_t ran = 0;
+        for (size_t c : counts) {
+          if (c * sz * (op == Op::kAllReduce ? 1 : n) > kMaxBytes) continue;
+          for (Kind kind : {Kind::kOrdinary, Kind::kUnaligned, Kind::kInPlace, Kind::kSymmetric, Kind::kSymmetricInPlace}) {
+            if (c == largest && kind != Kind::kOrdinary && kind != Kind::kSymmetric) continue;  // time
+            if (!runnable(env, op, dtype, c, kind, m)) continue;
+            dispatch(dtype, [&](auto t) {
+              using T = decltype(t);
+              run_case<T>(env, op, dtype, c, kind, m);
+            });
+            ++ran;
+          }
+        }
+        TDIST_CHECK(ran > 0, "no size was runnable");
+      });
+    }
+  }
+}
+
+// `replays` replays of one graph holding `ops_per_graph` rounds of (regenerate input from the device
+// counter, op, check, bump counter): flags and epochs must survive replay.
+template <typename T>
+void run_graph(Env& env, Op op, DType dtype, size_t c, int method, bool symmetric, int replays) {
+  const size_t n = env.n(), sz = sizeof(T);
+  const size_t in_count = op == Op::kReduceScatter ? n * c : c;
+  const size_t out_count = op == Op::kAllGather ? n * c : c;
+  char* in = symmetric ? env.s_in : env.d_in;
+  char* out = symmetric ? env.s_out : env.d_out;
+  u64* counter;
+  TDIST_CUDA_CHECK(cudaMalloc(&counter, sizeof(u64)));
+  TDIST_CUDA_CHECK(cudaMemset(counter, 0, sizeof(u64)));
+  const u64 seed = env.seed_base + 104729 * ++env.cases;
+  cudaStream_t s = env.stream;
+  reset_counters(env, s);
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  TDIST_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  constexpr int kOpsPerGraph = 4;
+  for (int k = 0; k < kOpsPerGraph; ++k) {
+    TDIST_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, out_count * sz, s));
+    fill_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<T*>(in), in_count, seed, counter, env.me(), 0);
+    if (op == Op::kAllReduce) env.coll.all_reduce(in, out, c, dtype, s, static_cast<AllReduceMethod>(method));
+    if (op == Op::kAllGather) env.coll.all_gather(in, out, c, dtype, s, static_cast<AllGatherMethod>(method));
+    if (op == Op::kReduceScatter) env.coll.reduce_scatter(in, out, c, dtype, s, static_cast<ReduceScatterMethod>(method));
+    check_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<const T*>(out), out_count, op, c, env.n(), env.me(), seed,
+                                       counter, op == Op::kAllGather ? 0.0 : tolerance(dtype), env.counters,
+                                       env.counters + 1);
+    bump_kernel<<<1, 1, 0, s>>>(counter);
+  }
+  TDIST_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  tdist::test::sync_all(env.world, "graph ready");
+  for (int r = 0; r < replays / kOpsPerGraph; ++r) TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
+  unsigned long long host[2];
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  u64 rounds = 0;
+  TDIST_CUDA_CHECK(cudaMemcpy(&rounds, counter, sizeof(rounds), cudaMemcpyDeviceToHost));
+  TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
+  TDIST_CUDA_CHECK(cudaFree(counter));
+  TDIST_CHECK(rounds == static_cast<u64>(replays / kOpsPerGraph * kOpsPerGraph), "the graph ran ", rounds, " rounds");
+  agree(env, host[0], host[1], detail::concat("graph replays, ", c, " elements"));
+}
+
+template <typename F>
+void expect_error(const std::string& needle, F&& f) {
+  try {
+    f();
+  } catch (const tdist::Error& e) {
+    if (std::string(e.what()).find(needle) == std::string::npos) TDIST_FAIL("error without '", needle, "': ", e.what());
+    return;
+  }
+  TDIST_FAIL("no error (expected one naming ", needle, ")");
+}
+
+}  // namespace
+
+int main() {
+  World world;
+  tdist::test::Suite suite(world);
+  if (world.world_size() < 2) {
+    std::printf("test_collectives needs at least 2 ranks (tdistrun -n 2)\n");
+    return 2;
+  }
+  const size_t buf = kMaxBytes + 256;
+  SymmetricHeap heap(world, 2 * kMaxBytes + 2 * buf + (64ull << 20));
+  Collectives coll(world, heap, kMaxBytes);
+  Env env{world, heap, coll, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, nullptr};
+  TDIST_CUDA_CHECK(cudaMalloc(&env.d_in, buf));
+  TDIST_CUDA_CHECK(cudaMalloc(&env.d_out, buf));
+  env.s_in = heap.allocate_array<char>(buf);
+  env.s_out = heap.allocate_array<char>(buf);
+  TDIST_CUDA_CHECK(cudaMalloc(&env.counters, 2 * sizeof(unsigned long long)));
+  TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&env.stream, cudaStreamNonBlocking));
+  env.seed_base = tdist::test::all_gather_u64(world, "seed", tdist::test::fresh_seed(0))[0];
+
+  run_sweep(env, suite, Op::kAllReduce);
+  run_sweep(env, suite, Op::kAllGather);
+  run_sweep(env, suite, Op::kReduceScatter);
+
+  // Graph replays: every tdist method, ordinary and symmetric buffers, 1000 ops each.
+  struct G { Op op; int method; size_t c; };
+  const std::vector<G> graphs = {
+      {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency), 4099},
+      {Op::kAllReduce, static_cast<int>(AllReduceMethod::kOneShot), 65537},
+      {Op::kAllReduce, static_cast<int>(AllReduceMethod::kTwoShot), 262147},
+      {Op::kAllGather, static_cast<int>(AllGatherMethod::kLowLatency), 1025},
+      {Op::kAllGather, static_cast<int>(AllGatherMethod::kSm), 65536 + 8},
+      {Op::kAllGather, static_cast<int>(AllGatherMethod::kCePush), 65536},
+      {Op::kAllGather, static_cast<int>(AllGatherMethod::kCePull), 65536},
+      {Op::kReduceScatter, static_cast<int>(ReduceScatterMethod::kFused), 65536 + 3},
+      {Op::kReduceScatter, static_cast<int>(ReduceScatterMethod::kCe), 65536},
+  };
+  for (const G& g : graphs) {
+    for (bool symmetric : {false, true}) {
+      suite.run(detail::concat("CUDA graph, 1000 replays: ", op_name(g.op), " ", method_name(g.op, g.method), " bf16 ",
+                               symmetric ? "symmetric" : "ordinary"),
+                [&] { run_graph<__nv_bfloat16>(env, g.op, DType::kBFloat16, g.c, g.method, symmetric, 1000); });
+    }
+  }
+
+  suite.run("barrier(stream): every peer's write is visible after it, 200 rounds", [&] {
+    u64* cell = heap.allocate_signals64(1);
+    reset_counters(env, env.stream);
+    for (u64 round = 1; round <= 200; ++round) {
+      write_cell_kernel<<<1, 1, 0, env.stream>>>(cell, round);
+      coll.barrier(env.stream);
+      read_cells_kernel<<<1, 64, 0, env.stream>>>(heap.view(), cell, round, env.counters);
+      coll.barrier(env.stream);  // nobody overwrites its cell before every peer has read it
+    }
+    unsigned long long host[2];
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, env.stream));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+    agree(env, host[0], 0, "barrier");
+    heap.free(cell);
+  });
+
+  suite.run("argument errors name the argument", [&] {
+    cudaStream_t s = env.stream;
+    expect_error("'count'", [&] { coll.all_reduce(env.d_in, env.d_out, 0, DType::kBFloat16, s); });
+    expect_error("'dtype'", [&] { coll.all_reduce(env.d_in, env.d_out, 16, static_cast<DType>(9), s); });
+    expect_error("'in'", [&] { coll.all_gather(nullptr, env.d_out, 16, DType::kFloat32, s); });
+    expect_error("'out'", [&] { coll.reduce_scatter(env.d_in, nullptr, 16, DType::kFloat32, s); });
+    expect_error("overlaps", [&] { coll.all_reduce(env.d_in, env.d_in + 2, 64, DType::kFloat32, s); });
+    expect_error("'method'", [&] {
+      coll.all_reduce(env.d_in, env.d_out, 1 << 20, DType::kFloat32, s, AllReduceMethod::kLowLatency);
+    });
+    expect_error("'method'", [&] {
+      coll.all_gather(env.d_in, env.d_out, kMaxBytes / 2, DType::kBFloat16, s, AllGatherMethod::kCePush);
+    });
+    // A symmetric buffer that runs past the heap's end.
+    const auto& v = heap.view();
+    expect_error("'in'", [&] {
+      coll.all_reduce(v.local_base() + v.size - 64, env.d_out, 1024, DType::kFloat32, s, AllReduceMethod::kOneShot);
+    });
+    // Beyond the workspace, auto falls back to NCCL instead of failing.
+    TDIST_CHECK(coll.all_reduce_method(env.d_in, env.d_out, kMaxBytes, DType::kBFloat16) == AllReduceMethod::kNccl,
+                "auto beyond the workspace is not nccl");
+  });
+
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+  TDIST_CUDA_CHECK(cudaFree(env.d_in));
+  TDIST_CUDA_CHECK(cudaFree(env.d_out));
+  TDIST_CUDA_CHECK(cudaFree(env.counters));
+  return suite.finish();
+}
