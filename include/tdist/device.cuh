@@ -6,6 +6,7 @@
 #include "tdist/device/memory_order.cuh"
 #include "tdist/device/timeout.cuh"
 #include "tdist/device/symmetric.cuh"
+#include "tdist/device/groups.cuh"
 #include "tdist/device/signal.cuh"
 #include "tdist/device/copy.cuh"
 #include "tdist/device/barrier.cuh"

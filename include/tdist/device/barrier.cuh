@@ -10,6 +10,7 @@
 // of every rank after it (release by the arriving rank, acquire by the waiting one, bar.sync around).
 #pragma once
 
+#include "tdist/device/groups.cuh"
 #include "tdist/device/memory_order.cuh"
 #include "tdist/device/signal.cuh"
 #include "tdist/device/symmetric.cuh"

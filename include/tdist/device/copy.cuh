@@ -23,28 +23,12 @@
 // independent loads in flight per thread before their stores.
 #pragma once
 
+#include "tdist/device/groups.cuh"
 #include "tdist/device/memory_order.cuh"
 #include "tdist/device/signal.cuh"
 #include "tdist/device/symmetric.cuh"
 
 namespace tdist::device {
-
-// Thread groups that cooperate in a copy.
-struct ThreadGroup {
-  static TDIST_DEVICE u32 index() { return 0; }
-  static TDIST_DEVICE u32 size() { return 1; }
-  static TDIST_DEVICE void sync() {}
-};
-struct WarpGroup {
-  static TDIST_DEVICE u32 index() { return threadIdx.x & 31u; }
-  static TDIST_DEVICE u32 size() { return 32; }
-  static TDIST_DEVICE void sync() { __syncwarp(); }
-};
-struct BlockGroup {
-  static TDIST_DEVICE u32 index() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
-  static TDIST_DEVICE u32 size() { return blockDim.x * blockDim.y * blockDim.z; }
-  static TDIST_DEVICE void sync() { __syncthreads(); }
-};
 
 namespace detail {
 
@@ -87,17 +71,6 @@ TDIST_DEVICE void group_copy(void* dst_ptr, const void* src_ptr, u64 bytes) {
   else if ((skew & 3) == 0) copy_aligned<u32>(dst, src, bytes, lane, lanes);
   else if ((skew & 1) == 0) copy_aligned<unsigned short>(dst, src, bytes, lane, lanes);
   else copy_aligned<unsigned char>(dst, src, bytes, lane, lanes);
-}
-
-template <typename T>
-TDIST_DEVICE T* peer_address_or_trap(const SymmetricHeapView& heap, T* symmetric, int peer, const char* op) {
-  T* p = heap.symm_at(symmetric, peer);
-  if (p == nullptr) {
-    printf("tdist: %s on rank %d: peer %d is not load/store reachable (LSA team of %d ranks)\n", op, heap.rank,
-           peer, heap.lsa_size);
-    __trap();
-  }
-  return p;
 }
 
 template <typename G>

@@ -46,6 +46,24 @@ struct SymmetricHeapView {
   }
 };
 
+#if defined(__CUDACC__)
+namespace detail {
+
+// The peer's address of a symmetric object, or a trap with a message naming the operation.
+template <typename T>
+TDIST_DEVICE T* peer_address_or_trap(const SymmetricHeapView& heap, T* symmetric, int peer, const char* op) {
+  T* p = heap.symm_at(symmetric, peer);
+  if (p == nullptr) {
+    printf("tdist: %s on rank %d: peer %d is not load/store reachable (LSA team of %d ranks)\n", op, heap.rank,
+           peer, heap.lsa_size);
+    __trap();
+  }
+  return p;
+}
+
+}  // namespace detail
+#endif
+
 // Free-function forms, in the style of Triton-distributed's language primitives.
 TDIST_HOST_DEVICE int rank(const SymmetricHeapView& heap) { return heap.rank; }
 TDIST_HOST_DEVICE int num_ranks(const SymmetricHeapView& heap) { return heap.num_ranks; }
