@@ -38,7 +38,7 @@ void run(ex::Context& ctx) {
   const int prev = (world.rank() + world.world_size() - 1) % world.world_size();
 
   // Symmetric buffers; their roles are described in notify_wait.cu.
-  SymmetricHeap heap(world, capacity * sizeof(u32) + (1 << 20));
+  SymmetricHeap& heap = ctx.create_heap(capacity * sizeof(u32) + (1 << 20));
   u32* mailbox = heap.allocate_array<u32>(capacity);
   u64* mailbox_header = heap.allocate_array<u64>(1);
   u64* ready = heap.allocate_signals64(1);

@@ -45,7 +45,7 @@ void run(ex::Context& ctx) {
               ctx.device_sm_count, " SMs");
 
   // Symmetric buffers; their roles are described in allgather.cu.
-  SymmetricHeap heap(world, n * max_bytes + kGuardBytes + (1 << 20));
+  SymmetricHeap& heap = ctx.create_heap(n * max_bytes + kGuardBytes + (1 << 20));
   auto* gathered = heap.allocate_array<unsigned char>(n * max_bytes + kGuardBytes);
   u64* arrived = heap.allocate_signals64(static_cast<size_t>(n) * kMaxChunks);
   u64* may_write = heap.allocate_signals64(n);

@@ -94,7 +94,7 @@ void run(ex::Context& ctx) {
   const u64 max_recv_bytes = 2ull * n * largest.rows_per_source() * largest.row_bytes();
 
   // Symmetric buffers; their roles are described in low_latency_all_to_all.cu.
-  SymmetricHeap heap(world, max_recv_bytes + (2 << 20));
+  SymmetricHeap& heap = ctx.create_heap(max_recv_bytes + (2 << 20));
   auto* recv_rows = heap.allocate_array<unsigned char>(max_recv_bytes);
   int* recv_splits = heap.allocate_array<int>(2ull * n * experts_per_rank);
   u64* arrived = heap.allocate_signals64(2ull * n);

@@ -111,7 +111,7 @@ void run(ex::Context& ctx) {
   for (const Shape& s : shapes) max_a_elements = std::max(max_a_elements, s.m * s.k);
 
   // Symmetric buffers; their roles are described in gemm_wait_flags.cu.
-  SymmetricHeap heap(world, max_a_elements * 4 + (1 << 20));
+  SymmetricHeap& heap = ctx.create_heap(max_a_elements * 4 + (1 << 20));
   auto* a_gathered = heap.allocate_array<unsigned char>(max_a_elements * 4);  // fp32 or bf16 rows
   u64* chunk_arrived = heap.allocate_signals64(num_ranks);
   u64* barrier_pad = heap.allocate_signals64(num_ranks + 2);  // device::barrier_pad_words(num_ranks)

@@ -181,7 +181,10 @@ int run_tutorial(int argc, char** argv, const TutorialInfo& info, const std::fun
     return 0;
   }
 
+  // Declared outside the try block: unwinding must not run their collective destructors.
+  std::unique_ptr<World> world;
   std::unique_ptr<Report> report;
+  std::unique_ptr<Context> context;
   try {
     // Checked before any GPU or network work, so that a plain `./example_...` explains itself.
     const LaunchEnv env = launch_env_from_process();
@@ -192,31 +195,34 @@ int run_tutorial(int argc, char** argv, const TutorialInfo& info, const std::fun
     setenv("TDIST_WAIT_TIMEOUT_S", "30", /*overwrite=*/0);
     const double wait_timeout_s = device::wait_timeout_seconds_from_env();
 
-    World world;
-    TDIST_CHECK(world.lsa_size() == world.world_size(), "the tutorials address every peer with loads and stores, "
-                "so all ranks must share one NVLink domain; here ", world.lsa_size(), " of ", world.world_size(),
+    world = std::make_unique<World>();
+    TDIST_CHECK(world->lsa_size() == world->world_size(), "the tutorials address every peer with loads and stores, "
+                "so all ranks must share one NVLink domain; here ", world->lsa_size(), " of ", world->world_size(),
                 " ranks are reachable");
-    report = std::make_unique<Report>(world);
+    report = std::make_unique<Report>(*world);
 
     // Rank 0's seed is the job's: every rank can then rebuild any peer's inputs on the host.
     const uint64_t my_seed = (*options)["seed"] != 0 ? static_cast<uint64_t>((*options)["seed"]) : fresh_seed();
-    const auto seeds = world.all_gather("job seed", Bytes(reinterpret_cast<const uint8_t*>(&my_seed),
+    const auto seeds = world->all_gather("job seed", Bytes(reinterpret_cast<const uint8_t*>(&my_seed),
                                                           reinterpret_cast<const uint8_t*>(&my_seed) + sizeof(my_seed)));
     uint64_t job_seed = 0;
     std::memcpy(&job_seed, seeds[0].data(), sizeof(job_seed));
     int sm_count = 0;
-    TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, world.device()));
-    if (world.rank() == 0)
+    TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, world->device()));
+    if (world->rank() == 0)
       std::printf("%s: %d ranks, seed %llu (rerun with --seed=%llu), device wait timeout %.0f s\n",
-                  info.program.c_str(), world.world_size(), static_cast<unsigned long long>(job_seed),
+                  info.program.c_str(), world->world_size(), static_cast<unsigned long long>(job_seed),
                   static_cast<unsigned long long>(job_seed), wait_timeout_s);
 
-    Context context{world, *options, *report, job_seed, sm_count};
-    body(context);
+    context = std::make_unique<Context>(*world, *options, *report, job_seed, sm_count);
+    body(*context);
 
-    if (world.rank() == 0) std::printf("%d passed, %d failed\n", report->passed(), report->failed());
+    if (world->rank() == 0) std::printf("%d passed, %d failed\n", report->passed(), report->failed());
     std::fflush(stdout);
-    return report->failed() == 0 ? 0 : 1;
+    const int exit_code = report->failed() == 0 ? 0 : 1;
+    context.reset();  // the heap (collective) before the world
+    world.reset();
+    return exit_code;
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "%s: error: %s\n", info.program.c_str(), e.what());

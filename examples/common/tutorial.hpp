@@ -16,6 +16,7 @@
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/launch.hpp"
+#include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/world.hpp"
 
 namespace tdist::examples {
@@ -182,6 +183,16 @@ struct Context {
   Report& report;
   uint64_t job_seed;  // the same on every rank
   int device_sm_count;
+
+  // Collective: the tutorial's symmetric heap of `capacity` bytes. It belongs to the context, not to
+  // the tutorial's stack frame, so that a fatal error ends the process before the heap's collective
+  // teardown (a barrier) could wait for peers that are themselves waiting for this rank.
+  SymmetricHeap& create_heap(size_t capacity) {
+    TDIST_CHECK(heap == nullptr, "a tutorial creates one symmetric heap");
+    heap = std::make_unique<SymmetricHeap>(world, capacity);
+    return *heap;
+  }
+  std::unique_ptr<SymmetricHeap> heap;
 };
 
 // Parses the options (plus --seed), checks that the job has at least two ranks before touching a
@@ -192,8 +203,9 @@ struct Context {
 //
 // A fatal error (no GPU, a CUDA error, a device wait that timed out) prints the error and the
 // closing line on the failing rank and ends the process at once: its peers are probably waiting
-// for it, and tdistrun stops them when one rank exits non-zero, whereas a normal return would run
-// collective destructors that wait for those peers.
+// for it, and tdistrun stops them when one rank exits non-zero, whereas running the World's and the
+// heap's collective destructors would wait for those peers. (Both live outside the frames that an
+// exception unwinds, so they are still alive when the process ends.)
 int run_tutorial(int argc, char** argv, const TutorialInfo& info, const std::function<void(Context&)>& body);
 
 // Waits for this rank's GPU work, then for every rank.
