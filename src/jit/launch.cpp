@@ -27,6 +27,7 @@ struct Driver {
   decltype(&::cuLibraryGetKernel) LibraryGetKernel = nullptr;
   decltype(&::cuLibraryGetGlobal) LibraryGetGlobal = nullptr;
   decltype(&::cuLibraryGetModule) LibraryGetModule = nullptr;
+  decltype(&::cuKernelGetFunction) KernelGetFunction = nullptr;
   decltype(&::cuMemcpyHtoD) MemcpyHtoD = nullptr;
   decltype(&::cuKernelSetAttribute) KernelSetAttribute = nullptr;
   decltype(&::cuLaunchKernelEx) LaunchKernelEx = nullptr;
@@ -58,6 +59,7 @@ const Driver& driver() {
     sym(d.LibraryGetKernel, "cuLibraryGetKernel");
     sym(d.LibraryGetGlobal, "cuLibraryGetGlobal");
     sym(d.LibraryGetModule, "cuLibraryGetModule");
+    sym(d.KernelGetFunction, "cuKernelGetFunction");
     sym(d.MemcpyHtoD, "cuMemcpyHtoD_v2");
     sym(d.KernelSetAttribute, "cuKernelSetAttribute");
     sym(d.LaunchKernelEx, "cuLaunchKernelEx");
@@ -141,8 +143,7 @@ std::shared_ptr<Module> Module::load(std::shared_ptr<const CompiledKernel> compi
                r == CUDA_ERROR_NO_BINARY_FOR_GPU ? " - it was compiled for another GPU architecture" : "");
   }
   m->library_ = lib;
-  // Load into the current context now, not lazily at the first launch: a kernel that waits on a
-  // later launch would otherwise deadlock against that launch's loading.
+  // Load into the current context now (Module::kernel loads each function the same way).
   current_device();
   CUmodule loaded = nullptr;
   TDIST_JIT_CU(d.LibraryGetModule(&loaded, lib));
@@ -174,6 +175,12 @@ Kernel Module::kernel(const std::string& name) const {
     TDIST_FAIL("no kernel '", name, "' in ", compiled_->file_name, "; compiled name expressions:",
                known.empty() ? std::string(" none") : known);
   }
+  // Under lazy loading (CUDA's default) a function is loaded at its first launch, and that load can
+  // wait for kernels already running: a kernel spinning until this one runs would deadlock. Load
+  // it into the current context now.
+  current_device();
+  CUfunction loaded = nullptr;
+  TDIST_JIT_CU(drv().KernelGetFunction(&loaded, k));
   Kernel out;
   out.module_ = shared_from_this();
   out.handle_ = k;
