@@ -186,6 +186,10 @@ ReduceScatterMethod select_reduce_scatter(const CollectiveShape& s, const Collec
   return ReduceScatterMethod::kNccl;
 }
 
+bool nccl_avoid_symmetric_kernels(const CollectiveShape& s) {
+  return s.in_symmetric && s.out_symmetric && !s.aligned16;
+}
+
 namespace {
 
 template <typename M, typename Parse, typename Select, typename Explain>

@@ -260,6 +260,16 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
   char* o = static_cast<char*>(out);
   switch (m) {
     case AllGatherMethod::kNccl:
+      if (nccl_avoid_symmetric_kernels(s)) {
+        // Input through a stream-ordered buffer outside the window: NCCL then runs its regular
+        // kernels (collective_select.hpp, nccl_avoid_symmetric_kernels).
+        void* tmp = nullptr;
+        TDIST_CUDA_CHECK(cudaMallocAsync(&tmp, b, stream));
+        TDIST_CUDA_CHECK(cudaMemcpyAsync(tmp, in, b, cudaMemcpyDeviceToDevice, stream));
+        TDIST_NCCL_CHECK(ncclAllGather(tmp, out, count, nccl_type(dtype), world_.comm(), stream));
+        TDIST_CUDA_CHECK(cudaFreeAsync(tmp, stream));
+        return;
+      }
       TDIST_NCCL_CHECK(ncclAllGather(in, out, count, nccl_type(dtype), world_.comm(), stream));
       return;
     case AllGatherMethod::kLowLatency:
@@ -293,7 +303,13 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
       // Every rank's input sits in its own symmetric buffer (zero copy) or workspace slot 0; each rank
       // reads the peers' copies into its output. The closing barrier keeps the source alive until
       // every peer has read it.
-      const char* src = s.in_symmetric ? static_cast<const char*>(in) : workspace_;
+      // Zero copy in place (in == out + me * b): peer p's input is its own part out + p * b of the
+      // symmetric output, not the translation of this rank's `in`.
+      const bool in_place = o + me * b == in;
+      auto peer_src = [&](int peer) -> const char* {
+        if (!s.in_symmetric) return workspace_;
+        return in_place ? o + peer * b : static_cast<const char*>(in);
+      };
       ce_barrier(stream);  // nobody still reads this rank's workspace from an earlier call
       if (!s.in_symmetric) {
         TDIST_CUDA_CHECK(cudaMemcpyAsync(workspace_, in, b, cudaMemcpyDeviceToDevice, stream));
@@ -302,7 +318,8 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
       if (o + me * b != in) TDIST_CUDA_CHECK(cudaMemcpyAsync(o + me * b, in, b, cudaMemcpyDeviceToDevice, stream));
       for (int k = 1; k < n; ++k) {
         const int peer = (me + k) % n;
-        TDIST_CUDA_CHECK(cudaMemcpyAsync(o + peer * b, heap_.peer_ptr(src, peer), b, cudaMemcpyDeviceToDevice, stream));
+        TDIST_CUDA_CHECK(
+            cudaMemcpyAsync(o + peer * b, heap_.peer_ptr(peer_src(peer), peer), b, cudaMemcpyDeviceToDevice, stream));
       }
       ce_barrier(stream);
       return;
@@ -320,6 +337,15 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
   const int t = static_cast<int>(dtype);
   switch (m) {
     case ReduceScatterMethod::kNccl:
+      if (nccl_avoid_symmetric_kernels(s)) {
+        // Output through a stream-ordered buffer outside the window (see all_gather).
+        void* tmp = nullptr;
+        TDIST_CUDA_CHECK(cudaMallocAsync(&tmp, b, stream));
+        TDIST_NCCL_CHECK(ncclReduceScatter(in, tmp, count, nccl_type(dtype), ncclSum, world_.comm(), stream));
+        TDIST_CUDA_CHECK(cudaMemcpyAsync(out, tmp, b, cudaMemcpyDeviceToDevice, stream));
+        TDIST_CUDA_CHECK(cudaFreeAsync(tmp, stream));
+        return;
+      }
       TDIST_NCCL_CHECK(ncclReduceScatter(in, out, count, nccl_type(dtype), ncclSum, world_.comm(), stream));
       return;
     case ReduceScatterMethod::kFused:

@@ -144,6 +144,9 @@ TEST(CollectiveSelect, ArgumentChecks) {
   // all_gather in place: in = out + rank * bytes.
   EXPECT_NO_THROW(check_buffers("all_gather", buf + 64, 64, buf, 128, buf + 64));
   EXPECT_NE(error_of([] { check_buffers("all_gather", buf + 32, 64, buf, 128, buf + 64); }), "");
+  // An output too short for world_size x count running into a separate input is an overlap, named 'out'.
+  EXPECT_NE(error_of([] { check_buffers("all_gather", buf + 96, 64, buf, 128, buf + 64); }).find("'out'"),
+            std::string::npos);
   EXPECT_EQ(reduce_scatter_recv_count(12, 4), 3u);
   EXPECT_NE(error_of([] { reduce_scatter_recv_count(10, 4); }).find("'count'"), std::string::npos);
   // Zero-copy buffers lie wholly inside the heap or wholly outside.
@@ -152,6 +155,22 @@ TEST(CollectiveSelect, ArgumentChecks) {
   EXPECT_NE(error_of([] { check_symmetric_range("out", buf + 1000, 100, buf, 1024); }).find("'out'"), std::string::npos);
   EXPECT_NE(error_of([] { check_symmetric_range("in", buf + 1000, 100, buf + 1024, 1024); }).find("'in'"),
             std::string::npos);
+}
+
+TEST(CollectiveSelect, NcclSymmetricKernelsAvoidedForUnalignedSymmetricBuffers) {
+  // Both buffers in the heap's window and a per-rank size (or pointer) off 16 bytes: NCCL's symmetric
+  // AllGather / ReduceScatter kernels are kept out by staging one side through ordinary memory.
+  CollectiveShape s = shape(2 * 2002, 2, true, true);
+  s.aligned16 = false;
+  EXPECT_TRUE(nccl_avoid_symmetric_kernels(s));
+  s.aligned16 = true;
+  EXPECT_FALSE(nccl_avoid_symmetric_kernels(s));
+  s.aligned16 = false;
+  s.in_symmetric = false;  // one buffer outside the window: NCCL's regular kernels already
+  EXPECT_FALSE(nccl_avoid_symmetric_kernels(s));
+  s.in_symmetric = true;
+  s.out_symmetric = false;
+  EXPECT_FALSE(nccl_avoid_symmetric_kernels(s));
 }
 
 TEST(CollectiveKernels, EveryInstanceCompilesForSm90a) {

@@ -154,8 +154,9 @@ Layout layout(Env& env, Op op, Kind kind, size_t c, size_t sz) {
   return {in, in, out, true};
 }
 
+// Enqueues one case (poison, fill, op, check into counters[0] / counters[1]) without waiting.
 template <typename T>
-void run_case(Env& env, Op op, DType dtype, size_t c, Kind kind, int method) {
+void enqueue_case(Env& env, Op op, DType dtype, size_t c, Kind kind, int method, unsigned long long* counters) {
   const size_t sz = sizeof(T), n = env.n();
   const size_t in_count = op == Op::kReduceScatter ? n * c : c;
   const size_t out_count = op == Op::kAllGather ? n * c : c;
@@ -167,11 +168,16 @@ void run_case(Env& env, Op op, DType dtype, size_t c, Kind kind, int method) {
   if (op == Op::kAllReduce) env.coll.all_reduce(L.in, L.out, c, dtype, s, static_cast<AllReduceMethod>(method));
   if (op == Op::kAllGather) env.coll.all_gather(L.in, L.out, c, dtype, s, static_cast<AllGatherMethod>(method));
   if (op == Op::kReduceScatter) env.coll.reduce_scatter(L.in, L.out, c, dtype, s, static_cast<ReduceScatterMethod>(method));
-  reset_counters(env, s);
   check_kernel<T><<<1024, 256, 0, s>>>(reinterpret_cast<const T*>(L.out), out_count, op, c, env.n(), env.me(), seed,
-                                      nullptr, op == Op::kAllGather ? 0.0 : tolerance(dtype), env.counters,
-                                      env.counters + 1);
+                                      nullptr, op == Op::kAllGather ? 0.0 : tolerance(dtype), counters, counters + 1);
   TDIST_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void run_case(Env& env, Op op, DType dtype, size_t c, Kind kind, int method) {
+  cudaStream_t s = env.stream;
+  reset_counters(env, s);
+  enqueue_case<T>(env, op, dtype, c, kind, method, env.counters);
   unsigned long long host[2];
   TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
   TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -236,6 +242,102 @@ void run_sweep(Env& env, tdist::test::Suite& suite, Op op) {
         TDIST_CHECK(ran > 0, "no size was runnable");
       });
     }
+  }
+}
+
+// Every count from 1 to 2 x world x 16 elements (below, at and above world size x vector width, where
+// slices and block ranges are empty or partial), every buffer kind, every method, back to back on the
+// stream with no host synchronisation between cases (as an application issues them: a rank refills
+// its buffers for case k + 1 while slower peers may still run case k). Each case counts into its own
+// pair of counters; one agreement at the end.
+void run_small_sweep(Env& env, tdist::test::Suite& suite, Op op) {
+  const size_t n = env.n(), max_count = 2 * n * 16;
+  const Kind kinds[] = {Kind::kOrdinary, Kind::kUnaligned, Kind::kInPlace, Kind::kSymmetric, Kind::kSymmetricInPlace};
+  const size_t kinds_n = sizeof(kinds) / sizeof(kinds[0]);
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (int m : methods_of(op)) {
+      suite.run(detail::concat(op_name(op), " ", to_string(dtype), " ", method_name(op, m), ", counts 1..", max_count,
+                               " back to back"),
+                [&] {
+                  const size_t cases = max_count * kinds_n;
+                  unsigned long long* counters = nullptr;
+                  TDIST_CUDA_CHECK(cudaMalloc(&counters, 2 * cases * sizeof(unsigned long long)));
+                  std::vector<unsigned long long> host(2 * cases);
+                  for (size_t i = 0; i < cases; ++i) host[2 * i] = 0, host[2 * i + 1] = ~0ull;
+                  TDIST_CUDA_CHECK(cudaMemcpyAsync(counters, host.data(), host.size() * sizeof(host[0]),
+                                                   cudaMemcpyHostToDevice, env.stream));
+                  std::vector<bool> ran(cases, false);
+                  for (size_t c = 1; c <= max_count; ++c) {
+                    for (size_t k = 0; k < kinds_n; ++k) {
+                      if (!runnable(env, op, dtype, c, kinds[k], m)) continue;
+                      const size_t i = (c - 1) * kinds_n + k;
+                      dispatch(dtype, [&](auto t) {
+                        using T = decltype(t);
+                        enqueue_case<T>(env, op, dtype, c, kinds[k], m, counters + 2 * i);
+                      });
+                      ran[i] = true;
+                    }
+                  }
+                  TDIST_CUDA_CHECK(cudaMemcpyAsync(host.data(), counters, host.size() * sizeof(host[0]),
+                                                   cudaMemcpyDeviceToHost, env.stream));
+                  TDIST_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+                  TDIST_CUDA_CHECK(cudaFree(counters));
+                  unsigned long long bad = 0;
+                  std::string first;
+                  for (size_t i = 0; i < cases; ++i) {
+                    if (!ran[i] || host[2 * i] == 0) continue;
+                    if (bad == 0)
+                      first = detail::concat(kind_name(kinds[i % kinds_n]), ", ", i / kinds_n + 1, " elements: ",
+                                             host[2 * i], " wrong, first at ", host[2 * i + 1]);
+                    bad += host[2 * i];
+                  }
+                  const auto all = tdist::test::all_gather_u64(env.world, "coll small sweep", bad);
+                  for (int r = 0; r < env.n(); ++r)
+                    if (all[r] != 0)
+                      TDIST_FAIL("rank ", r, " has ", all[r], " wrong elements",
+                                 r == env.me() ? detail::concat(" (first case: ", first, ")") : "");
+                  TDIST_CHECK(std::count(ran.begin(), ran.end(), true) > 0, "no size was runnable");
+                });
+    }
+  }
+}
+
+// Diagnostic: NCCL's own AllGather / ReduceScatter on buffers inside the heap's window (registered
+// NCCL_WIN_COLL_SYMMETRIC, so NCCL may pick its symmetric kernels), called directly rather than
+// through tdist, at per-rank sizes on and off 16 bytes. It reports what NCCL returns and does not
+// fail on NCCL's behaviour: tdist routes such unaligned calls around the window
+// (nccl_avoid_symmetric_kernels), which the sweeps check. One case per line, entry and exit
+// synchronised on the host so no other work overlaps.
+template <typename T>
+void nccl_window_diagnostic(Env& env, Op op, DType dtype, ncclDataType_t nt, size_t c) {
+  const size_t n = env.n(), sz = sizeof(T);
+  const size_t in_count = op == Op::kReduceScatter ? n * c : c;
+  const size_t out_count = op == Op::kAllGather ? n * c : c;
+  const u64 seed = env.seed_base + 7919 * ++env.cases;
+  cudaStream_t s = env.stream;
+  reset_counters(env, s);
+  TDIST_CUDA_CHECK(cudaMemsetAsync(env.s_out, 0xFF, out_count * sz, s));
+  fill_kernel<T><<<1024, 256, 0, s>>>(reinterpret_cast<T*>(env.s_in), in_count, seed, nullptr, env.me(), 0);
+  tdist::test::sync_all(env.world, "nccl diag in");
+  if (op == Op::kAllGather) TDIST_NCCL_CHECK(ncclAllGather(env.s_in, env.s_out, c, nt, env.world.comm(), s));
+  else TDIST_NCCL_CHECK(ncclReduceScatter(env.s_in, env.s_out, c, nt, ncclSum, env.world.comm(), s));
+  check_kernel<T><<<1024, 256, 0, s>>>(reinterpret_cast<const T*>(env.s_out), out_count, op, c, env.n(), env.me(), seed,
+                                      nullptr, op == Op::kAllGather ? 0.0 : tolerance(dtype), env.counters,
+                                      env.counters + 1);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+  unsigned long long host[2];
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
+  tdist::test::sync_all(env.world, "nccl diag out");
+  const auto all = tdist::test::all_gather_u64(env.world, "nccl diag", host[0]);
+  if (env.me() == 0) {
+    std::string per_rank;
+    for (int r = 0; r < env.n(); ++r) per_rank += detail::concat(r ? ", " : "", all[r]);
+    std::printf("DIAG nccl %s on symmetric-window buffers, %s, %zu elements (%zu bytes per rank%s): wrong elements "
+                "per rank [%s]%s\n",
+                op_name(op), to_string(dtype), c, c * sz, (c * sz) % 16 ? ", not a multiple of 16" : "",
+                per_rank.c_str(),
+                std::count_if(all.begin(), all.end(), [](unsigned long long v) { return v != 0; }) ? "  <-- WRONG" : "");
+    std::fflush(stdout);
   }
 }
 
@@ -321,6 +423,18 @@ int main() {
   run_sweep(env, suite, Op::kAllReduce);
   run_sweep(env, suite, Op::kAllGather);
   run_sweep(env, suite, Op::kReduceScatter);
+  run_small_sweep(env, suite, Op::kAllReduce);
+  run_small_sweep(env, suite, Op::kAllGather);
+  run_small_sweep(env, suite, Op::kReduceScatter);
+
+  suite.run("diagnostic: NCCL AllGather / ReduceScatter directly on symmetric-window buffers (reports only)", [&] {
+    for (Op op : {Op::kAllGather, Op::kReduceScatter}) {
+      for (size_t c : {size_t{1000}, size_t{1001}, size_t{1024}, size_t{1025}, size_t{4096 + 5}}) {
+        nccl_window_diagnostic<__nv_bfloat16>(env, op, DType::kBFloat16, ncclBfloat16, c);
+        nccl_window_diagnostic<float>(env, op, DType::kFloat32, ncclFloat32, c);
+      }
+    }
+  });
 
   // Graph replays: every tdist method, ordinary and symmetric buffers, 1000 ops each.
   struct G { Op op; int method; size_t c; };
@@ -369,9 +483,16 @@ int main() {
     expect_error("'method'", [&] {
       coll.all_reduce(env.d_in, env.d_out, 1 << 20, DType::kFloat32, s, AllReduceMethod::kLowLatency);
     });
+    // ce_push staging an output one vector per rank larger than the workspace: 'method'. The
+    // output (world x count) must still fit in d_out; a count whose output runs past d_out into
+    // d_in is an overlap, and that error names 'out' (checked below).
+    const size_t over = kMaxBytes / (2 * static_cast<size_t>(env.n())) + 8;  // bf16: 16 B per rank past
+    TDIST_CHECK(over * 2 * env.n() <= buf && over * 2 * env.n() > coll.max_bytes(), "ce_push case does not fit");
     expect_error("'method'", [&] {
-      coll.all_gather(env.d_in, env.d_out, kMaxBytes / 2, DType::kBFloat16, s, AllGatherMethod::kCePush);
+      coll.all_gather(env.d_in, env.d_out, over, DType::kBFloat16, s, AllGatherMethod::kCePush);
     });
+    // Out of place with the input inside the output, not at this rank's part: an overlap naming 'out'.
+    expect_error("'out'", [&] { coll.all_gather(env.d_out + 64, env.d_out, 64, DType::kFloat32, s); });
     // A symmetric buffer that runs past the heap's end.
     const auto& v = heap.view();
     expect_error("'in'", [&] {

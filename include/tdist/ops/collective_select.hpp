@@ -74,6 +74,15 @@ AllGatherMethod resolve_all_gather(AllGatherMethod requested, const char* env_va
 ReduceScatterMethod resolve_reduce_scatter(ReduceScatterMethod requested, const char* env_value,
                                            const CollectiveShape& s, const CollectiveLimits& l);
 
+// Whether an NCCL AllGather / ReduceScatter of this shape must keep one buffer out of the heap's
+// window. NCCL (2.28) runs its symmetric kernels when both buffers lie in a window registered with
+// NCCL_WIN_COLL_SYMMETRIC, as the whole symmetric heap is, and those returned wrong data on 2 x H200
+// for per-rank sizes that are not a multiple of 16 bytes (1001 bf16 / f16 / f32 elements); the same
+// calls on ordinary buffers are right. tdist therefore stages one side through ordinary memory when
+// both buffers are symmetric and any pointer or the per-rank stride is not 16-byte aligned
+// (s.aligned16 covers both). AllReduce is not affected (it passed at the same sizes).
+bool nccl_avoid_symmetric_kernels(const CollectiveShape& s);
+
 // Argument checks (throw tdist::Error naming the argument). `count` is the AllReduce element count,
 // the per-rank AllGather input count, or the per-rank ReduceScatter output count.
 void check_dtype(DType dtype);

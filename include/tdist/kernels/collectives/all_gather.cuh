@@ -6,6 +6,10 @@
 //   2. exchange phase 0 with block b of every peer;
 //   3. read R_b of every peer's slot (or input) over NVLink into out[peer * B + R_b];
 //   4. zero copy only: exchange phase 1, so no peer is still reading `in` when the call returns.
+// Zero copy reads the peer's input where the peer has it: the same symmetric buffer `in` on every
+// rank, except in place (in == out + me * B), where rank p's input is its own part out + p * B of
+// the symmetric output (translating this rank's `in` would read the peer's copy of this rank's
+// part, which the peer is about to fill).
 // The copy-engine variants (push and pull) run on the host side (src/ops/collectives.cpp) with the
 // stream barrier of barrier.cuh between their phases.
 #pragma once
@@ -23,13 +27,15 @@ __global__ void __launch_bounds__(kThreads, 1) tdist_ag_sm(CollParams p) {
   char* slot = slot_of(p, e);
   const char* in = static_cast<const char*>(p.in);
   char* out = static_cast<char*>(p.out);
+  const bool in_place = in == out + me * B;
   const char* src = p.zero_copy ? in : slot;
   if (!p.zero_copy) block_copy(slot + lo, in + lo, hi - lo);
   block_copy(out + me * B + lo, in + lo, hi - lo);
   exchange(p, 0, e);
   for (int k = 1; k < n; ++k) {
     const int peer = (me + k) % n;  // staggered, so ranks do not all read one peer at once
-    tdist::device::detail::group_copy<BlockGroup>(out + peer * B + lo, p.heap.symm_at(src, peer) + lo, hi - lo);
+    const char* peer_src = p.zero_copy && in_place ? out + peer * B : src;  // symmetric, peer's layout
+    tdist::device::detail::group_copy<BlockGroup>(out + peer * B + lo, p.heap.symm_at(peer_src, peer) + lo, hi - lo);
   }
   if (p.zero_copy) exchange(p, 1, e);
   end_call(p.epoch, e);

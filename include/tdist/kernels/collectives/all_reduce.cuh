@@ -7,7 +7,9 @@
 //   3. out[R_b] = sum over ranks of their R_b, read over NVLink (num_ranks reads per element);
 //   4. zero copy only: exchange phase 1 (peers read `in` until then; out must differ from in).
 // ar_two_shot<T>: the buffer is cut into num_ranks slices of S elements (S a multiple of 8, the
-// last slice shorter); block b owns range R_b of each slice.
+// last slices shorter or empty when count < num_ranks * S); block b owns range R_b of each slice.
+// A rank whose slice is empty reduces nothing (reduce_range of an empty range writes nothing: it
+// must not touch its slot, which the owners of the other slices are reading).
 //   1. copy R_b of every slice into the workspace slot (skipped when p.zero_copy);
 //   2. exchange phase 0;
 //   3. reduce R_b of slice `me` over all ranks (reduce-scatter) into the slot (at the same offset)

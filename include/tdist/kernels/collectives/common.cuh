@@ -137,45 +137,59 @@ TDIST_DEVICE void block_range(u64 len, u64 block, u64 blocks, u64 align, u64& lo
   if (hi > len) hi = len;
 }
 
-// out[i] = sum over r of srcs[r][i], i in [lo, hi) elements, accumulated in fp32 in rank order (so
-// every rank computes bit-identical sums). `vec`: all addresses 16-byte aligned at lo.
+// Scalar part of reduce_range: out[i] for i in [lo, hi).
 template <typename T>
-TDIST_DEVICE void reduce_range(T* out, const char* const* srcs, int n, u64 lo, u64 hi, bool vec) {
-  constexpr int kV = 16 / sizeof(T);
-  constexpr int kBatch = 8;
-  if (vec) {
-    const u64 vlo = lo / kV, vhi = hi / kV;  // lo is a multiple of kV; a tail may remain
-    for (u64 v = vlo + threadIdx.x; v < vhi; v += blockDim.x) {
-      float acc[kV];
-#pragma unroll
-      for (int k = 0; k < kV; ++k) acc[k] = 0.f;
-      for (int r0 = 0; r0 < n; r0 += kBatch) {
-        uint4 x[kBatch];
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k)
-          if (r0 + k < n) x[k] = reinterpret_cast<const uint4*>(srcs[r0 + k])[v];
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-          if (r0 + k < n) {
-            const T* e = reinterpret_cast<const T*>(&x[k]);
-#pragma unroll
-            for (int j = 0; j < kV; ++j) acc[j] += to_f32(e[j]);
-          }
-        }
-      }
-      uint4 y;
-      T* ye = reinterpret_cast<T*>(&y);
-#pragma unroll
-      for (int j = 0; j < kV; ++j) ye[j] = from_f32<T>(acc[j]);
-      reinterpret_cast<uint4*>(out)[v] = y;
-    }
-    lo = vhi * kV;
-  }
+TDIST_DEVICE void reduce_scalar(T* out, const char* const* srcs, int n, u64 lo, u64 hi) {
   for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
     float acc = 0.f;
     for (int r = 0; r < n; ++r) acc += to_f32(reinterpret_cast<const T*>(srcs[r])[i]);
     out[i] = from_f32<T>(acc);
   }
+}
+
+// out[i] = sum over r of srcs[r][i], i in [lo, hi) elements, accumulated in fp32 in rank order (so
+// every rank computes bit-identical sums). Touches no element outside [lo, hi): callers run it on
+// disjoint ranges concurrently (other blocks, other ranks' slices), and an empty range is a no-op.
+// `vec`: out and every srcs[r] are 16-byte aligned at element 0; the 16-byte vectors cover the
+// aligned middle of [lo, hi) and scalar loops the unaligned head and tail (lo need not be a
+// multiple of the vector width: ranges clipped to the element count are not).
+template <typename T>
+TDIST_DEVICE void reduce_range(T* out, const char* const* srcs, int n, u64 lo, u64 hi, bool vec) {
+  constexpr int kV = 16 / sizeof(T);
+  constexpr int kBatch = 8;
+  if (lo >= hi) return;
+  if (vec) {
+    const u64 vlo = (lo + kV - 1) / kV, vhi = hi / kV;
+    if (vlo < vhi) {
+      reduce_scalar<T>(out, srcs, n, lo, vlo * kV);
+      for (u64 v = vlo + threadIdx.x; v < vhi; v += blockDim.x) {
+        float acc[kV];
+#pragma unroll
+        for (int k = 0; k < kV; ++k) acc[k] = 0.f;
+        for (int r0 = 0; r0 < n; r0 += kBatch) {
+          uint4 x[kBatch];
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k)
+            if (r0 + k < n) x[k] = reinterpret_cast<const uint4*>(srcs[r0 + k])[v];
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            if (r0 + k < n) {
+              const T* e = reinterpret_cast<const T*>(&x[k]);
+#pragma unroll
+              for (int j = 0; j < kV; ++j) acc[j] += to_f32(e[j]);
+            }
+          }
+        }
+        uint4 y;
+        T* ye = reinterpret_cast<T*>(&y);
+#pragma unroll
+        for (int j = 0; j < kV; ++j) ye[j] = from_f32<T>(acc[j]);
+        reinterpret_cast<uint4*>(out)[v] = y;
+      }
+      lo = vhi * kV;
+    }
+  }
+  reduce_scalar<T>(out, srcs, n, lo, hi);
 }
 
 // Copies [lo, hi) bytes, shared by the block (no sync).
