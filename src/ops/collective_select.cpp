@@ -17,15 +17,22 @@ std::string lower(std::string s) {
 
 constexpr size_t KiB = 1024, MiB = 1024 * 1024;
 
-// Thresholds measured against BASELINES.md (2 x H200): small AllReduce through NCCL costs ~21 us per
-// op in a graph up to 256 KB, symm_mem's one_shot wins up to ~64 KB and its two_shot above. Larger
-// teams read (n - 1) copies in one-shot and LL, so their windows shrink with n.
-size_t ar_ll_max(int n) { return n <= 2 ? 64 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
-size_t ar_one_shot_max(int n) { return n <= 2 ? 256 * KiB : n <= 4 ? 128 * KiB : 64 * KiB; }
-size_t ag_ll_max_per_rank(int n) { return n <= 2 ? 32 * KiB : 16 * KiB; }
+// Thresholds from the side-by-side sweep on 2 x H200 (bench/results/h200x2/collectives_sweep.json,
+// bf16, symmetric buffers, graph-timed up to 4 MB): the LL protocol wins up to 256 KB (AllReduce) and
+// 256 KB per rank (AllGather); at two ranks one-shot AllReduce beats two-shot at every size and NCCL
+// overtakes it from 512 MB; the copy-engine AllGather overtakes the SM pull from 128 MB; the fused
+// ReduceScatter loses to NCCL below 1 MB. Larger teams are not measured yet: one-shot and LL read
+// (n - 1) copies, so their windows shrink with n there, and two-shot takes the large sizes.
+size_t ar_ll_max(int n) { return n <= 2 ? 256 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
+size_t ar_one_shot_max(int n) { return n <= 2 ? 256 * MiB : n <= 4 ? 128 * KiB : 64 * KiB; }
+// From this size on NCCL's AllReduce is the fastest (measured at two ranks only).
+size_t ar_nccl_min(int n) { return n <= 2 ? 512 * MiB : SIZE_MAX; }
+size_t ag_ll_max_per_rank(int n) { return n <= 2 ? 256 * KiB : 16 * KiB; }
 // From this total size on, a copy-engine AllGather (no SMs, 390 GB/s per direction) beats the SM
 // pull when it needs no staging copy (the caller's symmetric buffer is the output or the input).
-constexpr size_t kAgCeMin = 64 * MiB;
+constexpr size_t kAgCeMin = 128 * MiB;
+// Below this size NCCL's ReduceScatter beats the fused pull-and-reduce.
+constexpr size_t kRsFusedMin = 1 * MiB;
 
 std::string infeasible_reason(const char* method, const char* op, const CollectiveShape& s, size_t need, size_t have,
                               const char* what) {
@@ -160,6 +167,7 @@ bool feasible(ReduceScatterMethod m, const CollectiveShape& s, const CollectiveL
 AllReduceMethod select_all_reduce(const CollectiveShape& s, const CollectiveLimits& l) {
   const int n = s.world_size;
   if (n <= 1) return AllReduceMethod::kNccl;
+  if (s.bytes >= ar_nccl_min(n)) return AllReduceMethod::kNccl;
   if (s.bytes <= ar_ll_max(n) && feasible(AllReduceMethod::kLowLatency, s, l)) return AllReduceMethod::kLowLatency;
   if (s.bytes <= ar_one_shot_max(n) && feasible(AllReduceMethod::kOneShot, s, l)) return AllReduceMethod::kOneShot;
   if (feasible(AllReduceMethod::kTwoShot, s, l)) return AllReduceMethod::kTwoShot;
@@ -181,7 +189,7 @@ AllGatherMethod select_all_gather(const CollectiveShape& s, const CollectiveLimi
 }
 
 ReduceScatterMethod select_reduce_scatter(const CollectiveShape& s, const CollectiveLimits& l) {
-  if (s.world_size <= 1) return ReduceScatterMethod::kNccl;
+  if (s.world_size <= 1 || s.bytes < kRsFusedMin) return ReduceScatterMethod::kNccl;
   if (feasible(ReduceScatterMethod::kFused, s, l)) return ReduceScatterMethod::kFused;
   return ReduceScatterMethod::kNccl;
 }

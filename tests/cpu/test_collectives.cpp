@@ -44,12 +44,16 @@ std::string error_of(F&& f) {
 TEST(CollectiveSelect, AllReduceTable) {
   EXPECT_EQ(select_all_reduce(shape(1 * KiB), kLimits), AllReduceMethod::kLowLatency);
   EXPECT_EQ(select_all_reduce(shape(64 * KiB), kLimits), AllReduceMethod::kLowLatency);
-  EXPECT_EQ(select_all_reduce(shape(128 * KiB), kLimits), AllReduceMethod::kOneShot);
-  EXPECT_EQ(select_all_reduce(shape(256 * KiB), kLimits), AllReduceMethod::kOneShot);
-  EXPECT_EQ(select_all_reduce(shape(1 * MiB), kLimits), AllReduceMethod::kTwoShot);
-  EXPECT_EQ(select_all_reduce(shape(256 * MiB), kLimits), AllReduceMethod::kTwoShot);
+  EXPECT_EQ(select_all_reduce(shape(128 * KiB), kLimits), AllReduceMethod::kLowLatency);
+  EXPECT_EQ(select_all_reduce(shape(256 * KiB), kLimits), AllReduceMethod::kLowLatency);
+  // Two ranks: one-shot beats two-shot at every measured size, NCCL from 512 MB.
+  EXPECT_EQ(select_all_reduce(shape(512 * KiB), kLimits), AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(1 * MiB), kLimits), AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(256 * MiB), kLimits), AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(512 * MiB), CollectiveLimits{1024 * MiB, 256 * KiB}), AllReduceMethod::kNccl);
   // Beyond the workspace: NCCL, never an error.
   EXPECT_EQ(select_all_reduce(shape(1024 * MiB), kLimits), AllReduceMethod::kNccl);
+  EXPECT_EQ(select_all_reduce(shape(256 * MiB, 4), kLimits), AllReduceMethod::kTwoShot);
   // Larger teams: narrower LL and one-shot windows.
   EXPECT_EQ(select_all_reduce(shape(64 * KiB, 8), kLimits), AllReduceMethod::kOneShot);
   EXPECT_EQ(select_all_reduce(shape(16 * KiB, 8), kLimits), AllReduceMethod::kLowLatency);
@@ -64,8 +68,10 @@ TEST(CollectiveSelect, AllReduceTable) {
 TEST(CollectiveSelect, AllGatherTable) {
   EXPECT_EQ(select_all_gather(shape(2 * KiB), kLimits), AllGatherMethod::kLowLatency);
   EXPECT_EQ(select_all_gather(shape(64 * KiB), kLimits), AllGatherMethod::kLowLatency);
-  EXPECT_EQ(select_all_gather(shape(128 * KiB), kLimits), AllGatherMethod::kSm);
+  EXPECT_EQ(select_all_gather(shape(512 * KiB), kLimits), AllGatherMethod::kLowLatency);  // 256 KB per rank
+  EXPECT_EQ(select_all_gather(shape(1 * MiB), kLimits), AllGatherMethod::kSm);
   EXPECT_EQ(select_all_gather(shape(256 * MiB), kLimits), AllGatherMethod::kSm);
+  EXPECT_EQ(select_all_gather(shape(64 * MiB, 2, false, true), kLimits), AllGatherMethod::kSm);  // below 128 MB
   EXPECT_EQ(select_all_gather(shape(256 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(select_all_gather(shape(256 * MiB, 2, true, false), kLimits), AllGatherMethod::kCePull);
   EXPECT_EQ(select_all_gather(shape(16 * MiB, 2, true, true), kLimits), AllGatherMethod::kSm);
@@ -76,7 +82,10 @@ TEST(CollectiveSelect, AllGatherTable) {
 }
 
 TEST(CollectiveSelect, ReduceScatterTable) {
-  EXPECT_EQ(select_reduce_scatter(shape(1 * KiB), kLimits), ReduceScatterMethod::kFused);
+  // NCCL is faster below 1 MB.
+  EXPECT_EQ(select_reduce_scatter(shape(1 * KiB), kLimits), ReduceScatterMethod::kNccl);
+  EXPECT_EQ(select_reduce_scatter(shape(512 * KiB), kLimits), ReduceScatterMethod::kNccl);
+  EXPECT_EQ(select_reduce_scatter(shape(1 * MiB), kLimits), ReduceScatterMethod::kFused);
   EXPECT_EQ(select_reduce_scatter(shape(256 * MiB), kLimits), ReduceScatterMethod::kFused);
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB), kLimits), ReduceScatterMethod::kNccl);
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB, 2, true), kLimits), ReduceScatterMethod::kFused);
@@ -88,7 +97,7 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
   EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, "two_shot", shape(1 * KiB), kLimits), AllReduceMethod::kTwoShot);
   EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, "NCCL", shape(1 * KiB), kLimits), AllReduceMethod::kNccl);
   EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, "", shape(1 * KiB), kLimits), AllReduceMethod::kLowLatency);
-  EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, nullptr, shape(1 * MiB), kLimits), AllReduceMethod::kTwoShot);
+  EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, nullptr, shape(1 * MiB), kLimits), AllReduceMethod::kOneShot);
   EXPECT_EQ(resolve_all_gather(AllGatherMethod::kAuto, "ce_push", shape(1 * MiB), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, "ce", shape(1 * MiB), kLimits), ReduceScatterMethod::kCe);
   // Bad names name the variable.

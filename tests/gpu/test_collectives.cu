@@ -498,8 +498,11 @@ int main() {
     expect_error("'in'", [&] {
       coll.all_reduce(v.local_base() + v.size - 64, env.d_out, 1024, DType::kFloat32, s, AllReduceMethod::kOneShot);
     });
-    // Beyond the workspace, auto falls back to NCCL instead of failing.
-    TDIST_CHECK(coll.all_reduce_method(env.d_in, env.d_out, kMaxBytes, DType::kBFloat16) == AllReduceMethod::kNccl,
+    // Beyond the workspace (by 8 elements; the buffers hold them), auto falls back to NCCL instead
+    // of failing.
+    const size_t beyond = coll.max_bytes() / 2 + 8;
+    TDIST_CHECK(beyond * 2 <= buf, "the beyond-workspace case does not fit the buffers");
+    TDIST_CHECK(coll.all_reduce_method(env.d_in, env.d_out, beyond, DType::kBFloat16) == AllReduceMethod::kNccl,
                 "auto beyond the workspace is not nccl");
   });
 
