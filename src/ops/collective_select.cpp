@@ -17,22 +17,22 @@ std::string lower(std::string s) {
 
 constexpr size_t KiB = 1024, MiB = 1024 * 1024;
 
-// Thresholds from the side-by-side sweep on 2 x H200 (bench/results/h200x2/collectives_sweep.json,
-// bf16, symmetric buffers, graph-timed up to 4 MB): the LL protocol wins up to 256 KB (AllReduce) and
-// 256 KB per rank (AllGather); at two ranks one-shot AllReduce beats two-shot at every size and NCCL
-// overtakes it from 512 MB; the copy-engine AllGather overtakes the SM pull from 128 MB; the fused
-// ReduceScatter loses to NCCL below 1 MB. Larger teams are not measured yet: one-shot and LL read
-// (n - 1) copies, so their windows shrink with n there, and two-shot takes the large sizes.
+// Thresholds from the side-by-side sweeps on 2 x H200 (bench/results/h200x2/, bf16, symmetric
+// buffers, graph-timed up to 4 MB): the LL protocol wins up to 256 KB (AllReduce) and 256 KB per rank
+// (AllGather); at two ranks one-shot AllReduce beats two-shot at every size and stays within 3 % of
+// NCCL at 512 MB and 1 GB; the copy-engine AllGather overtakes the SM pull from 128 MB; the fused
+// ReduceScatter loses to NCCL below 512 KB. NCCL called on symmetric (window) buffers runs its own
+// symmetric kernels, which are slower than its regular ones on large AllReduce (0.7x at 512 MB), so
+// the method "nccl" is no stand-in for the NCCL baseline there. Larger teams are not measured yet:
+// one-shot and LL read (n - 1) copies, so their windows shrink with n, and two-shot takes the rest.
 size_t ar_ll_max(int n) { return n <= 2 ? 256 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
-size_t ar_one_shot_max(int n) { return n <= 2 ? 256 * MiB : n <= 4 ? 128 * KiB : 64 * KiB; }
-// From this size on NCCL's AllReduce is the fastest (measured at two ranks only).
-size_t ar_nccl_min(int n) { return n <= 2 ? 512 * MiB : SIZE_MAX; }
+size_t ar_one_shot_max(int n) { return n <= 2 ? SIZE_MAX : n <= 4 ? 128 * KiB : 64 * KiB; }
 size_t ag_ll_max_per_rank(int n) { return n <= 2 ? 256 * KiB : 16 * KiB; }
 // From this total size on, a copy-engine AllGather (no SMs, 390 GB/s per direction) beats the SM
 // pull when it needs no staging copy (the caller's symmetric buffer is the output or the input).
 constexpr size_t kAgCeMin = 128 * MiB;
 // Below this size NCCL's ReduceScatter beats the fused pull-and-reduce.
-constexpr size_t kRsFusedMin = 1 * MiB;
+constexpr size_t kRsFusedMin = 512 * KiB;
 
 std::string infeasible_reason(const char* method, const char* op, const CollectiveShape& s, size_t need, size_t have,
                               const char* what) {
@@ -167,7 +167,6 @@ bool feasible(ReduceScatterMethod m, const CollectiveShape& s, const CollectiveL
 AllReduceMethod select_all_reduce(const CollectiveShape& s, const CollectiveLimits& l) {
   const int n = s.world_size;
   if (n <= 1) return AllReduceMethod::kNccl;
-  if (s.bytes >= ar_nccl_min(n)) return AllReduceMethod::kNccl;
   if (s.bytes <= ar_ll_max(n) && feasible(AllReduceMethod::kLowLatency, s, l)) return AllReduceMethod::kLowLatency;
   if (s.bytes <= ar_one_shot_max(n) && feasible(AllReduceMethod::kOneShot, s, l)) return AllReduceMethod::kOneShot;
   if (feasible(AllReduceMethod::kTwoShot, s, l)) return AllReduceMethod::kTwoShot;

@@ -46,11 +46,11 @@ TEST(CollectiveSelect, AllReduceTable) {
   EXPECT_EQ(select_all_reduce(shape(64 * KiB), kLimits), AllReduceMethod::kLowLatency);
   EXPECT_EQ(select_all_reduce(shape(128 * KiB), kLimits), AllReduceMethod::kLowLatency);
   EXPECT_EQ(select_all_reduce(shape(256 * KiB), kLimits), AllReduceMethod::kLowLatency);
-  // Two ranks: one-shot beats two-shot at every measured size, NCCL from 512 MB.
+  // Two ranks: one-shot beats two-shot at every measured size.
   EXPECT_EQ(select_all_reduce(shape(512 * KiB), kLimits), AllReduceMethod::kOneShot);
   EXPECT_EQ(select_all_reduce(shape(1 * MiB), kLimits), AllReduceMethod::kOneShot);
   EXPECT_EQ(select_all_reduce(shape(256 * MiB), kLimits), AllReduceMethod::kOneShot);
-  EXPECT_EQ(select_all_reduce(shape(512 * MiB), CollectiveLimits{1024 * MiB, 256 * KiB}), AllReduceMethod::kNccl);
+  EXPECT_EQ(select_all_reduce(shape(512 * MiB), CollectiveLimits{1024 * MiB, 256 * KiB}), AllReduceMethod::kOneShot);
   // Beyond the workspace: NCCL, never an error.
   EXPECT_EQ(select_all_reduce(shape(1024 * MiB), kLimits), AllReduceMethod::kNccl);
   EXPECT_EQ(select_all_reduce(shape(256 * MiB, 4), kLimits), AllReduceMethod::kTwoShot);
@@ -82,9 +82,10 @@ TEST(CollectiveSelect, AllGatherTable) {
 }
 
 TEST(CollectiveSelect, ReduceScatterTable) {
-  // NCCL is faster below 1 MB.
+  // NCCL is faster below 512 KB.
   EXPECT_EQ(select_reduce_scatter(shape(1 * KiB), kLimits), ReduceScatterMethod::kNccl);
-  EXPECT_EQ(select_reduce_scatter(shape(512 * KiB), kLimits), ReduceScatterMethod::kNccl);
+  EXPECT_EQ(select_reduce_scatter(shape(256 * KiB), kLimits), ReduceScatterMethod::kNccl);
+  EXPECT_EQ(select_reduce_scatter(shape(512 * KiB), kLimits), ReduceScatterMethod::kFused);
   EXPECT_EQ(select_reduce_scatter(shape(1 * MiB), kLimits), ReduceScatterMethod::kFused);
   EXPECT_EQ(select_reduce_scatter(shape(256 * MiB), kLimits), ReduceScatterMethod::kFused);
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB), kLimits), ReduceScatterMethod::kNccl);
