@@ -263,6 +263,14 @@ Plan make_plan(const CompileRequest& req) {
   }
   if (kind == CompilerKind::kAuto) kind = CompilerKind::kNvrtc;
   p.kind = kind;
+  // CUTLASS and CuTe declare helpers without __host__/__device__; NVRTC rejects those as host code
+  // unless unannotated functions default to device code.
+  const bool uses_cutlass = std::any_of(p.scan.headers.begin(), p.scan.headers.end(), [](const auto& h) {
+    return starts_with(h.spelled, "cutlass/") || starts_with(h.spelled, "cute/");
+  });
+  if (kind == CompilerKind::kNvrtc && uses_cutlass &&
+      std::find(p.options.begin(), p.options.end(), "-default-device") == p.options.end())
+    p.options.push_back("-default-device");
 
   if (kind == CompilerKind::kNvcc) {
     // Marker variables from which the mangled names are read back (cubin_elf.cpp).
