@@ -16,6 +16,7 @@
 #include "tdist/device.cuh"
 #include "tdist/runtime/stream.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
+#include "tdist/runtime/timing.hpp"
 #include "tdist/runtime/world.hpp"
 
 using namespace tdist;
@@ -42,33 +43,11 @@ struct Row {
   double tdist_gbps, baseline_gbps, reference_gbps;
 };
 
+// GB/s per direction of one put of `bytes`, on the slowest rank (a link is only as fast as its
+// slower direction).
 template <typename Launch>
 double median_gbps(World& world, cudaStream_t stream, size_t bytes, int iters, Launch&& launch) {
-  for (int i = 0; i < 3; ++i) launch();
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-  world.barrier("bench start");  // every rank pushes at the same time
-  std::vector<cudaEvent_t> events(iters + 1);
-  for (auto& e : events) TDIST_CUDA_CHECK(cudaEventCreate(&e));
-  TDIST_CUDA_CHECK(cudaEventRecord(events[0], stream));
-  for (int i = 0; i < iters; ++i) {
-    launch();
-    TDIST_CUDA_CHECK(cudaEventRecord(events[i + 1], stream));
-  }
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) TDIST_CUDA_CHECK(cudaEventElapsedTime(&ms[i], events[i], events[i + 1]));
-  for (auto& e : events) cudaEventDestroy(e);
-  std::nth_element(ms.begin(), ms.begin() + iters / 2, ms.end());
-  double gbps = bytes / (ms[iters / 2] * 1e6);
-  // Report the slowest rank: a link is only as fast as its slower direction.
-  uint64_t mbps = static_cast<uint64_t>(gbps * 1000);
-  const auto all = world.all_gather("bench result", Bytes(reinterpret_cast<uint8_t*>(&mbps), reinterpret_cast<uint8_t*>(&mbps + 1)));
-  for (const auto& b : all) {
-    uint64_t v;
-    std::memcpy(&v, b.data(), sizeof(v));
-    gbps = std::min(gbps, v / 1000.0);
-  }
-  return gbps;
+  return bytes / (slowest_rank_median_ms(world, stream, iters, launch) * 1e6);
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "tdist/runtime/timing.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
@@ -146,30 +147,8 @@ double time_op(World& world, cudaStream_t s, bool graph, int ops_per_graph, int 
     if (graph) TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
     else op();
   };
-  for (int w = 0; w < 3; ++w) run();
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
-  world.barrier("bench start");
-  std::vector<cudaEvent_t> ev(iters + 1);
-  for (auto& e : ev) TDIST_CUDA_CHECK(cudaEventCreate(&e));
-  TDIST_CUDA_CHECK(cudaEventRecord(ev[0], s));
-  for (int i = 0; i < iters; ++i) {
-    run();
-    TDIST_CUDA_CHECK(cudaEventRecord(ev[i + 1], s));
-  }
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
-  std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) TDIST_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
-  for (auto& e : ev) TDIST_CUDA_CHECK(cudaEventDestroy(e));
+  const double us = slowest_rank_median_ms(world, s, iters, run) * 1000.0 / per;
   if (exec) TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  std::nth_element(ms.begin(), ms.begin() + iters / 2, ms.end());
-  double us = ms[iters / 2] * 1000.0 / per;
-  unsigned long long ns = static_cast<unsigned long long>(us * 1000.0);
-  const auto all = world.all_gather("bench time", Bytes(reinterpret_cast<uint8_t*>(&ns), reinterpret_cast<uint8_t*>(&ns + 1)));
-  for (const auto& b : all) {
-    unsigned long long v;
-    std::memcpy(&v, b.data(), sizeof(v));
-    us = std::max(us, v / 1000.0);
-  }
   return us;
 }
 
