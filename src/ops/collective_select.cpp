@@ -28,17 +28,24 @@ constexpr size_t KiB = 1024, MiB = 1024 * 1024;
 size_t ar_ll_max(int n) { return n <= 2 ? 256 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
 size_t ar_one_shot_max(int n) { return n <= 2 ? SIZE_MAX : n <= 4 ? 128 * KiB : 64 * KiB; }
 size_t ag_ll_max_per_rank(int n) { return n <= 2 ? 256 * KiB : 16 * KiB; }
+// LL ReduceScatter (input size): at two ranks, up to 512 KB, where NCCL beat the fused kernel and
+// NCCL on window buffers itself fell to 0.63-0.90x of NCCL on regular buffers (128-512 KB). The LL
+// kernel sends each peer only its slice, so a rank's traffic stays near (n - 1) / n of the input,
+// but each thread waits on n - 1 lines in turn: the window halves per doubling of the team
+// (1 MB / n, in the steps of the other tables). Not measured beyond two ranks.
+size_t rs_ll_max(int n) { return n <= 2 ? 512 * KiB : n <= 4 ? 256 * KiB : 128 * KiB; }
 // From this total size on, a copy-engine AllGather (no SMs, 390 GB/s per direction) beats the SM
 // pull when it needs no staging copy (the caller's symmetric buffer is the output or the input).
 constexpr size_t kAgCeMin = 128 * MiB;
-// Below this size NCCL's ReduceScatter beats the fused pull-and-reduce.
+// Below this size NCCL's ReduceScatter beats the fused pull-and-reduce (the choice where LL cannot run).
 constexpr size_t kRsFusedMin = 512 * KiB;
 
 std::string infeasible_reason(const char* method, const char* op, const CollectiveShape& s, size_t need, size_t have,
                               const char* what) {
+  const bool ll = std::string(what).rfind("low-latency", 0) == 0;
   return detail::concat(method, " cannot run this ", op, " of ", s.bytes, " bytes: it needs ", need, " bytes of ",
-                        what, " and the context has ", have,
-                        " (create the Collectives context with a larger max_bytes, or use method nccl)");
+                        what, " and the context has ", have, " (create the Collectives context with a larger ",
+                        ll ? "CollectivesOptions::ll_bytes" : "max_bytes", ", or use method nccl)");
 }
 
 }  // namespace
@@ -107,6 +114,7 @@ const char* to_string(ReduceScatterMethod m) {
     case ReduceScatterMethod::kAuto: return "auto";
     case ReduceScatterMethod::kFused: return "fused";
     case ReduceScatterMethod::kCe: return "ce";
+    case ReduceScatterMethod::kLowLatency: return "ll";
     case ReduceScatterMethod::kNccl: return "nccl";
   }
   return "invalid";
@@ -131,9 +139,9 @@ AllGatherMethod parse_all_gather_method(const std::string& text, const std::stri
 ReduceScatterMethod parse_reduce_scatter_method(const std::string& text, const std::string& what) {
   const std::string s = lower(text);
   for (auto m : {ReduceScatterMethod::kAuto, ReduceScatterMethod::kFused, ReduceScatterMethod::kCe,
-                 ReduceScatterMethod::kNccl})
+                 ReduceScatterMethod::kLowLatency, ReduceScatterMethod::kNccl})
     if (s == to_string(m)) return m;
-  TDIST_FAIL("invalid ", what, " '", text, "' for reduce_scatter (expected auto, fused, ce or nccl)");
+  TDIST_FAIL("invalid ", what, " '", text, "' for reduce_scatter (expected auto, fused, ce, ll or nccl)");
 }
 
 bool feasible(AllReduceMethod m, const CollectiveShape& s, const CollectiveLimits& l) {
@@ -158,6 +166,7 @@ bool feasible(AllGatherMethod m, const CollectiveShape& s, const CollectiveLimit
 
 bool feasible(ReduceScatterMethod m, const CollectiveShape& s, const CollectiveLimits& l) {
   switch (m) {
+    case ReduceScatterMethod::kLowLatency: return s.bytes / std::max(1, s.world_size) <= l.ll_bytes;
     case ReduceScatterMethod::kFused: return s.in_symmetric || s.bytes <= l.workspace_bytes;
     case ReduceScatterMethod::kCe: return s.bytes <= l.workspace_bytes;
     default: return true;
@@ -188,7 +197,11 @@ AllGatherMethod select_all_gather(const CollectiveShape& s, const CollectiveLimi
 }
 
 ReduceScatterMethod select_reduce_scatter(const CollectiveShape& s, const CollectiveLimits& l) {
-  if (s.world_size <= 1 || s.bytes < kRsFusedMin) return ReduceScatterMethod::kNccl;
+  if (s.world_size <= 1) return ReduceScatterMethod::kNccl;
+  if (s.bytes <= rs_ll_max(s.world_size) && feasible(ReduceScatterMethod::kLowLatency, s, l))
+    return ReduceScatterMethod::kLowLatency;
+  // LL buffer too small (or a larger size): the choice without LL.
+  if (s.bytes < kRsFusedMin) return ReduceScatterMethod::kNccl;
   if (feasible(ReduceScatterMethod::kFused, s, l)) return ReduceScatterMethod::kFused;
   return ReduceScatterMethod::kNccl;
 }
@@ -243,6 +256,9 @@ ReduceScatterMethod resolve_reduce_scatter(ReduceScatterMethod requested, const 
                                            const CollectiveShape& s, const CollectiveLimits& l) {
   return resolve(requested, kReduceScatterMethodEnv, env_value, s, l, parse_reduce_scatter_method,
                  select_reduce_scatter, [&](ReduceScatterMethod m) {
+                   if (m == ReduceScatterMethod::kLowLatency)
+                     return infeasible_reason("ll", "reduce_scatter", s, s.bytes / std::max(1, s.world_size),
+                                              l.ll_bytes, "low-latency buffer per rank");
                    return infeasible_reason(to_string(m), "reduce_scatter", s, s.bytes, l.workspace_bytes, "workspace");
                  });
 }

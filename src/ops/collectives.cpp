@@ -62,6 +62,7 @@ std::vector<jit::CompileRequest> collective_compile_requests() {
     ar.push_back(instance("ar_one_shot", t));
     ar.push_back(instance("ar_two_shot", t));
     ll.push_back(instance("ll_all_reduce", t));
+    ll.push_back(instance("ll_reduce_scatter", t));
   }
   return {family("all_gather.cuh", "collectives_all_gather.cu", {std::string(kNs) + "tdist_ag_sm"}),
           family("reduce_scatter.cuh", "collectives_reduce_scatter.cu", rs),
@@ -75,7 +76,8 @@ TDIST_JIT_REGISTER_KERNELS(collectives, collective_compile_requests);
 struct Collectives::Kernels {
   std::vector<std::shared_ptr<jit::Module>> modules;
   jit::Kernel ag_sm, ll_all_gather, barrier;
-  std::array<jit::Kernel, 3> rs_fused, rs_local_reduce, ar_one_shot, ar_two_shot, ll_all_reduce;  // by DType
+  std::array<jit::Kernel, 3> rs_fused, rs_local_reduce, ar_one_shot, ar_two_shot, ll_all_reduce,
+      ll_reduce_scatter;  // by DType
 
   Kernels() {
     auto reqs = collective_compile_requests();
@@ -90,6 +92,7 @@ struct Collectives::Kernels {
       ar_one_shot[i] = modules[2]->kernel(instance("ar_one_shot", t));
       ar_two_shot[i] = modules[2]->kernel(instance("ar_two_shot", t));
       ll_all_reduce[i] = modules[3]->kernel(instance("ll_all_reduce", t));
+      ll_reduce_scatter[i] = modules[3]->kernel(instance("ll_reduce_scatter", t));
     }
   }
 };
@@ -347,6 +350,11 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
         return;
       }
       TDIST_NCCL_CHECK(ncclReduceScatter(in, out, count, nccl_type(dtype), ncclSum, world_.comm(), stream));
+      return;
+    case ReduceScatterMethod::kLowLatency:
+      // One thread per 4-byte word of the per-rank slice (ll.cuh); no staging, no alignment needed.
+      launch(kernels_->ll_reduce_scatter[t], blocks_for((b + 3) / 4, kernels::coll::kThreads),
+             params(in, out, count, false, false), stream);
       return;
     case ReduceScatterMethod::kFused:
       launch(kernels_->rs_fused[t], blocks_for(b, 16 << 10), params(in, out, count, s.in_symmetric, s.aligned16), stream);

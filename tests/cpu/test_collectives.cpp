@@ -82,14 +82,39 @@ TEST(CollectiveSelect, AllGatherTable) {
 }
 
 TEST(CollectiveSelect, ReduceScatterTable) {
-  // NCCL is faster below 512 KB.
-  EXPECT_EQ(select_reduce_scatter(shape(1 * KiB), kLimits), ReduceScatterMethod::kNccl);
-  EXPECT_EQ(select_reduce_scatter(shape(256 * KiB), kLimits), ReduceScatterMethod::kNccl);
-  EXPECT_EQ(select_reduce_scatter(shape(512 * KiB), kLimits), ReduceScatterMethod::kFused);
+  // Two ranks: LL up to 512 KB of input (256 KB per rank: the default LL buffer), where NCCL beat the
+  // fused kernel; fused above.
+  EXPECT_EQ(select_reduce_scatter(shape(1 * KiB), kLimits), ReduceScatterMethod::kLowLatency);
+  EXPECT_EQ(select_reduce_scatter(shape(4), kLimits), ReduceScatterMethod::kLowLatency);
+  EXPECT_EQ(select_reduce_scatter(shape(256 * KiB), kLimits), ReduceScatterMethod::kLowLatency);
+  EXPECT_EQ(select_reduce_scatter(shape(512 * KiB), kLimits), ReduceScatterMethod::kLowLatency);
+  EXPECT_EQ(select_reduce_scatter(shape(512 * KiB, 2, true, true), kLimits), ReduceScatterMethod::kLowLatency);
+  EXPECT_EQ(select_reduce_scatter(shape(512 * KiB + 16), kLimits), ReduceScatterMethod::kFused);
   EXPECT_EQ(select_reduce_scatter(shape(1 * MiB), kLimits), ReduceScatterMethod::kFused);
   EXPECT_EQ(select_reduce_scatter(shape(256 * MiB), kLimits), ReduceScatterMethod::kFused);
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB), kLimits), ReduceScatterMethod::kNccl);
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB, 2, true), kLimits), ReduceScatterMethod::kFused);
+  // Larger teams (unmeasured): 256 KB at 3-4 ranks, 128 KB at 5-8; then the choice without LL.
+  EXPECT_EQ(select_reduce_scatter(shape(256 * KiB, 4), kLimits), ReduceScatterMethod::kLowLatency);
+  EXPECT_EQ(select_reduce_scatter(shape(384 * KiB, 3), kLimits), ReduceScatterMethod::kNccl);
+  EXPECT_EQ(select_reduce_scatter(shape(512 * KiB, 4), kLimits), ReduceScatterMethod::kFused);
+  EXPECT_EQ(select_reduce_scatter(shape(128 * KiB, 8), kLimits), ReduceScatterMethod::kLowLatency);
+  EXPECT_EQ(select_reduce_scatter(shape(256 * KiB, 8), kLimits), ReduceScatterMethod::kNccl);
+  EXPECT_EQ(select_reduce_scatter(shape(1 * MiB, 8), kLimits), ReduceScatterMethod::kFused);
+  // A single rank has nothing to exchange: NCCL's copy.
+  EXPECT_EQ(select_reduce_scatter(shape(1 * KiB, 1), kLimits), ReduceScatterMethod::kNccl);
+  // An LL buffer too small for the per-rank slice: the choice without LL (NCCL below 512 KB).
+  const CollectiveLimits small_ll{256 * MiB, 16 * KiB};
+  EXPECT_EQ(select_reduce_scatter(shape(32 * KiB), small_ll), ReduceScatterMethod::kLowLatency);  // 16 KB per rank
+  EXPECT_EQ(select_reduce_scatter(shape(32 * KiB + 16), small_ll), ReduceScatterMethod::kNccl);
+  EXPECT_EQ(select_reduce_scatter(shape(256 * KiB), small_ll), ReduceScatterMethod::kNccl);
+  EXPECT_EQ(select_reduce_scatter(shape(64 * KiB, 4), small_ll), ReduceScatterMethod::kLowLatency);
+  EXPECT_EQ(select_reduce_scatter(shape(128 * KiB, 4), small_ll), ReduceScatterMethod::kNccl);
+  // Feasibility of ll: the per-rank slice against the LL buffer.
+  EXPECT_TRUE(feasible(ReduceScatterMethod::kLowLatency, shape(512 * KiB), kLimits));
+  EXPECT_FALSE(feasible(ReduceScatterMethod::kLowLatency, shape(512 * KiB + 16), kLimits));
+  EXPECT_TRUE(feasible(ReduceScatterMethod::kLowLatency, shape(1 * MiB, 4), kLimits));
+  EXPECT_FALSE(feasible(ReduceScatterMethod::kLowLatency, shape(2 * MiB, 4), kLimits));
 }
 
 TEST(CollectiveSelect, OverridesAndEnvironment) {
@@ -101,6 +126,14 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
   EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, nullptr, shape(1 * MiB), kLimits), AllReduceMethod::kOneShot);
   EXPECT_EQ(resolve_all_gather(AllGatherMethod::kAuto, "ce_push", shape(1 * MiB), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, "ce", shape(1 * MiB), kLimits), ReduceScatterMethod::kCe);
+  EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, "LL", shape(4 * KiB), kLimits),
+            ReduceScatterMethod::kLowLatency);
+  EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, "nccl", shape(4 * KiB), kLimits),
+            ReduceScatterMethod::kNccl);
+  EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kLowLatency, "fused", shape(4 * KiB), kLimits),
+            ReduceScatterMethod::kLowLatency);
+  EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, nullptr, shape(4 * KiB), kLimits),
+            ReduceScatterMethod::kLowLatency);
   // Bad names name the variable.
   EXPECT_NE(error_of([] { resolve_all_reduce(AllReduceMethod::kAuto, "three_shot", shape(1 * KiB), kLimits); })
                 .find("TDIST_ALLREDUCE_METHOD"),
@@ -116,6 +149,15 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
   EXPECT_NE(e2.find("TDIST_ALLREDUCE_METHOD"), std::string::npos) << e2;
   EXPECT_NE(e2.find("workspace"), std::string::npos) << e2;
   EXPECT_NE(error_of([] { resolve_all_gather(AllGatherMethod::kCePush, nullptr, shape(1024 * MiB), kLimits); }), "");
+  // ll ReduceScatter beyond the LL buffer (per-rank slice over ll_bytes): the argument or the variable.
+  const std::string e3 =
+      error_of([] { resolve_reduce_scatter(ReduceScatterMethod::kLowLatency, nullptr, shape(1 * MiB), kLimits); });
+  EXPECT_NE(e3.find("'method'"), std::string::npos) << e3;
+  EXPECT_NE(e3.find("low-latency"), std::string::npos) << e3;
+  EXPECT_NE(e3.find("ll_bytes"), std::string::npos) << e3;
+  const std::string e4 =
+      error_of([] { resolve_reduce_scatter(ReduceScatterMethod::kAuto, "ll", shape(1 * MiB), kLimits); });
+  EXPECT_NE(e4.find("TDIST_REDUCESCATTER_METHOD"), std::string::npos) << e4;
   EXPECT_EQ(resolve_all_gather(AllGatherMethod::kCePush, nullptr, shape(1024 * MiB, 2, false, true), kLimits),
             AllGatherMethod::kCePush);
   // Round trips of every name.
@@ -126,7 +168,7 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
                  AllGatherMethod::kLowLatency, AllGatherMethod::kNccl})
     EXPECT_EQ(parse_all_gather_method(to_string(m)), m);
   for (auto m : {ReduceScatterMethod::kAuto, ReduceScatterMethod::kFused, ReduceScatterMethod::kCe,
-                 ReduceScatterMethod::kNccl})
+                 ReduceScatterMethod::kLowLatency, ReduceScatterMethod::kNccl})
     EXPECT_EQ(parse_reduce_scatter_method(to_string(m)), m);
 }
 
@@ -202,6 +244,7 @@ TEST(CollectiveKernels, EveryInstanceCompilesForSm90a) {
     EXPECT_EQ(k->spill_stores, 0) << req.file_name << "\n" << k->log;
     EXPECT_EQ(k->spill_loads, 0) << req.file_name << "\n" << k->log;
   }
-  // 3 dtypes x (rs_fused, rs_local_reduce, ar_one_shot, ar_two_shot, ll_all_reduce) + ag_sm, ll_all_gather, barrier.
-  EXPECT_EQ(instances, 18u);
+  // 3 dtypes x (rs_fused, rs_local_reduce, ar_one_shot, ar_two_shot, ll_all_reduce, ll_reduce_scatter) + ag_sm,
+  // ll_all_gather, barrier.
+  EXPECT_EQ(instances, 21u);
 }

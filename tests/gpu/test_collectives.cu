@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -212,7 +213,7 @@ std::string method_name(Op op, int m) {
 std::vector<int> methods_of(Op op) {
   if (op == Op::kAllReduce) return {0, 1, 2, 3, 4};
   if (op == Op::kAllGather) return {0, 1, 2, 3, 4, 5};
-  return {0, 1, 2, 3};
+  return {0, 1, 2, 3, 4};
 }
 
 void run_sweep(Env& env, tdist::test::Suite& suite, Op op) {
@@ -436,7 +437,8 @@ int main() {
     }
   });
 
-  // Graph replays: every tdist method, ordinary and symmetric buffers, 1000 ops each.
+  // Graph replays: every tdist method, ordinary and symmetric buffers, 1000 ops each (fresh inputs
+  // generated inside the graph from a device counter).
   struct G { Op op; int method; size_t c; };
   const std::vector<G> graphs = {
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency), 4099},
@@ -448,6 +450,7 @@ int main() {
       {Op::kAllGather, static_cast<int>(AllGatherMethod::kCePull), 65536},
       {Op::kReduceScatter, static_cast<int>(ReduceScatterMethod::kFused), 65536 + 3},
       {Op::kReduceScatter, static_cast<int>(ReduceScatterMethod::kCe), 65536},
+      {Op::kReduceScatter, static_cast<int>(ReduceScatterMethod::kLowLatency), 16384 + 3},
   };
   for (const G& g : graphs) {
     for (bool symmetric : {false, true}) {
@@ -483,6 +486,18 @@ int main() {
     expect_error("'method'", [&] {
       coll.all_reduce(env.d_in, env.d_out, 1 << 20, DType::kFloat32, s, AllReduceMethod::kLowLatency);
     });
+    // ll ReduceScatter with a per-rank slice one vector larger than the LL buffer: 'method'.
+    const size_t ll_over = coll.limits().ll_bytes / 2 + 8;  // bf16 elements per rank
+    TDIST_CHECK(ll_over * 2 * env.n() <= buf, "ll reduce_scatter case does not fit");
+    expect_error("'method'", [&] {
+      coll.reduce_scatter(env.d_in, env.d_out, ll_over, DType::kBFloat16, s, ReduceScatterMethod::kLowLatency);
+    });
+    // Auto: ll for small inputs (any team up to 8 ranks), unless the environment overrides it.
+    const char* rs_env = std::getenv(kReduceScatterMethodEnv);
+    if (rs_env == nullptr || *rs_env == '\0')
+      TDIST_CHECK(coll.reduce_scatter_method(env.d_in, env.d_out, 1001, DType::kBFloat16) ==
+                      ReduceScatterMethod::kLowLatency,
+                  "auto for a small reduce_scatter is not ll");
     // ce_push staging an output one vector per rank larger than the workspace: 'method'. The
     // output (world x count) must still fit in d_out; a count whose output runs past d_out into
     // d_in is an overlap, and that error names 'out' (checked below).

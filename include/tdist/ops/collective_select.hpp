@@ -22,9 +22,9 @@ const char* kernel_type_name(DType dtype);
 
 enum class AllReduceMethod { kAuto, kOneShot, kTwoShot, kLowLatency, kNccl };
 enum class AllGatherMethod { kAuto, kSm, kCePush, kCePull, kLowLatency, kNccl };
-enum class ReduceScatterMethod { kAuto, kFused, kCe, kNccl };
+enum class ReduceScatterMethod { kAuto, kFused, kCe, kLowLatency, kNccl };
 
-// Names: auto, one_shot, two_shot, ll, nccl | auto, sm, ce_push, ce_pull, ll, nccl | auto, fused, ce, nccl.
+// Names: auto, one_shot, two_shot, ll, nccl | auto, sm, ce_push, ce_pull, ll, nccl | auto, fused, ce, ll, nccl.
 const char* to_string(AllReduceMethod m);
 const char* to_string(AllGatherMethod m);
 const char* to_string(ReduceScatterMethod m);
@@ -51,7 +51,8 @@ struct CollectiveShape {
 // What a context can hold.
 struct CollectiveLimits {
   size_t workspace_bytes = 0;  // one workspace slot (the context's max_bytes)
-  size_t ll_bytes = 0;         // low-latency payload per rank
+  size_t ll_bytes = 0;         // low-latency payload per rank (per source: AllReduce buffer, AllGather and
+                               // ReduceScatter per-rank size)
 };
 
 // Whether `m` can run this shape in this context (auto and nccl always can).

@@ -35,7 +35,8 @@
 namespace tdist {
 
 struct CollectivesOptions {
-  // Low-latency payload per rank (bytes); LL is used up to this size.
+  // Low-latency payload per rank (bytes): the largest AllReduce buffer, AllGather input or
+  // ReduceScatter output (per rank) the LL methods can run.
   size_t ll_bytes = 256 * 1024;
   // Blocks of the SM kernels at most; 0: the GPU's SM count.
   int max_blocks = 0;

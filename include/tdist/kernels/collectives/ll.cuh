@@ -4,14 +4,23 @@
 // single-copy atomic, so a reader that sees the flag sees the data of the same store.
 //
 // Buffer (symmetric, per rank): ll[parity][src][w], parity = epoch & 1, p.ll_words lines per source.
-// Rank `src` writes word w of its message into ll[parity][src][w] on every peer. Reuse: a rank
+// Rank `src` writes word w of its message into ll[parity][src][w] on every peer (ReduceScatter: the
+// message for that peer). Reuse: a rank
 // writes parity (e & 1) again at call e + 2 only after its call e + 1 received a line from every
 // peer, written by the peer's call e + 1, which began after the peer had read everything of call e.
 //
 // ll_all_gather: p.count = B bytes per rank; out[r * B, +B) = rank r's input.
 // ll_all_reduce<T>: p.count = elements; every rank pushes its whole input to every peer, then sums
-// all ranks' words in rank order in fp32 (one shot, bit-identical on every rank). Inputs and outputs
-// need no alignment (partial and unaligned words are read and written bytewise).
+// all ranks' words in rank order in fp32 (one shot, bit-identical on every rank).
+// ll_reduce_scatter<T>: p.count = C elements per rank (the output; the input holds num_ranks slices
+// of C). Rank `me` sends peer p only slice p of its input, as lines into ll[parity][me][w] of peer p
+// (w < ceil(C * sizeof(T) / 4)), then sums slice `me` over all ranks in rank order in fp32: its own
+// words read from `in`, peer r's from ll[parity][r]. Each rank sends (n - 1) slices and receives
+// (n - 1), one line per word; the per-source region holds one slice, so C * sizeof(T) <= ll_bytes.
+// In place (out == in + me * C) is safe: slice `me` of `in` is read only by this rank, word w only by
+// the thread that then writes word w of out, and the pushes read only the other slices.
+// Inputs and outputs need no alignment (partial and unaligned words are read and written bytewise;
+// a word never reaches past its slice, so slices of 2-byte elements at odd counts are fine).
 #pragma once
 
 #include "tdist/kernels/collectives/common.cuh"
@@ -111,6 +120,46 @@ __global__ void __launch_bounds__(kThreads, 1) ll_all_reduce(CollParams p) {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) rel[j] = from_f32<T>(acc[j]);
     store_word(static_cast<char*>(p.out), B, w, result);
+  }
+  end_call(p.epoch, e);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) ll_reduce_scatter(CollParams p) {
+  constexpr int kPer = 4 / sizeof(T);
+  const u64 e = begin_call(p.epoch);
+  const u32 flag = static_cast<u32>(e);
+  const u64 parity = e & 1;
+  const int n = p.heap.num_ranks, me = p.heap.rank;
+  const u64 B = p.count * sizeof(T), W = (B + 3) / 4;
+  const u64 g = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x, G = static_cast<u64>(gridDim.x) * blockDim.x;
+  const char* in = static_cast<const char*>(p.in);
+  // Every push first (no read waits between them), then the reduction of this rank's slice.
+  u64* mine = ll_region(p, parity, me);
+  for (u64 w = g; w < W; w += G) {
+    for (int k = 1; k < n; ++k) {
+      const int peer = (me + k) % n;
+      const u64 line = (static_cast<u64>(flag) << 32) | load_word(in + peer * B, B, w);
+      st_relaxed<Scope::kSystem>(p.heap.symm_at(mine + w, peer), line);
+    }
+  }
+  const char* own = in + me * B;
+  char* out = static_cast<char*>(p.out);
+  for (u64 w = g; w < W; w += G) {
+    float acc[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) acc[j] = 0.f;
+    for (int r = 0; r < n; ++r) {
+      const u32 v = r == me ? load_word(own, B, w) : ll_read(ll_region(p, parity, r) + w, flag);
+      const T* el = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) acc[j] += to_f32(el[j]);
+    }
+    u32 result;
+    T* rel = reinterpret_cast<T*>(&result);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) rel[j] = from_f32<T>(acc[j]);
+    store_word(out, B, w, result);
   }
   end_call(p.epoch, e);
 }
