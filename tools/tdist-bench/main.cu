@@ -122,7 +122,7 @@ std::vector<std::string> methods_for(const std::string& op, const std::string& c
   if (choice != "all") return {choice};
   if (op == "all_reduce") return {"ll", "one_shot", "two_shot"};
   if (op == "all_gather") return {"ll", "sm", "ce_push", "ce_pull"};
-  return {"fused", "ce"};
+  return {"ll", "fused", "ce"};
 }
 
 double bus_factor(const std::string& op, int n) {
