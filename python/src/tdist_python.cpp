@@ -1,0 +1,684 @@
+// tdist._C: the Python extension over libtdist (nanobind). No torch types here: tensors reach this
+// module as plain descriptors (pointer, element count, dtype name, device, contiguity) built by the
+// Python layer from torch tensors, __cuda_array_interface__ or DLPack (dlpack_describe below), and
+// streams as integers (cudaStream_t). Every argument check lives here, so the messages are the same
+// whichever framework the caller uses; failures raise tdist.Error (tdist::Error) or
+// tdist.TimeoutError (tdist::TimeoutError).
+#include <cuda_runtime_api.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+#include <nccl.h>
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "tdist/common/error.hpp"
+#include "tdist/jit/compiler.hpp"
+#include "tdist/jit/launch.hpp"
+#include "tdist/ops/collective_select.hpp"
+#include "tdist/ops/collectives.hpp"
+#include "tdist/runtime/symmetric_heap.hpp"
+#include "tdist/runtime/tcp_store.hpp"
+#include "tdist/runtime/world.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+PyObject* g_error = nullptr;          // tdist.Error
+PyObject* g_timeout_error = nullptr;  // tdist.TimeoutError
+
+template <typename... Args>
+std::string msg(Args&&... args) {
+  return tdist::detail::concat(std::forward<Args>(args)...);
+}
+
+[[noreturn]] void fail(const std::string& what) { throw tdist::Error(what); }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor descriptors
+// ---------------------------------------------------------------------------------------------
+
+// (data pointer, element count, dtype name, device type, device index (-1: unknown), contiguous)
+using DescTuple = std::tuple<uint64_t, int64_t, std::string, std::string, int, bool>;
+
+struct Desc {
+  uint64_t ptr = 0;
+  int64_t numel = 0;
+  std::string dtype;
+  std::string device_type;
+  int device_index = -1;
+  bool contiguous = true;
+  Desc() = default;
+  explicit Desc(const DescTuple& t)
+      : ptr(std::get<0>(t)), numel(std::get<1>(t)), dtype(std::get<2>(t)), device_type(std::get<3>(t)),
+        device_index(std::get<4>(t)), contiguous(std::get<5>(t)) {}
+};
+
+// Collective dtypes, by the names torch, DLPack and __cuda_array_interface__ descriptors use.
+std::optional<tdist::DType> collective_dtype(const std::string& name) {
+  if (name == "float32") return tdist::DType::kFloat32;
+  if (name == "float16") return tdist::DType::kFloat16;
+  if (name == "bfloat16") return tdist::DType::kBFloat16;
+  return std::nullopt;
+}
+
+size_t dtype_bytes(tdist::DType d) { return tdist::dtype_size(d); }
+
+// `device`: the runtime's GPU, or -1 when unknown (checks that need no GPU).
+tdist::DType check_tensor(const char* op, const char* name, const Desc& d, int device) {
+  if (d.device_type != "cuda")
+    fail(msg("tdist.", op, ": '", name, "' must be a CUDA tensor, got one on device type '", d.device_type, "'"));
+  auto dt = collective_dtype(d.dtype);
+  if (!dt)
+    fail(msg("tdist.", op, ": '", name, "' has dtype ", d.dtype,
+                "; supported dtypes are bfloat16, float16 and float32"));
+  if (!d.contiguous) fail(msg("tdist.", op, ": '", name, "' must be contiguous (call .contiguous() first)"));
+  if (d.numel < 0) fail(msg("tdist.", op, ": '", name, "' has a negative element count"));
+  if (device >= 0 && d.device_index >= 0 && d.device_index != device)
+    fail(msg("tdist.", op, ": '", name, "' is on cuda:", d.device_index, " but tdist runs this rank on cuda:",
+                device, " (the device given to tdist.init)"));
+  if (d.numel > 0 && d.ptr == 0) fail(msg("tdist.", op, ": '", name, "' has a null data pointer"));
+  return *dt;
+}
+
+void check_same_dtype(const char* op, const Desc& in, const Desc& out) {
+  if (in.dtype != out.dtype)
+    fail(msg("tdist.", op, ": 'output' has dtype ", out.dtype, " but 'input' has ", in.dtype,
+                "; they must match"));
+}
+
+// Whether two byte ranges overlap.
+bool overlap(const Desc& a, const Desc& b, size_t elem) {
+  if (a.numel == 0 || b.numel == 0) return false;
+  const uint64_t a_end = a.ptr + static_cast<uint64_t>(a.numel) * elem;
+  const uint64_t b_end = b.ptr + static_cast<uint64_t>(b.numel) * elem;
+  return a.ptr < b_end && b.ptr < a_end;
+}
+
+// The argument checks of each op; pure (no GPU), shared by the runtime and the CPU tests.
+tdist::DType check_all_reduce(const Desc& in, const Desc& out, int device) {
+  const auto dt = check_tensor("all_reduce", "input", in, device);
+  check_tensor("all_reduce", "output", out, device);
+  check_same_dtype("all_reduce", in, out);
+  if (in.numel != out.numel)
+    fail(msg("tdist.all_reduce: 'output' has ", out.numel, " elements but 'input' has ", in.numel,
+                "; they must match"));
+  if (in.ptr != out.ptr && overlap(in, out, dtype_bytes(dt)))
+    fail("tdist.all_reduce: 'input' and 'output' overlap without being the same tensor");
+  return dt;
+}
+
+tdist::DType check_all_gather(const Desc& in, const Desc& out, int world_size, int rank, int device) {
+  const auto dt = check_tensor("all_gather", "input", in, device);
+  check_tensor("all_gather", "output", out, device);
+  check_same_dtype("all_gather", in, out);
+  if (out.numel != in.numel * world_size)
+    fail(msg("tdist.all_gather: 'output' has ", out.numel, " elements, expected world_size * input.numel() = ",
+                world_size, " * ", in.numel, " = ", in.numel * world_size));
+  const size_t elem = dtype_bytes(dt);
+  const bool in_place = in.ptr == out.ptr + static_cast<uint64_t>(rank) * in.numel * elem;
+  if (!in_place && overlap(in, out, elem))
+    fail(msg("tdist.all_gather: 'input' overlaps 'output' other than in place (input is output's part for rank ",
+                rank, ")"));
+  return dt;
+}
+
+tdist::DType check_reduce_scatter(const Desc& in, const Desc& out, int world_size, int rank, int device) {
+  const auto dt = check_tensor("reduce_scatter", "input", in, device);
+  check_tensor("reduce_scatter", "output", out, device);
+  check_same_dtype("reduce_scatter", in, out);
+  if (in.numel != out.numel * world_size)
+    fail(msg("tdist.reduce_scatter: 'input' has ", in.numel,
+                " elements, expected world_size * output.numel() = ", world_size, " * ", out.numel, " = ",
+                out.numel * world_size));
+  const size_t elem = dtype_bytes(dt);
+  const bool in_place = out.ptr == in.ptr + static_cast<uint64_t>(rank) * out.numel * elem;
+  if (!in_place && overlap(in, out, elem))
+    fail(msg("tdist.reduce_scatter: 'output' overlaps 'input' other than in place (output is input's part for "
+                "rank ", rank, ")"));
+  return dt;
+}
+
+// DLPack dtype (code, bits) -> the names used above.
+std::string dlpack_dtype_name(const nb::dlpack::dtype& t) {
+  const int code = t.code, bits = t.bits;
+  if (t.lanes != 1) return msg("vector(", code, ",", bits, "x", t.lanes, ")");
+  switch (code) {
+    case static_cast<int>(nb::dlpack::dtype_code::Int): return msg("int", bits);
+    case static_cast<int>(nb::dlpack::dtype_code::UInt): return msg("uint", bits);
+    case static_cast<int>(nb::dlpack::dtype_code::Float): return msg("float", bits);
+    case static_cast<int>(nb::dlpack::dtype_code::Bfloat): return msg("bfloat", bits);
+    case static_cast<int>(nb::dlpack::dtype_code::Complex): return msg("complex", bits);
+    case static_cast<int>(nb::dlpack::dtype_code::Bool): return "bool";
+    default: return msg("dlpack(", code, ",", bits, ")");
+  }
+}
+
+std::string dlpack_device_name(int type) {
+  switch (type) {
+    case nb::device::cpu::value: return "cpu";
+    case nb::device::cuda::value: return "cuda";
+    case nb::device::cuda_host::value: return "cuda_host";
+    case nb::device::cuda_managed::value: return "cuda_managed";
+    case nb::device::rocm::value: return "rocm";
+    default: return msg("dlpack_device_", type);
+  }
+}
+
+DescTuple dlpack_describe(nb::ndarray<nb::ro> a) {
+  int64_t numel = 1;
+  bool contiguous = true;
+  int64_t expected = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    const int64_t n = static_cast<int64_t>(a.shape(i));
+    numel *= n;
+    if (n != 1 && a.stride(i) != expected) contiguous = false;
+    expected *= n;
+  }
+  return {reinterpret_cast<uint64_t>(a.data()), numel, dlpack_dtype_name(a.dtype()),
+          dlpack_device_name(a.device_type()), a.device_id(), contiguous};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Runtime: World + SymmetricHeap + Collectives of this process
+// ---------------------------------------------------------------------------------------------
+
+class Runtime {
+ public:
+  // From the launcher's environment (tdistrun, torchrun without an agent store, mpirun, Slurm).
+  static std::unique_ptr<Runtime> from_env(int device, size_t heap_bytes, size_t max_bytes, double timeout_s) {
+    auto rt = std::unique_ptr<Runtime>(new Runtime());
+    tdist::WorldOptions opts;
+    opts.device = device;
+    if (timeout_s > 0) opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+    rt->world_ = std::make_unique<tdist::World>(opts);
+    rt->finish_init(heap_bytes, max_bytes);
+    return rt;
+  }
+
+  // From an NCCL unique id that every rank received (through torch.distributed or a store).
+  static std::unique_ptr<Runtime> from_unique_id(const nb::bytes& uid, int rank, int world_size, int device,
+                                                 size_t heap_bytes, size_t max_bytes, double timeout_s) {
+    ncclUniqueId id;
+    if (uid.size() != sizeof(id))
+      fail(msg("tdist.init: the NCCL unique id has ", uid.size(), " bytes, expected ", sizeof(id)));
+    if (world_size < 1 || rank < 0 || rank >= world_size)
+      fail(msg("tdist.init: rank ", rank, " is out of range for a world of ", world_size));
+    if (device < 0) fail(msg("tdist.init: device must be a CUDA device index, got ", device));
+    std::memcpy(&id, uid.c_str(), sizeof(id));
+    auto rt = std::unique_ptr<Runtime>(new Runtime());
+    {
+      nb::gil_scoped_release release;
+      int count = 0;
+      const cudaError_t err = cudaGetDeviceCount(&count);
+      if (err != cudaSuccess || count == 0)
+        fail(msg("tdist.init: no CUDA device is usable (", cudaGetErrorString(err), ")"));
+      if (device >= count) fail(msg("tdist.init: device ", device, " requested, ", count, " visible"));
+      if (cudaSetDevice(device) != cudaSuccess) fail(msg("tdist.init: cudaSetDevice(", device, ") failed"));
+      // Every rank is alive here: the id came from a collective of torch.distributed.
+      const ncclResult_t r = ncclCommInitRank(&rt->own_comm_, world_size, id, rank);
+      if (r != ncclSuccess) fail(msg("tdist.init: ncclCommInitRank failed: ", ncclGetErrorString(r)));
+      const auto timeout = timeout_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))
+                                         : tdist::TcpStoreOptions::default_timeout();
+      rt->world_ = std::make_unique<tdist::World>(rt->own_comm_, timeout);
+    }
+    rt->finish_init(heap_bytes, max_bytes);
+    return rt;
+  }
+
+  // Teardown is collective, so it happens in close() (tdist.finalize) only. A runtime never closed
+  // (the interpreter exits without finalize, or after an error on some rank) is left to the process's
+  // exit: waiting here for peers that may be gone could hang the exit.
+  ~Runtime() {
+    if (closed_) return;
+    (void)coll_.release();
+    (void)heap_.release();
+    (void)world_.release();
+  }
+
+  // Collective teardown: the context, the heap (every buffer), the World, then our communicator.
+  void close() {
+    if (closed_) return;
+    closed_ = true;
+    nb::gil_scoped_release release;
+    if (world_) cudaSetDevice(world_->device());
+    cudaDeviceSynchronize();
+    coll_.reset();
+    buffers_.clear();
+    heap_.reset();
+    world_.reset();
+    if (own_comm_) {
+      if (ncclCommFinalize(own_comm_) == ncclSuccess) ncclCommDestroy(own_comm_);
+      else ncclCommAbort(own_comm_);
+      own_comm_ = nullptr;
+    }
+  }
+
+  bool closed() const { return closed_; }
+  int rank() const { return world().rank(); }
+  int world_size() const { return world().world_size(); }
+  int local_rank() const { return world().local_rank(); }
+  int local_world_size() const { return world().local_world_size(); }
+  int device() const { return world().device(); }
+  size_t heap_capacity() const { return heap().capacity(); }
+  size_t heap_bytes_in_use() const { return heap().bytes_in_use(); }
+  size_t max_bytes() const { return coll().max_bytes(); }
+
+  // Collective: a zeroed symmetric buffer; returns its address.
+  uint64_t allocate(size_t bytes) {
+    if (bytes == 0) bytes = 1;  // an empty tensor still gets a distinct address
+    void* p;
+    {
+      nb::gil_scoped_release release;
+      p = heap().allocate(bytes);
+    }
+    buffers_[reinterpret_cast<uint64_t>(p)] = bytes;
+    return reinterpret_cast<uint64_t>(p);
+  }
+
+  // Collective: frees a buffer from allocate(); `ptr` must be its start.
+  void free(uint64_t ptr) {
+    auto it = buffers_.find(ptr);
+    if (it == buffers_.end())
+      fail(msg("tdist.free: 0x", std::hex, ptr, " is not the start of a live buffer from tdist.empty"));
+    buffers_.erase(it);
+    nb::gil_scoped_release release;
+    // The buffer may still be read by queued work of any stream.
+    cudaDeviceSynchronize();
+    heap().free(reinterpret_cast<void*>(ptr));
+  }
+
+  bool is_symmetric(uint64_t ptr) const { return heap().contains(reinterpret_cast<const void*>(ptr)); }
+
+  uint64_t peer_ptr(uint64_t ptr, int peer) const {
+    if (!is_symmetric(ptr))
+      fail("tdist.peer: the tensor does not lie in tdist's symmetric heap (allocate it with tdist.empty)");
+    if (peer < 0 || peer >= world_size())
+      fail(msg("tdist.peer: rank ", peer, " is out of range for a world of ", world_size()));
+    return reinterpret_cast<uint64_t>(heap().peer_ptr(reinterpret_cast<const void*>(ptr), peer));
+  }
+
+  void all_reduce(const DescTuple& in_t, const DescTuple& out_t, uint64_t stream, const std::string& method) {
+    const Desc in(in_t), out(out_t);
+    const auto dt = check_all_reduce(in, out, device());
+    const auto m = tdist::parse_all_reduce_method(method, "method");
+    if (in.numel == 0) return;
+    nb::gil_scoped_release release;
+    coll().all_reduce(reinterpret_cast<const void*>(in.ptr), reinterpret_cast<void*>(out.ptr),
+                      static_cast<size_t>(in.numel), dt, reinterpret_cast<cudaStream_t>(stream), m);
+  }
+
+  void all_gather(const DescTuple& in_t, const DescTuple& out_t, uint64_t stream, const std::string& method) {
+    const Desc in(in_t), out(out_t);
+    const auto dt = check_all_gather(in, out, world_size(), rank(), device());
+    const auto m = tdist::parse_all_gather_method(method, "method");
+    if (in.numel == 0) return;
+    nb::gil_scoped_release release;
+    coll().all_gather(reinterpret_cast<const void*>(in.ptr), reinterpret_cast<void*>(out.ptr),
+                      static_cast<size_t>(in.numel), dt, reinterpret_cast<cudaStream_t>(stream), m);
+  }
+
+  void reduce_scatter(const DescTuple& in_t, const DescTuple& out_t, uint64_t stream, const std::string& method) {
+    const Desc in(in_t), out(out_t);
+    const auto dt = check_reduce_scatter(in, out, world_size(), rank(), device());
+    const auto m = tdist::parse_reduce_scatter_method(method, "method");
+    if (out.numel == 0) return;
+    nb::gil_scoped_release release;
+    coll().reduce_scatter(reinterpret_cast<const void*>(in.ptr), reinterpret_cast<void*>(out.ptr),
+                          static_cast<size_t>(out.numel), dt, reinterpret_cast<cudaStream_t>(stream), m);
+  }
+
+  void barrier(uint64_t stream) {
+    nb::gil_scoped_release release;
+    coll().barrier(reinterpret_cast<cudaStream_t>(stream));
+  }
+
+  // The method a call would run (auto and the environment override resolved).
+  std::string all_reduce_method(const DescTuple& in_t, const DescTuple& out_t, const std::string& method) const {
+    const Desc in(in_t), out(out_t);
+    const auto dt = check_all_reduce(in, out, device());
+    return tdist::to_string(coll().all_reduce_method(reinterpret_cast<const void*>(in.ptr),
+                                                     reinterpret_cast<void*>(out.ptr), static_cast<size_t>(in.numel),
+                                                     dt, tdist::parse_all_reduce_method(method, "method")));
+  }
+
+  // Host-side collective over the ranks (through the World); for tests and the benchmark.
+  void host_barrier(const std::string& tag) {
+    nb::gil_scoped_release release;
+    world_mut().barrier(tag);
+  }
+
+ private:
+  Runtime() = default;
+
+  void finish_init(size_t heap_bytes, size_t max_bytes) {
+    nb::gil_scoped_release release;
+    heap_ = std::make_unique<tdist::SymmetricHeap>(*world_, heap_bytes);
+    if (max_bytes == 0) max_bytes = std::max<size_t>(heap_->capacity() / 8, 1 << 20);
+    if (2 * max_bytes >= heap_->capacity())
+      fail(msg("tdist.init: max_bytes=", max_bytes, " needs a workspace of 2 * max_bytes, more than the "
+                  "symmetric heap's ", heap_->capacity(), " bytes; raise heap_size or lower max_bytes"));
+    coll_ = std::make_unique<tdist::Collectives>(*world_, *heap_, max_bytes);
+  }
+
+  const tdist::World& world() const {
+    if (!world_) fail("tdist: the runtime is closed (tdist.finalize was called)");
+    return *world_;
+  }
+  tdist::World& world_mut() {
+    if (!world_) fail("tdist: the runtime is closed (tdist.finalize was called)");
+    return *world_;
+  }
+  tdist::SymmetricHeap& heap() const {
+    if (!heap_) fail("tdist: the runtime is closed (tdist.finalize was called)");
+    return *heap_;
+  }
+  tdist::Collectives& coll() const {
+    if (!coll_) fail("tdist: the runtime is closed (tdist.finalize was called)");
+    return *coll_;
+  }
+
+  ncclComm_t own_comm_ = nullptr;
+  std::unique_ptr<tdist::World> world_;
+  std::unique_ptr<tdist::SymmetricHeap> heap_;
+  std::unique_ptr<tdist::Collectives> coll_;
+  std::map<uint64_t, size_t> buffers_;  // live tdist.empty buffers: address -> bytes
+  bool closed_ = false;
+};
+
+nb::bytes nccl_unique_id() {
+  ncclUniqueId id;
+  const ncclResult_t r = ncclGetUniqueId(&id);
+  if (r != ncclSuccess) fail(msg("ncclGetUniqueId failed: ", ncclGetErrorString(r)));
+  return nb::bytes(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+// A DLPack-exporting view of device memory (no copy); `owner` stays alive as long as the view.
+nb::ndarray<> device_array(uint64_t ptr, const std::vector<size_t>& shape, const std::vector<int64_t>& strides,
+                           int dtype_code, int bits, int device_id, nb::handle owner) {
+  if (!strides.empty() && strides.size() != shape.size()) fail("device_array: strides and shape differ in length");
+  nb::dlpack::dtype dt{static_cast<uint8_t>(dtype_code), static_cast<uint8_t>(bits), 1};
+  return nb::ndarray<>(reinterpret_cast<void*>(ptr), shape.size(), shape.data(), owner,
+                       strides.empty() ? nullptr : strides.data(), dt, nb::device::cuda::value, device_id);
+}
+
+// ---------------------------------------------------------------------------------------------
+// JIT
+// ---------------------------------------------------------------------------------------------
+
+class PyModule;
+
+class PyKernel {
+ public:
+  PyKernel(std::shared_ptr<PyModule> module, std::string name) : module_(std::move(module)), name_(std::move(name)) {}
+  const std::string& name() const { return name_; }
+  void launch(std::tuple<unsigned, unsigned, unsigned> grid, std::tuple<unsigned, unsigned, unsigned> block,
+              const std::vector<std::pair<std::string, nb::object>>& args, size_t shared_bytes, uint64_t stream,
+              std::tuple<unsigned, unsigned, unsigned> cluster, bool pdl);
+
+ private:
+  std::shared_ptr<PyModule> module_;
+  std::string name_;
+  tdist::jit::Kernel kernel_;
+};
+
+class PyModule : public std::enable_shared_from_this<PyModule> {
+ public:
+  explicit PyModule(std::shared_ptr<const tdist::jit::CompiledKernel> c) : compiled_(std::move(c)) {}
+  const tdist::jit::CompiledKernel& compiled() const { return *compiled_; }
+  // Loads the cubin on first use (needs a GPU driver).
+  tdist::jit::Kernel get(const std::string& name) {
+    if (!module_) {
+      if (!tdist::jit::driver_available())
+        fail(msg("tdist.jit: cannot load kernel '", name,
+                    "': no CUDA driver or GPU is available (compiling works without one, launching does not)"));
+      module_ = tdist::jit::Module::load(compiled_);
+    }
+    return module_->kernel(name);
+  }
+
+ private:
+  std::shared_ptr<const tdist::jit::CompiledKernel> compiled_;
+  std::shared_ptr<tdist::jit::Module> module_;
+};
+
+void add_arg(tdist::jit::KernelArgs& a, size_t index, const std::string& type, const nb::object& v) {
+  auto as_int = [&]() -> int64_t {
+    if (!nb::isinstance<nb::int_>(v) && !nb::isinstance<nb::bool_>(v))
+      fail(msg("tdist.jit: argument ", index, " is declared ", type, " but its value is not an int"));
+    return nb::cast<int64_t>(v);
+  };
+  auto as_uint = [&]() -> uint64_t {
+    if (!nb::isinstance<nb::int_>(v) && !nb::isinstance<nb::bool_>(v))
+      fail(msg("tdist.jit: argument ", index, " is declared ", type, " but its value is not an int"));
+    if (nb::cast<nb::int_>(v) < nb::int_(0))
+      fail(msg("tdist.jit: argument ", index, " is declared ", type, " but its value is negative"));
+    return nb::cast<uint64_t>(v);
+  };
+  auto as_float = [&]() -> double {
+    if (!nb::isinstance<nb::float_>(v) && !nb::isinstance<nb::int_>(v))
+      fail(msg("tdist.jit: argument ", index, " is declared ", type, " but its value is not a number"));
+    return nb::cast<double>(v);
+  };
+  auto ranged = [&](int64_t x, int64_t lo, int64_t hi) {
+    if (x < lo || x > hi) fail(msg("tdist.jit: argument ", index, " = ", x, " does not fit in ", type));
+    return x;
+  };
+  auto uranged = [&](uint64_t x, uint64_t hi) {
+    if (x > hi) fail(msg("tdist.jit: argument ", index, " = ", x, " does not fit in ", type));
+    return x;
+  };
+  if (type == "ptr") a.add(static_cast<uint64_t>(as_uint()));
+  else if (type == "i8") a.add(static_cast<int8_t>(ranged(as_int(), INT8_MIN, INT8_MAX)));
+  else if (type == "i16") a.add(static_cast<int16_t>(ranged(as_int(), INT16_MIN, INT16_MAX)));
+  else if (type == "i32") a.add(static_cast<int32_t>(ranged(as_int(), INT32_MIN, INT32_MAX)));
+  else if (type == "i64") a.add(static_cast<int64_t>(as_int()));
+  else if (type == "u8") a.add(static_cast<uint8_t>(uranged(as_uint(), UINT8_MAX)));
+  else if (type == "u16") a.add(static_cast<uint16_t>(uranged(as_uint(), UINT16_MAX)));
+  else if (type == "u32") a.add(static_cast<uint32_t>(uranged(as_uint(), UINT32_MAX)));
+  else if (type == "u64") a.add(static_cast<uint64_t>(as_uint()));
+  else if (type == "bool") a.add(static_cast<bool>(as_int() != 0));
+  else if (type == "f32") a.add(static_cast<float>(as_float()));
+  else if (type == "f64") a.add(as_float());
+  else
+    fail(msg("tdist.jit: argument ", index, " has unknown type '", type,
+                "' (ptr, i8, i16, i32, i64, u8, u16, u32, u64, bool, f32, f64)"));
+}
+
+void PyKernel::launch(std::tuple<unsigned, unsigned, unsigned> grid, std::tuple<unsigned, unsigned, unsigned> block,
+                      const std::vector<std::pair<std::string, nb::object>>& args, size_t shared_bytes,
+                      uint64_t stream, std::tuple<unsigned, unsigned, unsigned> cluster, bool pdl) {
+  auto dim = [](const std::tuple<unsigned, unsigned, unsigned>& t, const char* what) {
+    const auto [x, y, z] = t;
+    if (x == 0 || y == 0 || z == 0) fail(msg("tdist.jit: ", what, " dimensions must be positive"));
+    return tdist::jit::Dim3(x, y, z);
+  };
+  tdist::jit::LaunchConfig cfg;
+  cfg.grid = dim(grid, "grid");
+  cfg.block = dim(block, "block");
+  cfg.cluster = dim(cluster, "cluster");
+  cfg.shared_bytes = shared_bytes;
+  cfg.programmatic_dependent_launch = pdl;
+  cfg.stream = reinterpret_cast<cudaStream_t>(stream);
+  tdist::jit::KernelArgs a;
+  for (size_t i = 0; i < args.size(); ++i) add_arg(a, i, args[i].first, args[i].second);
+  if (!kernel_) kernel_ = module_->get(name_);
+  nb::gil_scoped_release release;
+  tdist::jit::launch(kernel_, cfg, a);
+}
+
+std::shared_ptr<PyModule> jit_compile(const std::string& source, const std::vector<std::string>& name_expressions,
+                                      const std::string& arch, const std::string& file_name,
+                                      const std::vector<std::tuple<std::string, std::string, std::string>>& constants,
+                                      const std::vector<std::string>& defines,
+                                      const std::vector<std::string>& include_dirs,
+                                      const std::vector<std::string>& flags, const std::string& compiler) {
+  tdist::jit::CompileRequest req;
+  req.source = source;
+  req.file_name = file_name;
+  req.name_expressions = name_expressions;
+  for (const auto& [type, name, value] : constants) req.constants.push_back({type, name, value});
+  req.defines = defines;
+  req.include_dirs = include_dirs;
+  req.flags = flags;
+  req.arch = arch;
+  req.compiler = tdist::jit::parse_compiler_kind(compiler);
+  std::shared_ptr<const tdist::jit::CompiledKernel> c;
+  {
+    nb::gil_scoped_release release;
+    c = tdist::jit::compile(req);
+  }
+  return std::make_shared<PyModule>(std::move(c));
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  nb::set_leak_warnings(false);
+  m.doc() = "tdist's C++ core (libtdist) for Python; use the tdist package rather than this module.";
+
+  g_error = PyErr_NewExceptionWithDoc(
+      "tdist.Error",
+      "Raised by tdist on a failure: an invalid argument, a CUDA, NCCL or compile error. Its message is "
+      "the C++ library's (tdist::Error).",
+      PyExc_RuntimeError, nullptr);
+  nb::object timeout_bases = nb::make_tuple(nb::handle(g_error), nb::handle(PyExc_TimeoutError));
+  g_timeout_error = PyErr_NewExceptionWithDoc(
+      "tdist.TimeoutError",
+      "A host-side wait (rendezvous, barrier, NCCL initialisation) ran past its deadline "
+      "(tdist::TimeoutError). A subclass of tdist.Error and of the built-in TimeoutError.",
+      timeout_bases.ptr(), nullptr);
+  if (!g_error || !g_timeout_error) throw nb::python_error();
+  m.attr("Error") = nb::handle(g_error);
+  m.attr("TimeoutError") = nb::handle(g_timeout_error);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const tdist::TimeoutError& e) {
+      PyErr_SetString(g_timeout_error, e.what());
+    } catch (const tdist::Error& e) {
+      PyErr_SetString(g_error, e.what());
+    }
+  });
+
+  m.def("_raise_error", [](const std::string& what) { throw tdist::Error(what); },
+        "Throws tdist::Error(what) from C++ (tests the exception translation).");
+  m.def("_raise_timeout", [](const std::string& what) { throw tdist::TimeoutError(what); },
+        "Throws tdist::TimeoutError(what) from C++ (tests the exception translation).");
+
+  m.def("dlpack_describe", &dlpack_describe, "array"_a,
+        "(ptr, numel, dtype, device_type, device_index, contiguous) of an object exporting DLPack.");
+  m.def(
+      "check_tensor",
+      [](const std::string& op, const std::string& name, const DescTuple& d, int device) {
+        return std::string(tdist::to_string(check_tensor(op.c_str(), name.c_str(), Desc(d), device)));
+      },
+      "op"_a, "name"_a, "desc"_a, "device"_a = -1,
+      "Checks one collective argument (CUDA, dtype, contiguous, device); returns the dtype name.");
+  m.def(
+      "check_all_reduce",
+      [](const DescTuple& in, const DescTuple& out, int device) {
+        return std::string(tdist::to_string(check_all_reduce(Desc(in), Desc(out), device)));
+      },
+      "input"_a, "output"_a, "device"_a = -1, "Argument checks of all_reduce; returns the dtype name.");
+  m.def(
+      "check_all_gather",
+      [](const DescTuple& in, const DescTuple& out, int world_size, int rank, int device) {
+        return std::string(tdist::to_string(check_all_gather(Desc(in), Desc(out), world_size, rank, device)));
+      },
+      "input"_a, "output"_a, "world_size"_a, "rank"_a = 0, "device"_a = -1,
+      "Argument checks of all_gather; returns the dtype name.");
+  m.def(
+      "check_reduce_scatter",
+      [](const DescTuple& in, const DescTuple& out, int world_size, int rank, int device) {
+        return std::string(tdist::to_string(check_reduce_scatter(Desc(in), Desc(out), world_size, rank, device)));
+      },
+      "input"_a, "output"_a, "world_size"_a, "rank"_a = 0, "device"_a = -1,
+      "Argument checks of reduce_scatter; returns the dtype name.");
+  m.def(
+      "check_methods",
+      [](const std::string& all_reduce, const std::string& all_gather, const std::string& reduce_scatter) {
+        tdist::parse_all_reduce_method(all_reduce, "method");
+        tdist::parse_all_gather_method(all_gather, "method");
+        tdist::parse_reduce_scatter_method(reduce_scatter, "method");
+      },
+      "all_reduce"_a = std::string("auto"), "all_gather"_a = std::string("auto"), "reduce_scatter"_a = std::string("auto"),
+      "Throws tdist.Error for a method name no op knows.");
+  m.def("parse_size", [](const std::string& s) { return tdist::SymmetricHeap::parse_size(s, "heap_size"); },
+        "Bytes from '512M', '2G', '1048576' (TDIST_SYMMETRIC_HEAP_SIZE's format).");
+  m.def("nccl_unique_id", &nccl_unique_id, "A new NCCL unique id (bytes), made on the rank that bootstraps.");
+  m.def("nccl_version", [] {
+    int v = 0;
+    ncclGetVersion(&v);
+    return v;
+  }, "NCCL's version code (e.g. 22809) of the loaded libnccl.");
+  m.def("device_array", &device_array, "ptr"_a, "shape"_a, "strides"_a, "dtype_code"_a, "bits"_a, "device_id"_a,
+        "owner"_a, "A DLPack-exporting view of CUDA memory at ptr that keeps owner alive.");
+  m.def("driver_available", &tdist::jit::driver_available, "Whether a CUDA driver and GPU are usable.");
+
+  nb::class_<Runtime>(m, "Runtime", "World, symmetric heap and collectives context of this process.")
+      .def_static("from_env", &Runtime::from_env, "device"_a, "heap_bytes"_a, "max_bytes"_a, "timeout_s"_a)
+      .def_static("from_unique_id", &Runtime::from_unique_id, "uid"_a, "rank"_a, "world_size"_a, "device"_a,
+                  "heap_bytes"_a, "max_bytes"_a, "timeout_s"_a)
+      .def("close", &Runtime::close)
+      .def_prop_ro("closed", &Runtime::closed)
+      .def_prop_ro("rank", &Runtime::rank)
+      .def_prop_ro("world_size", &Runtime::world_size)
+      .def_prop_ro("local_rank", &Runtime::local_rank)
+      .def_prop_ro("local_world_size", &Runtime::local_world_size)
+      .def_prop_ro("device", &Runtime::device)
+      .def_prop_ro("heap_capacity", &Runtime::heap_capacity)
+      .def_prop_ro("heap_bytes_in_use", &Runtime::heap_bytes_in_use)
+      .def_prop_ro("max_bytes", &Runtime::max_bytes)
+      .def("allocate", &Runtime::allocate, "bytes"_a)
+      .def("free", &Runtime::free, "ptr"_a)
+      .def("is_symmetric", &Runtime::is_symmetric, "ptr"_a)
+      .def("peer_ptr", &Runtime::peer_ptr, "ptr"_a, "peer"_a)
+      .def("all_reduce", &Runtime::all_reduce, "input"_a, "output"_a, "stream"_a, "method"_a)
+      .def("all_gather", &Runtime::all_gather, "input"_a, "output"_a, "stream"_a, "method"_a)
+      .def("reduce_scatter", &Runtime::reduce_scatter, "input"_a, "output"_a, "stream"_a, "method"_a)
+      .def("barrier", &Runtime::barrier, "stream"_a)
+      .def("all_reduce_method", &Runtime::all_reduce_method, "input"_a, "output"_a, "method"_a)
+      .def("host_barrier", &Runtime::host_barrier, "tag"_a);
+
+  nb::class_<PyModule>(m, "JitModule", "A compiled CUDA module (cubin), loaded on the first launch.")
+      .def_prop_ro("arch", [](const PyModule& p) { return p.compiled().arch; })
+      .def_prop_ro("compiler", [](const PyModule& p) { return p.compiled().compiler; })
+      .def_prop_ro("log", [](const PyModule& p) { return p.compiled().log; })
+      .def_prop_ro("key", [](const PyModule& p) { return tdist::jit::to_hex(p.compiled().key); })
+      .def_prop_ro("cubin", [](const PyModule& p) {
+        return nb::bytes(p.compiled().cubin.data(), p.compiled().cubin.size());
+      })
+      .def_prop_ro("spill_stores", [](const PyModule& p) { return p.compiled().spill_stores; })
+      .def_prop_ro("spill_loads", [](const PyModule& p) { return p.compiled().spill_loads; })
+      .def_prop_ro("name_expressions",
+                   [](const PyModule& p) {
+                     std::vector<std::string> v;
+                     for (const auto& [expr, sym] : p.compiled().lowered_names) v.push_back(expr);
+                     return v;
+                   })
+      .def("lowered_name", [](const PyModule& p, const std::string& e) { return p.compiled().lowered_name(e); },
+           "name_expression"_a);
+
+  nb::class_<PyKernel>(m, "JitKernel", "One kernel of a JitModule.")
+      .def(nb::init<std::shared_ptr<PyModule>, std::string>(), "module"_a, "name"_a)
+      .def_prop_ro("name", &PyKernel::name)
+      .def("launch", &PyKernel::launch, "grid"_a, "block"_a, "args"_a, "shared_bytes"_a, "stream"_a, "cluster"_a,
+           "pdl"_a);
+
+  m.def("jit_compile", &jit_compile, "source"_a, "name_expressions"_a, "arch"_a, "file_name"_a, "constants"_a,
+        "defines"_a, "include_dirs"_a, "flags"_a, "compiler"_a);
+}

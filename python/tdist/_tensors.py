@@ -1,0 +1,113 @@
+"""Tensors as the C++ core sees them: descriptors built from torch tensors, DLPack or
+__cuda_array_interface__ objects, and CUDA streams as integers. torch is optional here."""
+
+from __future__ import annotations
+
+import math
+
+from . import _C
+
+Error = _C.Error
+
+try:  # torch is optional: import tdist works without it
+    import torch as _torch
+except ImportError:  # pragma: no cover - depends on the environment
+    _torch = None
+
+# __cuda_array_interface__ typestr -> dtype name (bfloat16 has no typestr)
+_TYPESTR = {
+    "f2": "float16", "f4": "float32", "f8": "float64",
+    "i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64",
+    "u1": "uint8", "u2": "uint16", "u4": "uint32", "u8": "uint64", "b1": "bool",
+}
+
+# torch dtype name -> (DLPack type code, bits)
+_DLPACK = {
+    "float16": (2, 16), "float32": (2, 32), "float64": (2, 64), "bfloat16": (4, 16),
+    "int8": (0, 8), "int16": (0, 16), "int32": (0, 32), "int64": (0, 64),
+    "uint8": (1, 8), "uint16": (1, 16), "uint32": (1, 32), "uint64": (1, 64), "bool": (6, 8),
+}
+
+
+def torch_module():
+    """torch, or None when it is not installed."""
+    return _torch
+
+
+def require_torch(what: str):
+    if _torch is None:
+        raise Error(f"{what} needs PyTorch, which is not installed")
+    return _torch
+
+
+def is_torch_tensor(x) -> bool:
+    return _torch is not None and isinstance(x, _torch.Tensor)
+
+
+def torch_dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def dlpack_dtype(dtype) -> tuple[int, int]:
+    name = torch_dtype_name(dtype)
+    if name not in _DLPACK:
+        raise Error(f"tdist: dtype {name} cannot back a symmetric tensor (supported: {', '.join(_DLPACK)})")
+    return _DLPACK[name]
+
+
+def describe(x, op: str, name: str):
+    """(ptr, numel, dtype name, device type, device index or -1, contiguous) of an array argument."""
+    if is_torch_tensor(x):
+        dev = x.device
+        return (x.data_ptr(), x.numel(), torch_dtype_name(x.dtype), dev.type,
+                -1 if dev.index is None else dev.index, x.is_contiguous())
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is not None:
+        shape = tuple(cai["shape"])
+        typestr = cai["typestr"]
+        dtype = _TYPESTR.get(typestr[1:], f"typestr {typestr}")
+        itemsize = int(typestr[2:]) if typestr[2:].isdigit() else 0
+        strides = cai.get("strides")
+        contiguous = True
+        if strides is not None:
+            expected = itemsize
+            for n, s in zip(reversed(shape), reversed(tuple(strides))):
+                if n != 1 and s != expected:
+                    contiguous = False
+                expected *= n
+        return (int(cai["data"][0]), math.prod(shape), dtype, "cuda", -1, contiguous)
+    if hasattr(x, "__dlpack__"):
+        try:
+            return _C.dlpack_describe(x)
+        except TypeError as e:
+            raise Error(f"tdist.{op}: '{name}' could not be read through DLPack: {e}") from None
+    raise Error(f"tdist.{op}: '{name}' must be a torch.Tensor or an array exporting DLPack or "
+                f"__cuda_array_interface__, got {type(x).__name__}")
+
+
+def describe_checked(x, op: str, name: str):
+    """describe(), then the C++ checks that need no runtime (CUDA, dtype, contiguity)."""
+    d = describe(x, op, name)
+    _C.check_tensor(op, name, d)
+    return d
+
+
+def current_stream(device: int | None = None) -> int:
+    """torch's current CUDA stream on `device` (cudaStream_t as an int), or 0 without torch."""
+    if _torch is None:
+        return 0
+    if device is None or device < 0:
+        return _torch.cuda.current_stream().cuda_stream
+    return _torch.cuda.current_stream(device).cuda_stream
+
+
+def stream_handle(stream) -> int:
+    """An int cudaStream_t from None (torch's current stream), an int, or a torch.cuda.Stream."""
+    if stream is None:
+        return current_stream()
+    if isinstance(stream, int):
+        return stream
+    handle = getattr(stream, "cuda_stream", None)
+    if handle is None:
+        raise Error(f"tdist: stream must be None, an int cudaStream_t or a torch.cuda.Stream, got {type(stream).__name__}")
+    return int(handle)
