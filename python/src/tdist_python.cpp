@@ -407,11 +407,11 @@ nb::bytes nccl_unique_id() {
 }
 
 // A DLPack-exporting view of device memory (no copy); `owner` stays alive as long as the view.
-nb::ndarray<> device_array(uint64_t ptr, const std::vector<size_t>& shape, const std::vector<int64_t>& strides,
+nb::ndarray<nb::array_api> device_array(uint64_t ptr, const std::vector<size_t>& shape, const std::vector<int64_t>& strides,
                            int dtype_code, int bits, int device_id, nb::handle owner) {
   if (!strides.empty() && strides.size() != shape.size()) fail("device_array: strides and shape differ in length");
   nb::dlpack::dtype dt{static_cast<uint8_t>(dtype_code), static_cast<uint8_t>(bits), 1};
-  return nb::ndarray<>(reinterpret_cast<void*>(ptr), shape.size(), shape.data(), owner,
+  return nb::ndarray<nb::array_api>(reinterpret_cast<void*>(ptr), shape.size(), shape.data(), owner,
                        strides.empty() ? nullptr : strides.data(), dt, nb::device::cuda::value, device_id);
 }
 
@@ -626,7 +626,7 @@ NB_MODULE(_C, m) {
     return v;
   }, "NCCL's version code (e.g. 22809) of the loaded libnccl.");
   m.def("device_array", &device_array, "ptr"_a, "shape"_a, "strides"_a, "dtype_code"_a, "bits"_a, "device_id"_a,
-        "owner"_a, "A DLPack-exporting view of CUDA memory at ptr that keeps owner alive.");
+        "owner"_a.none(), nb::rv_policy::reference, "A DLPack-exporting view of CUDA memory at ptr that keeps owner alive.");
   m.def("driver_available", &tdist::jit::driver_available, "Whether a CUDA driver and GPU are usable.");
 
   nb::class_<Runtime>(m, "Runtime", "World, symmetric heap and collectives context of this process.")

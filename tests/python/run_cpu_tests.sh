@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# CPU tests of the Python package: a fresh virtual environment, `pip install .` (scikit-build-core
+# builds libtdist and the extension), then pytest on tests/python/test_*.py. No torch, no GPU.
+# Needs python3 (>= 3.9) with venv, the CUDA 13 toolkit, NCCL >= 2.28, CMake >= 3.25 and Ninja, and
+# PyPI for scikit-build-core, nanobind and pytest (TDIST_PIP_ARGS adds pip options, e.g. a mirror).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+python=${PYTHON:-python3}
+venv=${TDIST_PY_VENV:-$root/build-python/venv-cpu-tests}
+command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+
+rm -rf "$venv"
+"$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+"${pip[@]}" install -q ${TDIST_PIP_ARGS:-} "scikit-build-core>=0.10" "nanobind>=2.0" pytest
+# Build isolation off: the build uses the packages above (and the system's CMake and Ninja), so the
+# same command works on a machine without a package index once they are installed.
+CMAKE_BUILD_PARALLEL_LEVEL=${TDIST_BUILD_JOBS:-$(nproc)} \
+  "${pip[@]}" install --no-build-isolation ${TDIST_PIP_ARGS:-} "$root"
+
+cd "$root/tests/python"  # the installed package is tested, not python/tdist of the source tree
+"$venv/bin/python" -m pytest -q -p no:cacheprovider test_*.py "$@"

@@ -1,0 +1,280 @@
+"""CPU tests of the Python package (no GPU, no torch needed): import, errors, argument checks,
+docstrings, and JIT compilation for an explicit arch."""
+
+import builtins
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+import tdist
+from tdist import _C
+from tdist._tensors import describe
+
+HAS_GPU = _C.driver_available()
+
+
+class CudaArray:
+    """A stand-in device array (__cuda_array_interface__ v3); never dereferenced."""
+
+    def __init__(self, shape, typestr="<f4", ptr=1 << 20, strides=None):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": tuple(shape), "typestr": typestr,
+                                         "strides": strides, "version": 3}
+
+
+def desc(shape, typestr="<f4", ptr=1 << 20, strides=None):
+    return describe(CudaArray(shape, typestr, ptr, strides), "test", "x")
+
+
+# --- import -----------------------------------------------------------------------------------------
+
+def test_import_without_torch():
+    # torch blocked (sys.modules[name] = None makes `import torch` raise ImportError).
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import tdist\n"
+            "assert tdist.is_initialized() is False\n"
+            "assert tdist.ops._torch is None\n"
+            "try:\n"
+            "    tdist.empty((4,))\n"
+            "except tdist.Error as e:\n"
+            "    assert 'needs PyTorch' in str(e), e\n"
+            "else:\n"
+            "    raise SystemExit('tdist.empty worked without torch')\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_import_does_not_need_a_gpu():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", "import tdist, tdist.jit; print(tdist.__version__)"],
+                         capture_output=True, text=True, env=env, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == tdist.__version__
+
+
+def test_package_ships_headers_next_to_libtdist():
+    pkg = os.path.dirname(tdist.__file__)
+    assert os.path.exists(os.path.join(pkg, "include", "tdist", "device.cuh"))
+    assert os.path.exists(os.path.join(pkg, "include", "tdist", "kernels", "collectives"))
+    assert os.path.exists(os.path.join(pkg, "libtdist.so"))
+
+
+@pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU")
+def test_gpu_op_without_gpu_raises_clear_error():
+    with pytest.raises(tdist.Error, match="no CUDA driver or GPU"):
+        tdist.init()
+    assert not tdist.is_initialized()
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+def test_error_hierarchy():
+    assert issubclass(tdist.Error, RuntimeError)
+    assert issubclass(tdist.TimeoutError, tdist.Error)
+    assert issubclass(tdist.TimeoutError, builtins.TimeoutError)
+    assert tdist.Error.__module__ == "tdist" and tdist.TimeoutError.__module__ == "tdist"
+    assert tdist.Error.__doc__ and tdist.TimeoutError.__doc__
+
+
+def test_cpp_errors_become_python_exceptions_with_the_same_message():
+    with pytest.raises(tdist.Error) as e:
+        _C._raise_error("some message")
+    assert type(e.value) is tdist.Error and str(e.value) == "some message"
+    with pytest.raises(tdist.TimeoutError) as e:
+        _C._raise_timeout("rank 1 did not arrive")
+    assert str(e.value) == "rank 1 did not arrive"
+    with pytest.raises(builtins.TimeoutError):
+        _C._raise_timeout("x")
+
+
+def test_library_errors_keep_their_message():
+    with pytest.raises(tdist.Error, match="TDIST_SYMMETRIC_HEAP_SIZE|heap_size"):
+        _C.parse_size("12Q")
+    with pytest.raises(tdist.Error, match="two_shot"):
+        _C.check_methods(all_reduce="three_shot")
+    with pytest.raises(tdist.Error, match="ce_push"):
+        _C.check_methods(all_gather="bogus")
+    with pytest.raises(tdist.Error, match="fused"):
+        _C.check_methods(reduce_scatter="bogus")
+
+
+# --- docstrings -------------------------------------------------------------------------------------
+
+def _public(module):
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if inspect.ismodule(obj):
+            continue
+        yield f"{module.__name__}.{name}", obj
+        if inspect.isclass(obj):
+            for attr, member in vars(obj).items():
+                if attr.startswith("_") and attr != "__call__":
+                    continue
+                if callable(member) or isinstance(member, property):
+                    yield f"{module.__name__}.{name}.{attr}", member
+
+
+def test_every_public_function_has_a_docstring():
+    missing = [name for mod in (tdist, tdist.jit) for name, obj in _public(mod)
+               if not (getattr(obj, "__doc__", None) or "").strip()]
+    assert not missing, f"no docstring: {missing}"
+
+
+def test_op_docstrings_describe_arguments():
+    for f in (tdist.all_reduce, tdist.all_gather, tdist.reduce_scatter, tdist.init, tdist.empty):
+        assert "Args:" in f.__doc__, f.__name__
+    assert list(inspect.signature(tdist.all_gather).parameters) == ["input", "output", "method"]
+    assert list(inspect.signature(tdist.reduce_scatter).parameters) == ["input", "output", "method"]
+    assert list(inspect.signature(tdist.all_reduce).parameters) == ["tensor", "output", "method"]
+
+
+# --- argument checks --------------------------------------------------------------------------------
+
+def test_ops_before_init_say_so():
+    x = CudaArray((8,))
+    for call in (lambda: tdist.all_reduce(x), lambda: tdist.all_gather(x, CudaArray((16,))),
+                 lambda: tdist.reduce_scatter(x, CudaArray((4,))), tdist.barrier, tdist.get_rank):
+        with pytest.raises(tdist.Error, match=r"not initialised; call tdist\.init\(\) first"):
+            call()
+
+
+def test_argument_errors_without_gpu():
+    with pytest.raises(tdist.Error, match="'input' must be a torch.Tensor or an array exporting DLPack"):
+        tdist.all_reduce([1.0, 2.0])
+    with pytest.raises(tdist.Error, match="'input' has dtype int32; supported dtypes are bfloat16, float16"):
+        tdist.all_reduce(CudaArray((8,), "<i4"))
+    with pytest.raises(tdist.Error, match="'input' has dtype float64"):
+        tdist.all_gather(CudaArray((8,), "<f8"), CudaArray((16,)))
+    with pytest.raises(tdist.Error, match="'input' must be contiguous"):
+        tdist.all_reduce(CudaArray((4, 4), strides=(4, 32)))
+    with pytest.raises(tdist.Error, match="'output' has dtype float16 but 'input' has float32"):
+        _C.check_all_reduce(desc((8,)), desc((8,), "<f2", ptr=1 << 30))
+    with pytest.raises(tdist.Error, match="'output' is required"):
+        tdist.all_gather(CudaArray((8,)))
+    with pytest.raises(tdist.Error, match="method must be a str"):
+        tdist.all_reduce(CudaArray((8,)), method=2)
+
+
+def test_dlpack_arguments():
+    # A CUDA DLPack exporter made by the extension itself (never dereferenced).
+    arr = _C.device_array(1 << 20, [3, 5], [], 2, 16, 0, None)
+    assert describe(arr, "t", "x") == (1 << 20, 15, "float16", "cuda", 0, True)
+    strided = _C.device_array(1 << 20, [3, 5], [10, 2], 4, 16, 0, None)
+    assert describe(strided, "t", "x")[2:] == ("bfloat16", "cuda", 0, False)
+    with pytest.raises(tdist.Error, match="must be contiguous"):
+        tdist.all_reduce(strided)
+
+
+def test_size_checks():
+    n = 1000
+    # all_reduce: same count; out-of-place buffers must not overlap.
+    assert _C.check_all_reduce(desc((n,)), desc((n,), ptr=1 << 30)) == "f32"
+    assert _C.check_all_reduce(desc((n,)), desc((n,))) == "f32"  # in place
+    with pytest.raises(tdist.Error, match="'output' has 999 elements but 'input' has 1000"):
+        _C.check_all_reduce(desc((n,)), desc((n - 1,), ptr=1 << 30))
+    with pytest.raises(tdist.Error, match="overlap"):
+        _C.check_all_reduce(desc((n,)), desc((n,), ptr=(1 << 20) + 64))
+    # all_gather: output holds world_size x input; in place is input == output + rank * n.
+    with pytest.raises(tdist.Error, match=r"expected world_size \* input.numel\(\) = 2 \* 1000 = 2000"):
+        _C.check_all_gather(desc((n,)), desc((n,), ptr=1 << 30), 2)
+    base = 1 << 30
+    assert _C.check_all_gather(desc((n,), ptr=base + 4 * n), desc((2 * n,), ptr=base), 2, 1) == "f32"
+    with pytest.raises(tdist.Error, match="overlaps 'output' other than in place"):
+        _C.check_all_gather(desc((n,), ptr=base + 4), desc((2 * n,), ptr=base), 2, 1)
+    # reduce_scatter: input holds world_size x output; in place is output == input + rank * n.
+    with pytest.raises(tdist.Error, match=r"'input' has 1000 elements, expected world_size \* output.numel\(\) = "
+                                          r"4 \* 200 = 800"):
+        _C.check_reduce_scatter(desc((n,)), desc((200,), ptr=1 << 30), 4)
+    assert _C.check_reduce_scatter(desc((4 * n,), ptr=base), desc((n,), ptr=base + 3 * 4 * n), 4, 3) == "f32"
+    # the device check, when both are known
+    with pytest.raises(tdist.Error, match="is on cuda:1 but tdist runs this rank on cuda:0"):
+        _C.check_tensor("all_reduce", "input", (1 << 20, 4, "float32", "cuda", 1, True), 0)
+    with pytest.raises(tdist.Error, match="must be a CUDA tensor, got one on device type 'cpu'"):
+        _C.check_tensor("all_reduce", "input", (1 << 20, 4, "float32", "cpu", -1, True))
+
+
+def test_init_argument_errors():
+    with pytest.raises(tdist.Error, match="heap_size"):
+        tdist.init(heap_size=-5)
+    with pytest.raises(tdist.Error):
+        tdist.init(heap_size="12Q")
+    with pytest.raises(tdist.Error, match="timeout"):
+        tdist.init(timeout=0)
+    assert not tdist.is_initialized()
+    tdist.finalize()  # a no-op when not initialised
+
+
+# --- JIT --------------------------------------------------------------------------------------------
+
+SCALE = r"""
+#include <tdist/device.cuh>
+template <typename T>
+__global__ void scale(T* out, const T* in, T alpha, unsigned long long n) {
+  unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+  if (i < n) out[i] = alpha * in[i];
+}
+extern "C" __global__ void fill(int* out, int value) { out[threadIdx.x] = value + kOffset; }
+"""
+
+
+def test_jit_compile_for_explicit_arch_without_gpu():
+    mod = tdist.jit.compile(SCALE, ["scale<float>", "scale<double>"], arch="sm_90a", file_name="scale.cu",
+                            constants={"kOffset": ("int", 3)})
+    assert mod.arch == "sm_90a"
+    assert mod.cubin[:4] == b"\x7fELF"
+    assert mod.lowered_name("scale<float>") == "_Z5scaleIfEvPT_PKS0_S0_y"
+    assert mod.name_expressions == ["scale<float>", "scale<double>"]
+    assert len(mod.key) == 64
+    # the same request hits the in-process cache: same key
+    again = tdist.jit.compile(SCALE, ["scale<float>", "scale<double>"], arch="90a", file_name="scale.cu",
+                              constants=[("int", "kOffset", "3")])
+    assert again.key == mod.key
+    with pytest.raises(tdist.Error, match="scale<int>"):
+        mod.lowered_name("scale<int>")
+
+
+def test_jit_compile_error_has_the_log():
+    with pytest.raises(tdist.Error, match=r"broken\.cu\(2\): error"):
+        tdist.jit.compile("__global__ void k() {\n  undeclared_thing = 1;\n}\n", arch="sm_90a",
+                          file_name="broken.cu")
+
+
+def test_jit_rejects_bad_options():
+    with pytest.raises(tdist.Error, match="sm_90a|arch"):
+        tdist.jit.compile("__global__ void k() {}", arch="compute_90a")
+    with pytest.raises(tdist.Error, match="nvrtc|nvcc|auto"):
+        tdist.jit.compile("__global__ void k() {}", arch="sm_90a", compiler="gcc")
+
+
+def test_jit_argument_packing():
+    mod = tdist.jit.compile(SCALE, ["scale<float>"], arch="sm_90a", constants={"kOffset": ("int", 0)})
+    k = mod.kernel("scale<float>", signature="float* __restrict__, const float*, float, size_t")
+    assert k.signature == ["ptr", "ptr", "f32", "u64"]
+    a = CudaArray((4,))
+    assert tdist.jit._pack([a, None, 2.0, 4], k.signature) == [("ptr", 1 << 20), ("ptr", 0), ("f32", 2.0),
+                                                              ("u64", 4)]
+    assert tdist.jit._pack([a, tdist.jit.u64(4), tdist.jit.f32(1.5)], None)[1:] == [("u64", 4), ("f32", 1.5)]
+    with pytest.raises(tdist.Error, match=r"Python int .* give its C type, e.g. tdist.jit.i32"):
+        tdist.jit._pack([a, 4], None)
+    with pytest.raises(tdist.Error, match="signature has 4 arguments, the launch passed 2"):
+        tdist.jit._pack([a, a], k.signature)
+    with pytest.raises(tdist.Error, match="argument 2 is tdist.jit.u64.* signature says f32"):
+        tdist.jit._pack([a, a, tdist.jit.u64(1), 4], k.signature)
+    with pytest.raises(tdist.Error, match="not a known type"):
+        tdist.jit.parse_signature("float*, quaternion")
+    with pytest.raises(tdist.Error, match="grid"):
+        k(a, a, 2.0, 4, grid=0, block=32, stream=0)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="this machine has a GPU")
+def test_jit_launch_without_gpu_raises_clear_error():
+    mod = tdist.jit.compile(SCALE, ["scale<float>"], arch="sm_90a", constants={"kOffset": ("int", 0)})
+    k = mod.kernel("scale<float>", signature="float*, const float*, float, u64")
+    with pytest.raises(tdist.Error, match="no CUDA driver or GPU is available"):
+        k(None, None, 2.0, 4, grid=1, block=32, stream=0)
+    with pytest.raises(tdist.Error, match="out of range|does not fit|negative"):
+        tdist.jit.Kernel(mod, "fill", ["ptr", "i32"])(None, 1 << 40, grid=1, block=1, stream=0)
