@@ -2,11 +2,12 @@
 
 Each op has a real (CUDA) implementation, which calls the C++ core on torch's current stream, and a
 fake implementation (shapes only), so torch.compile(fullgraph=True) traces them and CUDA graphs
-capture them. Functional (out-of-place) forms return new tensors; ``*_out`` and ``*_`` forms declare
-the tensors they mutate.
+capture them. Functional (out-of-place) forms return new tensors; ``*_out`` and ``*_inplace`` forms declare
+the tensors they mutate (names without a trailing underscore, which torch reserves for
+in-place ops that return their input).
 
   tdist::all_reduce(Tensor input, str method="auto") -> Tensor
-  tdist::all_reduce_(Tensor(a!) tensor, str method="auto") -> ()
+  tdist::all_reduce_inplace(Tensor(a!) tensor, str method="auto") -> ()
   tdist::all_reduce_out(Tensor input, Tensor(a!) output, str method="auto") -> ()
   tdist::all_gather(Tensor input, str method="auto") -> Tensor           # dim 0 grows world_size x
   tdist::all_gather_out(Tensor input, Tensor(a!) output, str method="auto") -> ()
@@ -90,12 +91,12 @@ def _(input, method="auto"):
     return torch.empty(input.shape, dtype=input.dtype, device=input.device)
 
 
-@torch.library.custom_op("tdist::all_reduce_", mutates_args=("tensor",))
-def all_reduce_(tensor: Tensor, method: str = "auto") -> None:
+@torch.library.custom_op("tdist::all_reduce_inplace", mutates_args=("tensor",))
+def all_reduce_inplace(tensor: Tensor, method: str = "auto") -> None:
     _run("all_reduce", tensor, tensor, method)
 
 
-@all_reduce_.register_fake
+@all_reduce_inplace.register_fake
 def _(tensor, method="auto"):
     return None
 

@@ -15,10 +15,17 @@ from ._runtime import runtime
 from ._tensors import Error, current_stream, describe_checked, is_torch_tensor, torch_module
 
 _torch = torch_module()
-_ops = None  # torch.ops.tdist (registered by _torch_ops) when torch is installed
 if _torch is not None:
-    from . import _torch_ops as _tops
-    _ops = _torch.ops.tdist
+    from . import _torch_ops as _tops  # registers torch.ops.tdist.*
+
+    # OpOverloads as globals: what torch.compile traces most directly.
+    _all_reduce_inplace = _torch.ops.tdist.all_reduce_inplace.default
+    _all_reduce_out = _torch.ops.tdist.all_reduce_out.default
+    _all_gather = _torch.ops.tdist.all_gather.default
+    _all_gather_out = _torch.ops.tdist.all_gather_out.default
+    _reduce_scatter = _torch.ops.tdist.reduce_scatter.default
+    _reduce_scatter_out = _torch.ops.tdist.reduce_scatter_out.default
+    _barrier = _torch.ops.tdist.barrier.default
 
 
 def _check_method(method) -> str:
@@ -55,9 +62,9 @@ def all_reduce(tensor, output=None, method: str = "auto"):
     method = _check_method(method)
     if is_torch_tensor(tensor) and (output is None or is_torch_tensor(output)):
         if output is None:
-            _ops.all_reduce_(tensor, method)
+            _all_reduce_inplace(tensor, method)
             return tensor
-        _ops.all_reduce_out(tensor, output, method)
+        _all_reduce_out(tensor, output, method)
         return output
     _direct("all_reduce", tensor, tensor if output is None else output, method)
     return tensor if output is None else output
@@ -81,8 +88,8 @@ def all_gather(input, output=None, method: str = "auto"):
     method = _check_method(method)
     if is_torch_tensor(input) and (output is None or is_torch_tensor(output)):
         if output is None:
-            return _ops.all_gather(input, method)
-        _ops.all_gather_out(input, output, method)
+            return _all_gather(input, method)
+        _all_gather_out(input, output, method)
         return output
     if output is None:
         raise Error("tdist.all_gather: 'output' is required for arrays that are not torch tensors")
@@ -109,8 +116,8 @@ def reduce_scatter(input, output=None, method: str = "auto"):
     method = _check_method(method)
     if is_torch_tensor(input) and (output is None or is_torch_tensor(output)):
         if output is None:
-            return _ops.reduce_scatter(input, method)
-        _ops.reduce_scatter_out(input, output, method)
+            return _reduce_scatter(input, method)
+        _reduce_scatter_out(input, output, method)
         return output
     if output is None:
         raise Error("tdist.reduce_scatter: 'output' is required for arrays that are not torch tensors")
@@ -127,7 +134,7 @@ def barrier() -> None:
     if _torch is None:
         runtime("barrier").barrier(0)
         return
-    _ops.barrier(_tops.barrier_token())
+    _barrier(_tops.barrier_token())
 
 
 # Fused GEMM + collective ops (ag_gemm, gemm_rs, gemm_ar) belong here, with the same conventions

@@ -278,3 +278,9 @@ def test_jit_launch_without_gpu_raises_clear_error():
         k(None, None, 2.0, 4, grid=1, block=32, stream=0)
     with pytest.raises(tdist.Error, match="out of range|does not fit|negative"):
         tdist.jit.Kernel(mod, "fill", ["ptr", "i32"])(None, 1 << 40, grid=1, block=1, stream=0)
+
+
+def test_bench_help_needs_no_torch():
+    out = subprocess.run([sys.executable, "-m", "tdist.bench", "--help"], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert "--sizes" in out.stdout and "all_reduce" in out.stdout
