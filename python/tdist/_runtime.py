@@ -76,7 +76,13 @@ class Session:
 
 def _local_device(device) -> int:
     if device is not None:
-        return int(device.index if hasattr(device, "index") and device.index is not None else device)
+        if isinstance(device, int):
+            return device
+        torch = torch_module()
+        d = torch.device(device) if torch is not None else None
+        if d is None or d.type != "cuda" or d.index is None:
+            raise Error(f"tdist.init: device must be a CUDA device index or 'cuda:N', got {device!r}")
+        return d.index
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"])
     torch = torch_module()

@@ -22,8 +22,7 @@ Fused GEMM + collective ops (ag_gemm, gemm_rs, gemm_ar) register here too, next 
 wrappers in ops.py, when the C++ core has them.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: torch.library.custom_op reads the annotations as types.
 import torch
 from torch import Tensor
 

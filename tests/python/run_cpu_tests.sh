@@ -9,6 +9,16 @@ python=${PYTHON:-python3}
 venv=${TDIST_PY_VENV:-$root/build-python/venv-cpu-tests}
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 
+if ! "$python" -c "import venv, ensurepip" 2>/dev/null; then
+  # Debian/Ubuntu keep venv's pip bootstrap in a separate package.
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
+  else
+    echo "run_cpu_tests.sh: $python cannot make a virtual environment (install python3-venv)" >&2
+    exit 1
+  fi
+fi
 rm -rf "$venv"
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
