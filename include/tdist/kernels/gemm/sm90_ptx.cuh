@@ -1,0 +1,120 @@
+// sm_90a building blocks of the GEMM, as inline PTX: mbarriers, TMA tensor loads, wgmma fences and
+// shared-memory matrix descriptors, setmaxnreg, named barriers. Compiles under nvcc and NVRTC.
+#pragma once
+
+#include "tdist/device/common.cuh"
+
+// CUtensorMap comes from <cuda.h>, which NVRTC cannot include (stdlib.h); the same 128-byte,
+// 64-byte aligned opaque type is declared here for NVRTC. The host fills it with
+// cuTensorMapEncodeTiled; the kernel only takes its address.
+#if defined(__CUDACC_RTC__) && !defined(__cuda_cuda_h__)
+typedef struct CUtensorMap_st {
+  alignas(64) unsigned long long opaque[16];
+} CUtensorMap;
+#elif !defined(__CUDACC_RTC__)
+#include <cuda.h>
+#endif
+
+namespace tdist::kernels::gemm::ptx {
+
+using tdist::device::u32;
+using tdist::device::u64;
+
+TDIST_DEVICE u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// ---- mbarriers (shared::cta) ----
+TDIST_DEVICE void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Makes the initialisations visible to the async proxy (TMA) and the cluster.
+TDIST_DEVICE void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+TDIST_DEVICE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+TDIST_DEVICE void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+TDIST_DEVICE bool mbar_try_wait(u32 bar, u32 parity) {
+  u32 done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// Waits for the phase of parity `parity` to complete. A GEMM whose pipeline is broken must not hang
+// the GPU silently: after about 30 s of spinning (clock64 at ~1.5-2 GHz) it traps (the launch fails
+// with an illegal-instruction error). The diagnostic printf is compiled in only with
+// TDIST_GEMM_DEBUG defined (Gemm does so under TDIST_GEMM_DEBUG=1): any call (printf) in the kernel
+// makes ptxas serialise the wgmma pipeline (C7510), so release builds must not contain one.
+constexpr long long kMbarTimeoutCycles = 1ll << 36;
+TDIST_DEVICE void mbar_wait(u32 bar, u32 parity, const char* what) {
+  if (mbar_try_wait(bar, parity)) return;
+  const long long start = clock64();
+  while (!mbar_try_wait(bar, parity)) {
+    if (clock64() - start > kMbarTimeoutCycles) {
+#if defined(TDIST_GEMM_DEBUG)
+      printf("tdist gemm: mbarrier wait (%s) timed out: block %d thread %d, smem 0x%x, parity %u\n", what,
+             static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x), bar, parity);
+#else
+      (void)what;
+#endif
+      __trap();
+    }
+  }
+}
+
+// ---- TMA ----
+TDIST_DEVICE void prefetch_tensor_map(const void* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
+}
+// Loads the box at (c0 = innermost coordinate, c1) of `map` into shared memory at `dst`; completes
+// its bytes on mbarrier `bar`. Elements outside the tensor are filled with zeros (and still count).
+TDIST_DEVICE void tma_load_2d(u32 dst, const void* map, u32 bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// ---- wgmma ----
+TDIST_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+TDIST_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+TDIST_DEVICE void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of an accumulator register across wgmma instructions.
+TDIST_DEVICE void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// Shared-memory matrix descriptor of a K-major tile stored as 128-byte swizzled rows (what TMA
+// writes with CU_TENSOR_MAP_SWIZZLE_128B and a 128-byte inner box): 8-row core groups 1024 bytes
+// apart (stride byte offset), leading byte offset unused for this layout, base offset 0 (the tile
+// starts 1024-byte aligned). Stepping k by 16 elements adds 32 bytes to the start address.
+TDIST_DEVICE u64 smem_desc_k_major_sw128(u32 addr) {
+  u64 desc = 0;
+  desc |= static_cast<u64>((addr & 0x3FFFF) >> 4);  // start address, bits [0, 14)
+  desc |= static_cast<u64>(1) << 16;                  // leading byte offset (16 B), ignored here
+  desc |= static_cast<u64>(1024 >> 4) << 32;          // stride byte offset, bits [32, 46)
+  desc |= static_cast<u64>(1) << 62;                  // layout type 1: 128-byte swizzle
+  return desc;
+}
+
+// ---- registers and barriers ----
+template <int kRegs>
+TDIST_DEVICE void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs>
+TDIST_DEVICE void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+// Barrier among `count` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is __syncthreads).
+TDIST_DEVICE void named_barrier(u32 id, u32 count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+}  // namespace tdist::kernels::gemm::ptx

@@ -1,0 +1,125 @@
+// Tile order of the persistent GEMM, and the AllGather-GEMM chunk-to-flag mapping. Plain C++ shared
+// by the host (plain g++, CPU tests), nvcc and NVRTC: no standard header, no device intrinsic.
+//
+// Output tiles are BLOCK_M x BLOCK_N; tile (tile_m, tile_n) covers rows [tile_m * BLOCK_M, +BLOCK_M)
+// and columns [tile_n * BLOCK_N, +BLOCK_N) of D, clipped to M x N. A persistent CTA b walks the
+// linear indices b, b + gridDim.x, b + 2 * gridDim.x, ... < num_tiles(), and tile(i) maps a linear
+// index to a tile:
+//
+//   1. grouped raster (L2 reuse): the linear order visits `group_m` consecutive m-tiles for one
+//      n-tile, then the same m-tiles for the next n-tile, ...; once every n-tile of a group is done,
+//      the next group of m-tiles follows (the last group may be shorter). group_m = 1 is plain
+//      row-by-row raster (all n-tiles of an m-tile in turn); group_m >= tiles_m is column order.
+//   2. rank rotation (AllGather-GEMM): the m-tile numbers of step 1 are relative; the real m-tile is
+//      (first_tile_m + relative) % tiles_m, so the walk starts at the m-tile holding this rank's
+//      first row (its local chunk, which needs no wait) and wraps around through the others.
+//
+// Both are bijections of [0, num_tiles), so every tile is visited exactly once whatever the grid.
+#pragma once
+
+#include "tdist/device/common.cuh"
+
+namespace tdist::kernels::gemm {
+
+using tdist::device::u32;
+using tdist::device::u64;
+
+struct TileCoord {
+  u32 tile_m;  // m-tile: rows [tile_m * BLOCK_M, +BLOCK_M)
+  u32 tile_n;  // n-tile: columns [tile_n * BLOCK_N, +BLOCK_N)
+};
+
+struct TileScheduler {
+  u32 tiles_m = 1;       // ceil(M / BLOCK_M)
+  u32 tiles_n = 1;       // ceil(N / BLOCK_N)
+  u32 group_m = 1;       // m-tiles per raster group, >= 1
+  u32 first_tile_m = 0;  // rotation: the m-tile visited first, < tiles_m
+
+  TDIST_HOST_DEVICE u32 num_tiles() const { return tiles_m * tiles_n; }
+
+  // The tile of linear index `i` (< num_tiles()).
+  TDIST_HOST_DEVICE TileCoord tile(u32 i) const {
+    const u32 per_group = group_m * tiles_n;
+    const u32 group = i / per_group, in_group = i % per_group;
+    const u32 first_m = group * group_m;
+    const u32 rows = tiles_m - first_m < group_m ? tiles_m - first_m : group_m;  // this group's m-tiles
+    const u32 rel_m = first_m + in_group % rows;
+    TileCoord c;
+    c.tile_m = (rel_m + first_tile_m) % tiles_m;
+    c.tile_n = in_group / rows;
+    return c;
+  }
+
+  // A schedule for an M x N output; `group_m` 0 is taken as 1, `first_tile_m` is reduced mod tiles_m.
+  TDIST_HOST_DEVICE static TileScheduler make(u64 m, u64 n, u32 block_m, u32 block_n, u32 group_m = 8,
+                                              u32 first_tile_m = 0) {
+    TileScheduler s;
+    s.tiles_m = static_cast<u32>((m + block_m - 1) / block_m);
+    s.tiles_n = static_cast<u32>((n + block_n - 1) / block_n);
+    if (s.tiles_m == 0) s.tiles_m = 1;
+    if (s.tiles_n == 0) s.tiles_n = 1;
+    s.group_m = group_m == 0 ? 1 : group_m;
+    s.first_tile_m = first_tile_m % s.tiles_m;
+    return s;
+  }
+};
+
+// What the epilogue hands the hook for each finished tile.
+struct TileInfo {
+  TileCoord coord;
+  u32 m0, n0;        // first row and column of the tile
+  u32 rows, cols;    // rows and columns inside M x N (the tile clipped)
+  u32 linear;        // linear index in the schedule
+};
+
+// The default epilogue hook: nothing. A hook is a trivially copyable functor passed to the kernel by
+// value; the epilogue calls hook(info, consumer_thread, num_consumer_threads) on every consumer
+// thread once all consumer threads have issued the tile's stores (after a barrier among them).
+// A hook that raises a flag for another CTA or GPU fences (release) before its signal.
+struct NoEpilogueHook {
+  template <typename Info>
+  TDIST_HOST_DEVICE void operator()(const Info&, u32, u32) const {}
+};
+
+// Rows of A split over `num_ranks` chunks, as AllGather-GEMM splits them: chunk r holds rows
+// [begin(r), begin(r) + rows(r)); the first M % num_ranks chunks hold one row more than the others.
+// With M < num_ranks the last chunks are empty. Empty chunks only come last, never between others.
+struct RowChunks {
+  u64 m;
+  int num_ranks;
+
+  TDIST_HOST_DEVICE u64 rows(int r) const { return m / num_ranks + (static_cast<u64>(r) < m % num_ranks ? 1 : 0); }
+  TDIST_HOST_DEVICE u64 begin(int r) const {
+    const u64 extra = m % num_ranks, ru = static_cast<u64>(r);
+    return ru * (m / num_ranks) + (ru < extra ? ru : extra);
+  }
+  // The chunk that holds `row` (< m).
+  TDIST_HOST_DEVICE int chunk_of(u64 row) const {
+    const u64 base = m / num_ranks, extra = m % num_ranks, long_rows = extra * (base + 1);
+    return static_cast<int>(row < long_rows ? row / (base + 1) : extra + (row - long_rows) / base);
+  }
+};
+
+// The chunk flags a tile must wait for: chunks [first, first + count).
+struct ChunkRange {
+  int first;
+  int count;
+};
+
+// AllGather-GEMM: the chunks holding rows [m0, min(m0 + block_m, m)) of the gathered A (m0 < m).
+// A tile may straddle chunk boundaries (chunks need not be multiples of BLOCK_M) or hold several
+// small chunks; it waits for every one of them.
+TDIST_HOST_DEVICE ChunkRange tile_chunks(const RowChunks& split, u64 m0, u32 block_m) {
+  const u64 end = m0 + block_m < split.m ? m0 + block_m : split.m;
+  const int first = split.chunk_of(m0), last = split.chunk_of(end - 1);
+  return ChunkRange{first, last - first + 1};
+}
+
+// The m-tile holding rank `rank`'s first row: where AllGather-GEMM's rotated walk starts. A rank with
+// an empty chunk starts at the tile after the rows (mod tiles_m).
+TDIST_HOST_DEVICE u32 rank_first_tile_m(const RowChunks& split, int rank, u32 block_m) {
+  const u64 tiles_m = (split.m + block_m - 1) / block_m;
+  return tiles_m == 0 ? 0 : static_cast<u32>((split.begin(rank) / block_m) % tiles_m);
+}
+
+}  // namespace tdist::kernels::gemm
