@@ -4,12 +4,12 @@
 
 #include "tdist/device/common.cuh"
 
-// CUtensorMap comes from <cuda.h>, which NVRTC cannot include (stdlib.h); the same 128-byte,
-// 64-byte aligned opaque type is declared here for NVRTC. The host fills it with
-// cuTensorMapEncodeTiled; the kernel only takes its address.
+// CUtensorMap comes from <cuda.h>, which NVRTC cannot include (stdlib.h); the same opaque type
+// (128 bytes, 128-byte aligned, as CUDA 13 declares it) is declared here for NVRTC. The host fills
+// it with cuTensorMapEncodeTiled; the kernel only takes its address.
 #if defined(__CUDACC_RTC__) && !defined(__cuda_cuda_h__)
 typedef struct CUtensorMap_st {
-  alignas(64) unsigned long long opaque[16];
+  alignas(128) unsigned long long opaque[16];
 } CUtensorMap;
 #elif !defined(__CUDACC_RTC__)
 #include <cuda.h>

@@ -1,0 +1,142 @@
+// tdist::Gemm: D = A x B^T on Hopper (sm_90a), bf16 or fp16 inputs, fp32 accumulation, output in the
+// input type. The layer the fused AllGather-GEMM and GEMM-ReduceScatter stand on. docs/gemm.md.
+//
+// Layout ("TN", cuBLAS's default for LLM layers: y = x W^T with W stored out_features x in_features):
+//   A  M x K row-major, leading dimension lda >= K (elements)
+//   B  N x K row-major, leading dimension ldb >= K
+//   D  M x N row-major, leading dimension ldd >= N
+// K > 0 and a multiple of 8; lda, ldb, ldd multiples of 8 and every pointer 16-byte aligned (TMA's
+// rules); M and N are any size (0 is a no-op), none of M, N, K needs to be a tile multiple.
+//
+//   tdist::Gemm gemm;                                   // kernels compile (or load) on first use
+//   gemm.run({.a = a, .b = b, .d = d, .m = m, .n = n, .k = k, .dtype = tdist::DType::kBFloat16}, stream);
+//
+// The kernel (include/tdist/kernels/gemm/sm90_gemm.cuh) is persistent: min(tiles, SMs) CTAs walk the
+// tiles in the order of a TileScheduler (grouped raster, optionally starting at a given row and
+// wrapping, as AllGather-GEMM needs).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tdist/jit/compiler.hpp"
+#include "tdist/jit/launch.hpp"
+#include "tdist/kernels/gemm/tile_scheduler.cuh"
+#include "tdist/ops/collective_select.hpp"  // DType
+
+namespace tdist {
+
+// One kernel instance's tile shape (template parameters of sm90_gemm_tn).
+struct GemmTile {
+  int block_m = 128;  // 64 or 128: one consumer warpgroup per 64 rows
+  int block_n = 256;  // multiple of 16, 16 .. 256
+  int block_k = 64;   // 64 (one 128-byte swizzle row of 2-byte elements)
+  int stages = 4;     // shared-memory ring depth
+  int cluster_m = 1;  // CTAs per cluster along M (1; multicast of B is not implemented yet)
+
+  std::string name() const;  // "128x256x64_s4_c1"
+  bool operator==(const GemmTile&) const = default;
+};
+
+// Throws tdist::Error (naming "tile") when the kernel cannot be built with this shape.
+void check_gemm_tile(const GemmTile& tile);
+// Dynamic shared memory and threads of an instance.
+size_t gemm_shared_bytes(const GemmTile& tile, DType dtype);
+unsigned gemm_threads(const GemmTile& tile);
+// The tiles tdist ships (compiled by tdist-compile --all, candidates of the autotuner).
+const std::vector<GemmTile>& gemm_tiles();
+// The tile the heuristic picks for an M x N x K problem on `num_sms` SMs: the best of gemm_tiles()
+// by wave efficiency weighted by the tile's own efficiency.
+GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms);
+
+// The kernel's name expression: tdist::kernels::gemm::sm90_gemm_tn<T, BM, BN, BK, S, C, Hook>.
+std::string gemm_kernel_name(DType dtype, const GemmTile& tile,
+                             const std::string& hook = "tdist::kernels::gemm::NoEpilogueHook");
+// One JIT request per tile (both dtypes as name expressions), as registered for tdist-compile.
+jit::CompileRequest gemm_compile_request(const GemmTile& tile,
+                                         const std::string& hook = "tdist::kernels::gemm::NoEpilogueHook");
+std::vector<jit::CompileRequest> gemm_compile_requests();
+
+struct GemmArgs {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* d = nullptr;
+  int64_t m = 0, n = 0, k = 0;
+  DType dtype = DType::kBFloat16;
+  int64_t lda = 0, ldb = 0, ldd = 0;  // 0: dense (K, K, N)
+};
+
+// Checks the arguments (dtype, sizes, K % 8, leading dimensions, 16-byte alignment, null pointers)
+// and returns them with the leading dimensions filled in. Throws tdist::Error naming the argument.
+GemmArgs check_gemm_args(const GemmArgs& args);
+
+// The parameters of a 2-D tensor map, as cuTensorMapEncodeTiled takes them: dims[0] is the
+// contiguous one. Always 128-byte swizzle, zero fill out of range, 256-byte L2 promotion.
+struct GemmTensorMapSpec {
+  const void* base = nullptr;
+  uint64_t dims[2] = {0, 0};       // {K, rows}
+  uint64_t row_stride_bytes = 0;   // leading dimension x element size
+  uint32_t box[2] = {0, 0};        // {BLOCK_K, BLOCK_M or BLOCK_N}
+};
+// Specs of A and B for checked args and a tile.
+GemmTensorMapSpec gemm_tensor_map_a(const GemmArgs& args, const GemmTile& tile);
+GemmTensorMapSpec gemm_tensor_map_b(const GemmArgs& args, const GemmTile& tile);
+
+// 128 bytes, as CUtensorMap (kept opaque here so this header needs no <cuda.h>).
+struct alignas(128) GemmTensorMap {
+  unsigned long long opaque[16];
+};
+// Encodes through cuTensorMapEncodeTiled, found with cudaGetDriverEntryPointByVersion (no libcuda
+// link). Needs a GPU driver.
+GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype);
+
+struct GemmRunOptions {
+  std::optional<GemmTile> tile;  // empty: choose_gemm_tile (or the tuned one, after tune())
+  int group_m = 8;               // m-tiles per raster group (L2 reuse)
+  int64_t first_row = 0;         // the walk starts at the m-tile holding this row and wraps
+  int max_ctas = 0;              // persistent CTAs at most; 0: the SM count
+};
+
+// The launch of one instance: grid, block, shared memory, cluster (pure; used by Gemm and tests).
+jit::LaunchConfig gemm_launch_config(const GemmArgs& args, const GemmTile& tile, int num_sms, int max_ctas,
+                                     cudaStream_t stream);
+kernels::gemm::TileScheduler gemm_schedule(const GemmArgs& args, const GemmTile& tile, int group_m,
+                                           int64_t first_row);
+
+class Gemm {
+ public:
+  // Reads the current device's SM count; compiles nothing yet.
+  Gemm();
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  // D = A x B^T on `stream`. No host synchronisation; graph-capturable once the instance is loaded
+  // (the first call of an instance compiles or loads it).
+  void run(const GemmArgs& args, cudaStream_t stream, const GemmRunOptions& options = {});
+
+  // Times the shipped tiles on these arguments (D is overwritten) with jit::Autotuner and keeps the
+  // winner for this (M, N, K, dtype); later run() calls without an explicit tile use it. The winner
+  // is stored in the cache folder, so later processes skip the timing.
+  GemmTile tune(const GemmArgs& args, cudaStream_t stream);
+
+  // The loaded kernel of an instance (compiled or read from the cache on first use).
+  const jit::Kernel& kernel(DType dtype, const GemmTile& tile);
+  int num_sms() const { return num_sms_; }
+
+ private:
+  struct Loaded;
+  int num_sms_ = 0;
+  std::mutex mu_;
+  std::map<std::string, std::unique_ptr<Loaded>> loaded_;
+  std::map<std::string, GemmTile> tuned_;
+};
+
+}  // namespace tdist

@@ -1,0 +1,315 @@
+// Host side of tdist::Gemm: argument checks, tensor maps, instance choice, JIT loading, launch.
+// Kernel: include/tdist/kernels/gemm/sm90_gemm.cuh; design: docs/gemm.md.
+#include "tdist/ops/gemm.hpp"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cstring>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/jit/autotune.hpp"
+#include "tdist/jit/registry.hpp"
+#include "tdist/kernels/gemm/config.cuh"
+
+namespace tdist {
+
+namespace kg = kernels::gemm;
+
+static_assert(sizeof(GemmTensorMap) == sizeof(CUtensorMap) && alignof(GemmTensorMap) == alignof(CUtensorMap),
+              "GemmTensorMap mirrors CUtensorMap");
+
+namespace {
+
+constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // TMA coordinates and the kernel's indices are 32-bit
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+size_t element_bytes(DType dtype) { return dtype_size(dtype); }
+
+void check_gemm_dtype(DType dtype) {
+  TDIST_CHECK_ARG(dtype == DType::kBFloat16 || dtype == DType::kFloat16, "dtype",
+                  "the GEMM takes bf16 or fp16 inputs, got ", to_string(dtype));
+}
+
+// Relative throughput of a tile when every SM is busy (bigger tiles reuse more of each load).
+double tile_efficiency(const GemmTile& t) {
+  const double area = static_cast<double>(t.block_m) * t.block_n;
+  return area / (area + 48.0 * (t.block_m + t.block_n));  // operand traffic per output element
+}
+
+}  // namespace
+
+std::string GemmTile::name() const {
+  return detail::concat(block_m, "x", block_n, "x", block_k, "_s", stages, "_c", cluster_m);
+}
+
+unsigned gemm_threads(const GemmTile& tile) { return kg::gemm_threads(static_cast<unsigned>(tile.block_m)); }
+
+size_t gemm_shared_bytes(const GemmTile& tile, DType dtype) {
+  return kg::gemm_smem_bytes(tile.block_m, tile.block_n, tile.block_k, tile.stages,
+                             static_cast<unsigned>(element_bytes(dtype)));
+}
+
+void check_gemm_tile(const GemmTile& t) {
+  TDIST_CHECK_ARG(t.block_m == 64 || t.block_m == 128, "tile", "block_m must be 64 or 128, got ", t.block_m);
+  TDIST_CHECK_ARG(t.block_n >= 16 && t.block_n <= 256 && t.block_n % 16 == 0, "tile",
+                  "block_n must be a multiple of 16 in [16, 256], got ", t.block_n);
+  TDIST_CHECK_ARG(t.block_k == 64, "tile", "block_k must be 64 (one 128-byte swizzle row), got ", t.block_k);
+  TDIST_CHECK_ARG(t.stages >= 2, "tile", "at least 2 stages, got ", t.stages);
+  TDIST_CHECK_ARG(t.cluster_m == 1, "tile", "cluster_m must be 1 (TMA multicast is not implemented), got ",
+                  t.cluster_m);
+  const size_t smem = gemm_shared_bytes(t, DType::kBFloat16);
+  TDIST_CHECK_ARG(smem <= kg::kMaxSmemBytes, "tile", t.name(), " needs ", smem, " bytes of shared memory, more than ",
+                  kg::kMaxSmemBytes);
+}
+
+const std::vector<GemmTile>& gemm_tiles() {
+  static const std::vector<GemmTile> tiles = {
+      {128, 256, 64, 4, 1},  // 192 KiB ring: the large-problem workhorse
+      {128, 192, 64, 5, 1},
+      {128, 128, 64, 6, 1},
+      {64, 256, 64, 5, 1},
+      {64, 128, 64, 8, 1},  // small problems: more tiles to spread over the SMs
+  };
+  return tiles;
+}
+
+GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
+  (void)k;
+  TDIST_CHECK_ARG(num_sms > 0, "num_sms", "expected a positive SM count, got ", num_sms);
+  const GemmTile* best = nullptr;
+  double best_score = -1;
+  for (const GemmTile& t : gemm_tiles()) {
+    const int64_t tiles = ((std::max<int64_t>(m, 1) + t.block_m - 1) / t.block_m) *
+                          ((std::max<int64_t>(n, 1) + t.block_n - 1) / t.block_n);
+    const int64_t waves = (tiles + num_sms - 1) / num_sms;
+    // Useful fraction of the tile area (edge tiles are partly empty) times the wave fill.
+    const double used = static_cast<double>(std::max<int64_t>(m, 1)) * std::max<int64_t>(n, 1) /
+                        (static_cast<double>(tiles) * t.block_m * t.block_n);
+    const double fill = static_cast<double>(tiles) / static_cast<double>(waves * num_sms);
+    const double score = used * fill * tile_efficiency(t);
+    if (score > best_score * (1 + 1e-9)) best_score = score, best = &t;
+  }
+  return *best;
+}
+
+std::string gemm_kernel_name(DType dtype, const GemmTile& t, const std::string& hook) {
+  check_gemm_dtype(dtype);
+  return detail::concat("tdist::kernels::gemm::sm90_gemm_tn<", kernel_type_name(dtype), ", ", t.block_m, ", ",
+                        t.block_n, ", ", t.block_k, ", ", t.stages, ", ", t.cluster_m, ", ", hook, ">");
+}
+
+jit::CompileRequest gemm_compile_request(const GemmTile& tile, const std::string& hook) {
+  check_gemm_tile(tile);
+  jit::CompileRequest r;
+  r.source = "#include \"tdist/kernels/gemm/sm90_gemm.cuh\"\n";
+  r.file_name = detail::concat("gemm_sm90_", tile.name(), ".cu");
+  r.name_expressions = {gemm_kernel_name(DType::kBFloat16, tile, hook), gemm_kernel_name(DType::kFloat16, tile, hook)};
+  r.arch = "sm_90a";  // wgmma, TMA and setmaxnreg are sm_90a-only
+  const char* debug = std::getenv("TDIST_GEMM_DEBUG");
+  if (debug && *debug && std::string(debug) != "0") r.defines.push_back("TDIST_GEMM_DEBUG");
+  return r;
+}
+
+std::vector<jit::CompileRequest> gemm_compile_requests() {
+  std::vector<jit::CompileRequest> v;
+  for (const GemmTile& t : gemm_tiles()) {
+    v.push_back(gemm_compile_request(t));
+    v.back().arch.clear();  // tdist-compile sets it
+  }
+  return v;
+}
+
+TDIST_JIT_REGISTER_KERNELS(gemm, gemm_compile_requests);
+
+GemmArgs check_gemm_args(const GemmArgs& in) {
+  GemmArgs a = in;
+  check_gemm_dtype(a.dtype);
+  TDIST_CHECK_ARG(a.m >= 0 && a.m <= kMaxDim, "m", "expected 0 <= m < 2^31, got ", a.m);
+  TDIST_CHECK_ARG(a.n >= 0 && a.n <= kMaxDim, "n", "expected 0 <= n < 2^31, got ", a.n);
+  TDIST_CHECK_ARG(a.k > 0 && a.k <= kMaxDim, "k", "expected 0 < k < 2^31, got ", a.k);
+  TDIST_CHECK_ARG(a.k % 8 == 0, "k", "must be a multiple of 8 (16-byte TMA rows), got ", a.k);
+  if (a.lda == 0) a.lda = a.k;
+  if (a.ldb == 0) a.ldb = a.k;
+  if (a.ldd == 0) a.ldd = a.n;
+  TDIST_CHECK_ARG(a.lda >= a.k && a.lda % 8 == 0, "lda", "must be >= k (", a.k,
+                  ") and a multiple of 8 elements (16 bytes), got ", a.lda);
+  TDIST_CHECK_ARG(a.ldb >= a.k && a.ldb % 8 == 0, "ldb", "must be >= k (", a.k,
+                  ") and a multiple of 8 elements (16 bytes), got ", a.ldb);
+  TDIST_CHECK_ARG(a.ldd >= a.n && a.ldd % 8 == 0, "ldd", "must be >= n (", a.n,
+                  ") and a multiple of 8 elements (16 bytes), got ", a.ldd);
+  if (a.m == 0 || a.n == 0) return a;  // nothing to compute; pointers may be anything
+  TDIST_CHECK_ARG(a.a != nullptr, "a", "null pointer");
+  TDIST_CHECK_ARG(a.b != nullptr, "b", "null pointer");
+  TDIST_CHECK_ARG(a.d != nullptr, "d", "null pointer");
+  TDIST_CHECK_ARG(aligned16(a.a), "a", "must be 16-byte aligned, got ", a.a);
+  TDIST_CHECK_ARG(aligned16(a.b), "b", "must be 16-byte aligned, got ", a.b);
+  TDIST_CHECK_ARG(aligned16(a.d), "d", "must be 16-byte aligned, got ", a.d);
+  return a;
+}
+
+GemmTensorMapSpec gemm_tensor_map_a(const GemmArgs& args, const GemmTile& tile) {
+  GemmTensorMapSpec s;
+  s.base = args.a;
+  s.dims[0] = static_cast<uint64_t>(args.k);
+  s.dims[1] = static_cast<uint64_t>(args.m);
+  s.row_stride_bytes = static_cast<uint64_t>(args.lda) * element_bytes(args.dtype);
+  s.box[0] = static_cast<uint32_t>(tile.block_k);
+  s.box[1] = static_cast<uint32_t>(tile.block_m);
+  return s;
+}
+
+GemmTensorMapSpec gemm_tensor_map_b(const GemmArgs& args, const GemmTile& tile) {
+  GemmTensorMapSpec s;
+  s.base = args.b;
+  s.dims[0] = static_cast<uint64_t>(args.k);
+  s.dims[1] = static_cast<uint64_t>(args.n);
+  s.row_stride_bytes = static_cast<uint64_t>(args.ldb) * element_bytes(args.dtype);
+  s.box[0] = static_cast<uint32_t>(tile.block_k);
+  s.box[1] = static_cast<uint32_t>(tile.block_n);
+  return s;
+}
+
+GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    TDIST_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
+    TDIST_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr,
+                "cuTensorMapEncodeTiled not found in the driver (status ", static_cast<int>(status), ")");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {spec.dims[0], spec.dims[1]};
+  const cuuint64_t strides[1] = {spec.row_stride_bytes};
+  const cuuint32_t box[2] = {spec.box[0], spec.box[1]};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(&map,
+                            dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            2, const_cast<void*>(spec.base), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TDIST_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r), ") for dims {",
+              spec.dims[0], ", ", spec.dims[1], "}, row stride ", spec.row_stride_bytes, " bytes, box {", spec.box[0],
+              ", ", spec.box[1], "}");
+  GemmTensorMap out;
+  static_assert(sizeof(out) == sizeof(map));
+  std::memcpy(&out, &map, sizeof(map));
+  return out;
+}
+
+kg::TileScheduler gemm_schedule(const GemmArgs& args, const GemmTile& tile, int group_m, int64_t first_row) {
+  TDIST_CHECK_ARG(group_m >= 1, "group_m", "expected >= 1, got ", group_m);
+  TDIST_CHECK_ARG(first_row >= 0, "first_row", "expected >= 0, got ", first_row);
+  const uint64_t tiles_m = (static_cast<uint64_t>(args.m) + tile.block_m - 1) / tile.block_m;
+  const uint64_t first_tile = tiles_m == 0 ? 0 : (static_cast<uint64_t>(first_row) / tile.block_m) % tiles_m;
+  return kg::TileScheduler::make(static_cast<uint64_t>(args.m), static_cast<uint64_t>(args.n), tile.block_m,
+                                 tile.block_n, static_cast<unsigned>(group_m), static_cast<unsigned>(first_tile));
+}
+
+jit::LaunchConfig gemm_launch_config(const GemmArgs& args, const GemmTile& tile, int num_sms, int max_ctas,
+                                     cudaStream_t stream) {
+  TDIST_CHECK_ARG(num_sms > 0, "num_sms", "expected a positive SM count, got ", num_sms);
+  TDIST_CHECK_ARG(max_ctas >= 0, "max_ctas", "expected >= 0, got ", max_ctas);
+  const auto sched = gemm_schedule(args, tile, 1, 0);
+  int64_t ctas = std::min<int64_t>(sched.num_tiles(), max_ctas > 0 ? std::min(max_ctas, num_sms) : num_sms);
+  ctas = std::max<int64_t>(ctas / tile.cluster_m * tile.cluster_m, tile.cluster_m);
+  jit::LaunchConfig cfg;
+  cfg.grid = {static_cast<unsigned>(ctas)};
+  cfg.block = {gemm_threads(tile)};
+  cfg.shared_bytes = gemm_shared_bytes(tile, args.dtype);
+  cfg.cluster = {static_cast<unsigned>(tile.cluster_m)};
+  cfg.stream = stream;
+  return cfg;
+}
+
+struct Gemm::Loaded {
+  std::shared_ptr<jit::Module> module;
+  jit::Kernel kernel;
+};
+
+Gemm::Gemm() {
+  int device = 0;
+  TDIST_CUDA_CHECK(cudaGetDevice(&device));
+  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
+  int major = 0;
+  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  int minor = 0;
+  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  TDIST_CHECK(major == 9 && minor == 0, "tdist::Gemm needs a Hopper GPU (sm_90a); device ", device, " is sm_", major,
+              minor);
+}
+
+Gemm::~Gemm() = default;
+
+const jit::Kernel& Gemm::kernel(DType dtype, const GemmTile& tile) {
+  const std::string name = gemm_kernel_name(dtype, tile);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = loaded_.find(name);
+  if (it != loaded_.end()) return it->second->kernel;
+  auto loaded = std::make_unique<Loaded>();
+  loaded->module = jit::Module::load(jit::compile(gemm_compile_request(tile)));
+  loaded->kernel = loaded->module->kernel(name);
+  return loaded_.emplace(name, std::move(loaded)).first->second->kernel;
+}
+
+void Gemm::run(const GemmArgs& raw, cudaStream_t stream, const GemmRunOptions& options) {
+  const GemmArgs args = check_gemm_args(raw);
+  if (args.m == 0 || args.n == 0) return;
+  GemmTile tile;
+  if (options.tile) {
+    tile = *options.tile;
+  } else {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = tuned_.find(detail::concat(args.m, ",", args.n, ",", args.k, ",", to_string(args.dtype)));
+    tile = it != tuned_.end() ? it->second : choose_gemm_tile(args.m, args.n, args.k, num_sms_);
+  }
+  check_gemm_tile(tile);
+  const jit::Kernel& k = kernel(args.dtype, tile);
+  const GemmTensorMap map_a = encode_gemm_tensor_map(gemm_tensor_map_a(args, tile), args.dtype);
+  const GemmTensorMap map_b = encode_gemm_tensor_map(gemm_tensor_map_b(args, tile), args.dtype);
+  const kg::TileScheduler sched = gemm_schedule(args, tile, options.group_m, options.first_row);
+  const jit::LaunchConfig cfg = gemm_launch_config(args, tile, num_sms_, options.max_ctas, stream);
+  // Kernel parameters in order: tmap_a, tmap_b, d, m, n, k, ldd, sched, hook. The maps are 128-byte
+  // aligned parameters; KernelArgs aligns to 16 at most, which is enough for the copy the driver makes.
+  jit::KernelArgs kargs;
+  kargs.add(map_a).add(map_b).add(args.d).add(static_cast<unsigned>(args.m)).add(static_cast<unsigned>(args.n));
+  kargs.add(static_cast<unsigned>(args.k)).add(static_cast<unsigned long long>(args.ldd)).add(sched);
+  kargs.add(kg::NoEpilogueHook{});
+  jit::launch(k, cfg, kargs);
+}
+
+GemmTile Gemm::tune(const GemmArgs& raw, cudaStream_t stream) {
+  const GemmArgs args = check_gemm_args(raw);
+  jit::TuneRequest req;
+  req.kernel = "tdist.gemm.sm90.v1";
+  req.shape_class = detail::concat("m=", args.m, ",n=", args.n, ",k=", args.k, ",", to_string(args.dtype));
+  for (const GemmTile& t : gemm_tiles()) {
+    req.configs.push_back({t.name(),
+                           {{"block_m", t.block_m}, {"block_n", t.block_n}, {"block_k", t.block_k},
+                            {"stages", t.stages}, {"cluster_m", t.cluster_m}}});
+  }
+  req.stream = stream;
+  req.launch = [&](const jit::TuneConfig& c, int, cudaStream_t s) {
+    GemmRunOptions o;
+    o.tile = GemmTile{static_cast<int>(c.params.at("block_m")), static_cast<int>(c.params.at("block_n")),
+                      static_cast<int>(c.params.at("block_k")), static_cast<int>(c.params.at("stages")),
+                      static_cast<int>(c.params.at("cluster_m"))};
+    run(args, s, o);
+  };
+  static jit::Autotuner tuner;
+  const jit::TuneConfig& best = tuner.tune(req);
+  const GemmTile tile{static_cast<int>(best.params.at("block_m")), static_cast<int>(best.params.at("block_n")),
+                      static_cast<int>(best.params.at("block_k")), static_cast<int>(best.params.at("stages")),
+                      static_cast<int>(best.params.at("cluster_m"))};
+  std::lock_guard<std::mutex> lock(mu_);
+  tuned_[detail::concat(args.m, ",", args.n, ",", args.k, ",", to_string(args.dtype))] = tile;
+  return tile;
+}
+
+}  // namespace tdist
