@@ -1,0 +1,277 @@
+// tdist::Gemm without a GPU: argument checks, tile checks and choice, launch shapes, tensor-map
+// parameters; and every registered kernel instance compiled for sm_90a through NVRTC, with the
+// facts ptxas reports checked (no spills, no stack, no wgmma serialisation, registers within the
+// setmaxnreg split) and the instructions the design relies on present in the PTX.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+
+#include "cpu/temp_dir.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/jit/cache.hpp"
+#include "tdist/jit/compiler.hpp"
+#include "tdist/jit/registry.hpp"
+#include "tdist/kernels/gemm/config.cuh"
+#include "tdist/ops/gemm.hpp"
+
+namespace jit = tdist::jit;
+using tdist::DType;
+using tdist::GemmArgs;
+using tdist::GemmTile;
+using tdist::test::TempDir;
+
+namespace {
+
+// A valid problem with fake (aligned) device pointers: nothing is dereferenced on the host.
+GemmArgs valid() {
+  GemmArgs a;
+  a.a = reinterpret_cast<const void*>(0x10000);
+  a.b = reinterpret_cast<const void*>(0x20000);
+  a.d = reinterpret_cast<void*>(0x30000);
+  a.m = 1000;
+  a.n = 520;
+  a.k = 72;
+  return a;
+}
+
+// Runs `f`, expects a tdist::Error whose message names 'arg'.
+template <typename F>
+void expect_arg_error(F&& f, const std::string& arg) {
+  try {
+    f();
+    ADD_FAILURE() << "no error for '" << arg << "'";
+  } catch (const tdist::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + arg + "'"), std::string::npos) << e.what();
+  }
+}
+
+std::string read(const std::filesystem::path& p) {
+  std::ifstream f(p);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+}  // namespace
+
+TEST(GemmArgs, DefaultsAndAccepts) {
+  GemmArgs a = tdist::check_gemm_args(valid());
+  EXPECT_EQ(a.lda, 72);
+  EXPECT_EQ(a.ldb, 72);
+  EXPECT_EQ(a.ldd, 520);
+  GemmArgs f = valid();
+  f.dtype = DType::kFloat16;
+  f.n = 13;  // N itself needs no alignment when ldd is padded
+  f.ldd = 16;
+  f.lda = 80;
+  EXPECT_NO_THROW(tdist::check_gemm_args(f));
+  GemmArgs empty = valid();
+  empty.m = 0;
+  empty.a = nullptr;  // nothing to compute: pointers are not looked at
+  EXPECT_NO_THROW(tdist::check_gemm_args(empty));
+}
+
+TEST(GemmArgs, ErrorsNameTheArgument) {
+  auto with = [](auto change) {
+    GemmArgs a = valid();
+    change(a);
+    return [a] { tdist::check_gemm_args(a); };
+  };
+  expect_arg_error(with([](GemmArgs& a) { a.dtype = DType::kFloat32; }), "dtype");
+  expect_arg_error(with([](GemmArgs& a) { a.m = -1; }), "m");
+  expect_arg_error(with([](GemmArgs& a) { a.n = int64_t{1} << 31; }), "n");
+  expect_arg_error(with([](GemmArgs& a) { a.k = 0; }), "k");
+  expect_arg_error(with([](GemmArgs& a) { a.k = 100; }), "k");
+  expect_arg_error(with([](GemmArgs& a) { a.lda = 64; }), "lda");
+  expect_arg_error(with([](GemmArgs& a) { a.lda = 76; }), "lda");
+  expect_arg_error(with([](GemmArgs& a) { a.ldb = 60; }), "ldb");
+  expect_arg_error(with([](GemmArgs& a) { a.ldb = 84; }), "ldb");
+  expect_arg_error(with([](GemmArgs& a) { a.ldd = 512; }), "ldd");
+  expect_arg_error(with([](GemmArgs& a) { a.ldd = 524; }), "ldd");
+  expect_arg_error(with([](GemmArgs& a) { a.a = nullptr; }), "a");
+  expect_arg_error(with([](GemmArgs& a) { a.b = nullptr; }), "b");
+  expect_arg_error(with([](GemmArgs& a) { a.d = nullptr; }), "d");
+  expect_arg_error(with([](GemmArgs& a) { a.a = reinterpret_cast<const void*>(0x10008); }), "a");
+  expect_arg_error(with([](GemmArgs& a) { a.b = reinterpret_cast<const void*>(0x20002); }), "b");
+  expect_arg_error(with([](GemmArgs& a) { a.d = reinterpret_cast<void*>(0x30004); }), "d");
+}
+
+TEST(GemmTiles, ShippedTilesAreValidAndFit) {
+  for (const GemmTile& t : tdist::gemm_tiles()) {
+    EXPECT_NO_THROW(tdist::check_gemm_tile(t)) << t.name();
+    EXPECT_LE(tdist::gemm_shared_bytes(t, DType::kBFloat16), tdist::kernels::gemm::kMaxSmemBytes) << t.name();
+    EXPECT_EQ(tdist::gemm_threads(t), 128u * (1 + t.block_m / 64)) << t.name();
+  }
+  EXPECT_EQ(GemmTile{}.name(), "128x256x64_s4_c1");
+  // 4 stages of (128 + 256) x 64 bf16, the barriers, the alignment slack.
+  EXPECT_EQ(tdist::gemm_shared_bytes(GemmTile{}, DType::kBFloat16), 1024u + 4 * 49152 + 64);
+  expect_arg_error([] { tdist::check_gemm_tile({96, 256, 64, 4, 1}); }, "tile");
+  expect_arg_error([] { tdist::check_gemm_tile({128, 264, 64, 4, 1}); }, "tile");
+  expect_arg_error([] { tdist::check_gemm_tile({128, 256, 32, 4, 1}); }, "tile");
+  expect_arg_error([] { tdist::check_gemm_tile({128, 256, 64, 5, 1}); }, "tile");  // 241 KiB
+  expect_arg_error([] { tdist::check_gemm_tile({128, 256, 64, 1, 1}); }, "tile");
+  expect_arg_error([] { tdist::check_gemm_tile({128, 256, 64, 4, 2}); }, "tile");
+}
+
+TEST(GemmTiles, Choice) {
+  // Large problems: the biggest tile.
+  EXPECT_EQ(tdist::choose_gemm_tile(8192, 8192, 8192, 132), (GemmTile{128, 256, 64, 4, 1}));
+  // Every choice is a shipped tile, for any shape.
+  for (int64_t m : {1, 64, 100, 1024, 4096, 8192, 16384})
+    for (int64_t n : {8, 256, 1000, 8192, 14336}) {
+      const GemmTile t = tdist::choose_gemm_tile(m, n, 8192, 132);
+      bool shipped = false;
+      for (const GemmTile& s : tdist::gemm_tiles()) shipped = shipped || s == t;
+      EXPECT_TRUE(shipped) << m << "x" << n << " -> " << t.name();
+    }
+  // A single row: a 64-row tile wastes less.
+  EXPECT_EQ(tdist::choose_gemm_tile(64, 8192, 8192, 132).block_m, 64);
+}
+
+TEST(GemmLaunch, ConfigScheduleAndTensorMaps) {
+  GemmArgs a = tdist::check_gemm_args(valid());  // 1000 x 520 x 72
+  const GemmTile t{128, 256, 64, 4, 1};
+  auto cfg = tdist::gemm_launch_config(a, t, 132, 0, nullptr);
+  EXPECT_EQ(cfg.grid.x, 8u * 3u);  // fewer tiles than SMs: one CTA per tile
+  EXPECT_EQ(cfg.block.x, 384u);
+  EXPECT_EQ(cfg.shared_bytes, tdist::gemm_shared_bytes(t, DType::kBFloat16));
+  EXPECT_EQ(cfg.cluster.x, 1u);
+  EXPECT_EQ(tdist::gemm_launch_config(a, t, 132, 5, nullptr).grid.x, 5u);
+  a.m = a.n = 8192;
+  EXPECT_EQ(tdist::gemm_launch_config(a, t, 132, 0, nullptr).grid.x, 132u);
+
+  GemmArgs b = tdist::check_gemm_args(valid());
+  auto sched = tdist::gemm_schedule(b, t, 8, 300);  // row 300 is in m-tile 2
+  EXPECT_EQ(sched.tiles_m, 8u);
+  EXPECT_EQ(sched.tiles_n, 3u);
+  EXPECT_EQ(sched.first_tile_m, 2u);
+  EXPECT_EQ(sched.group_m, 8u);
+  expect_arg_error([&] { tdist::gemm_schedule(b, t, 0, 0); }, "group_m");
+
+  b.lda = 80;
+  auto ma = tdist::gemm_tensor_map_a(b, t);
+  EXPECT_EQ(ma.base, b.a);
+  EXPECT_EQ(ma.dims[0], 72u);
+  EXPECT_EQ(ma.dims[1], 1000u);
+  EXPECT_EQ(ma.row_stride_bytes, 160u);
+  EXPECT_EQ(ma.box[0], 64u);
+  EXPECT_EQ(ma.box[1], 128u);
+  auto mb = tdist::gemm_tensor_map_b(b, t);
+  EXPECT_EQ(mb.dims[1], 520u);
+  EXPECT_EQ(mb.row_stride_bytes, 144u);
+  EXPECT_EQ(mb.box[1], 256u);
+}
+
+TEST(GemmKernels, Registered) {
+  bool found = false;
+  for (const auto& f : jit::registered_kernels()) {
+    if (f.name != "gemm") continue;
+    found = true;
+    const auto reqs = f.requests();
+    EXPECT_EQ(reqs.size(), tdist::gemm_tiles().size());
+    for (const auto& r : reqs) {
+      EXPECT_TRUE(r.arch.empty());
+      EXPECT_EQ(r.name_expressions.size(), 2u);
+    }
+  }
+  EXPECT_TRUE(found) << "the gemm family is not registered";
+}
+
+// Compiles every shipped instance (bf16 and fp16) for sm_90a and checks what ptxas and the PTX say.
+TEST(GemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
+  TempDir cache, dump;
+  ASSERT_EQ(setenv("TDIST_JIT_DUMP", dump.path.c_str(), 1), 0);
+  jit::KernelCache kernels(cache.path);
+  const std::regex used(R"(Used (\d+) registers)");
+  for (const GemmTile& t : tdist::gemm_tiles()) {
+    SCOPED_TRACE(t.name());
+    jit::CompileRequest r = tdist::gemm_compile_request(t);
+    r.compiler = jit::CompilerKind::kNvrtc;
+    const auto compiled = jit::compile(r, kernels);
+    ASSERT_FALSE(compiled->cubin.empty());
+    for (const auto& name : r.name_expressions) EXPECT_FALSE(compiled->lowered_name(name).empty()) << name;
+    EXPECT_EQ(compiled->spill_stores, 0);
+    EXPECT_EQ(compiled->spill_loads, 0);
+    const std::string& log = compiled->log;
+    EXPECT_EQ(log.find("C7510"), std::string::npos) << "wgmma serialised:\n" << log;  // any C75xx warning
+    EXPECT_EQ(log.find("Potential Performance Loss"), std::string::npos) << log;
+    const std::regex stack(R"((\d+) bytes stack frame)");
+    for (auto it = std::sregex_iterator(log.begin(), log.end(), stack); it != std::sregex_iterator(); ++it)
+      EXPECT_EQ((*it)[1].str(), "0") << "stack frame (local memory):\n" << log;
+    // Registers: the launch allocation (registers x threads) must hold the setmaxnreg split, and fit
+    // the register file at one CTA per SM.
+    const unsigned threads = tdist::gemm_threads(t);
+    const int consumers = t.block_m / 64;
+    int functions = 0;
+    for (auto it = std::sregex_iterator(log.begin(), log.end(), used); it != std::sregex_iterator(); ++it) {
+      ++functions;
+      const int regs = std::stoi((*it)[1]);
+      EXPECT_LE(static_cast<long>(regs) * threads, 65536L) << log;
+      if (consumers >= 2) EXPECT_GE(static_cast<long>(regs) * threads, 40L * 128 + 232L * 128 * consumers) << log;
+    }
+    EXPECT_EQ(functions, 2) << log;
+  }
+  unsetenv("TDIST_JIT_DUMP");
+  // The PTX of each module holds the instructions the design is built on.
+  int ptx_files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dump.path)) {
+    if (e.path().extension() != ".ptx") continue;
+    ++ptx_files;
+    const std::string ptx = read(e.path());
+    const std::string file = e.path().filename().string();
+    SCOPED_TRACE(file);
+    EXPECT_NE(ptx.find("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"), std::string::npos);
+    EXPECT_NE(ptx.find("mbarrier.try_wait.parity"), std::string::npos);
+    EXPECT_NE(ptx.find(".f32.bf16.bf16"), std::string::npos);
+    EXPECT_NE(ptx.find(".f32.f16.f16"), std::string::npos);
+    const std::smatch m = [&] {
+      std::smatch s;
+      std::regex_search(file, s, std::regex(R"(gemm_sm90_(\d+)x(\d+)x)"));
+      return s;
+    }();
+    ASSERT_EQ(m.size(), 3u);
+    EXPECT_NE(ptx.find("wgmma.mma_async.sync.aligned.m64n" + m[2].str() + "k16"), std::string::npos);
+    EXPECT_EQ(ptx.find("st.local"), std::string::npos);
+    EXPECT_EQ(ptx.find("ld.local"), std::string::npos);
+    if (m[1].str() == "128") {
+      EXPECT_NE(ptx.find("setmaxnreg.dec.sync.aligned.u32 40"), std::string::npos);
+      EXPECT_NE(ptx.find("setmaxnreg.inc.sync.aligned.u32 232"), std::string::npos);
+    }
+  }
+  EXPECT_EQ(ptx_files, static_cast<int>(tdist::gemm_tiles().size()));
+}
+
+// The epilogue hook point: a hook that publishes each tile (fence, then a flag per tile), as the
+// fused ops will, compiles into the kernel without spills or wgmma serialisation.
+TEST(GemmKernels, EpilogueHookCompiles) {
+  TempDir cache;
+  jit::KernelCache kernels(cache.path);
+  jit::CompileRequest r;
+  r.file_name = "gemm_hook.cu";
+  r.source = R"(
+#include "tdist/kernels/gemm/sm90_gemm.cuh"
+struct TileFlagHook {
+  unsigned long long* flags;
+  unsigned long long value;
+  template <typename Info>
+  __device__ void operator()(const Info& info, unsigned thread, unsigned) const {
+    if (thread == 0) {
+      __threadfence();
+      atomicExch(flags + info.linear, value);
+    }
+  }
+};
+)";
+  const GemmTile t{128, 256, 64, 4, 1};
+  r.name_expressions = {tdist::gemm_kernel_name(DType::kBFloat16, t, "TileFlagHook")};
+  r.arch = "sm_90a";
+  r.compiler = jit::CompilerKind::kNvrtc;
+  const auto compiled = jit::compile(r, kernels);
+  EXPECT_EQ(compiled->spill_stores + compiled->spill_loads, 0);
+  EXPECT_EQ(compiled->log.find("Potential Performance Loss"), std::string::npos) << compiled->log;
+}
