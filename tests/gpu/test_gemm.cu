@@ -1,0 +1,257 @@
+// tdist::Gemm on one GPU against a float64 reference computed on the GPU from the same inputs.
+// Fresh random inputs per case, D poisoned before every run (and the padding columns between N
+// and ldd checked to stay poisoned), odd M/N/K (K a multiple of 8), padded leading dimensions,
+// rotated and grouped tile orders, fewer CTAs than tiles (many tiles per CTA: the ring's phases
+// wrap), every shipped tile in bf16 and fp16. Prints "N passed, M failed" last.
+//
+//   build-gpu/tests/gpu_test_gemm [--quick]
+// Single process; under tdistrun each rank tests its own GPU (LOCAL_RANK).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/ops/gemm.hpp"
+
+namespace {
+
+__device__ __host__ inline unsigned long long mix(unsigned long long x) {
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  x *= 0x94D049BB133111EBull;
+  return x ^ (x >> 32);
+}
+
+// Uniform in [-1, 1), rounded to T, at every element of a rows x ld buffer (padding included).
+template <typename T>
+__global__ void fill_random(T* p, size_t count, unsigned long long seed) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const double u = static_cast<double>(mix(seed * 0x9E3779B97F4A7C15ull + i) >> 11) * 0x1.0p-53;
+    p[i] = static_cast<T>(static_cast<float>(2.0 * u - 1.0));
+  }
+}
+
+__global__ void fill_u16(unsigned short* p, size_t count, unsigned short v) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    p[i] = v;
+}
+
+// ref[i][j] = sum_k a[i][k] * b[j][k] in float64; 16 x 16 outputs per block through shared tiles.
+template <typename T>
+__global__ void reference(const T* a, const T* b, double* ref, int m, int n, int k, long lda, long ldb) {
+  __shared__ float sa[16][17], sb[16][17];
+  const int ti = threadIdx.y, tj = threadIdx.x;
+  const int i = blockIdx.y * 16 + ti, j = blockIdx.x * 16 + tj;
+  double s = 0;
+  for (int k0 = 0; k0 < k; k0 += 16) {
+    const int ai = blockIdx.y * 16 + ti, bj = blockIdx.x * 16 + ti;  // row loaded by this thread
+    sa[ti][tj] = ai < m && k0 + tj < k ? static_cast<float>(a[ai * lda + k0 + tj]) : 0.0f;
+    sb[ti][tj] = bj < n && k0 + tj < k ? static_cast<float>(b[bj * ldb + k0 + tj]) : 0.0f;
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < 16; ++kk) s += static_cast<double>(sa[ti][kk]) * static_cast<double>(sb[tj][kk]);
+    __syncthreads();
+  }
+  if (i < m && j < n) ref[static_cast<long>(i) * n + j] = s;
+}
+
+// Per element: |d - ref| <= tol * max|ref| (a relative error against the output's scale; bf16 output
+// rounding alone is 2^-9 relative). Counts bad elements, finds the largest error and max|ref|, and
+// counts padding elements (columns n .. ldd) that lost the poison.
+template <typename T>
+__global__ void compare(const T* d, const double* ref, int m, int n, long ldd, unsigned short poison, double ref_max,
+                        double tol, unsigned long long* bad, unsigned long long* bad_padding, double* max_err,
+                        unsigned long long* first_bad) {
+  const long j = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x, i = blockIdx.y;
+  if (i >= m || j >= ldd) return;
+  const T v = d[i * ldd + j];
+  if (j >= n) {
+    unsigned short bits;
+    memcpy(&bits, &v, 2);
+    if (bits != poison) atomicAdd(bad_padding, 1ull);
+    return;
+  }
+  const double got = static_cast<double>(static_cast<float>(v));
+  const double err = fabs(got - ref[i * n + j]);
+  if (!(err <= tol * ref_max)) {  // NaN (poison left behind) fails too
+    if (atomicAdd(bad, 1ull) == 0) *first_bad = static_cast<unsigned long long>(i) << 32 | static_cast<unsigned long long>(j);
+    atomicMax(reinterpret_cast<unsigned long long*>(max_err), __double_as_longlong(isnan(err) ? 1e300 : err));
+    return;
+  }
+  atomicMax(reinterpret_cast<unsigned long long*>(max_err), __double_as_longlong(err));  // err >= 0: bits order as values
+}
+
+__global__ void abs_max(const double* ref, size_t count, double* out) {
+  double mx = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    mx = fmax(mx, fabs(ref[i]));
+  atomicMax(reinterpret_cast<unsigned long long*>(out), __double_as_longlong(mx));
+}
+
+struct Case {
+  int m, n, k;
+  int pad_a = 0, pad_b = 0, pad_d = 0;  // extra leading-dimension elements (multiples of 8)
+  int group_m = 8;
+  long first_row = 0;
+  int max_ctas = 0;
+};
+
+struct Result {
+  bool ok;
+  std::string detail;
+};
+
+template <typename T>
+Result run_case(tdist::Gemm& gemm, tdist::DType dtype, const tdist::GemmTile& tile, const Case& c,
+                unsigned long long seed, cudaStream_t stream) {
+  const long lda = c.k + c.pad_a, ldb = c.k + c.pad_b, ldd = ((c.n + 7) / 8) * 8 + c.pad_d;
+  T *a = nullptr, *b = nullptr, *d = nullptr;
+  double *ref = nullptr, *stats = nullptr;
+  unsigned long long* counts = nullptr;
+  TDIST_CUDA_CHECK(cudaMalloc(&a, sizeof(T) * c.m * lda));
+  TDIST_CUDA_CHECK(cudaMalloc(&b, sizeof(T) * c.n * ldb));
+  TDIST_CUDA_CHECK(cudaMalloc(&d, sizeof(T) * c.m * ldd));
+  TDIST_CUDA_CHECK(cudaMalloc(&ref, sizeof(double) * c.m * c.n));
+  TDIST_CUDA_CHECK(cudaMalloc(&stats, 2 * sizeof(double)));
+  TDIST_CUDA_CHECK(cudaMalloc(&counts, 3 * sizeof(unsigned long long)));
+  fill_random<<<264, 256, 0, stream>>>(a, static_cast<size_t>(c.m) * lda, seed);
+  fill_random<<<264, 256, 0, stream>>>(b, static_cast<size_t>(c.n) * ldb, seed + 1);
+  const unsigned short poison = 0x7FC1;  // a NaN in bf16 and fp16 alike
+  fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(d), static_cast<size_t>(c.m) * ldd, poison);
+  TDIST_CUDA_CHECK(cudaMemsetAsync(stats, 0, 2 * sizeof(double), stream));
+  TDIST_CUDA_CHECK(cudaMemsetAsync(counts, 0, 3 * sizeof(unsigned long long), stream));
+  reference<T><<<dim3((c.n + 15) / 16, (c.m + 15) / 16), dim3(16, 16), 0, stream>>>(a, b, ref, c.m, c.n, c.k, lda, ldb);
+  abs_max<<<264, 256, 0, stream>>>(ref, static_cast<size_t>(c.m) * c.n, stats);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+
+  tdist::GemmArgs args;
+  args.a = a;
+  args.b = b;
+  args.d = d;
+  args.m = c.m;
+  args.n = c.n;
+  args.k = c.k;
+  args.dtype = dtype;
+  args.lda = lda;
+  args.ldb = ldb;
+  args.ldd = ldd;
+  tdist::GemmRunOptions o;
+  o.tile = tile;
+  o.group_m = c.group_m;
+  o.first_row = c.first_row;
+  o.max_ctas = c.max_ctas;
+  gemm.run(args, stream, o);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+
+  double ref_max = 0;
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(&ref_max, stats, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const double tol = 1e-2;
+  compare<T><<<dim3((ldd + 127) / 128, c.m), 128, 0, stream>>>(d, ref, c.m, c.n, ldd, poison, ref_max, tol, counts,
+                                                              counts + 1, stats + 1, counts + 2);
+  unsigned long long host_counts[3];
+  double max_err = 0;
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(host_counts, counts, sizeof(host_counts), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(&max_err, stats + 1, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(d), static_cast<void*>(ref),
+                  static_cast<void*>(stats), static_cast<void*>(counts)})
+    TDIST_CUDA_CHECK(cudaFree(p));
+
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), "max |err| / max |ref| = %.3g (max |ref| %.3g), %llu bad, %llu padding overwritten",
+                ref_max > 0 ? max_err / ref_max : max_err, ref_max, host_counts[0], host_counts[1]);
+  std::string detail = buf;
+  if (host_counts[0] > 0) {
+    std::snprintf(buf, sizeof(buf), ", first bad at (%llu, %llu)", host_counts[2] >> 32, host_counts[2] & 0xFFFFFFFFull);
+    detail += buf;
+  }
+  return {host_counts[0] == 0 && host_counts[1] == 0 && ref_max > 0, detail};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const char* local_rank = std::getenv("LOCAL_RANK");
+  TDIST_CUDA_CHECK(cudaSetDevice(local_rank ? std::atoi(local_rank) : 0));
+  cudaStream_t stream;
+  TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int passed = 0, failed = 0;
+  try {
+    tdist::Gemm gemm;
+    std::printf("GEMM test on %d SMs\n", gemm.num_sms());
+    std::vector<Case> cases = {
+        {128, 256, 64},                                   // one tile, one K block
+        {1, 8, 8},                                        // smallest: one row, K inside one block
+        {200, 136, 72},                                   // partial tiles everywhere, K = 64 + 8
+        {1000, 1000, 1000},                               // K not a multiple of 64
+        {257, 513, 8, 8, 8, 8},                           // N odd: one-element tail column; padded lds
+        {3000, 1784, 2056, 16, 8, 24, 4, 1500},           // rotated start, groups of 4
+        {2048, 2048, 4096, 0, 0, 0, 1, 0, 3},             // 3 CTAs: many tiles each, ring phases wrap
+        {4096, 4096, 4096},                               // a full-size check
+        {777, 4000, 520, 0, 0, 0, 3, 700, 7},             // rotation + few CTAs + partial tiles
+    };
+    if (quick) cases.resize(5);
+    unsigned long long seed = static_cast<unsigned long long>(std::chrono::steady_clock::now().time_since_epoch().count());
+    for (tdist::DType dtype : {tdist::DType::kBFloat16, tdist::DType::kFloat16}) {
+      for (const tdist::GemmTile& tile : tdist::gemm_tiles()) {
+        for (const Case& c : cases) {
+          char name[200];
+          std::snprintf(name, sizeof(name), "%s %s m=%d n=%d k=%d pads=%d/%d/%d group=%d first_row=%ld ctas=%d",
+                        tdist::to_string(dtype), tile.name().c_str(), c.m, c.n, c.k, c.pad_a, c.pad_b, c.pad_d,
+                        c.group_m, c.first_row, c.max_ctas);
+          const auto start = std::chrono::steady_clock::now();
+          Result r{false, ""};
+          try {
+            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+            r = dtype == tdist::DType::kBFloat16 ? run_case<__nv_bfloat16>(gemm, dtype, tile, c, seed, stream)
+                                                 : run_case<__half>(gemm, dtype, tile, c, seed, stream);
+          } catch (const std::exception& e) {
+            r = {false, e.what()};
+          }
+          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+          std::printf("%s %s: %s (%.0f ms)\n", r.ok ? "PASS" : "FAIL", name, r.detail.c_str(), ms);
+          std::fflush(stdout);
+          (r.ok ? passed : failed)++;
+          if (!r.ok && cudaDeviceSynchronize() != cudaSuccess) {
+            std::printf("FAIL: the CUDA context is broken (sticky error); stopping\n");
+            std::printf("%d passed, %d failed\n", passed, failed + 1);
+            return 1;
+          }
+        }
+      }
+    }
+    // Argument errors reach the caller before anything is launched.
+    try {
+      tdist::GemmArgs bad;
+      bad.m = bad.n = 8;
+      bad.k = 12;
+      gemm.run(bad, stream);
+      std::printf("FAIL argument error: k = 12 accepted\n");
+      ++failed;
+    } catch (const tdist::Error& e) {
+      const bool ok = std::string(e.what()).find("'k'") != std::string::npos;
+      std::printf("%s argument error names k: %s\n", ok ? "PASS" : "FAIL", e.what());
+      (ok ? passed : failed)++;
+    }
+  } catch (const std::exception& e) {
+    std::printf("FAIL setup: %s\n", e.what());
+    ++failed;
+  }
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}
