@@ -186,12 +186,12 @@ Result run_case(tdist::Gemm& gemm, tdist::DType dtype, const tdist::GemmTile& ti
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  const char* local_rank = std::getenv("LOCAL_RANK");
-  TDIST_CUDA_CHECK(cudaSetDevice(local_rank ? std::atoi(local_rank) : 0));
-  cudaStream_t stream;
-  TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   int passed = 0, failed = 0;
   try {
+    const char* local_rank = std::getenv("LOCAL_RANK");
+    TDIST_CUDA_CHECK(cudaSetDevice(local_rank ? std::atoi(local_rank) : 0));
+    cudaStream_t stream;
+    TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     tdist::Gemm gemm;
     std::printf("GEMM test on %d SMs\n", gemm.num_sms());
     std::vector<Case> cases = {

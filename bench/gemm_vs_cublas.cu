@@ -1,0 +1,309 @@
+// tdist::Gemm beside cuBLAS (cublasGemmEx, fp32 compute) in the same run, one GPU: D = A x B^T with
+// A M x K and B N x K row-major (cuBLAS: op(A) = T on the N x K operand, "TN"), bf16 or fp16.
+// Per shape: both outputs cross-checked on the same inputs, then each timed with CUDA events around
+// every launch (warm-up first), median of --iters, input sets rotated so that the sets together are
+// larger than twice the L2 and no timed launch finds its operands there. Prints a table (TFLOP/s and
+// the tdist / cuBLAS time ratio) and, with --json FILE, writes the rows.
+//
+//   build-gpu/bench/bench_gemm_vs_cublas [--dtype bf16|fp16] [--iters 20] [--shapes MxNxK,...]
+//                                        [--tiles] [--tune] [--json FILE]
+//   --tiles  also times every shipped tile of tdist on each shape (for tuning the heuristic)
+//   --tune   runs tdist's autotuner per shape first and times its winner
+//
+// cuBLAS is opened with dlopen (libcublas.so.13, or TDIST_CUBLAS_LIBRARY), so this benchmark links
+// nothing beyond libtdist.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/ops/gemm.hpp"
+
+namespace {
+
+struct Cublas {
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasDestroy_v2) destroy = nullptr;
+  decltype(&cublasSetStream_v2) set_stream = nullptr;
+  using GemmEx = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
+                                    const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
+                                    cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
+  GemmEx gemm_ex = nullptr;  // the C symbol (the header also declares C++ overloads)
+  cublasHandle_t handle = nullptr;
+
+  Cublas() {
+    std::vector<std::string> names;
+    if (const char* env = std::getenv("TDIST_CUBLAS_LIBRARY")) names.push_back(env);
+    names.insert(names.end(), {"libcublas.so.13", "libcublas.so", "/usr/local/cuda/lib64/libcublas.so.13"});
+    if (const char* home = std::getenv("CUDA_HOME")) names.push_back(std::string(home) + "/lib64/libcublas.so.13");
+    void* lib = nullptr;
+    for (const auto& n : names)
+      if ((lib = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL))) break;
+    TDIST_CHECK(lib != nullptr, "cannot open cuBLAS (tried libcublas.so.13 and others; set TDIST_CUBLAS_LIBRARY)");
+    create = reinterpret_cast<decltype(create)>(dlsym(lib, "cublasCreate_v2"));
+    destroy = reinterpret_cast<decltype(destroy)>(dlsym(lib, "cublasDestroy_v2"));
+    set_stream = reinterpret_cast<decltype(set_stream)>(dlsym(lib, "cublasSetStream_v2"));
+    gemm_ex = reinterpret_cast<decltype(gemm_ex)>(dlsym(lib, "cublasGemmEx"));
+    TDIST_CHECK(create && destroy && set_stream && gemm_ex, "cuBLAS lacks an expected symbol");
+    TDIST_CHECK(create(&handle) == CUBLAS_STATUS_SUCCESS, "cublasCreate failed");
+  }
+  ~Cublas() {
+    if (handle) destroy(handle);
+  }
+
+  // Row-major D[M][N] = A[M][K] x B[N][K]^T is column-major D^T (N x M) = B^T (N x K) x A^T (K x M).
+  void run(const void* a, const void* b, void* d, int m, int n, int k, cudaDataType_t t, cudaStream_t s) {
+    const float alpha = 1.0f, beta = 0.0f;
+    set_stream(handle, s);
+    const cublasStatus_t st = gemm_ex(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, b, t, k, a, t, k, &beta, d, t,
+                                      n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    TDIST_CHECK(st == CUBLAS_STATUS_SUCCESS, "cublasGemmEx failed with status ", static_cast<int>(st));
+  }
+};
+
+__global__ void fill_random(unsigned short* p, size_t count, unsigned long long seed, bool bf16) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    unsigned long long x = (seed + i) * 0x9E3779B97F4A7C15ull;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    const float u = static_cast<float>(x >> 40) * 0x1.0p-24f * 2.0f - 1.0f;
+    if (bf16) {
+      __nv_bfloat16 v = __float2bfloat16(u);
+      memcpy(p + i, &v, 2);
+    } else {
+      __half v = __float2half(u);
+      memcpy(p + i, &v, 2);
+    }
+  }
+}
+
+// max |x - y| and max |y| over two outputs.
+__global__ void diff(const unsigned short* x, const unsigned short* y, size_t count, bool bf16, float* out) {
+  float e = 0, mx = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float a, b;
+    if (bf16) {
+      __nv_bfloat16 va, vb;
+      memcpy(&va, x + i, 2);
+      memcpy(&vb, y + i, 2);
+      a = __bfloat162float(va), b = __bfloat162float(vb);
+    } else {
+      __half va, vb;
+      memcpy(&va, x + i, 2);
+      memcpy(&vb, y + i, 2);
+      a = __half2float(va), b = __half2float(vb);
+    }
+    const float d = fabsf(a - b);
+    e = fmaxf(e, d != d ? INFINITY : d);
+    mx = fmaxf(mx, fabsf(b));
+  }
+  atomicMax(reinterpret_cast<int*>(out), __float_as_int(e));
+  atomicMax(reinterpret_cast<int*>(out + 1), __float_as_int(mx));
+}
+
+struct Shape {
+  int m, n, k;
+  std::string note;
+};
+
+// Median milliseconds of `launch(set)`, each launch between two events, sets rotating.
+double median_ms(cudaStream_t s, int iters, int sets, const std::function<void(int)>& launch) {
+  for (int i = 0; i < 5; ++i) launch(i % sets);
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<cudaEvent_t> ev(iters + 1);
+  for (auto& e : ev) TDIST_CUDA_CHECK(cudaEventCreate(&e));
+  TDIST_CUDA_CHECK(cudaEventRecord(ev[0], s));
+  for (int i = 0; i < iters; ++i) {
+    launch((i + 5) % sets);
+    TDIST_CUDA_CHECK(cudaEventRecord(ev[i + 1], s));
+  }
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) TDIST_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
+  for (auto& e : ev) TDIST_CUDA_CHECK(cudaEventDestroy(e));
+  std::sort(ms.begin(), ms.end());
+  return ms[iters / 2];
+}
+
+std::vector<Shape> parse_shapes(const std::string& s) {
+  std::vector<Shape> v;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    Shape sh{};
+    TDIST_CHECK_ARG(std::sscanf(s.substr(pos, end - pos).c_str(), "%dx%dx%d", &sh.m, &sh.n, &sh.k) == 3, "--shapes",
+                    "expected MxNxK[,MxNxK...], got ", s);
+    sh.note = "custom";
+    v.push_back(sh);
+    pos = end + 1;
+  }
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string dtype_name = "bf16", shapes_arg, json;
+  int iters = 20;
+  bool all_tiles = false, tune = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--dtype") dtype_name = next();
+    else if (a == "--iters") iters = std::max(1, std::atoi(next().c_str()));
+    else if (a == "--shapes") shapes_arg = next();
+    else if (a == "--json") json = next();
+    else if (a == "--tiles") all_tiles = true;
+    else if (a == "--tune") tune = true;
+    else {
+      std::fprintf(stderr, "usage: %s [--dtype bf16|fp16] [--iters N] [--shapes MxNxK,...] [--tiles] [--tune] [--json FILE]\n",
+                   argv[0]);
+      return 2;
+    }
+  }
+  try {
+    const tdist::DType dtype = tdist::parse_dtype(dtype_name);
+    const bool bf16 = dtype == tdist::DType::kBFloat16;
+    TDIST_CHECK_ARG(dtype != tdist::DType::kFloat32, "--dtype", "bf16 or fp16");
+    const char* local_rank = std::getenv("LOCAL_RANK");
+    TDIST_CUDA_CHECK(cudaSetDevice(local_rank ? std::atoi(local_rank) : 0));
+    // 8192^3 and the LLaMA-3-70B shapes at TP = 2 of shared/BASELINES.md (hidden 8192, MLP 28672 / 2):
+    // AG-GEMM M x 14336 x 8192 and M x 8192 x 8192 (full M), GEMM-RS M x 8192 x 14336 (local K).
+    std::vector<Shape> shapes = {
+        {8192, 8192, 8192, "square; cuBLAS 764 TFLOP/s in BASELINES"},
+        {4096, 14336, 8192, "AG-GEMM M=4096 N=14336"},
+        {8192, 14336, 8192, "AG-GEMM M=8192 N=14336"},
+        {8192, 8192, 14336, "GEMM-RS M=8192 local K=14336"},
+        {4096, 8192, 8192, "AG-GEMM M=4096 N=8192"},
+        {1024, 14336, 8192, "AG-GEMM M=1024 N=14336"},
+        {1024, 8192, 14336, "GEMM-RS M=1024 local K"},
+        {16384, 8192, 8192, "AG-GEMM M=16384 N=8192"},
+    };
+    if (!shapes_arg.empty()) shapes = parse_shapes(shapes_arg);
+
+    int device = 0, l2 = 0;
+    TDIST_CUDA_CHECK(cudaGetDevice(&device));
+    TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
+    cudaDeviceProp prop{};
+    TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    cudaStream_t stream;
+    TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    tdist::Gemm gemm;
+    Cublas cublas;
+    const cudaDataType_t ct = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+    std::printf("%s, %d SMs, L2 %d MB, %s, median of %d\n", prop.name, gemm.num_sms(), l2 >> 20, dtype_name.c_str(),
+                iters);
+    std::printf("%-20s %-18s %10s %8s %10s %8s %7s %10s  %s\n", "M x N x K", "tdist tile", "tdist us", "TFLOP/s",
+                "cuBLAS us", "TFLOP/s", "ratio", "max diff", "shape");
+    std::string rows;
+    for (const Shape& sh : shapes) {
+      const size_t a_elems = static_cast<size_t>(sh.m) * sh.k, b_elems = static_cast<size_t>(sh.n) * sh.k;
+      const size_t d_elems = static_cast<size_t>(sh.m) * sh.n;
+      const size_t set_bytes = 2 * (a_elems + b_elems);
+      const int sets = static_cast<int>(std::max<size_t>(2, (2 * static_cast<size_t>(l2) + set_bytes - 1) / set_bytes + 1));
+      std::vector<unsigned short*> as(sets), bs(sets);
+      unsigned short *d_tdist = nullptr, *d_cublas = nullptr;
+      float* stats = nullptr;
+      for (int s = 0; s < sets; ++s) {
+        TDIST_CUDA_CHECK(cudaMalloc(&as[s], 2 * a_elems));
+        TDIST_CUDA_CHECK(cudaMalloc(&bs[s], 2 * b_elems));
+        fill_random<<<528, 256, 0, stream>>>(as[s], a_elems, 17 * s + 1, bf16);
+        fill_random<<<528, 256, 0, stream>>>(bs[s], b_elems, 17 * s + 2, bf16);
+      }
+      TDIST_CUDA_CHECK(cudaMalloc(&d_tdist, 2 * d_elems));
+      TDIST_CUDA_CHECK(cudaMalloc(&d_cublas, 2 * d_elems));
+      TDIST_CUDA_CHECK(cudaMalloc(&stats, 2 * sizeof(float)));
+      auto args = [&](int s) {
+        tdist::GemmArgs g;
+        g.a = as[s];
+        g.b = bs[s];
+        g.d = d_tdist;
+        g.m = sh.m;
+        g.n = sh.n;
+        g.k = sh.k;
+        g.dtype = dtype;
+        return g;
+      };
+      if (tune) gemm.tune(args(0), stream);
+      // Cross-check on set 0.
+      TDIST_CUDA_CHECK(cudaMemsetAsync(d_tdist, 0xFF, 2 * d_elems, stream));
+      TDIST_CUDA_CHECK(cudaMemsetAsync(stats, 0, 2 * sizeof(float), stream));
+      gemm.run(args(0), stream);
+      cublas.run(as[0], bs[0], d_cublas, sh.m, sh.n, sh.k, ct, stream);
+      diff<<<528, 256, 0, stream>>>(d_tdist, d_cublas, d_elems, bf16, stats);
+      float host_stats[2];
+      TDIST_CUDA_CHECK(cudaMemcpyAsync(host_stats, stats, sizeof(host_stats), cudaMemcpyDeviceToHost, stream));
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const float rel = host_stats[1] > 0 ? host_stats[0] / host_stats[1] : host_stats[0];
+
+      const double flop = 2.0 * sh.m * sh.n * static_cast<double>(sh.k);
+      const double cublas_ms = median_ms(stream, iters, sets, [&](int s) {
+        cublas.run(as[s], bs[s], d_cublas, sh.m, sh.n, sh.k, ct, stream);
+      });
+      std::vector<std::pair<std::string, std::optional<tdist::GemmTile>>> variants = {{"", std::nullopt}};
+      if (all_tiles)
+        for (const auto& t : tdist::gemm_tiles()) variants.push_back({t.name(), t});
+      for (const auto& [label, tile] : variants) {
+        tdist::GemmRunOptions o;
+        o.tile = tile;
+        const std::string tile_name =
+            tile ? tile->name() : (tune ? "tuned " : "auto ") + tdist::choose_gemm_tile(sh.m, sh.n, sh.k, gemm.num_sms()).name();
+        const double ms = median_ms(stream, iters, sets, [&](int s) { gemm.run(args(s), stream, o); });
+        char shape[64];
+        std::snprintf(shape, sizeof(shape), "%dx%dx%d", sh.m, sh.n, sh.k);
+        std::printf("%-20s %-18s %10.1f %8.1f %10.1f %8.1f %7.3f %10.2e  %s\n", shape,
+                    tune && !tile ? "tuned" : tile_name.c_str(), ms * 1e3, flop / ms * 1e-9, cublas_ms * 1e3,
+                    flop / cublas_ms * 1e-9, ms / cublas_ms, rel, sh.note.c_str());
+        std::fflush(stdout);
+        char row[512];
+        std::snprintf(row, sizeof(row),
+                      "%s{\"m\": %d, \"n\": %d, \"k\": %d, \"dtype\": \"%s\", \"tile\": \"%s\", \"tdist_us\": %.2f, "
+                      "\"cublas_us\": %.2f, \"tdist_tflops\": %.1f, \"cublas_tflops\": %.1f, \"ratio\": %.4f, "
+                      "\"max_rel_diff\": %.3e}",
+                      rows.empty() ? "" : ",\n  ", sh.m, sh.n, sh.k, dtype_name.c_str(), tile_name.c_str(), ms * 1e3,
+                      cublas_ms * 1e3, flop / ms * 1e-9, flop / cublas_ms * 1e-9, ms / cublas_ms, rel);
+        rows += row;
+      }
+      for (int s = 0; s < sets; ++s) {
+        TDIST_CUDA_CHECK(cudaFree(as[s]));
+        TDIST_CUDA_CHECK(cudaFree(bs[s]));
+      }
+      TDIST_CUDA_CHECK(cudaFree(d_tdist));
+      TDIST_CUDA_CHECK(cudaFree(d_cublas));
+      TDIST_CUDA_CHECK(cudaFree(stats));
+    }
+    std::printf("ratio: tdist time / cuBLAS time (below 1: tdist faster); max diff: max |tdist - cuBLAS| / max |cuBLAS|\n");
+    if (!json.empty()) {
+      std::ofstream f(json);
+      f << "{\"gpu\": \"" << prop.name << "\", \"rows\": [\n  " << rows << "\n]}\n";
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
