@@ -93,45 +93,40 @@ __global__ void __launch_bounds__(kThreads, 1) tdist_ll_all_gather(CollParams p)
   end_call(p.epoch, e);
 }
 
-// Word w of the reduction: this rank's own word and every peer's LL line for w, summed in fp32 in
-// rank order (so every rank computes bit-identical results), rounded to T.
-template <typename T>
-TDIST_DEVICE u32 ll_sum_word(const CollParams& p, u64 parity, u64 w, u32 own_word, u32 flag) {
-  constexpr int kPer = 4 / sizeof(T);
-  float acc[kPer];
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) acc[j] = 0.f;
-  for (int r = 0; r < p.heap.num_ranks; ++r) {
-    const u32 v = r == p.heap.rank ? own_word : ll_read(ll_region(p, parity, r) + w, flag);
-    const T* el = reinterpret_cast<const T*>(&v);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) acc[j] += to_f32(el[j]);
-  }
-  u32 result;
-  T* rel = reinterpret_cast<T*>(&result);
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) rel[j] = from_f32<T>(acc[j]);
-  return result;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ll_all_reduce(CollParams p) {
+  constexpr int kPer = 4 / sizeof(T);
   const u64 e = begin_call(p.epoch);
   const u32 flag = static_cast<u32>(e);
   const u64 parity = e & 1;
+  const int n = p.heap.num_ranks, me = p.heap.rank;
   const u64 B = p.count * sizeof(T), W = (B + 3) / 4;
   const u64 g = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x, G = static_cast<u64>(gridDim.x) * blockDim.x;
   const char* in = static_cast<const char*>(p.in);
   for (u64 w = g; w < W; w += G) {
     const u32 word = load_word(in, B, w);
     ll_push(p, parity, w, word, flag);
-    store_word(static_cast<char*>(p.out), B, w, ll_sum_word<T>(p, parity, w, word, flag));
+    float acc[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) acc[j] = 0.f;
+    for (int r = 0; r < n; ++r) {
+      const u32 v = r == me ? word : ll_read(ll_region(p, parity, r) + w, flag);
+      const T* el = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) acc[j] += to_f32(el[j]);
+    }
+    u32 result;
+    T* rel = reinterpret_cast<T*>(&result);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) rel[j] = from_f32<T>(acc[j]);
+    store_word(static_cast<char*>(p.out), B, w, result);
   }
   end_call(p.epoch, e);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ll_reduce_scatter(CollParams p) {
+  constexpr int kPer = 4 / sizeof(T);
   const u64 e = begin_call(p.epoch);
   const u32 flag = static_cast<u32>(e);
   const u64 parity = e & 1;
@@ -150,7 +145,22 @@ __global__ void __launch_bounds__(kThreads, 1) ll_reduce_scatter(CollParams p) {
   }
   const char* own = in + me * B;
   char* out = static_cast<char*>(p.out);
-  for (u64 w = g; w < W; w += G) store_word(out, B, w, ll_sum_word<T>(p, parity, w, load_word(own, B, w), flag));
+  for (u64 w = g; w < W; w += G) {
+    float acc[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) acc[j] = 0.f;
+    for (int r = 0; r < n; ++r) {
+      const u32 v = r == me ? load_word(own, B, w) : ll_read(ll_region(p, parity, r) + w, flag);
+      const T* el = reinterpret_cast<const T*>(&v);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) acc[j] += to_f32(el[j]);
+    }
+    u32 result;
+    T* rel = reinterpret_cast<T*>(&result);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) rel[j] = from_f32<T>(acc[j]);
+    store_word(out, B, w, result);
+  }
   end_call(p.epoch, e);
 }
 
