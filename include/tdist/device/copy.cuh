@@ -50,8 +50,9 @@ TDIST_DEVICE void copy_vectors(V* dst, const V* src, u64 count, u64 lane, u64 la
 template <typename V>
 TDIST_DEVICE void copy_aligned(char* dst, const char* src, u64 bytes, u64 lane, u64 lanes) {
   constexpr u64 kWidth = sizeof(V);
-  const u64 to_alignment = (kWidth - (reinterpret_cast<u64>(dst) & (kWidth - 1))) & (kWidth - 1);
-  const u64 head = to_alignment < bytes ? to_alignment : bytes;
+  const u64 head = ((kWidth - (reinterpret_cast<u64>(dst) & (kWidth - 1))) & (kWidth - 1)) < bytes
+                       ? ((kWidth - (reinterpret_cast<u64>(dst) & (kWidth - 1))) & (kWidth - 1))
+                       : bytes;
   for (u64 i = lane; i < head; i += lanes) dst[i] = src[i];
   const u64 count = (bytes - head) / kWidth;
   copy_vectors(reinterpret_cast<V*>(dst + head), reinterpret_cast<const V*>(src + head), count, lane, lanes);

@@ -6,23 +6,17 @@
 
 namespace tdist::device {
 
-// One thread alone.
+// Thread groups that cooperate in a copy.
 struct ThreadGroup {
   static TDIST_DEVICE u32 index() { return 0; }
   static TDIST_DEVICE u32 size() { return 1; }
   static TDIST_DEVICE void sync() {}
 };
-// The 32 lanes of a warp (all must take part). The lane comes from %laneid, so any block shape works.
 struct WarpGroup {
-  static TDIST_DEVICE u32 index() {
-    u32 lane;
-    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
-    return lane;
-  }
+  static TDIST_DEVICE u32 index() { return threadIdx.x & 31u; }
   static TDIST_DEVICE u32 size() { return 32; }
   static TDIST_DEVICE void sync() { __syncwarp(); }
 };
-// Every thread of the block.
 struct BlockGroup {
   static TDIST_DEVICE u32 index() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
   static TDIST_DEVICE u32 size() { return blockDim.x * blockDim.y * blockDim.z; }
