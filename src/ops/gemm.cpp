@@ -153,26 +153,29 @@ GemmArgs check_gemm_args(const GemmArgs& in) {
   return a;
 }
 
-GemmTensorMapSpec gemm_tensor_map_a(const GemmArgs& args, const GemmTile& tile) {
+namespace {
+
+// A K-major operand of `rows` x k elements, loaded in boxes of `box_rows` x BLOCK_K.
+GemmTensorMapSpec k_major_tensor_map(const void* base, int64_t rows, int64_t ld, int box_rows, const GemmArgs& args,
+                                     const GemmTile& tile) {
   GemmTensorMapSpec s;
-  s.base = args.a;
+  s.base = base;
   s.dims[0] = static_cast<uint64_t>(args.k);
-  s.dims[1] = static_cast<uint64_t>(args.m);
-  s.row_stride_bytes = static_cast<uint64_t>(args.lda) * element_bytes(args.dtype);
+  s.dims[1] = static_cast<uint64_t>(rows);
+  s.row_stride_bytes = static_cast<uint64_t>(ld) * element_bytes(args.dtype);
   s.box[0] = static_cast<uint32_t>(tile.block_k);
-  s.box[1] = static_cast<uint32_t>(tile.block_m);
+  s.box[1] = static_cast<uint32_t>(box_rows);
   return s;
 }
 
+}  // namespace
+
+GemmTensorMapSpec gemm_tensor_map_a(const GemmArgs& args, const GemmTile& tile) {
+  return k_major_tensor_map(args.a, args.m, args.lda, tile.block_m, args, tile);
+}
+
 GemmTensorMapSpec gemm_tensor_map_b(const GemmArgs& args, const GemmTile& tile) {
-  GemmTensorMapSpec s;
-  s.base = args.b;
-  s.dims[0] = static_cast<uint64_t>(args.k);
-  s.dims[1] = static_cast<uint64_t>(args.n);
-  s.row_stride_bytes = static_cast<uint64_t>(args.ldb) * element_bytes(args.dtype);
-  s.box[0] = static_cast<uint32_t>(tile.block_k);
-  s.box[1] = static_cast<uint32_t>(tile.block_n);
-  return s;
+  return k_major_tensor_map(args.b, args.n, args.ldb, tile.block_n, args, tile);
 }
 
 GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype) {
