@@ -70,21 +70,6 @@ def all_reduce(tensor, output=None, method: str = "auto"):
     return tensor if output is None else output
 
 
-def _functional_or_out(op, functional, out_op, input, output, method):
-    """Runs `op` as the torch custom op (functional when `output` is None) for torch tensors, and
-    directly on the C++ runtime for other arrays, which must name their output."""
-    method = _check_method(method)
-    if is_torch_tensor(input) and (output is None or is_torch_tensor(output)):
-        if output is None:
-            return functional(input, method)
-        out_op(input, output, method)
-        return output
-    if output is None:
-        raise Error(f"tdist.{op}: 'output' is required for arrays that are not torch tensors")
-    _direct(op, input, output, method)
-    return output
-
-
 def all_gather(input, output=None, method: str = "auto"):
     """Concatenate every rank's ``input`` along dimension 0, in rank order.
 
@@ -100,7 +85,16 @@ def all_gather(input, output=None, method: str = "auto"):
     Returns:
         The gathered tensor.
     """
-    return _functional_or_out("all_gather", _all_gather, _all_gather_out, input, output, method)
+    method = _check_method(method)
+    if is_torch_tensor(input) and (output is None or is_torch_tensor(output)):
+        if output is None:
+            return _all_gather(input, method)
+        _all_gather_out(input, output, method)
+        return output
+    if output is None:
+        raise Error("tdist.all_gather: 'output' is required for arrays that are not torch tensors")
+    _direct("all_gather", input, output, method)
+    return output
 
 
 def reduce_scatter(input, output=None, method: str = "auto"):
@@ -119,7 +113,16 @@ def reduce_scatter(input, output=None, method: str = "auto"):
     Returns:
         This rank's part of the sum (fp32 accumulation).
     """
-    return _functional_or_out("reduce_scatter", _reduce_scatter, _reduce_scatter_out, input, output, method)
+    method = _check_method(method)
+    if is_torch_tensor(input) and (output is None or is_torch_tensor(output)):
+        if output is None:
+            return _reduce_scatter(input, method)
+        _reduce_scatter_out(input, output, method)
+        return output
+    if output is None:
+        raise Error("tdist.reduce_scatter: 'output' is required for arrays that are not torch tensors")
+    _direct("reduce_scatter", input, output, method)
+    return output
 
 
 def barrier() -> None:
