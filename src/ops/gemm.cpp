@@ -278,12 +278,12 @@ void Gemm::run(const GemmArgs& raw, cudaStream_t stream, const GemmRunOptions& o
   const GemmTensorMap map_b = encode_gemm_tensor_map(gemm_tensor_map_b(args, tile), args.dtype);
   const kg::TileScheduler sched = gemm_schedule(args, tile, options.group_m, options.first_row);
   const jit::LaunchConfig cfg = gemm_launch_config(args, tile, num_sms_, options.max_ctas, stream);
-  // Kernel parameters in order: tmap_a, tmap_b, d, m, n, k, ldd, sched, hook. The maps are 128-byte
+  // Kernel parameters in order: tmap_a, tmap_b, d, m, n, k, ldd, sched, hooks. The maps are 128-byte
   // aligned parameters; KernelArgs aligns to 16 at most, which is enough for the copy the driver makes.
   jit::KernelArgs kargs;
   kargs.add(map_a).add(map_b).add(args.d).add(static_cast<unsigned>(args.m)).add(static_cast<unsigned>(args.n));
   kargs.add(static_cast<unsigned>(args.k)).add(static_cast<unsigned long long>(args.ldd)).add(sched);
-  kargs.add(kg::NoEpilogueHook{});
+  kargs.add(kg::NoTileHooks{});
   jit::launch(k, cfg, kargs);
 }
 

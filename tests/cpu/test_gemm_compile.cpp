@@ -246,9 +246,10 @@ TEST(GemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
   EXPECT_EQ(ptx_files, static_cast<int>(tdist::gemm_tiles().size()));
 }
 
-// The epilogue hook point: a hook that publishes each tile (fence, then a flag per tile), as the
-// fused ops will, compiles into the kernel without spills or wgmma serialisation.
-TEST(GemmKernels, EpilogueHookCompiles) {
+// The hook points: hooks that wait for a flag before a tile's loads and publish each tile (fence,
+// then a flag per tile), as the fused ops do, compile into the kernel without spills or wgmma
+// serialisation.
+TEST(GemmKernels, TileHooksCompile) {
   TempDir cache;
   jit::KernelCache kernels(cache.path);
   jit::CompileRequest r;
@@ -259,7 +260,12 @@ struct TileFlagHook {
   unsigned long long* flags;
   unsigned long long value;
   template <typename Info>
-  __device__ void operator()(const Info& info, unsigned thread, unsigned) const {
+  __device__ void before_loads(const Info& info) const {
+    while (*reinterpret_cast<volatile unsigned long long*>(flags + info.coord.tile_m) < value) {
+    }
+  }
+  template <typename Info>
+  __device__ void after_store(const Info& info, unsigned thread, unsigned) const {
     if (thread == 0) {
       __threadfence();
       atomicExch(flags + info.linear, value);

@@ -56,12 +56,12 @@ const std::vector<GemmTile>& gemm_tiles();
 // by wave efficiency weighted by the tile's own efficiency.
 GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms);
 
-// The kernel's name expression: tdist::kernels::gemm::sm90_gemm_tn<T, BM, BN, BK, S, C, Hook>.
+// The kernel's name expression: tdist::kernels::gemm::sm90_gemm_tn<T, BM, BN, BK, S, C, Hooks>.
 std::string gemm_kernel_name(DType dtype, const GemmTile& tile,
-                             const std::string& hook = "tdist::kernels::gemm::NoEpilogueHook");
+                             const std::string& hook = "tdist::kernels::gemm::NoTileHooks");
 // One JIT request per tile (both dtypes as name expressions), as registered for tdist-compile.
 jit::CompileRequest gemm_compile_request(const GemmTile& tile,
-                                         const std::string& hook = "tdist::kernels::gemm::NoEpilogueHook");
+                                         const std::string& hook = "tdist::kernels::gemm::NoTileHooks");
 std::vector<jit::CompileRequest> gemm_compile_requests();
 
 struct GemmArgs {

@@ -18,7 +18,8 @@
 //             accumulators in registers, wait for them, and release the stage (one arrive per
 //             consumer warp on `empty`). After the last K block of a tile: the epilogue converts and
 //             stores D from registers with bounds checks, meets the other consumers at a named
-//             barrier, and calls the epilogue hook.
+//             barrier, and calls the tile hooks' after_store (before_loads runs on the
+//             producer before a tile's first load; tile_scheduler.cuh).
 // Producer and consumers walk the same tile list, so the ring's stage/phase sequence (a running
 // count of K blocks) matches on both sides across tiles; the producer runs ahead into the next
 // tile while the consumers store the previous one.
@@ -65,10 +66,10 @@ struct RegisterSplit {
 };
 
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, int kClusterM,
-          typename EpilogueHook = NoEpilogueHook>
+          typename Hooks = NoTileHooks>
 __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     sm90_gemm_tn(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b, T* d,
-                 u32 m, u32 n, u32 k, u64 ldd, TileScheduler sched, EpilogueHook hook) {
+                 u32 m, u32 n, u32 k, u64 ldd, TileScheduler sched, Hooks hooks) {
   static_assert(sizeof(T) == 2, "bf16 or fp16 inputs");
   static_assert(BLOCK_K * sizeof(T) == 128, "BLOCK_K spans one 128-byte swizzle row (64 elements)");
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M: 64 or 128 (one consumer warpgroup per 64 rows)");
@@ -117,8 +118,10 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     if (threadIdx.x == 0) {
       u32 iter = 0;  // running count of K blocks: stage = iter % kNumStages, pass = iter / kNumStages
       for (u32 t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const TileCoord c = sched.tile(t);
-        const int m0 = static_cast<int>(c.tile_m * BLOCK_M), n0 = static_cast<int>(c.tile_n * BLOCK_N);
+        const TileInfo info = tile_info(sched, t, BLOCK_M, BLOCK_N, m, n);
+        hooks.before_loads(info);
+        ptx::fence_proxy_async_global();  // what the hook waited for is visible to the TMA loads
+        const int m0 = static_cast<int>(info.m0), n0 = static_cast<int>(info.n0);
         for (u32 kb = 0; kb < num_k_blocks; ++kb, ++iter) {
           const u32 s = iter % kNumStages, phase = (iter / kNumStages) & 1;
           // The first pass finds every stage empty: waiting for parity phase ^ 1 of a fresh barrier
@@ -143,8 +146,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
 
   u32 iter = 0;
   for (u32 t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const TileCoord c = sched.tile(t);
-    const u32 m0 = c.tile_m * BLOCK_M, n0 = c.tile_n * BLOCK_N;
+    const TileInfo info = tile_info(sched, t, BLOCK_M, BLOCK_N, m, n);
+    const u32 m0 = info.m0, n0 = info.n0;
 
     for (u32 kb = 0; kb < num_k_blocks; ++kb, ++iter) {
       const u32 s = iter % kNumStages, phase = (iter / kNumStages) & 1;
@@ -190,14 +193,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     }
     // Every consumer thread has issued this tile's stores: the hook may publish the tile.
     ptx::named_barrier(1, kNumMathThreads);
-    TileInfo info;
-    info.coord = c;
-    info.m0 = m0;
-    info.n0 = n0;
-    info.rows = m - m0 < BLOCK_M ? m - m0 : BLOCK_M;
-    info.cols = n - n0 < BLOCK_N ? n - n0 : BLOCK_N;
-    info.linear = t;
-    hook(info, math_thread, kNumMathThreads);
+    hooks.after_store(info, math_thread, kNumMathThreads);
   }
 }
 

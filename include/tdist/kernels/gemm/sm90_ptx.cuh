@@ -70,6 +70,9 @@ TDIST_DEVICE void mbar_wait(u32 bar, u32 parity, const char* what) {
 TDIST_DEVICE void prefetch_tensor_map(const void* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
 }
+// Orders this thread's earlier generic-proxy accesses (an acquire of data written by other agents)
+// before its later async-proxy (TMA) accesses of global memory.
+TDIST_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 // Loads the box at (c0 = innermost coordinate, c1) of `map` into shared memory at `dst`; completes
 // its bytes on mbarrier `bar`. Elements outside the tensor are filled with zeros (and still count).
 TDIST_DEVICE void tma_load_2d(u32 dst, const void* map, u32 bar, int c0, int c1) {

@@ -64,7 +64,7 @@ struct TileScheduler {
   }
 };
 
-// What the epilogue hands the hook for each finished tile.
+// What the kernel hands the hooks for each tile.
 struct TileInfo {
   TileCoord coord;
   u32 m0, n0;        // first row and column of the tile
@@ -72,14 +72,34 @@ struct TileInfo {
   u32 linear;        // linear index in the schedule
 };
 
-// The default epilogue hook: nothing. A hook is a trivially copyable functor passed to the kernel by
-// value; the epilogue calls hook(info, consumer_thread, num_consumer_threads) on every consumer
-// thread once all consumer threads have issued the tile's stores (after a barrier among them).
-// A hook that raises a flag for another CTA or GPU fences (release) before its signal.
-struct NoEpilogueHook {
+// Tile hooks: how the fused ops plug into the persistent GEMM. A trivially copyable struct passed to
+// the kernel by value, with two members:
+//   before_loads(info)  on the producer thread, before the first load of the tile's A and B. May
+//                       wait (acquire) for the rows the tile reads (AllGather-GEMM); the kernel
+//                       orders the wait before its TMA loads (proxy fence).
+//   after_store(info, consumer_thread, num_consumer_threads)
+//                       on every consumer thread once every consumer thread's stores of the tile are
+//                       done (a barrier among them precedes it). A hook that raises a flag for
+//                       another CTA or GPU fences (release) before its signal.
+// NoTileHooks, the plain GEMM's, does nothing.
+struct NoTileHooks {
   template <typename Info>
-  TDIST_HOST_DEVICE void operator()(const Info&, u32, u32) const {}
+  TDIST_HOST_DEVICE void before_loads(const Info&) const {}
+  template <typename Info>
+  TDIST_HOST_DEVICE void after_store(const Info&, u32, u32) const {}
 };
+
+// The TileInfo of linear tile `t` of an M x N output.
+TDIST_HOST_DEVICE TileInfo tile_info(const TileScheduler& sched, u32 t, u32 block_m, u32 block_n, u32 m, u32 n) {
+  TileInfo info;
+  info.coord = sched.tile(t);
+  info.m0 = info.coord.tile_m * block_m;
+  info.n0 = info.coord.tile_n * block_n;
+  info.rows = m - info.m0 < block_m ? m - info.m0 : block_m;
+  info.cols = n - info.n0 < block_n ? n - info.n0 : block_n;
+  info.linear = t;
+  return info;
+}
 
 // Rows of A split over `num_ranks` chunks, as AllGather-GEMM splits them: chunk r holds rows
 // [begin(r), begin(r) + rows(r)); the first M % num_ranks chunks hold one row more than the others.
