@@ -10,13 +10,10 @@
 //   --tiles  also times every shipped tile of tdist on each shape (for tuning the heuristic)
 //   --tune   runs tdist's autotuner per shape first and times its winner
 //
-// cuBLAS is opened with dlopen (libcublas.so.13, or TDIST_CUBLAS_LIBRARY), so this benchmark links
-// nothing beyond libtdist.
-#include <cublas_v2.h>
+// cuBLAS comes through tdist::CublasGemm (dlopen of libcublas.so.13, or TDIST_CUBLAS_LIBRARY).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <cmath>
@@ -31,49 +28,10 @@
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/ops/cublas.hpp"
 #include "tdist/ops/gemm.hpp"
 
 namespace {
-
-struct Cublas {
-  decltype(&cublasCreate_v2) create = nullptr;
-  decltype(&cublasDestroy_v2) destroy = nullptr;
-  decltype(&cublasSetStream_v2) set_stream = nullptr;
-  using GemmEx = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int, int, const void*,
-                                    const void*, cudaDataType, int, const void*, cudaDataType, int, const void*, void*,
-                                    cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
-  GemmEx gemm_ex = nullptr;  // the C symbol (the header also declares C++ overloads)
-  cublasHandle_t handle = nullptr;
-
-  Cublas() {
-    std::vector<std::string> names;
-    if (const char* env = std::getenv("TDIST_CUBLAS_LIBRARY")) names.push_back(env);
-    names.insert(names.end(), {"libcublas.so.13", "libcublas.so", "/usr/local/cuda/lib64/libcublas.so.13"});
-    if (const char* home = std::getenv("CUDA_HOME")) names.push_back(std::string(home) + "/lib64/libcublas.so.13");
-    void* lib = nullptr;
-    for (const auto& n : names)
-      if ((lib = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL))) break;
-    TDIST_CHECK(lib != nullptr, "cannot open cuBLAS (tried libcublas.so.13 and others; set TDIST_CUBLAS_LIBRARY)");
-    create = reinterpret_cast<decltype(create)>(dlsym(lib, "cublasCreate_v2"));
-    destroy = reinterpret_cast<decltype(destroy)>(dlsym(lib, "cublasDestroy_v2"));
-    set_stream = reinterpret_cast<decltype(set_stream)>(dlsym(lib, "cublasSetStream_v2"));
-    gemm_ex = reinterpret_cast<decltype(gemm_ex)>(dlsym(lib, "cublasGemmEx"));
-    TDIST_CHECK(create && destroy && set_stream && gemm_ex, "cuBLAS lacks an expected symbol");
-    TDIST_CHECK(create(&handle) == CUBLAS_STATUS_SUCCESS, "cublasCreate failed");
-  }
-  ~Cublas() {
-    if (handle) destroy(handle);
-  }
-
-  // Row-major D[M][N] = A[M][K] x B[N][K]^T is column-major D^T (N x M) = B^T (N x K) x A^T (K x M).
-  void run(const void* a, const void* b, void* d, int m, int n, int k, cudaDataType_t t, cudaStream_t s) {
-    const float alpha = 1.0f, beta = 0.0f;
-    set_stream(handle, s);
-    const cublasStatus_t st = gemm_ex(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &alpha, b, t, k, a, t, k, &beta, d, t,
-                                      n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    TDIST_CHECK(st == CUBLAS_STATUS_SUCCESS, "cublasGemmEx failed with status ", static_cast<int>(st));
-  }
-};
 
 __global__ void fill_random(unsigned short* p, size_t count, unsigned long long seed, bool bf16) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
@@ -213,8 +171,7 @@ int main(int argc, char** argv) {
     cudaStream_t stream;
     TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     tdist::Gemm gemm;
-    Cublas cublas;
-    const cudaDataType_t ct = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+    tdist::CublasGemm cublas;
     std::printf("%s, %d SMs, L2 %d MB, %s, median of %d\n", prop.name, gemm.num_sms(), l2 >> 20, dtype_name.c_str(),
                 iters);
     std::printf("%-20s %-18s %10s %8s %10s %8s %7s %10s  %s\n", "M x N x K", "tdist tile", "tdist us", "TFLOP/s",
@@ -248,12 +205,17 @@ int main(int argc, char** argv) {
         g.dtype = dtype;
         return g;
       };
+      auto cublas_args = [&](int s) {
+        tdist::GemmArgs g = args(s);
+        g.d = d_cublas;
+        return g;
+      };
       if (tune) gemm.tune(args(0), stream);
       // Cross-check on set 0.
       TDIST_CUDA_CHECK(cudaMemsetAsync(d_tdist, 0xFF, 2 * d_elems, stream));
       TDIST_CUDA_CHECK(cudaMemsetAsync(stats, 0, 2 * sizeof(float), stream));
       gemm.run(args(0), stream);
-      cublas.run(as[0], bs[0], d_cublas, sh.m, sh.n, sh.k, ct, stream);
+      cublas.run(cublas_args(0), stream);
       diff<<<528, 256, 0, stream>>>(d_tdist, d_cublas, d_elems, bf16, stats);
       float host_stats[2];
       TDIST_CUDA_CHECK(cudaMemcpyAsync(host_stats, stats, sizeof(host_stats), cudaMemcpyDeviceToHost, stream));
@@ -262,7 +224,7 @@ int main(int argc, char** argv) {
 
       const double flop = 2.0 * sh.m * sh.n * static_cast<double>(sh.k);
       const double cublas_ms = median_ms(stream, iters, sets, [&](int s) {
-        cublas.run(as[s], bs[s], d_cublas, sh.m, sh.n, sh.k, ct, stream);
+        cublas.run(cublas_args(s), stream);
       });
       std::vector<std::pair<std::string, std::optional<tdist::GemmTile>>> variants = {{"", std::nullopt}};
       if (all_tiles)
