@@ -1,0 +1,366 @@
+// The overlapped tensor-parallel linear layers (include/tdist/ops/gemm_overlap.hpp) without a GPU:
+// the method choice (choose_overlap_method), method and op names, and the argument checks of
+// AllGatherGemm, GemmReduceScatter and GemmAllReduce (every error names the argument). RowChunks and
+// tile_chunks, which these ops split M with, are covered by test_gemm_schedule.cpp.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "tdist/common/error.hpp"
+#include "tdist/kernels/gemm/tile_scheduler.cuh"
+#include "tdist/ops/gemm_overlap.hpp"
+
+using tdist::DType;
+using tdist::OverlapMethod;
+using tdist::OverlapOp;
+using tdist::OverlapShape;
+
+namespace {
+
+const OverlapOp kOps[] = {OverlapOp::kAllGatherGemm, OverlapOp::kGemmReduceScatter, OverlapOp::kGemmAllReduce};
+const OverlapMethod kMethods[] = {OverlapMethod::kAuto, OverlapMethod::kFused, OverlapMethod::kChunked,
+                                  OverlapMethod::kBaseline};
+
+// Fake device pointers, 16-byte aligned (nothing is dereferenced on the host), and misaligned ones.
+const void* cptr(uintptr_t p) { return reinterpret_cast<const void*>(p); }
+void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const tdist::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Runs `f`, expects a tdist::Error whose message names 'arg' (quoted, as TDIST_CHECK_ARG writes it).
+template <typename F>
+void expect_arg_error(F&& f, const std::string& arg) {
+  try {
+    f();
+    ADD_FAILURE() << "no error for '" << arg << "'";
+  } catch (const tdist::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + arg + "'"), std::string::npos) << e.what();
+  }
+}
+
+// The model's problem sizes of the LLaMA-3-70B layers and of small and odd ones: (M, N, K) as
+// OverlapShape takes them (N local for AllGather-GEMM, K local for ReduceScatter/AllReduce).
+std::vector<OverlapShape> shapes_for(OverlapOp op, int world) {
+  std::vector<OverlapShape> v;
+  const std::vector<int64_t> ms = {1, 2, 7, 64, 127, 128, 255, 256, 257, 1000, 1024, 4096, 4097, 8192, 16384, 65536};
+  for (int64_t m : ms) {
+    for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+      if (op == OverlapOp::kAllGatherGemm) {
+        v.push_back({op, m, 14336 / world, 8192, world, dtype});
+        v.push_back({op, m, 8192 / world, 8192, world, dtype});
+        v.push_back({op, m, 520, 264, world, dtype});
+      } else {
+        v.push_back({op, m, 8192, 14336 / world / 8 * 8, world, dtype});
+        v.push_back({op, m, 8192, 8192 / world / 8 * 8, world, dtype});
+        v.push_back({op, m, 1000, 520, world, dtype});
+      }
+    }
+  }
+  return v;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Names
+
+TEST(OverlapNames, MethodsRoundTrip) {
+  std::set<std::string> names;
+  for (OverlapMethod m : kMethods) {
+    ASSERT_NE(tdist::to_string(m), nullptr);
+    names.insert(tdist::to_string(m));
+    EXPECT_EQ(tdist::parse_overlap_method(tdist::to_string(m)), m) << tdist::to_string(m);
+  }
+  EXPECT_EQ(names.size(), 4u);
+  EXPECT_STREQ(tdist::to_string(OverlapMethod::kAuto), "auto");
+  EXPECT_STREQ(tdist::to_string(OverlapMethod::kFused), "fused");
+  EXPECT_STREQ(tdist::to_string(OverlapMethod::kChunked), "chunked");
+  EXPECT_STREQ(tdist::to_string(OverlapMethod::kBaseline), "baseline");
+  EXPECT_EQ(tdist::parse_overlap_method("fused", "TDIST_OVERLAP_METHOD"), OverlapMethod::kFused);
+}
+
+TEST(OverlapNames, BadMethodNamesTheArgument) {
+  for (const char* bad : {"", "fuse", "nccl", "chunked,fused", "bogus"}) {
+    const std::string e = error_of([&] { tdist::parse_overlap_method(bad); });
+    EXPECT_NE(e.find("method"), std::string::npos) << "'" << bad << "': " << e;
+    const std::string v = error_of([&] { tdist::parse_overlap_method(bad, "TDIST_OVERLAP_METHOD"); });
+    EXPECT_NE(v.find("TDIST_OVERLAP_METHOD"), std::string::npos) << "'" << bad << "': " << v;
+    const std::string o = error_of([&] { tdist::parse_overlap_method(bad, "--methods"); });
+    EXPECT_NE(o.find("--methods"), std::string::npos) << "'" << bad << "': " << o;
+  }
+}
+
+TEST(OverlapNames, Ops) {
+  std::set<std::string> names;
+  for (OverlapOp op : kOps) {
+    ASSERT_NE(tdist::to_string(op), nullptr);
+    EXPECT_GT(std::string(tdist::to_string(op)).size(), 0u);
+    names.insert(tdist::to_string(op));
+  }
+  EXPECT_EQ(names.size(), 3u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// choose_overlap_method
+
+TEST(OverlapChoice, NeverAutoAndDeterministic) {
+  for (OverlapOp op : kOps) {
+    for (int world = 1; world <= 8; ++world) {
+      for (const OverlapShape& s : shapes_for(op, world)) {
+        const OverlapMethod m = tdist::choose_overlap_method(s);
+        EXPECT_NE(m, OverlapMethod::kAuto) << tdist::to_string(op) << " world " << world << " m " << s.m << " n "
+                                           << s.n << " k " << s.k;
+        EXPECT_TRUE(m == OverlapMethod::kFused || m == OverlapMethod::kChunked || m == OverlapMethod::kBaseline);
+        for (int again = 0; again < 3; ++again) EXPECT_EQ(tdist::choose_overlap_method(s), m);
+      }
+    }
+  }
+}
+
+TEST(OverlapChoice, BaselineAtSmallM) {
+  // Per-chunk launches and flag waits cost more than the communication they hide at M <= 256
+  // (a few KB to a few MB moved): the model must pick the baseline there, for every op, team and
+  // dtype, at every N and K tried.
+  for (OverlapOp op : kOps) {
+    for (int world = 1; world <= 8; ++world) {
+      for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{8}, int64_t{64}, int64_t{100}, int64_t{128},
+                        int64_t{200}, int64_t{255}, int64_t{256}}) {
+        for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+          for (int64_t nk : {int64_t{8}, int64_t{520}, int64_t{1792}, int64_t{8192}, int64_t{14336}, int64_t{28672}}) {
+            OverlapShape s{op, m, nk, nk, world, dtype};
+            EXPECT_EQ(tdist::choose_overlap_method(s), OverlapMethod::kBaseline)
+                << tdist::to_string(op) << " world " << world << " m " << m << " n = k = " << nk;
+          }
+          OverlapShape llama{op, m, op == OverlapOp::kAllGatherGemm ? 14336 / world : 8192,
+                             op == OverlapOp::kAllGatherGemm ? 8192 : 14336 / world / 8 * 8, world, dtype};
+          EXPECT_EQ(tdist::choose_overlap_method(llama), OverlapMethod::kBaseline)
+              << tdist::to_string(op) << " world " << world << " m " << m;
+        }
+      }
+    }
+  }
+}
+
+TEST(OverlapChoice, SingleRank) {
+  // Nothing to exchange: the choice is made without error and is a runnable method.
+  for (OverlapOp op : kOps) {
+    for (int64_t m : {int64_t{1}, int64_t{1024}, int64_t{8192}, int64_t{65536}}) {
+      OverlapShape s{op, m, 8192, 8192, 1, DType::kBFloat16};
+      OverlapMethod got = OverlapMethod::kAuto;
+      EXPECT_NO_THROW(got = tdist::choose_overlap_method(s)) << tdist::to_string(op) << " m " << m;
+      EXPECT_NE(got, OverlapMethod::kAuto);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AllGatherGemm argument checks
+
+namespace {
+
+tdist::AllGatherGemmConfig ag_config() {
+  tdist::AllGatherGemmConfig c;
+  c.max_m = 4096;
+  c.k = 264;
+  c.dtype = DType::kBFloat16;
+  return c;
+}
+
+tdist::AllGatherGemmArgs ag_args() {
+  tdist::AllGatherGemmArgs a;
+  a.a_local = cptr(0x10000);
+  a.b = cptr(0x20000);
+  a.d = ptr(0x30000);
+  a.a_gathered = nullptr;
+  a.m = 1000;
+  a.n = 520;
+  return a;
+}
+
+}  // namespace
+
+TEST(AllGatherGemmArgs, Accepts) {
+  for (int world = 1; world <= 8; ++world) {
+    for (int rank = 0; rank < world; ++rank) {
+      EXPECT_NO_THROW(tdist::check_all_gather_gemm_args(ag_args(), ag_config(), world, rank)) << world << " " << rank;
+      auto a = ag_args();
+      a.a_gathered = ptr(0x40000);  // optional output
+      EXPECT_NO_THROW(tdist::check_all_gather_gemm_args(a, ag_config(), world, rank));
+      a.m = 4096;  // exactly max_m
+      EXPECT_NO_THROW(tdist::check_all_gather_gemm_args(a, ag_config(), world, rank));
+      a.m = 4097 - world;  // not a multiple of the team or of a tile
+      EXPECT_NO_THROW(tdist::check_all_gather_gemm_args(a, ag_config(), world, rank));
+      a.n = 8;
+      EXPECT_NO_THROW(tdist::check_all_gather_gemm_args(a, ag_config(), world, rank));
+    }
+  }
+  auto c = ag_config();
+  c.dtype = DType::kFloat16;
+  EXPECT_NO_THROW(tdist::check_all_gather_gemm_args(ag_args(), c, 2, 1));
+  c.k = 8;
+  EXPECT_NO_THROW(tdist::check_all_gather_gemm_args(ag_args(), c, 2, 1));
+}
+
+TEST(AllGatherGemmArgs, ErrorsNameTheArgument) {
+  using Args = tdist::AllGatherGemmArgs;
+  using Config = tdist::AllGatherGemmConfig;
+  auto with = [](auto change_args, auto change_config, int world = 2, int rank = 0) {
+    return [=] {
+      Args a = ag_args();
+      Config c = ag_config();
+      change_args(a);
+      change_config(c);
+      tdist::check_all_gather_gemm_args(a, c, world, rank);
+    };
+  };
+  auto none_a = [](Args&) {};
+  auto none_c = [](Config&) {};
+  for (int world : {1, 2, 3, 8}) {
+    for (int rank : {0, world - 1}) {
+      expect_arg_error(with([](Args& a) { a.m = 4097; }, none_c, world, rank), "m");  // beyond max_m
+      expect_arg_error(with([](Args& a) { a.m = -1; }, none_c, world, rank), "m");
+      expect_arg_error(with([](Args& a) { a.n = -8; }, none_c, world, rank), "n");
+      expect_arg_error(with(none_a, [](Config& c) { c.k = 12; }, world, rank), "k");
+      expect_arg_error(with(none_a, [](Config& c) { c.k = 260; }, world, rank), "k");
+      expect_arg_error(with(none_a, [](Config& c) { c.k = 0; }, world, rank), "k");
+      expect_arg_error(with(none_a, [](Config& c) { c.dtype = DType::kFloat32; }, world, rank), "dtype");
+      expect_arg_error(with(none_a, [](Config& c) { c.dtype = static_cast<DType>(9); }, world, rank), "dtype");
+      // Null pointers (m, n > 0; every rank owns at least one of the 1000 rows).
+      expect_arg_error(with([](Args& a) { a.a_local = nullptr; }, none_c, world, rank), "a_local");
+      expect_arg_error(with([](Args& a) { a.b = nullptr; }, none_c, world, rank), "b");
+      expect_arg_error(with([](Args& a) { a.d = nullptr; }, none_c, world, rank), "d");
+      // Misaligned pointers (TMA and the copy engine's 16-byte rule).
+      expect_arg_error(with([](Args& a) { a.a_local = cptr(0x10008); }, none_c, world, rank), "a_local");
+      expect_arg_error(with([](Args& a) { a.a_local = cptr(0x10002); }, none_c, world, rank), "a_local");
+      expect_arg_error(with([](Args& a) { a.b = cptr(0x20002); }, none_c, world, rank), "b");
+      expect_arg_error(with([](Args& a) { a.d = ptr(0x30004); }, none_c, world, rank), "d");
+      expect_arg_error(with([](Args& a) { a.a_gathered = ptr(0x40008); }, none_c, world, rank), "a_gathered");
+    }
+  }
+  // A rank that does not exist in the team.
+  EXPECT_NE(error_of(with(none_a, none_c, 2, 2)), "");
+  EXPECT_NE(error_of(with(none_a, none_c, 2, -1)), "");
+}
+
+TEST(AllGatherGemmArgs, LocalRowsOfEveryRank) {
+  // a_local holds RowChunks{m, world}.rows(rank) rows: every rank that owns rows needs a pointer,
+  // whatever the split (the first m % world ranks own one row more; with m < world the last ranks
+  // own none, and what they pass for a_local is not checked here: the header leaves it open).
+  for (int world = 1; world <= 8; ++world) {
+    for (int64_t m : {int64_t{1}, int64_t{3}, int64_t{7}, int64_t{257}, int64_t{1000}, int64_t{4095}}) {
+      const tdist::kernels::gemm::RowChunks split{static_cast<uint64_t>(m), world};
+      for (int rank = 0; rank < world; ++rank) {
+        auto a = ag_args();
+        a.m = m;
+        EXPECT_NO_THROW(tdist::check_all_gather_gemm_args(a, ag_config(), world, rank))
+            << "m " << m << " world " << world << " rank " << rank;
+        if (split.rows(rank) > 0) {
+          a.a_local = nullptr;
+          expect_arg_error([&] { tdist::check_all_gather_gemm_args(a, ag_config(), world, rank); }, "a_local");
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GemmReduceScatter and GemmAllReduce argument checks (same rules; D is this rank's rows for
+// ReduceScatter and all rows for AllReduce, neither of which the pure check can size).
+
+namespace {
+
+tdist::GemmReduceScatterConfig rs_config() {
+  tdist::GemmReduceScatterConfig c;
+  c.max_m = 4096;
+  c.max_n = 1024;
+  c.dtype = DType::kBFloat16;
+  return c;
+}
+
+template <typename Args>
+Args rs_args() {
+  Args a;
+  a.a = cptr(0x10000);
+  a.b = cptr(0x20000);
+  a.d = ptr(0x30000);
+  a.m = 1000;
+  a.n = 520;
+  a.k = 264;
+  return a;
+}
+
+void check(const tdist::GemmReduceScatterArgs& a, const tdist::GemmReduceScatterConfig& c) {
+  tdist::check_gemm_reduce_scatter_args(a, c);
+}
+void check(const tdist::GemmAllReduceArgs& a, const tdist::GemmAllReduceConfig& c) {
+  tdist::check_gemm_all_reduce_args(a, c);
+}
+
+template <typename Args>
+void reduce_checks() {
+  using Config = tdist::GemmReduceScatterConfig;
+  EXPECT_NO_THROW(check(rs_args<Args>(), rs_config()));
+  {
+    Args a = rs_args<Args>();
+    a.m = 4096;  // exactly max_m and max_n
+    a.n = 1024;
+    EXPECT_NO_THROW(check(a, rs_config()));
+    a.m = 1;  // fewer rows than any team has ranks
+    EXPECT_NO_THROW(check(a, rs_config()));
+    a.k = 8;
+    EXPECT_NO_THROW(check(a, rs_config()));
+    a.k = 14336;  // K has no configured bound
+    EXPECT_NO_THROW(check(a, rs_config()));
+    Config c = rs_config();
+    c.dtype = DType::kFloat16;
+    EXPECT_NO_THROW(check(a, c));
+  }
+  auto with = [](auto change_args, auto change_config) {
+    return [=] {
+      Args a = rs_args<Args>();
+      Config c = rs_config();
+      change_args(a);
+      change_config(c);
+      check(a, c);
+    };
+  };
+  auto none_a = [](Args&) {};
+  auto none_c = [](Config&) {};
+  expect_arg_error(with([](Args& a) { a.m = 4097; }, none_c), "m");  // beyond max_m
+  expect_arg_error(with([](Args& a) { a.m = -1; }, none_c), "m");
+  expect_arg_error(with([](Args& a) { a.n = 1025; }, none_c), "n");  // beyond max_n
+  expect_arg_error(with([](Args& a) { a.n = -1; }, none_c), "n");
+  expect_arg_error(with([](Args& a) { a.k = 12; }, none_c), "k");
+  expect_arg_error(with([](Args& a) { a.k = 260; }, none_c), "k");
+  expect_arg_error(with([](Args& a) { a.k = 0; }, none_c), "k");
+  expect_arg_error(with([](Args& a) { a.k = -8; }, none_c), "k");
+  expect_arg_error(with(none_a, [](Config& c) { c.dtype = DType::kFloat32; }), "dtype");
+  expect_arg_error(with(none_a, [](Config& c) { c.dtype = static_cast<DType>(9); }), "dtype");
+  expect_arg_error(with([](Args& a) { a.a = nullptr; }, none_c), "a");
+  expect_arg_error(with([](Args& a) { a.b = nullptr; }, none_c), "b");
+  expect_arg_error(with([](Args& a) { a.d = nullptr; }, none_c), "d");
+  expect_arg_error(with([](Args& a) { a.a = cptr(0x10008); }, none_c), "a");
+  expect_arg_error(with([](Args& a) { a.a = cptr(0x10002); }, none_c), "a");
+  expect_arg_error(with([](Args& a) { a.b = cptr(0x20004); }, none_c), "b");
+  expect_arg_error(with([](Args& a) { a.d = ptr(0x30008); }, none_c), "d");
+  // A configured bound below the call: the message names the argument, not the configuration.
+  expect_arg_error(with([](Args& a) { a.m = 2000; }, [](Config& c) { c.max_m = 1999; }), "m");
+  expect_arg_error(with([](Args& a) { a.n = 520; }, [](Config& c) { c.max_n = 512; }), "n");
+}
+
+}  // namespace
+
+TEST(GemmReduceScatterArgs, AcceptsAndErrorsNameTheArgument) { reduce_checks<tdist::GemmReduceScatterArgs>(); }
+
+TEST(GemmAllReduceArgs, AcceptsAndErrorsNameTheArgument) { reduce_checks<tdist::GemmAllReduceArgs>(); }
