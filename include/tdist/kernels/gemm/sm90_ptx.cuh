@@ -1,5 +1,6 @@
-// sm_90a building blocks of the GEMM, as inline PTX: mbarriers, TMA tensor loads, wgmma fences and
-// shared-memory matrix descriptors, setmaxnreg, named barriers. Compiles under nvcc and NVRTC.
+// sm_90a building blocks of the GEMM, as inline PTX: mbarriers, TMA tensor loads and stores, bulk
+// async-groups, stmatrix, wgmma fences and shared-memory matrix descriptors, setmaxnreg, named barriers.
+// Compiles under nvcc and NVRTC.
 #pragma once
 
 #include "tdist/device/common.cuh"
@@ -81,6 +82,41 @@ TDIST_DEVICE void tma_load_2d(u32 dst, const void* map, u32 bar, int c0, int c1)
           dst),
       "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1)
       : "memory");
+}
+
+// TMA store of the box at (c0, c1) of `map` from shared memory at `src` (laid out as the map's box,
+// swizzled as the map says). Elements outside the tensor are not written. Completes as part of the
+// issuing thread's current bulk async-group (bulk_commit_group / bulk_wait_group*).
+TDIST_DEVICE void tma_store_2d(const void* map, u32 src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<u64>(map)),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+TDIST_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's bulk async-groups are pending in reading their shared-memory
+// source (the source may be overwritten after it; the global writes may still be in flight).
+template <int N>
+TDIST_DEVICE void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+// Waits until at most N of this thread's bulk async-groups are pending, writes to global included.
+template <int N>
+TDIST_DEVICE void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+// Orders this thread's earlier generic-proxy shared-memory writes before later async-proxy (TMA
+// store) reads of them (each writing thread fences, then a barrier, then one thread issues the store).
+TDIST_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// ---- stmatrix ----
+// Stores four 8x8 matrices of 16-bit elements: lanes 8i .. 8i+7 give the shared addresses of the 8
+// rows (16 bytes each) of matrix i; register ri of lane l holds row l / 4, columns 2 (l % 4) + {0, 1}
+// of matrix i (the mma / wgmma accumulator fragment layout).
+TDIST_DEVICE void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
 }
 
 // ---- wgmma ----
