@@ -178,6 +178,21 @@ GemmTensorMapSpec gemm_tensor_map_b(const GemmArgs& args, const GemmTile& tile) 
   return k_major_tensor_map(args.b, args.n, args.ldb, tile.block_n, args, tile);
 }
 
+GemmTensorMapSpec gemm_tensor_map_d(const GemmArgs& args, const GemmTile& tile) {
+  // Dims {N, M}: the TMA store writes nothing at columns >= N (so padding up to ldd is untouched)
+  // or rows >= M. N itself may be odd: only the row stride (ldd) must be a multiple of 16 bytes.
+  GemmTensorMapSpec s;
+  s.base = args.d;
+  s.dims[0] = static_cast<uint64_t>(args.n);
+  s.dims[1] = static_cast<uint64_t>(args.m);
+  s.row_stride_bytes = static_cast<uint64_t>(args.ldd) * element_bytes(args.dtype);
+  const unsigned cols = kg::gemm_epi_cols(static_cast<unsigned>(tile.block_n));
+  s.box[0] = cols;
+  s.box[1] = kg::kWgmmaM;
+  s.swizzle_bytes = static_cast<uint32_t>(cols * element_bytes(args.dtype));
+  return s;
+}
+
 GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
@@ -187,6 +202,11 @@ GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype)
                 "cuTensorMapEncodeTiled not found in the driver (status ", static_cast<int>(status), ")");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
+  TDIST_CHECK(spec.swizzle_bytes == 128 || spec.swizzle_bytes == 64 || spec.swizzle_bytes == 32,
+              "tensor map swizzle must be 128, 64 or 32 bytes, got ", spec.swizzle_bytes);
+  const CUtensorMapSwizzle swizzle = spec.swizzle_bytes == 128  ? CU_TENSOR_MAP_SWIZZLE_128B
+                                     : spec.swizzle_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                                : CU_TENSOR_MAP_SWIZZLE_32B;
   CUtensorMap map{};
   const cuuint64_t dims[2] = {spec.dims[0], spec.dims[1]};
   const cuuint64_t strides[1] = {spec.row_stride_bytes};
@@ -195,11 +215,11 @@ GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype)
   const CUresult r = encode(&map,
                             dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                             2, const_cast<void*>(spec.base), dims, strides, box, elem_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TDIST_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r), ") for dims {",
               spec.dims[0], ", ", spec.dims[1], "}, row stride ", spec.row_stride_bytes, " bytes, box {", spec.box[0],
-              ", ", spec.box[1], "}");
+              ", ", spec.box[1], "}, swizzle ", spec.swizzle_bytes, " bytes");
   GemmTensorMap out;
   static_assert(sizeof(out) == sizeof(map));
   std::memcpy(&out, &map, sizeof(map));
@@ -229,6 +249,19 @@ jit::LaunchConfig gemm_launch_config(const GemmArgs& args, const GemmTile& tile,
   cfg.cluster = {static_cast<unsigned>(tile.cluster_m)};
   cfg.stream = stream;
   return cfg;
+}
+
+jit::KernelArgs gemm_kernel_args(const GemmArgs& args, const GemmTile& tile, const kg::TileScheduler& sched) {
+  const GemmTensorMap map_a = encode_gemm_tensor_map(gemm_tensor_map_a(args, tile), args.dtype);
+  const GemmTensorMap map_b = encode_gemm_tensor_map(gemm_tensor_map_b(args, tile), args.dtype);
+  const GemmTensorMap map_d = encode_gemm_tensor_map(gemm_tensor_map_d(args, tile), args.dtype);
+  // The maps are 128-byte aligned parameters; KernelArgs aligns to 16 at most, which is enough for
+  // the copy the driver makes.
+  jit::KernelArgs kargs;
+  kargs.add(map_a).add(map_b).add(map_d);
+  kargs.add(static_cast<unsigned>(args.m)).add(static_cast<unsigned>(args.n)).add(static_cast<unsigned>(args.k));
+  kargs.add(sched);
+  return kargs;
 }
 
 struct Gemm::Loaded {
@@ -274,15 +307,10 @@ void Gemm::run(const GemmArgs& raw, cudaStream_t stream, const GemmRunOptions& o
   }
   check_gemm_tile(tile);
   const jit::Kernel& k = kernel(args.dtype, tile);
-  const GemmTensorMap map_a = encode_gemm_tensor_map(gemm_tensor_map_a(args, tile), args.dtype);
-  const GemmTensorMap map_b = encode_gemm_tensor_map(gemm_tensor_map_b(args, tile), args.dtype);
   const kg::TileScheduler sched = gemm_schedule(args, tile, options.group_m, options.first_row);
   const jit::LaunchConfig cfg = gemm_launch_config(args, tile, num_sms_, options.max_ctas, stream);
-  // Kernel parameters in order: tmap_a, tmap_b, d, m, n, k, ldd, sched, hooks. The maps are 128-byte
-  // aligned parameters; KernelArgs aligns to 16 at most, which is enough for the copy the driver makes.
-  jit::KernelArgs kargs;
-  kargs.add(map_a).add(map_b).add(args.d).add(static_cast<unsigned>(args.m)).add(static_cast<unsigned>(args.n));
-  kargs.add(static_cast<unsigned>(args.k)).add(static_cast<unsigned long long>(args.ldd)).add(sched);
+  // Kernel parameters in order: tmap_a, tmap_b, tmap_d, m, n, k, sched, hooks.
+  jit::KernelArgs kargs = gemm_kernel_args(args, tile, sched);
   kargs.add(kg::NoTileHooks{});
   jit::launch(k, cfg, kargs);
 }

@@ -108,8 +108,24 @@ TEST(GemmTiles, ShippedTilesAreValidAndFit) {
     EXPECT_EQ(tdist::gemm_threads(t), 128u * (1 + t.block_m / 64)) << t.name();
   }
   EXPECT_EQ(GemmTile{}.name(), "128x256x64_s4_c1");
-  // 4 stages of (128 + 256) x 64 bf16, the barriers, the alignment slack.
-  EXPECT_EQ(tdist::gemm_shared_bytes(GemmTile{}, DType::kBFloat16), 1024u + 4 * 49152 + 64);
+  // 4 stages of (128 + 256) x 64 bf16, two 64 x 64 D chunk buffers per consumer warpgroup, the
+  // barriers, the alignment slack.
+  EXPECT_EQ(tdist::gemm_shared_bytes(GemmTile{}, DType::kBFloat16), 1024u + 4 * 49152 + 2 * 2 * 8192 + 64);
+  namespace kg = tdist::kernels::gemm;
+  EXPECT_EQ(kg::gemm_epi_buffers(128, 256, 64, 4, 2), 2u);
+  // 128 x 192 with 5 stages: two buffers per warpgroup would not fit, one does.
+  EXPECT_EQ(kg::gemm_epi_buffers(128, 192, 64, 5, 2), 1u);
+  EXPECT_EQ(tdist::gemm_shared_bytes({128, 192, 64, 5, 1}, DType::kBFloat16), 1024u + 5 * 40960 + 2 * 8192 + 80);
+  EXPECT_EQ(kg::gemm_epi_cols(256), 64u);
+  EXPECT_EQ(kg::gemm_epi_cols(192), 64u);
+  EXPECT_EQ(kg::gemm_epi_cols(160), 32u);
+  EXPECT_EQ(kg::gemm_epi_cols(208), 16u);
+  // Every shipped tile keeps two chunk buffers or the deepest ring that fits with one.
+  for (const GemmTile& t : tdist::gemm_tiles()) {
+    SCOPED_TRACE(t.name());
+    const unsigned bufs = kg::gemm_epi_buffers(t.block_m, t.block_n, t.block_k, t.stages, 2);
+    if (bufs == 1) EXPECT_GT(kg::gemm_smem_bytes_with(t.block_m, t.block_n, t.block_k, t.stages, 2, 2), kg::kMaxSmemBytes);
+  }
   expect_arg_error([] { tdist::check_gemm_tile({96, 256, 64, 4, 1}); }, "tile");
   expect_arg_error([] { tdist::check_gemm_tile({128, 264, 64, 4, 1}); }, "tile");
   expect_arg_error([] { tdist::check_gemm_tile({128, 256, 32, 4, 1}); }, "tile");
@@ -161,10 +177,30 @@ TEST(GemmLaunch, ConfigScheduleAndTensorMaps) {
   EXPECT_EQ(ma.row_stride_bytes, 160u);
   EXPECT_EQ(ma.box[0], 64u);
   EXPECT_EQ(ma.box[1], 128u);
+  EXPECT_EQ(ma.swizzle_bytes, 128u);
   auto mb = tdist::gemm_tensor_map_b(b, t);
   EXPECT_EQ(mb.dims[1], 520u);
   EXPECT_EQ(mb.row_stride_bytes, 144u);
   EXPECT_EQ(mb.box[1], 256u);
+  EXPECT_EQ(mb.swizzle_bytes, 128u);
+  // D: dims {N, M} (the padding up to ldd is outside the tensor), one warpgroup's 64 x 64 chunk.
+  b.n = 517;
+  b.ldd = 528;
+  auto md = tdist::gemm_tensor_map_d(b, t);
+  EXPECT_EQ(md.base, b.d);
+  EXPECT_EQ(md.dims[0], 517u);
+  EXPECT_EQ(md.dims[1], 1000u);
+  EXPECT_EQ(md.row_stride_bytes, 1056u);
+  EXPECT_EQ(md.box[0], 64u);
+  EXPECT_EQ(md.box[1], 64u);
+  EXPECT_EQ(md.swizzle_bytes, 128u);
+  auto md32 = tdist::gemm_tensor_map_d(b, GemmTile{128, 160, 64, 4, 1});
+  EXPECT_EQ(md32.box[0], 32u);
+  EXPECT_EQ(md32.swizzle_bytes, 64u);
+  auto md16 = tdist::gemm_tensor_map_d(b, GemmTile{64, 48, 64, 4, 1});
+  EXPECT_EQ(md16.box[0], 16u);
+  EXPECT_EQ(md16.box[1], 64u);
+  EXPECT_EQ(md16.swizzle_bytes, 32u);
 }
 
 TEST(GemmKernels, Registered) {
@@ -236,6 +272,16 @@ TEST(GemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
     }();
     ASSERT_EQ(m.size(), 3u);
     EXPECT_NE(ptx.find("wgmma.mma_async.sync.aligned.m64n" + m[2].str() + "k16"), std::string::npos);
+    // Mainloop: one wgmma group stays in flight across K blocks.
+    EXPECT_NE(ptx.find("wgmma.wait_group.sync.aligned 1;"), std::string::npos);
+    // Epilogue: stmatrix into shared memory, proxy fence, TMA store in bulk groups; no scattered
+    // global stores of D.
+    EXPECT_NE(ptx.find("stmatrix.sync.aligned.m8n8.x4.shared.b16"), std::string::npos);
+    EXPECT_NE(ptx.find("fence.proxy.async.shared::cta"), std::string::npos);
+    EXPECT_NE(ptx.find("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"), std::string::npos);
+    EXPECT_NE(ptx.find("cp.async.bulk.commit_group"), std::string::npos);
+    EXPECT_NE(ptx.find("cp.async.bulk.wait_group.read"), std::string::npos);
+    EXPECT_EQ(ptx.find("st.global"), std::string::npos);
     EXPECT_EQ(ptx.find("st.local"), std::string::npos);
     EXPECT_EQ(ptx.find("ld.local"), std::string::npos);
     if (m[1].str() == "128") {
@@ -273,11 +319,31 @@ struct TileFlagHook {
   }
 };
 )";
-  const GemmTile t{128, 256, 64, 4, 1};
-  r.name_expressions = {tdist::gemm_kernel_name(DType::kBFloat16, t, "TileFlagHook")};
   r.arch = "sm_90a";
   r.compiler = jit::CompilerKind::kNvrtc;
-  const auto compiled = jit::compile(r, kernels);
-  EXPECT_EQ(compiled->spill_stores + compiled->spill_loads, 0);
-  EXPECT_EQ(compiled->log.find("Potential Performance Loss"), std::string::npos) << compiled->log;
+  // Tiles with two epilogue buffers (128 x 256) and one (128 x 192, 5 stages), and a 64-column one
+  // with 32-column D chunks.
+  for (const GemmTile& t : {GemmTile{128, 256, 64, 4, 1}, GemmTile{128, 192, 64, 5, 1}, GemmTile{64, 160, 64, 4, 1}}) {
+    SCOPED_TRACE(t.name());
+    TempDir dump;
+    ASSERT_EQ(setenv("TDIST_JIT_DUMP", dump.path.c_str(), 1), 0);
+    jit::CompileRequest rt = r;
+    rt.file_name = "gemm_hook_" + t.name() + ".cu";
+    rt.name_expressions = {tdist::gemm_kernel_name(DType::kBFloat16, t, "TileFlagHook")};
+    const auto compiled = jit::compile(rt, kernels);
+    unsetenv("TDIST_JIT_DUMP");
+    EXPECT_EQ(compiled->spill_stores + compiled->spill_loads, 0);
+    EXPECT_EQ(compiled->log.find("Potential Performance Loss"), std::string::npos) << compiled->log;
+    // The hook runs only once the tile's TMA stores have completed (not just read shared memory).
+    int ptx_files = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dump.path)) {
+      if (e.path().extension() != ".ptx") continue;
+      ++ptx_files;
+      const std::string ptx = read(e.path());
+      EXPECT_NE(ptx.find("cp.async.bulk.wait_group 0;"), std::string::npos);
+      EXPECT_NE(ptx.find("fence.proxy.async.global"), std::string::npos);
+      EXPECT_NE(ptx.find("atom.global.exch"), std::string::npos);
+    }
+    EXPECT_EQ(ptx_files, 1);
+  }
 }

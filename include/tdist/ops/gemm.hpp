@@ -78,16 +78,20 @@ struct GemmArgs {
 GemmArgs check_gemm_args(const GemmArgs& args);
 
 // The parameters of a 2-D tensor map, as cuTensorMapEncodeTiled takes them: dims[0] is the
-// contiguous one. Always 128-byte swizzle, zero fill out of range, 256-byte L2 promotion.
+// contiguous one. Zero fill out of range (loads; stores skip out-of-range elements), 256-byte L2
+// promotion, the given swizzle (the inner box is exactly that many bytes).
 struct GemmTensorMapSpec {
   const void* base = nullptr;
-  uint64_t dims[2] = {0, 0};       // {K, rows}
+  uint64_t dims[2] = {0, 0};       // A, B: {K, rows}; D: {N, M}
   uint64_t row_stride_bytes = 0;   // leading dimension x element size
-  uint32_t box[2] = {0, 0};        // {BLOCK_K, BLOCK_M or BLOCK_N}
+  uint32_t box[2] = {0, 0};        // A, B: {BLOCK_K, BLOCK_M or BLOCK_N}; D: {EPI_N, 64}
+  uint32_t swizzle_bytes = 128;    // 128, 64 or 32
 };
-// Specs of A and B for checked args and a tile.
+// Specs of A, B (TMA loads) and D (TMA stores of one consumer warpgroup's 64 x EPI_N chunk,
+// kernels::gemm::gemm_epi_cols) for checked args and a tile.
 GemmTensorMapSpec gemm_tensor_map_a(const GemmArgs& args, const GemmTile& tile);
 GemmTensorMapSpec gemm_tensor_map_b(const GemmArgs& args, const GemmTile& tile);
+GemmTensorMapSpec gemm_tensor_map_d(const GemmArgs& args, const GemmTile& tile);
 
 // 128 bytes, as CUtensorMap (kept opaque here so this header needs no <cuda.h>).
 struct alignas(128) GemmTensorMap {
@@ -109,6 +113,11 @@ jit::LaunchConfig gemm_launch_config(const GemmArgs& args, const GemmTile& tile,
                                      cudaStream_t stream);
 kernels::gemm::TileScheduler gemm_schedule(const GemmArgs& args, const GemmTile& tile, int group_m,
                                            int64_t first_row);
+// The parameters of sm90_gemm_tn in declaration order, all but the last (the Hooks value):
+// tmap_a, tmap_b, tmap_d (encoded here: needs a GPU driver), m, n, k, sched. A launcher appends its
+// hooks (kernels::gemm::NoTileHooks{} for the plain GEMM) with add().
+jit::KernelArgs gemm_kernel_args(const GemmArgs& checked_args, const GemmTile& tile,
+                                 const kernels::gemm::TileScheduler& sched);
 
 class Gemm {
  public:

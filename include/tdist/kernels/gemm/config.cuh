@@ -20,18 +20,45 @@ TDIST_HOST_DEVICE constexpr unsigned gemm_threads(unsigned block_m) {
   return kWarpgroupThreads * (1 + gemm_math_warpgroups(block_m));
 }
 
+// Epilogue: each consumer warpgroup stages its 64 rows of D in shared memory, EPI_N columns at a
+// time (a "chunk": 64 x EPI_N elements, rows of EPI_N * elem bytes swizzled like TMA's
+// CU_TENSOR_MAP_SWIZZLE_<EPI_N * elem>B), and one thread of the warpgroup stores each chunk with a TMA
+// store. EPI_N is the widest of 64, 32, 16 that divides BLOCK_N (64 x 2 bytes: one 128-byte swizzle
+// row). A warpgroup has gemm_epi_buffers() chunk buffers in rotation (2 when they fit beside the
+// ring, else 1), so it writes one chunk while the previous one's store is still reading.
+TDIST_HOST_DEVICE constexpr unsigned gemm_epi_cols(unsigned block_n) {
+  return block_n % 64 == 0 ? 64 : block_n % 32 == 0 ? 32 : 16;
+}
+TDIST_HOST_DEVICE constexpr unsigned gemm_epi_chunk_bytes(unsigned block_n, unsigned elem_bytes) {
+  return kWgmmaM * gemm_epi_cols(block_n) * elem_bytes;
+}
+
 // Shared memory layout, from a 1024-byte aligned base:
 //   A ring   T[kNumStages][BLOCK_M][BLOCK_K]   128-byte swizzled rows of BLOCK_K elements (TMA box)
 //   B ring   T[kNumStages][BLOCK_N][BLOCK_K]   same
+//   D chunks T[BLOCK_M / 64][epi_buffers][64][EPI_N]   per consumer warpgroup, swizzled (TMA store box)
 //   full     u64[kNumStages]   mbarrier: the stage's A and B landed (TMA transaction bytes)
 //   empty    u64[kNumStages]   mbarrier: every consumer warp has finished reading the stage
+// Every part starts 1024-byte aligned (tiles and chunks are multiples of 2 KiB).
 TDIST_HOST_DEVICE constexpr unsigned gemm_stage_bytes(unsigned block_m, unsigned block_n, unsigned block_k,
                                                       unsigned elem_bytes) {
   return (block_m + block_n) * block_k * elem_bytes;
 }
+TDIST_HOST_DEVICE constexpr unsigned gemm_smem_bytes_with(unsigned block_m, unsigned block_n, unsigned block_k,
+                                                          unsigned stages, unsigned elem_bytes,
+                                                          unsigned epi_buffers) {
+  return kSmemAlign + stages * gemm_stage_bytes(block_m, block_n, block_k, elem_bytes) +
+         gemm_math_warpgroups(block_m) * epi_buffers * gemm_epi_chunk_bytes(block_n, elem_bytes) + 2 * stages * 8;
+}
+// Chunk buffers per consumer warpgroup: 2 if they fit beside the ring, else 1.
+TDIST_HOST_DEVICE constexpr unsigned gemm_epi_buffers(unsigned block_m, unsigned block_n, unsigned block_k,
+                                                      unsigned stages, unsigned elem_bytes) {
+  return gemm_smem_bytes_with(block_m, block_n, block_k, stages, elem_bytes, 2) <= kMaxSmemBytes ? 2 : 1;
+}
 TDIST_HOST_DEVICE constexpr unsigned gemm_smem_bytes(unsigned block_m, unsigned block_n, unsigned block_k,
                                                      unsigned stages, unsigned elem_bytes) {
-  return kSmemAlign + stages * gemm_stage_bytes(block_m, block_n, block_k, elem_bytes) + 2 * stages * 8;
+  return gemm_smem_bytes_with(block_m, block_n, block_k, stages, elem_bytes,
+                              gemm_epi_buffers(block_m, block_n, block_k, stages, elem_bytes));
 }
 
 }  // namespace tdist::kernels::gemm

@@ -6,8 +6,8 @@
 //   B  T[N][ldb]   row-major, N x K, K contiguous (ldb >= K); D uses B's rows as columns
 //   D  T[M][ldd]   row-major, M x N (ldd >= N)
 // K is a multiple of 8 and lda, ldb, ldd are multiples of 8 elements (16 bytes: TMA's stride rule);
-// M, N, K need not be tile multiples: TMA fills out-of-range A/B elements with zeros, and the
-// epilogue stores only rows < M and columns < N.
+// M, N, K need not be tile multiples: TMA fills out-of-range A/B elements with zeros, and the TMA
+// stores of D write only rows < M and columns < N (the padding of ldd > N stays untouched).
 //
 // Threads: warpgroup 0 is the producer, warpgroups 1 .. BLOCK_M / 64 are consumers; consumer w owns
 // rows [64 (w - 1), +64) of each tile.
@@ -15,11 +15,19 @@
 //             be empty, arms its `full` mbarrier with the stage's byte count and issues two TMA
 //             loads (A box BLOCK_K x BLOCK_M, B box BLOCK_K x BLOCK_N; 128-byte swizzle).
 //   consumers wait for `full`, issue BLOCK_K / 16 wgmma m64nBLOCK_Nk16 per stage with fp32
-//             accumulators in registers, wait for them, and release the stage (one arrive per
-//             consumer warp on `empty`). After the last K block of a tile: the epilogue converts and
-//             stores D from registers with bounds checks, meets the other consumers at a named
-//             barrier, and calls the tile hooks' after_store (before_loads runs on the
-//             producer before a tile's first load; tile_scheduler.cuh).
+//             accumulators in registers and commit them as one group; one group stays in flight:
+//             after issuing block kb they wait until only kb's group is pending (wait_group 1) and
+//             release block kb - 1's stage (one arrive per consumer warp on `empty`); the last
+//             block's stage is released after the tile's final wait_group 0.
+//   epilogue  per consumer warpgroup, EPI_N columns at a time (config.cuh): fp32 -> T, stmatrix into
+//             a swizzled shared chunk buffer, proxy fence, warpgroup barrier, and one thread issues
+//             a TMA store of the 64 x EPI_N box and commits it as a bulk group. Buffers rotate
+//             (gemm_epi_buffers); before reusing one, the issuing thread waits until the store that
+//             last read it has finished reading (wait_group.read). The stores complete while the
+//             next tile's mainloop runs. With tile hooks (not NoTileHooks), the issuing threads wait
+//             for their stores to complete (wait_group 0) before a barrier of all consumers and
+//             the hooks' after_store (before_loads runs on the producer before a tile's first load;
+//             tile_scheduler.cuh).
 // Producer and consumers walk the same tile list, so the ring's stage/phase sequence (a running
 // count of K blocks) matches on both sides across tiles; the producer runs ahead into the next
 // tile while the consumers store the previous one.
@@ -50,12 +58,17 @@ TDIST_DEVICE unsigned pack2<__half>(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<unsigned*>(&v);
 }
-template <typename T>
-TDIST_DEVICE T from_float(float x);
+// Whether after_store needs the tile's D stores complete in global memory before it runs: every
+// hook type but the plain GEMM's NoTileHooks (which does nothing, so its stores may still be in
+// flight when the next tile starts).
+template <typename Hooks>
+struct HooksNeedStoredTile {
+  static constexpr bool value = true;
+};
 template <>
-TDIST_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
-template <>
-TDIST_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
+struct HooksNeedStoredTile<NoTileHooks> {
+  static constexpr bool value = false;
+};
 
 // Register split of the warp-specialised kernel (see the top of this file).
 template <int kNumMathWarpgroups>
@@ -68,8 +81,9 @@ struct RegisterSplit {
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, int kClusterM,
           typename Hooks = NoTileHooks>
 __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
-    sm90_gemm_tn(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b, T* d,
-                 u32 m, u32 n, u32 k, u64 ldd, TileScheduler sched, Hooks hooks) {
+    sm90_gemm_tn(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
+                 const __grid_constant__ CUtensorMap tmap_d, u32 m, u32 n, u32 k, TileScheduler sched,
+                 Hooks hooks) {
   static_assert(sizeof(T) == 2, "bf16 or fp16 inputs");
   static_assert(BLOCK_K * sizeof(T) == 128, "BLOCK_K spans one 128-byte swizzle row (64 elements)");
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M: 64 or 128 (one consumer warpgroup per 64 rows)");
@@ -86,21 +100,33 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   constexpr u32 kTileBBytes = BLOCK_N * BLOCK_K * sizeof(T);
   constexpr u32 kStageBytes = kTileABytes + kTileBBytes;
   constexpr int kAccum = BLOCK_N / 2;
+  // Epilogue chunks (config.cuh): 64 rows x kEpiN columns, rows of kEpiRowBytes swizzled in 16-byte
+  // units with the 128-byte row index (TMA's SWIZZLE_<kEpiRowBytes>B pattern).
+  constexpr int kEpiN = static_cast<int>(gemm_epi_cols(BLOCK_N));
+  constexpr u32 kEpiRowBytes = kEpiN * sizeof(T);
+  constexpr u32 kEpiSwizzleMask = kEpiRowBytes / 16 - 1;
+  constexpr u32 kEpiChunkBytes = gemm_epi_chunk_bytes(BLOCK_N, sizeof(T));
+  constexpr u32 kEpiBuffers = gemm_epi_buffers(BLOCK_M, BLOCK_N, BLOCK_K, kNumStages, sizeof(T));
+  constexpr int kEpiChunks = BLOCK_N / kEpiN;
+  constexpr bool kStoredTileBeforeHook = HooksNeedStoredTile<Hooks>::value;
+  static_assert(kEpiBuffers == 1 || kEpiBuffers == 2, "one or two epilogue chunk buffers");
   using Regs = RegisterSplit<kNumMathWarpgroups>;
   using Mma = Wgmma<T, BLOCK_N>;
 
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (ptx::smem_addr(smem_raw) + kSmemAlign - 1) & ~(kSmemAlign - 1);
-  const u32 smem_a = base;                                    // + stage * kTileABytes
-  const u32 smem_b = base + kNumStages * kTileABytes;         // + stage * kTileBBytes
-  const u32 full_bar = smem_b + kNumStages * kTileBBytes;     // + stage * 8
-  const u32 empty_bar = full_bar + kNumStages * 8;            // + stage * 8
+  const u32 smem_a = base;                                          // + stage * kTileABytes
+  const u32 smem_b = base + kNumStages * kTileABytes;               // + stage * kTileBBytes
+  const u32 smem_d = smem_b + kNumStages * kTileBBytes;             // + (wg * kEpiBuffers + buf) * kEpiChunkBytes
+  const u32 full_bar = smem_d + kNumMathWarpgroups * kEpiBuffers * kEpiChunkBytes;  // + stage * 8
+  const u32 empty_bar = full_bar + kNumStages * 8;                  // + stage * 8
 
   const u32 warpgroup = threadIdx.x / kWarpgroupThreads;
   const u32 lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     ptx::prefetch_tensor_map(&tmap_a);
     ptx::prefetch_tensor_map(&tmap_b);
+    ptx::prefetch_tensor_map(&tmap_d);
     for (int s = 0; s < kNumStages; ++s) {
       ptx::mbar_init(full_bar + 8 * s, 1);                 // the producer's arrive.expect_tx
       ptx::mbar_init(empty_bar + 8 * s, kNumMathWarps);     // one arrive per consumer warp
@@ -142,12 +168,15 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   const u32 math_wg = warpgroup - 1;                       // rows [64 * math_wg, +64) of the tile
   const u32 math_thread = threadIdx.x - kWarpgroupThreads;  // 0 .. kNumMathThreads
   const u32 warp_in_wg = (threadIdx.x / 32) % 4;
+  const bool store_issuer = threadIdx.x % kWarpgroupThreads == 0;  // issues this warpgroup's D stores
+  const u32 wg_barrier = 2 + math_wg;                      // named barrier of this warpgroup (1: all consumers)
+  const u32 my_chunks = smem_d + math_wg * kEpiBuffers * kEpiChunkBytes;
   float acc[kAccum];
 
-  u32 iter = 0;
+  u32 iter = 0;      // running count of K blocks, as the producer's
+  u32 epi_iter = 0;  // running count of this warpgroup's D chunks: buffer = epi_iter % kEpiBuffers
   for (u32 t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const TileInfo info = tile_info(sched, t, BLOCK_M, BLOCK_N, m, n);
-    const u32 m0 = info.m0, n0 = info.n0;
 
     for (u32 kb = 0; kb < num_k_blocks; ++kb, ++iter) {
       const u32 s = iter % kNumStages, phase = (iter / kNumStages) & 1;
@@ -164,37 +193,62 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
         Mma::mma(desc_a, desc_b, acc, kb > 0 || kk > 0);
       }
       ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
+      // Block kb's group may still run; block kb - 1's has finished reading its stage.
+      ptx::wgmma_wait<1>();
 #pragma unroll
       for (int i = 0; i < kAccum; ++i) ptx::fence_operand(acc[i]);
-      if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * s);  // this warp is done reading the stage
+      if (kb > 0 && lane == 0) ptx::mbar_arrive(empty_bar + 8 * ((iter - 1) % kNumStages));
     }
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kAccum; ++i) ptx::fence_operand(acc[i]);
+    // The tile's last block (iter - 1: the loop has counted it) is done with its stage.
+    if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * ((iter - 1) % kNumStages));
 
     // Epilogue. wgmma m64nNk16 accumulator layout: thread (warp w, lane l) holds, for each 8-column
     // group j, acc[4j], acc[4j+1] at row 16w + l/4, columns 8j + 2(l%4) + {0, 1}, and acc[4j+2],
-    // acc[4j+3] at row 16w + l/4 + 8, same columns.
-    const u32 row0 = m0 + math_wg * kWgmmaM + warp_in_wg * 16 + lane / 4;
+    // acc[4j+3] at row 16w + l/4 + 8, same columns: an 8x8 matrix (j, h) per register pair, as
+    // stmatrix takes it. One stmatrix.x4 stores the 16 x 16 block of column groups jj, jj + 1:
+    // matrix i = (group jj + i / 2, row half i % 2), and lane l gives the address of row l % 8 of
+    // matrix l / 8.
+    const u32 st_row = warp_in_wg * 16 + ((lane / 8) % 2) * 8 + lane % 8;  // row in the warpgroup's 64
+    const u32 st_group = lane / 16;                                        // + jj: 16-byte unit in the row
+    const int d_row = static_cast<int>(info.m0 + math_wg * kWgmmaM);
 #pragma unroll
-    for (int j = 0; j < BLOCK_N / 8; ++j) {
-      const u32 col = n0 + j * 8 + (lane % 4) * 2;
+    for (int c = 0; c < kEpiChunks; ++c, ++epi_iter) {
+      const u32 buf = my_chunks + (epi_iter % kEpiBuffers) * kEpiChunkBytes;
+      // The store that last read this buffer (kEpiBuffers chunks ago) has finished reading it.
+      if (store_issuer) ptx::bulk_wait_group_read<kEpiBuffers - 1>();
+      ptx::named_barrier(wg_barrier, kWarpgroupThreads);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const u32 row = row0 + 8 * h;
-        if (row < m && col < n) {
-          T* p = d + static_cast<u64>(row) * ldd + col;
-          const float lo = acc[4 * j + 2 * h], hi = acc[4 * j + 2 * h + 1];
-          if (col + 1 < n) {
-            *reinterpret_cast<unsigned*>(p) = pack2<T>(lo, hi);  // col even, ldd even: 4-byte aligned
-          } else {
-            *p = from_float<T>(lo);
-          }
-        }
+      for (int jj = 0; jj < kEpiN / 8; jj += 2) {
+        const int j = c * (kEpiN / 8) + jj;  // 8-column group of the tile
+        const u32 off = st_row * kEpiRowBytes + (st_group + jj) * 16;
+        const u32 swizzled = off ^ (((off >> 7) & kEpiSwizzleMask) << 4);
+        ptx::stmatrix_x4(buf + swizzled, pack2<T>(acc[4 * j], acc[4 * j + 1]), pack2<T>(acc[4 * j + 2], acc[4 * j + 3]),
+                         pack2<T>(acc[4 * j + 4], acc[4 * j + 5]), pack2<T>(acc[4 * j + 6], acc[4 * j + 7]));
+      }
+      ptx::fence_proxy_async_shared();  // this thread's stmatrix before the TMA store's reads
+      ptx::named_barrier(wg_barrier, kWarpgroupThreads);
+      if (store_issuer) {
+        // Out-of-range rows and columns (M, N tails; whole boxes past N) are not written.
+        ptx::tma_store_2d(&tmap_d, buf, static_cast<int>(info.n0) + c * kEpiN, d_row);
+        ptx::bulk_commit_group();
       }
     }
-    // Every consumer thread has issued this tile's stores: the hook may publish the tile.
-    ptx::named_barrier(1, kNumMathThreads);
-    hooks.after_store(info, math_thread, kNumMathThreads);
+    if constexpr (kStoredTileBeforeHook) {
+      // after_store needs the tile in global memory: wait for the writes themselves, and order them
+      // (async proxy) before this thread's later generic accesses; the barrier passes it on.
+      if (store_issuer) {
+        ptx::bulk_wait_group<0>();
+        ptx::fence_proxy_async_global();
+      }
+      ptx::named_barrier(1, kNumMathThreads);
+      hooks.after_store(info, math_thread, kNumMathThreads);
+    }
   }
+  // The shared memory must outlive the stores' reads; the writes finish before the kernel does.
+  if (store_issuer) ptx::bulk_wait_group<0>();
 }
 
 }  // namespace tdist::kernels::gemm
