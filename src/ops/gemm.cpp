@@ -70,8 +70,9 @@ void check_gemm_tile(const GemmTile& t) {
 
 const std::vector<GemmTile>& gemm_tiles() {
   static const std::vector<GemmTile> tiles = {
-      {128, 256, 64, 4, 1},  // 192 KiB ring: the large-problem workhorse
-      {128, 192, 64, 5, 1},
+      {128, 256, 64, 4, 1},  // 192 KiB ring + 32 KiB of D chunks: the large-problem workhorse
+      {128, 224, 64, 4, 1},  // N = 14336 (= 64 x 224): fills the last wave where 256 leaves it 40% empty
+      {128, 192, 64, 5, 1},  // one D chunk buffer per warpgroup (two do not fit beside 5 stages)
       {128, 128, 64, 6, 1},
       {64, 256, 64, 5, 1},
       {64, 128, 64, 8, 1},  // small problems: more tiles to spread over the SMs

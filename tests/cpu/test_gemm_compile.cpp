@@ -318,10 +318,31 @@ struct TileFlagHook {
     }
   }
 };
+// Waits before loads only: opts out of waiting for each tile's stores.
+struct LoadWaitHook {
+  static constexpr bool kNeedsStoredTile = false;
+  unsigned long long* flags;
+  template <typename Info>
+  __device__ void before_loads(const Info& info) const {
+    while (*reinterpret_cast<volatile unsigned long long*>(flags + info.coord.tile_m) == 0) {
+    }
+  }
+  template <typename Info>
+  __device__ void after_store(const Info&, unsigned, unsigned) const {}
+};
+namespace kg = tdist::kernels::gemm;
+static_assert(kg::HooksNeedStoredTile<TileFlagHook>::value, "a publishing hook gets the stored tile");
+static_assert(!kg::HooksNeedStoredTile<LoadWaitHook>::value, "kNeedsStoredTile = false opts out");
+static_assert(!kg::HooksNeedStoredTile<kg::NoTileHooks>::value, "the plain GEMM does not wait for its stores");
 )";
   r.arch = "sm_90a";
   r.compiler = jit::CompilerKind::kNvrtc;
-  // Tiles with two epilogue buffers (128 x 256) and one (128 x 192, 5 stages), and a 64-column one
+  auto count = [](const std::string& text, const std::string& what) {
+    int c = 0;
+    for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++c;
+    return c;
+  };
+  // Tiles with two epilogue buffers (128 x 256) and one (128 x 192, 5 stages), and a 64-row one
   // with 32-column D chunks.
   for (const GemmTile& t : {GemmTile{128, 256, 64, 4, 1}, GemmTile{128, 192, 64, 5, 1}, GemmTile{64, 160, 64, 4, 1}}) {
     SCOPED_TRACE(t.name());
@@ -340,10 +361,28 @@ struct TileFlagHook {
       if (e.path().extension() != ".ptx") continue;
       ++ptx_files;
       const std::string ptx = read(e.path());
-      EXPECT_NE(ptx.find("cp.async.bulk.wait_group 0;"), std::string::npos);
+      // Once per tile before the hook, once before the kernel exits.
+      EXPECT_EQ(count(ptx, "cp.async.bulk.wait_group 0;"), 2);
       EXPECT_NE(ptx.find("fence.proxy.async.global"), std::string::npos);
       EXPECT_NE(ptx.find("atom.global.exch"), std::string::npos);
     }
     EXPECT_EQ(ptx_files, 1);
   }
+  // A hook that opts out: only the wait before the kernel exits.
+  TempDir dump;
+  ASSERT_EQ(setenv("TDIST_JIT_DUMP", dump.path.c_str(), 1), 0);
+  jit::CompileRequest rt = r;
+  rt.file_name = "gemm_hook_load_wait.cu";
+  rt.name_expressions = {tdist::gemm_kernel_name(DType::kBFloat16, GemmTile{}, "LoadWaitHook")};
+  const auto compiled = jit::compile(rt, kernels);
+  unsetenv("TDIST_JIT_DUMP");
+  EXPECT_EQ(compiled->spill_stores + compiled->spill_loads, 0);
+  EXPECT_EQ(compiled->log.find("Potential Performance Loss"), std::string::npos) << compiled->log;
+  int ptx_files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dump.path)) {
+    if (e.path().extension() != ".ptx") continue;
+    ++ptx_files;
+    EXPECT_EQ(count(read(e.path()), "cp.async.bulk.wait_group 0;"), 1);
+  }
+  EXPECT_EQ(ptx_files, 1);
 }

@@ -24,10 +24,10 @@
 //             a TMA store of the 64 x EPI_N box and commits it as a bulk group. Buffers rotate
 //             (gemm_epi_buffers); before reusing one, the issuing thread waits until the store that
 //             last read it has finished reading (wait_group.read). The stores complete while the
-//             next tile's mainloop runs. With tile hooks (not NoTileHooks), the issuing threads wait
-//             for their stores to complete (wait_group 0) before a barrier of all consumers and
-//             the hooks' after_store (before_loads runs on the producer before a tile's first load;
-//             tile_scheduler.cuh).
+//             next tile's mainloop runs. With tile hooks (not NoTileHooks; HooksNeedStoredTile), the
+//             issuing threads wait for their stores to complete (wait_group 0) before a barrier of
+//             all consumers and the hooks' after_store (before_loads runs on the producer before a
+//             tile's first load; tile_scheduler.cuh).
 // Producer and consumers walk the same tile list, so the ring's stage/phase sequence (a running
 // count of K blocks) matches on both sides across tiles; the producer runs ahead into the next
 // tile while the consumers store the previous one.
@@ -58,15 +58,22 @@ TDIST_DEVICE unsigned pack2<__half>(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<unsigned*>(&v);
 }
-// Whether after_store needs the tile's D stores complete in global memory before it runs: every
-// hook type but the plain GEMM's NoTileHooks (which does nothing, so its stores may still be in
-// flight when the next tile starts).
-template <typename Hooks>
+// Whether after_store needs the tile's D stores complete in global memory before it runs (the
+// issuing threads then wait for their TMA stores, and all consumers meet at a barrier, every tile).
+// True for every hook type, except NoTileHooks and hook types that declare
+//   static constexpr bool kNeedsStoredTile = false;
+// (e.g. hooks that only wait in before_loads): their after_store runs right after the thread's part
+// of the epilogue, with no guarantee about D, and the tile's stores complete while the next tile runs.
+template <typename Hooks, typename = void>
 struct HooksNeedStoredTile {
   static constexpr bool value = true;
 };
+template <typename Hooks>
+struct HooksNeedStoredTile<Hooks, decltype(void(Hooks::kNeedsStoredTile))> {
+  static constexpr bool value = Hooks::kNeedsStoredTile;
+};
 template <>
-struct HooksNeedStoredTile<NoTileHooks> {
+struct HooksNeedStoredTile<NoTileHooks, void> {
   static constexpr bool value = false;
 };
 
@@ -245,6 +252,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
       }
       ptx::named_barrier(1, kNumMathThreads);
       hooks.after_store(info, math_thread, kNumMathThreads);
+    } else {
+      hooks.after_store(info, math_thread, kNumMathThreads);  // NoTileHooks: nothing
     }
   }
   // The shared memory must outlive the stores' reads; the writes finish before the kernel does.
