@@ -1,0 +1,681 @@
+// Host side of AllGatherGemm, GemmReduceScatter and GemmAllReduce (include/tdist/ops/gemm_overlap.hpp).
+// Device code: include/tdist/kernels/gemm/overlap.cuh (the GEMM's tile hooks) and overlap_kernels.cuh
+// (flag wait, reduction); the GEMM: sm90_gemm.cuh (fused) or cuBLAS (chunked, sequential, baseline).
+//
+// Every fused or chunked call follows the same frame:
+//   1. reset this rank's flags (memset, stream-ordered after this rank's previous call, which was
+//      their only reader);
+//   2. barrier across ranks (Collectives::barrier): every rank has reset its flags and finished the
+//      previous call's reads of the buffers peers are about to write;
+//   3. the copy engine moves data on a side stream forked from the caller's, each transfer followed
+//      by a flag write into the receiver's memory (stream-ordered after the copy);
+//   4. the GEMM (one hooked launch, or one cuBLAS call per row chunk with flag waits between) and
+//      the fp32 reduction on the caller's stream; the side stream joins it at the end.
+// Flags only go 0 -> 1 within a call, so a CUDA graph replays the same sequence safely.
+#include "tdist/ops/gemm_overlap.hpp"
+
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/jit/launch.hpp"
+#include "tdist/jit/registry.hpp"
+#include "tdist/kernels/gemm/overlap_params.cuh"
+#include "tdist/ops/collectives.hpp"
+#include "tdist/ops/cublas.hpp"
+#include "tdist/ops/gemm.hpp"
+#include "tdist/runtime/stream.hpp"
+
+namespace tdist {
+
+namespace kg = kernels::gemm;
+using device::u64;
+
+namespace {
+
+constexpr const char* kNs = "tdist::kernels::gemm::";
+// The largest buffer the sequential method hands to Collectives (its workspace is twice this).
+constexpr size_t kSequentialMaxBytes = size_t{32} << 20;
+
+size_t elem_bytes(DType t) { return dtype_size(t); }
+
+const char* ptr_at(const void* base, size_t bytes) { return static_cast<const char*>(base) + bytes; }
+char* ptr_at(void* base, size_t bytes) { return static_cast<char*>(base) + bytes; }
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+void check_overlap_dtype(DType dtype) {
+  TDIST_CHECK_ARG(dtype == DType::kBFloat16 || dtype == DType::kFloat16, "dtype",
+                  "the overlap ops take bf16 or fp16, got ", to_string(dtype));
+}
+
+void check_operand(const void* p, const char* what, bool needed) {
+  if (!needed) return;
+  TDIST_CHECK(p != nullptr, "invalid argument '", what, "': null pointer");
+  TDIST_CHECK(aligned16(p), "invalid argument '", what, "': must be 16-byte aligned, got ", p);
+}
+
+ncclDataType_t nccl_type(DType t) { return t == DType::kBFloat16 ? ncclBfloat16 : ncclFloat16; }
+
+jit::CompileRequest overlap_kernels_request() {
+  jit::CompileRequest r;
+  r.source = "#include \"tdist/kernels/gemm/overlap_kernels.cuh\"\n";
+  r.file_name = "gemm_overlap.cu";
+  r.name_expressions = {"tdist_overlap_wait_flags", detail::concat(kNs, "overlap_reduce<__nv_bfloat16>"),
+                        detail::concat(kNs, "overlap_reduce<__half>")};
+  return r;
+}
+
+// A GEMM instance whose tiles run the overlap hooks `hooks` (a type of overlap.cuh).
+jit::CompileRequest hooked_gemm_request(const GemmTile& tile, const char* hooks) {
+  jit::CompileRequest r = gemm_compile_request(tile, detail::concat(kNs, hooks));
+  r.source += "#include \"tdist/kernels/gemm/overlap.cuh\"\n";
+  r.file_name = detail::concat("gemm_overlap_", hooks, "_", tile.name(), ".cu");
+  return r;
+}
+
+constexpr const char* kAllGatherHooks = "AllGatherWaitHooks";
+constexpr const char* kPublishHooks = "ChunkPublishHooks";
+
+std::vector<jit::CompileRequest> overlap_compile_requests() {
+  std::vector<jit::CompileRequest> v = {overlap_kernels_request()};
+  for (const GemmTile& t : gemm_tiles())
+    for (const char* hooks : {kAllGatherHooks, kPublishHooks}) v.push_back(hooked_gemm_request(t, hooks));
+  for (auto& r : v) r.arch.clear();  // tdist-compile sets it
+  return v;
+}
+
+TDIST_JIT_REGISTER_KERNELS(gemm_overlap, overlap_compile_requests);
+
+// What the three ops share: the communicator, the collectives (barrier, sequential method), cuBLAS,
+// the side stream of the copy engine, the overlap kernels and the hooked GEMM instances.
+class OverlapRuntime {
+ public:
+  OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, size_t sequential_bytes)
+      : world_(world), heap_(heap), dtype_(dtype) {
+    check_overlap_dtype(dtype);
+    TDIST_CHECK(world.world_size() <= kg::kMaxOverlapRanks, "the overlap ops support up to ", kg::kMaxOverlapRanks,
+                " ranks, the world has ", world.world_size());
+    TDIST_CHECK(world.lsa_size() == world.world_size(),
+                "the overlap ops need every rank in one NVLink (LSA) domain; the LSA team has ", world.lsa_size(),
+                " of ", world.world_size(), " ranks");
+    TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, world.device()));
+    coll_ = std::make_unique<Collectives>(world, heap, std::max<size_t>(std::min(sequential_bytes, kSequentialMaxBytes), 256));
+    TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+    module_ = jit::Module::load(jit::compile(overlap_kernels_request()));
+    wait_flags_ = module_->kernel("tdist_overlap_wait_flags");
+    reduce_bf16_ = module_->kernel(detail::concat(kNs, "overlap_reduce<__nv_bfloat16>"));
+    reduce_f16_ = module_->kernel(detail::concat(kNs, "overlap_reduce<__half>"));
+  }
+  ~OverlapRuntime() {
+    cudaDeviceSynchronize();
+    cudaEventDestroy(fork_);
+    cudaEventDestroy(join_);
+    cudaStreamDestroy(side_);
+  }
+
+  World& world() const { return world_; }
+  SymmetricHeap& heap() const { return heap_; }
+  Collectives& coll() const { return *coll_; }
+  int rank() const { return world_.rank(); }
+  int size() const { return world_.world_size(); }
+  DType dtype() const { return dtype_; }
+  cudaStream_t side() const { return side_; }
+  size_t sequential_max_bytes() const { return coll_->max_bytes(); }
+
+  CublasGemm& cublas() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!cublas_) cublas_ = std::make_unique<CublasGemm>();
+    return *cublas_;
+  }
+
+  // The side stream starts after everything enqueued so far on `stream`.
+  void fork(cudaStream_t stream) {
+    TDIST_CUDA_CHECK(cudaEventRecord(fork_, stream));
+    TDIST_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+  }
+  // `stream` continues after everything enqueued so far on the side stream.
+  void join(cudaStream_t stream) {
+    TDIST_CUDA_CHECK(cudaEventRecord(join_, side_));
+    TDIST_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+  }
+
+  // Waits (one GPU thread, with the device API's timeout) until flags[first .. first + count) >= 1.
+  void wait_flags(const u64* flags, int first, int count, cudaStream_t stream) {
+    jit::LaunchConfig cfg;
+    cfg.grid = {1};
+    cfg.block = {32};
+    cfg.stream = stream;
+    jit::launch(wait_flags_, cfg, jit::make_args(flags, first, count, -1));
+  }
+
+  void reduce(const kg::ReduceParams& p, cudaStream_t stream) {
+    if (p.rows == 0 || p.n == 0) return;  // nothing to receive: the flags are reset by the next call
+    const u64 work = p.rows * p.n / 8 + 1;
+    jit::LaunchConfig cfg;
+    cfg.grid = {static_cast<unsigned>(std::min<u64>((work + 511) / 512, static_cast<u64>(num_sms_) * 2))};
+    cfg.block = {512};
+    cfg.stream = stream;
+    jit::launch(dtype_ == DType::kBFloat16 ? reduce_bf16_ : reduce_f16_, cfg, jit::make_args(p));
+  }
+
+  // The persistent GEMM with overlap hooks `hooks_type` whose parameter block is `params`.
+  template <typename Params>
+  void hooked_gemm(const GemmArgs& args, const GemmTile& tile, const char* hooks_type, const Params& params,
+                   int64_t first_row, cudaStream_t stream) {
+    const jit::Kernel& k = hooked_kernel(tile, hooks_type);
+    const GemmTensorMap map_a = encode_gemm_tensor_map(gemm_tensor_map_a(args, tile), args.dtype);
+    const GemmTensorMap map_b = encode_gemm_tensor_map(gemm_tensor_map_b(args, tile), args.dtype);
+    const kg::TileScheduler sched = gemm_schedule(args, tile, 8, first_row);
+    const jit::LaunchConfig cfg = gemm_launch_config(args, tile, num_sms_, 0, stream);
+    // Parameters as sm90_gemm_tn declares them: tmap_a, tmap_b, d, m, n, k, ldd, sched, hooks.
+    jit::KernelArgs kargs;
+    kargs.add(map_a).add(map_b).add(args.d).add(static_cast<unsigned>(args.m)).add(static_cast<unsigned>(args.n));
+    kargs.add(static_cast<unsigned>(args.k)).add(static_cast<unsigned long long>(args.ldd)).add(sched).add(params);
+    jit::launch(k, cfg, kargs);
+  }
+
+  GemmTile tile_for(int64_t m, int64_t n, int64_t k) const { return choose_gemm_tile(m, n, k, num_sms_); }
+
+  // The method a call runs: `requested`, or for kAuto TDIST_OVERLAP_METHOD, else the model's choice;
+  // checks that it is possible (`sequential_ok`: equal per-rank counts and small enough).
+  OverlapMethod resolve(OverlapMethod requested, const OverlapShape& shape, bool sequential_ok) const {
+    OverlapMethod m = requested;
+    if (m == OverlapMethod::kAuto) {
+      const char* env = std::getenv("TDIST_OVERLAP_METHOD");
+      if (env && *env) m = parse_overlap_method(env, "TDIST_OVERLAP_METHOD");
+    }
+    if (m == OverlapMethod::kAuto) {
+      m = choose_overlap_method(shape);
+      if (m == OverlapMethod::kSequential && !sequential_ok) m = OverlapMethod::kBaseline;
+      if (m == OverlapMethod::kFused && !fused_ok_) m = OverlapMethod::kChunked;
+      return m;
+    }
+    TDIST_CHECK_ARG(m != OverlapMethod::kSequential || sequential_ok, "method",
+                    "'sequential' needs m divisible by the world size (AllGather / ReduceScatter) and at most ",
+                    sequential_max_bytes(), " bytes per collective; use auto, chunked or baseline");
+    TDIST_CHECK_ARG(m != OverlapMethod::kFused || fused_ok_, "method",
+                    "'fused' needs a Hopper GPU (sm_90a) for tdist's GEMM; use auto, chunked or baseline");
+    return m;
+  }
+
+ private:
+  const jit::Kernel& hooked_kernel(const GemmTile& tile, const char* hooks_type) {
+    const std::string name = gemm_kernel_name(dtype_, tile, detail::concat(kNs, hooks_type));
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = hooked_.find(name);
+    if (it != hooked_.end()) return it->second.second;
+    auto module = jit::Module::load(jit::compile(hooked_gemm_request(tile, hooks_type)));
+    jit::Kernel k = module->kernel(name);
+    return hooked_.emplace(name, std::make_pair(module, k)).first->second.second;
+  }
+
+  static bool hopper(int device) {
+    int major = 0, minor = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    return major == 9 && minor == 0;
+  }
+
+  World& world_;
+  SymmetricHeap& heap_;
+  DType dtype_;
+  int num_sms_ = 0;
+  bool fused_ok_ = hopper(world_.device());
+  std::unique_ptr<Collectives> coll_;
+  std::unique_ptr<CublasGemm> cublas_;
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  std::shared_ptr<jit::Module> module_;
+  jit::Kernel wait_flags_, reduce_bf16_, reduce_f16_;
+  std::mutex mu_;
+  std::map<std::string, std::pair<std::shared_ptr<jit::Module>, jit::Kernel>> hooked_;
+};
+
+GemmArgs gemm_args(const void* a, const void* b, void* d, int64_t m, int64_t n, int64_t k, DType dtype) {
+  GemmArgs g;
+  g.a = a;
+  g.b = b;
+  g.d = d;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.dtype = dtype;
+  return g;
+}
+
+}  // namespace
+
+// ============================================================================================
+// Argument checks
+
+void check_all_gather_gemm_args(const AllGatherGemmArgs& a, const AllGatherGemmConfig& c, int world_size, int rank) {
+  check_overlap_dtype(c.dtype);
+  TDIST_CHECK_ARG(world_size >= 1 && rank >= 0 && rank < world_size, "rank", "expected 0 <= rank < ", world_size,
+                  ", got ", rank);
+  TDIST_CHECK_ARG(a.m >= 0 && a.m <= c.max_m, "m", "expected 0 <= m <= max_m (", c.max_m, "), got ", a.m);
+  TDIST_CHECK_ARG(a.n >= 0 && a.n % 8 == 0 && a.n < (int64_t{1} << 31), "n",
+                  "expected 0 <= n < 2^31 and a multiple of 8 (16-byte rows of D), got ", a.n);
+  if (a.m == 0 || a.n == 0) return;
+  const int64_t rows = static_cast<int64_t>(kg::RowChunks{static_cast<u64>(a.m), world_size}.rows(rank));
+  check_operand(a.a_local, "a_local", rows > 0);
+  check_operand(a.b, "b", true);
+  check_operand(a.d, "d", true);
+  if (a.a_gathered) check_operand(a.a_gathered, "a_gathered", true);
+}
+
+void check_gemm_reduce_scatter_args(const GemmReduceScatterArgs& a, const GemmReduceScatterConfig& c) {
+  check_overlap_dtype(c.dtype);
+  TDIST_CHECK_ARG(a.m >= 0 && a.m <= c.max_m, "m", "expected 0 <= m <= max_m (", c.max_m, "), got ", a.m);
+  TDIST_CHECK_ARG(a.n >= 0 && a.n <= c.max_n && a.n % 8 == 0, "n", "expected 0 <= n <= max_n (", c.max_n,
+                  ") and a multiple of 8 (16-byte rows), got ", a.n);
+  TDIST_CHECK_ARG(a.k > 0 && a.k % 8 == 0 && a.k < (int64_t{1} << 31), "k",
+                  "expected 0 < k < 2^31 and a multiple of 8 (16-byte TMA rows), got ", a.k);
+  if (a.m == 0 || a.n == 0) return;
+  check_operand(a.a, "a", true);
+  check_operand(a.b, "b", true);
+}
+
+void check_gemm_all_reduce_args(const GemmAllReduceArgs& a, const GemmAllReduceConfig& c) {
+  GemmReduceScatterArgs rs{a.a, a.b, a.d, a.m, a.n, a.k};
+  check_gemm_reduce_scatter_args(rs, c);
+  if (a.m > 0 && a.n > 0) check_operand(a.d, "d", true);
+}
+
+// ============================================================================================
+// AllGatherGemm
+//
+// Buffers (per context):
+//   gathered_   T[max_m][K]   symmetric: the gathered A; rank r's rows at RowChunks{m, world}.begin(r)
+//   flags_      u64[world]    symmetric: flags_[r] = 1 once rank r's rows have landed in gathered_
+//   plain_      T[max_m][K]   ordinary memory: the baseline's NCCL AllGather output (as a user has it)
+
+struct AllGatherGemm::Impl {
+  AllGatherGemmConfig config;
+  OverlapRuntime rt;
+  char* gathered_ = nullptr;
+  u64* flags_ = nullptr;
+  char* plain_ = nullptr;
+
+  Impl(World& world, SymmetricHeap& heap, const AllGatherGemmConfig& c)
+      : config(c), rt(world, heap, c.dtype, static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * c.k * elem_bytes(c.dtype)) {
+    TDIST_CHECK_ARG(c.max_m > 0 && c.max_m < (int64_t{1} << 31), "config.max_m", "expected 0 < max_m < 2^31, got ",
+                    c.max_m);
+    TDIST_CHECK_ARG(c.k > 0 && c.k % 8 == 0 && c.k < (int64_t{1} << 31), "config.k",
+                    "expected 0 < k < 2^31 and a multiple of 8, got ", c.k);
+    const size_t bytes = static_cast<size_t>(c.max_m) * c.k * elem_bytes(c.dtype);
+    gathered_ = static_cast<char*>(heap.allocate(bytes));
+    flags_ = heap.allocate_signals64(world.world_size());
+    TDIST_CUDA_CHECK(cudaMalloc(&plain_, bytes));
+  }
+  ~Impl() {
+    cudaDeviceSynchronize();
+    cudaFree(plain_);
+    rt.heap().free(flags_);
+    rt.heap().free(gathered_);
+  }
+
+  kg::RowChunks split(int64_t m) const { return {static_cast<u64>(m), rt.size()}; }
+  size_t row_bytes() const { return static_cast<size_t>(config.k) * elem_bytes(config.dtype); }
+
+  OverlapMethod method(const AllGatherGemmArgs& a, OverlapMethod requested) const {
+    check_all_gather_gemm_args(a, config, rt.size(), rt.rank());
+    const bool seq_ok = a.m % rt.size() == 0 && static_cast<size_t>(a.m) * row_bytes() <= rt.sequential_max_bytes();
+    return rt.resolve(requested, {OverlapOp::kAllGatherGemm, a.m, a.n, config.k, rt.size(), config.dtype}, seq_ok);
+  }
+
+  void run(const AllGatherGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
+    const OverlapMethod method = this->method(a, requested);
+    if (a.m == 0 || a.n == 0) return;
+    const int rank = rt.rank(), world = rt.size();
+    const kg::RowChunks rows = split(a.m);
+    const size_t local_bytes = rows.rows(rank) * row_bytes();
+    char* local = gathered_ + rows.begin(rank) * row_bytes();
+    const DType t = config.dtype;
+    const char* source = gathered_;  // the gathered A the GEMM reads
+
+    switch (method) {
+      case OverlapMethod::kBaseline: {
+        ncclComm_t comm = rt.world().comm();
+        if (a.m % world == 0) {
+          TDIST_NCCL_CHECK(ncclAllGather(a.a_local, plain_, rows.rows(rank) * config.k, nccl_type(t), comm, stream));
+        } else {  // unequal rows per rank: one broadcast per root
+          TDIST_NCCL_CHECK(ncclGroupStart());
+          for (int r = 0; r < world; ++r)
+            TDIST_NCCL_CHECK(ncclBroadcast(r == rank ? a.a_local : nullptr, plain_ + rows.begin(r) * row_bytes(),
+                                           rows.rows(r) * config.k, nccl_type(t), r, comm, stream));
+          TDIST_NCCL_CHECK(ncclGroupEnd());
+        }
+        rt.cublas().run(gemm_args(plain_, a.b, a.d, a.m, a.n, config.k, t), stream);
+        source = plain_;
+        break;
+      }
+      case OverlapMethod::kSequential:
+        rt.coll().all_gather(a.a_local, gathered_, rows.rows(rank) * config.k, t, stream);
+        rt.cublas().run(gemm_args(gathered_, a.b, a.d, a.m, a.n, config.k, t), stream);
+        break;
+      case OverlapMethod::kFused:
+      case OverlapMethod::kChunked: {
+        if (a.a_local != local && local_bytes > 0)
+          TDIST_CUDA_CHECK(cudaMemcpyAsync(local, a.a_local, local_bytes, cudaMemcpyDeviceToDevice, stream));
+        TDIST_CUDA_CHECK(cudaMemsetAsync(flags_, 0, world * sizeof(u64), stream));
+        rt.coll().barrier(stream);
+        // Copy engine: this rank's rows to every peer, nearest rank first, each with its flag.
+        rt.fork(stream);
+        for (int i = 1; i < world; ++i)
+          put_signal_async(rt.heap(), local, local, local_bytes, flags_ + rank, 1, (rank + i) % world, rt.side());
+        if (method == OverlapMethod::kFused) {
+          const GemmArgs g = gemm_args(gathered_, a.b, a.d, a.m, a.n, config.k, t);
+          const kg::AllGatherWaitParams p{flags_, rows, rank};
+          // The walk starts at this rank's rows (no wait) and wraps through the peers' in rank order.
+          rt.hooked_gemm(g, rt.tile_for(a.m, a.n, config.k), kAllGatherHooks, p, static_cast<int64_t>(rows.begin(rank)),
+                         stream);
+        } else {
+          for (int i = 0; i < world; ++i) {
+            const int r = (rank + i) % world;
+            if (i > 0) rt.wait_flags(flags_, r, 1, stream);
+            if (rows.rows(r) == 0) continue;
+            rt.cublas().run(gemm_args(gathered_ + rows.begin(r) * row_bytes(), a.b,
+                                      ptr_at(a.d, rows.begin(r) * a.n * elem_bytes(t)), static_cast<int64_t>(rows.rows(r)),
+                                      a.n, config.k, t),
+                            stream);
+          }
+        }
+        rt.join(stream);
+        break;
+      }
+      case OverlapMethod::kAuto: TDIST_FAIL("unresolved method");
+    }
+    if (a.a_gathered)
+      TDIST_CUDA_CHECK(cudaMemcpyAsync(a.a_gathered, source, a.m * row_bytes(), cudaMemcpyDeviceToDevice, stream));
+  }
+};
+
+AllGatherGemm::AllGatherGemm(World& world, SymmetricHeap& heap, const AllGatherGemmConfig& config)
+    : impl_(std::make_unique<Impl>(world, heap, config)) {
+  world.barrier("tdist AllGatherGemm ready");
+}
+AllGatherGemm::~AllGatherGemm() = default;
+void AllGatherGemm::run(const AllGatherGemmArgs& args, cudaStream_t stream, OverlapMethod method) {
+  impl_->run(args, stream, method);
+}
+OverlapMethod AllGatherGemm::method(const AllGatherGemmArgs& args, OverlapMethod method) const {
+  return impl_->method(args, method);
+}
+void* AllGatherGemm::local_rows(int64_t m) const {
+  TDIST_CHECK_ARG(m >= 0 && m <= impl_->config.max_m, "m", "expected 0 <= m <= max_m (", impl_->config.max_m,
+                  "), got ", m);
+  return impl_->gathered_ + impl_->split(m).begin(impl_->rt.rank()) * impl_->row_bytes();
+}
+const AllGatherGemmConfig& AllGatherGemm::config() const { return impl_->config; }
+
+// ============================================================================================
+// ReduceScatter core, shared by GemmReduceScatter and GemmAllReduce
+//
+// Buffers (per context):
+//   recv_     T[world][cap][N]  symmetric: slot s holds source rank s's partial of this rank's rows
+//                               (cap = ceil(max_m / world) rows, row stride N of the call)
+//   flags_    u64[world]        symmetric: flags_[s] = 1 once slot s has landed
+//   staging_  T[max_m][max_n]   ordinary: this rank's partial products (rows of every owner)
+//   counts_   u32[world] + u64[world] (chunk_tiles_done, chunk_ready) of the fused GEMM's hooks
+
+class ReduceScatterCore {
+ public:
+  ReduceScatterCore(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c, size_t sequential_bytes)
+      : config(c), rt(world, heap, c.dtype, sequential_bytes) {
+    TDIST_CHECK_ARG(c.max_m > 0 && c.max_m < (int64_t{1} << 31), "config.max_m", "expected 0 < max_m < 2^31, got ",
+                    c.max_m);
+    TDIST_CHECK_ARG(c.max_n > 0 && c.max_n % 8 == 0 && c.max_n < (int64_t{1} << 31), "config.max_n",
+                    "expected 0 < max_n < 2^31 and a multiple of 8, got ", c.max_n);
+    const int w = world.world_size();
+    cap_rows_ = (c.max_m + w - 1) / w;
+    recv_ = static_cast<char*>(heap.allocate(static_cast<size_t>(w) * cap_rows_ * c.max_n * elem_bytes(c.dtype)));
+    flags_ = heap.allocate_signals64(w);
+    TDIST_CUDA_CHECK(cudaMalloc(&staging_, static_cast<size_t>(c.max_m) * c.max_n * elem_bytes(c.dtype)));
+    TDIST_CUDA_CHECK(cudaMalloc(&counts_, w * (sizeof(u64) + sizeof(device::u32))));
+  }
+  ~ReduceScatterCore() {
+    cudaDeviceSynchronize();
+    cudaFree(counts_);
+    cudaFree(staging_);
+    rt.heap().free(flags_);
+    rt.heap().free(recv_);
+  }
+
+  GemmReduceScatterConfig config;
+  OverlapRuntime rt;
+
+  size_t elem() const { return elem_bytes(config.dtype); }
+  kg::RowChunks split(int64_t m) const { return {static_cast<u64>(m), rt.size()}; }
+  char* staging() const { return staging_; }
+  char* slot(int source, int64_t n) const { return recv_ + static_cast<size_t>(source) * cap_rows_ * n * elem(); }
+
+  // Fused or chunked: the reduced rows of this rank into out (and out2 when not null), row stride n.
+  // `extra_flags` (count `extra_count`, may be null) are reset with the others before the barrier.
+  void run(const void* a, const void* b, int64_t m, int64_t n, int64_t k, OverlapMethod method, void* out, void* out2,
+           u64* extra_flags, int extra_count, cudaStream_t stream) {
+    const int rank = rt.rank(), world = rt.size();
+    const DType t = config.dtype;
+    const kg::RowChunks rows = split(m);
+    auto* tiles_done = reinterpret_cast<device::u32*>(counts_ + world * sizeof(u64));
+    auto* ready = reinterpret_cast<u64*>(counts_);
+    TDIST_CUDA_CHECK(cudaMemsetAsync(flags_, 0, world * sizeof(u64), stream));
+    if (extra_flags) TDIST_CUDA_CHECK(cudaMemsetAsync(extra_flags, 0, extra_count * sizeof(u64), stream));
+    if (method == OverlapMethod::kFused)
+      TDIST_CUDA_CHECK(cudaMemsetAsync(counts_, 0, world * (sizeof(u64) + sizeof(device::u32)), stream));
+    rt.coll().barrier(stream);
+    rt.fork(stream);
+    auto send = [&](int owner, cudaStream_t s) {  // this rank's partial of owner's rows -> owner's slot[rank]
+      put_signal_async(rt.heap(), slot(rank, n), staging_ + rows.begin(owner) * n * elem(), rows.rows(owner) * n * elem(),
+                       flags_ + rank, 1, owner, s);
+    };
+    kg::ReduceParams p{};
+    p.num_sources = world;
+    p.skip_wait = rank;
+    p.flags = flags_;
+    for (int s = 0; s < world; ++s) p.src[s] = slot(s, n);
+    if (method == OverlapMethod::kFused) {
+      const GemmTile tile = rt.tile_for(m, n, k);
+      const kg::ChunkPublishParams hp{tiles_done, ready, rows, static_cast<device::u32>(tile.block_m),
+                                      static_cast<device::u32>((n + tile.block_n - 1) / tile.block_n)};
+      // The copy engine sends each peer's rows as soon as the GEMM raises their chunk's flag.
+      for (int i = 1; i < world; ++i) {
+        const int owner = (rank + i) % world;
+        if (rows.rows(owner) > 0) stream_wait_value64(rt.side(), ready + owner, 1);
+        send(owner, rt.side());
+      }
+      // Walk the next rank's rows first and this rank's own last.
+      rt.hooked_gemm(gemm_args(a, b, staging_, m, n, k, t), tile, kPublishHooks, hp,
+                     static_cast<int64_t>(rows.begin((rank + 1) % world)), stream);
+      p.src[rank] = staging_ + rows.begin(rank) * n * elem();
+    } else {
+      for (int i = 1; i <= world; ++i) {
+        const int owner = (rank + i) % world;
+        char* d = owner == rank ? slot(rank, n) : staging_ + rows.begin(owner) * n * elem();
+        if (rows.rows(owner) > 0)
+          rt.cublas().run(gemm_args(ptr_at(a, rows.begin(owner) * k * elem()), b, d,
+                                    static_cast<int64_t>(rows.rows(owner)), n, k, t),
+                          stream);
+        if (owner != rank) {
+          rt.fork(stream);  // the send waits for this chunk's GEMM only
+          send(owner, rt.side());
+        }
+      }
+    }
+    p.out = out;
+    p.out2 = out2;
+    p.out_ld = static_cast<u64>(n);
+    p.rows = rows.rows(rank);
+    p.n = static_cast<u64>(n);
+    rt.reduce(p, stream);
+    rt.join(stream);
+  }
+
+ private:
+  int64_t cap_rows_ = 0;
+  char* recv_ = nullptr;
+  u64* flags_ = nullptr;
+  char* staging_ = nullptr;
+  char* counts_ = nullptr;
+};
+
+// ============================================================================================
+// GemmReduceScatter
+
+struct GemmReduceScatter::Impl {
+  ReduceScatterCore core;
+  Impl(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c)
+      : core(world, heap, c, static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * std::max<int64_t>(c.max_n, 8) *
+                                 elem_bytes(c.dtype)) {}
+
+  OverlapMethod method(const GemmReduceScatterArgs& a, OverlapMethod requested) const {
+    check_gemm_reduce_scatter_args(a, core.config);
+    const OverlapRuntime& rt = core.rt;
+    const bool seq_ok = a.m % rt.size() == 0 && static_cast<size_t>(a.m) * a.n * core.elem() <= rt.sequential_max_bytes();
+    return rt.resolve(requested, {OverlapOp::kGemmReduceScatter, a.m, a.n, a.k, rt.size(), core.config.dtype}, seq_ok);
+  }
+
+  void run(const GemmReduceScatterArgs& a, cudaStream_t stream, OverlapMethod requested) {
+    const OverlapMethod method = this->method(a, requested);
+    if (a.m == 0 || a.n == 0) return;
+    OverlapRuntime& rt = core.rt;
+    const int rank = rt.rank(), world = rt.size();
+    const kg::RowChunks rows = core.split(a.m);
+    check_operand(a.d, "d", rows.rows(rank) > 0);
+    const DType t = core.config.dtype;
+    switch (method) {
+      case OverlapMethod::kBaseline: {
+        rt.cublas().run(gemm_args(a.a, a.b, core.staging(), a.m, a.n, a.k, t), stream);
+        ncclComm_t comm = rt.world().comm();
+        if (a.m % world == 0) {
+          TDIST_NCCL_CHECK(
+              ncclReduceScatter(core.staging(), a.d, rows.rows(rank) * a.n, nccl_type(t), ncclSum, comm, stream));
+        } else {  // unequal rows per rank: one reduce per owner
+          TDIST_NCCL_CHECK(ncclGroupStart());
+          for (int r = 0; r < world; ++r)
+            TDIST_NCCL_CHECK(ncclReduce(core.staging() + rows.begin(r) * a.n * core.elem(), r == rank ? a.d : nullptr,
+                                        rows.rows(r) * a.n, nccl_type(t), ncclSum, r, comm, stream));
+          TDIST_NCCL_CHECK(ncclGroupEnd());
+        }
+        break;
+      }
+      case OverlapMethod::kSequential:
+        rt.cublas().run(gemm_args(a.a, a.b, core.staging(), a.m, a.n, a.k, t), stream);
+        rt.coll().reduce_scatter(core.staging(), a.d, rows.rows(rank) * a.n, t, stream);
+        break;
+      case OverlapMethod::kFused:
+      case OverlapMethod::kChunked:
+        core.run(a.a, a.b, a.m, a.n, a.k, method, a.d, nullptr, nullptr, 0, stream);
+        break;
+      case OverlapMethod::kAuto: TDIST_FAIL("unresolved method");
+    }
+  }
+};
+
+GemmReduceScatter::GemmReduceScatter(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& config)
+    : impl_(std::make_unique<Impl>(world, heap, config)) {
+  world.barrier("tdist GemmReduceScatter ready");
+}
+GemmReduceScatter::~GemmReduceScatter() = default;
+void GemmReduceScatter::run(const GemmReduceScatterArgs& args, cudaStream_t stream, OverlapMethod method) {
+  impl_->run(args, stream, method);
+}
+OverlapMethod GemmReduceScatter::method(const GemmReduceScatterArgs& args, OverlapMethod method) const {
+  return impl_->method(args, method);
+}
+const GemmReduceScatterConfig& GemmReduceScatter::config() const { return impl_->core.config; }
+
+// ============================================================================================
+// GemmAllReduce: the ReduceScatter core, whose owner also writes its reduced rows into the
+// symmetric `reduced_`; then every rank copies the peers' reduced rows (copy engine, pull) once
+// their flag says they are there.
+//
+//   reduced_   T[max_m][max_n]  symmetric: this rank's reduced rows at RowChunks{m, world}.begin(rank)
+//   ar_flags_  u64[world]       symmetric: ar_flags_[r] = 1 once rank r's reduced rows are readable
+
+struct GemmAllReduce::Impl {
+  ReduceScatterCore core;
+  char* reduced_ = nullptr;
+  u64* ar_flags_ = nullptr;
+
+  Impl(World& world, SymmetricHeap& heap, const GemmAllReduceConfig& c)
+      : core(world, heap, c, static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * std::max<int64_t>(c.max_n, 8) *
+                                 elem_bytes(c.dtype)) {
+    reduced_ = static_cast<char*>(heap.allocate(static_cast<size_t>(c.max_m) * c.max_n * elem_bytes(c.dtype)));
+    ar_flags_ = heap.allocate_signals64(world.world_size());
+  }
+  ~Impl() {
+    cudaDeviceSynchronize();
+    core.rt.heap().free(ar_flags_);
+    core.rt.heap().free(reduced_);
+  }
+
+  OverlapMethod method(const GemmAllReduceArgs& a, OverlapMethod requested) const {
+    check_gemm_all_reduce_args(a, core.config);
+    const OverlapRuntime& rt = core.rt;
+    const bool seq_ok = static_cast<size_t>(a.m) * a.n * core.elem() <= rt.sequential_max_bytes();
+    return rt.resolve(requested, {OverlapOp::kGemmAllReduce, a.m, a.n, a.k, rt.size(), core.config.dtype}, seq_ok);
+  }
+
+  void run(const GemmAllReduceArgs& a, cudaStream_t stream, OverlapMethod requested) {
+    const OverlapMethod method = this->method(a, requested);
+    if (a.m == 0 || a.n == 0) return;
+    OverlapRuntime& rt = core.rt;
+    const int rank = rt.rank(), world = rt.size();
+    const DType t = core.config.dtype;
+    const size_t count = static_cast<size_t>(a.m) * a.n;
+    switch (method) {
+      case OverlapMethod::kBaseline:
+        rt.cublas().run(gemm_args(a.a, a.b, a.d, a.m, a.n, a.k, t), stream);
+        TDIST_NCCL_CHECK(ncclAllReduce(a.d, a.d, count, nccl_type(t), ncclSum, rt.world().comm(), stream));
+        break;
+      case OverlapMethod::kSequential:
+        rt.cublas().run(gemm_args(a.a, a.b, core.staging(), a.m, a.n, a.k, t), stream);
+        rt.coll().all_reduce(core.staging(), a.d, count, t, stream);
+        break;
+      case OverlapMethod::kFused:
+      case OverlapMethod::kChunked: {
+        const kg::RowChunks rows = core.split(a.m);
+        const size_t row_bytes = static_cast<size_t>(a.n) * core.elem();
+        const size_t own = rows.begin(rank) * row_bytes;
+        core.run(a.a, a.b, a.m, a.n, a.k, method, ptr_at(a.d, own), reduced_ + own, ar_flags_, world, stream);
+        // This rank's reduced rows are in reduced_ (stream order: after the reduction): tell the peers,
+        // then pull theirs.
+        for (int i = 1; i < world; ++i)
+          stream_write_value64(stream, rt.heap().peer_ptr(ar_flags_ + rank, (rank + i) % world), 1);
+        for (int i = 1; i < world; ++i) {
+          const int r = (rank + i) % world;
+          rt.wait_flags(ar_flags_, r, 1, stream);
+          if (rows.rows(r) > 0)
+            get_async(rt.heap(), ptr_at(a.d, rows.begin(r) * row_bytes), reduced_ + rows.begin(r) * row_bytes,
+                      rows.rows(r) * row_bytes, r, stream);
+        }
+        break;
+      }
+      case OverlapMethod::kAuto: TDIST_FAIL("unresolved method");
+    }
+  }
+};
+
+GemmAllReduce::GemmAllReduce(World& world, SymmetricHeap& heap, const GemmAllReduceConfig& config)
+    : impl_(std::make_unique<Impl>(world, heap, config)) {
+  world.barrier("tdist GemmAllReduce ready");
+}
+GemmAllReduce::~GemmAllReduce() = default;
+void GemmAllReduce::run(const GemmAllReduceArgs& args, cudaStream_t stream, OverlapMethod method) {
+  impl_->run(args, stream, method);
+}
+OverlapMethod GemmAllReduce::method(const GemmAllReduceArgs& args, OverlapMethod method) const {
+  return impl_->method(args, method);
+}
+const GemmAllReduceConfig& GemmAllReduce::config() const { return impl_->core.config; }
+
+}  // namespace tdist

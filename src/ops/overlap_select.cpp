@@ -1,0 +1,77 @@
+// The overlap ops' method names and their performance model (choose_overlap_method): pure functions,
+// CPU-tested.
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "tdist/common/error.hpp"
+#include "tdist/ops/gemm_overlap.hpp"
+
+namespace tdist {
+
+const char* to_string(OverlapMethod method) {
+  switch (method) {
+    case OverlapMethod::kAuto: return "auto";
+    case OverlapMethod::kFused: return "fused";
+    case OverlapMethod::kChunked: return "chunked";
+    case OverlapMethod::kSequential: return "sequential";
+    case OverlapMethod::kBaseline: return "baseline";
+  }
+  return "?";
+}
+
+OverlapMethod parse_overlap_method(const std::string& text, const char* what) {
+  for (OverlapMethod m : {OverlapMethod::kAuto, OverlapMethod::kFused, OverlapMethod::kChunked,
+                          OverlapMethod::kSequential, OverlapMethod::kBaseline})
+    if (text == to_string(m)) return m;
+  TDIST_FAIL("invalid argument '", what, "': expected auto, fused, chunked, sequential or baseline, got '", text,
+             "'");
+}
+
+const char* to_string(OverlapOp op) {
+  switch (op) {
+    case OverlapOp::kAllGatherGemm: return "ag_gemm";
+    case OverlapOp::kGemmReduceScatter: return "gemm_rs";
+    case OverlapOp::kGemmAllReduce: return "gemm_ar";
+  }
+  return "?";
+}
+
+namespace {
+
+// Rough H200 rates for the model: dense bf16 GEMM throughput once every SM is busy, copy-engine
+// bandwidth per direction over NVLink, and the fixed cost of one launch plus flag wait.
+constexpr double kGemmFlops = 700e12;
+constexpr double kCopyBytesPerSecond = 350e9;
+constexpr double kStepSeconds = 6e-6;
+
+}  // namespace
+
+OverlapMethod choose_overlap_method(const OverlapShape& s) {
+  TDIST_CHECK_ARG(s.world_size >= 1, "world_size", "expected >= 1, got ", s.world_size);
+  TDIST_CHECK_ARG(s.m >= 0 && s.n >= 0 && s.k >= 0, "shape", "m, n and k must be >= 0, got ", s.m, ", ", s.n, ", ",
+                  s.k);
+  const int w = s.world_size;
+  // One rank: no communication; the chunked path is one plain cuBLAS GEMM.
+  if (w == 1) return OverlapMethod::kChunked;
+  const bool even = s.m % w == 0;
+  // Sequential (tdist's collectives) needs equal per-rank counts except for AllReduce.
+  const OverlapMethod no_overlap =
+      even || s.op == OverlapOp::kGemmAllReduce ? OverlapMethod::kSequential : OverlapMethod::kBaseline;
+  const double gemm_s = 2.0 * static_cast<double>(s.m) * s.n * s.k / kGemmFlops;
+  const double elem = static_cast<double>(dtype_size(s.dtype));
+  double comm_bytes = 0;  // what one rank receives
+  switch (s.op) {
+    case OverlapOp::kAllGatherGemm: comm_bytes = static_cast<double>(s.m) * s.k * elem * (w - 1) / w; break;
+    case OverlapOp::kGemmReduceScatter: comm_bytes = static_cast<double>(s.m) * s.n * elem * (w - 1) / w; break;
+    case OverlapOp::kGemmAllReduce: comm_bytes = 2.0 * static_cast<double>(s.m) * s.n * elem * (w - 1) / w; break;
+  }
+  const double comm_s = comm_bytes / kCopyBytesPerSecond;
+  // Chunking pays a launch and a flag wait per chunk and runs each GEMM on M / world rows; it hides
+  // the communication only when each chunk's GEMM is long against those costs.
+  const double chunk_gemm_s = gemm_s / w;
+  if (s.m / w < 256 || chunk_gemm_s < 20 * kStepSeconds || comm_s < 2 * w * kStepSeconds) return no_overlap;
+  return OverlapMethod::kChunked;
+}
+
+}  // namespace tdist
