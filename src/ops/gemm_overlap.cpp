@@ -172,14 +172,11 @@ class OverlapRuntime {
   void hooked_gemm(const GemmArgs& args, const GemmTile& tile, const char* hooks_type, const Params& params,
                    int64_t first_row, cudaStream_t stream) {
     const jit::Kernel& k = hooked_kernel(tile, hooks_type);
-    const GemmTensorMap map_a = encode_gemm_tensor_map(gemm_tensor_map_a(args, tile), args.dtype);
-    const GemmTensorMap map_b = encode_gemm_tensor_map(gemm_tensor_map_b(args, tile), args.dtype);
-    const kg::TileScheduler sched = gemm_schedule(args, tile, 8, first_row);
-    const jit::LaunchConfig cfg = gemm_launch_config(args, tile, num_sms_, 0, stream);
-    // Parameters as sm90_gemm_tn declares them: tmap_a, tmap_b, d, m, n, k, ldd, sched, hooks.
-    jit::KernelArgs kargs;
-    kargs.add(map_a).add(map_b).add(args.d).add(static_cast<unsigned>(args.m)).add(static_cast<unsigned>(args.n));
-    kargs.add(static_cast<unsigned>(args.k)).add(static_cast<unsigned long long>(args.ldd)).add(sched).add(params);
+    const GemmArgs checked = check_gemm_args(args);
+    const kg::TileScheduler sched = gemm_schedule(checked, tile, 8, first_row);
+    const jit::LaunchConfig cfg = gemm_launch_config(checked, tile, num_sms_, 0, stream);
+    jit::KernelArgs kargs = gemm_kernel_args(checked, tile, sched);
+    kargs.add(params);  // the hooks, sm90_gemm_tn's last parameter
     jit::launch(k, cfg, kargs);
   }
 

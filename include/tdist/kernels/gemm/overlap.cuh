@@ -37,6 +37,7 @@ TDIST_DEVICE void gemm_wait_flag(const u64* flag, int chunk) {
 // AllGather-GEMM (fused): before a tile's loads, the producer waits for every chunk of A the tile
 // reads, except this rank's own (written before the launch, in stream order).
 struct AllGatherWaitHooks : AllGatherWaitParams {
+  static constexpr bool kNeedsStoredTile = false;  // nothing to publish: no wait for the tile's stores
 
   template <typename Info>
   TDIST_DEVICE void before_loads(const Info& info) const {
