@@ -4,10 +4,11 @@
 // other rank's, so it builds the gathered A (AllGather-GEMM) or the K-concatenated A and B
 // (ReduceScatter / AllReduce: sum_r A_r B_r^T = [A_0 .. A_n-1] [B_0 .. B_n-1]^T) locally.
 //
-//   * every op x method (fused, chunked, baseline, auto) x dtype (bf16, fp16) on odd shapes: M not a
-//     multiple of world x 128 (1000, 4097, 257, 3000), M smaller than the team (1, 3), N and K odd
-//     multiples of 8, one odd N (D's rows then not 16-byte multiples: accepted and right, or refused
-//     with an error naming 'n'), one tile-aligned shape and one large LLaMA-3-70B shape; fresh
+//   * every op x method (fused, chunked, sequential, baseline, auto) x dtype (bf16, fp16) on odd
+//     shapes: M not a multiple of world x 128 (1000, 4097, 257, 3000), M smaller than the team (1, 3),
+//     N and K odd multiples of 8, one odd N (D's rows then not 16-byte multiples: accepted and right,
+//     or refused with an error naming 'n'), one tile-aligned shape and one large LLaMA-3-70B shape
+//     (sequential may refuse, naming 'method', unequal per-rank counts and large collectives); fresh
 //     inputs per case, outputs poisoned (NaN) first, max |err| <= 1e-2 max |ref| per element; the
 //     optional gathered A of AllGather-GEMM compared bit for bit;
 //   * AllGather-GEMM zero copy: a_local = local_rows(m), written in place;
@@ -203,8 +204,8 @@ struct Shape {
 };
 
 constexpr int kMaxChecks = 1024;
-const OverlapMethod kMethods[] = {OverlapMethod::kFused, OverlapMethod::kChunked, OverlapMethod::kBaseline,
-                                  OverlapMethod::kAuto};
+const OverlapMethod kMethods[] = {OverlapMethod::kFused, OverlapMethod::kChunked, OverlapMethod::kSequential,
+                                  OverlapMethod::kBaseline, OverlapMethod::kAuto};
 
 struct Env {
   World& world;
@@ -428,18 +429,25 @@ void agree(Env& env, int first, int count, const std::string& what) {
   if (env.me() == 0) std::printf("  %s: max |err| / max |ref| = %.3g on rank 0\n", what.c_str(), worst);
 }
 
-// One case: fresh inputs, poisoned outputs, one call, the check. An odd N may be refused (D's rows
-// are then not 16-byte multiples), but only with an error naming 'n'.
+// Whether the call may run; the refusals the header allows return false (noted on rank 0), any other
+// error is a failure: an odd N (D's rows not 16-byte multiples) with an error naming 'n'; the
+// sequential method, with an error naming 'method', for AllGather / ReduceScatter with unequal
+// per-rank counts and for collectives beyond its buffer (it must run small even ones: <= 16 MB).
 template <typename T>
-void run_case(Env& env, Contexts& ctx, Op op, Shape s, OverlapMethod method, bool with_gathered, bool zero_copy) {
-  Problem<T> p(env, ctx, op, s, with_gathered, zero_copy);
+bool runnable(Env& env, const Problem<T>& p, Op op, Shape s, OverlapMethod method) {
   OverlapMethod resolved = OverlapMethod::kAuto;
   try {
     resolved = p.resolve(method);
   } catch (const tdist::Error& e) {
-    if (s.n % 8 != 0 && std::string(e.what()).find("'n'") != std::string::npos) {
-      if (env.me() == 0) std::printf("  N = %lld refused: %s\n", static_cast<long long>(s.n), e.what());
-      return;
+    const std::string what = e.what();
+    const bool odd_n = s.n % 8 != 0 && what.find("'n'") != std::string::npos;
+    const uint64_t bytes = 2ull * s.m * (op == Op::kAllGather ? s.k : s.n);
+    const bool even = op == Op::kAllReduce || s.m % env.n() == 0;
+    const bool sequential = method == OverlapMethod::kSequential && what.find("'method'") != std::string::npos &&
+                            (!even || bytes > (16ull << 20));
+    if (odd_n || sequential) {
+      if (env.me() == 0) std::printf("  refused, as allowed: %s\n", what.c_str());
+      return false;
     }
     throw;
   }
@@ -447,6 +455,14 @@ void run_case(Env& env, Contexts& ctx, Op op, Shape s, OverlapMethod method, boo
   TDIST_CHECK(method == OverlapMethod::kAuto || resolved == method, "method(", to_string(method), ") returned ",
               to_string(resolved));
   if (method == OverlapMethod::kAuto && env.me() == 0) std::printf("  auto runs %s\n", to_string(resolved));
+  return true;
+}
+
+// One case: fresh inputs, poisoned outputs, one call, the check.
+template <typename T>
+void run_case(Env& env, Contexts& ctx, Op op, Shape s, OverlapMethod method, bool with_gathered, bool zero_copy) {
+  Problem<T> p(env, ctx, op, s, with_gathered, zero_copy);
+  if (!runnable(env, p, op, s, method)) return;
   init_checks<<<1, 32, 0, env.stream>>>(env.checks, 1);
   p.fill(env.next_seed(), env.checks);
   p.poison();
@@ -461,6 +477,7 @@ template <typename T>
 void run_back_to_back(Env& env, Contexts& ctx, Op op, Shape s, OverlapMethod method, int calls, bool zero_copy) {
   TDIST_CHECK(calls <= kMaxChecks, "too many calls");
   Problem<T> p(env, ctx, op, s, op == Op::kAllGather, zero_copy);
+  if (!runnable(env, p, op, s, method)) return;
   init_checks<<<8, 128, 0, env.stream>>>(env.checks, calls);
   tdist::test::sync_all(env.world, "back to back start");
   for (int i = 0; i < calls; ++i) {
@@ -480,6 +497,7 @@ template <typename T>
 void run_graph(Env& env, Contexts& ctx, Op op, Shape s, OverlapMethod method, int replays) {
   TDIST_CHECK(replays + 1 <= kMaxChecks, "too many replays");
   Problem<T> p(env, ctx, op, s, op == Op::kAllGather);
+  if (!runnable(env, p, op, s, method)) return;
   cudaStream_t st = env.stream;
   init_checks<<<8, 128, 0, st>>>(env.checks, replays + 1);
   p.fill(env.next_seed(), env.checks);
@@ -519,9 +537,9 @@ void dispatch(DType t, F&& f) {
   else f(__nv_bfloat16{});
 }
 
+// Expects a tdist::Error whose message holds `needle`.
 template <typename F>
-void expect_error(const std::string& arg, F&& f) {
-  const std::string needle = "'" + arg + "'";
+void expect_error_text(const std::string& needle, F&& f) {
   try {
     f();
   } catch (const tdist::Error& e) {
@@ -529,6 +547,12 @@ void expect_error(const std::string& arg, F&& f) {
     return;
   }
   TDIST_FAIL("no error (expected one naming ", needle, ")");
+}
+
+// Expects a tdist::Error naming the argument 'arg'.
+template <typename F>
+void expect_error(const std::string& arg, F&& f) {
+  expect_error_text("'" + arg + "'", std::forward<F>(f));
 }
 
 // Shapes of the sweep (see Shape for what n and k mean per op).
@@ -591,6 +615,7 @@ void argument_errors(Env& env, Contexts& ctx, Op op, Shape s) {
     };
     bad("m", [&](AllGatherGemmArgs& a) { a.m = ag.config().max_m + 1; });
     bad("m", [&](AllGatherGemmArgs& a) { a.m = -1; });
+    bad("n", [&](AllGatherGemmArgs& a) { a.n = 521; });
     bad("a_local", [&](AllGatherGemmArgs& a) { a.a_local = nullptr; });
     bad("b", [&](AllGatherGemmArgs& a) { a.b = nullptr; });
     bad("d", [&](AllGatherGemmArgs& a) { a.d = nullptr; });
@@ -599,12 +624,11 @@ void argument_errors(Env& env, Contexts& ctx, Op op, Shape s) {
     bad("d", [&](AllGatherGemmArgs& a) { a.d = static_cast<char*>(a.d) + 8; });
     bad("a_gathered", [&](AllGatherGemmArgs& a) { a.a_gathered = static_cast<char*>(a.d) + 8; });
     AllGatherGemmConfig c = ag.config();
-    c.k = 12;
-    expect_error("k", [&] { check_all_gather_gemm_args(good, c, w, me); });
-    c = ag.config();
     c.dtype = DType::kFloat32;
     expect_error("dtype", [&] { check_all_gather_gemm_args(good, c, w, me); });
   } else {
+    // ReduceScatter's d (this rank's rows) is checked by run() only: the pure check takes no rank.
+    const bool rs_op = op == Op::kReduceScatter;
     auto errors = [&](auto& context, auto good, auto check) {
       using Args = decltype(good);
       auto bad = [&](const char* arg, auto change) {
@@ -612,11 +636,13 @@ void argument_errors(Env& env, Contexts& ctx, Op op, Shape s) {
         change(a);
         expect_error(arg, [&] { context.run(a, st, OverlapMethod::kFused); });
         expect_error(arg, [&] { context.run(a, st); });
+        if (rs_op && std::string(arg) == "d") return;
         expect_error(arg, [&] { context.method(a); });
         expect_error(arg, [&] { check(a, context.config()); });
       };
       bad("m", [&](Args& a) { a.m = context.config().max_m + 1; });
       bad("n", [&](Args& a) { a.n = context.config().max_n + 1; });
+      bad("n", [&](Args& a) { a.n = 521; });
       bad("k", [&](Args& a) { a.k = 12; });
       bad("k", [&](Args& a) { a.k = 0; });
       bad("a", [&](Args& a) { a.a = nullptr; });
@@ -773,7 +799,7 @@ int main(int argc, char** argv) {
     AllGatherGemmConfig ag;
     ag.max_m = 1024;
     ag.k = 12;
-    expect_error("k", [&] { AllGatherGemm bad(world, heap, ag); });
+    expect_error_text("k'", [&] { AllGatherGemm bad(world, heap, ag); });  // 'k' or 'config.k'
     ag.k = 264;
     ag.dtype = DType::kFloat32;
     expect_error("dtype", [&] { AllGatherGemm bad(world, heap, ag); });
