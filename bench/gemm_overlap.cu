@@ -1,0 +1,565 @@
+// The overlapped tensor-parallel linear layers (tdist::AllGatherGemm, GemmReduceScatter,
+// GemmAllReduce) beside what they must beat, in the same run, on every rank of the team:
+//
+//   tdist      the op with each method of --methods (default auto; a method the shape does not allow,
+//              e.g. sequential with unequal per-rank counts, is skipped with a note)
+//   gemm       tdist's own GEMM alone on this rank's problem: AllGather-GEMM the whole gathered
+//              M x N_local x K, ReduceScatter / AllReduce the local M x N x K_local (the floor the
+//              overlap approaches when communication is fully hidden)
+//   baseline   the NCCL collective and cuBLAS in sequence (the op's kBaseline method), and its parts:
+//              nccl (the collective alone, on World's communicator) and cublas (the GEMM alone)
+//
+// Every variant is timed with CUDA events around each launch, the variants alternating launch by
+// launch (each launch preceded by an untimed one-element NCCL AllReduce so ranks enter it together;
+// --no-align drops it), after warm-up; median of --iters per rank, the maximum over ranks reported.
+// Input sets rotate so that together they exceed twice the L2. Before timing, each method's output is
+// compared with the baseline's on the same inputs (max |diff| / max |baseline|, max over ranks).
+//
+// Default shapes: LLaMA-3-70B at TP = world (hidden 8192, MLP 28672 / 2 = 14336 per TP=2 pair):
+//   ag_gemm  M x 14336 (total; N_local = 14336 / world) x 8192, and M=4096 x 8192 x 8192
+//   gemm_rs, gemm_ar  M x 8192 x 14336 (total; K_local = 14336 / world), and M=4096 x 8192 x 8192
+// with M in {1024, 4096, 8192, 16384}.
+//
+//   build-gpu/tools/tdistrun -n 2 -- build-gpu/bench/bench_gemm_overlap [--ops ag_gemm,gemm_rs,gemm_ar]
+//       [--m 1024,4096] [--methods auto,fused,chunked,sequential,baseline] [--dtype bf16|fp16] [--iters 20]
+//       [--heap 8G] [--no-align] [--json FILE] [--quick]
+// Prints (rank 0 only) a table per op: M, method, tdist us, gemm-alone us, baseline us, nccl us,
+// cublas us, tdist/gemm, tdist/baseline, TFLOP/s per GPU of the op, output difference.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/kernels/gemm/tile_scheduler.cuh"
+#include "tdist/ops/cublas.hpp"
+#include "tdist/ops/gemm.hpp"
+#include "tdist/ops/gemm_overlap.hpp"
+#include "tdist/runtime/symmetric_heap.hpp"
+#include "tdist/runtime/world.hpp"
+
+using namespace tdist;
+
+namespace {
+
+__global__ void fill_random(unsigned short* p, size_t count, unsigned long long seed, bool bf16) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    unsigned long long x = (seed + i) * 0x9E3779B97F4A7C15ull ^ (seed << 17);
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    const float u = static_cast<float>(x >> 40) * 0x1.0p-24f * 2.0f - 1.0f;
+    if (bf16) {
+      __nv_bfloat16 v = __float2bfloat16(u);
+      memcpy(p + i, &v, 2);
+    } else {
+      __half v = __float2half(u);
+      memcpy(p + i, &v, 2);
+    }
+  }
+}
+
+__device__ inline float to_f(unsigned short bits, bool bf16) {
+  if (bf16) {
+    __nv_bfloat16 v;
+    memcpy(&v, &bits, 2);
+    return __bfloat162float(v);
+  }
+  __half v;
+  memcpy(&v, &bits, 2);
+  return __half2float(v);
+}
+
+// out[0] = max |x - y| (NaN counts as infinite), out[1] = max |y|.
+__global__ void diff(const unsigned short* x, const unsigned short* y, size_t count, bool bf16, float* out) {
+  float e = 0, mx = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const float a = to_f(x[i], bf16), b = to_f(y[i], bf16);
+    const float d = fabsf(a - b);
+    e = fmaxf(e, d != d ? INFINITY : d);
+    mx = fmaxf(mx, fabsf(b));
+  }
+  atomicMax(reinterpret_cast<int*>(out), __float_as_int(e));
+  atomicMax(reinterpret_cast<int*>(out + 1), __float_as_int(mx));
+}
+
+enum class Op { kAllGather, kReduceScatter, kAllReduce };
+const char* op_name(Op op) {
+  return op == Op::kAllGather ? "ag_gemm" : op == Op::kReduceScatter ? "gemm_rs" : "gemm_ar";
+}
+Op parse_op(const std::string& s) {
+  if (s == "ag_gemm") return Op::kAllGather;
+  if (s == "gemm_rs") return Op::kReduceScatter;
+  if (s == "gemm_ar") return Op::kAllReduce;
+  TDIST_FAIL("invalid argument '--ops': '", s, "' (expected ag_gemm, gemm_rs, gemm_ar)");
+}
+
+// A layer's shape in whole-model terms: ag_gemm splits N over the ranks, gemm_rs / gemm_ar split K.
+struct Shape {
+  int64_t m, n_total, k_total;
+  std::string note;
+};
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> v;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) v.push_back(item);
+  return v;
+}
+
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t bytes) { TDIST_CUDA_CHECK(cudaMalloc(&p_, std::max<size_t>(bytes, 256))); }
+  ~DeviceBuffer() {
+    if (p_) cudaFree(p_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_) { o.p_ = nullptr; }
+  template <typename T = unsigned short>
+  T* get() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+};
+
+struct Variant {
+  std::string name;
+  std::function<void(int set)> launch;
+};
+
+// Median ms of each variant's launches on this rank, maximum over the ranks. Launches alternate
+// variant by variant; each sits between two events, after an untimed one-element AllReduce that
+// lines the ranks up (when `align`).
+std::vector<double> time_alternating(World& world, cudaStream_t s, int iters, int sets, const std::vector<Variant>& vs,
+                                     bool align, float* align_buf) {
+  const size_t nv = vs.size();
+  auto line_up = [&] {
+    if (align) TDIST_NCCL_CHECK(ncclAllReduce(align_buf, align_buf, 1, ncclFloat32, ncclSum, world.comm(), s));
+  };
+  for (int w = 0; w < 3; ++w)
+    for (const Variant& v : vs) {
+      line_up();
+      v.launch(w % sets);
+    }
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  world.barrier("gemm_overlap timing start");
+  std::vector<cudaEvent_t> ev(2 * nv * iters);
+  for (auto& e : ev) TDIST_CUDA_CHECK(cudaEventCreate(&e));
+  for (int i = 0; i < iters; ++i)
+    for (size_t v = 0; v < nv; ++v) {
+      line_up();
+      TDIST_CUDA_CHECK(cudaEventRecord(ev[2 * (i * nv + v)], s));
+      vs[v].launch((i + 3) % sets);
+      TDIST_CUDA_CHECK(cudaEventRecord(ev[2 * (i * nv + v) + 1], s));
+    }
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<double> medians(nv);
+  for (size_t v = 0; v < nv; ++v) {
+    std::vector<float> ms(iters);
+    for (int i = 0; i < iters; ++i)
+      TDIST_CUDA_CHECK(cudaEventElapsedTime(&ms[i], ev[2 * (i * nv + v)], ev[2 * (i * nv + v) + 1]));
+    std::nth_element(ms.begin(), ms.begin() + iters / 2, ms.end());
+    medians[v] = ms[iters / 2];
+  }
+  for (auto& e : ev) TDIST_CUDA_CHECK(cudaEventDestroy(e));
+  return world.max_across_ranks("gemm_overlap timing", medians);
+}
+
+struct Row {
+  Op op;
+  Shape shape;
+  int64_t m, n, k;  // this rank's GEMM: ag_gemm M x N_local x K, gemm_rs / gemm_ar M x N x K_local
+  std::string method, resolved;
+  double tdist_us, gemm_us, cublas_us, nccl_us, baseline_us, tflops, max_rel_diff;
+};
+
+struct Options {
+  std::vector<Op> ops = {Op::kAllGather, Op::kReduceScatter, Op::kAllReduce};
+  std::vector<int64_t> ms = {1024, 4096, 8192, 16384};
+  bool ms_given = false;
+  std::vector<OverlapMethod> methods = {OverlapMethod::kAuto};
+  DType dtype = DType::kBFloat16;
+  int iters = 20;
+  size_t heap = 8ull << 30;
+  bool align = true, quick = false;
+  std::string json;
+};
+
+std::vector<Shape> shapes_of(Op op, const Options& o) {
+  std::vector<int64_t> ms = o.ms;
+  if (o.quick && !o.ms_given) ms = {1024, 8192};
+  std::vector<Shape> v;
+  for (int64_t m : ms) {
+    if (op == Op::kAllGather) v.push_back({m, 14336, 8192, "LLaMA-3-70B MLP up: N=14336 total, K=8192"});
+    else v.push_back({m, 8192, 14336, "LLaMA-3-70B MLP down: N=8192, K=14336 total"});
+  }
+  if (!o.quick && std::find(ms.begin(), ms.end(), 4096) != ms.end())
+    v.push_back({4096, 8192, 8192, op == Op::kAllGather ? "8192 x 8192 weight: N=8192 total" : "8192 x 8192 weight: K=8192 total"});
+  return v;
+}
+
+// Per rank, the split dimension rounded down to a multiple of 8 (exact for the default shapes).
+int64_t per_rank(int64_t total, int world) { return std::max<int64_t>(8, total / world / 8 * 8); }
+
+struct Bench {
+  World& world;
+  SymmetricHeap& heap;
+  const Options& o;
+  cudaStream_t stream;
+  Gemm gemm;
+  CublasGemm cublas;
+  size_t l2 = 0;
+  float* align_buf = nullptr;
+  float* stats = nullptr;
+  std::vector<Row> rows;
+
+  Bench(World& w, SymmetricHeap& h, const Options& opts, cudaStream_t s) : world(w), heap(h), o(opts), stream(s) {
+    int l2_bytes = 0;
+    TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, world.device()));
+    l2 = static_cast<size_t>(l2_bytes);
+    TDIST_CUDA_CHECK(cudaMalloc(&align_buf, sizeof(float)));
+    TDIST_CUDA_CHECK(cudaMemset(align_buf, 0, sizeof(float)));
+    TDIST_CUDA_CHECK(cudaMalloc(&stats, 2 * sizeof(float)));
+  }
+  ~Bench() {
+    cudaFree(align_buf);
+    cudaFree(stats);
+  }
+
+  bool bf16() const { return o.dtype == DType::kBFloat16; }
+  ncclDataType_t nccl_type() const { return bf16() ? ncclBfloat16 : ncclFloat16; }
+
+  // Input sets: enough that together they exceed twice the L2 (2 at least), within 16 GB.
+  int sets_for(size_t set_bytes) const {
+    size_t sets = std::max<size_t>(2, (2 * l2 + set_bytes - 1) / set_bytes + 1);
+    while (sets > 2 && sets * set_bytes > (16ull << 30)) --sets;
+    return static_cast<int>(sets);
+  }
+
+  // max |x - y| / max |y| on this rank, maximum over ranks.
+  double rel_diff(const unsigned short* x, const unsigned short* y, size_t count) {
+    TDIST_CUDA_CHECK(cudaMemsetAsync(stats, 0, 2 * sizeof(float), stream));
+    if (count) diff<<<528, 256, 0, stream>>>(x, y, count, bf16(), stats);
+    TDIST_CUDA_CHECK(cudaGetLastError());
+    float h[2];
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(h, stats, sizeof(h), cudaMemcpyDeviceToHost, stream));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const double mine = h[1] > 0 ? h[0] / h[1] : h[0];
+    return world.max_across_ranks("gemm_overlap diff", {mine})[0];
+  }
+
+  GemmArgs gemm_args(const void* a, const void* b, void* d, int64_t m, int64_t n, int64_t k) const {
+    GemmArgs g;
+    g.a = a;
+    g.b = b;
+    g.d = d;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.dtype = o.dtype;
+    return g;
+  }
+
+  void run_op(Op op) {
+    const int w = world.world_size(), me = world.rank();
+    const std::vector<Shape> shapes = shapes_of(op, o);
+    if (shapes.empty()) return;
+    int64_t max_m = 0, max_n = 0;
+    for (const Shape& s : shapes) {
+      max_m = std::max(max_m, s.m);
+      max_n = std::max(max_n, op == Op::kAllGather ? per_rank(s.n_total, w) : s.n_total);
+    }
+    std::map<int64_t, std::unique_ptr<AllGatherGemm>> ag;  // by K
+    std::unique_ptr<GemmReduceScatter> rs;
+    std::unique_ptr<GemmAllReduce> ar;
+    if (op == Op::kAllGather) {
+      std::map<int64_t, int64_t> ag_max_m;
+      for (const Shape& s : shapes) ag_max_m[s.k_total] = std::max(ag_max_m[s.k_total], s.m);
+      for (const auto& [k, m] : ag_max_m) {
+        AllGatherGemmConfig c;
+        c.max_m = m;
+        c.k = k;
+        c.dtype = o.dtype;
+        ag[k] = std::make_unique<AllGatherGemm>(world, heap, c);
+      }
+    } else {
+      GemmReduceScatterConfig c;
+      c.max_m = max_m;
+      c.max_n = max_n;
+      c.dtype = o.dtype;
+      if (op == Op::kReduceScatter) rs = std::make_unique<GemmReduceScatter>(world, heap, c);
+      else ar = std::make_unique<GemmAllReduce>(world, heap, c);
+    }
+
+    for (const Shape& sh : shapes) {
+      const int64_t m = sh.m;
+      const int64_t n = op == Op::kAllGather ? per_rank(sh.n_total, w) : sh.n_total;
+      const int64_t k = op == Op::kAllGather ? sh.k_total : per_rank(sh.k_total, w);
+      const kernels::gemm::RowChunks split{static_cast<uint64_t>(m), w};
+      const int64_t my_rows = static_cast<int64_t>(split.rows(me));
+      const int64_t padded_rows = (m + w - 1) / w;  // NCCL's equal per-rank counts
+      const size_t e = 2;
+      // Rotated inputs: ag_gemm a_local, B and the gathered A of the GEMM alone; gemm_rs / gemm_ar
+      // A and B.
+      const size_t a_elems = op == Op::kAllGather ? static_cast<size_t>(padded_rows) * k : static_cast<size_t>(m) * k;
+      const size_t b_elems = static_cast<size_t>(n) * k;
+      const size_t g_elems = op == Op::kAllGather ? static_cast<size_t>(padded_rows) * w * k : 0;
+      const int sets = sets_for(e * (a_elems + b_elems + g_elems));
+      std::vector<DeviceBuffer> as, bs, gs;
+      for (int s = 0; s < sets; ++s) {
+        as.emplace_back(e * a_elems);
+        bs.emplace_back(e * b_elems);
+        fill_random<<<528, 256, 0, stream>>>(as.back().get(), a_elems, 1000003ull * (me + 1) + 17 * s + 1, bf16());
+        fill_random<<<528, 256, 0, stream>>>(bs.back().get(), b_elems, 1000003ull * (me + 1) + 17 * s + 2, bf16());
+        if (g_elems) {
+          gs.emplace_back(e * g_elems);
+          fill_random<<<528, 256, 0, stream>>>(gs.back().get(), g_elems, 1000003ull * (me + 1) + 17 * s + 3, bf16());
+        }
+      }
+      TDIST_CUDA_CHECK(cudaGetLastError());
+      // Outputs: the op's D, the baseline's D (cross-check), the GEMM alone's M x N, and the
+      // collective alone's buffers (padded to equal per-rank counts).
+      const size_t d_elems = static_cast<size_t>(op == Op::kReduceScatter ? my_rows : m) * n;
+      DeviceBuffer d(e * d_elems), d_base(e * d_elems);
+      DeviceBuffer d_full(e * static_cast<size_t>(padded_rows) * w * n);
+      DeviceBuffer nccl_out(op == Op::kReduceScatter ? e * static_cast<size_t>(padded_rows) * n : 256);
+
+      auto ag_args = [&](int s, void* out) {
+        AllGatherGemmArgs a;
+        a.a_local = as[s].get();
+        a.b = bs[s].get();
+        a.d = out;
+        a.m = m;
+        a.n = n;
+        return a;
+      };
+      auto reduce_args = [&](auto args, int s, void* out) {
+        args.a = as[s].get();
+        args.b = bs[s].get();
+        args.d = out;
+        args.m = m;
+        args.n = n;
+        args.k = k;
+        return args;
+      };
+      auto run = [&](OverlapMethod method, int s, void* out) {
+        if (op == Op::kAllGather) ag.at(k)->run(ag_args(s, out), stream, method);
+        else if (op == Op::kReduceScatter) rs->run(reduce_args(GemmReduceScatterArgs{}, s, out), stream, method);
+        else ar->run(reduce_args(GemmAllReduceArgs{}, s, out), stream, method);
+      };
+      auto resolve = [&](OverlapMethod method) {
+        if (op == Op::kAllGather) return ag.at(k)->method(ag_args(0, d.get()), method);
+        if (op == Op::kReduceScatter) return rs->method(reduce_args(GemmReduceScatterArgs{}, 0, d.get()), method);
+        return ar->method(reduce_args(GemmAllReduceArgs{}, 0, d.get()), method);
+      };
+      // This rank's GEMM alone (gathered A for ag_gemm) and the collective alone.
+      auto gemm_alone = [&](int s) -> GemmArgs {
+        return op == Op::kAllGather ? gemm_args(gs[s].get(), bs[s].get(), d_full.get(), m, n, k)
+                                    : gemm_args(as[s].get(), bs[s].get(), d_full.get(), m, n, k);
+      };
+      auto nccl_alone = [&](int s) {
+        if (op == Op::kAllGather)
+          TDIST_NCCL_CHECK(ncclAllGather(as[s].get(), gs[s].get(), static_cast<size_t>(padded_rows) * k, nccl_type(),
+                                         world.comm(), stream));
+        else if (op == Op::kReduceScatter)
+          TDIST_NCCL_CHECK(ncclReduceScatter(d_full.get(), nccl_out.get(), static_cast<size_t>(padded_rows) * n,
+                                             nccl_type(), ncclSum, world.comm(), stream));
+        else
+          TDIST_NCCL_CHECK(ncclAllReduce(d_full.get(), d_full.get(), static_cast<size_t>(m) * n, nccl_type(), ncclSum,
+                                         world.comm(), stream));
+      };
+
+      // Methods this shape allows (sequential refuses unequal per-rank counts and large collectives;
+      // every rank refuses alike), each cross-checked against the baseline on set 0.
+      std::vector<OverlapMethod> methods;
+      std::vector<std::string> resolved;
+      for (OverlapMethod method : o.methods) {
+        try {
+          resolved.push_back(to_string(resolve(method)));
+          methods.push_back(method);
+        } catch (const tdist::Error& e) {
+          if (me == 0) std::printf("%s M=%lld: %s skipped: %s\n", op_name(op), static_cast<long long>(m),
+                                   to_string(method), e.what());
+        }
+      }
+      std::vector<double> diffs;
+      run(OverlapMethod::kBaseline, 0, d_base.get());
+      for (OverlapMethod method : methods) {
+        TDIST_CUDA_CHECK(cudaMemsetAsync(d.get(), 0xFF, e * d_elems, stream));
+        run(method, 0, d.get());
+        diffs.push_back(rel_diff(d.get<unsigned short>(), d_base.get<unsigned short>(), d_elems));
+      }
+
+      std::vector<Variant> vs;
+      for (OverlapMethod method : methods)
+        vs.push_back({detail::concat("tdist ", to_string(method)), [&, method](int s) { run(method, s, d.get()); }});
+      const size_t first_part = vs.size();
+      vs.push_back({"gemm", [&](int s) { gemm.run(gemm_alone(s), stream); }});
+      vs.push_back({"baseline", [&](int s) { run(OverlapMethod::kBaseline, s, d_base.get()); }});
+      vs.push_back({"nccl", nccl_alone});
+      vs.push_back({"cublas", [&](int s) { cublas.run(gemm_alone(s), stream); }});
+      const std::vector<double> ms = time_alternating(world, stream, o.iters, sets, vs, o.align, align_buf);
+      const double gemm_ms = ms[first_part], base_ms = ms[first_part + 1], nccl_ms = ms[first_part + 2],
+                   cublas_ms = ms[first_part + 3];
+      const double flop = 2.0 * m * n * static_cast<double>(k);
+      for (size_t i = 0; i < methods.size(); ++i) {
+        rows.push_back({op, sh, m, n, k, to_string(methods[i]), resolved[i], ms[i] * 1e3, gemm_ms * 1e3,
+                        cublas_ms * 1e3, nccl_ms * 1e3, base_ms * 1e3, flop / ms[i] * 1e-9, diffs[i]});
+      }
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+  }
+};
+
+void print_table(const std::vector<Row>& rows, Op op, int world, const Options& o) {
+  std::string note;
+  for (const Row& r : rows) {
+    if (r.op != op) continue;
+    const std::string shape_note = detail::concat(r.shape.note, op == Op::kAllGather ? ": N_local = " : ": K_local = ",
+                                                  op == Op::kAllGather ? r.n : r.k);
+    if (shape_note != note) {
+      note = shape_note;
+      std::printf("\n%s, %s, %d ranks, %s, median of %d, max over ranks\n", op_name(op), note.c_str(), world,
+                  to_string(o.dtype), o.iters);
+      std::printf("%6s %-20s %10s %10s %11s %9s %9s %8s %8s %8s %10s\n", "M", "method", "tdist us", "gemm us",
+                  "baseline us", "nccl us", "cublas us", "t/gemm", "t/base", "TFLOP/s", "diff");
+    }
+    const std::string method = r.method == r.resolved ? r.method : r.method + " (" + r.resolved + ")";
+    std::printf("%6lld %-20s %10.1f %10.1f %11.1f %9.1f %9.1f %8.3f %8.3f %8.1f %10.2e\n", static_cast<long long>(r.m),
+                method.c_str(), r.tdist_us, r.gemm_us, r.baseline_us, r.nccl_us, r.cublas_us, r.tdist_us / r.gemm_us,
+                r.tdist_us / r.baseline_us, r.tflops, r.max_rel_diff);
+  }
+  std::fflush(stdout);
+}
+
+void write_json(const std::string& path, const std::vector<Row>& rows, int world, const Options& o,
+                const std::string& gpu) {
+  std::ofstream f(path);
+  TDIST_CHECK(f.good(), "cannot write ", path);
+  f << "{\n  \"bench\": \"gemm_overlap\",\n  \"gpu\": \"" << gpu << "\",\n  \"ranks\": " << world
+    << ",\n  \"dtype\": \"" << to_string(o.dtype) << "\",\n  \"iters\": " << o.iters << ",\n  \"rows\": [\n";
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    char buf[1024];
+    std::snprintf(buf, sizeof(buf),
+                  "    {\"op\": \"%s\", \"note\": \"%s\", \"m\": %lld, \"n_total\": %lld, \"k_total\": %lld, \"n\": %lld, "
+                  "\"k\": %lld, \"method\": \"%s\", \"resolved\": \"%s\", \"tdist_us\": %.2f, \"gemm_us\": %.2f, "
+                  "\"baseline_us\": %.2f, \"nccl_us\": %.2f, \"cublas_us\": %.2f, \"ratio_gemm\": %.4f, "
+                  "\"ratio_baseline\": %.4f, \"tflops\": %.1f, \"max_rel_diff\": %.3e}%s\n",
+                  op_name(r.op), r.shape.note.c_str(), static_cast<long long>(r.m),
+                  static_cast<long long>(r.shape.n_total), static_cast<long long>(r.shape.k_total),
+                  static_cast<long long>(r.n), static_cast<long long>(r.k), r.method.c_str(), r.resolved.c_str(),
+                  r.tdist_us, r.gemm_us, r.baseline_us, r.nccl_us, r.cublas_us, r.tdist_us / r.gemm_us,
+                  r.tdist_us / r.baseline_us, r.tflops, r.max_rel_diff, i + 1 < rows.size() ? "," : "");
+    f << buf;
+  }
+  f << "  ]\n}\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto next = [&]() -> std::string {
+        TDIST_CHECK_ARG(i + 1 < argc, "argv", a, " needs a value");
+        return argv[++i];
+      };
+      if (a == "--ops") {
+        o.ops.clear();
+        for (const auto& s : split_list(next())) o.ops.push_back(parse_op(s));
+      } else if (a == "--m") {
+        o.ms.clear();
+        for (const auto& s : split_list(next())) {
+          const long long v = std::atoll(s.c_str());
+          TDIST_CHECK_ARG(v > 0, "--m", "expected positive row counts, got '", s, "'");
+          o.ms.push_back(v);
+        }
+        o.ms_given = true;
+      } else if (a == "--methods") {
+        o.methods.clear();
+        for (const auto& s : split_list(next())) o.methods.push_back(parse_overlap_method(s, "--methods"));
+      } else if (a == "--dtype") {
+        o.dtype = parse_dtype(next());
+        TDIST_CHECK_ARG(o.dtype != DType::kFloat32, "--dtype", "bf16 or fp16");
+      } else if (a == "--iters") {
+        o.iters = std::max(1, std::atoi(next().c_str()));
+      } else if (a == "--heap") {
+        o.heap = SymmetricHeap::parse_size(next(), "--heap");
+      } else if (a == "--json") {
+        o.json = next();
+      } else if (a == "--no-align") {
+        o.align = false;
+      } else if (a == "--quick") {
+        o.quick = true;
+      } else {
+        std::fprintf(stderr,
+                     "usage: %s [--ops ag_gemm,gemm_rs,gemm_ar] [--m 1024,4096,...] [--methods auto,fused,chunked,sequential,baseline]\n"
+                     "          [--dtype bf16|fp16] [--iters N] [--heap 8G] [--no-align] [--json FILE] [--quick]\n",
+                     argv[0]);
+        return 2;
+      }
+    }
+    TDIST_CHECK_ARG(!o.methods.empty(), "--methods", "at least one method");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
+  try {
+    World world;
+    SymmetricHeap heap(world, o.heap);
+    cudaStream_t stream;
+    TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    cudaDeviceProp prop{};
+    TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, world.device()));
+    std::vector<Row> rows;
+    {
+      Bench bench(world, heap, o, stream);
+      if (world.rank() == 0) {
+        std::printf("gemm_overlap: %d ranks on %s (%d SMs, L2 %zu MB), %s; columns: tdist = the op, gemm = tdist::Gemm "
+                    "alone on this rank's GEMM, baseline = NCCL then cuBLAS (kBaseline), nccl / cublas = its parts\n",
+                    world.world_size(), prop.name, prop.multiProcessorCount, bench.l2 >> 20, to_string(o.dtype));
+        std::fflush(stdout);
+      }
+      for (Op op : o.ops) {
+        bench.run_op(op);
+        if (world.rank() == 0) print_table(bench.rows, op, world.world_size(), o);
+      }
+      rows = bench.rows;
+    }
+    if (world.rank() == 0) {
+      std::printf("\nt/gemm: tdist time / GEMM-alone time (1 = communication fully hidden); t/base: tdist time / "
+                  "baseline time (below 1: tdist faster); TFLOP/s: this rank's GEMM flops / tdist time; diff: "
+                  "max |tdist - baseline| / max |baseline| on the same inputs\n");
+      if (!o.json.empty()) write_json(o.json, rows, world.world_size(), o, prop.name);
+    }
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    TDIST_CUDA_CHECK(cudaStreamDestroy(stream));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
