@@ -180,11 +180,13 @@ GemmTensorMapSpec gemm_tensor_map_b(const GemmArgs& args, const GemmTile& tile) 
 }
 
 GemmTensorMapSpec gemm_tensor_map_d(const GemmArgs& args, const GemmTile& tile) {
-  // Dims {N, M}: the TMA store writes nothing at columns >= N (so padding up to ldd is untouched)
-  // or rows >= M. N itself may be odd: only the row stride (ldd) must be a multiple of 16 bytes.
+  // Dims {N rounded down to 8, M}: TMA stores clip columns in whole 16-byte units, so the map ends at
+  // the last full unit and the kernel stores the remaining N % 8 columns itself (padding up to ldd
+  // stays untouched); rows >= M are clipped exactly. With N < 8 the map is never used (8 columns
+  // keep it encodable).
   GemmTensorMapSpec s;
   s.base = args.d;
-  s.dims[0] = static_cast<uint64_t>(args.n);
+  s.dims[0] = std::max<uint64_t>(static_cast<uint64_t>(args.n) & ~uint64_t{7}, 8);
   s.dims[1] = static_cast<uint64_t>(args.m);
   s.row_stride_bytes = static_cast<uint64_t>(args.ldd) * element_bytes(args.dtype);
   const unsigned cols = kg::gemm_epi_cols(static_cast<unsigned>(tile.block_n));
@@ -259,7 +261,7 @@ jit::KernelArgs gemm_kernel_args(const GemmArgs& args, const GemmTile& tile, con
   // The maps are 128-byte aligned parameters; KernelArgs aligns to 16 at most, which is enough for
   // the copy the driver makes.
   jit::KernelArgs kargs;
-  kargs.add(map_a).add(map_b).add(map_d);
+  kargs.add(map_a).add(map_b).add(map_d).add(args.d).add(static_cast<unsigned long long>(args.ldd));
   kargs.add(static_cast<unsigned>(args.m)).add(static_cast<unsigned>(args.n)).add(static_cast<unsigned>(args.k));
   kargs.add(sched);
   return kargs;
@@ -310,7 +312,7 @@ void Gemm::run(const GemmArgs& raw, cudaStream_t stream, const GemmRunOptions& o
   const jit::Kernel& k = kernel(args.dtype, tile);
   const kg::TileScheduler sched = gemm_schedule(args, tile, options.group_m, options.first_row);
   const jit::LaunchConfig cfg = gemm_launch_config(args, tile, num_sms_, options.max_ctas, stream);
-  // Kernel parameters in order: tmap_a, tmap_b, tmap_d, m, n, k, sched, hooks.
+  // Kernel parameters in order: tmap_a, tmap_b, tmap_d, d, ldd, m, n, k, sched, hooks.
   jit::KernelArgs kargs = gemm_kernel_args(args, tile, sched);
   kargs.add(kg::NoTileHooks{});
   jit::launch(k, cfg, kargs);

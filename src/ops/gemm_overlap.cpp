@@ -170,17 +170,22 @@ class OverlapRuntime {
   // The persistent GEMM with overlap hooks `hooks_type` whose parameter block is `params`.
   template <typename Params>
   void hooked_gemm(const GemmArgs& args, const GemmTile& tile, const char* hooks_type, const Params& params,
-                   int64_t first_row, cudaStream_t stream) {
+                   int64_t first_row, int max_ctas, cudaStream_t stream) {
     const jit::Kernel& k = hooked_kernel(tile, hooks_type);
     const GemmArgs checked = check_gemm_args(args);
     const kg::TileScheduler sched = gemm_schedule(checked, tile, 8, first_row);
-    const jit::LaunchConfig cfg = gemm_launch_config(checked, tile, num_sms_, 0, stream);
+    const jit::LaunchConfig cfg = gemm_launch_config(checked, tile, num_sms_, max_ctas, stream);
     jit::KernelArgs kargs = gemm_kernel_args(checked, tile, sched);
     kargs.add(params);  // the hooks, sm90_gemm_tn's last parameter
     jit::launch(k, cfg, kargs);
   }
 
   GemmTile tile_for(int64_t m, int64_t n, int64_t k) const { return choose_gemm_tile(m, n, k, num_sms_); }
+  int num_sms() const { return num_sms_; }
+
+  // The side stream starts after what `stream` had when mark_fork() recorded (not after later work).
+  void mark_fork(cudaStream_t stream) { TDIST_CUDA_CHECK(cudaEventRecord(fork_, stream)); }
+  void fork_from_mark() { TDIST_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0)); }
 
   // The method a call runs: `requested`, or for kAuto TDIST_OVERLAP_METHOD, else the model's choice;
   // checks that it is possible (`sequential_ok`: equal per-rank counts and small enough).
@@ -374,7 +379,7 @@ struct AllGatherGemm::Impl {
           const kg::AllGatherWaitParams p{flags_, rows, rank};
           // The walk starts at this rank's rows (no wait) and wraps through the peers' in rank order.
           rt.hooked_gemm(g, rt.tile_for(a.m, a.n, config.k), kAllGatherHooks, p, static_cast<int64_t>(rows.begin(rank)),
-                         stream);
+                         0, stream);
         } else {
           for (int i = 0; i < world; ++i) {
             const int r = (rank + i) % world;
@@ -469,7 +474,6 @@ class ReduceScatterCore {
     if (method == OverlapMethod::kFused)
       TDIST_CUDA_CHECK(cudaMemsetAsync(counts_, 0, world * (sizeof(u64) + sizeof(device::u32)), stream));
     rt.coll().barrier(stream);
-    rt.fork(stream);
     auto send = [&](int owner, cudaStream_t s) {  // this rank's partial of owner's rows -> owner's slot[rank]
       put_signal_async(rt.heap(), slot(rank, n), staging_ + rows.begin(owner) * n * elem(), rows.rows(owner) * n * elem(),
                        flags_ + rank, 1, owner, s);
@@ -483,15 +487,20 @@ class ReduceScatterCore {
       const GemmTile tile = rt.tile_for(m, n, k);
       const kg::ChunkPublishParams hp{tiles_done, ready, rows, static_cast<device::u32>(tile.block_m),
                                       static_cast<device::u32>((n + tile.block_n - 1) / tile.block_n)};
-      // The copy engine sends each peer's rows as soon as the GEMM raises their chunk's flag.
+      // The GEMM walks the next rank's rows first and this rank's own last, on every SM but one:
+      // there the side stream's flag waits run (a one-thread kernel with the device timeout) and
+      // release each peer's rows to the copy engine as soon as their chunk is stored. The GEMM is
+      // enqueued first so that nothing of the side stream can sit ahead of it in a shared hardware
+      // queue; the side stream still starts from the barrier.
+      rt.mark_fork(stream);
+      rt.hooked_gemm(gemm_args(a, b, staging_, m, n, k, t), tile, kPublishHooks, hp,
+                     static_cast<int64_t>(rows.begin((rank + 1) % world)), std::max(rt.num_sms() - 1, 1), stream);
+      rt.fork_from_mark();
       for (int i = 1; i < world; ++i) {
         const int owner = (rank + i) % world;
-        if (rows.rows(owner) > 0) stream_wait_value64(rt.side(), ready + owner, 1);
+        if (rows.rows(owner) > 0) rt.wait_flags(ready, owner, 1, rt.side());
         send(owner, rt.side());
       }
-      // Walk the next rank's rows first and this rank's own last.
-      rt.hooked_gemm(gemm_args(a, b, staging_, m, n, k, t), tile, kPublishHooks, hp,
-                     static_cast<int64_t>(rows.begin((rank + 1) % world)), stream);
       p.src[rank] = staging_ + rows.begin(rank) * n * elem();
     } else {
       for (int i = 1; i <= world; ++i) {

@@ -114,7 +114,7 @@ jit::LaunchConfig gemm_launch_config(const GemmArgs& args, const GemmTile& tile,
 kernels::gemm::TileScheduler gemm_schedule(const GemmArgs& args, const GemmTile& tile, int group_m,
                                            int64_t first_row);
 // The parameters of sm90_gemm_tn in declaration order, all but the last (the Hooks value):
-// tmap_a, tmap_b, tmap_d (encoded here: needs a GPU driver), m, n, k, sched. A launcher appends its
+// tmap_a, tmap_b, tmap_d (encoded here: needs a GPU driver), d, ldd, m, n, k, sched. A launcher appends its
 // hooks (kernels::gemm::NoTileHooks{} for the plain GEMM) with add().
 jit::KernelArgs gemm_kernel_args(const GemmArgs& checked_args, const GemmTile& tile,
                                  const kernels::gemm::TileScheduler& sched);

@@ -89,8 +89,8 @@ template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, int
           typename Hooks = NoTileHooks>
 __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     sm90_gemm_tn(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                 const __grid_constant__ CUtensorMap tmap_d, u32 m, u32 n, u32 k, TileScheduler sched,
-                 Hooks hooks) {
+                 const __grid_constant__ CUtensorMap tmap_d, T* d, u64 ldd, u32 m, u32 n, u32 k,
+                 TileScheduler sched, Hooks hooks) {
   static_assert(sizeof(T) == 2, "bf16 or fp16 inputs");
   static_assert(BLOCK_K * sizeof(T) == 128, "BLOCK_K spans one 128-byte swizzle row (64 elements)");
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M: 64 or 128 (one consumer warpgroup per 64 rows)");
@@ -176,6 +176,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   const u32 math_thread = threadIdx.x - kWarpgroupThreads;  // 0 .. kNumMathThreads
   const u32 warp_in_wg = (threadIdx.x / 32) % 4;
   const bool store_issuer = threadIdx.x % kWarpgroupThreads == 0;  // issues this warpgroup's D stores
+  const u32 n_tma = n & ~7u;  // columns the D tensor map covers (whole 16-byte units)
   const u32 wg_barrier = 2 + math_wg;                      // named barrier of this warpgroup (1: all consumers)
   const u32 my_chunks = smem_d + math_wg * kEpiBuffers * kEpiChunkBytes;
   float acc[kAccum];
@@ -220,7 +221,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     // matrix l / 8.
     const u32 st_row = warp_in_wg * 16 + ((lane / 8) % 2) * 8 + lane % 8;  // row in the warpgroup's 64
     const u32 st_group = lane / 16;                                        // + jj: 16-byte unit in the row
-    const int d_row = static_cast<int>(info.m0 + math_wg * kWgmmaM);
+    const u32 d_row = info.m0 + math_wg * kWgmmaM;
 #pragma unroll
     for (int c = 0; c < kEpiChunks; ++c, ++epi_iter) {
       const u32 buf = my_chunks + (epi_iter % kEpiBuffers) * kEpiChunkBytes;
@@ -237,10 +238,26 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
       }
       ptx::fence_proxy_async_shared();  // this thread's stmatrix before the TMA store's reads
       ptx::named_barrier(wg_barrier, kWarpgroupThreads);
+      const u32 col0 = info.n0 + c * kEpiN;
       if (store_issuer) {
-        // Out-of-range rows and columns (M, N tails; whole boxes past N) are not written.
-        ptx::tma_store_2d(&tmap_d, buf, static_cast<int>(info.n0) + c * kEpiN, d_row);
+        // tmap_d ends at n_tma (N rounded down to 16 bytes): TMA stores clip whole 16-byte units, so
+        // a box reaching past an unaligned N would write up to 7 columns of the padding. Rows >= M
+        // and boxes past n_tma are clipped; a chunk wholly past it commits an empty group.
+        if (col0 < n_tma) ptx::tma_store_2d(&tmap_d, buf, static_cast<int>(col0), static_cast<int>(d_row));
         ptx::bulk_commit_group();
+      }
+      if (col0 + kEpiN > n_tma && col0 < n) {
+        // Columns [max(col0, n_tma), n) of this chunk (at most 7 per row): plain stores from the
+        // staged chunk, by the warpgroup's threads.
+        const u32 first = col0 > n_tma ? col0 : n_tma, last = col0 + kEpiN < n ? col0 + kEpiN : n;
+        const u32 width = last - first;
+        for (u32 e = threadIdx.x % kWarpgroupThreads; e < kWgmmaM * width; e += kWarpgroupThreads) {
+          const u32 r = e / width, col = first + e % width;
+          if (d_row + r >= m) continue;
+          const u32 off = r * kEpiRowBytes + (col - col0) * static_cast<u32>(sizeof(T));
+          const unsigned short v = ptx::ld_shared_u16(buf + (off ^ (((off >> 7) & kEpiSwizzleMask) << 4)));
+          *reinterpret_cast<unsigned short*>(d + static_cast<u64>(d_row + r) * ldd + col) = v;
+        }
       }
     }
     if constexpr (kStoredTileBeforeHook) {

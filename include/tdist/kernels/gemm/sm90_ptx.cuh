@@ -113,6 +113,11 @@ TDIST_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.s
 // Stores four 8x8 matrices of 16-bit elements: lanes 8i .. 8i+7 give the shared addresses of the 8
 // rows (16 bytes each) of matrix i; register ri of lane l holds row l / 4, columns 2 (l % 4) + {0, 1}
 // of matrix i (the mma / wgmma accumulator fragment layout).
+TDIST_DEVICE unsigned short ld_shared_u16(u32 addr) {
+  unsigned short v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
+  return v;
+}
 TDIST_DEVICE void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
                "r"(r2), "r"(r3)
