@@ -194,11 +194,10 @@ void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args) {
   CUdevice dev = current_device();
   auto k = static_cast<CUkernel>(kernel.handle_);
   if (cfg.shared_bytes > 48 * 1024) {
-    // Above 48 KiB a kernel must opt in; remember the limit set per (kernel, device).
-    static std::mutex mu;
-    static std::map<std::pair<CUkernel, CUdevice>, std::size_t> raised;
-    std::lock_guard<std::mutex> lock(mu);
-    std::size_t& cur = raised[{k, dev}];
+    // Above 48 KiB a kernel must opt in; its module remembers the limit set per (kernel, device).
+    const Module& module = *kernel.module_;
+    std::lock_guard<std::mutex> lock(module.smem_mu_);
+    std::size_t& cur = module.smem_raised_[{kernel.handle_, static_cast<int>(dev)}];
     if (cur < cfg.shared_bytes) {
       TDIST_JIT_CU(d.KernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(cfg.shared_bytes), k, dev));
       cur = cfg.shared_bytes;

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -109,9 +110,15 @@ class Module : public std::enable_shared_from_this<Module> {
   const CompiledKernel& compiled() const { return *compiled_; }
 
  private:
+  friend void launch(const Kernel&, const LaunchConfig&, void**);
   Module() = default;
   std::shared_ptr<const CompiledKernel> compiled_;
   void* library_ = nullptr;  // CUlibrary
+  // Dynamic shared memory each (kernel, device) has been opened to. Kept here, with the library: a
+  // process-wide table keyed by CUkernel would outlive an unloaded library, and a later library's
+  // kernel at the same address would skip its own opt-in.
+  mutable std::mutex smem_mu_;
+  mutable std::map<std::pair<void*, int>, std::size_t> smem_raised_;
 };
 
 void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args);
