@@ -68,9 +68,12 @@ OverlapMethod choose_overlap_method(const OverlapShape& s) {
   }
   const double comm_s = comm_bytes / kCopyBytesPerSecond;
   // Chunking pays a launch and a flag wait per chunk and runs each GEMM on M / world rows; it hides
-  // the communication only when each chunk's GEMM is long against those costs.
+  // the communication only when each chunk's GEMM is long against those costs. Measured on 2 x H200
+  // (bench/results/h200x2/gemm_overlap.json): chunked beats sequential from M = 1024 (chunks of 512
+  // rows, ~40-80 us of GEMM each) for the LLaMA-3-70B shapes; the fused kernel matches it at large M
+  // but not below, so the model does not pick it yet.
   const double chunk_gemm_s = gemm_s / w;
-  if (s.m / w < 256 || chunk_gemm_s < 20 * kStepSeconds || comm_s < 2 * w * kStepSeconds) return no_overlap;
+  if (s.m / w < 256 || chunk_gemm_s < 6 * kStepSeconds || comm_s < w * kStepSeconds) return no_overlap;
   return OverlapMethod::kChunked;
 }
 
