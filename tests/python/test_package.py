@@ -124,6 +124,29 @@ def test_every_public_function_has_a_docstring():
     assert not missing, f"no docstring: {missing}"
 
 
+def test_every_binding_converts_its_types():
+    """A C++ type nanobind cannot convert shows up raw (std::..., (anonymous namespace)::...) in the
+    generated signature, and the call would fail only when it returns; catch that without a GPU."""
+    raw = []
+
+    def check(name, obj):
+        doc = getattr(obj, "__doc__", None) or ""
+        if "std::" in doc or "anonymous namespace" in doc:
+            raw.append(f"{name}: {doc.splitlines()[0] if doc else ''}")
+
+    for name, obj in vars(_C).items():
+        if callable(obj):
+            check(name, obj)
+        if isinstance(obj, type):
+            for attr, member in vars(obj).items():
+                target = getattr(member, "__func__", member)
+                if isinstance(member, property):
+                    target = member.fget
+                if callable(target):
+                    check(f"{name}.{attr}", target)
+    assert not raw, "bindings with unconvertible types:\n" + "\n".join(raw)
+
+
 def test_op_docstrings_describe_arguments():
     for f in (tdist.all_reduce, tdist.all_gather, tdist.reduce_scatter, tdist.init, tdist.empty):
         assert "Args:" in f.__doc__, f.__name__
