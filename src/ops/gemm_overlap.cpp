@@ -366,14 +366,20 @@ struct AllGatherGemm::Impl {
         break;
       case OverlapMethod::kFused:
       case OverlapMethod::kChunked: {
-        if (a.a_local != local && local_bytes > 0)
+        // The fused GEMM reads every row from gathered_, so this rank's rows go there first; the
+        // chunked GEMMs read them from a_local, and the pushes take them from there too.
+        const bool fused = method == OverlapMethod::kFused;
+        const void* own = a.a_local;
+        if (a.a_local != local && local_bytes > 0 && (fused || a.a_gathered)) {
           TDIST_CUDA_CHECK(cudaMemcpyAsync(local, a.a_local, local_bytes, cudaMemcpyDeviceToDevice, stream));
+          own = local;
+        }
         TDIST_CUDA_CHECK(cudaMemsetAsync(flags_, 0, world * sizeof(u64), stream));
         rt.coll().barrier(stream);
         // Copy engine: this rank's rows to every peer, nearest rank first, each with its flag.
         rt.fork(stream);
         for (int i = 1; i < world; ++i)
-          put_signal_async(rt.heap(), local, local, local_bytes, flags_ + rank, 1, (rank + i) % world, rt.side());
+          put_signal_async(rt.heap(), local, own, local_bytes, flags_ + rank, 1, (rank + i) % world, rt.side());
         if (method == OverlapMethod::kFused) {
           const GemmArgs g = gemm_args(gathered_, a.b, a.d, a.m, a.n, config.k, t);
           const kg::AllGatherWaitParams p{flags_, rows, rank};
@@ -385,7 +391,7 @@ struct AllGatherGemm::Impl {
             const int r = (rank + i) % world;
             if (i > 0) rt.wait_flags(flags_, r, 1, stream);
             if (rows.rows(r) == 0) continue;
-            rt.cublas().run(gemm_args(gathered_ + rows.begin(r) * row_bytes(), a.b,
+            rt.cublas().run(gemm_args(r == rank ? own : gathered_ + rows.begin(r) * row_bytes(), a.b,
                                       ptr_at(a.d, rows.begin(r) * a.n * elem_bytes(t)), static_cast<int64_t>(rows.rows(r)),
                                       a.n, config.k, t),
                             stream);
