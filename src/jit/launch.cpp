@@ -147,10 +147,14 @@ std::shared_ptr<Module> Module::load(std::shared_ptr<const CompiledKernel> compi
   current_device();
   CUmodule loaded = nullptr;
   TDIST_JIT_CU(d.LibraryGetModule(&loaded, lib));
-  // Modules that include tdist's device API carry their own wait timeout and rank.
+  // Modules that include tdist's device API carry their own wait timeout and rank. Only those whose
+  // cubin names the symbol are asked for it: a failing lookup is an API error that tools such as
+  // compute-sanitizer report.
   CUdeviceptr config_ptr = 0;
   size_t config_bytes = 0;
-  if (d.LibraryGetGlobal(&config_ptr, &config_bytes, lib, device::kWaitConfigSymbol) == CUDA_SUCCESS) {
+  const std::string& cubin = m->compiled_->cubin;
+  if (cubin.find(device::kWaitConfigSymbol) != std::string::npos &&
+      d.LibraryGetGlobal(&config_ptr, &config_bytes, lib, device::kWaitConfigSymbol) == CUDA_SUCCESS) {
     TDIST_CHECK(config_bytes == sizeof(device::WaitConfig), "module ", m->compiled_->file_name, " has a ",
                 device::kWaitConfigSymbol, " of ", config_bytes, " bytes, expected ", sizeof(device::WaitConfig));
     const device::WaitConfig config = device::make_wait_config(process_rank(), device::wait_timeout_seconds_from_env());
