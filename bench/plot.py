@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Plots tdist-bench JSON: bus bandwidth and latency against size, tdist beside NCCL, one row per op.
+"""Plots benchmark JSON. tdist-bench (collectives): bus bandwidth and latency against size, tdist
+beside NCCL, one row per op. bench_gemm_overlap: time of each overlapped GEMM layer (tdist's
+automatic method) beside the GEMM alone and the NCCL + cuBLAS baseline, one panel per op.
 
     python3 bench/plot.py results.json [-o results.png]
 """
@@ -21,6 +23,33 @@ def human(n):
     return f"{n:g}T"
 
 
+def plot_gemm_overlap(data, out):
+    """Grouped bars per shape: tdist (auto, with the method it ran), GEMM alone, baseline."""
+    rows = [r for r in data["rows"] if r["method"] == "auto"]
+    ops = [op for op in ("ag_gemm", "gemm_rs", "gemm_ar") if any(r["op"] == op for r in rows)]
+    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.6 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops):
+        sel = [r for r in rows if r["op"] == op]
+        labels = [f"M={r['m']}\nN={r['n']} K={r['k']}" for r in sel]
+        x = range(len(sel))
+        width = 0.27
+        series = (("tdist", "tdist_us", "tab:blue"), ("GEMM alone (tdist)", "gemm_us", "tab:gray"),
+                  ("NCCL + cuBLAS", "baseline_us", "tab:red"))
+        for j, (name, key, color) in enumerate(series):
+            ax.bar([i + (j - 1) * width for i in x], [r[key] for r in sel], width, label=name, color=color)
+        for i, r in enumerate(sel):
+            ax.annotate(f"{r['ratio_baseline']:.2f}x\n{r['resolved']}", (i - width, r["tdist_us"]),
+                        ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("us per call (per-rank N, K)")
+        ax.set_title(f"{op}, {data['ranks']} x {data['gpu']}, {data['dtype']} (label: tdist / baseline time)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("json")
@@ -29,6 +58,9 @@ def main():
     with open(args.json) as f:
         data = json.load(f)
     out = args.output or args.json.rsplit(".", 1)[0] + ".png"
+    if data.get("bench") == "gemm_overlap":
+        plot_gemm_overlap(data, out)
+        return
 
     by_op = defaultdict(lambda: defaultdict(list))  # op -> method -> rows
     nccl = defaultdict(dict)  # op -> bytes -> (us, busbw)
