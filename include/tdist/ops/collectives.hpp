@@ -85,6 +85,10 @@ class Collectives {
   kernels::coll::CollParams params(const void* in, void* out, size_t count, bool zero_copy, bool vec) const;
   void launch(const jit::Kernel& k, unsigned blocks, const kernels::coll::CollParams& p, cudaStream_t stream);
   void ce_barrier(cudaStream_t stream);
+  // A device-to-device copy on the side stream after what `stream` has so far; join_beside makes
+  // `stream` wait for it.
+  void copy_beside(void* dst, const void* src, size_t bytes, cudaStream_t stream);
+  void join_beside(cudaStream_t stream);
   unsigned blocks_for(size_t bytes, size_t per_block) const;
 
   World& world_;
@@ -97,6 +101,10 @@ class Collectives {
   device::u64* barrier_pads_ = nullptr;  // [0]: barrier(), [1]: copy-engine phases
   char* ll_ = nullptr;                   // 2 x world_size x ll_words
   kernels::coll::EpochState* epoch_ = nullptr;  // ordinary device memory
+  // A second stream for copies that may run beside the caller's (forked from it and joined back
+  // within one call, so graph capture sees a fork/join).
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
   std::unique_ptr<Kernels> kernels_;
 };
 
