@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -15,6 +16,7 @@
 #include <nanobind/stl/vector.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -29,6 +31,7 @@
 #include "tdist/jit/launch.hpp"
 #include "tdist/ops/collective_select.hpp"
 #include "tdist/ops/collectives.hpp"
+#include "tdist/ops/gemm_overlap.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/tcp_store.hpp"
 #include "tdist/runtime/world.hpp"
@@ -153,6 +156,129 @@ tdist::DType check_reduce_scatter(const Desc& in, const Desc& out, int world_siz
   return dt;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Overlapped GEMMs (tdist/ops/gemm_overlap.hpp): argument checks on descriptors
+// ---------------------------------------------------------------------------------------------
+
+// The three layers by their Python names.
+tdist::OverlapOp parse_gemm_op(const std::string& op) {
+  if (op == "ag_gemm") return tdist::OverlapOp::kAllGatherGemm;
+  if (op == "gemm_rs") return tdist::OverlapOp::kGemmReduceScatter;
+  if (op == "gemm_ar") return tdist::OverlapOp::kGemmAllReduce;
+  fail(msg("tdist: unknown overlapped GEMM '", op, "' (ag_gemm, gemm_rs, gemm_ar)"));
+}
+
+// RowChunks{m, world}: rank r owns rows [begin, begin + rows); the first m % world ranks one more.
+int64_t chunk_rows(int64_t m, int world, int rank) { return m / world + (rank < m % world ? 1 : 0); }
+
+// One operand of an overlapped GEMM: CUDA, bf16 / fp16, contiguous, on this rank's GPU, 16-byte
+// aligned (the GEMM's TMA and the copy engine read whole 16-byte units).
+tdist::DType check_gemm_tensor(const char* op, const char* name, const Desc& d, int device) {
+  if (d.device_type != "cuda")
+    fail(msg("tdist.", op, ": '", name, "' must be a CUDA tensor, got one on device type '", d.device_type, "'"));
+  if (d.dtype != "bfloat16" && d.dtype != "float16")
+    fail(msg("tdist.", op, ": '", name, "' has dtype ", d.dtype, "; the overlapped GEMMs take bfloat16 or float16"));
+  if (!d.contiguous) fail(msg("tdist.", op, ": '", name, "' must be contiguous (call .contiguous() first)"));
+  if (d.numel < 0) fail(msg("tdist.", op, ": '", name, "' has a negative element count"));
+  if (device >= 0 && d.device_index >= 0 && d.device_index != device)
+    fail(msg("tdist.", op, ": '", name, "' is on cuda:", d.device_index, " but tdist runs this rank on cuda:",
+             device, " (the device given to tdist.init)"));
+  if (d.numel > 0 && d.ptr == 0) fail(msg("tdist.", op, ": '", name, "' has a null data pointer"));
+  if (d.numel > 0 && d.ptr % 16 != 0)
+    fail(msg("tdist.", op, ": '", name, "' must start at a 16-byte aligned address, got 0x", std::hex, d.ptr,
+             std::dec, " (a view at an odd offset; call .clone() first)"));
+  return *collective_dtype(d.dtype);
+}
+
+// The operands of one call by role; `gathered` only for ag_gemm (optional there).
+struct GemmOperands {
+  Desc a, b, d;
+  std::optional<Desc> gathered;
+};
+
+const char* a_name(tdist::OverlapOp op) { return op == tdist::OverlapOp::kAllGatherGemm ? "a_local" : "a"; }
+
+// Checks of one ag_gemm / gemm_rs / gemm_ar call (pure: no GPU). m: the whole M (all ranks' rows),
+// n, k: this rank's GEMM (ag_gemm: the local shard's N; gemm_rs / gemm_ar: the local K slice).
+tdist::DType check_gemm_overlap(tdist::OverlapOp op, const GemmOperands& t, int64_t m, int64_t n, int64_t k,
+                                int world_size, int rank, int device) {
+  const std::string op_name = tdist::to_string(op);
+  const char* o = op_name.c_str();
+  const char* an = a_name(op);
+  if (world_size < 1 || rank < 0 || rank >= world_size)
+    fail(msg("tdist.", o, ": rank ", rank, " is out of range for a world of ", world_size));
+  if (m < 0 || m >= (int64_t{1} << 31)) fail(msg("tdist.", o, ": 'm' must be in [0, 2^31), got ", m));
+  if (n <= 0 || n % 8 != 0 || n >= (int64_t{1} << 31))
+    fail(msg("tdist.", o, ": N (rows of 'b') must be a positive multiple of 8 below 2^31, got ", n));
+  if (k <= 0 || k % 8 != 0 || k >= (int64_t{1} << 31))
+    fail(msg("tdist.", o, ": K (columns of '", an, "' and 'b') must be a positive multiple of 8 below 2^31, got ", k));
+  if (t.gathered && op != tdist::OverlapOp::kAllGatherGemm)
+    fail(msg("tdist.", o, ": only ag_gemm has a gathered output"));
+  const auto dt = check_gemm_tensor(o, an, t.a, device);
+  check_gemm_tensor(o, "b", t.b, device);
+  check_gemm_tensor(o, "d", t.d, device);
+  if (t.gathered) check_gemm_tensor(o, "gathered", *t.gathered, device);
+  auto same_dtype = [&](const char* name, const Desc& x) {
+    if (x.dtype != t.a.dtype)
+      fail(msg("tdist.", o, ": '", name, "' has dtype ", x.dtype, " but '", an, "' has ", t.a.dtype,
+               "; they must match"));
+  };
+  same_dtype("b", t.b);
+  same_dtype("d", t.d);
+  if (t.gathered) same_dtype("gathered", *t.gathered);
+  const int64_t rows = chunk_rows(m, world_size, rank);
+  auto count = [&](const char* name, const Desc& x, int64_t want, const std::string& formula) {
+    if (x.numel != want)
+      fail(msg("tdist.", o, ": '", name, "' has ", x.numel, " elements, expected ", formula, " = ", want));
+  };
+  const bool ag = op == tdist::OverlapOp::kAllGatherGemm;
+  const bool rs = op == tdist::OverlapOp::kGemmReduceScatter;
+  count(an, t.a, (ag ? rows : m) * k,
+        ag ? msg("this rank's rows of m=", m, " (", rows, ") x K=", k) : msg("m=", m, " x K=", k));
+  count("b", t.b, n * k, msg("N=", n, " x K=", k));
+  count("d", t.d, (rs ? rows : m) * n,
+        rs ? msg("this rank's rows of m=", m, " (", rows, ") x N=", n) : msg("m=", m, " x N=", n));
+  if (t.gathered) count("gathered", *t.gathered, m * k, msg("m=", m, " x K=", k));
+  const size_t elem = dtype_bytes(dt);
+  auto disjoint = [&](const char* out_name, const Desc& out, const char* other_name, const Desc& other) {
+    if (overlap(out, other, elem))
+      fail(msg("tdist.", o, ": '", out_name, "' overlaps '", other_name, "'; outputs must not share memory with "
+               "the inputs or each other"));
+  };
+  disjoint("d", t.d, an, t.a);
+  disjoint("d", t.d, "b", t.b);
+  if (t.gathered) {
+    disjoint("gathered", *t.gathered, an, t.a);
+    disjoint("gathered", *t.gathered, "b", t.b);
+    disjoint("gathered", *t.gathered, "d", t.d);
+  }
+  return dt;
+}
+
+// Symmetric memory a context takes from the heap, estimated from gemm_overlap.cpp's allocations: the
+// op's buffers, its flags, and the Collectives of the sequential method (a workspace of twice
+// min(buffer, 32 MiB), the LL buffer of 1 MiB per rank, flags), each rounded to the heap's alignment.
+size_t gemm_context_bytes(tdist::OverlapOp op, tdist::DType dtype, int64_t max_m, int64_t k, int64_t max_n,
+                          int world_size) {
+  const size_t e = tdist::dtype_size(dtype), w = static_cast<size_t>(std::max(world_size, 1));
+  const size_t align = tdist::SymmetricHeap::kDefaultAlignment;
+  auto up = [&](size_t x) { return (x + align - 1) / align * align; };
+  const size_t mm = static_cast<size_t>(std::max<int64_t>(max_m, 1));
+  size_t bytes = 0, sequential = 0;
+  if (op == tdist::OverlapOp::kAllGatherGemm) {
+    sequential = mm * static_cast<size_t>(k) * e;
+    bytes = up(sequential) + up(w * 8);
+  } else {
+    const size_t nn = static_cast<size_t>(std::max<int64_t>(max_n, 8));
+    sequential = mm * nn * e;
+    bytes = up(w * ((mm + w - 1) / w) * nn * e) + up(w * 8);
+    if (op == tdist::OverlapOp::kGemmAllReduce) bytes += up(mm * nn * e) + up(w * 8);
+  }
+  const size_t workspace = up(std::max<size_t>(std::min<size_t>(sequential, size_t{32} << 20), 256));
+  bytes += 2 * workspace + w * (size_t{1} << 20) + (size_t{64} << 10);
+  return bytes;
+}
+
 // DLPack dtype (code, bits) -> the names used above.
 std::string dlpack_dtype_name(const nb::dlpack::dtype& t) {
   const int code = t.code, bits = t.bits;
@@ -245,6 +371,9 @@ class Runtime {
   // exit: waiting here for peers that may be gone could hang the exit.
   ~Runtime() {
     if (closed_) return;
+    for (auto& [key, ctx] : ag_) (void)ctx.release();
+    for (auto& [key, ctx] : rs_) (void)ctx.release();
+    for (auto& [key, ctx] : ar_) (void)ctx.release();
     (void)coll_.release();
     (void)heap_.release();
     (void)world_.release();
@@ -257,6 +386,9 @@ class Runtime {
     nb::gil_scoped_release release;
     if (world_) cudaSetDevice(world_->device());
     cudaDeviceSynchronize();
+    ag_.clear();  // the GEMM contexts free their symmetric buffers into the heap
+    rs_.clear();
+    ar_.clear();
     coll_.reset();
     buffers_.clear();
     heap_.reset();
@@ -356,6 +488,41 @@ class Runtime {
                                                      dt, tdist::parse_all_reduce_method(method, "method")));
   }
 
+  // Overlapped GEMMs. Collective: every rank calls with the same m, n, k and method. The context for
+  // the call's (op, dtype[, K]) is created on first use and re-created larger when a call exceeds it
+  // (both collective, never while `stream` captures a CUDA graph). Returns the method that ran.
+  std::string ag_gemm(const DescTuple& a, const DescTuple& b, const DescTuple& d, const std::optional<DescTuple>& gathered,
+                      int64_t m, int64_t n, int64_t k, uint64_t stream, const std::string& method) {
+    return gemm(tdist::OverlapOp::kAllGatherGemm, a, b, d, gathered, m, n, k, stream, method, true);
+  }
+  std::string gemm_rs(const DescTuple& a, const DescTuple& b, const DescTuple& d, int64_t m, int64_t n, int64_t k,
+                      uint64_t stream, const std::string& method) {
+    return gemm(tdist::OverlapOp::kGemmReduceScatter, a, b, d, std::nullopt, m, n, k, stream, method, true);
+  }
+  std::string gemm_ar(const DescTuple& a, const DescTuple& b, const DescTuple& d, int64_t m, int64_t n, int64_t k,
+                      uint64_t stream, const std::string& method) {
+    return gemm(tdist::OverlapOp::kGemmAllReduce, a, b, d, std::nullopt, m, n, k, stream, method, true);
+  }
+  // The method such a call would run ("auto" and TDIST_OVERLAP_METHOD resolved), without running it;
+  // creates or grows the context like a call (collective then).
+  std::string gemm_method(const std::string& op, const DescTuple& a, const DescTuple& b, const DescTuple& d,
+                          const std::optional<DescTuple>& gathered, int64_t m, int64_t n, int64_t k, uint64_t stream,
+                          const std::string& method) {
+    return gemm(parse_gemm_op(op), a, b, d, gathered, m, n, k, stream, method, false);
+  }
+
+  // The live GEMM contexts: (op, dtype, k (ag_gemm; 0 otherwise), max_m, max_n (gemm_rs / gemm_ar; 0 otherwise)).
+  std::vector<std::tuple<std::string, std::string, int64_t, int64_t, int64_t>> gemm_contexts() const {
+    std::vector<std::tuple<std::string, std::string, int64_t, int64_t, int64_t>> v;
+    for (const auto& [key, ctx] : ag_)
+      if (ctx) v.emplace_back("ag_gemm", tdist::to_string(key.first), key.second, ctx->config().max_m, 0);
+    for (const auto& [key, ctx] : rs_)
+      if (ctx) v.emplace_back("gemm_rs", tdist::to_string(key), 0, ctx->config().max_m, ctx->config().max_n);
+    for (const auto& [key, ctx] : ar_)
+      if (ctx) v.emplace_back("gemm_ar", tdist::to_string(key), 0, ctx->config().max_m, ctx->config().max_n);
+    return v;
+  }
+
   // Host-side collective over the ranks (through the World); for tests and the benchmark.
   void host_barrier(const std::string& tag) {
     nb::gil_scoped_release release;
@@ -373,6 +540,161 @@ class Runtime {
       fail(msg("tdist.init: max_bytes=", max_bytes, " needs a workspace of 2 * max_bytes, more than the "
                   "symmetric heap's ", heap_->capacity(), " bytes; raise heap_size or lower max_bytes"));
     coll_ = std::make_unique<tdist::Collectives>(*world_, *heap_, max_bytes);
+  }
+
+  std::string gemm(tdist::OverlapOp op, const DescTuple& a_t, const DescTuple& b_t, const DescTuple& d_t,
+                   const std::optional<DescTuple>& g_t, int64_t m, int64_t n, int64_t k, uint64_t stream_id,
+                   const std::string& method, bool run) {
+    GemmOperands t{Desc(a_t), Desc(b_t), Desc(d_t), std::nullopt};
+    if (g_t) t.gathered.emplace(*g_t);
+    const auto dt = check_gemm_overlap(op, t, m, n, k, world_size(), rank(), device());
+    const auto requested = tdist::parse_overlap_method(method, "method");
+    if (m == 0) return tdist::to_string(requested);  // nothing to compute; no context needed
+    const auto stream = reinterpret_cast<cudaStream_t>(stream_id);
+    const auto ptr = [](const Desc& x) { return reinterpret_cast<void*>(x.ptr); };
+    tdist::OverlapMethod chosen;
+    switch (op) {
+      case tdist::OverlapOp::kAllGatherGemm: {
+        tdist::AllGatherGemmArgs args;
+        args.a_local = ptr(t.a);
+        args.b = ptr(t.b);
+        args.d = ptr(t.d);
+        args.a_gathered = t.gathered ? ptr(*t.gathered) : nullptr;
+        args.m = m;
+        args.n = n;
+        tdist::AllGatherGemm& ctx = ag_context(dt, k, m, stream);
+        nb::gil_scoped_release release;
+        chosen = ctx.method(args, requested);
+        if (run) ctx.run(args, stream, chosen);
+        break;
+      }
+      case tdist::OverlapOp::kGemmReduceScatter: {
+        const tdist::GemmReduceScatterArgs args{ptr(t.a), ptr(t.b), ptr(t.d), m, n, k};
+        auto& ctx = rs_context(rs_, op, dt, m, n, stream);
+        nb::gil_scoped_release release;
+        chosen = ctx.method(args, requested);
+        if (run) ctx.run(args, stream, chosen);
+        break;
+      }
+      case tdist::OverlapOp::kGemmAllReduce: {
+        const tdist::GemmAllReduceArgs args{ptr(t.a), ptr(t.b), ptr(t.d), m, n, k};
+        auto& ctx = rs_context(ar_, op, dt, m, n, stream);
+        nb::gil_scoped_release release;
+        chosen = ctx.method(args, requested);
+        if (run) ctx.run(args, stream, chosen);
+        break;
+      }
+    }
+    return tdist::to_string(chosen);
+  }
+
+  static bool capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+      (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures: treat as capturing
+      return true;
+    }
+    return status != cudaStreamCaptureStatusNone;
+  }
+
+  // Before a context is (re)created: not during a graph capture, and the heap must have room.
+  // `have` describes the context being replaced ("" when none), `bytes_old` its estimated heap use.
+  void check_new_context(tdist::OverlapOp op, const std::string& want, const std::string& have, size_t bytes_new,
+                         size_t bytes_old, cudaStream_t stream) const {
+    const char* o = tdist::to_string(op);
+    if (capturing(stream))
+      fail(msg("tdist.", o, ": this call needs a new GEMM context (", want, have.empty() ? "" : "; the current one has ",
+               have, ") but the stream is capturing a CUDA graph, and creating a context allocates symmetric memory, "
+               "compiles kernels and synchronises every rank. Call the op once with the largest shapes before the "
+               "capture (a warm-up, on every rank)"));
+    const size_t free_bytes = heap().capacity() - heap().bytes_in_use() + bytes_old;
+    if (bytes_new > free_bytes)
+      fail(msg("tdist.", o, ": its GEMM context (", want, ") needs about ", mib(bytes_new),
+               " MiB of symmetric memory, but the heap has ", mib(free_bytes), " MiB free of ", mib(heap().capacity()),
+               " MiB; raise heap_size in tdist.init (e.g. heap_size=\"", suggest_heap(bytes_new - free_bytes),
+               "\") or free tdist.empty buffers"));
+  }
+
+  static size_t mib(size_t bytes) { return (bytes + (size_t{1} << 20) - 1) >> 20; }
+  std::string suggest_heap(size_t missing) const {
+    const size_t gib = ((heap().capacity() + missing) + (size_t{1} << 30) - 1) >> 30;
+    return msg(gib, "G");
+  }
+
+  // Creates a context (collective), rewording a heap shortage so that it names heap_size.
+  template <typename Ctx, typename Config>
+  std::unique_ptr<Ctx> make_context(tdist::OverlapOp op, const Config& config, const std::string& want) {
+    try {
+      nb::gil_scoped_release release;
+      return std::make_unique<Ctx>(world_mut(), heap(), config);
+    } catch (const tdist::TimeoutError&) {
+      throw;
+    } catch (const tdist::Error& e) {
+      const std::string what = e.what();
+      if (what.find("out of memory") != std::string::npos)
+        fail(msg("tdist.", tdist::to_string(op), ": creating its GEMM context (", want,
+                 ") ran out of symmetric memory; raise heap_size in tdist.init. ", what));
+      throw;
+    }
+  }
+
+  // Growth: a context re-created for a larger M takes at least twice the old max_m when the heap has
+  // room for it, so a run of growing M re-creates it O(log M) times.
+  static int64_t grown(int64_t old_max, int64_t need) {
+    return need <= old_max ? old_max : std::max(need, 2 * old_max);
+  }
+
+  tdist::AllGatherGemm& ag_context(tdist::DType dt, int64_t k, int64_t m, cudaStream_t stream) {
+    auto& slot = ag_[{dt, k}];
+    if (slot && slot->config().max_m >= m) return *slot;
+    const int w = world_size();
+    const auto op = tdist::OverlapOp::kAllGatherGemm;
+    const int64_t old_m = slot ? slot->config().max_m : 0;
+    const size_t old_bytes = slot ? gemm_context_bytes(op, dt, old_m, k, 0, w) : 0;
+    const size_t room = heap().capacity() - heap().bytes_in_use() + old_bytes;
+    tdist::AllGatherGemmConfig c;
+    c.k = k;
+    c.dtype = dt;
+    c.max_m = grown(old_m, m);
+    if (gemm_context_bytes(op, dt, c.max_m, k, 0, w) > room) c.max_m = m;
+    const std::string want = msg("max_m=", c.max_m, ", K=", k, ", ", tdist::to_string(dt));
+    check_new_context(op, want, slot ? msg("max_m=", old_m) : std::string(),
+                      gemm_context_bytes(op, dt, c.max_m, k, 0, w), old_bytes, stream);
+    if (slot) {
+      nb::gil_scoped_release release;
+      slot.reset();  // collective: its buffers go back to the heap first
+    }
+    slot = make_context<tdist::AllGatherGemm>(op, c, want);
+    return *slot;
+  }
+
+  template <typename Ctx>
+  Ctx& rs_context(std::map<tdist::DType, std::unique_ptr<Ctx>>& contexts, tdist::OverlapOp op, tdist::DType dt,
+                  int64_t m, int64_t n, cudaStream_t stream) {
+    auto& slot = contexts[dt];
+    if (slot && slot->config().max_m >= m && slot->config().max_n >= n) return *slot;
+    const int w = world_size();
+    const int64_t old_m = slot ? slot->config().max_m : 0, old_n = slot ? slot->config().max_n : 0;
+    const size_t old_bytes = slot ? gemm_context_bytes(op, dt, old_m, 0, old_n, w) : 0;
+    const size_t room = heap().capacity() - heap().bytes_in_use() + old_bytes;
+    tdist::GemmReduceScatterConfig c;
+    c.dtype = dt;
+    c.max_n = std::max(n, old_n);
+    c.max_m = grown(old_m, m);
+    if (gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w) > room) c.max_m = std::max(m, old_m);
+    if (gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w) > room) {  // the old sizes do not fit beside: just this call's
+      c.max_m = m;
+      c.max_n = n;
+    }
+    const std::string want = msg("max_m=", c.max_m, ", max_n=", c.max_n, ", ", tdist::to_string(dt));
+    check_new_context(op, want, slot ? msg("max_m=", old_m, ", max_n=", old_n) : std::string(),
+                      gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w), old_bytes, stream);
+    if (slot) {
+      nb::gil_scoped_release release;
+      slot.reset();
+    }
+    slot = make_context<Ctx>(op, c, want);
+    return *slot;
   }
 
   const tdist::World& world() const {
@@ -397,6 +719,10 @@ class Runtime {
   std::unique_ptr<tdist::SymmetricHeap> heap_;
   std::unique_ptr<tdist::Collectives> coll_;
   std::map<uint64_t, size_t> buffers_;  // live tdist.empty buffers: address -> bytes
+  // Overlapped-GEMM contexts, created on first use and re-created larger when a call exceeds them.
+  std::map<std::pair<tdist::DType, int64_t>, std::unique_ptr<tdist::AllGatherGemm>> ag_;  // by (dtype, K)
+  std::map<tdist::DType, std::unique_ptr<tdist::GemmReduceScatter>> rs_;                  // by dtype
+  std::map<tdist::DType, std::unique_ptr<tdist::GemmAllReduce>> ar_;                      // by dtype
   bool closed_ = false;
 };
 
@@ -618,6 +944,32 @@ NB_MODULE(_C, m) {
       },
       "all_reduce"_a = std::string("auto"), "all_gather"_a = std::string("auto"), "reduce_scatter"_a = std::string("auto"),
       "Throws tdist.Error for a method name no op knows.");
+  m.def(
+      "check_gemm_overlap",
+      [](const std::string& op, const DescTuple& a, const DescTuple& b, const DescTuple& d,
+         const std::optional<DescTuple>& gathered, int64_t m, int64_t n, int64_t k, int world_size, int rank,
+         int device) {
+        GemmOperands t{Desc(a), Desc(b), Desc(d), std::nullopt};
+        if (gathered) t.gathered.emplace(*gathered);
+        return std::string(tdist::to_string(check_gemm_overlap(parse_gemm_op(op), t, m, n, k, world_size, rank, device)));
+      },
+      "op"_a, "a"_a, "b"_a, "d"_a, "gathered"_a.none(), "m"_a, "n"_a, "k"_a, "world_size"_a, "rank"_a = 0,
+      "device"_a = -1,
+      "Argument checks of ag_gemm / gemm_rs / gemm_ar on descriptors (m: all ranks' rows; n, k: this rank's "
+      "GEMM); returns the dtype name.");
+  m.def(
+      "parse_overlap_method",
+      [](const std::string& method) { return std::string(tdist::to_string(tdist::parse_overlap_method(method, "method"))); },
+      "method"_a, "The overlapped GEMMs' method name (auto, fused, chunked, sequential, baseline); tdist.Error otherwise.");
+  m.def(
+      "gemm_context_bytes",
+      [](const std::string& op, const std::string& dtype, int64_t max_m, int64_t k, int64_t max_n, int world_size) {
+        const auto dt = collective_dtype(dtype);
+        if (!dt) fail(msg("gemm_context_bytes: unknown dtype '", dtype, "'"));
+        return gemm_context_bytes(parse_gemm_op(op), *dt, max_m, k, max_n, world_size);
+      },
+      "op"_a, "dtype"_a, "max_m"_a, "k"_a, "max_n"_a, "world_size"_a,
+      "Estimated symmetric-heap bytes of one overlapped-GEMM context (k for ag_gemm, max_n for gemm_rs / gemm_ar).");
   m.def("parse_size", [](const std::string& s) { return tdist::SymmetricHeap::parse_size(s, "heap_size"); },
         "Bytes from '512M', '2G', '1048576' (TDIST_SYMMETRIC_HEAP_SIZE's format).");
   m.def("nccl_unique_id", &nccl_unique_id, "A new NCCL unique id (bytes), made on the rank that bootstraps.");
@@ -651,6 +1003,13 @@ NB_MODULE(_C, m) {
       .def("all_reduce", &Runtime::all_reduce, "input"_a, "output"_a, "stream"_a, "method"_a)
       .def("all_gather", &Runtime::all_gather, "input"_a, "output"_a, "stream"_a, "method"_a)
       .def("reduce_scatter", &Runtime::reduce_scatter, "input"_a, "output"_a, "stream"_a, "method"_a)
+      .def("ag_gemm", &Runtime::ag_gemm, "a_local"_a, "b"_a, "d"_a, "gathered"_a.none(), "m"_a, "n"_a, "k"_a,
+           "stream"_a, "method"_a)
+      .def("gemm_rs", &Runtime::gemm_rs, "a"_a, "b"_a, "d"_a, "m"_a, "n"_a, "k"_a, "stream"_a, "method"_a)
+      .def("gemm_ar", &Runtime::gemm_ar, "a"_a, "b"_a, "d"_a, "m"_a, "n"_a, "k"_a, "stream"_a, "method"_a)
+      .def("gemm_method", &Runtime::gemm_method, "op"_a, "a"_a, "b"_a, "d"_a, "gathered"_a.none(), "m"_a, "n"_a,
+           "k"_a, "stream"_a, "method"_a)
+      .def("gemm_contexts", &Runtime::gemm_contexts)
       .def("barrier", &Runtime::barrier, "stream"_a)
       .def("all_reduce_method", &Runtime::all_reduce_method, "input"_a, "output"_a, "method"_a)
       .def("host_barrier", &Runtime::host_barrier, "tag"_a);
