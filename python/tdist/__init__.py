@@ -7,6 +7,7 @@
         y = tdist.all_gather(x)              # torch.ops.tdist.all_gather: torch.compile / CUDA graphs
         buf = tdist.empty((1024,), torch.float32)   # symmetric memory
         remote = tdist.peer(buf, (tdist.get_rank() + 1) % tdist.get_world_size())
+        y = tdist.ag_gemm(x_rows, w_shard)   # all_gather(x_rows) @ w_shard.T, overlapped
 
 Importing needs neither torch nor a GPU. docs/python.md has the API.
 """
@@ -27,7 +28,7 @@ from ._runtime import (
     is_symmetric,
     peer,
 )
-from .ops import all_gather, all_reduce, barrier, reduce_scatter
+from .ops import ag_gemm, all_gather, all_reduce, barrier, gemm_ar, gemm_rs, reduce_scatter
 from . import jit
 
 __version__ = "0.1.0"
@@ -51,5 +52,8 @@ __all__ = [
     "all_gather",
     "reduce_scatter",
     "barrier",
+    "ag_gemm",
+    "gemm_rs",
+    "gemm_ar",
     "jit",
 ]

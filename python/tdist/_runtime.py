@@ -245,9 +245,13 @@ def get_device() -> int:
 
 
 def heap_info() -> dict:
-    """The symmetric heap: {'capacity', 'in_use', 'collective_max_bytes'} in bytes."""
+    """The symmetric heap: {'capacity', 'in_use', 'collective_max_bytes'} in bytes, and
+    'gemm_contexts': the live contexts of the overlapped GEMMs, as dicts with 'op', 'dtype', 'k'
+    (ag_gemm), 'max_m' and 'max_n' (gemm_rs, gemm_ar)."""
     rt = runtime("heap_info")
-    return {"capacity": rt.heap_capacity, "in_use": rt.heap_bytes_in_use, "collective_max_bytes": rt.max_bytes}
+    contexts = [dict(zip(("op", "dtype", "k", "max_m", "max_n"), c)) for c in rt.gemm_contexts()]
+    return {"capacity": rt.heap_capacity, "in_use": rt.heap_bytes_in_use, "collective_max_bytes": rt.max_bytes,
+            "gemm_contexts": contexts}
 
 
 def _check_device(op: str, device, rt) -> None:

@@ -14,20 +14,29 @@ in-place ops that return their input).
   tdist::reduce_scatter(Tensor input, str method="auto") -> Tensor       # dim 0 shrinks world_size x
   tdist::reduce_scatter_out(Tensor input, Tensor(a!) output, str method="auto") -> ()
   tdist::barrier(Tensor(a!) token) -> ()
+  tdist::ag_gemm(Tensor a_local, Tensor b, SymInt? m=None, str method="auto") -> Tensor
+  tdist::ag_gemm_gathered(Tensor a_local, Tensor b, SymInt? m=None, str method="auto") -> (Tensor, Tensor)
+  tdist::gemm_rs(Tensor a, Tensor b, str method="auto") -> Tensor
+  tdist::gemm_ar(Tensor a, Tensor b, str method="auto") -> Tensor
 
 barrier mutates a one-element token tensor that tdist keeps: an op with neither outputs nor
 mutations could be dropped or moved freely by graph passes; a mutation keeps it in the graph.
 
-Fused GEMM + collective ops (ag_gemm, gemm_rs, gemm_ar) register here too, next to their Python
-wrappers in ops.py, when the C++ core has them.
+The overlapped GEMMs (ag_gemm, gemm_rs, gemm_ar; wrappers and docs in ops.py) check their arguments
+in Python (_overlap.py) in both implementations, so a bad call fails while tracing too. Their real
+implementations create or grow the op's context in the C++ runtime when a call needs it (collective;
+refused during a CUDA graph capture).
 """
 
 # No `from __future__ import annotations`: torch.library.custom_op reads the annotations as types.
+from typing import Optional, Tuple
+
 import torch
 from torch import Tensor
 
+from . import _overlap
 from ._runtime import runtime
-from ._tensors import Error, describe_checked
+from ._tensors import Error, describe_checked, torch_dtype_name
 
 _token = None  # barrier's token, on this rank's device while initialised
 
@@ -169,3 +178,113 @@ def barrier(token: Tensor) -> None:
 @barrier.register_fake
 def _(token):
     return None
+
+
+# --- overlapped GEMMs: ag_gemm, gemm_rs, gemm_ar ---------------------------------------------------
+
+def _operand(t: Tensor, real: bool) -> _overlap.Operand:
+    dev = t.device
+    return _overlap.Operand(tuple(t.shape), torch_dtype_name(t.dtype), dev.type, dev.index, t.is_contiguous(),
+                            t.data_ptr() if real and dev.type == "cuda" and t.numel() > 0 else None)
+
+
+def _rank_world(op: str):
+    rt = runtime(op)
+    return rt.rank, rt.world_size
+
+
+def _dims(op: str, a: Tensor, b: Tensor, m, method, real: bool) -> _overlap.Dims:
+    """The Python checks of one call (real and fake implementations alike)."""
+    _overlap.check_method(op, method)
+    rank, world = _rank_world(op)
+    if op == "ag_gemm":
+        return _overlap.ag_gemm_dims(_operand(a, real), _operand(b, real), m, world, rank)
+    return _overlap.gemm_rs_dims(_operand(a, real), _operand(b, real), world, rank, op=op)
+
+
+def _d_shape(op: str, dims: _overlap.Dims):
+    return (dims.rows if op == "gemm_rs" else dims.m, dims.n)
+
+
+def _descs(op: str, a: Tensor, b: Tensor, d: Tensor):
+    a_name = "a_local" if op == "ag_gemm" else "a"
+    return [describe_checked(t, op, name) for t, name in ((a, a_name), (b, "b"), (d, "d"))]
+
+
+def _run_gemm(op: str, dims: _overlap.Dims, method: str, a: Tensor, b: Tensor, d: Tensor,
+              gathered: Optional[Tensor] = None) -> None:
+    """The C++ call on torch's current stream (after the Python checks; C++ checks the descriptors)."""
+    rt = runtime(op)
+    descs = _descs(op, a, b, d)
+    if op == "ag_gemm":
+        g = None if gathered is None else describe_checked(gathered, op, "gathered")
+        rt.ag_gemm(*descs, g, dims.m, dims.n, dims.k, _stream(a), method)
+    else:
+        getattr(rt, op)(*descs, dims.m, dims.n, dims.k, _stream(a), method)
+
+
+def gemm_method(op: str, a: Tensor, b: Tensor, m: Optional[int] = None, method: str = "auto") -> str:
+    """The method a call of ``op`` (ag_gemm, gemm_rs, gemm_ar) with these operands would run ("auto"
+    and TDIST_OVERLAP_METHOD resolved), without running it. Collective when the op's context has to be
+    created or grown, like a call."""
+    dims = _dims(op, a, b, m, method, True)
+    d = torch.empty(_d_shape(op, dims), dtype=a.dtype, device=a.device)
+    return runtime(op).gemm_method(op, *_descs(op, a, b, d), None, dims.m, dims.n, dims.k, _stream(a), method)
+
+
+@torch.library.custom_op("tdist::ag_gemm", mutates_args=())
+def ag_gemm(a_local: Tensor, b: Tensor, m: Optional[int] = None, method: str = "auto") -> Tensor:
+    dims = _dims("ag_gemm", a_local, b, m, method, True)
+    d = torch.empty(_d_shape("ag_gemm", dims), dtype=a_local.dtype, device=a_local.device)
+    _run_gemm("ag_gemm", dims, method, a_local, b, d)
+    return d
+
+
+@ag_gemm.register_fake
+def _(a_local, b, m=None, method="auto"):
+    return a_local.new_empty(_d_shape("ag_gemm", _dims("ag_gemm", a_local, b, m, method, False)))
+
+
+@torch.library.custom_op("tdist::ag_gemm_gathered", mutates_args=())
+def ag_gemm_gathered(a_local: Tensor, b: Tensor, m: Optional[int] = None,
+                     method: str = "auto") -> Tuple[Tensor, Tensor]:
+    dims = _dims("ag_gemm", a_local, b, m, method, True)
+    d = torch.empty(_d_shape("ag_gemm", dims), dtype=a_local.dtype, device=a_local.device)
+    gathered = torch.empty((dims.m, dims.k), dtype=a_local.dtype, device=a_local.device)
+    _run_gemm("ag_gemm", dims, method, a_local, b, d, gathered)
+    return d, gathered
+
+
+@ag_gemm_gathered.register_fake
+def _(a_local, b, m=None, method="auto"):
+    dims = _dims("ag_gemm", a_local, b, m, method, False)
+    return a_local.new_empty(_d_shape("ag_gemm", dims)), a_local.new_empty((dims.m, dims.k))
+
+
+def _gemm_reduce(op: str, a: Tensor, b: Tensor, method: str, real: bool) -> Tensor:
+    dims = _dims(op, a, b, None, method, real)
+    if not real:
+        return a.new_empty(_d_shape(op, dims))
+    d = torch.empty(_d_shape(op, dims), dtype=a.dtype, device=a.device)
+    _run_gemm(op, dims, method, a, b, d)
+    return d
+
+
+@torch.library.custom_op("tdist::gemm_rs", mutates_args=())
+def gemm_rs(a: Tensor, b: Tensor, method: str = "auto") -> Tensor:
+    return _gemm_reduce("gemm_rs", a, b, method, True)
+
+
+@gemm_rs.register_fake
+def _(a, b, method="auto"):
+    return _gemm_reduce("gemm_rs", a, b, method, False)
+
+
+@torch.library.custom_op("tdist::gemm_ar", mutates_args=())
+def gemm_ar(a: Tensor, b: Tensor, method: str = "auto") -> Tensor:
+    return _gemm_reduce("gemm_ar", a, b, method, True)
+
+
+@gemm_ar.register_fake
+def _(a, b, method="auto"):
+    return _gemm_reduce("gemm_ar", a, b, method, False)

@@ -1,4 +1,4 @@
-"""Collectives with PyTorch-style signatures.
+"""Collectives and overlapped GEMMs with PyTorch-style signatures.
 
 torch tensors go through the torch.library ops ``torch.ops.tdist.*`` (traceable by
 torch.compile(fullgraph=True), capturable in CUDA graphs) and run on torch's current stream. Other
@@ -6,12 +6,15 @@ arrays (DLPack or __cuda_array_interface__, e.g. CuPy) call the C++ core directl
 current stream when torch is installed and the default stream otherwise.
 
 Every op is collective: all ranks call it in the same order with the same shapes, dtype and
-method. Supported dtypes: bfloat16, float16, float32; tensors contiguous, on this rank's GPU.
+method. Supported dtypes: bfloat16, float16, float32 (the overlapped GEMMs: bfloat16, float16);
+tensors contiguous, on this rank's GPU. The overlapped GEMMs (ag_gemm, gemm_rs, gemm_ar) take torch
+tensors only.
 """
 
 from __future__ import annotations
 
 from ._runtime import runtime
+from . import _overlap
 from ._tensors import Error, current_stream, describe_checked, is_torch_tensor, torch_module
 
 _torch = torch_module()
@@ -26,6 +29,10 @@ if _torch is not None:
     _reduce_scatter = _torch.ops.tdist.reduce_scatter.default
     _reduce_scatter_out = _torch.ops.tdist.reduce_scatter_out.default
     _barrier = _torch.ops.tdist.barrier.default
+    _ag_gemm = _torch.ops.tdist.ag_gemm.default
+    _ag_gemm_gathered = _torch.ops.tdist.ag_gemm_gathered.default
+    _gemm_rs = _torch.ops.tdist.gemm_rs.default
+    _gemm_ar = _torch.ops.tdist.gemm_ar.default
 
 
 def _check_method(method) -> str:
@@ -137,6 +144,124 @@ def barrier() -> None:
     _barrier(_tops.barrier_token())
 
 
-# Fused GEMM + collective ops (ag_gemm, gemm_rs, gemm_ar) belong here, with the same conventions
-# (torch.library op with a fake implementation in _torch_ops.py, C++ argument checks in _C), once
-# the C++ core provides them.
+
+# --- overlapped GEMMs -----------------------------------------------------------------------------
+
+def _gemm_operands(op: str, **tensors) -> None:
+    """The overlapped GEMMs run on torch tensors only (the C++ core needs their shapes)."""
+    if _torch is None:
+        raise Error(f"tdist.{op} needs PyTorch, which is not installed")
+    for name, t in tensors.items():
+        if not is_torch_tensor(t):
+            raise Error(f"tdist.{op}: '{name}' must be a torch.Tensor, got {type(t).__name__}")
+
+
+_GEMM_NOTES = """
+    Collective: every rank calls it in the same order with the same shapes, dtype and method. Runs
+    on torch's current stream without host synchronisation; traceable by
+    ``torch.compile(fullgraph=True)`` and capturable in CUDA graphs.
+
+    Layout "TN", as ``torch.nn.functional.linear``: ``y = x @ w.T`` with the weight ``w`` of shape
+    ``(N, K)``. All tensors dense, contiguous, 2-D, 16-byte aligned, bfloat16 or float16 (one dtype),
+    on this rank's GPU; N and K multiples of 8; fp32 accumulation.
+
+    Methods (include/tdist/ops/gemm_overlap.hpp has the protocols): "auto" (the performance model's
+    choice; ``TDIST_OVERLAP_METHOD`` overrides it), "fused" (tdist's persistent GEMM with the
+    communication in its tile hooks, Hopper only), "chunked" (one cuBLAS GEMM per row chunk as chunks
+    arrive / leave), "sequential" (cuBLAS, then tdist's collective; for small M; ag_gemm and gemm_rs
+    need M divisible by the world size for it), "baseline" (cuBLAS and NCCL in sequence).
+
+    Context: the first call for a (dtype, K) (ag_gemm) or a dtype (gemm_rs, gemm_ar) creates the op's
+    context: symmetric buffers sized for the call (about M x K x 2 bytes for ag_gemm, M x N x 2 for
+    gemm_rs and twice that for gemm_ar, plus a workspace of up to 64 MiB) from the heap of
+    ``tdist.init(heap_size=...)``, and compiled kernels. A later call with a larger M (or N) re-creates
+    it larger (at least twice the old M when the heap has room). Both are collective: every rank makes
+    the same calls, so they happen on every rank at the same call. A context cannot be created inside
+    a CUDA graph capture (tdist.Error); run every shape once before capturing (warm-up).
+"""
+
+
+def ag_gemm(a_local, b, *, m=None, method: str = "auto", return_gathered: bool = False):
+    """AllGather-GEMM: ``all_gather(a_local) @ b.T`` with the gather overlapped with the GEMM.
+
+    The rows of ``A`` (M x K in all) are split over the ranks as RowChunks{M, world_size}: rank r
+    holds rows ``[begin(r), begin(r) + rows(r))`` with ``rows(r) = M // world + (r < M % world)``
+    (the first ``M % world_size`` ranks hold one row more), in rank order. ``b`` is this rank's
+    shard of a column-parallel weight (its N output features). The result holds every row:
+    ``d = A @ b.T``, of shape ``(M, N)``, the same on every rank up to this rank's ``b``.
+
+    Args:
+        a_local: ``(rows(rank), K)`` tensor, this rank's rows of ``A``.
+        b: ``(N, K)`` tensor, this rank's weight shard.
+        m: ``M``, the total row count (int, the same on every rank). Default
+            ``a_local.shape[0] * world_size``, right only when every rank holds as many rows; with
+            unequal rows pass it on every rank (a rank cannot see the others' counts).
+        method: "auto", "fused", "chunked", "sequential" or "baseline".
+        return_gathered: also return the gathered ``A`` (``(M, K)``).
+
+    Returns:
+        ``d`` of shape ``(M, N)``, or ``(d, gathered)`` when ``return_gathered``.
+
+    Example (2 ranks)::
+
+        x = torch.randn(4096, 8192, device="cuda", dtype=torch.bfloat16)   # this rank's tokens
+        w = torch.randn(7168, 8192, device="cuda", dtype=torch.bfloat16)   # 14336 / 2 features
+        y = tdist.ag_gemm(x, w)                                            # (8192, 7168)
+    """
+    method = _overlap.check_method("ag_gemm", method)
+    _gemm_operands("ag_gemm", a_local=a_local, b=b)
+    _overlap.check_m("ag_gemm", m)
+    if not isinstance(return_gathered, bool):
+        raise Error(f"tdist.ag_gemm: return_gathered must be a bool, got {type(return_gathered).__name__}")
+    if return_gathered:
+        return _ag_gemm_gathered(a_local, b, m, method)
+    return _ag_gemm(a_local, b, m, method)
+
+
+def gemm_rs(a, b, *, method: str = "auto"):
+    """GEMM-ReduceScatter: this rank's rows of ``sum over ranks (a @ b.T)``, the reduction
+    overlapped with the GEMM.
+
+    Each rank holds a slice of K (row-parallel weight): ``a`` its ``(M, K_local)`` activations,
+    ``b`` its ``(N, K_local)`` weight slice. The sum ``D = sum_r a_r @ b_r.T`` (M x N, fp32
+    accumulation) is split by rows as RowChunks{M, world_size}; rank r receives rows
+    ``[begin(r), begin(r) + rows(r))``, ``rows(r) = M // world + (r < M % world)`` (M need not divide).
+    Like ``torch.distributed.reduce_scatter_tensor(out, a @ b.T)`` for M divisible by the world size.
+
+    Args:
+        a: ``(M, K_local)`` tensor, the same M on every rank.
+        b: ``(N, K_local)`` tensor.
+        method: "auto", "fused", "chunked", "sequential" or "baseline".
+
+    Returns:
+        ``(rows(rank), N)`` tensor, this rank's rows of the sum.
+    """
+    method = _overlap.check_method("gemm_rs", method)
+    _gemm_operands("gemm_rs", a=a, b=b)
+    return _gemm_rs(a, b, method)
+
+
+def gemm_ar(a, b, *, method: str = "auto"):
+    """GEMM-AllReduce: ``sum over ranks (a @ b.T)`` on every rank, the reduction overlapped with the
+    GEMM.
+
+    Each rank holds a slice of K: ``a`` its ``(M, K_local)`` activations, ``b`` its ``(N, K_local)``
+    weight slice. Like ``y = a @ b.T; torch.distributed.all_reduce(y)``.
+
+    Args:
+        a: ``(M, K_local)`` tensor, the same M on every rank.
+        b: ``(N, K_local)`` tensor.
+        method: "auto", "fused", "chunked", "sequential" or "baseline".
+
+    Returns:
+        ``(M, N)`` tensor, the sum (fp32 accumulation), on every rank.
+    """
+    method = _overlap.check_method("gemm_ar", method)
+    _gemm_operands("gemm_ar", a=a, b=b)
+    return _gemm_ar(a, b, method)
+
+
+for _f in (ag_gemm, gemm_rs, gemm_ar):
+    if _f.__doc__:  # python -OO drops docstrings
+        _f.__doc__ += _GEMM_NOTES
+del _f
