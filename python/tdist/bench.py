@@ -1,20 +1,39 @@
-"""Side-by-side collectives benchmark from Python: tdist beside torch.distributed (NCCL) and, for
-AllReduce, torch's symmetric-memory ops (torch.ops.symm_mem) where this torch has them.
+"""Side-by-side benchmark from Python: tdist's collectives and overlapped GEMMs beside
+torch.distributed (NCCL) and torch's symmetric-memory ops (torch.ops.symm_mem) where this torch has
+them.
 
-    torchrun --nproc-per-node 2 -m tdist.bench [--sizes 4K,64K,1M,16M,64M] [--dtype bf16]
+    torchrun --nproc-per-node 2 -m tdist.bench [--ops all_reduce,all_gather,reduce_scatter]
+        [--sizes 4K,64K,1M,16M,64M] [--dtype bf16] [--json FILE]
+    torchrun --nproc-per-node 2 -m tdist.bench --ops ag_gemm,gemm_rs,gemm_ar [--m 1024,4096,8192,16384]
+        [--methods auto,chunked] [--json FILE]
 
-Sizes follow nccl-tests: the AllReduce buffer, the AllGather output, the ReduceScatter input.
+Collectives: sizes follow nccl-tests (the AllReduce buffer, the AllGather output, the ReduceScatter
+input); bus bandwidth as nccl-tests: AllReduce 2(n-1)/n x size / time, AllGather and ReduceScatter
+(n-1)/n x size / time; beside NCCL and, for AllReduce, symm_mem one-shot / two-shot.
+
+Overlapped GEMMs, shapes as bench/gemm_overlap.cu (LLaMA-3-70B at TP = world size): ag_gemm
+M x 14336 (total, N = 14336 / world per rank) x 8192, gemm_rs / gemm_ar M x 8192 x 14336 (total,
+K = 14336 / world per rank), each also M = 4096 with an 8192 x 8192 weight; beside
+"nccl+mm" (the torch.distributed collective and torch.matmul in sequence), "mm" (this rank's GEMM
+alone, the floor an overlap approaches) and "symm_mem" (torch.ops.symm_mem.fused_all_gather_matmul /
+fused_matmul_reduce_scatter; none for AllReduce). Outputs are compared with nccl+mm's ("diff": max
+|x - ref| / max |ref|, the worst rank).
+
 Each cell is the median over --iters launches of one call timed with CUDA events (after --warmup
-calls), the slowest rank's median. Bus bandwidth as nccl-tests: AllReduce 2(n-1)/n x size / time,
-AllGather and ReduceScatter (n-1)/n x size / time. NVLink multicast stays off.
+calls), the slowest rank's median. NVLink multicast stays off.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import warnings
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+GEMMS = ("ag_gemm", "gemm_rs", "gemm_ar")
 
 
 def _size(text: str) -> int:
@@ -33,13 +52,30 @@ def _fmt_size(n: int) -> str:
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m tdist.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--sizes", default="4K,64K,256K,1M,4M,16M,64M", help="comma-separated bytes, K/M/G suffixes")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="element type")
-    p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter", help="comma-separated ops")
+    p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter",
+                   help="comma-separated ops: " + ", ".join(COLLECTIVES + GEMMS))
+    p.add_argument("--sizes", default="4K,64K,256K,1M,4M,16M,64M",
+                   help="collectives: comma-separated bytes, K/M/G suffixes")
+    p.add_argument("--m", default="1024,4096,8192,16384", help="overlapped GEMMs: comma-separated M (all ranks' rows)")
+    p.add_argument("--methods", default="auto",
+                   help="overlapped GEMMs: tdist methods to time (auto, fused, chunked, sequential, baseline)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                   help="element type (the overlapped GEMMs: bf16 or fp16)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls first")
     p.add_argument("--iters", type=int, default=50, help="timed calls")
-    p.add_argument("--heap-size", default="2G", help="tdist's symmetric heap per rank")
-    return p.parse_args(argv)
+    p.add_argument("--heap-size", default=None,
+                   help="tdist's symmetric heap per rank (default 8G with an overlapped GEMM, else 2G)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (rank 0)")
+    args = p.parse_args(argv)
+    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    for op in args.ops:
+        if op not in COLLECTIVES + GEMMS:
+            p.error(f"unknown op '{op}' (expected {', '.join(COLLECTIVES + GEMMS)})")
+    if args.dtype == "fp32" and any(op in GEMMS for op in args.ops):
+        p.error("the overlapped GEMMs take bf16 or fp16, not fp32")
+    if args.heap_size is None:
+        args.heap_size = "8G" if any(op in GEMMS for op in args.ops) else "2G"
+    return args
 
 
 def _time_us(fn, warmup: int, iters: int, torch, dist) -> float:
@@ -60,20 +96,22 @@ def _time_us(fn, warmup: int, iters: int, torch, dist) -> float:
     return float(t.item())
 
 
-def _symm_mem(torch, dist):
-    """torch's symmetric memory module and the group name, or None."""
+def _symm_mem(torch, dist, *ops):
+    """torch's symmetric memory module and the group name when this torch has every op of `ops`
+    in torch.ops.symm_mem, else None."""
     try:
-        import torch.distributed._symmetric_memory as symm_mem
-        ops = torch.ops.symm_mem
-        getattr(ops, "one_shot_all_reduce")
-        getattr(ops, "two_shot_all_reduce_")
+        import torch.distributed._symmetric_memory as symm_mem  # also defines the fused GEMM ops
+        for op in ops:
+            getattr(torch.ops.symm_mem, op)
     except (ImportError, AttributeError, RuntimeError):
         return None
     name = dist.group.WORLD.group_name
     enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None:
+    if enable is not None:  # needed up to torch 2.9, deprecated (a no-op warning) after
         try:
-            enable(name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(name)
         except Exception:  # noqa: BLE001 - older/newer torch variations
             pass
     return symm_mem, name
@@ -97,10 +135,14 @@ def main(argv=None) -> int:
     n, me = dist.get_world_size(), dist.get_rank()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
-    symm = _symm_mem(torch, dist)
+    symm = _symm_mem(torch, dist, "one_shot_all_reduce", "two_shot_all_reduce_")
     rows = []
+    gemm_rows = []
     try:
-        for op in [o.strip() for o in args.ops.split(",") if o.strip()]:
+        for op in args.ops:
+            if op in GEMMS:
+                gemm_rows += _bench_gemm(op, args, dtype, tdist, torch, dist)
+                continue
             for size in [_size(s) for s in args.sizes.split(",")]:
                 count = max(n, size // elem // n * n)  # divisible by the world size
                 bytes_ = count * elem
@@ -143,16 +185,167 @@ def main(argv=None) -> int:
                     cells["nccl"] = _time_us(lambda: dist.reduce_scatter_tensor(out, x), args.warmup, args.iters,
                                              torch, dist)
                     busbw_factor = (n - 1) / n
-                else:
-                    raise tdist.Error(f"tdist.bench: unknown op '{op}' (all_reduce, all_gather, reduce_scatter)")
                 rows.append((op, bytes_, cells, busbw_factor))
                 torch.cuda.synchronize()
         if me == 0:
-            _print_table(rows, n, args)
+            if rows:
+                _print_table(rows, n, args)
+            if gemm_rows:
+                _print_gemm_table(gemm_rows, n, args)
+            if args.json:
+                _write_json(args, n, rows, gemm_rows)
     finally:
         tdist.finalize()
         dist.destroy_process_group()
     return 0
+
+
+# --- overlapped GEMMs -------------------------------------------------------------------------------
+
+def _gemm_shapes(op: str, ms, world: int):
+    """(M, N, K of this rank's GEMM, note) as bench/gemm_overlap.cu: ag_gemm splits N over the ranks,
+    gemm_rs / gemm_ar split K (per rank rounded down to a multiple of 8)."""
+    def per_rank(total):
+        return max(8, total // world // 8 * 8)
+
+    shapes = []
+    for m in ms:
+        if op == "ag_gemm":
+            shapes.append((m, per_rank(14336), 8192, "LLaMA-3-70B MLP up: N=14336 total, K=8192"))
+        else:
+            shapes.append((m, 8192, per_rank(14336), "LLaMA-3-70B MLP down: N=8192, K=14336 total"))
+    if 4096 in ms:
+        if op == "ag_gemm":
+            shapes.append((4096, per_rank(8192), 8192, "8192 x 8192 weight: N=8192 total"))
+        else:
+            shapes.append((4096, 8192, per_rank(8192), "8192 x 8192 weight: K=8192 total"))
+    return shapes
+
+
+def _rel_diff(x, ref, torch, dist) -> float:
+    """max |x - ref| / max |ref| on this rank (NaN counts as infinite), the maximum over ranks."""
+    d = (x.float() - ref.float()).abs().nan_to_num(nan=float("inf")).max() if x.numel() else torch.zeros((), device="cuda")
+    scale = ref.float().abs().max() if ref.numel() else torch.ones((), device="cuda")
+    t = (d / scale.clamp_min(1e-30)).reshape(1).double()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _bench_gemm(op: str, args, dtype, tdist, torch, dist):
+    """One row per (shape, tdist method): every variant's time, the resolved method, diffs."""
+    from . import _torch_ops
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    methods = [x.strip() for x in args.methods.split(",") if x.strip()]
+    ms = [int(_size(x)) for x in args.m.split(",") if x.strip()]
+    group = dist.group.WORLD
+    symm = _symm_mem(torch, dist, "fused_all_gather_matmul" if op == "ag_gemm" else "fused_matmul_reduce_scatter")
+    out = []
+    for m, n, k, note in _gemm_shapes(op, ms, world):
+        gen = torch.Generator(device="cuda").manual_seed(1234 + me)
+        rows = m // world + (me < m % world)  # RowChunks
+        a_rows = rows if op == "ag_gemm" else m
+        a = (torch.rand(a_rows, k, device="cuda", generator=gen) * 2 - 1).to(dtype)
+        b = ((torch.rand(n, k, device="cuda", generator=gen) * 2 - 1) / k ** 0.5).to(dtype)
+        equal = m % world == 0
+        variants = {}
+        if op == "ag_gemm":
+            for method in methods:
+                variants[f"tdist {method}"] = lambda method=method: tdist.ag_gemm(a, b, m=m, method=method)
+            if equal:
+                gathered = torch.empty(m, k, device="cuda", dtype=dtype)
+
+                def nccl_mm():
+                    dist.all_gather_into_tensor(gathered, a, group=group)
+                    return torch.matmul(gathered, b.t())
+
+                variants["nccl+mm"] = nccl_mm
+                full = (torch.rand(m, k, device="cuda", generator=gen) * 2 - 1).to(dtype)
+                variants["mm"] = lambda: torch.matmul(full, b.t())
+            if symm is not None and equal:
+                variants["symm_mem"] = lambda: torch.ops.symm_mem.fused_all_gather_matmul(
+                    a, [b.t()], 0, symm[1], return_A=False)[1][0]
+        else:
+            for method in methods:
+                fn = tdist.gemm_rs if op == "gemm_rs" else tdist.gemm_ar
+                variants[f"tdist {method}"] = lambda fn=fn, method=method: fn(a, b, method=method)
+            if op == "gemm_rs" and equal:
+                scattered = torch.empty(rows, n, device="cuda", dtype=dtype)
+
+                def nccl_mm():
+                    dist.reduce_scatter_tensor(scattered, torch.matmul(a, b.t()), group=group)
+                    return scattered
+
+                variants["nccl+mm"] = nccl_mm
+            elif op == "gemm_ar":
+                def nccl_mm():
+                    y = torch.matmul(a, b.t())
+                    dist.all_reduce(y, group=group)
+                    return y
+
+                variants["nccl+mm"] = nccl_mm
+            variants["mm"] = lambda: torch.matmul(a, b.t())
+            if symm is not None and op == "gemm_rs" and equal:
+                variants["symm_mem"] = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+                    a, b.t(), "sum", 0, symm[1])
+        row = {"op": op, "m": m, "n": n, "k": k, "shape": note, "world_size": world, "dtype": args.dtype,
+               "us": {}, "diff": {}, "resolved": {}}
+        ref = variants["nccl+mm"]().clone() if "nccl+mm" in variants else None
+        for name, fn in variants.items():
+            try:
+                if name.startswith("tdist "):
+                    method = name.split(" ", 1)[1]
+                    row["resolved"][method] = _torch_ops.gemm_method(op, a, b, m if op == "ag_gemm" else None, method)
+                result = fn()
+                if ref is not None and name not in ("mm", "nccl+mm"):
+                    row["diff"][name] = _rel_diff(result, ref, torch, dist)
+                row["us"][name] = _time_us(fn, args.warmup, args.iters, torch, dist)
+            except Exception as e:  # noqa: BLE001 - report, keep benchmarking (e.g. a method the shape refuses)
+                row.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+                if me == 0:
+                    print(f"{op} M={m} N={n} K={k} {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        row["tflops_per_gpu"] = {name: 2.0 * m * n * k / (t * 1e-6) / 1e12 for name, t in row["us"].items()}
+        out.append(row)
+        del variants, ref
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return out
+
+
+def _print_gemm_table(rows, n, args) -> None:
+    cols = []
+    for r in rows:
+        cols += [c for c in r["us"] if c not in cols]
+    print(f"tdist.bench overlapped GEMMs: {n} ranks, {args.dtype}, median of {args.iters} after {args.warmup} "
+          "warm-up, slowest rank; M N K of this rank's GEMM; nccl+mm/t: nccl+mm time / the first tdist method's; "
+          "diff: vs nccl+mm")
+    head = f"{'op':<9}{'M':>7}{'N':>7}{'K':>7}" + "".join(f"{c + ' us':>17}" for c in cols)
+    head += f"{'resolved':>12}{'nccl+mm/t':>11}{'TFLOP/s':>9}{'diff':>10}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        line = f"{r['op']:<9}{r['m']:>7}{r['n']:>7}{r['k']:>7}"
+        for c in cols:
+            line += f"{r['us'][c]:>17.1f}" if c in r["us"] else f"{'-':>17}"
+        first = next((c for c in r["us"] if c.startswith("tdist ")), None)
+        resolved = ",".join(r["resolved"].values())
+        ratio = r["us"]["nccl+mm"] / r["us"][first] if first and "nccl+mm" in r["us"] else float("nan")
+        tflops = r["tflops_per_gpu"].get(first, float("nan")) if first else float("nan")
+        diff = r["diff"].get(first, float("nan")) if first else float("nan")
+        line += f"{resolved:>12}{ratio:>10.2f}x{tflops:>9.1f}{diff:>10.1e}"
+        print(line)
+
+
+def _write_json(args, n, rows, gemm_rows) -> None:
+    doc = {
+        "world_size": n, "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
+        "statistic": "median of per-call CUDA-event times, max over ranks (us)",
+        "collectives": [{"op": op, "bytes": bytes_, "us": cells} for op, bytes_, cells, _ in rows],
+        "gemm": gemm_rows,
+    }
+    with open(args.json, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"tdist.bench: wrote {args.json}")
 
 
 def _print_table(rows, n, args) -> None:
