@@ -307,3 +307,179 @@ def test_bench_help_needs_no_torch():
     out = subprocess.run([sys.executable, "-m", "tdist.bench", "--help"], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0, out.stderr
     assert "--sizes" in out.stdout and "all_reduce" in out.stdout
+    for word in ("ag_gemm", "gemm_rs", "gemm_ar", "--m", "--json"):
+        assert word in out.stdout, word
+
+
+# --- overlapped GEMMs (ag_gemm, gemm_rs, gemm_ar) ---------------------------------------------------
+
+from tdist import _overlap  # noqa: E402
+from tdist._overlap import Operand  # noqa: E402
+
+GEMMS = (tdist.ag_gemm, tdist.gemm_rs, tdist.gemm_ar)
+
+
+def op_(shape, dtype="bfloat16", device="cuda", index=0, contiguous=True, ptr=1 << 20):
+    return Operand(tuple(shape), dtype, device, index, contiguous, ptr)
+
+
+def test_gemm_functions_exist_with_docstrings():
+    for f in GEMMS:
+        assert f.__name__ in tdist.__all__
+        doc = f.__doc__
+        for word in ("Args:", "Returns:", "Collective", "bfloat16", "float16", "multiples of 8", "torch.compile",
+                     "CUDA graph", "warm-up", "heap_size", '"auto"', '"fused"', '"chunked"', '"sequential"',
+                     '"baseline"'):
+            assert word in doc, f"{f.__name__}: '{word}' missing from the docstring"
+    assert "RowChunks" in tdist.ag_gemm.__doc__ and "RowChunks" in tdist.gemm_rs.__doc__
+    assert "(M, N)" in tdist.ag_gemm.__doc__ and "(rows(rank), N)" in tdist.gemm_rs.__doc__
+    sig = inspect.signature(tdist.ag_gemm)
+    assert list(sig.parameters) == ["a_local", "b", "m", "method", "return_gathered"]
+    assert all(sig.parameters[p].kind is inspect.Parameter.KEYWORD_ONLY for p in ("m", "method", "return_gathered"))
+    for f in (tdist.gemm_rs, tdist.gemm_ar):
+        sig = inspect.signature(f)
+        assert list(sig.parameters) == ["a", "b", "method"]
+        assert sig.parameters["method"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_gemm_ops_without_torch_say_so():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import tdist\n"
+            "class A:\n"
+            "    __cuda_array_interface__ = {'data': (1 << 20, False), 'shape': (8, 8), 'typestr': '<f2', "
+            "'version': 3}\n"
+            "for f in (tdist.ag_gemm, tdist.gemm_rs, tdist.gemm_ar):\n"
+            "    try:\n"
+            "        f(A(), A())\n"
+            "    except tdist.Error as e:\n"
+            "        assert f'tdist.{f.__name__} needs PyTorch' in str(e), e\n"
+            "    else:\n"
+            "        raise SystemExit(f'{f.__name__} ran without torch')\n"
+            "try:\n"
+            "    tdist.gemm_rs(A(), A(), method='quick')\n"
+            "except tdist.Error as e:\n"
+            "    assert 'method must be one of auto, fused, chunked, sequential, baseline' in str(e), e\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_gemm_methods_match_the_library():
+    for m in _overlap.METHODS:
+        assert _C.parse_overlap_method(m) == m
+    with pytest.raises(tdist.Error, match="expected auto, fused, chunked, sequential or baseline, got 'fast'"):
+        _C.parse_overlap_method("fast")
+    with pytest.raises(tdist.Error, match=r"tdist.gemm_ar: method must be one of .*; got 'fast'"):
+        _overlap.check_method("gemm_ar", "fast")
+    with pytest.raises(tdist.Error, match="method must be a str"):
+        _overlap.check_method("ag_gemm", None)
+
+
+def test_row_chunks():
+    # RowChunks{m, world}: the first m % world ranks own one row more, in rank order, covering [0, m).
+    for m in (0, 1, 7, 8, 1001, 4096):
+        for world in (1, 2, 3, 4, 8):
+            rows = [_overlap.chunk_rows(m, world, r) for r in range(world)]
+            assert sum(rows) == m
+            assert rows == [m // world + (r < m % world) for r in range(world)]
+            begins = [_overlap.chunk_begin(m, world, r) for r in range(world)]
+            assert begins == [sum(rows[:r]) for r in range(world)]
+
+
+def test_ag_gemm_shape_checks():
+    a, b = op_((5, 64)), op_((24, 64), ptr=1 << 30)
+    # m derived: equal rows on every rank
+    assert _overlap.ag_gemm_dims(a, b, None, 3, 1) == (15, 24, 64, 5)
+    # m given: 14 rows over 3 ranks are 5, 5, 4
+    assert _overlap.ag_gemm_dims(a, b, 14, 3, 1) == (14, 24, 64, 5)
+    assert _overlap.ag_gemm_dims(op_((4, 64)), b, 14, 3, 2) == (14, 24, 64, 4)
+    assert _overlap.ag_gemm_dims(op_((0, 64)), b, 2, 3, 2) == (2, 24, 64, 0)
+    with pytest.raises(tdist.Error, match=r"'a_local' has 5 rows, but rank 2 owns 4 of m=14 rows over 3 ranks"):
+        _overlap.ag_gemm_dims(a, b, 14, 3, 2)
+    with pytest.raises(tdist.Error, match="m must be None or an int"):
+        _overlap.ag_gemm_dims(a, b, 15.0, 3, 1)
+    with pytest.raises(tdist.Error, match="m must be None or an int"):
+        _overlap.ag_gemm_dims(a, b, True, 3, 1)
+    with pytest.raises(tdist.Error, match=r"m must be in \[0, 2\^31\)"):
+        _overlap.ag_gemm_dims(a, b, -3, 3, 1)
+    with pytest.raises(tdist.Error, match=r"'a_local' has 64 columns but 'b' has 56; both are K"):
+        _overlap.ag_gemm_dims(a, op_((24, 56)), None, 3, 1)
+    with pytest.raises(tdist.Error, match=r"N \(rows of 'b'\) must be a positive multiple of 8, got 20"):
+        _overlap.ag_gemm_dims(a, op_((20, 64)), None, 3, 1)
+    with pytest.raises(tdist.Error, match=r"K \(columns of 'a_local' and 'b'\) must be a positive multiple of 8, got 60"):
+        _overlap.ag_gemm_dims(op_((5, 60)), op_((24, 60)), None, 3, 1)
+
+
+def test_gemm_operand_checks():
+    a, b = op_((6, 64)), op_((24, 64))
+    assert _overlap.gemm_rs_dims(a, b, 4, 1) == (6, 24, 64, 2)
+    assert _overlap.gemm_rs_dims(a, b, 4, 3, op="gemm_ar") == (6, 24, 64, 1)
+    cases = [
+        (op_((6, 64), device="cpu", index=None), b, "'a' must be a CUDA tensor, got one on device type 'cpu'"),
+        (op_((6, 64), dtype="float32"), b, "'a' has dtype float32; the overlapped GEMMs take bfloat16 or float16"),
+        (a, op_((24, 64), dtype="float16"), "'b' has dtype float16 but 'a' has bfloat16; they must match"),
+        (op_((6, 8, 8)), b, r"'a' must be 2-D, got shape \(6, 8, 8\)"),
+        (op_((6, 64), contiguous=False), b, "'a' must be contiguous"),
+        (op_((6, 64), ptr=(1 << 20) + 2), b, "'a' must start at a 16-byte aligned address, got 0x100002"),
+        (a, op_((24, 64), index=1), "'b' is on cuda:1 but 'a' is on cuda:0; they must be on the same device"),
+    ]
+    for x, y, message in cases:
+        with pytest.raises(tdist.Error, match=r"tdist\.gemm_rs: " + message):
+            _overlap.gemm_rs_dims(x, y, 2, 0)
+    # fake tensors: no address, no alignment check
+    assert _overlap.gemm_rs_dims(op_((6, 64), ptr=None), b, 2, 0).m == 6
+
+
+def test_gemm_descriptor_checks():
+    """The C++ checks on descriptors (what the runtime runs right before the GEMM)."""
+    base = 1 << 30
+    m, n, k, world = 7, 24, 64, 2  # rank 0 owns rows 0..3, rank 1 rows 4..6
+    a0, b = desc((4, k), "<f2", ptr=base), desc((n, k), "<f2", ptr=2 * base)
+    d = desc((m, n), "<f2", ptr=3 * base)
+    assert _C.check_gemm_overlap("ag_gemm", a0, b, d, None, m, n, k, world, 0) == "f16"
+    assert _C.check_gemm_overlap("ag_gemm", desc((3, k), "<f2", ptr=base), b, d, desc((m, k), "<f2", ptr=4 * base),
+                                 m, n, k, world, 1) == "f16"
+    with pytest.raises(tdist.Error, match=r"'a_local' has 256 elements, expected this rank's rows of m=7 \(3\) x "
+                                          r"K=64 = 192"):
+        _C.check_gemm_overlap("ag_gemm", a0, b, d, None, m, n, k, world, 1)
+    with pytest.raises(tdist.Error, match=r"'gathered' has 168 elements, expected m=7 x K=64 = 448"):
+        _C.check_gemm_overlap("ag_gemm", a0, b, d, desc((m, n), "<f2", ptr=4 * base), m, n, k, world, 0)
+    with pytest.raises(tdist.Error, match=r"'d' has 168 elements, expected this rank's rows of m=7 \(4\) x N=24"):
+        _C.check_gemm_overlap("gemm_rs", desc((m, k), "<f2", ptr=base), b, d, None, m, n, k, world, 0)
+    assert _C.check_gemm_overlap("gemm_ar", desc((m, k), "<f2", ptr=base), b, d, None, m, n, k, world, 0) == "f16"
+    with pytest.raises(tdist.Error, match="'a' has dtype float32; the overlapped GEMMs take bfloat16 or float16"):
+        _C.check_gemm_overlap("gemm_ar", desc((m, k), ptr=base), b, d, None, m, n, k, world, 0)
+    with pytest.raises(tdist.Error, match="'d' has dtype bfloat16 but 'a' has float16"):
+        _C.check_gemm_overlap("gemm_ar", desc((m, k), "<f2", ptr=base), b, (3 * base, m * n, "bfloat16", "cuda", 0, True),
+                              None, m, n, k, world, 0)
+    with pytest.raises(tdist.Error, match="'d' overlaps 'b'"):
+        _C.check_gemm_overlap("gemm_ar", desc((m, k), "<f2", ptr=base), b, desc((m, n), "<f2", ptr=2 * base + 64),
+                              None, m, n, k, world, 0)
+    with pytest.raises(tdist.Error, match="'b' must start at a 16-byte aligned address"):
+        _C.check_gemm_overlap("gemm_ar", desc((m, k), "<f2", ptr=base), desc((n, k), "<f2", ptr=2 * base + 8), d,
+                              None, m, n, k, world, 0)
+    with pytest.raises(tdist.Error, match=r"N \(rows of 'b'\) must be a positive multiple of 8"):
+        _C.check_gemm_overlap("gemm_ar", desc((m, k), "<f2", ptr=base), desc((20, k), "<f2", ptr=2 * base), d, None,
+                              m, 20, k, world, 0)
+    with pytest.raises(tdist.Error, match=r"K \(columns of 'a' and 'b'\) must be a positive multiple of 8"):
+        _C.check_gemm_overlap("gemm_rs", desc((m, 12), "<f2", ptr=base), desc((n, 12), "<f2", ptr=2 * base), d, None,
+                              m, n, 12, world, 0)
+    with pytest.raises(tdist.Error, match="only ag_gemm has a gathered output"):
+        _C.check_gemm_overlap("gemm_rs", desc((m, k), "<f2", ptr=base), b, d, desc((m, k), "<f2", ptr=4 * base),
+                              m, n, k, world, 0)
+    with pytest.raises(tdist.Error, match="unknown overlapped GEMM 'gemm_a2a'"):
+        _C.check_gemm_overlap("gemm_a2a", a0, b, d, None, m, n, k, world, 0)
+    with pytest.raises(tdist.Error, match="is on cuda:1 but tdist runs this rank on cuda:0"):
+        _C.check_gemm_overlap("gemm_ar", (base, m * k, "float16", "cuda", 1, True), b, d, None, m, n, k, world, 0, 0)
+
+
+def test_gemm_context_bytes():
+    mib = 1 << 20
+    ag = _C.gemm_context_bytes("ag_gemm", "bfloat16", 16384, 8192, 0, 2)
+    assert 256 * mib + 64 * mib <= ag <= 256 * mib + 64 * mib + 4 * mib  # gathered A + workspace (2 x 32 MiB)
+    rs = _C.gemm_context_bytes("gemm_rs", "bfloat16", 16384, 0, 8192, 2)
+    ar = _C.gemm_context_bytes("gemm_ar", "bfloat16", 16384, 0, 8192, 2)
+    assert 256 * mib + 64 * mib <= rs and ar - rs >= 256 * mib
+    small = _C.gemm_context_bytes("ag_gemm", "float16", 8, 64, 0, 2)
+    assert small < 4 * mib  # tiny workspace for tiny problems
