@@ -12,6 +12,7 @@
 #include "tdist/common/error.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/registry.hpp"
+#include "tdist/runtime/stream.hpp"
 
 namespace tdist {
 
@@ -58,7 +59,7 @@ std::vector<jit::CompileRequest> collective_compile_requests() {
   std::vector<std::string> rs, ar, ll = {std::string(kNs) + "tdist_ll_all_gather"};
   for (DType t : kDTypes) {
     rs.push_back(instance("rs_fused", t));
-    rs.push_back(instance("rs_local_reduce", t));
+    rs.push_back(instance("rs_ce_pipelined", t));
     ar.push_back(instance("ar_one_shot", t));
     ar.push_back(instance("ar_two_shot", t));
     ll.push_back(instance("ll_all_reduce", t));
@@ -76,7 +77,7 @@ TDIST_JIT_REGISTER_KERNELS(collectives, collective_compile_requests);
 struct Collectives::Kernels {
   std::vector<std::shared_ptr<jit::Module>> modules;
   jit::Kernel ag_sm, ll_all_gather, barrier;
-  std::array<jit::Kernel, 3> rs_fused, rs_local_reduce, ar_one_shot, ar_two_shot, ll_all_reduce,
+  std::array<jit::Kernel, 3> rs_fused, rs_ce_pipelined, ar_one_shot, ar_two_shot, ll_all_reduce,
       ll_reduce_scatter;  // by DType
 
   Kernels() {
@@ -88,7 +89,7 @@ struct Collectives::Kernels {
     for (DType t : kDTypes) {
       const int i = static_cast<int>(t);
       rs_fused[i] = modules[1]->kernel(instance("rs_fused", t));
-      rs_local_reduce[i] = modules[1]->kernel(instance("rs_local_reduce", t));
+      rs_ce_pipelined[i] = modules[1]->kernel(instance("rs_ce_pipelined", t));
       ar_one_shot[i] = modules[2]->kernel(instance("ar_one_shot", t));
       ar_two_shot[i] = modules[2]->kernel(instance("ar_two_shot", t));
       ll_all_reduce[i] = modules[3]->kernel(instance("ll_all_reduce", t));
@@ -113,6 +114,7 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   workspace_ = static_cast<char*>(heap.allocate(2 * max_bytes_));
   flags_ = heap.allocate_signals64(static_cast<size_t>(kernels::coll::kPhases) * max_blocks_ * n);
   barrier_pads_ = heap.allocate_signals64(2 * barrier_pad_words(n));
+  ce_flags_ = heap.allocate_signals64(static_cast<size_t>(kCePieces) * n);
   ll_ = static_cast<char*>(heap.allocate(2 * static_cast<size_t>(n) * (ll_bytes_ / 4) * 8));
   TDIST_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(EpochState)));
   TDIST_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(EpochState)));
@@ -128,6 +130,7 @@ Collectives::~Collectives() {
   cudaDeviceSynchronize();
   try {
     heap_.free(ll_);
+    heap_.free(ce_flags_);
     heap_.free(barrier_pads_);
     heap_.free(flags_);
     heap_.free(workspace_);
@@ -383,17 +386,37 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
       launch(kernels_->rs_fused[t], blocks_for(b, 16 << 10), params(in, out, count, s.in_symmetric, s.aligned16), stream);
       return;
     case ReduceScatterMethod::kCe: {
-      // Scatter by copy engine: slice p of this rank's input goes to peer p's workspace slot 0 at
-      // [me * b]; after the barrier each rank adds up its slot and its own slice on the SMs.
+      // Scatter by copy engine, reduce on the SMs behind it: slice p of this rank's input goes to peer
+      // p's workspace slot 0 at [me * b] in pieces, each followed by a flag in peer p's ce_flags_;
+      // the reduction kernel adds up piece c as soon as its flags are up. The copies are enqueued
+      // before the kernel that waits for them. ce_flags_ is reset before the barrier, after which
+      // peers write it (this rank's previous kernel was its last reader).
       const char* src = static_cast<const char*>(in);
+      const size_t sz = dtype_size(dtype);
+      const int want = static_cast<int>(std::clamp<size_t>(b / kCePieceBytes, 1, kCePieces));
+      const size_t chunk = round_up((count + want - 1) / want, 8);
+      const int chunks = static_cast<int>((count + chunk - 1) / chunk);
+      TDIST_CUDA_CHECK(cudaMemsetAsync(ce_flags_, 0, kCePieces * n * sizeof(device::u64), stream));
       ce_barrier(stream);
-      for (int k = 1; k < n; ++k) {
-        const int peer = (me + k) % n;
-        TDIST_CUDA_CHECK(cudaMemcpyAsync(heap_.peer_ptr(workspace_ + me * b, peer), src + peer * b, b,
-                                         cudaMemcpyDeviceToDevice, stream));
+      TDIST_CUDA_CHECK(cudaEventRecord(fork_, stream));
+      TDIST_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+      for (int c = 0; c < chunks; ++c) {
+        const size_t lo = c * chunk, len = std::min(count, lo + chunk) - lo;
+        for (int k = 1; k < n; ++k) {
+          const int peer = (me + k) % n;
+          TDIST_CUDA_CHECK(cudaMemcpyAsync(heap_.peer_ptr(workspace_ + me * b + lo * sz, peer), src + peer * b + lo * sz,
+                                           len * sz, cudaMemcpyDeviceToDevice, side_));
+          stream_write_value64(side_, heap_.peer_ptr(ce_flags_ + c * n + me, peer), 1);
+        }
       }
-      ce_barrier(stream);
-      launch(kernels_->rs_local_reduce[t], blocks_for(b, 32 << 10), params(in, out, count, false, s.aligned16), stream);
+      jit::LaunchConfig cfg;
+      cfg.grid = {blocks_for(b, 32 << 10)};
+      cfg.block = {static_cast<unsigned>(kernels::coll::kThreads)};
+      cfg.stream = stream;
+      jit::launch(kernels_->rs_ce_pipelined[t], cfg,
+                  jit::make_args(params(in, out, count, false, s.aligned16), static_cast<const device::u64*>(ce_flags_),
+                                 static_cast<device::u64>(chunk), chunks));
+      join_beside(stream);
       return;
     }
     default: TDIST_FAIL("unreachable reduce_scatter method ", to_string(m));

@@ -244,7 +244,7 @@ TEST(CollectiveKernels, EveryInstanceCompilesForSm90a) {
     EXPECT_EQ(k->spill_stores, 0) << req.file_name << "\n" << k->log;
     EXPECT_EQ(k->spill_loads, 0) << req.file_name << "\n" << k->log;
   }
-  // 3 dtypes x (rs_fused, rs_local_reduce, ar_one_shot, ar_two_shot, ll_all_reduce, ll_reduce_scatter) + ag_sm,
+  // 3 dtypes x (rs_fused, rs_ce_pipelined, ar_one_shot, ar_two_shot, ll_all_reduce, ll_reduce_scatter) + ag_sm,
   // ll_all_gather, barrier.
   EXPECT_EQ(instances, 21u);
 }

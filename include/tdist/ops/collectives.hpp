@@ -99,6 +99,11 @@ class Collectives {
   char* workspace_ = nullptr;            // 2 slots of max_bytes_
   device::u64* flags_ = nullptr;         // kPhases x max_blocks x world_size
   device::u64* barrier_pads_ = nullptr;  // [0]: barrier(), [1]: copy-engine phases
+  // Copy-engine ReduceScatter: pieces of at least kCePieceBytes, at most kCePieces of them;
+  // ce_flags_[piece * world_size + src] = 1 once rank src's piece has landed here (symmetric).
+  static constexpr size_t kCePieceBytes = size_t{8} << 20;
+  static constexpr size_t kCePieces = 16;
+  device::u64* ce_flags_ = nullptr;
   char* ll_ = nullptr;                   // 2 x world_size x ll_words
   kernels::coll::EpochState* epoch_ = nullptr;  // ordinary device memory
   // A second stream for copies that may run beside the caller's (forked from it and joined back

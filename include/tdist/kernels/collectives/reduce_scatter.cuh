@@ -8,8 +8,10 @@
 //   2. exchange phase 0 with block b of every peer;
 //   3. out[R_b] = sum over ranks r (in rank order) of rank r's slice `me`, read over NVLink;
 //   4. zero copy only: exchange phase 1 (no peer still reads `in` after the call).
-// rs_local_reduce<T> (second half of the copy-engine variant): the peers' copy engines have put
-// their slice `me` into this rank's workspace slot 0 at [r * C]; the local SMs add them up.
+// rs_ce_pipelined<T> (the SM half of the copy-engine variant): the peers' copy engines put their
+// slice `me` into this rank's workspace slot 0 at [r * C] in `chunks` pieces of `chunk` elements,
+// raising ce_flags[c * n + r] after piece c; every block adds up its share of piece c once piece c's
+// flags are up, while the later pieces are still in flight.
 #pragma once
 
 #include "tdist/kernels/collectives/common.cuh"
@@ -40,16 +42,22 @@ __global__ void __launch_bounds__(kThreads, 1) rs_fused(CollParams p) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) rs_local_reduce(CollParams p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    rs_ce_pipelined(CollParams p, const u64* ce_flags, u64 chunk, int chunks) {
   const int n = p.heap.num_ranks, me = p.heap.rank;
   const u64 C = p.count, sz = sizeof(T);
-  u64 lo, hi;
-  block_range(C, blockIdx.x, gridDim.x, 8, lo, hi);
   __shared__ const char* srcs[kMaxLsaRanks];
   for (int r = threadIdx.x; r < n; r += blockDim.x)
     srcs[r] = r == me ? static_cast<const char*>(p.in) + me * C * sz : p.ws + r * C * sz;
-  __syncthreads();
-  reduce_range<T>(static_cast<T*>(p.out), srcs, n, lo, hi, p.vec != 0);
+  for (int c = 0; c < chunks; ++c) {
+    if (static_cast<int>(threadIdx.x) < n && static_cast<int>(threadIdx.x) != me)
+      signal_wait_until<Scope::kSystem>(ce_flags + c * n + threadIdx.x, Cmp::kGe, u64{1});
+    __syncthreads();
+    const u64 c_lo = c * chunk, c_hi = c_lo + chunk < C ? c_lo + chunk : C;
+    u64 lo, hi;
+    block_range(c_hi - c_lo, blockIdx.x, gridDim.x, 8, lo, hi);
+    reduce_range<T>(static_cast<T*>(p.out), srcs, n, c_lo + lo, c_lo + hi, p.vec != 0);
+  }
 }
 
 }  // namespace tdist::kernels::coll
