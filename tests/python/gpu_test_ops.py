@@ -6,6 +6,10 @@
 Every op against torch.distributed reference math (fp64 sums of the gathered fp32 inputs), eagerly,
 inside torch.compile(fullgraph=True) and inside a captured CUDA graph; tdist.empty / peer; the JIT
 launching a kernel on torch tensors; argument errors. Outputs are poisoned (NaN) before each run.
+The overlapped GEMMs (ag_gemm, gemm_rs, gemm_ar) with every method and dtype on odd shapes (M not
+divisible by the world size, N and K odd multiples of 8) against float64 references built from every
+rank's inputs; their outputs are new tensors, so the caching allocator's blocks of those sizes are
+filled with NaN before each eager call (graph outputs are filled directly before each replay).
 Both ways end with a line "N passed, M failed".
 """
 
@@ -17,6 +21,7 @@ import tdist  # before torch: tdist's libnccl (>= 2.28) is then the one the proc
 
 import torch
 import torch.distributed as dist
+from tdist import _torch_ops  # gemm_method: the method a call resolves to
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TOL = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}
@@ -26,6 +31,10 @@ AR_METHODS = ("auto", "one_shot", "two_shot", "ll", "nccl")
 AG_METHODS = ("auto", "sm", "ce_push", "ce_pull", "ll", "nccl")
 RS_METHODS = ("auto", "fused", "ce", "ll", "nccl")
 LL_BYTES = 256 * 1024
+HEAP = "8G"
+GEMM_DTYPES = (torch.bfloat16, torch.float16)
+GEMM_METHODS = ("auto", "fused", "chunked", "sequential", "baseline")
+GEMM_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 def setup():
@@ -35,7 +44,7 @@ def setup():
     if not dist.is_initialized():
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     if not tdist.is_initialized():
-        tdist.init(process_group=dist.group.WORLD, heap_size="2G")
+        tdist.init(process_group=dist.group.WORLD, heap_size=HEAP)
 
 
 def teardown():
@@ -377,14 +386,283 @@ def test_finalize_and_reinit_as_context_manager():
         check_close(y, gathered_fp64(x).sum(0), torch.float32, "after re-init")
         big = rand(6 << 20, torch.float32, 42)  # 24 MB > max_bytes: NCCL fallback
         check_close(torch.ops.tdist.all_reduce(big, "auto"), gathered_fp64(big).sum(0), torch.float32, "above max_bytes")
+        # a GEMM context larger than the 256 MB heap: refused before anything is allocated, naming heap_size
+        a = torch.zeros(8192, 64, device="cuda", dtype=torch.bfloat16)
+        w = torch.zeros(8192, 64, device="cuda", dtype=torch.bfloat16)
+        expect_error(lambda: tdist.gemm_ar(a, w), "tdist.gemm_ar", "heap_size", "MiB of symmetric memory")
+        assert tdist.heap_info()["gemm_contexts"] == []
+        small = tdist.gemm_ar(a[:64], w[:64])  # a context that fits still works
+        assert small.shape == (64, 64) and torch.all(small == 0).item()
     assert not tdist.is_initialized()
     expect_error(lambda: tdist.all_reduce(x), "not initialised")
-    tdist.init(process_group=dist.group.WORLD, heap_size="2G")
+    tdist.init(process_group=dist.group.WORLD, heap_size=HEAP)
+
+
+# --- overlapped GEMMs ---------------------------------------------------------------------------------
+
+def gemm_shapes():
+    """(M, N, K): M with ranks of 0 rows, M not divisible by the world size, M divisible (sequential
+    runs), N and K odd multiples of 8; one shape of several 128-row tiles."""
+    w = world()
+    return ((1, 40, 72), (389, 136, 264), (64 * w, 24, 40), (1000 * w + w - 1, 264, 520))
+
+
+def chunk(m):
+    """This rank's (begin, rows) in RowChunks{m, world}."""
+    w, r = world(), rank()
+    return r * (m // w) + min(r, m % w), m // w + (r < m % w)
+
+
+def gemm_rand(shape, dtype, seed, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed * 7919 + rank())
+    return (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+
+def gather_rows_fp64(x, m):
+    """Every rank's rows (RowChunks{m, world}) of a 2-D x, in rank order, exactly, as float64."""
+    w = world()
+    most = m // w + (m % w > 0)
+    pad = torch.zeros((most, x.shape[1]), device="cuda", dtype=torch.float32)
+    pad[: x.shape[0]] = x.float()
+    out = torch.empty((w * most, x.shape[1]), device="cuda", dtype=torch.float32)
+    dist.all_gather_into_tensor(out, pad)
+    parts = [out[r * most: r * most + (m // w + (r < m % w))] for r in range(w)]
+    return torch.cat(parts).double()
+
+
+def sum_fp64(x):
+    y = x.double().contiguous()
+    dist.all_reduce(y)
+    return y
+
+
+def poison(*shapes_dtypes):
+    """Leaves NaN-filled blocks of these sizes in torch's caching allocator, which hands them to the
+    next allocations of those sizes (the ops' fresh outputs): a kernel that skips part of its output
+    shows NaN instead of a stale correct result."""
+    blocks = [torch.full(shape, float("nan"), device="cuda", dtype=dtype) for shape, dtype in shapes_dtypes]
+    del blocks
+
+
+def sequential_refused(op, m):
+    return op != "gemm_ar" and m % world() != 0
+
+
+def run_gemm(op, x, w, m, method, dtype, gathered=False):
+    n = w.shape[0]
+    begin, rows = chunk(m)
+    if op == "ag_gemm":
+        poison(((m, n), dtype), ((m, x.shape[1]), dtype))
+        return tdist.ag_gemm(x, w, m=m, method=method, return_gathered=gathered)
+    poison(((rows if op == "gemm_rs" else m, n), dtype))
+    return (tdist.gemm_rs if op == "gemm_rs" else tdist.gemm_ar)(x, w, method=method)
+
+
+def gemm_inputs(op, m, n, k, dtype, seed):
+    """This rank's operands: ag_gemm (rows, K) and (N, K); gemm_rs / gemm_ar (M, K) and (N, K) (a K slice)."""
+    begin, rows = chunk(m)
+    k_total = k if op == "ag_gemm" else k * world()
+    x = gemm_rand((rows if op == "ag_gemm" else m, k), dtype, seed)
+    w = gemm_rand((n, k), dtype, seed + 1, scale=k_total ** -0.5)
+    return x, w
+
+
+def gemm_reference(op, x, w, m):
+    """float64 reference of op on every rank's inputs: ag_gemm (d, gathered A), else d."""
+    begin, rows = chunk(m)
+    if op == "ag_gemm":
+        a = gather_rows_fp64(x, m)
+        return a @ w.double().T, a
+    full = sum_fp64(x.double() @ w.double().T)
+    return full[begin:begin + rows] if op == "gemm_rs" else full
+
+
+def check_gemm(op, got, x, w, m, dtype, what):
+    if op == "ag_gemm":
+        want, a = gemm_reference(op, x, w, m)
+        d, g = got
+        assert g.shape == a.shape, f"{what}: gathered shape {tuple(g.shape)}"
+        assert torch.equal(g.double(), a), f"{what}: the gathered A differs from every rank's rows"
+    else:
+        want, d = gemm_reference(op, x, w, m), got
+    assert d.shape == want.shape, f"{what}: shape {tuple(d.shape)}, expected {tuple(want.shape)}"
+    torch.testing.assert_close(d.double(), want, rtol=GEMM_TOL[dtype], atol=GEMM_TOL[dtype],
+                               msg=lambda msg_: f"{what}: {msg_}")
+
+
+def test_gemm_eager():
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        for dtype in GEMM_DTYPES:
+            for m, n, k in gemm_shapes():
+                x, w = gemm_inputs(op, m, n, k, dtype, m + n + k)
+                for method in GEMM_METHODS:
+                    what = f"{op} {dtype} m={m} n={n} k={k} {method}"
+                    if method == "sequential" and sequential_refused(op, m):
+                        expect_error(lambda: run_gemm(op, x, w, m, method, dtype), "'method'", "sequential")
+                        continue
+                    if op == "ag_gemm":
+                        check_gemm(op, run_gemm(op, x, w, m, method, dtype, gathered=True), x, w, m, dtype, what)
+                        d = run_gemm(op, x, w, m, method, dtype)
+                        torch.testing.assert_close(d.double(), gemm_reference(op, x, w, m)[0], rtol=GEMM_TOL[dtype],
+                                                   atol=GEMM_TOL[dtype], msg=lambda msg_: f"{what} (no gathered): {msg_}")
+                        if m % world() == 0:  # m derived from equal rows
+                            d2 = tdist.ag_gemm(x, w, method=method)
+                            assert d2.shape == (m, n), what
+                    else:
+                        check_gemm(op, run_gemm(op, x, w, m, method, dtype), x, w, m, dtype, what)
+                    chosen = _torch_ops.gemm_method(op, x, w, m if op == "ag_gemm" else None, method)
+                    assert chosen in GEMM_METHODS and chosen != "auto", f"{what}: resolved to {chosen}"
+                    if method != "auto":
+                        assert chosen == method, f"{what}: resolved to {chosen}"
+
+
+def test_gemm_contexts_grow():
+    """A context is created on the first call for exactly that M and re-created larger when a call
+    exceeds it, taking at least twice the old M (the heap has room here); rs / ar contexts serve any
+    call up to their max_m and max_n."""
+    dtype = torch.float16
+    n, k = 56, 88  # K = 88 is used nowhere else: a fresh ag_gemm context
+
+    def contexts(op):
+        return [c for c in tdist.heap_info()["gemm_contexts"] if c["op"] == op and c["dtype"] == "f16" and
+                (op != "ag_gemm" or c["k"] == k)]
+
+    assert contexts("ag_gemm") == []
+    for op in ("ag_gemm", "gemm_rs", "gemm_ar"):
+        seen = []
+        for m in (16, 24, 100):
+            x, w = gemm_inputs(op, m, n, k, dtype, 77 + m)
+            got = run_gemm(op, x, w, m, "chunked", dtype, gathered=op == "ag_gemm")
+            check_gemm(op, got, x, w, m, dtype, f"{op} growth m={m}")
+            c = contexts(op)
+            assert len(c) == 1 and c[0]["max_m"] >= m and (op == "ag_gemm" or c[0]["max_n"] >= n), c
+            seen.append(c[0]["max_m"])
+        if op == "ag_gemm":
+            assert seen == [16, 32, 100], seen  # 16; 24 -> max(24, 2 * 16); 100 -> max(100, 2 * 32)
+
+
+def test_gemm_torch_compile():
+    torch._dynamo.reset()
+
+    def layer(x_rows, w_up, w_down, m):
+        h, g = tdist.ag_gemm(x_rows, w_up, m=m, return_gathered=True)
+        h = torch.nn.functional.gelu(h.float()).to(h.dtype)
+        y = tdist.gemm_rs(h, w_down, method="chunked")
+        z = tdist.gemm_ar(h, w_down)
+        return y * 2, z, g
+
+    f = torch.compile(layer, fullgraph=True)
+    for dtype in GEMM_DTYPES:
+        for m in (3 * world() + 1, 517):  # two M: the second call may trace with a symbolic M
+            k, n_up, n_down = 136, 40, 24
+            begin, rows = chunk(m)
+            x = gemm_rand((rows, k), dtype, 90 + m)
+            w_up = gemm_rand((n_up, k), dtype, 91, scale=k ** -0.5)
+            w_down = gemm_rand((n_down, n_up), dtype, 92, scale=(n_up * world()) ** -0.5)
+            poison(((m, n_up), dtype), ((m, k), dtype), ((rows, n_down), dtype), ((m, n_down), dtype))
+            y, z, g = f(x, w_up, w_down, m)
+            a = gather_rows_fp64(x, m)
+            assert torch.equal(g.double(), a), f"compiled ag_gemm gathered {dtype} m={m}"
+            h_ref = (a @ w_up.double().T).to(dtype)  # the eager op's output as the layer's next input
+            h_ref = torch.nn.functional.gelu(h_ref.float()).to(dtype).double()
+            full = sum_fp64(h_ref @ w_down.double().T)
+            what = f"compiled layer {dtype} m={m}"
+            torch.testing.assert_close(y.double(), full[begin:begin + rows] * 2, rtol=4 * GEMM_TOL[dtype],
+                                       atol=4 * GEMM_TOL[dtype], msg=lambda msg_: f"{what} gemm_rs: {msg_}")
+            torch.testing.assert_close(z.double(), full, rtol=4 * GEMM_TOL[dtype], atol=4 * GEMM_TOL[dtype],
+                                       msg=lambda msg_: f"{what} gemm_ar: {msg_}")
+
+
+def test_gemm_cuda_graph():
+    for dtype in GEMM_DTYPES:
+        for method in ("auto", "fused", "chunked", "baseline"):
+            m, n, k = 2 * 389 + world() - 1, 136, 264
+            begin, rows = chunk(m)
+            x_ag, w_ag = gemm_inputs("ag_gemm", m, n, k, dtype, 300)
+            x_rs, w_rs = gemm_inputs("gemm_rs", m, n, k, dtype, 310)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):  # warm-up outside the capture: creates / grows the contexts
+                tdist.ag_gemm(x_ag, w_ag, m=m, method=method, return_gathered=True)
+                tdist.gemm_rs(x_rs, w_rs, method=method)
+                tdist.gemm_ar(x_rs, w_rs, method=method)
+            torch.cuda.current_stream().wait_stream(s)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                d_ag, g_ag = tdist.ag_gemm(x_ag, w_ag, m=m, method=method, return_gathered=True)
+                d_rs = tdist.gemm_rs(x_rs, w_rs, method=method)
+                d_ar = tdist.gemm_ar(x_rs, w_rs, method=method)
+            for replay in range(3):
+                x_ag.copy_(gemm_inputs("ag_gemm", m, n, k, dtype, 400 + replay)[0])
+                x_rs.copy_(gemm_inputs("gemm_rs", m, n, k, dtype, 500 + replay)[0])
+                for out in (d_ag, g_ag, d_rs, d_ar):
+                    out.fill_(float("nan"))
+                graph.replay()
+                what = f"graph {dtype} {method} m={m} replay {replay}"
+                check_gemm("ag_gemm", (d_ag, g_ag), x_ag, w_ag, m, dtype, what + " ag_gemm")
+                check_gemm("gemm_rs", d_rs, x_rs, w_rs, m, dtype, what + " gemm_rs")
+                check_gemm("gemm_ar", d_ar, x_rs, w_rs, m, dtype, what + " gemm_ar")
+            torch.cuda.synchronize()
+            del graph
+
+
+def test_gemm_capture_without_warmup_is_refused():
+    # K = 8 * 97 has no context yet: the call inside the capture would have to create one.
+    dtype = torch.bfloat16
+    x, w = gemm_inputs("ag_gemm", 4 * world(), 16, 776, dtype, 600)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            tdist.ag_gemm(x, w)
+    except tdist.Error as e:
+        for fragment in ("tdist.ag_gemm", "capturing a CUDA graph", "warm-up"):
+            assert fragment in str(e), f"'{fragment}' not in '{e}'"
+    else:
+        raise AssertionError("a context was created during a CUDA graph capture")
+    del graph
+    torch.cuda.synchronize()
+    d = tdist.ag_gemm(x, w)  # after the capture: created normally
+    torch.testing.assert_close(d.double(), gemm_reference("ag_gemm", x, w, 4 * world())[0], rtol=GEMM_TOL[dtype],
+                               atol=GEMM_TOL[dtype])
+
+
+def test_gemm_argument_errors():
+    bf = torch.bfloat16
+    x = torch.zeros(8, 64, device="cuda", dtype=bf)
+    w = torch.zeros(24, 64, device="cuda", dtype=bf)
+    expect_error(lambda: tdist.gemm_rs(x.float(), w.float()), "tdist.gemm_rs", "'a' has dtype float32")
+    expect_error(lambda: tdist.gemm_rs(x, w.half()), "'b' has dtype float16 but 'a' has bfloat16")
+    expect_error(lambda: tdist.gemm_ar(x.cpu(), w), "'a' must be a CUDA tensor")
+    expect_error(lambda: tdist.gemm_ar(torch.zeros(64, 8, device="cuda", dtype=bf).t(), w), "'a' must be contiguous")
+    expect_error(lambda: tdist.gemm_ar(x, torch.zeros(24, 56, device="cuda", dtype=bf)), "both are K")
+    expect_error(lambda: tdist.gemm_ar(x, torch.zeros(20, 64, device="cuda", dtype=bf)), "multiple of 8, got 20")
+    expect_error(lambda: tdist.gemm_ar(torch.zeros(8, 60, device="cuda", dtype=bf),
+                                       torch.zeros(24, 60, device="cuda", dtype=bf)), "multiple of 8, got 60")
+    expect_error(lambda: tdist.gemm_ar(torch.zeros(2, 8, 64, device="cuda", dtype=bf), w), "'a' must be 2-D")
+    unaligned = torch.zeros(8 * 64 + 4, device="cuda", dtype=bf)[4:].view(8, 64)
+    expect_error(lambda: tdist.gemm_ar(unaligned, w), "16-byte aligned")
+    expect_error(lambda: tdist.gemm_ar(x, w, method="fastest"), "method must be one of")
+    # every rank must refuse (a rank that accepted would wait in the collective): 9 rows each, not 8
+    expect_error(lambda: tdist.ag_gemm(x, w, m=9 * world()), "'a_local' has 8 rows", "pass m=")
+    expect_error(lambda: tdist.ag_gemm(x, w, m=2.5), "m must be None or an int")
+    expect_error(lambda: tdist.ag_gemm([1], w), "'a_local' must be a torch.Tensor")
+    if torch.cuda.device_count() > 1:
+        other = (tdist.get_device() + 1) % torch.cuda.device_count()
+        expect_error(lambda: tdist.gemm_ar(x.to(f"cuda:{other}"), w.to(f"cuda:{other}")), f"is on cuda:{other}")
+        expect_error(lambda: tdist.gemm_ar(x, w.to(f"cuda:{other}")), "same device")
+    # m = 0: an empty result, no context, no communication
+    d = tdist.ag_gemm(x[:0], w, m=0)
+    assert d.shape == (0, 24)
+    assert tdist.gemm_ar(x[:0], w).shape == (0, 24)
 
 
 TESTS = [test_all_reduce_eager, test_all_gather_eager, test_reduce_scatter_eager, test_barrier_orders_streams,
          test_other_stream, test_torch_compile_fullgraph, test_cuda_graph_capture, test_empty_and_peer,
-         test_jit_launch_on_tensors, test_argument_errors_on_gpu, test_finalize_and_reinit_as_context_manager]
+         test_jit_launch_on_tensors, test_argument_errors_on_gpu, test_gemm_eager, test_gemm_contexts_grow,
+         test_gemm_torch_compile, test_gemm_cuda_graph, test_gemm_capture_without_warmup_is_refused,
+         test_gemm_argument_errors, test_finalize_and_reinit_as_context_manager]
 
 
 # pytest: one init for the module
