@@ -36,7 +36,12 @@ size_t ag_ll_max_per_rank(int n) { return n <= 2 ? 256 * KiB : 16 * KiB; }
 size_t rs_ll_max(int n) { return n <= 2 ? 512 * KiB : n <= 4 ? 256 * KiB : 128 * KiB; }
 // From this total size on, a copy-engine AllGather (no SMs, 390 GB/s per direction) beats the SM
 // pull when it needs no staging copy (the caller's symmetric buffer is the output or the input).
-constexpr size_t kAgCeMin = 128 * MiB;
+// Two ranks, bf16 (bench/results/h200x2/all_gather_large.json): ce_push 68 vs sm 71 us at 32 MB,
+// 115 vs 131 at 64 MB, 370 vs 499 at 256 MB; sm ahead at 16 MB.
+constexpr size_t kAgCeMin = 32 * MiB;
+// From this total size on, the pipelined copy-engine ReduceScatter beats the fused SM kernel
+// (reduce_scatter_large.json: 837 vs 860 us at 512 MB, 1550 vs 1704 at 1 GB; fused ahead below).
+constexpr size_t kRsCeMin = 512 * MiB;
 // Below this size NCCL's ReduceScatter beats the fused pull-and-reduce (the choice where LL cannot run).
 constexpr size_t kRsFusedMin = 512 * KiB;
 
@@ -202,6 +207,7 @@ ReduceScatterMethod select_reduce_scatter(const CollectiveShape& s, const Collec
     return ReduceScatterMethod::kLowLatency;
   // LL buffer too small (or a larger size): the choice without LL.
   if (s.bytes < kRsFusedMin) return ReduceScatterMethod::kNccl;
+  if (s.bytes >= kRsCeMin && feasible(ReduceScatterMethod::kCe, s, l)) return ReduceScatterMethod::kCe;
   if (feasible(ReduceScatterMethod::kFused, s, l)) return ReduceScatterMethod::kFused;
   return ReduceScatterMethod::kNccl;
 }

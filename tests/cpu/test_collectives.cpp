@@ -71,7 +71,9 @@ TEST(CollectiveSelect, AllGatherTable) {
   EXPECT_EQ(select_all_gather(shape(512 * KiB), kLimits), AllGatherMethod::kLowLatency);  // 256 KB per rank
   EXPECT_EQ(select_all_gather(shape(1 * MiB), kLimits), AllGatherMethod::kSm);
   EXPECT_EQ(select_all_gather(shape(256 * MiB), kLimits), AllGatherMethod::kSm);
-  EXPECT_EQ(select_all_gather(shape(64 * MiB, 2, false, true), kLimits), AllGatherMethod::kSm);  // below 128 MB
+  EXPECT_EQ(select_all_gather(shape(64 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
+  EXPECT_EQ(select_all_gather(shape(32 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
+  EXPECT_EQ(select_all_gather(shape(16 * MiB, 2, false, true), kLimits), AllGatherMethod::kSm);  // below 32 MB
   EXPECT_EQ(select_all_gather(shape(256 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(select_all_gather(shape(256 * MiB, 2, true, false), kLimits), AllGatherMethod::kCePull);
   EXPECT_EQ(select_all_gather(shape(16 * MiB, 2, true, true), kLimits), AllGatherMethod::kSm);
@@ -94,6 +96,11 @@ TEST(CollectiveSelect, ReduceScatterTable) {
   EXPECT_EQ(select_reduce_scatter(shape(256 * MiB), kLimits), ReduceScatterMethod::kFused);
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB), kLimits), ReduceScatterMethod::kNccl);
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB, 2, true), kLimits), ReduceScatterMethod::kFused);
+  // From 512 MB the pipelined copy-engine method, where the workspace holds the input.
+  const CollectiveLimits big{2048 * MiB, 256 * KiB};
+  EXPECT_EQ(select_reduce_scatter(shape(512 * MiB), big), ReduceScatterMethod::kCe);
+  EXPECT_EQ(select_reduce_scatter(shape(1024 * MiB, 2, true, true), big), ReduceScatterMethod::kCe);
+  EXPECT_EQ(select_reduce_scatter(shape(256 * MiB), big), ReduceScatterMethod::kFused);
   // Larger teams (unmeasured): 256 KB at 3-4 ranks, 128 KB at 5-8; then the choice without LL.
   EXPECT_EQ(select_reduce_scatter(shape(256 * KiB, 4), kLimits), ReduceScatterMethod::kLowLatency);
   EXPECT_EQ(select_reduce_scatter(shape(384 * KiB, 3), kLimits), ReduceScatterMethod::kNccl);
