@@ -42,7 +42,9 @@
 #include <string>
 #include <vector>
 
+#include "fill_random.cuh"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_buffer.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/cublas.hpp"
@@ -55,23 +57,6 @@ using namespace tdist;
 
 namespace {
 
-__global__ void fill_random(unsigned short* p, size_t count, unsigned long long seed, bool bf16) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    unsigned long long x = (seed + i) * 0x9E3779B97F4A7C15ull ^ (seed << 17);
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 29;
-    const float u = static_cast<float>(x >> 40) * 0x1.0p-24f * 2.0f - 1.0f;
-    if (bf16) {
-      __nv_bfloat16 v = __float2bfloat16(u);
-      memcpy(p + i, &v, 2);
-    } else {
-      __half v = __float2half(u);
-      memcpy(p + i, &v, 2);
-    }
-  }
-}
 
 __device__ inline float to_f(unsigned short bits, bool bf16) {
   if (bf16) {
@@ -123,24 +108,6 @@ std::vector<std::string> split_list(const std::string& s) {
   return v;
 }
 
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes) { TDIST_CUDA_CHECK(cudaMalloc(&p_, std::max<size_t>(bytes, 256))); }
-  ~DeviceBuffer() {
-    if (p_) cudaFree(p_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_) { o.p_ = nullptr; }
-  template <typename T = unsigned short>
-  T* get() const {
-    return static_cast<T*>(p_);
-  }
-
- private:
-  void* p_ = nullptr;
-};
 
 struct Variant {
   std::string name;
@@ -269,15 +236,7 @@ struct Bench {
   }
 
   GemmArgs gemm_args(const void* a, const void* b, void* d, int64_t m, int64_t n, int64_t k) const {
-    GemmArgs g;
-    g.a = a;
-    g.b = b;
-    g.d = d;
-    g.m = m;
-    g.n = n;
-    g.k = k;
-    g.dtype = o.dtype;
-    return g;
+    return GemmArgs{.a = a, .b = b, .d = d, .m = m, .n = n, .k = k, .dtype = o.dtype};
   }
 
   void run_op(Op op) {
@@ -329,11 +288,11 @@ struct Bench {
       for (int s = 0; s < sets; ++s) {
         as.emplace_back(e * a_elems);
         bs.emplace_back(e * b_elems);
-        fill_random<<<528, 256, 0, stream>>>(as.back().get(), a_elems, 1000003ull * (me + 1) + 17 * s + 1, bf16());
-        fill_random<<<528, 256, 0, stream>>>(bs.back().get(), b_elems, 1000003ull * (me + 1) + 17 * s + 2, bf16());
+        fill_random<<<528, 256, 0, stream>>>(as.back().get<unsigned short>(), a_elems, 1000003ull * (me + 1) + 17 * s + 1, bf16());
+        fill_random<<<528, 256, 0, stream>>>(bs.back().get<unsigned short>(), b_elems, 1000003ull * (me + 1) + 17 * s + 2, bf16());
         if (g_elems) {
           gs.emplace_back(e * g_elems);
-          fill_random<<<528, 256, 0, stream>>>(gs.back().get(), g_elems, 1000003ull * (me + 1) + 17 * s + 3, bf16());
+          fill_random<<<528, 256, 0, stream>>>(gs.back().get<unsigned short>(), g_elems, 1000003ull * (me + 1) + 17 * s + 3, bf16());
         }
       }
       TDIST_CUDA_CHECK(cudaGetLastError());

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "fill_random.cuh"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/ops/cublas.hpp"
@@ -33,23 +34,6 @@
 
 namespace {
 
-__global__ void fill_random(unsigned short* p, size_t count, unsigned long long seed, bool bf16) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    unsigned long long x = (seed + i) * 0x9E3779B97F4A7C15ull;
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 29;
-    const float u = static_cast<float>(x >> 40) * 0x1.0p-24f * 2.0f - 1.0f;
-    if (bf16) {
-      __nv_bfloat16 v = __float2bfloat16(u);
-      memcpy(p + i, &v, 2);
-    } else {
-      __half v = __float2half(u);
-      memcpy(p + i, &v, 2);
-    }
-  }
-}
 
 // max |x - y| and max |y| over two outputs.
 __global__ void diff(const unsigned short* x, const unsigned short* y, size_t count, bool bf16, float* out) {

@@ -242,16 +242,10 @@ class OverlapRuntime {
   std::map<std::string, std::pair<std::shared_ptr<jit::Module>, jit::Kernel>> hooked_;
 };
 
-GemmArgs gemm_args(const void* a, const void* b, void* d, int64_t m, int64_t n, int64_t k, DType dtype) {
-  GemmArgs g;
-  g.a = a;
-  g.b = b;
-  g.d = d;
-  g.m = m;
-  g.n = n;
-  g.k = k;
-  g.dtype = dtype;
-  return g;
+
+// D = A x B^T, dense (leading dimensions = K, K, N).
+GemmArgs gemm_problem(const void* a, const void* b, void* d, int64_t m, int64_t n, int64_t k, DType dtype) {
+  return GemmArgs{.a = a, .b = b, .d = d, .m = m, .n = n, .k = k, .dtype = dtype};
 }
 
 }  // namespace
@@ -356,13 +350,13 @@ struct AllGatherGemm::Impl {
                                            rows.rows(r) * config.k, nccl_type(t), r, comm, stream));
           TDIST_NCCL_CHECK(ncclGroupEnd());
         }
-        rt.cublas().run(gemm_args(plain_, a.b, a.d, a.m, a.n, config.k, t), stream);
+        rt.cublas().run(gemm_problem(plain_, a.b, a.d, a.m, a.n, config.k, t), stream);
         source = plain_;
         break;
       }
       case OverlapMethod::kSequential:
         rt.coll().all_gather(a.a_local, gathered_, rows.rows(rank) * config.k, t, stream);
-        rt.cublas().run(gemm_args(gathered_, a.b, a.d, a.m, a.n, config.k, t), stream);
+        rt.cublas().run(gemm_problem(gathered_, a.b, a.d, a.m, a.n, config.k, t), stream);
         break;
       case OverlapMethod::kFused:
       case OverlapMethod::kChunked: {
@@ -381,7 +375,7 @@ struct AllGatherGemm::Impl {
         for (int i = 1; i < world; ++i)
           put_signal_async(rt.heap(), local, own, local_bytes, flags_ + rank, 1, (rank + i) % world, rt.side());
         if (method == OverlapMethod::kFused) {
-          const GemmArgs g = gemm_args(gathered_, a.b, a.d, a.m, a.n, config.k, t);
+          const GemmArgs g = gemm_problem(gathered_, a.b, a.d, a.m, a.n, config.k, t);
           const kg::AllGatherWaitParams p{flags_, rows, rank};
           // The walk starts at this rank's rows (no wait) and wraps through the peers' in rank order.
           rt.hooked_gemm(g, rt.tile_for(a.m, a.n, config.k), kAllGatherHooks, p, static_cast<int64_t>(rows.begin(rank)),
@@ -391,7 +385,7 @@ struct AllGatherGemm::Impl {
             const int r = (rank + i) % world;
             if (i > 0) rt.wait_flags(flags_, r, 1, stream);
             if (rows.rows(r) == 0) continue;
-            rt.cublas().run(gemm_args(r == rank ? own : gathered_ + rows.begin(r) * row_bytes(), a.b,
+            rt.cublas().run(gemm_problem(r == rank ? own : gathered_ + rows.begin(r) * row_bytes(), a.b,
                                       ptr_at(a.d, rows.begin(r) * a.n * elem_bytes(t)), static_cast<int64_t>(rows.rows(r)),
                                       a.n, config.k, t),
                             stream);
@@ -499,7 +493,7 @@ class ReduceScatterCore {
       // enqueued first so that nothing of the side stream can sit ahead of it in a shared hardware
       // queue; the side stream still starts from the barrier.
       rt.mark_fork(stream);
-      rt.hooked_gemm(gemm_args(a, b, staging_, m, n, k, t), tile, kPublishHooks, hp,
+      rt.hooked_gemm(gemm_problem(a, b, staging_, m, n, k, t), tile, kPublishHooks, hp,
                      static_cast<int64_t>(rows.begin((rank + 1) % world)), std::max(rt.num_sms() - 1, 1), stream);
       rt.fork_from_mark();
       for (int i = 1; i < world; ++i) {
@@ -513,7 +507,7 @@ class ReduceScatterCore {
         const int owner = (rank + i) % world;
         char* d = owner == rank ? slot(rank, n) : staging_ + rows.begin(owner) * n * elem();
         if (rows.rows(owner) > 0)
-          rt.cublas().run(gemm_args(ptr_at(a, rows.begin(owner) * k * elem()), b, d,
+          rt.cublas().run(gemm_problem(ptr_at(a, rows.begin(owner) * k * elem()), b, d,
                                     static_cast<int64_t>(rows.rows(owner)), n, k, t),
                           stream);
         if (owner != rank) {
@@ -565,7 +559,7 @@ struct GemmReduceScatter::Impl {
     const DType t = core.config.dtype;
     switch (method) {
       case OverlapMethod::kBaseline: {
-        rt.cublas().run(gemm_args(a.a, a.b, core.staging(), a.m, a.n, a.k, t), stream);
+        rt.cublas().run(gemm_problem(a.a, a.b, core.staging(), a.m, a.n, a.k, t), stream);
         ncclComm_t comm = rt.world().comm();
         if (a.m % world == 0) {
           TDIST_NCCL_CHECK(
@@ -580,7 +574,7 @@ struct GemmReduceScatter::Impl {
         break;
       }
       case OverlapMethod::kSequential:
-        rt.cublas().run(gemm_args(a.a, a.b, core.staging(), a.m, a.n, a.k, t), stream);
+        rt.cublas().run(gemm_problem(a.a, a.b, core.staging(), a.m, a.n, a.k, t), stream);
         rt.coll().reduce_scatter(core.staging(), a.d, rows.rows(rank) * a.n, t, stream);
         break;
       case OverlapMethod::kFused:
@@ -646,11 +640,11 @@ struct GemmAllReduce::Impl {
     const size_t count = static_cast<size_t>(a.m) * a.n;
     switch (method) {
       case OverlapMethod::kBaseline:
-        rt.cublas().run(gemm_args(a.a, a.b, a.d, a.m, a.n, a.k, t), stream);
+        rt.cublas().run(gemm_problem(a.a, a.b, a.d, a.m, a.n, a.k, t), stream);
         TDIST_NCCL_CHECK(ncclAllReduce(a.d, a.d, count, nccl_type(t), ncclSum, rt.world().comm(), stream));
         break;
       case OverlapMethod::kSequential:
-        rt.cublas().run(gemm_args(a.a, a.b, core.staging(), a.m, a.n, a.k, t), stream);
+        rt.cublas().run(gemm_problem(a.a, a.b, core.staging(), a.m, a.n, a.k, t), stream);
         rt.coll().all_reduce(core.staging(), a.d, count, t, stream);
         break;
       case OverlapMethod::kFused:

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "gpu/harness.cuh"
+#include "tdist/common/device_buffer.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/gemm_overlap.hpp"
 
@@ -227,29 +228,6 @@ struct Contexts {
   std::unique_ptr<GemmAllReduce> ar;
 };
 
-// Device memory of one case, freed at scope exit.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes) { TDIST_CUDA_CHECK(cudaMalloc(&p_, std::max<size_t>(bytes, 256))); }
-  ~DeviceBuffer() {
-    if (p_) cudaFree(p_);
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : p_(o.p_) { o.p_ = nullptr; }
-  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
-    std::swap(p_, o.p_);
-    return *this;
-  }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(p_);
-  }
-
- private:
-  void* p_ = nullptr;
-};
 
 constexpr unsigned kFillBlocks = 1024, kThreads = 256;
 
