@@ -553,6 +553,12 @@ class Runtime {
     const auto stream = reinterpret_cast<cudaStream_t>(stream_id);
     const auto ptr = [](const Desc& x) { return reinterpret_cast<void*>(x.ptr); };
     tdist::OverlapMethod chosen;
+    // The context's choice for `requested`, then (run) the call, without the GIL.
+    const auto resolve_and_run = [&](auto& ctx, const auto& args) {
+      nb::gil_scoped_release release;
+      chosen = ctx.method(args, requested);
+      if (run) ctx.run(args, stream, chosen);
+    };
     switch (op) {
       case tdist::OverlapOp::kAllGatherGemm: {
         tdist::AllGatherGemmArgs args;
@@ -562,26 +568,17 @@ class Runtime {
         args.a_gathered = t.gathered ? ptr(*t.gathered) : nullptr;
         args.m = m;
         args.n = n;
-        tdist::AllGatherGemm& ctx = ag_context(dt, k, m, stream);
-        nb::gil_scoped_release release;
-        chosen = ctx.method(args, requested);
-        if (run) ctx.run(args, stream, chosen);
+        resolve_and_run(ag_context(dt, k, m, stream), args);
         break;
       }
       case tdist::OverlapOp::kGemmReduceScatter: {
         const tdist::GemmReduceScatterArgs args{ptr(t.a), ptr(t.b), ptr(t.d), m, n, k};
-        auto& ctx = rs_context(rs_, op, dt, m, n, stream);
-        nb::gil_scoped_release release;
-        chosen = ctx.method(args, requested);
-        if (run) ctx.run(args, stream, chosen);
+        resolve_and_run(rs_context(rs_, op, dt, m, n, stream), args);
         break;
       }
       case tdist::OverlapOp::kGemmAllReduce: {
         const tdist::GemmAllReduceArgs args{ptr(t.a), ptr(t.b), ptr(t.d), m, n, k};
-        auto& ctx = rs_context(ar_, op, dt, m, n, stream);
-        nb::gil_scoped_release release;
-        chosen = ctx.method(args, requested);
-        if (run) ctx.run(args, stream, chosen);
+        resolve_and_run(rs_context(ar_, op, dt, m, n, stream), args);
         break;
       }
     }
