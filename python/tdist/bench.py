@@ -4,7 +4,7 @@ them.
 
     torchrun --nproc-per-node 2 -m tdist.bench [--ops all_reduce,all_gather,reduce_scatter]
         [--sizes 4K,64K,1M,16M,64M] [--dtype bf16] [--json FILE]
-    torchrun --nproc-per-node 2 -m tdist.bench --ops ag_gemm,gemm_rs,gemm_ar [--m 1024,4096,8192,16384]
+    torchrun --nproc-per-node 2 -m tdist.bench --ops ag_gemm,gemm_rs,gemm_ar [--rows 1024,4096,8192,16384]
         [--methods auto,chunked] [--json FILE]
 
 Collectives: sizes follow nccl-tests (the AllReduce buffer, the AllGather output, the ReduceScatter
@@ -56,7 +56,8 @@ def _parse(argv):
                    help="comma-separated ops: " + ", ".join(COLLECTIVES + GEMMS))
     p.add_argument("--sizes", default="4K,64K,256K,1M,4M,16M,64M",
                    help="collectives: comma-separated bytes, K/M/G suffixes")
-    p.add_argument("--m", default="1024,4096,8192,16384", help="overlapped GEMMs: comma-separated M (all ranks' rows)")
+    p.add_argument("--rows", default="1024,4096,8192,16384",
+                   help="overlapped GEMMs: comma-separated M (all ranks' rows; not --m, which torchrun would take)")
     p.add_argument("--methods", default="auto",
                    help="overlapped GEMMs: tdist methods to time (auto, fused, chunked, sequential, baseline)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
@@ -237,7 +238,7 @@ def _bench_gemm(op: str, args, dtype, tdist, torch, dist):
 
     world, me = dist.get_world_size(), dist.get_rank()
     methods = [x.strip() for x in args.methods.split(",") if x.strip()]
-    ms = [int(_size(x)) for x in args.m.split(",") if x.strip()]
+    ms = [int(_size(x)) for x in args.rows.split(",") if x.strip()]
     group = dist.group.WORLD
     symm = _symm_mem(torch, dist, "fused_all_gather_matmul" if op == "ag_gemm" else "fused_matmul_reduce_scatter")
     out = []

@@ -307,7 +307,7 @@ def test_bench_help_needs_no_torch():
     out = subprocess.run([sys.executable, "-m", "tdist.bench", "--help"], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0, out.stderr
     assert "--sizes" in out.stdout and "all_reduce" in out.stdout
-    for word in ("ag_gemm", "gemm_rs", "gemm_ar", "--m", "--json"):
+    for word in ("ag_gemm", "gemm_rs", "gemm_ar", "--rows", "--json"):
         assert word in out.stdout, word
 
 
