@@ -110,6 +110,9 @@ class OverlapRuntime {
     TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
     TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+    // cuBLAS now, not at the first chunked or baseline call: creating a handle inside a CUDA-graph
+    // capture would fail.
+    cublas_ = std::make_unique<CublasGemm>();
     module_ = jit::Module::load(jit::compile(overlap_kernels_request()));
     wait_flags_ = module_->kernel("tdist_overlap_wait_flags");
     reduce_bf16_ = module_->kernel(detail::concat(kNs, "overlap_reduce<__nv_bfloat16>"));
@@ -131,11 +134,7 @@ class OverlapRuntime {
   cudaStream_t side() const { return side_; }
   size_t sequential_max_bytes() const { return coll_->max_bytes(); }
 
-  CublasGemm& cublas() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!cublas_) cublas_ = std::make_unique<CublasGemm>();
-    return *cublas_;
-  }
+  CublasGemm& cublas() { return *cublas_; }
 
   // The side stream starts after everything enqueued so far on `stream`.
   void fork(cudaStream_t stream) {
