@@ -1,6 +1,6 @@
 // Tutorial 4: the core of AllGather-GEMM, C = allgather(A) x B. Compiled at run time by tdist's JIT.
 //
-// A (M x K, row-major) is split by rows over the ranks (row_split.cuh); B (K x N, row-major) and
+// A (M x K, row-major) is split by rows over the ranks (RowChunks, tdist/kernels/gemm/tile_scheduler.cuh); B (K x N, row-major) and
 // C (M x N, fp32) are this rank's own. Each rank's chunk of A travels into every rank's `a_gathered`
 // (copy-engine puts from the host, or the put_chunk kernel below), and its arrival raises one flag
 // per chunk. The GEMM does not wait for the whole gather: each tile waits only for the chunks that
@@ -21,10 +21,10 @@
 #include <cuda_bf16.h>
 #include <tdist/device.cuh>
 
-#include "row_split.cuh"
+#include <tdist/kernels/gemm/tile_scheduler.cuh>  // RowChunks: the library's row split
 
 using namespace tdist::device;
-using ag_gemm::RowSplit;
+using tdist::kernels::gemm::RowChunks;
 
 // Tiles: 64 x 64 outputs per block, K in steps of 16. 256 threads as 16 x 16, each computing a
 // 4 x 4 set of outputs strided by 16 (so that neighbouring threads read neighbouring shared words).
@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads)
                     int rank, int num_ranks) {
   __shared__ float a_tile[BLOCK_K][BLOCK_M];  // transposed: a_tile[kk][row]
   __shared__ float b_tile[BLOCK_K][BLOCK_N];
-  const RowSplit split{m, num_ranks};
+  const RowChunks split{m, num_ranks};
   const u64 tiles_m = (m + BLOCK_M - 1) / BLOCK_M, tiles_n = (n + BLOCK_N - 1) / BLOCK_N;
   const u64 first_tile_m = split.begin(rank) / BLOCK_M;
   const int tx = static_cast<int>(threadIdx.x) % kThreadsPerSide, ty = static_cast<int>(threadIdx.x) / kThreadsPerSide;

@@ -11,14 +11,14 @@
 #include <vector>
 
 #include "common/tutorial.hpp"
-#include "row_split.cuh"
+#include <tdist/kernels/gemm/tile_scheduler.cuh>
 #include "tdist/runtime/stream.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 
 using namespace tdist;
 using device::u64;
 namespace ex = tdist::examples;
-using ag_gemm::RowSplit;
+using tdist::kernels::gemm::RowChunks;
 
 namespace {
 
@@ -76,7 +76,7 @@ Matrix random_matrix(Dtype dtype, u64 elements, uint64_t seed) {
 }
 
 // Rank r's chunk of A (rows(r) x K) and rank r's B (K x N) in call `call`.
-Matrix a_chunk_of(Dtype dtype, const Shape& s, const RowSplit& split, uint64_t job_seed, int r, u64 call) {
+Matrix a_chunk_of(Dtype dtype, const Shape& s, const RowChunks& split, uint64_t job_seed, int r, u64 call) {
   return random_matrix(dtype, split.rows(r) * s.k, ex::derive_seed(job_seed, r, kASeedPurpose, call));
 }
 Matrix b_of(Dtype dtype, const Shape& s, uint64_t job_seed, int r, u64 call) {
@@ -129,7 +129,7 @@ void run(ex::Context& ctx) {
   for (const Shape& shape : shapes) {
     for (const Dtype dtype : {Dtype::kFp32, Dtype::kBf16}) {
       for (const Transport transport : {Transport::kCopyEngine, Transport::kSmPut}) {
-        const RowSplit split{shape.m, num_ranks};
+        const RowChunks split{shape.m, num_ranks};
         const size_t es = element_bytes(dtype);
         const u64 my_rows = split.rows(rank), my_offset_bytes = split.begin(rank) * shape.k * es;
         const u64 chunk_bytes = my_rows * shape.k * es;

@@ -12,7 +12,6 @@
 #include <sstream>
 #include <string>
 
-#include "../../examples/04_gemm_wait_flags/row_split.cuh"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"
@@ -108,21 +107,3 @@ TEST(ExamplesCompile, EveryKernelAProgramLooksUpIsInTheManifest) {
   EXPECT_GE(lookups, 4);
 }
 
-TEST(ExamplesRowSplit, ChunksCoverTheRowsInOrder) {
-  for (int ranks : {1, 2, 3, 4, 5, 6, 7, 8, 72}) {
-    for (unsigned long long m : {0ull, 1ull, 5ull, 7ull, 8ull, 63ull, 64ull, 65ull, 389ull, 1031ull, 4096ull}) {
-      const ag_gemm::RowSplit split{m, ranks};
-      unsigned long long next_row = 0;
-      for (int r = 0; r < ranks; ++r) {
-        ASSERT_EQ(split.begin(r), next_row) << "m " << m << ", ranks " << ranks << ", rank " << r;
-        const unsigned long long rows = split.rows(r);
-        ASSERT_LE(rows, m / ranks + 1);
-        ASSERT_GE(rows, m / ranks);
-        for (unsigned long long row = next_row; row < next_row + rows; ++row)
-          ASSERT_EQ(split.chunk_of(row), r) << "m " << m << ", ranks " << ranks << ", row " << row;
-        next_row += rows;
-      }
-      EXPECT_EQ(next_row, m);
-    }
-  }
-}
