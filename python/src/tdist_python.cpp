@@ -255,28 +255,16 @@ tdist::DType check_gemm_overlap(tdist::OverlapOp op, const GemmOperands& t, int6
   return dt;
 }
 
-// Symmetric memory a context takes from the heap, estimated from gemm_overlap.cpp's allocations: the
-// op's buffers, its flags, and the Collectives of the sequential method (a workspace of twice
-// min(buffer, 32 MiB), the LL buffer of 1 MiB per rank, flags), each rounded to the heap's alignment.
+// Symmetric memory a context takes from the heap (the library's *_heap_bytes: the sizes its
+// constructors allocate); k for ag_gemm, max_n for gemm_rs / gemm_ar.
 size_t gemm_context_bytes(tdist::OverlapOp op, tdist::DType dtype, int64_t max_m, int64_t k, int64_t max_n,
-                          int world_size) {
-  const size_t e = tdist::dtype_size(dtype), w = static_cast<size_t>(std::max(world_size, 1));
-  const size_t align = tdist::SymmetricHeap::kDefaultAlignment;
-  auto up = [&](size_t x) { return (x + align - 1) / align * align; };
-  const size_t mm = static_cast<size_t>(std::max<int64_t>(max_m, 1));
-  size_t bytes = 0, sequential = 0;
-  if (op == tdist::OverlapOp::kAllGatherGemm) {
-    sequential = mm * static_cast<size_t>(k) * e;
-    bytes = up(sequential) + up(w * 8);
-  } else {
-    const size_t nn = static_cast<size_t>(std::max<int64_t>(max_n, 8));
-    sequential = mm * nn * e;
-    bytes = up(w * ((mm + w - 1) / w) * nn * e) + up(w * 8);
-    if (op == tdist::OverlapOp::kGemmAllReduce) bytes += up(mm * nn * e) + up(w * 8);
-  }
-  const size_t workspace = up(std::max<size_t>(std::min<size_t>(sequential, size_t{32} << 20), 256));
-  bytes += 2 * workspace + w * (size_t{1} << 20) + (size_t{64} << 10);
-  return bytes;
+                          int world_size, int num_sms) {
+  const int w = std::max(world_size, 1);
+  if (op == tdist::OverlapOp::kAllGatherGemm)
+    return tdist::all_gather_gemm_heap_bytes({.max_m = max_m, .k = k, .dtype = dtype}, w, num_sms);
+  const tdist::GemmReduceScatterConfig c{.max_m = max_m, .max_n = max_n, .dtype = dtype};
+  return op == tdist::OverlapOp::kGemmAllReduce ? tdist::gemm_all_reduce_heap_bytes(c, w, num_sms)
+                                                : tdist::gemm_reduce_scatter_heap_bytes(c, w, num_sms);
 }
 
 // DLPack dtype (code, bits) -> the names used above.
@@ -535,6 +523,8 @@ class Runtime {
   void finish_init(size_t heap_bytes, size_t max_bytes) {
     nb::gil_scoped_release release;
     heap_ = std::make_unique<tdist::SymmetricHeap>(*world_, heap_bytes);
+    if (cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, world_->device()) != cudaSuccess)
+      fail("tdist.init: cannot read the GPU's SM count");
     if (max_bytes == 0) max_bytes = std::max<size_t>(heap_->capacity() / 8, 1 << 20);
     if (2 * max_bytes >= heap_->capacity())
       fail(msg("tdist.init: max_bytes=", max_bytes, " needs a workspace of 2 * max_bytes, more than the "
@@ -647,16 +637,16 @@ class Runtime {
     const int w = world_size();
     const auto op = tdist::OverlapOp::kAllGatherGemm;
     const int64_t old_m = slot ? slot->config().max_m : 0;
-    const size_t old_bytes = slot ? gemm_context_bytes(op, dt, old_m, k, 0, w) : 0;
+    const size_t old_bytes = slot ? gemm_context_bytes(op, dt, old_m, k, 0, w, num_sms_) : 0;
     const size_t room = heap().capacity() - heap().bytes_in_use() + old_bytes;
     tdist::AllGatherGemmConfig c;
     c.k = k;
     c.dtype = dt;
     c.max_m = grown(old_m, m);
-    if (gemm_context_bytes(op, dt, c.max_m, k, 0, w) > room) c.max_m = m;
+    if (gemm_context_bytes(op, dt, c.max_m, k, 0, w, num_sms_) > room) c.max_m = m;
     const std::string want = msg("max_m=", c.max_m, ", K=", k, ", ", tdist::to_string(dt));
     check_new_context(op, want, slot ? msg("max_m=", old_m) : std::string(),
-                      gemm_context_bytes(op, dt, c.max_m, k, 0, w), old_bytes, stream);
+                      gemm_context_bytes(op, dt, c.max_m, k, 0, w, num_sms_), old_bytes, stream);
     if (slot) {
       nb::gil_scoped_release release;
       slot.reset();  // collective: its buffers go back to the heap first
@@ -672,20 +662,20 @@ class Runtime {
     if (slot && slot->config().max_m >= m && slot->config().max_n >= n) return *slot;
     const int w = world_size();
     const int64_t old_m = slot ? slot->config().max_m : 0, old_n = slot ? slot->config().max_n : 0;
-    const size_t old_bytes = slot ? gemm_context_bytes(op, dt, old_m, 0, old_n, w) : 0;
+    const size_t old_bytes = slot ? gemm_context_bytes(op, dt, old_m, 0, old_n, w, num_sms_) : 0;
     const size_t room = heap().capacity() - heap().bytes_in_use() + old_bytes;
     tdist::GemmReduceScatterConfig c;
     c.dtype = dt;
     c.max_n = std::max(n, old_n);
     c.max_m = grown(old_m, m);
-    if (gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w) > room) c.max_m = std::max(m, old_m);
-    if (gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w) > room) {  // the old sizes do not fit beside: just this call's
+    if (gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w, num_sms_) > room) c.max_m = std::max(m, old_m);
+    if (gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w, num_sms_) > room) {  // the old sizes do not fit beside: just this call's
       c.max_m = m;
       c.max_n = n;
     }
     const std::string want = msg("max_m=", c.max_m, ", max_n=", c.max_n, ", ", tdist::to_string(dt));
     check_new_context(op, want, slot ? msg("max_m=", old_m, ", max_n=", old_n) : std::string(),
-                      gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w), old_bytes, stream);
+                      gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w, num_sms_), old_bytes, stream);
     if (slot) {
       nb::gil_scoped_release release;
       slot.reset();
@@ -714,6 +704,7 @@ class Runtime {
   ncclComm_t own_comm_ = nullptr;
   std::unique_ptr<tdist::World> world_;
   std::unique_ptr<tdist::SymmetricHeap> heap_;
+  int num_sms_ = 0;  // of this rank's GPU: the overlap contexts' Collectives size their flags by it
   std::unique_ptr<tdist::Collectives> coll_;
   std::map<uint64_t, size_t> buffers_;  // live tdist.empty buffers: address -> bytes
   // Overlapped-GEMM contexts, created on first use and re-created larger when a call exceeds them.
@@ -960,13 +951,16 @@ NB_MODULE(_C, m) {
       "method"_a, "The overlapped GEMMs' method name (auto, fused, chunked, sequential, baseline); tdist.Error otherwise.");
   m.def(
       "gemm_context_bytes",
-      [](const std::string& op, const std::string& dtype, int64_t max_m, int64_t k, int64_t max_n, int world_size) {
+      [](const std::string& op, const std::string& dtype, int64_t max_m, int64_t k, int64_t max_n, int world_size,
+         int num_sms) {
         const auto dt = collective_dtype(dtype);
         if (!dt) fail(msg("gemm_context_bytes: unknown dtype '", dtype, "'"));
-        return gemm_context_bytes(parse_gemm_op(op), *dt, max_m, k, max_n, world_size);
+        if (num_sms < 1) fail(msg("gemm_context_bytes: num_sms must be positive, got ", num_sms));
+        return gemm_context_bytes(parse_gemm_op(op), *dt, max_m, k, max_n, world_size, num_sms);
       },
-      "op"_a, "dtype"_a, "max_m"_a, "k"_a, "max_n"_a, "world_size"_a,
-      "Estimated symmetric-heap bytes of one overlapped-GEMM context (k for ag_gemm, max_n for gemm_rs / gemm_ar).");
+      "op"_a, "dtype"_a, "max_m"_a, "k"_a, "max_n"_a, "world_size"_a, "num_sms"_a = 132,
+      "Symmetric-heap bytes of one overlapped-GEMM context (k for ag_gemm, max_n for gemm_rs / gemm_ar) on GPUs "
+      "with num_sms SMs (132: H100 / H200 SXM).");
   m.def("parse_size", [](const std::string& s) { return tdist::SymmetricHeap::parse_size(s, "heap_size"); },
         "Bytes from '512M', '2G', '1048576' (TDIST_SYMMETRIC_HEAP_SIZE's format).");
   m.def("nccl_unique_id", &nccl_unique_id, "A new NCCL unique id (bytes), made on the rank that bootstraps.");

@@ -53,6 +53,20 @@ size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
+// What a Collectives takes from the symmetric heap, one size per allocation (bytes), for `n` ranks,
+// the workspace slot size and LL payload (both already rounded) and `max_blocks` blocks.
+struct HeapSizes {
+  size_t workspace, flags, barrier_pads, ce_flags, ll;
+};
+HeapSizes heap_sizes(int n, size_t max_bytes, size_t ll_bytes, int max_blocks, size_t ce_pieces) {
+  const size_t u64_bytes = sizeof(device::u64), ranks = static_cast<size_t>(n);
+  return {2 * max_bytes,
+          static_cast<size_t>(kernels::coll::kPhases) * static_cast<size_t>(max_blocks) * ranks * u64_bytes,
+          2 * barrier_pad_words(n) * u64_bytes,
+          ce_pieces * ranks * u64_bytes,
+          2 * ranks * (ll_bytes / 4) * 8};
+}
+
 }  // namespace
 
 std::vector<jit::CompileRequest> collective_compile_requests() {
@@ -111,11 +125,12 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   max_blocks_ = options.max_blocks > 0 ? options.max_blocks : sms;
   max_bytes_ = round_up(max_bytes, 256);
   ll_bytes_ = round_up(options.ll_bytes, 16);
-  workspace_ = static_cast<char*>(heap.allocate(2 * max_bytes_));
-  flags_ = heap.allocate_signals64(static_cast<size_t>(kernels::coll::kPhases) * max_blocks_ * n);
-  barrier_pads_ = heap.allocate_signals64(2 * barrier_pad_words(n));
-  ce_flags_ = heap.allocate_signals64(static_cast<size_t>(kCePieces) * n);
-  ll_ = static_cast<char*>(heap.allocate(2 * static_cast<size_t>(n) * (ll_bytes_ / 4) * 8));
+  const HeapSizes sizes = heap_sizes(n, max_bytes_, ll_bytes_, max_blocks_, kCePieces);
+  workspace_ = static_cast<char*>(heap.allocate(sizes.workspace));
+  flags_ = static_cast<device::u64*>(heap.allocate(sizes.flags));
+  barrier_pads_ = static_cast<device::u64*>(heap.allocate(sizes.barrier_pads));
+  ce_flags_ = static_cast<device::u64*>(heap.allocate(sizes.ce_flags));
+  ll_ = static_cast<char*>(heap.allocate(sizes.ll));
   TDIST_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(EpochState)));
   TDIST_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(EpochState)));
   TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
@@ -140,6 +155,16 @@ Collectives::~Collectives() {
   cudaEventDestroy(fork_);
   cudaEventDestroy(join_);
   cudaStreamDestroy(side_);
+}
+
+size_t Collectives::heap_bytes(int world_size, size_t max_bytes, int max_blocks, const CollectivesOptions& options) {
+  const HeapSizes s = heap_sizes(world_size, round_up(std::max<size_t>(max_bytes, 1), 256),
+                                 round_up(std::max<size_t>(options.ll_bytes, 1), 16),
+                                 options.max_blocks > 0 ? options.max_blocks : max_blocks, kCePieces);
+  size_t total = 0;
+  for (size_t bytes : {s.workspace, s.flags, s.barrier_pads, s.ce_flags, s.ll})
+    total += round_up(bytes, SymmetricHeap::kDefaultAlignment);
+  return total;
 }
 
 unsigned Collectives::blocks_for(size_t bytes, size_t per_block) const {

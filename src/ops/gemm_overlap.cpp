@@ -45,6 +45,32 @@ constexpr size_t kSequentialMaxBytes = size_t{32} << 20;
 
 size_t elem_bytes(DType t) { return dtype_size(t); }
 
+// Heap sizes, shared by the contexts' constructors and the *_heap_bytes functions that report them.
+// The Collectives of a context serves the sequential method's largest collective, capped.
+size_t collectives_bytes(size_t sequential_bytes) {
+  return std::max<size_t>(std::min(sequential_bytes, kSequentialMaxBytes), 256);
+}
+size_t all_gather_sequential_bytes(const AllGatherGemmConfig& c) {
+  return static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * c.k * elem_bytes(c.dtype);
+}
+size_t gathered_bytes(const AllGatherGemmConfig& c) { return static_cast<size_t>(c.max_m) * c.k * elem_bytes(c.dtype); }
+size_t reduce_scatter_sequential_bytes(const GemmReduceScatterConfig& c) {
+  return static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * std::max<int64_t>(c.max_n, 8) * elem_bytes(c.dtype);
+}
+// Rows of one slot of the ReduceScatter receive buffer: the largest chunk.
+int64_t recv_slot_rows(const GemmReduceScatterConfig& c, int world_size) {
+  return (c.max_m + world_size - 1) / world_size;
+}
+size_t recv_bytes(const GemmReduceScatterConfig& c, int world_size) {
+  return static_cast<size_t>(world_size) * recv_slot_rows(c, world_size) * c.max_n * elem_bytes(c.dtype);
+}
+size_t reduced_bytes(const GemmAllReduceConfig& c) { return static_cast<size_t>(c.max_m) * c.max_n * elem_bytes(c.dtype); }
+size_t flag_bytes(int world_size) { return static_cast<size_t>(world_size) * sizeof(u64); }
+size_t heap_rounded(size_t bytes) {
+  const size_t a = SymmetricHeap::kDefaultAlignment;
+  return (bytes + a - 1) / a * a;
+}
+
 const char* ptr_at(const void* base, size_t bytes) { return static_cast<const char*>(base) + bytes; }
 char* ptr_at(void* base, size_t bytes) { return static_cast<char*>(base) + bytes; }
 
@@ -106,7 +132,7 @@ class OverlapRuntime {
                 "the overlap ops need every rank in one NVLink (LSA) domain; the LSA team has ", world.lsa_size(),
                 " of ", world.world_size(), " ranks");
     TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, world.device()));
-    coll_ = std::make_unique<Collectives>(world, heap, std::max<size_t>(std::min(sequential_bytes, kSequentialMaxBytes), 256));
+    coll_ = std::make_unique<Collectives>(world, heap, collectives_bytes(sequential_bytes));
     TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
     TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
@@ -250,6 +276,24 @@ GemmArgs gemm_problem(const void* a, const void* b, void* d, int64_t m, int64_t 
 }  // namespace
 
 // ============================================================================================
+// Heap footprints (the same sizes the constructors allocate)
+
+size_t all_gather_gemm_heap_bytes(const AllGatherGemmConfig& c, int world_size, int num_sms) {
+  return heap_rounded(gathered_bytes(c)) + heap_rounded(flag_bytes(world_size)) +
+         Collectives::heap_bytes(world_size, collectives_bytes(all_gather_sequential_bytes(c)), num_sms);
+}
+
+size_t gemm_reduce_scatter_heap_bytes(const GemmReduceScatterConfig& c, int world_size, int num_sms) {
+  return heap_rounded(recv_bytes(c, world_size)) + heap_rounded(flag_bytes(world_size)) +
+         Collectives::heap_bytes(world_size, collectives_bytes(reduce_scatter_sequential_bytes(c)), num_sms);
+}
+
+size_t gemm_all_reduce_heap_bytes(const GemmAllReduceConfig& c, int world_size, int num_sms) {
+  return gemm_reduce_scatter_heap_bytes(c, world_size, num_sms) + heap_rounded(reduced_bytes(c)) +
+         heap_rounded(flag_bytes(world_size));
+}
+
+// ============================================================================================
 // Argument checks
 
 void check_all_gather_gemm_args(const AllGatherGemmArgs& a, const AllGatherGemmConfig& c, int world_size, int rank) {
@@ -301,15 +345,14 @@ struct AllGatherGemm::Impl {
   char* plain_ = nullptr;
 
   Impl(World& world, SymmetricHeap& heap, const AllGatherGemmConfig& c)
-      : config(c), rt(world, heap, c.dtype, static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * c.k * elem_bytes(c.dtype)) {
+      : config(c), rt(world, heap, c.dtype, all_gather_sequential_bytes(c)) {
     TDIST_CHECK_ARG(c.max_m > 0 && c.max_m < (int64_t{1} << 31), "config.max_m", "expected 0 < max_m < 2^31, got ",
                     c.max_m);
     TDIST_CHECK_ARG(c.k > 0 && c.k % 8 == 0 && c.k < (int64_t{1} << 31), "config.k",
                     "expected 0 < k < 2^31 and a multiple of 8, got ", c.k);
-    const size_t bytes = static_cast<size_t>(c.max_m) * c.k * elem_bytes(c.dtype);
-    gathered_ = static_cast<char*>(heap.allocate(bytes));
-    flags_ = heap.allocate_signals64(world.world_size());
-    TDIST_CUDA_CHECK(cudaMalloc(&plain_, bytes));
+    gathered_ = static_cast<char*>(heap.allocate(gathered_bytes(c)));
+    flags_ = static_cast<u64*>(heap.allocate(flag_bytes(world.world_size())));
+    TDIST_CUDA_CHECK(cudaMalloc(&plain_, gathered_bytes(c)));
   }
   ~Impl() {
     cudaDeviceSynchronize();
@@ -430,16 +473,16 @@ const AllGatherGemmConfig& AllGatherGemm::config() const { return impl_->config;
 
 class ReduceScatterCore {
  public:
-  ReduceScatterCore(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c, size_t sequential_bytes)
-      : config(c), rt(world, heap, c.dtype, sequential_bytes) {
+  ReduceScatterCore(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c)
+      : config(c), rt(world, heap, c.dtype, reduce_scatter_sequential_bytes(c)) {
     TDIST_CHECK_ARG(c.max_m > 0 && c.max_m < (int64_t{1} << 31), "config.max_m", "expected 0 < max_m < 2^31, got ",
                     c.max_m);
     TDIST_CHECK_ARG(c.max_n > 0 && c.max_n % 8 == 0 && c.max_n < (int64_t{1} << 31), "config.max_n",
                     "expected 0 < max_n < 2^31 and a multiple of 8, got ", c.max_n);
     const int w = world.world_size();
-    cap_rows_ = (c.max_m + w - 1) / w;
-    recv_ = static_cast<char*>(heap.allocate(static_cast<size_t>(w) * cap_rows_ * c.max_n * elem_bytes(c.dtype)));
-    flags_ = heap.allocate_signals64(w);
+    cap_rows_ = recv_slot_rows(c, w);
+    recv_ = static_cast<char*>(heap.allocate(recv_bytes(c, w)));
+    flags_ = static_cast<u64*>(heap.allocate(flag_bytes(w)));
     TDIST_CUDA_CHECK(cudaMalloc(&staging_, static_cast<size_t>(c.max_m) * c.max_n * elem_bytes(c.dtype)));
     TDIST_CUDA_CHECK(cudaMalloc(&counts_, w * (sizeof(u64) + sizeof(device::u32))));
   }
@@ -537,9 +580,7 @@ class ReduceScatterCore {
 
 struct GemmReduceScatter::Impl {
   ReduceScatterCore core;
-  Impl(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c)
-      : core(world, heap, c, static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * std::max<int64_t>(c.max_n, 8) *
-                                 elem_bytes(c.dtype)) {}
+  Impl(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c) : core(world, heap, c) {}
 
   OverlapMethod method(const GemmReduceScatterArgs& a, OverlapMethod requested) const {
     check_gemm_reduce_scatter_args(a, core.config);
@@ -611,11 +652,9 @@ struct GemmAllReduce::Impl {
   char* reduced_ = nullptr;
   u64* ar_flags_ = nullptr;
 
-  Impl(World& world, SymmetricHeap& heap, const GemmAllReduceConfig& c)
-      : core(world, heap, c, static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * std::max<int64_t>(c.max_n, 8) *
-                                 elem_bytes(c.dtype)) {
-    reduced_ = static_cast<char*>(heap.allocate(static_cast<size_t>(c.max_m) * c.max_n * elem_bytes(c.dtype)));
-    ar_flags_ = heap.allocate_signals64(world.world_size());
+  Impl(World& world, SymmetricHeap& heap, const GemmAllReduceConfig& c) : core(world, heap, c) {
+    reduced_ = static_cast<char*>(heap.allocate(reduced_bytes(c)));
+    ar_flags_ = static_cast<u64*>(heap.allocate(flag_bytes(world.world_size())));
   }
   ~Impl() {
     cudaDeviceSynchronize();

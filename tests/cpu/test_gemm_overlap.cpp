@@ -11,6 +11,7 @@
 
 #include "tdist/common/error.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
+#include "tdist/ops/collectives.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
 
 using tdist::DType;
@@ -388,3 +389,28 @@ TEST(GemmReduceScatterArgs, AcceptsAndErrorsNameTheArgument) {
 }
 
 TEST(GemmAllReduceArgs, AcceptsAndErrorsNameTheArgument) { reduce_checks<tdist::GemmAllReduceArgs>(true); }
+
+// Heap footprints, spelled out for two ranks of 132 SMs: what the constructors allocate, each
+// allocation rounded to the heap's 256-byte alignment.
+TEST(OverlapHeapBytes, SumOfTheAllocations) {
+  const size_t mib = size_t{1} << 20;
+  // Collectives of a 32 MiB workspace slot: workspace 2 x 32 MiB, flags 2 phases x 132 blocks x 2
+  // ranks x 8 B (4224 -> 4352), barrier pads 2 x (2 + 2) x 8 B (-> 256), copy-engine piece flags
+  // 16 x 2 x 8 B (256), LL buffer 2 x 2 ranks x 64 Ki lines x 8 B (2 MiB).
+  const size_t coll = 64 * mib + 4352 + 256 + 256 + 2 * mib;
+  EXPECT_EQ(tdist::Collectives::heap_bytes(2, 32 * mib, 132), coll);
+  EXPECT_GT(tdist::Collectives::heap_bytes(2, 32 * mib, 264), coll);  // more blocks, more flags
+  // AllGather-GEMM, M = 16384, K = 8192, bf16: gathered A (256 MiB), flags (-> 256), the
+  // Collectives above (the sequential method's collective capped at 32 MiB).
+  const tdist::AllGatherGemmConfig ag{.max_m = 16384, .k = 8192, .dtype = DType::kBFloat16};
+  EXPECT_EQ(tdist::all_gather_gemm_heap_bytes(ag, 2, 132), 256 * mib + 256 + coll);
+  // GEMM-ReduceScatter, M = 16383 (an odd split), N = 8192: 2 slots of 8192 rows x 8192 x 2 B.
+  const tdist::GemmReduceScatterConfig rs{.max_m = 16383, .max_n = 8192, .dtype = DType::kBFloat16};
+  EXPECT_EQ(tdist::gemm_reduce_scatter_heap_bytes(rs, 2, 132), 256 * mib + 256 + coll);
+  // GEMM-AllReduce: the ReduceScatter's, plus the reduced rows (16383 x 8192 x 2 B) and their flags.
+  EXPECT_EQ(tdist::gemm_all_reduce_heap_bytes(rs, 2, 132), 256 * mib + 256 + coll + 16383 * 8192 * 2 + 256);
+  // A small problem keeps a small workspace (twice its 1 KiB collective).
+  const tdist::AllGatherGemmConfig tiny{.max_m = 8, .k = 64, .dtype = DType::kFloat16};
+  EXPECT_EQ(tdist::all_gather_gemm_heap_bytes(tiny, 2, 132),
+            1024 + 256 + 2048 + 4352 + 256 + 256 + 2 * mib);
+}

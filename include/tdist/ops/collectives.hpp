@@ -73,6 +73,10 @@ class Collectives {
   ReduceScatterMethod reduce_scatter_method(const void* in, void* out, size_t count, DType dtype,
                                             ReduceScatterMethod method = ReduceScatterMethod::kAuto) const;
 
+  // The symmetric-heap bytes a Collectives(world, heap, max_bytes, options) allocates on a GPU with
+  // `num_sms` SMs (each allocation rounded to the heap's alignment), for sizing the heap.
+  static size_t heap_bytes(int world_size, size_t max_bytes, int num_sms, const CollectivesOptions& options = {});
+
   size_t max_bytes() const { return max_bytes_; }
   CollectiveLimits limits() const { return {max_bytes_, ll_bytes_}; }
   World& world() const { return world_; }

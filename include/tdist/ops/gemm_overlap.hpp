@@ -162,6 +162,13 @@ class GemmAllReduce {
   std::unique_ptr<Impl> impl_;
 };
 
+// The symmetric-heap bytes a context of this config allocates (its buffers and its Collectives) on
+// `world_size` ranks of GPUs with `num_sms` SMs: what the heap must have free for the constructor.
+// Pure (computed from the sizes the constructors allocate), CPU-tested.
+size_t all_gather_gemm_heap_bytes(const AllGatherGemmConfig& config, int world_size, int num_sms);
+size_t gemm_reduce_scatter_heap_bytes(const GemmReduceScatterConfig& config, int world_size, int num_sms);
+size_t gemm_all_reduce_heap_bytes(const GemmAllReduceConfig& config, int world_size, int num_sms);
+
 // Argument checks (pure, CPU-tested; the classes call them): every error names the argument.
 void check_all_gather_gemm_args(const AllGatherGemmArgs& args, const AllGatherGemmConfig& config, int world_size,
                                 int rank);
