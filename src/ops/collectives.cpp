@@ -133,9 +133,6 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   ll_ = static_cast<char*>(heap.allocate(sizes.ll));
   TDIST_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(EpochState)));
   TDIST_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(EpochState)));
-  TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
-  TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-  TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());
   kernels_ = std::make_unique<Kernels>();
   world.barrier("tdist collectives ready");
@@ -152,9 +149,6 @@ Collectives::~Collectives() {
   } catch (...) {
   }
   cudaFree(epoch_);
-  cudaEventDestroy(fork_);
-  cudaEventDestroy(join_);
-  cudaStreamDestroy(side_);
 }
 
 size_t Collectives::heap_bytes(int world_size, size_t max_bytes, int max_blocks, const CollectivesOptions& options) {
@@ -220,14 +214,8 @@ void Collectives::ce_barrier(cudaStream_t stream) {
 }
 
 void Collectives::copy_beside(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
-  TDIST_CUDA_CHECK(cudaEventRecord(fork_, stream));
-  TDIST_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-  TDIST_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, side_));
-}
-
-void Collectives::join_beside(cudaStream_t stream) {
-  TDIST_CUDA_CHECK(cudaEventRecord(join_, side_));
-  TDIST_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
+  side_.fork(stream);
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, side_.get()));
 }
 
 void Collectives::barrier(cudaStream_t stream) {
@@ -341,7 +329,7 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
         const int peer = (me + k) % n;
         TDIST_CUDA_CHECK(cudaMemcpyAsync(heap_.peer_ptr(dst + me * b, peer), in, b, cudaMemcpyDeviceToDevice, stream));
       }
-      if (own_copy) join_beside(stream);
+      if (own_copy) side_.join(stream);
       ce_barrier(stream);
       if (!s.out_symmetric) {
         if (me > 0) TDIST_CUDA_CHECK(cudaMemcpyAsync(o, workspace_, me * b, cudaMemcpyDeviceToDevice, stream));
@@ -374,7 +362,7 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
         TDIST_CUDA_CHECK(
             cudaMemcpyAsync(o + peer * b, heap_.peer_ptr(peer_src(peer), peer), b, cudaMemcpyDeviceToDevice, stream));
       }
-      if (own_copy) join_beside(stream);
+      if (own_copy) side_.join(stream);
       ce_barrier(stream);
       return;
     }
@@ -423,15 +411,14 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
       const int chunks = static_cast<int>((count + chunk - 1) / chunk);
       TDIST_CUDA_CHECK(cudaMemsetAsync(ce_flags_, 0, kCePieces * n * sizeof(device::u64), stream));
       ce_barrier(stream);
-      TDIST_CUDA_CHECK(cudaEventRecord(fork_, stream));
-      TDIST_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+      side_.fork(stream);
       for (int c = 0; c < chunks; ++c) {
         const size_t lo = c * chunk, len = std::min(count, lo + chunk) - lo;
         for (int k = 1; k < n; ++k) {
           const int peer = (me + k) % n;
           TDIST_CUDA_CHECK(cudaMemcpyAsync(heap_.peer_ptr(workspace_ + me * b + lo * sz, peer), src + peer * b + lo * sz,
-                                           len * sz, cudaMemcpyDeviceToDevice, side_));
-          stream_write_value64(side_, heap_.peer_ptr(ce_flags_ + c * n + me, peer), 1);
+                                           len * sz, cudaMemcpyDeviceToDevice, side_.get()));
+          stream_write_value64(side_.get(), heap_.peer_ptr(ce_flags_ + c * n + me, peer), 1);
         }
       }
       jit::LaunchConfig cfg;
@@ -441,7 +428,7 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
       jit::launch(kernels_->rs_ce_pipelined[t], cfg,
                   jit::make_args(params(in, out, count, false, s.aligned16), static_cast<const device::u64*>(ce_flags_),
                                  static_cast<device::u64>(chunk), chunks));
-      join_beside(stream);
+      side_.join(stream);
       return;
     }
     default: TDIST_FAIL("unreachable reduce_scatter method ", to_string(m));

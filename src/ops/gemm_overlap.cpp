@@ -133,9 +133,6 @@ class OverlapRuntime {
                 " of ", world.world_size(), " ranks");
     TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, world.device()));
     coll_ = std::make_unique<Collectives>(world, heap, collectives_bytes(sequential_bytes));
-    TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
-    TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-    TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     // cuBLAS now, not at the first chunked or baseline call: creating a handle inside a CUDA-graph
     // capture would fail.
     cublas_ = std::make_unique<CublasGemm>();
@@ -144,12 +141,7 @@ class OverlapRuntime {
     reduce_bf16_ = module_->kernel(detail::concat(kNs, "overlap_reduce<__nv_bfloat16>"));
     reduce_f16_ = module_->kernel(detail::concat(kNs, "overlap_reduce<__half>"));
   }
-  ~OverlapRuntime() {
-    cudaDeviceSynchronize();
-    cudaEventDestroy(fork_);
-    cudaEventDestroy(join_);
-    cudaStreamDestroy(side_);
-  }
+  ~OverlapRuntime() { cudaDeviceSynchronize(); }
 
   World& world() const { return world_; }
   SymmetricHeap& heap() const { return heap_; }
@@ -157,21 +149,11 @@ class OverlapRuntime {
   int rank() const { return world_.rank(); }
   int size() const { return world_.world_size(); }
   DType dtype() const { return dtype_; }
-  cudaStream_t side() const { return side_; }
+  // The copy engine's stream beside the caller's (fork / join within one call).
+  SideStream& side() { return side_; }
   size_t sequential_max_bytes() const { return coll_->max_bytes(); }
 
   CublasGemm& cublas() { return *cublas_; }
-
-  // The side stream starts after everything enqueued so far on `stream`.
-  void fork(cudaStream_t stream) {
-    TDIST_CUDA_CHECK(cudaEventRecord(fork_, stream));
-    TDIST_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-  }
-  // `stream` continues after everything enqueued so far on the side stream.
-  void join(cudaStream_t stream) {
-    TDIST_CUDA_CHECK(cudaEventRecord(join_, side_));
-    TDIST_CUDA_CHECK(cudaStreamWaitEvent(stream, join_, 0));
-  }
 
   // Waits (one GPU thread, with the device API's timeout) until flags[first .. first + count) >= 1.
   void wait_flags(const u64* flags, int first, int count, cudaStream_t stream) {
@@ -207,10 +189,6 @@ class OverlapRuntime {
 
   GemmTile tile_for(int64_t m, int64_t n, int64_t k) const { return choose_gemm_tile(m, n, k, num_sms_); }
   int num_sms() const { return num_sms_; }
-
-  // The side stream starts after what `stream` had when mark_fork() recorded (not after later work).
-  void mark_fork(cudaStream_t stream) { TDIST_CUDA_CHECK(cudaEventRecord(fork_, stream)); }
-  void fork_from_mark() { TDIST_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0)); }
 
   // The method a call runs: `requested`, or for kAuto TDIST_OVERLAP_METHOD, else the model's choice;
   // checks that it is possible (`sequential_ok`: equal per-rank counts and small enough).
@@ -259,8 +237,7 @@ class OverlapRuntime {
   bool fused_ok_ = hopper(world_.device());
   std::unique_ptr<Collectives> coll_;
   std::unique_ptr<CublasGemm> cublas_;
-  cudaStream_t side_ = nullptr;
-  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  SideStream side_;
   std::shared_ptr<jit::Module> module_;
   jit::Kernel wait_flags_, reduce_bf16_, reduce_f16_;
   std::mutex mu_;
@@ -413,9 +390,9 @@ struct AllGatherGemm::Impl {
         TDIST_CUDA_CHECK(cudaMemsetAsync(flags_, 0, world * sizeof(u64), stream));
         rt.coll().barrier(stream);
         // Copy engine: this rank's rows to every peer, nearest rank first, each with its flag.
-        rt.fork(stream);
+        rt.side().fork(stream);
         for (int i = 1; i < world; ++i)
-          put_signal_async(rt.heap(), local, own, local_bytes, flags_ + rank, 1, (rank + i) % world, rt.side());
+          put_signal_async(rt.heap(), local, own, local_bytes, flags_ + rank, 1, (rank + i) % world, rt.side().get());
         if (method == OverlapMethod::kFused) {
           const GemmArgs g = gemm_problem(gathered_, a.b, a.d, a.m, a.n, config.k, t);
           const kg::AllGatherWaitParams p{flags_, rows, rank};
@@ -433,7 +410,7 @@ struct AllGatherGemm::Impl {
                             stream);
           }
         }
-        rt.join(stream);
+        rt.side().join(stream);
         break;
       }
       case OverlapMethod::kAuto: TDIST_FAIL("unresolved method");
@@ -534,14 +511,14 @@ class ReduceScatterCore {
       // release each peer's rows to the copy engine as soon as their chunk is stored. The GEMM is
       // enqueued first so that nothing of the side stream can sit ahead of it in a shared hardware
       // queue; the side stream still starts from the barrier.
-      rt.mark_fork(stream);
+      rt.side().mark(stream);
       rt.hooked_gemm(gemm_problem(a, b, staging_, m, n, k, t), tile, kPublishHooks, hp,
                      static_cast<int64_t>(rows.begin((rank + 1) % world)), std::max(rt.num_sms() - 1, 1), stream);
-      rt.fork_from_mark();
+      rt.side().fork_from_mark();
       for (int i = 1; i < world; ++i) {
         const int owner = (rank + i) % world;
-        if (rows.rows(owner) > 0) rt.wait_flags(ready, owner, 1, rt.side());
-        send(owner, rt.side());
+        if (rows.rows(owner) > 0) rt.wait_flags(ready, owner, 1, rt.side().get());
+        send(owner, rt.side().get());
       }
       p.src[rank] = staging_ + rows.begin(rank) * n * elem();
     } else {
@@ -553,8 +530,8 @@ class ReduceScatterCore {
                                     static_cast<int64_t>(rows.rows(owner)), n, k, t),
                           stream);
         if (owner != rank) {
-          rt.fork(stream);  // the send waits for this chunk's GEMM only
-          send(owner, rt.side());
+          rt.side().fork(stream);  // the send waits for this chunk's GEMM only
+          send(owner, rt.side().get());
         }
       }
     }
@@ -564,7 +541,7 @@ class ReduceScatterCore {
     p.rows = rows.rows(rank);
     p.n = static_cast<u64>(n);
     rt.reduce(p, stream);
-    rt.join(stream);
+    rt.side().join(stream);
   }
 
  private:

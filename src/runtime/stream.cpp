@@ -96,4 +96,25 @@ void put_signal_async(const SymmetricHeap& heap, void* dst, const void* src, siz
   stream_write_value64(stream, heap.peer_ptr(flag, peer), value);
 }
 
+SideStream::SideStream() {
+  TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+}
+
+SideStream::~SideStream() {
+  cudaEventDestroy(fork_);
+  cudaEventDestroy(join_);
+  cudaStreamDestroy(stream_);
+}
+
+void SideStream::mark(cudaStream_t from) { TDIST_CUDA_CHECK(cudaEventRecord(fork_, from)); }
+
+void SideStream::fork_from_mark() { TDIST_CUDA_CHECK(cudaStreamWaitEvent(stream_, fork_, 0)); }
+
+void SideStream::join(cudaStream_t into) {
+  TDIST_CUDA_CHECK(cudaEventRecord(join_, stream_));
+  TDIST_CUDA_CHECK(cudaStreamWaitEvent(into, join_, 0));
+}
+
 }  // namespace tdist

@@ -29,6 +29,7 @@
 #include "tdist/jit/launch.hpp"
 #include "tdist/kernels/collectives/common.cuh"
 #include "tdist/ops/collective_select.hpp"
+#include "tdist/runtime/stream.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/world.hpp"
 
@@ -89,10 +90,9 @@ class Collectives {
   kernels::coll::CollParams params(const void* in, void* out, size_t count, bool zero_copy, bool vec) const;
   void launch(const jit::Kernel& k, unsigned blocks, const kernels::coll::CollParams& p, cudaStream_t stream);
   void ce_barrier(cudaStream_t stream);
-  // A device-to-device copy on the side stream after what `stream` has so far; join_beside makes
-  // `stream` wait for it.
+  // A device-to-device copy on the side stream after what `stream` has so far; side_.join(stream)
+  // makes `stream` wait for it.
   void copy_beside(void* dst, const void* src, size_t bytes, cudaStream_t stream);
-  void join_beside(cudaStream_t stream);
   unsigned blocks_for(size_t bytes, size_t per_block) const;
 
   World& world_;
@@ -110,10 +110,8 @@ class Collectives {
   device::u64* ce_flags_ = nullptr;
   char* ll_ = nullptr;                   // 2 x world_size x ll_words
   kernels::coll::EpochState* epoch_ = nullptr;  // ordinary device memory
-  // A second stream for copies that may run beside the caller's (forked from it and joined back
-  // within one call, so graph capture sees a fork/join).
-  cudaStream_t side_ = nullptr;
-  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  // Copies that run beside the caller's stream (forked from it and joined back within one call).
+  SideStream side_;
   std::unique_ptr<Kernels> kernels_;
 };
 

@@ -34,4 +34,29 @@ void get_async(const SymmetricHeap& heap, void* dst, const void* src, size_t byt
 void put_signal_async(const SymmetricHeap& heap, void* dst, const void* src, size_t bytes, device::u64* flag,
                       device::u64 value, int peer, cudaStream_t stream);
 
+// A second stream for work beside a caller's stream within one call (copies next to kernels): fork()
+// starts it after what the caller's stream holds so far, join() makes the caller's stream wait for
+// it. Under CUDA-graph capture this records as a fork and a join. mark() + fork_from_mark() split a
+// fork, so that work enqueued on the caller's stream in between is not waited for.
+class SideStream {
+ public:
+  SideStream();
+  ~SideStream();
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+
+  cudaStream_t get() const { return stream_; }
+  void fork(cudaStream_t from) {
+    mark(from);
+    fork_from_mark();
+  }
+  void mark(cudaStream_t from);
+  void fork_from_mark();
+  void join(cudaStream_t into);
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+};
+
 }  // namespace tdist
