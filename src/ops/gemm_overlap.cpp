@@ -148,7 +148,6 @@ class OverlapRuntime {
   Collectives& coll() const { return *coll_; }
   int rank() const { return world_.rank(); }
   int size() const { return world_.world_size(); }
-  DType dtype() const { return dtype_; }
   // The copy engine's stream beside the caller's (fork / join within one call).
   SideStream& side() { return side_; }
   size_t sequential_max_bytes() const { return coll_->max_bytes(); }
