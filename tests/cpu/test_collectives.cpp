@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/errors.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"
@@ -13,6 +14,8 @@
 #include "tdist/ops/collectives.hpp"
 
 using namespace tdist;
+
+using tdist::test::error_of;
 
 namespace {
 
@@ -28,16 +31,6 @@ CollectiveShape shape(size_t bytes, int n = 2, bool in_sym = false, bool out_sym
 }
 
 const CollectiveLimits kLimits{256 * MiB, 256 * KiB};
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const tdist::Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 }  // namespace
 

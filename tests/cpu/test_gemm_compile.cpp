@@ -12,6 +12,7 @@
 #include <string>
 
 #include "cpu/temp_dir.hpp"
+#include "cpu/errors.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"
@@ -25,6 +26,8 @@ using tdist::GemmArgs;
 using tdist::GemmTile;
 using tdist::test::TempDir;
 
+using tdist::test::expect_arg_error;
+
 namespace {
 
 // A valid problem with fake (aligned) device pointers: nothing is dereferenced on the host.
@@ -37,17 +40,6 @@ GemmArgs valid() {
   a.n = 520;
   a.k = 72;
   return a;
-}
-
-// Runs `f`, expects a tdist::Error whose message names 'arg'.
-template <typename F>
-void expect_arg_error(F&& f, const std::string& arg) {
-  try {
-    f();
-    ADD_FAILURE() << "no error for '" << arg << "'";
-  } catch (const tdist::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'" + arg + "'"), std::string::npos) << e.what();
-  }
 }
 
 std::string read(const std::filesystem::path& p) {

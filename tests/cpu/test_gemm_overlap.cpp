@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/errors.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/collectives.hpp"
@@ -18,6 +19,9 @@ using tdist::DType;
 using tdist::OverlapMethod;
 using tdist::OverlapOp;
 using tdist::OverlapShape;
+
+using tdist::test::error_of;
+using tdist::test::expect_arg_error;
 
 namespace {
 
@@ -30,27 +34,6 @@ bool no_overlap(OverlapMethod m) { return m == OverlapMethod::kSequential || m =
 // Fake device pointers, 16-byte aligned (nothing is dereferenced on the host), and misaligned ones.
 const void* cptr(uintptr_t p) { return reinterpret_cast<const void*>(p); }
 void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const tdist::Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-// Runs `f`, expects a tdist::Error whose message names 'arg' (quoted, as TDIST_CHECK_ARG writes it).
-template <typename F>
-void expect_arg_error(F&& f, const std::string& arg) {
-  try {
-    f();
-    ADD_FAILURE() << "no error for '" << arg << "'";
-  } catch (const tdist::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("'" + arg + "'"), std::string::npos) << e.what();
-  }
-}
 
 // The model's problem sizes of the LLaMA-3-70B layers and of small and odd ones: (M, N, K) as
 // OverlapShape takes them (N local for AllGather-GEMM, K local for ReduceScatter/AllReduce).
