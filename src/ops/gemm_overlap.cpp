@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -66,6 +67,8 @@ size_t recv_bytes(const GemmReduceScatterConfig& c, int world_size) {
 }
 size_t reduced_bytes(const GemmAllReduceConfig& c) { return static_cast<size_t>(c.max_m) * c.max_n * elem_bytes(c.dtype); }
 size_t flag_bytes(int world_size) { return static_cast<size_t>(world_size) * sizeof(u64); }
+// One flag per (piece, rank): the ReduceScatter and AllReduce exchanges (overlap_row_pieces).
+size_t piece_flag_bytes(int world_size) { return kMaxOverlapPieces * flag_bytes(world_size); }
 size_t heap_rounded(size_t bytes) {
   const size_t a = SymmetricHeap::kDefaultAlignment;
   return (bytes + a - 1) / a * a;
@@ -123,7 +126,8 @@ TDIST_JIT_REGISTER_KERNELS(gemm_overlap, overlap_compile_requests);
 // the side stream of the copy engine, the overlap kernels and the hooked GEMM instances.
 class OverlapRuntime {
  public:
-  OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, size_t sequential_bytes)
+  // `with_addend`: cuBLAS's D = A x B^T + C too (the ReduceScatter ops' chunked pieces).
+  OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, size_t sequential_bytes, bool with_addend)
       : world_(world), heap_(heap), dtype_(dtype) {
     check_overlap_dtype(dtype);
     TDIST_CHECK(world.world_size() <= kg::kMaxOverlapRanks, "the overlap ops support up to ", kg::kMaxOverlapRanks,
@@ -135,7 +139,7 @@ class OverlapRuntime {
     coll_ = std::make_unique<Collectives>(world, heap, collectives_bytes(sequential_bytes));
     // cuBLAS now, not at the first chunked or baseline call: creating a handle inside a CUDA-graph
     // capture would fail.
-    cublas_ = std::make_unique<CublasGemm>();
+    cublas_ = std::make_unique<CublasGemm>(with_addend);
     module_ = jit::Module::load(jit::compile(overlap_kernels_request()));
     wait_flags_ = module_->kernel("tdist_overlap_wait_flags");
     reduce_bf16_ = module_->kernel(detail::concat(kNs, "overlap_reduce<__nv_bfloat16>"));
@@ -154,13 +158,14 @@ class OverlapRuntime {
 
   CublasGemm& cublas() { return *cublas_; }
 
-  // Waits (one GPU thread, with the device API's timeout) until flags[first .. first + count) >= 1.
-  void wait_flags(const u64* flags, int first, int count, cudaStream_t stream) {
+  // Waits (one GPU thread, with the device API's timeout) until flags[i] >= 1 for i in
+  // [first, first + count), except i == skip (-1: none).
+  void wait_flags(const u64* flags, int first, int count, int skip, cudaStream_t stream) {
     jit::LaunchConfig cfg;
     cfg.grid = {1};
     cfg.block = {32};
     cfg.stream = stream;
-    jit::launch(wait_flags_, cfg, jit::make_args(flags, first, count, -1));
+    jit::launch(wait_flags_, cfg, jit::make_args(flags, first, count, skip));
   }
 
   void reduce(const kg::ReduceParams& p, cudaStream_t stream) {
@@ -260,13 +265,13 @@ size_t all_gather_gemm_heap_bytes(const AllGatherGemmConfig& c, int world_size, 
 }
 
 size_t gemm_reduce_scatter_heap_bytes(const GemmReduceScatterConfig& c, int world_size, int num_sms) {
-  return heap_rounded(recv_bytes(c, world_size)) + heap_rounded(flag_bytes(world_size)) +
+  return heap_rounded(recv_bytes(c, world_size)) + heap_rounded(piece_flag_bytes(world_size)) +
          Collectives::heap_bytes(world_size, collectives_bytes(reduce_scatter_sequential_bytes(c)), num_sms);
 }
 
 size_t gemm_all_reduce_heap_bytes(const GemmAllReduceConfig& c, int world_size, int num_sms) {
   return gemm_reduce_scatter_heap_bytes(c, world_size, num_sms) + heap_rounded(reduced_bytes(c)) +
-         heap_rounded(flag_bytes(world_size));
+         heap_rounded(piece_flag_bytes(world_size));
 }
 
 // ============================================================================================
@@ -321,7 +326,7 @@ struct AllGatherGemm::Impl {
   char* plain_ = nullptr;
 
   Impl(World& world, SymmetricHeap& heap, const AllGatherGemmConfig& c)
-      : config(c), rt(world, heap, c.dtype, all_gather_sequential_bytes(c)) {
+      : config(c), rt(world, heap, c.dtype, all_gather_sequential_bytes(c), /*with_addend=*/false) {
     TDIST_CHECK_ARG(c.max_m > 0 && c.max_m < (int64_t{1} << 31), "config.max_m", "expected 0 < max_m < 2^31, got ",
                     c.max_m);
     TDIST_CHECK_ARG(c.k > 0 && c.k % 8 == 0 && c.k < (int64_t{1} << 31), "config.k",
@@ -401,7 +406,7 @@ struct AllGatherGemm::Impl {
         } else {
           for (int i = 0; i < world; ++i) {
             const int r = (rank + i) % world;
-            if (i > 0) rt.wait_flags(flags_, r, 1, stream);
+            if (i > 0) rt.wait_flags(flags_, r, 1, -1, stream);
             if (rows.rows(r) == 0) continue;
             rt.cublas().run(gemm_problem(r == rank ? own : gathered_ + rows.begin(r) * row_bytes(), a.b,
                                       ptr_at(a.d, rows.begin(r) * a.n * elem_bytes(t)), static_cast<int64_t>(rows.rows(r)),
@@ -440,17 +445,19 @@ const AllGatherGemmConfig& AllGatherGemm::config() const { return impl_->config;
 // ============================================================================================
 // ReduceScatter core, shared by GemmReduceScatter and GemmAllReduce
 //
-// Buffers (per context):
+// Buffers (per context; P = overlap_row_pieces(m, world), each owner's rows cut as
+// RowChunks{rows(owner), P}):
 //   recv_     T[world][cap][N]  symmetric: slot s holds source rank s's partial of this rank's rows
 //                               (cap = ceil(max_m / world) rows, row stride N of the call)
-//   flags_    u64[world]        symmetric: flags_[s] = 1 once slot s has landed
-//   staging_  T[max_m][max_n]   ordinary: this rank's partial products (rows of every owner)
+//   flags_    u64[P][world]     symmetric: flags_[p * world + s] = 1 once piece p of slot s has landed
+//   staging_  T[max_m][max_n]   ordinary: this rank's partial products of the peers' rows (and, with
+//                               one piece and the fused method, of its own)
 //   counts_   u32[world] + u64[world] (chunk_tiles_done, chunk_ready) of the fused GEMM's hooks
 
 class ReduceScatterCore {
  public:
   ReduceScatterCore(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c)
-      : config(c), rt(world, heap, c.dtype, reduce_scatter_sequential_bytes(c)) {
+      : config(c), rt(world, heap, c.dtype, reduce_scatter_sequential_bytes(c), /*with_addend=*/true) {
     TDIST_CHECK_ARG(c.max_m > 0 && c.max_m < (int64_t{1} << 31), "config.max_m", "expected 0 < max_m < 2^31, got ",
                     c.max_m);
     TDIST_CHECK_ARG(c.max_n > 0 && c.max_n % 8 == 0 && c.max_n < (int64_t{1} << 31), "config.max_n",
@@ -458,7 +465,7 @@ class ReduceScatterCore {
     const int w = world.world_size();
     cap_rows_ = recv_slot_rows(c, w);
     recv_ = static_cast<char*>(heap.allocate(recv_bytes(c, w)));
-    flags_ = static_cast<u64*>(heap.allocate(flag_bytes(w)));
+    flags_ = static_cast<u64*>(heap.allocate(piece_flag_bytes(w)));
     TDIST_CUDA_CHECK(cudaMalloc(&staging_, static_cast<size_t>(c.max_m) * c.max_n * elem_bytes(c.dtype)));
     TDIST_CUDA_CHECK(cudaMalloc(&counts_, w * (sizeof(u64) + sizeof(device::u32))));
   }
@@ -478,29 +485,89 @@ class ReduceScatterCore {
   char* staging() const { return staging_; }
   char* slot(int source, int64_t n) const { return recv_ + static_cast<size_t>(source) * cap_rows_ * n * elem(); }
 
-  // Fused or chunked: the reduced rows of this rank into out (and out2 when not null), row stride n.
-  // `extra_flags` (count `extra_count`, may be null) are reset with the others before the barrier.
-  void run(const void* a, const void* b, int64_t m, int64_t n, int64_t k, OverlapMethod method, void* out, void* out2,
-           u64* extra_flags, int extra_count, cudaStream_t stream) {
+  // Called once rows [first, first + count) of this rank's chunk, piece `piece`, are reduced in `out`
+  // (stream order on the caller's stream).
+  using RowsDone = std::function<void(int piece, u64 first, u64 count)>;
+
+  // Fused or chunked: this rank's reduced rows into `out` (row stride n); returns the number of pieces.
+  // `extra_flags` (count `extra_count`, may be null) are reset with the others before the barrier, and
+  // `after_barrier` (may be null) is marked on `stream` right after it.
+  int run(const void* a, const void* b, int64_t m, int64_t n, int64_t k, OverlapMethod method, void* out,
+          u64* extra_flags, int extra_count, SideStream* after_barrier, const RowsDone& rows_done,
+          cudaStream_t stream) {
     const int rank = rt.rank(), world = rt.size();
     const DType t = config.dtype;
     const kg::RowChunks rows = split(m);
+    const int pieces = method == OverlapMethod::kChunked ? overlap_row_pieces(m, world) : 1;
     auto* tiles_done = reinterpret_cast<device::u32*>(counts_ + world * sizeof(u64));
     auto* ready = reinterpret_cast<u64*>(counts_);
-    TDIST_CUDA_CHECK(cudaMemsetAsync(flags_, 0, world * sizeof(u64), stream));
+    TDIST_CUDA_CHECK(cudaMemsetAsync(flags_, 0, pieces * world * sizeof(u64), stream));
     if (extra_flags) TDIST_CUDA_CHECK(cudaMemsetAsync(extra_flags, 0, extra_count * sizeof(u64), stream));
     if (method == OverlapMethod::kFused)
       TDIST_CUDA_CHECK(cudaMemsetAsync(counts_, 0, world * (sizeof(u64) + sizeof(device::u32)), stream));
     rt.coll().barrier(stream);
-    auto send = [&](int owner, cudaStream_t s) {  // this rank's partial of owner's rows -> owner's slot[rank]
-      put_signal_async(rt.heap(), slot(rank, n), staging_ + rows.begin(owner) * n * elem(), rows.rows(owner) * n * elem(),
-                       flags_ + rank, 1, owner, s);
+    if (after_barrier) after_barrier->mark(stream);
+
+    auto piece_rows = [&](int owner) { return kg::RowChunks{rows.rows(owner), pieces}; };
+    auto row_ptr = [&](auto* base, u64 row) { return ptr_at(base, row * n * elem()); };
+    auto rows_gemm = [&](u64 first, u64 count, void* d) {  // rows [first, first + count) of A
+      return gemm_problem(ptr_at(a, first * k * elem()), b, d, static_cast<int64_t>(count), n, k, t);
     };
-    kg::ReduceParams p{};
-    p.num_sources = world;
-    p.skip_wait = rank;
-    p.flags = flags_;
-    for (int s = 0; s < world; ++s) p.src[s] = slot(s, n);
+    // This rank's partial of piece p of owner's rows (in staging_) -> owner's slot[rank], then its flag.
+    auto send = [&](int owner, int p, cudaStream_t s) {
+      const kg::RowChunks sub = piece_rows(owner);
+      put_signal_async(rt.heap(), row_ptr(slot(rank, n), sub.begin(p)),
+                       row_ptr(staging_, rows.begin(owner) + sub.begin(p)), sub.rows(p) * n * elem(),
+                       flags_ + p * world + rank, 1, owner, s);
+    };
+    kg::ReduceParams rp{};
+    rp.out_ld = static_cast<u64>(n);
+    rp.n = static_cast<u64>(n);
+
+    if (pieces > 1) {
+      // Peers' rows first, piece by piece, each sent as soon as it is computed; then this rank's own
+      // pieces, each adding the previous rank's partial (the first to arrive: that rank computes
+      // these rows first) in the GEMM's epilogue, and with more than two ranks the other partials
+      // in place after it.
+      for (int i = 1; i < world; ++i) {
+        const int owner = (rank + i) % world;
+        const kg::RowChunks sub = piece_rows(owner);
+        for (int p = 0; p < pieces; ++p) {
+          const u64 first = rows.begin(owner) + sub.begin(p);
+          rt.cublas().run(rows_gemm(first, sub.rows(p), row_ptr(staging_, first)), stream);
+          rt.side().fork(stream);  // the send waits for this piece's GEMM only
+          send(owner, p, rt.side().get());
+        }
+      }
+      const int prev = (rank + world - 1) % world;
+      const kg::RowChunks sub = piece_rows(rank);
+      for (int p = 0; p < pieces; ++p) {
+        rt.wait_flags(flags_, p * world, world, p * world + rank, stream);
+        const u64 first = sub.begin(p), count = sub.rows(p);
+        void* d = row_ptr(out, first);
+        rt.cublas().run_add(rows_gemm(rows.begin(rank) + first, count, d), row_ptr(slot(prev, n), first), stream);
+        if (world > 2) {
+          rp.num_sources = 0;
+          rp.src[rp.num_sources++] = d;
+          for (int s = 0; s < world; ++s)
+            if (s != rank && s != prev) rp.src[rp.num_sources++] = row_ptr(slot(s, n), first);
+          rp.skip_wait = -1;
+          rp.flags = nullptr;
+          rp.out = d;
+          rp.rows = count;
+          rt.reduce(rp, stream);
+        }
+        rows_done(p, first, count);
+      }
+      rt.side().join(stream);
+      return pieces;
+    }
+
+    // One piece: the whole chunk per GEMM, then one fp32 reduction of every source.
+    rp.num_sources = world;
+    rp.skip_wait = rank;
+    rp.flags = flags_;
+    for (int s = 0; s < world; ++s) rp.src[s] = slot(s, n);
     if (method == OverlapMethod::kFused) {
       const GemmTile tile = rt.tile_for(m, n, k);
       const kg::ChunkPublishParams hp{tiles_done, ready, rows, static_cast<device::u32>(tile.block_m),
@@ -516,31 +583,27 @@ class ReduceScatterCore {
       rt.side().fork_from_mark();
       for (int i = 1; i < world; ++i) {
         const int owner = (rank + i) % world;
-        if (rows.rows(owner) > 0) rt.wait_flags(ready, owner, 1, rt.side().get());
-        send(owner, rt.side().get());
+        if (rows.rows(owner) > 0) rt.wait_flags(ready, owner, 1, -1, rt.side().get());
+        send(owner, 0, rt.side().get());
       }
-      p.src[rank] = staging_ + rows.begin(rank) * n * elem();
+      rp.src[rank] = row_ptr(staging_, rows.begin(rank));
     } else {
       for (int i = 1; i <= world; ++i) {
         const int owner = (rank + i) % world;
-        char* d = owner == rank ? slot(rank, n) : staging_ + rows.begin(owner) * n * elem();
-        if (rows.rows(owner) > 0)
-          rt.cublas().run(gemm_problem(ptr_at(a, rows.begin(owner) * k * elem()), b, d,
-                                    static_cast<int64_t>(rows.rows(owner)), n, k, t),
-                          stream);
+        void* d = owner == rank ? slot(rank, n) : row_ptr(staging_, rows.begin(owner));
+        if (rows.rows(owner) > 0) rt.cublas().run(rows_gemm(rows.begin(owner), rows.rows(owner), d), stream);
         if (owner != rank) {
           rt.side().fork(stream);  // the send waits for this chunk's GEMM only
-          send(owner, rt.side().get());
+          send(owner, 0, rt.side().get());
         }
       }
     }
-    p.out = out;
-    p.out2 = out2;
-    p.out_ld = static_cast<u64>(n);
-    p.rows = rows.rows(rank);
-    p.n = static_cast<u64>(n);
-    rt.reduce(p, stream);
+    rp.out = out;
+    rp.rows = rows.rows(rank);
+    rt.reduce(rp, stream);
+    rows_done(0, 0, rows.rows(rank));
     rt.side().join(stream);
+    return 1;
   }
 
  private:
@@ -595,7 +658,7 @@ struct GemmReduceScatter::Impl {
         break;
       case OverlapMethod::kFused:
       case OverlapMethod::kChunked:
-        core.run(a.a, a.b, a.m, a.n, a.k, method, a.d, nullptr, nullptr, 0, stream);
+        core.run(a.a, a.b, a.m, a.n, a.k, method, a.d, nullptr, 0, nullptr, [](int, u64, u64) {}, stream);
         break;
       case OverlapMethod::kAuto: TDIST_FAIL("unresolved method");
     }
@@ -616,21 +679,23 @@ OverlapMethod GemmReduceScatter::method(const GemmReduceScatterArgs& args, Overl
 const GemmReduceScatterConfig& GemmReduceScatter::config() const { return impl_->core.config; }
 
 // ============================================================================================
-// GemmAllReduce: the ReduceScatter core, whose owner also writes its reduced rows into the
-// symmetric `reduced_`; then every rank copies the peers' reduced rows (copy engine, pull) once
-// their flag says they are there.
+// GemmAllReduce: the ReduceScatter core, whose owner reduces its rows into the symmetric `reduced_`
+// piece by piece; as each piece is done the owner raises its flag on every peer and copies it into
+// its own D (copy engine), and the peers pull it (copy engine) while the owner's next pieces run.
 //
 //   reduced_   T[max_m][max_n]  symmetric: this rank's reduced rows at RowChunks{m, world}.begin(rank)
-//   ar_flags_  u64[world]       symmetric: ar_flags_[r] = 1 once rank r's reduced rows are readable
+//   ar_flags_  u64[P][world]    symmetric: ar_flags_[p * world + r] = 1 once piece p of rank r's
+//                               reduced rows is readable (P and the pieces as in the core)
 
 struct GemmAllReduce::Impl {
   ReduceScatterCore core;
   char* reduced_ = nullptr;
   u64* ar_flags_ = nullptr;
+  SideStream pulls_;  // the peers' pieces; separate from the core's side stream, whose sends they wait for
 
   Impl(World& world, SymmetricHeap& heap, const GemmAllReduceConfig& c) : core(world, heap, c) {
     reduced_ = static_cast<char*>(heap.allocate(reduced_bytes(c)));
-    ar_flags_ = static_cast<u64*>(heap.allocate(flag_bytes(world.world_size())));
+    ar_flags_ = static_cast<u64*>(heap.allocate(piece_flag_bytes(world.world_size())));
   }
   ~Impl() {
     cudaDeviceSynchronize();
@@ -666,18 +731,29 @@ struct GemmAllReduce::Impl {
         const kg::RowChunks rows = core.split(a.m);
         const size_t row_bytes = static_cast<size_t>(a.n) * core.elem();
         const size_t own = rows.begin(rank) * row_bytes;
-        core.run(a.a, a.b, a.m, a.n, a.k, method, ptr_at(a.d, own), reduced_ + own, ar_flags_, world, stream);
-        // This rank's reduced rows are in reduced_ (stream order: after the reduction): tell the peers,
-        // then pull theirs.
-        for (int i = 1; i < world; ++i)
-          stream_write_value64(stream, rt.heap().peer_ptr(ar_flags_ + rank, (rank + i) % world), 1);
-        for (int i = 1; i < world; ++i) {
-          const int r = (rank + i) % world;
-          rt.wait_flags(ar_flags_, r, 1, stream);
-          if (rows.rows(r) > 0)
-            get_async(rt.heap(), ptr_at(a.d, rows.begin(r) * row_bytes), reduced_ + rows.begin(r) * row_bytes,
-                      rows.rows(r) * row_bytes, r, stream);
+        auto share = [&](int piece, u64 first, u64 n_rows) {
+          for (int i = 1; i < world; ++i)
+            stream_write_value64(stream, rt.heap().peer_ptr(ar_flags_ + piece * world + rank, (rank + i) % world), 1);
+          if (n_rows == 0) return;
+          rt.side().fork(stream);
+          TDIST_CUDA_CHECK(cudaMemcpyAsync(ptr_at(a.d, own + first * row_bytes), reduced_ + own + first * row_bytes,
+                                           n_rows * row_bytes, cudaMemcpyDeviceToDevice, rt.side().get()));
+        };
+        const int pieces = core.run(a.a, a.b, a.m, a.n, a.k, method, reduced_ + own, ar_flags_, kMaxOverlapPieces * world,
+                                    &pulls_, share, stream);
+        // Enqueued after all of this rank's GEMMs (see the fused ReduceScatter for why), started from
+        // the barrier: each peer piece is pulled once its owner has raised its flag.
+        pulls_.fork_from_mark();
+        for (int p = 0; p < pieces; ++p) {
+          for (int i = 1; i < world; ++i) {
+            const int r = (rank + i) % world;
+            const kg::RowChunks sub{rows.rows(r), pieces};
+            rt.wait_flags(ar_flags_, p * world + r, 1, -1, pulls_.get());
+            const size_t at = (rows.begin(r) + sub.begin(p)) * row_bytes;
+            if (sub.rows(p) > 0) get_async(rt.heap(), ptr_at(a.d, at), reduced_ + at, sub.rows(p) * row_bytes, r, pulls_.get());
+          }
         }
+        pulls_.join(stream);
         break;
       }
       case OverlapMethod::kAuto: TDIST_FAIL("unresolved method");

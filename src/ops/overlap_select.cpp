@@ -77,4 +77,20 @@ OverlapMethod choose_overlap_method(const OverlapShape& s) {
   return OverlapMethod::kChunked;
 }
 
+int overlap_row_pieces(int64_t m, int world_size) {
+  TDIST_CHECK_ARG(world_size >= 1, "world_size", "expected >= 1, got ", world_size);
+  TDIST_CHECK_ARG(m >= 0, "m", "expected >= 0, got ", m);
+  if (world_size == 1) return 1;  // nothing to exchange
+  if (const char* env = std::getenv("TDIST_OVERLAP_PIECES"); env && *env) {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    TDIST_CHECK(*end == '\0' && v >= 1 && v <= kMaxOverlapPieces, "invalid TDIST_OVERLAP_PIECES '", env,
+                "': expected an integer from 1 to ", kMaxOverlapPieces);
+    // Every piece needs a row on every rank.
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(v, m / world_size)));
+  }
+  constexpr int64_t kMinPieceRows = 512;
+  return static_cast<int>(std::clamp<int64_t>(m / world_size / kMinPieceRows, 1, kMaxOverlapPieces));
+}
+
 }  // namespace tdist

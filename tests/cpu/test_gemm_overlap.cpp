@@ -158,6 +158,39 @@ TEST(OverlapChoice, SingleRank) {
   }
 }
 
+// overlap_row_pieces
+
+TEST(OverlapRowPieces, AtLeast512RowsPerPieceUpToFour) {
+  unsetenv("TDIST_OVERLAP_PIECES");
+  for (int w : {2, 3, 4, 8}) {
+    for (int64_t m : {int64_t{0}, int64_t{1}, int64_t{1000}, int64_t{4097}, int64_t{16384}, int64_t{1} << 20}) {
+      const int p = tdist::overlap_row_pieces(m, w);
+      EXPECT_GE(p, 1);
+      EXPECT_LE(p, tdist::kMaxOverlapPieces);
+      if (p > 1) EXPECT_GE(m / w / p, 512) << "m " << m << " world " << w;
+      if (m / w >= 512 * tdist::kMaxOverlapPieces) EXPECT_EQ(p, tdist::kMaxOverlapPieces) << m << " " << w;
+    }
+  }
+  EXPECT_EQ(tdist::overlap_row_pieces(1023 * 2, 2), 1);  // 1023 rows per rank
+  EXPECT_EQ(tdist::overlap_row_pieces(4096, 2), 4);
+  EXPECT_EQ(tdist::overlap_row_pieces(16384, 1), 1);  // one rank: nothing to exchange
+}
+
+TEST(OverlapRowPieces, EnvironmentOverridesAndIsChecked) {
+  setenv("TDIST_OVERLAP_PIECES", "3", 1);
+  EXPECT_EQ(tdist::overlap_row_pieces(16384, 2), 3);
+  EXPECT_EQ(tdist::overlap_row_pieces(1000, 2), 3);
+  EXPECT_EQ(tdist::overlap_row_pieces(5, 2), 2);  // every piece keeps a row on every rank
+  EXPECT_EQ(tdist::overlap_row_pieces(1, 2), 1);
+  for (const char* bad : {"0", "5", "two", "2x", "-1"}) {
+    setenv("TDIST_OVERLAP_PIECES", bad, 1);
+    const std::string e = error_of([] { tdist::overlap_row_pieces(4096, 2); });
+    EXPECT_NE(e.find("TDIST_OVERLAP_PIECES"), std::string::npos) << bad << ": " << e;
+  }
+  unsetenv("TDIST_OVERLAP_PIECES");
+  EXPECT_NE(error_of([] { tdist::overlap_row_pieces(4096, 0); }).find("'world_size'"), std::string::npos);
+}
+
 // ---------------------------------------------------------------------------------------------
 // AllGatherGemm argument checks
 

@@ -16,6 +16,8 @@
 //     call and a rank-dependent delay, every call's output checked (flag and buffer reuse races);
 //   * a CUDA graph of each op and method captured once and replayed 50 times, fresh inputs written
 //     before each replay, each replay checked;
+//   * the chunked ReduceScatter and AllReduce cut into 2, 3 and 4 row pieces (TDIST_OVERLAP_PIECES)
+//     on a small shape, once, back to back and from a CUDA graph;
 //   * argument errors through the classes and the pure check functions, each naming the argument,
 //     and the context still right after the rejected calls.
 //
@@ -779,7 +781,31 @@ int main(int argc, char** argv) {
     if (context_broken()) return suite.finish();
   }
 
-  // 4. Configurations the constructors refuse (every rank alike, before any collective step).
+  // 4. The chunked ReduceScatter and AllReduce in row pieces (TDIST_OVERLAP_PIECES; a small shape
+  // has one piece by default): uneven pieces, back to back, and replayed from a CUDA graph.
+  for (Op op : {Op::kReduceScatter, Op::kAllReduce}) {
+    const Shape s{1000, 520, 264};
+    Contexts ctx;
+    suite.run(detail::concat(op_name(op), " bf16 row pieces: create context"),
+              [&] { create_contexts(env, ctx, op, DType::kBFloat16, {s}); });
+    for (int pieces : {2, 3, 4}) {
+      setenv("TDIST_OVERLAP_PIECES", std::to_string(pieces).c_str(), 1);
+      const std::string what = detail::concat(op_name(op), " bf16 chunked in ", pieces, " pieces ", shape_name(op, s));
+      suite.run(what, [&] { run_case<__nv_bfloat16>(env, ctx, op, s, OverlapMethod::kChunked, false, false); });
+      if (pieces == 3) {
+        const int calls = quick ? 50 : 200;
+        suite.run(detail::concat(what, ", ", calls, " calls back to back"), [&] {
+          run_back_to_back<__nv_bfloat16>(env, ctx, op, s, OverlapMethod::kChunked, calls, false);
+        });
+        suite.run(detail::concat(what, ", CUDA graph replays with fresh inputs"),
+                  [&] { run_graph<__nv_bfloat16>(env, ctx, op, s, OverlapMethod::kChunked, quick ? 10 : 50); });
+      }
+      if (context_broken()) return suite.finish();
+    }
+    unsetenv("TDIST_OVERLAP_PIECES");
+  }
+
+  // 5. Configurations the constructors refuse (every rank alike, before any collective step).
   suite.run("constructor errors name the argument", [&] {
     AllGatherGemmConfig ag;
     ag.max_m = 1024;

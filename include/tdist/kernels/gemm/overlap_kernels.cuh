@@ -7,7 +7,7 @@
 #include "tdist/kernels/collectives/common.cuh"  // to_f32 / from_f32
 #include "tdist/kernels/gemm/overlap_params.cuh"
 
-// One thread waits until flags[i] >= 1 for i in [first, first + count) except `skip`.
+// One thread waits until flags[i] >= 1 for i in [first, first + count) except i == `skip` (-1: none).
 extern "C" __global__ void tdist_overlap_wait_flags(const tdist::device::u64* flags, int first, int count, int skip) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   for (int i = first; i < first + count; ++i)
@@ -25,8 +25,7 @@ __global__ void __launch_bounds__(512) overlap_reduce(ReduceParams p) {
   __syncthreads();
   const u64 stride = static_cast<u64>(gridDim.x) * blockDim.x;
   const u64 tid = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
-  bool vec = p.n % 8 == 0 && p.out_ld % 8 == 0 && reinterpret_cast<u64>(p.out) % 16 == 0 &&
-             reinterpret_cast<u64>(p.out2) % 16 == 0;
+  bool vec = p.n % 8 == 0 && p.out_ld % 8 == 0 && reinterpret_cast<u64>(p.out) % 16 == 0;
   for (int s = 0; s < p.num_sources; ++s) vec = vec && reinterpret_cast<u64>(p.src[s]) % 16 == 0;
   if (vec) {
     // 8 elements (16 bytes) per step.
@@ -45,7 +44,6 @@ __global__ void __launch_bounds__(512) overlap_reduce(ReduceParams p) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) o[i] = from_f32<T>(acc[i]);
       *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + row * p.out_ld + col) = y;
-      if (p.out2) *reinterpret_cast<uint4*>(static_cast<T*>(p.out2) + row * p.out_ld + col) = y;
     }
   } else {
     const u64 total = p.rows * p.n;
@@ -54,7 +52,6 @@ __global__ void __launch_bounds__(512) overlap_reduce(ReduceParams p) {
       float acc = 0;
       for (int s = 0; s < p.num_sources; ++s) acc += to_f32(static_cast<const T*>(p.src[s])[row * p.n + col]);
       static_cast<T*>(p.out)[row * p.out_ld + col] = from_f32<T>(acc);
-      if (p.out2) static_cast<T*>(p.out2)[row * p.out_ld + col] = from_f32<T>(acc);
     }
   }
 }

@@ -27,16 +27,15 @@ struct ChunkPublishParams {
 };
 
 // out[i][j] = sum over s < num_sources of src[s][i][j] in fp32 (source order: every rank reducing the
-// same rows gets the same bits) for rows x n elements; sources have row stride n, outputs out_ld.
-// Every block first waits for flags[s] >= 1, s != skip_wait (flags may be null). out2, when not null,
-// receives a second copy (same layout as out).
+// same rows gets the same bits) for rows x n elements; sources have row stride n, out has out_ld.
+// out may be one of the sources (each element is read before it is written, by the same thread).
+// Every block first waits for flags[s] >= 1, s != skip_wait (flags may be null).
 struct ReduceParams {
   const void* src[kMaxOverlapRanks];
   int num_sources;
   int skip_wait;
   const u64* flags;
   void* out;
-  void* out2;
   u64 out_ld;
   u64 rows, n;
 };
