@@ -1,7 +1,8 @@
 // Put bandwidth between GPUs, every rank pushing to the next one at once (a ring; with 2 ranks,
 // both directions of one link). tdist's block-scope put and copy-engine put, each beside a plain
 // baseline in the same run: an int4 store loop through the LSA peer pointer, and a raw
-// cudaMemcpyAsync to it. Medians of CUDA-event timings; the reported figure is the slowest rank's.
+// cudaMemcpyAsync to it; and the copy-engine put cut over 2 and 4 parallel streams. Medians of
+// CUDA-event timings; the reported figure is the slowest rank's.
 //
 //   tdistrun -n 2 build/bench/bench_put_bandwidth [--bytes N] [--iters N] [--json FILE]
 #include <algorithm>
@@ -106,6 +107,34 @@ int main(int argc, char** argv) {
       TDIST_CUDA_CHECK(cudaMemcpyAsync(peer_dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
     });
     rows.push_back({"copy-engine put", 0, t, b, 390.0});
+    // The same put cut into equal parts on parallel streams: whether more than one copy engine
+    // together beat one on the link. Baseline: the single cudaMemcpyAsync above.
+    for (int parts : {2, 4}) {
+      std::vector<cudaStream_t> side(parts);
+      cudaEvent_t fork, done[4];
+      TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+      for (int i = 0; i < parts; ++i) {
+        TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&side[i], cudaStreamNonBlocking));
+        TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&done[i], cudaEventDisableTiming));
+      }
+      const size_t part = bytes / parts / 16 * 16;
+      const double tp = median_gbps(world, stream, bytes, iters, [&] {
+        TDIST_CUDA_CHECK(cudaEventRecord(fork, stream));
+        for (int i = 0; i < parts; ++i) {
+          const size_t off = i * part, len = i + 1 == parts ? bytes - off : part;
+          TDIST_CUDA_CHECK(cudaStreamWaitEvent(side[i], fork));
+          put_async(heap, dst + off, src + off, len, peer, side[i]);
+          TDIST_CUDA_CHECK(cudaEventRecord(done[i], side[i]));
+          TDIST_CUDA_CHECK(cudaStreamWaitEvent(stream, done[i]));
+        }
+      });
+      rows.push_back({"copy-engine put, " + std::to_string(parts) + " streams", 0, tp, b, 390.0});
+      for (int i = 0; i < parts; ++i) {
+        TDIST_CUDA_CHECK(cudaEventDestroy(done[i]));
+        TDIST_CUDA_CHECK(cudaStreamDestroy(side[i]));
+      }
+      TDIST_CUDA_CHECK(cudaEventDestroy(fork));
+    }
   }
 
   if (world.rank() == 0) {
