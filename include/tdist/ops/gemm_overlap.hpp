@@ -28,7 +28,9 @@
 //              of the rows it reads, and the walk starts at the local chunk. ReduceScatter/AllReduce:
 //              the GEMM walks the peers' rows first; finished row chunks go to their owner by copy
 //              engine while the remaining tiles run, and the owner reduces them in fp32.
-//   kChunked   the same protocols with the GEMM split into one cuBLAS call per row chunk.
+//   kChunked   the same protocols with the GEMM split into one cuBLAS call per row chunk; the
+//              ReduceScatter and AllReduce cut each chunk into pieces (overlap_row_pieces), and the
+//              owner's GEMM of a piece adds the received partial in cuBLASLt's epilogue.
 //   kSequential cuBLAS and tdist's own collective (Collectives: LL / one-shot / copy engine) in
 //              sequence: no overlap, for small M where tdist's low-latency collectives beat NCCL and
 //              there is too little GEMM to hide anything behind. AllGather-GEMM and GEMM-ReduceScatter
