@@ -71,6 +71,29 @@ TDIST_DEVICE void ll_push(const CollParams& p, u64 parity, u64 w, u32 word, u32 
   for (int k = 1; k < n; ++k) st_relaxed<Scope::kSystem>(p.heap.symm_at(mine, (me + k) % n), line);
 }
 
+// Word w of the reduction (AllReduce, ReduceScatter): the elements of every rank's word w summed in
+// fp32 in rank order, so every rank gets the same bits, then packed back into T. Peer r's word is
+// ll[parity][r][w]; this rank's comes from own_word(), called at its turn in the rank order (the
+// caller's own data, which needs no line).
+template <typename T, typename OwnWord>
+TDIST_DEVICE u32 ll_reduce_word(const CollParams& p, int n, int me, u64 parity, u64 w, u32 flag, OwnWord own_word) {
+  constexpr int kPer = 4 / sizeof(T);
+  float acc[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) acc[j] = 0.f;
+  for (int r = 0; r < n; ++r) {
+    const u32 v = r == me ? own_word() : ll_read(ll_region(p, parity, r) + w, flag);
+    const T* el = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) acc[j] += to_f32(el[j]);
+  }
+  u32 result;
+  T* rel = reinterpret_cast<T*>(&result);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) rel[j] = from_f32<T>(acc[j]);
+  return result;
+}
+
 __global__ void __launch_bounds__(kThreads, 1) tdist_ll_all_gather(CollParams p) {
   const u64 e = begin_call(p.epoch);
   const u32 flag = static_cast<u32>(e);
@@ -95,7 +118,6 @@ __global__ void __launch_bounds__(kThreads, 1) tdist_ll_all_gather(CollParams p)
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ll_all_reduce(CollParams p) {
-  constexpr int kPer = 4 / sizeof(T);
   const u64 e = begin_call(p.epoch);
   const u32 flag = static_cast<u32>(e);
   const u64 parity = e & 1;
@@ -106,27 +128,14 @@ __global__ void __launch_bounds__(kThreads, 1) ll_all_reduce(CollParams p) {
   for (u64 w = g; w < W; w += G) {
     const u32 word = load_word(in, B, w);
     ll_push(p, parity, w, word, flag);
-    float acc[kPer];
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) acc[j] = 0.f;
-    for (int r = 0; r < n; ++r) {
-      const u32 v = r == me ? word : ll_read(ll_region(p, parity, r) + w, flag);
-      const T* el = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) acc[j] += to_f32(el[j]);
-    }
-    u32 result;
-    T* rel = reinterpret_cast<T*>(&result);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) rel[j] = from_f32<T>(acc[j]);
-    store_word(static_cast<char*>(p.out), B, w, result);
+    const u32 sum = ll_reduce_word<T>(p, n, me, parity, w, flag, [word] { return word; });
+    store_word(static_cast<char*>(p.out), B, w, sum);
   }
   end_call(p.epoch, e);
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ll_reduce_scatter(CollParams p) {
-  constexpr int kPer = 4 / sizeof(T);
   const u64 e = begin_call(p.epoch);
   const u32 flag = static_cast<u32>(e);
   const u64 parity = e & 1;
@@ -146,20 +155,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_reduce_scatter(CollParams p) {
   const char* own = in + me * B;
   char* out = static_cast<char*>(p.out);
   for (u64 w = g; w < W; w += G) {
-    float acc[kPer];
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) acc[j] = 0.f;
-    for (int r = 0; r < n; ++r) {
-      const u32 v = r == me ? load_word(own, B, w) : ll_read(ll_region(p, parity, r) + w, flag);
-      const T* el = reinterpret_cast<const T*>(&v);
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) acc[j] += to_f32(el[j]);
-    }
-    u32 result;
-    T* rel = reinterpret_cast<T*>(&result);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) rel[j] = from_f32<T>(acc[j]);
-    store_word(out, B, w, result);
+    const u32 sum = ll_reduce_word<T>(p, n, me, parity, w, flag, [&] { return load_word(own, B, w); });
+    store_word(out, B, w, sum);
   }
   end_call(p.epoch, e);
 }
