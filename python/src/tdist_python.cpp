@@ -69,6 +69,7 @@ struct Desc {
   explicit Desc(const DescTuple& t)
       : ptr(std::get<0>(t)), numel(std::get<1>(t)), dtype(std::get<2>(t)), device_type(std::get<3>(t)),
         device_index(std::get<4>(t)), contiguous(std::get<5>(t)) {}
+  void* data() const { return reinterpret_cast<void*>(ptr); }
 };
 
 // Collective dtypes, by the names torch, DLPack and __cuda_array_interface__ descriptors use.
@@ -112,11 +113,17 @@ bool overlap(const Desc& a, const Desc& b, size_t elem) {
   return a.ptr < b_end && b.ptr < a_end;
 }
 
+// The checks every collective makes of its two tensors, input first; returns their dtype.
+tdist::DType check_input_output(const char* op, const Desc& in, const Desc& out, int device) {
+  const auto dt = check_tensor(op, "input", in, device);
+  check_tensor(op, "output", out, device);
+  check_same_dtype(op, in, out);
+  return dt;
+}
+
 // The argument checks of each op; pure (no GPU), shared by the runtime and the CPU tests.
 tdist::DType check_all_reduce(const Desc& in, const Desc& out, int device) {
-  const auto dt = check_tensor("all_reduce", "input", in, device);
-  check_tensor("all_reduce", "output", out, device);
-  check_same_dtype("all_reduce", in, out);
+  const auto dt = check_input_output("all_reduce", in, out, device);
   if (in.numel != out.numel)
     fail(msg("tdist.all_reduce: 'output' has ", out.numel, " elements but 'input' has ", in.numel,
                 "; they must match"));
@@ -126,9 +133,7 @@ tdist::DType check_all_reduce(const Desc& in, const Desc& out, int device) {
 }
 
 tdist::DType check_all_gather(const Desc& in, const Desc& out, int world_size, int rank, int device) {
-  const auto dt = check_tensor("all_gather", "input", in, device);
-  check_tensor("all_gather", "output", out, device);
-  check_same_dtype("all_gather", in, out);
+  const auto dt = check_input_output("all_gather", in, out, device);
   if (out.numel != in.numel * world_size)
     fail(msg("tdist.all_gather: 'output' has ", out.numel, " elements, expected world_size * input.numel() = ",
                 world_size, " * ", in.numel, " = ", in.numel * world_size));
@@ -141,9 +146,7 @@ tdist::DType check_all_gather(const Desc& in, const Desc& out, int world_size, i
 }
 
 tdist::DType check_reduce_scatter(const Desc& in, const Desc& out, int world_size, int rank, int device) {
-  const auto dt = check_tensor("reduce_scatter", "input", in, device);
-  check_tensor("reduce_scatter", "output", out, device);
-  check_same_dtype("reduce_scatter", in, out);
+  const auto dt = check_input_output("reduce_scatter", in, out, device);
   if (in.numel != out.numel * world_size)
     fail(msg("tdist.reduce_scatter: 'input' has ", in.numel,
                 " elements, expected world_size * output.numel() = ", world_size, " * ", out.numel, " = ",
@@ -432,34 +435,27 @@ class Runtime {
     return reinterpret_cast<uint64_t>(heap().peer_ptr(reinterpret_cast<const void*>(ptr), peer));
   }
 
+  // The collectives: tensors checked before the method is parsed (a bad tensor is reported first),
+  // then run_collective with the count Collectives takes (per rank for all_gather and reduce_scatter).
   void all_reduce(const DescTuple& in_t, const DescTuple& out_t, uint64_t stream, const std::string& method) {
     const Desc in(in_t), out(out_t);
     const auto dt = check_all_reduce(in, out, device());
-    const auto m = tdist::parse_all_reduce_method(method, "method");
-    if (in.numel == 0) return;
-    nb::gil_scoped_release release;
-    coll().all_reduce(reinterpret_cast<const void*>(in.ptr), reinterpret_cast<void*>(out.ptr),
-                      static_cast<size_t>(in.numel), dt, reinterpret_cast<cudaStream_t>(stream), m);
+    run_collective(&tdist::Collectives::all_reduce, in, out, in.numel, dt, stream,
+                   tdist::parse_all_reduce_method(method, "method"));
   }
 
   void all_gather(const DescTuple& in_t, const DescTuple& out_t, uint64_t stream, const std::string& method) {
     const Desc in(in_t), out(out_t);
     const auto dt = check_all_gather(in, out, world_size(), rank(), device());
-    const auto m = tdist::parse_all_gather_method(method, "method");
-    if (in.numel == 0) return;
-    nb::gil_scoped_release release;
-    coll().all_gather(reinterpret_cast<const void*>(in.ptr), reinterpret_cast<void*>(out.ptr),
-                      static_cast<size_t>(in.numel), dt, reinterpret_cast<cudaStream_t>(stream), m);
+    run_collective(&tdist::Collectives::all_gather, in, out, in.numel, dt, stream,
+                   tdist::parse_all_gather_method(method, "method"));
   }
 
   void reduce_scatter(const DescTuple& in_t, const DescTuple& out_t, uint64_t stream, const std::string& method) {
     const Desc in(in_t), out(out_t);
     const auto dt = check_reduce_scatter(in, out, world_size(), rank(), device());
-    const auto m = tdist::parse_reduce_scatter_method(method, "method");
-    if (out.numel == 0) return;
-    nb::gil_scoped_release release;
-    coll().reduce_scatter(reinterpret_cast<const void*>(in.ptr), reinterpret_cast<void*>(out.ptr),
-                          static_cast<size_t>(out.numel), dt, reinterpret_cast<cudaStream_t>(stream), m);
+    run_collective(&tdist::Collectives::reduce_scatter, in, out, out.numel, dt, stream,
+                   tdist::parse_reduce_scatter_method(method, "method"));
   }
 
   void barrier(uint64_t stream) {
@@ -471,9 +467,8 @@ class Runtime {
   std::string all_reduce_method(const DescTuple& in_t, const DescTuple& out_t, const std::string& method) const {
     const Desc in(in_t), out(out_t);
     const auto dt = check_all_reduce(in, out, device());
-    return tdist::to_string(coll().all_reduce_method(reinterpret_cast<const void*>(in.ptr),
-                                                     reinterpret_cast<void*>(out.ptr), static_cast<size_t>(in.numel),
-                                                     dt, tdist::parse_all_reduce_method(method, "method")));
+    return tdist::to_string(coll().all_reduce_method(in.data(), out.data(), static_cast<size_t>(in.numel), dt,
+                                                     tdist::parse_all_reduce_method(method, "method")));
   }
 
   // Overlapped GEMMs. Collective: every rank calls with the same m, n, k and method. The context for
@@ -532,6 +527,19 @@ class Runtime {
     coll_ = std::make_unique<tdist::Collectives>(*world_, *heap_, max_bytes);
   }
 
+  // What the collective calls share once their arguments are checked: nothing to run for no
+  // elements, else Collectives' call on `stream` with the GIL released.
+  template <typename Method>
+  using CollectiveCall = void (tdist::Collectives::*)(const void*, void*, size_t, tdist::DType, cudaStream_t, Method);
+  template <typename Method>
+  void run_collective(CollectiveCall<Method> call, const Desc& in, const Desc& out, int64_t count, tdist::DType dt,
+                      uint64_t stream, Method method) {
+    if (count == 0) return;
+    nb::gil_scoped_release release;
+    (coll().*call)(in.data(), out.data(), static_cast<size_t>(count), dt, reinterpret_cast<cudaStream_t>(stream),
+                   method);
+  }
+
   std::string gemm(tdist::OverlapOp op, const DescTuple& a_t, const DescTuple& b_t, const DescTuple& d_t,
                    const std::optional<DescTuple>& g_t, int64_t m, int64_t n, int64_t k, uint64_t stream_id,
                    const std::string& method, bool run) {
@@ -541,7 +549,6 @@ class Runtime {
     const auto requested = tdist::parse_overlap_method(method, "method");
     if (m == 0) return tdist::to_string(requested);  // nothing to compute; no context needed
     const auto stream = reinterpret_cast<cudaStream_t>(stream_id);
-    const auto ptr = [](const Desc& x) { return reinterpret_cast<void*>(x.ptr); };
     tdist::OverlapMethod chosen;
     // The context's choice for `requested`, then (run) the call, without the GIL.
     const auto resolve_and_run = [&](auto& ctx, const auto& args) {
@@ -552,22 +559,22 @@ class Runtime {
     switch (op) {
       case tdist::OverlapOp::kAllGatherGemm: {
         tdist::AllGatherGemmArgs args;
-        args.a_local = ptr(t.a);
-        args.b = ptr(t.b);
-        args.d = ptr(t.d);
-        args.a_gathered = t.gathered ? ptr(*t.gathered) : nullptr;
+        args.a_local = t.a.data();
+        args.b = t.b.data();
+        args.d = t.d.data();
+        args.a_gathered = t.gathered ? t.gathered->data() : nullptr;
         args.m = m;
         args.n = n;
         resolve_and_run(ag_context(dt, k, m, stream), args);
         break;
       }
       case tdist::OverlapOp::kGemmReduceScatter: {
-        const tdist::GemmReduceScatterArgs args{ptr(t.a), ptr(t.b), ptr(t.d), m, n, k};
+        const tdist::GemmReduceScatterArgs args{t.a.data(), t.b.data(), t.d.data(), m, n, k};
         resolve_and_run(rs_context(rs_, op, dt, m, n, stream), args);
         break;
       }
       case tdist::OverlapOp::kGemmAllReduce: {
-        const tdist::GemmAllReduceArgs args{ptr(t.a), ptr(t.b), ptr(t.d), m, n, k};
+        const tdist::GemmAllReduceArgs args{t.a.data(), t.b.data(), t.d.data(), m, n, k};
         resolve_and_run(rs_context(ar_, op, dt, m, n, stream), args);
         break;
       }
