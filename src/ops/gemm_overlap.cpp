@@ -489,16 +489,21 @@ class ReduceScatterCore {
   // (stream order on the caller's stream).
   using RowsDone = std::function<void(int piece, u64 first, u64 count)>;
 
-  // Fused or chunked: this rank's reduced rows into `out` (row stride n); returns the number of pieces.
-  // `extra_flags` (count `extra_count`, may be null) are reset with the others before the barrier, and
-  // `after_barrier` (may be null) is marked on `stream` right after it.
-  int run(const void* a, const void* b, int64_t m, int64_t n, int64_t k, OverlapMethod method, void* out,
-          u64* extra_flags, int extra_count, SideStream* after_barrier, const RowsDone& rows_done,
-          cudaStream_t stream) {
+  // Pieces of each rank's rows in a call of `op` (the fused GEMM's chunks are not cut).
+  int pieces_of(OverlapOp op, OverlapMethod method, int64_t m, int64_t n, int64_t k) const {
+    if (method != OverlapMethod::kChunked) return 1;
+    return overlap_row_pieces({op, m, n, k, rt.size(), config.dtype});
+  }
+
+  // Fused or chunked: this rank's reduced rows into `out` (row stride n), in pieces_of(op, ...)
+  // pieces. `extra_flags` (count `extra_count`, may be null) are reset with the others before the
+  // barrier.
+  void run(OverlapOp op, const void* a, const void* b, int64_t m, int64_t n, int64_t k, OverlapMethod method,
+           void* out, u64* extra_flags, int extra_count, const RowsDone& rows_done, cudaStream_t stream) {
     const int rank = rt.rank(), world = rt.size();
     const DType t = config.dtype;
     const kg::RowChunks rows = split(m);
-    const int pieces = method == OverlapMethod::kChunked ? overlap_row_pieces(m, world) : 1;
+    const int pieces = pieces_of(op, method, m, n, k);
     auto* tiles_done = reinterpret_cast<device::u32*>(counts_ + world * sizeof(u64));
     auto* ready = reinterpret_cast<u64*>(counts_);
     TDIST_CUDA_CHECK(cudaMemsetAsync(flags_, 0, pieces * world * sizeof(u64), stream));
@@ -506,7 +511,6 @@ class ReduceScatterCore {
     if (method == OverlapMethod::kFused)
       TDIST_CUDA_CHECK(cudaMemsetAsync(counts_, 0, world * (sizeof(u64) + sizeof(device::u32)), stream));
     rt.coll().barrier(stream);
-    if (after_barrier) after_barrier->mark(stream);
 
     auto piece_rows = [&](int owner) { return kg::RowChunks{rows.rows(owner), pieces}; };
     auto row_ptr = [&](auto* base, u64 row) { return ptr_at(base, row * n * elem()); };
@@ -542,11 +546,12 @@ class ReduceScatterCore {
       const int prev = (rank + world - 1) % world;
       const kg::RowChunks sub = piece_rows(rank);
       for (int p = 0; p < pieces; ++p) {
-        rt.wait_flags(flags_, p * world, world, p * world + rank, stream);
+        rt.wait_flags(flags_, p * world + prev, 1, -1, stream);
         const u64 first = sub.begin(p), count = sub.rows(p);
         void* d = row_ptr(out, first);
         rt.cublas().run_add(rows_gemm(rows.begin(rank) + first, count, d), row_ptr(slot(prev, n), first), stream);
         if (world > 2) {
+          rt.wait_flags(flags_, p * world, world, p * world + rank, stream);
           rp.num_sources = 0;
           rp.src[rp.num_sources++] = d;
           for (int s = 0; s < world; ++s)
@@ -560,7 +565,7 @@ class ReduceScatterCore {
         rows_done(p, first, count);
       }
       rt.side().join(stream);
-      return pieces;
+      return;
     }
 
     // One piece: the whole chunk per GEMM, then one fp32 reduction of every source.
@@ -603,7 +608,6 @@ class ReduceScatterCore {
     rt.reduce(rp, stream);
     rows_done(0, 0, rows.rows(rank));
     rt.side().join(stream);
-    return 1;
   }
 
  private:
@@ -658,7 +662,8 @@ struct GemmReduceScatter::Impl {
         break;
       case OverlapMethod::kFused:
       case OverlapMethod::kChunked:
-        core.run(a.a, a.b, a.m, a.n, a.k, method, a.d, nullptr, 0, nullptr, [](int, u64, u64) {}, stream);
+        core.run(OverlapOp::kGemmReduceScatter, a.a, a.b, a.m, a.n, a.k, method, a.d, nullptr, 0,
+                 [](int, u64, u64) {}, stream);
         break;
       case OverlapMethod::kAuto: TDIST_FAIL("unresolved method");
     }
@@ -681,7 +686,8 @@ const GemmReduceScatterConfig& GemmReduceScatter::config() const { return impl_-
 // ============================================================================================
 // GemmAllReduce: the ReduceScatter core, whose owner reduces its rows into the symmetric `reduced_`
 // piece by piece; as each piece is done the owner raises its flag on every peer and copies it into
-// its own D (copy engine), and the peers pull it (copy engine) while the owner's next pieces run.
+// its own D (copy engine), and after its own next piece each peer pulls it (copy engine) while the
+// GEMMs go on.
 //
 //   reduced_   T[max_m][max_n]  symmetric: this rank's reduced rows at RowChunks{m, world}.begin(rank)
 //   ar_flags_  u64[P][world]    symmetric: ar_flags_[p * world + r] = 1 once piece p of rank r's
@@ -691,7 +697,7 @@ struct GemmAllReduce::Impl {
   ReduceScatterCore core;
   char* reduced_ = nullptr;
   u64* ar_flags_ = nullptr;
-  SideStream pulls_;  // the peers' pieces; separate from the core's side stream, whose sends they wait for
+  SideStream pulls_;  // the peers' pieces, beside the core's side stream (sends, local copies)
 
   Impl(World& world, SymmetricHeap& heap, const GemmAllReduceConfig& c) : core(world, heap, c) {
     reduced_ = static_cast<char*>(heap.allocate(reduced_bytes(c)));
@@ -731,28 +737,33 @@ struct GemmAllReduce::Impl {
         const kg::RowChunks rows = core.split(a.m);
         const size_t row_bytes = static_cast<size_t>(a.n) * core.elem();
         const size_t own = rows.begin(rank) * row_bytes;
-        auto share = [&](int piece, u64 first, u64 n_rows) {
-          for (int i = 1; i < world; ++i)
-            stream_write_value64(stream, rt.heap().peer_ptr(ar_flags_ + piece * world + rank, (rank + i) % world), 1);
-          if (n_rows == 0) return;
-          rt.side().fork(stream);
-          TDIST_CUDA_CHECK(cudaMemcpyAsync(ptr_at(a.d, own + first * row_bytes), reduced_ + own + first * row_bytes,
-                                           n_rows * row_bytes, cudaMemcpyDeviceToDevice, rt.side().get()));
-        };
-        const int pieces = core.run(a.a, a.b, a.m, a.n, a.k, method, reduced_ + own, ar_flags_, kMaxOverlapPieces * world,
-                                    &pulls_, share, stream);
-        // Enqueued after all of this rank's GEMMs (see the fused ReduceScatter for why), started from
-        // the barrier: each peer piece is pulled once its owner has raised its flag.
-        pulls_.fork_from_mark();
-        for (int p = 0; p < pieces; ++p) {
+        const int pieces = core.pieces_of(OverlapOp::kGemmAllReduce, method, a.m, a.n, a.k);
+        // Piece p of every peer's reduced rows into d: waited for on the caller's stream right after
+        // this rank's own piece p (the peers finish theirs about then; a waiting kernel beside the
+        // GEMMs would find no free SM), pulled on pulls_ while this rank's next piece runs.
+        auto pull = [&](int piece) {
+          rt.wait_flags(ar_flags_, piece * world, world, piece * world + rank, stream);
+          pulls_.fork(stream);
           for (int i = 1; i < world; ++i) {
             const int r = (rank + i) % world;
             const kg::RowChunks sub{rows.rows(r), pieces};
-            rt.wait_flags(ar_flags_, p * world + r, 1, -1, pulls_.get());
-            const size_t at = (rows.begin(r) + sub.begin(p)) * row_bytes;
-            if (sub.rows(p) > 0) get_async(rt.heap(), ptr_at(a.d, at), reduced_ + at, sub.rows(p) * row_bytes, r, pulls_.get());
+            const size_t at = (rows.begin(r) + sub.begin(piece)) * row_bytes;
+            if (sub.rows(piece) > 0)
+              get_async(rt.heap(), ptr_at(a.d, at), reduced_ + at, sub.rows(piece) * row_bytes, r, pulls_.get());
           }
-        }
+        };
+        auto share = [&](int piece, u64 first, u64 n_rows) {
+          for (int i = 1; i < world; ++i)
+            stream_write_value64(stream, rt.heap().peer_ptr(ar_flags_ + piece * world + rank, (rank + i) % world), 1);
+          if (n_rows > 0) {
+            rt.side().fork(stream);
+            TDIST_CUDA_CHECK(cudaMemcpyAsync(ptr_at(a.d, own + first * row_bytes), reduced_ + own + first * row_bytes,
+                                             n_rows * row_bytes, cudaMemcpyDeviceToDevice, rt.side().get()));
+          }
+          pull(piece);
+        };
+        core.run(OverlapOp::kGemmAllReduce, a.a, a.b, a.m, a.n, a.k, method, reduced_ + own, ar_flags_,
+                 kMaxOverlapPieces * world, share, stream);
         pulls_.join(stream);
         break;
       }

@@ -160,35 +160,59 @@ TEST(OverlapChoice, SingleRank) {
 
 // overlap_row_pieces
 
-TEST(OverlapRowPieces, AtLeast512RowsPerPieceUpToFour) {
+namespace {
+int pieces(int64_t m, int64_t n, int64_t k, int w) {
+  return tdist::overlap_row_pieces({OverlapOp::kGemmReduceScatter, m, n, k, w, DType::kBFloat16});
+}
+}  // namespace
+
+TEST(OverlapRowPieces, FewestThatHideEachTransferNoneUnder512Rows) {
   unsetenv("TDIST_OVERLAP_PIECES");
   for (int w : {2, 3, 4, 8}) {
     for (int64_t m : {int64_t{0}, int64_t{1}, int64_t{1000}, int64_t{4097}, int64_t{16384}, int64_t{1} << 20}) {
-      const int p = tdist::overlap_row_pieces(m, w);
-      EXPECT_GE(p, 1);
-      EXPECT_LE(p, tdist::kMaxOverlapPieces);
-      if (p > 1) EXPECT_GE(m / w / p, 512) << "m " << m << " world " << w;
-      if (m / w >= 512 * tdist::kMaxOverlapPieces) EXPECT_EQ(p, tdist::kMaxOverlapPieces) << m << " " << w;
+      for (int64_t k : {int64_t{64}, int64_t{1024}, int64_t{4096}, int64_t{7168}}) {
+        const int p = pieces(m, 8192, k, w);
+        EXPECT_GE(p, 1);
+        EXPECT_LE(p, tdist::kMaxOverlapPieces);
+        if (p > 1) EXPECT_GE(m / w / p, 512) << "m " << m << " world " << w << " k " << k;
+        if (m / w >= 1024) EXPECT_GE(p, 2) << "m " << m << " world " << w << " k " << k;
+      }
     }
   }
-  EXPECT_EQ(tdist::overlap_row_pieces(1023 * 2, 2), 1);  // 1023 rows per rank
-  EXPECT_EQ(tdist::overlap_row_pieces(4096, 2), 4);
-  EXPECT_EQ(tdist::overlap_row_pieces(16384, 1), 1);  // one rank: nothing to exchange
+  // Two ranks, the measured shapes: two pieces where the GEMM of a piece outlasts its transfer.
+  EXPECT_EQ(pieces(4096, 8192, 4096, 2), 2);
+  EXPECT_EQ(pieces(16384, 8192, 7168, 2), 2);
+  EXPECT_EQ(pieces(2046, 8192, 7168, 2), 1);  // 1023 rows per rank
+  // A short K: the transfer outlasts a piece's GEMM, so more pieces (up to 4).
+  EXPECT_EQ(pieces(16384, 8192, 2048, 2), 3);
+  EXPECT_EQ(pieces(16384, 8192, 64, 2), tdist::kMaxOverlapPieces);
+  EXPECT_EQ(pieces(16384, 8192, 7168, 1), 1);  // one rank: nothing to exchange
+  // GEMM-AllReduce: more pieces as the chunk grows (its last piece travels in the open).
+  auto ar = [](int64_t m, int w) {
+    return tdist::overlap_row_pieces({OverlapOp::kGemmAllReduce, m, 8192, 7168, w, DType::kBFloat16});
+  };
+  EXPECT_EQ(ar(4096, 2), 2);
+  EXPECT_EQ(ar(8192, 2), 3);
+  EXPECT_EQ(ar(16384, 2), 4);
+  EXPECT_EQ(ar(2047, 2), 1);
+  EXPECT_EQ(ar(1 << 20, 8), tdist::kMaxOverlapPieces);
+  for (int64_t m = 1024; m <= (1 << 20); m *= 2) EXPECT_GE(ar(m, 2), pieces(m, 8192, 7168, 2)) << m;
 }
 
 TEST(OverlapRowPieces, EnvironmentOverridesAndIsChecked) {
   setenv("TDIST_OVERLAP_PIECES", "3", 1);
-  EXPECT_EQ(tdist::overlap_row_pieces(16384, 2), 3);
-  EXPECT_EQ(tdist::overlap_row_pieces(1000, 2), 3);
-  EXPECT_EQ(tdist::overlap_row_pieces(5, 2), 2);  // every piece keeps a row on every rank
-  EXPECT_EQ(tdist::overlap_row_pieces(1, 2), 1);
+  EXPECT_EQ(pieces(16384, 8192, 7168, 2), 3);
+  EXPECT_EQ(pieces(1000, 520, 264, 2), 3);
+  EXPECT_EQ(pieces(5, 520, 264, 2), 2);  // every piece keeps a row on every rank
+  EXPECT_EQ(pieces(1, 520, 264, 2), 1);
   for (const char* bad : {"0", "5", "two", "2x", "-1"}) {
     setenv("TDIST_OVERLAP_PIECES", bad, 1);
-    const std::string e = error_of([] { tdist::overlap_row_pieces(4096, 2); });
+    const std::string e = error_of([] { pieces(4096, 8192, 4096, 2); });
     EXPECT_NE(e.find("TDIST_OVERLAP_PIECES"), std::string::npos) << bad << ": " << e;
   }
   unsetenv("TDIST_OVERLAP_PIECES");
-  EXPECT_NE(error_of([] { tdist::overlap_row_pieces(4096, 0); }).find("'world_size'"), std::string::npos);
+  EXPECT_NE(error_of([] { pieces(4096, 8192, 4096, 0); }).find("'world_size'"), std::string::npos);
+  EXPECT_NE(error_of([] { pieces(-1, 8192, 4096, 2); }).find("'shape'"), std::string::npos);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -76,12 +76,13 @@ OverlapMethod choose_overlap_method(const OverlapShape& shape);
 // The chunked ReduceScatter and AllReduce cut every rank's row chunk into this many pieces (pure;
 // CPU-tested): each peer piece goes to its owner as soon as its GEMM is done, and the owner's GEMM
 // of a piece adds the received partial in its epilogue, so no separate reduction pass remains
-// (two ranks) and only the last piece's exchange is exposed. One piece (fewer than 1024 rows per
-// rank) keeps the single GEMM per chunk and the fp32 reduction after it. Pieces of at least 512 rows
-// keep each cuBLAS call near one full wave of tiles. TDIST_OVERLAP_PIECES (1 to kMaxOverlapPieces)
-// overrides.
+// (two ranks) and only the last piece's exchange is exposed. ReduceScatter: as few pieces as let
+// each piece's transfer hide behind one piece of GEMM (at least 2); AllReduce: more as the chunk
+// grows (its last piece is gathered after the GEMMs). At most kMaxOverlapPieces, none under 512 rows; 1
+// (fewer than 1024 rows per rank, or one rank) keeps one GEMM per chunk and the fp32 reduction
+// after them. TDIST_OVERLAP_PIECES (1 to kMaxOverlapPieces) overrides.
 constexpr int kMaxOverlapPieces = 4;
-int overlap_row_pieces(int64_t m, int world_size);
+int overlap_row_pieces(const OverlapShape& shape);
 
 // ---------------------------------------------------------------------------------------------
 struct AllGatherGemmConfig {
