@@ -176,6 +176,7 @@ TEST(OverlapRowPieces, FewestThatHideEachTransferNoneUnder512Rows) {
         EXPECT_LE(p, tdist::kMaxOverlapPieces);
         if (p > 1) EXPECT_GE(m / w / p, 512) << "m " << m << " world " << w << " k " << k;
         if (m / w >= 1024) EXPECT_GE(p, 2) << "m " << m << " world " << w << " k " << k;
+        EXPECT_EQ(p & (p - 1), 0) << "a power of two, got " << p;
       }
     }
   }
@@ -183,8 +184,8 @@ TEST(OverlapRowPieces, FewestThatHideEachTransferNoneUnder512Rows) {
   EXPECT_EQ(pieces(4096, 8192, 4096, 2), 2);
   EXPECT_EQ(pieces(16384, 8192, 7168, 2), 2);
   EXPECT_EQ(pieces(2046, 8192, 7168, 2), 1);  // 1023 rows per rank
-  // A short K: the transfer outlasts a piece's GEMM, so more pieces (up to 4).
-  EXPECT_EQ(pieces(16384, 8192, 2048, 2), 3);
+  // A short K: the transfer outlasts a piece's GEMM, so more pieces (a power of two, up to 4).
+  EXPECT_EQ(pieces(16384, 8192, 2048, 2), 4);
   EXPECT_EQ(pieces(16384, 8192, 64, 2), tdist::kMaxOverlapPieces);
   EXPECT_EQ(pieces(16384, 8192, 7168, 1), 1);  // one rank: nothing to exchange
   // GEMM-AllReduce: more pieces as the chunk grows (its last piece travels in the open).
@@ -192,7 +193,7 @@ TEST(OverlapRowPieces, FewestThatHideEachTransferNoneUnder512Rows) {
     return tdist::overlap_row_pieces({OverlapOp::kGemmAllReduce, m, 8192, 7168, w, DType::kBFloat16});
   };
   EXPECT_EQ(ar(4096, 2), 2);
-  EXPECT_EQ(ar(8192, 2), 3);
+  EXPECT_EQ(ar(8192, 2), 4);
   EXPECT_EQ(ar(16384, 2), 4);
   EXPECT_EQ(ar(2047, 2), 1);
   EXPECT_EQ(ar(1 << 20, 8), tdist::kMaxOverlapPieces);

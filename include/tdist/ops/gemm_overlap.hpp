@@ -78,9 +78,10 @@ OverlapMethod choose_overlap_method(const OverlapShape& shape);
 // of a piece adds the received partial in its epilogue, so no separate reduction pass remains
 // (two ranks) and only the last piece's exchange is exposed. ReduceScatter: as few pieces as let
 // each piece's transfer hide behind one piece of GEMM (at least 2); AllReduce: more as the chunk
-// grows (its last piece is gathered after the GEMMs). At most kMaxOverlapPieces, none under 512 rows; 1
-// (fewer than 1024 rows per rank, or one rank) keeps one GEMM per chunk and the fp32 reduction
-// after them. TDIST_OVERLAP_PIECES (1 to kMaxOverlapPieces) overrides.
+// grows (its last piece is gathered after the GEMMs). A power of two (tile-aligned pieces), at most
+// kMaxOverlapPieces, none under 512 rows; 1 (fewer than 1024 rows per rank, or one rank) keeps one
+// GEMM per chunk and the fp32 reduction after them. TDIST_OVERLAP_PIECES (1 to kMaxOverlapPieces)
+// overrides.
 constexpr int kMaxOverlapPieces = 4;
 int overlap_row_pieces(const OverlapShape& shape);
 
