@@ -1,8 +1,8 @@
 // Put bandwidth between GPUs, every rank pushing to the next one at once (a ring; with 2 ranks,
 // both directions of one link). tdist's block-scope put and copy-engine put, each beside a plain
 // baseline in the same run: an int4 store loop through the LSA peer pointer, and a raw
-// cudaMemcpyAsync to it; and the copy-engine put cut over 2 and 4 parallel streams. Medians of
-// CUDA-event timings; the reported figure is the slowest rank's.
+// cudaMemcpyAsync to it; and the copy-engine put cut over 2 and 4 parallel streams, and shared with
+// SMs. Medians of CUDA-event timings; the reported figure is the slowest rank's.
 //
 //   tdistrun -n 2 build/bench/bench_put_bandwidth [--bytes N] [--iters N] [--json FILE]
 #include <algorithm>
@@ -135,6 +135,30 @@ int main(int argc, char** argv) {
       }
       TDIST_CUDA_CHECK(cudaEventDestroy(fork));
     }
+    // The copy engine and SMs together: the copy engine puts the first `ce_share` of the buffer
+    // from a side stream while `sms` SMs put the rest (block-scope puts) on the main stream.
+    cudaStream_t side;
+    cudaEvent_t fork, done;
+    TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    TDIST_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    for (int sms : {16, 32}) {
+      for (int ce_pct : {60, 75}) {
+        const size_t ce_bytes = bytes * ce_pct / 100 / 16 * 16;
+        const double tc = median_gbps(world, stream, bytes, iters, [&] {
+          TDIST_CUDA_CHECK(cudaEventRecord(fork, stream));
+          TDIST_CUDA_CHECK(cudaStreamWaitEvent(side, fork));
+          put_async(heap, dst, src, ce_bytes, peer, side);
+          TDIST_CUDA_CHECK(cudaEventRecord(done, side));
+          block_put_kernel<<<2 * sms, 512, 0, stream>>>(heap.view(), dst + ce_bytes, src + ce_bytes, bytes - ce_bytes, peer);
+          TDIST_CUDA_CHECK(cudaStreamWaitEvent(stream, done));
+        });
+        rows.push_back({"copy engine " + std::to_string(ce_pct) + "% + SMs", sms, tc, b, 390.0});
+      }
+    }
+    TDIST_CUDA_CHECK(cudaEventDestroy(done));
+    TDIST_CUDA_CHECK(cudaEventDestroy(fork));
+    TDIST_CUDA_CHECK(cudaStreamDestroy(side));
   }
 
   if (world.rank() == 0) {

@@ -119,6 +119,18 @@ TEST(OverlapChoice, NeverAutoAndDeterministic) {
   }
 }
 
+TEST(OverlapChoice, AllReduceOverlapsFrom512RowsPerRank) {
+  // Measured on 2 x H200, LLaMA-3-70B down projection: chunked GEMM-AllReduce loses to NCCL + cuBLAS
+  // at M = 512 and wins from M = 1024.
+  for (int world : {2, 4, 8}) {
+    OverlapShape s{OverlapOp::kGemmAllReduce, 256 * world, 8192, 14336 / world / 8 * 8, world, DType::kBFloat16};
+    EXPECT_EQ(tdist::choose_overlap_method(s), OverlapMethod::kSequential) << world;
+    s.m = 512 * world;
+    // (At eight ranks the per-rank GEMM of 512 rows is too short to hide anything behind.)
+    if (world < 8) EXPECT_EQ(tdist::choose_overlap_method(s), OverlapMethod::kChunked) << world;
+  }
+}
+
 TEST(OverlapChoice, NoOverlapAtSmallM) {
   // Per-chunk launches and flag waits cost more than the communication they hide at M <= 256
   // (a few KB to a few MB moved): the model must pick a method without overlap there (sequential
