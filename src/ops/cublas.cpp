@@ -46,6 +46,14 @@ F symbol(void* lib, const char* name, const char* what) {
   TDIST_CHECK(p != nullptr, "the ", what, " library found lacks ", name);
   return reinterpret_cast<F>(p);
 }
+// field = the function `fn` of `lib`, typed as the header declares it.
+#define TDIST_LOAD_SYMBOL(field, fn, what) (field) = symbol<decltype(&fn)>(lib, #fn, what)
+
+#define TDIST_CUBLAS_CALL(call)                                                                    \
+  do {                                                                                             \
+    const cublasStatus_t st_ = (call);                                                             \
+    TDIST_CHECK(st_ == CUBLAS_STATUS_SUCCESS, #call " failed with cuBLAS status ", static_cast<int>(st_)); \
+  } while (0)
 
 cudaDataType_t cuda_type(DType t) { return t == DType::kBFloat16 ? CUDA_R_16BF : CUDA_R_16F; }
 
@@ -99,20 +107,14 @@ struct CublasGemm::LtPlan {
   }
 };
 
-#define TDIST_CUBLAS_CALL(call)                                                                      \
-  do {                                                                                               \
-    const cublasStatus_t st_ = (call);                                                               \
-    TDIST_CHECK(st_ == CUBLAS_STATUS_SUCCESS, #call " failed with cuBLAS status ", static_cast<int>(st_)); \
-  } while (0)
-
 CublasGemm::CublasGemm(bool with_addend) {
   // The libraries are opened once per process and never closed.
   static const Api api = [] {
     void* lib = open_library(cublas_env(), "libcublas.so.13", "cuBLAS");
     Api a;
-    a.create = symbol<decltype(a.create)>(lib, "cublasCreate_v2", "cuBLAS");
-    a.destroy = symbol<decltype(a.destroy)>(lib, "cublasDestroy_v2", "cuBLAS");
-    a.set_stream = symbol<decltype(a.set_stream)>(lib, "cublasSetStream_v2", "cuBLAS");
+    TDIST_LOAD_SYMBOL(a.create, cublasCreate_v2, "cuBLAS");
+    TDIST_LOAD_SYMBOL(a.destroy, cublasDestroy_v2, "cuBLAS");
+    TDIST_LOAD_SYMBOL(a.set_stream, cublasSetStream_v2, "cuBLAS");
     a.gemm_ex = symbol<Api::GemmEx>(lib, "cublasGemmEx", "cuBLAS");
     return a;
   }();
@@ -129,18 +131,18 @@ CublasGemm::CublasGemm(bool with_addend) {
     const std::string dir = env.substr(0, env.find_last_of('/') + 1);
     void* lib = open_library(dir.empty() ? "" : dir + "libcublasLt.so.13", "libcublasLt.so.13", "cuBLASLt");
     LtApi a;
-    a.create = symbol<decltype(a.create)>(lib, "cublasLtCreate", "cuBLASLt");
-    a.destroy = symbol<decltype(a.destroy)>(lib, "cublasLtDestroy", "cuBLASLt");
-    a.desc_create = symbol<decltype(a.desc_create)>(lib, "cublasLtMatmulDescCreate", "cuBLASLt");
-    a.desc_destroy = symbol<decltype(a.desc_destroy)>(lib, "cublasLtMatmulDescDestroy", "cuBLASLt");
-    a.desc_set = symbol<decltype(a.desc_set)>(lib, "cublasLtMatmulDescSetAttribute", "cuBLASLt");
-    a.layout_create = symbol<decltype(a.layout_create)>(lib, "cublasLtMatrixLayoutCreate", "cuBLASLt");
-    a.layout_destroy = symbol<decltype(a.layout_destroy)>(lib, "cublasLtMatrixLayoutDestroy", "cuBLASLt");
-    a.pref_create = symbol<decltype(a.pref_create)>(lib, "cublasLtMatmulPreferenceCreate", "cuBLASLt");
-    a.pref_destroy = symbol<decltype(a.pref_destroy)>(lib, "cublasLtMatmulPreferenceDestroy", "cuBLASLt");
-    a.pref_set = symbol<decltype(a.pref_set)>(lib, "cublasLtMatmulPreferenceSetAttribute", "cuBLASLt");
-    a.heuristic = symbol<decltype(a.heuristic)>(lib, "cublasLtMatmulAlgoGetHeuristic", "cuBLASLt");
-    a.matmul = symbol<decltype(a.matmul)>(lib, "cublasLtMatmul", "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.create, cublasLtCreate, "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.destroy, cublasLtDestroy, "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.desc_create, cublasLtMatmulDescCreate, "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.desc_destroy, cublasLtMatmulDescDestroy, "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.desc_set, cublasLtMatmulDescSetAttribute, "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.layout_create, cublasLtMatrixLayoutCreate, "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.layout_destroy, cublasLtMatrixLayoutDestroy, "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.pref_create, cublasLtMatmulPreferenceCreate, "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.pref_destroy, cublasLtMatmulPreferenceDestroy, "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.pref_set, cublasLtMatmulPreferenceSetAttribute, "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.heuristic, cublasLtMatmulAlgoGetHeuristic, "cuBLASLt");
+    TDIST_LOAD_SYMBOL(a.matmul, cublasLtMatmul, "cuBLASLt");
     return a;
   }();
   lt_api_ = &lt_api;

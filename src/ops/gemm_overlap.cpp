@@ -445,7 +445,7 @@ const AllGatherGemmConfig& AllGatherGemm::config() const { return impl_->config;
 // ============================================================================================
 // ReduceScatter core, shared by GemmReduceScatter and GemmAllReduce
 //
-// Buffers (per context; P = overlap_row_pieces(m, world), each owner's rows cut as
+// Buffers (per context; P = overlap_row_pieces of the call, each owner's rows cut as
 // RowChunks{rows(owner), P}):
 //   recv_     T[world][cap][N]  symmetric: slot s holds source rank s's partial of this rank's rows
 //                               (cap = ceil(max_m / world) rows, row stride N of the call)
@@ -686,8 +686,8 @@ const GemmReduceScatterConfig& GemmReduceScatter::config() const { return impl_-
 // ============================================================================================
 // GemmAllReduce: the ReduceScatter core, whose owner reduces its rows into the symmetric `reduced_`
 // piece by piece; as each piece is done the owner raises its flag on every peer and copies it into
-// its own D (copy engine), and after its own next piece each peer pulls it (copy engine) while the
-// GEMMs go on.
+// its own D (copy engine), and each peer, done with the same piece of its own rows, pulls it (copy
+// engine) while its next piece computes.
 //
 //   reduced_   T[max_m][max_n]  symmetric: this rank's reduced rows at RowChunks{m, world}.begin(rank)
 //   ar_flags_  u64[P][world]    symmetric: ar_flags_[p * world + r] = 1 once piece p of rank r's
