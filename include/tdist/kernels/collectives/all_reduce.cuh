@@ -28,7 +28,7 @@ namespace tdist::kernels::coll {
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ar_one_shot(CollParams p) {
   const u64 e = begin_call(p.epoch);
-  const int n = p.heap.num_ranks, me = p.heap.rank;
+  const int n = p.heap.num_ranks;
   const u64 sz = sizeof(T);
   u64 lo, hi;
   block_range(p.count, blockIdx.x, gridDim.x, 8, lo, hi);
@@ -37,10 +37,7 @@ __global__ void __launch_bounds__(kThreads, 1) ar_one_shot(CollParams p) {
   if (!p.zero_copy) block_copy(slot + lo * sz, in + lo * sz, (hi - lo) * sz);
   exchange(p, 0, e);
   __shared__ const char* srcs[kMaxLsaRanks];
-  const char* shared_src = p.zero_copy ? in : slot;
-  for (int r = threadIdx.x; r < n; r += blockDim.x)
-    srcs[r] = r == me ? in : static_cast<const char*>(p.heap.symm_at(shared_src, r));
-  __syncthreads();
+  gather_sources(p, in, slot, srcs);
   reduce_range<T>(static_cast<T*>(p.out), srcs, n, lo, hi, p.vec != 0);
   if (p.zero_copy) exchange(p, 1, e);
   end_call(p.epoch, e);
@@ -73,10 +70,7 @@ __global__ void __launch_bounds__(kThreads, 1) ar_two_shot(CollParams p) {
   }
   exchange(p, 0, e);
   __shared__ const char* srcs[kMaxLsaRanks];
-  const char* shared_src = p.zero_copy ? in : slot;
-  for (int r = threadIdx.x; r < n; r += blockDim.x)
-    srcs[r] = r == me ? in : static_cast<const char*>(p.heap.symm_at(shared_src, r));
-  __syncthreads();
+  gather_sources(p, in, slot, srcs);
   u64 a, b;
   clip(me, a, b);
   // Reduce into the slot (peers read it in step 5), then copy to out.

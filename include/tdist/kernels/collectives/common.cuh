@@ -192,6 +192,16 @@ TDIST_DEVICE void reduce_range(T* out, const char* const* srcs, int n, u64 lo, u
   reduce_scalar<T>(out, srcs, n, lo, hi);
 }
 
+// srcs[r] = where rank r's data is read: this rank's `in`, a peer's `in` when zero copy
+// (symmetric), else the peer's workspace slot. Block-wide, ends with __syncthreads.
+TDIST_DEVICE void gather_sources(const CollParams& p, const char* in, const char* slot, const char** srcs) {
+  const int n = p.heap.num_ranks, me = p.heap.rank;
+  const char* shared_src = p.zero_copy ? in : slot;
+  for (int r = threadIdx.x; r < n; r += blockDim.x)
+    srcs[r] = r == me ? in : static_cast<const char*>(p.heap.symm_at(shared_src, r));
+  __syncthreads();
+}
+
 // Copies [lo, hi) bytes, shared by the block (no sync).
 TDIST_DEVICE void block_copy(void* dst, const void* src, u64 bytes) {
   if (bytes == 0 || dst == src) return;
