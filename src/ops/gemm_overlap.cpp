@@ -495,15 +495,14 @@ class ReduceScatterCore {
     return overlap_row_pieces({op, m, n, k, rt.size(), config.dtype});
   }
 
-  // Fused or chunked: this rank's reduced rows into `out` (row stride n), in pieces_of(op, ...)
-  // pieces. `extra_flags` (count `extra_count`, may be null) are reset with the others before the
-  // barrier.
-  void run(OverlapOp op, const void* a, const void* b, int64_t m, int64_t n, int64_t k, OverlapMethod method,
+  // Fused or chunked: this rank's reduced rows into `out` (row stride n), in `pieces` pieces (the
+  // caller's pieces_of). `extra_flags` (count `extra_count`, may be null) are reset with the others
+  // before the barrier.
+  void run(const void* a, const void* b, int64_t m, int64_t n, int64_t k, OverlapMethod method, int pieces,
            void* out, u64* extra_flags, int extra_count, const RowsDone& rows_done, cudaStream_t stream) {
     const int rank = rt.rank(), world = rt.size();
     const DType t = config.dtype;
     const kg::RowChunks rows = split(m);
-    const int pieces = pieces_of(op, method, m, n, k);
     auto* tiles_done = reinterpret_cast<device::u32*>(counts_ + world * sizeof(u64));
     auto* ready = reinterpret_cast<u64*>(counts_);
     TDIST_CUDA_CHECK(cudaMemsetAsync(flags_, 0, pieces * world * sizeof(u64), stream));
@@ -662,7 +661,8 @@ struct GemmReduceScatter::Impl {
         break;
       case OverlapMethod::kFused:
       case OverlapMethod::kChunked:
-        core.run(OverlapOp::kGemmReduceScatter, a.a, a.b, a.m, a.n, a.k, method, a.d, nullptr, 0,
+        core.run(a.a, a.b, a.m, a.n, a.k, method,
+                 core.pieces_of(OverlapOp::kGemmReduceScatter, method, a.m, a.n, a.k), a.d, nullptr, 0,
                  [](int, u64, u64) {}, stream);
         break;
       case OverlapMethod::kAuto: TDIST_FAIL("unresolved method");
@@ -762,8 +762,8 @@ struct GemmAllReduce::Impl {
           }
           pull(piece);
         };
-        core.run(OverlapOp::kGemmAllReduce, a.a, a.b, a.m, a.n, a.k, method, reduced_ + own, ar_flags_,
-                 kMaxOverlapPieces * world, share, stream);
+        core.run(a.a, a.b, a.m, a.n, a.k, method, pieces, reduced_ + own, ar_flags_, kMaxOverlapPieces * world,
+                 share, stream);
         pulls_.join(stream);
         break;
       }
