@@ -177,17 +177,9 @@ void CublasGemm::run(const GemmArgs& raw, cudaStream_t stream) {
 }
 
 const CublasGemm::LtPlan& CublasGemm::lt_plan(const GemmArgs& a, const void* c) {
-  const LtKey key{a.m,
-                  a.n,
-                  a.k,
-                  a.lda,
-                  a.ldb,
-                  a.ldd,
-                  static_cast<int>(a.dtype),
-                  alignment_of(a.a),
-                  alignment_of(a.b),
-                  alignment_of(c),
-                  alignment_of(a.d)};
+  const int align_a = alignment_of(a.a), align_b = alignment_of(a.b), align_c = alignment_of(c),
+            align_d = alignment_of(a.d);
+  const LtKey key{a.m, a.n, a.k, a.lda, a.ldb, a.ldd, static_cast<int>(a.dtype), align_a, align_b, align_c, align_d};
   std::lock_guard<std::mutex> lock(lt_mu_);
   auto it = lt_plans_.find(key);
   if (it != lt_plans_.end()) return *it->second;
@@ -208,8 +200,9 @@ const CublasGemm::LtPlan& CublasGemm::lt_plan(const GemmArgs& a, const void* c) 
   cublasLtMatmulPreference_t pref = nullptr;
   TDIST_CUBLAS_CALL(api.pref_create(&pref));
   const size_t ws = kLtWorkspaceBytes;
-  const uint32_t align[4] = {static_cast<uint32_t>(std::get<8>(key)), static_cast<uint32_t>(std::get<7>(key)),
-                             static_cast<uint32_t>(std::get<9>(key)), static_cast<uint32_t>(std::get<10>(key))};
+  // cuBLASLt's A is our B and its B our A (the column-major view above).
+  const uint32_t align[4] = {static_cast<uint32_t>(align_b), static_cast<uint32_t>(align_a),
+                             static_cast<uint32_t>(align_c), static_cast<uint32_t>(align_d)};
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   cublasStatus_t st = api.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
