@@ -105,8 +105,8 @@ int overlap_row_pieces(const OverlapShape& s) {
   const double chunk_gemm_s = 2.0 * static_cast<double>(rows) * s.n * s.k / kGemmFlops;
   const double chunk_send_s = static_cast<double>(rows) * s.n * elem / kCopyBytesPerSecond;
   if (chunk_gemm_s <= 0) return 1;
-  // Powers of two: pieces of a tile-aligned chunk stay tile-aligned (three pieces of 4096 rows ran
-  // 7 % slower than four on 2 x H200).
+  // Powers of two: pieces of a tile-aligned chunk stay tile-aligned (GEMM-AllReduce with three
+  // pieces of 4096 rows ran 7 % slower than with four, in two runs on 2 x H200).
   constexpr int64_t kMinPieceRows = 512;
   int most = 1;
   while (most * 2 <= kMaxOverlapPieces && rows / (most * 2) >= kMinPieceRows) most *= 2;
@@ -115,8 +115,9 @@ int overlap_row_pieces(const OverlapShape& s) {
   int p = 2;
   while (p < most && p < need) p *= 2;
   // GEMM-AllReduce: the peers pull the owner's last piece after its GEMMs, in the open, so more
-  // pieces shorten that, at the cost of a piece (a launch, a wait, copies beside the GEMMs: about
-  // 18 us on 2 x H200, where two pieces beat four by 15-29 us at M = 4096 and four win at 16384).
+  // pieces shorten that, at the cost of a piece (a launch, a wait, copies beside the GEMMs): about
+  // 18 us, fitted to two pieces beating four by 15-29 us at M = 4096 on 2 x H200
+  // (bench/results/h200x2/README.md, row pieces).
   if (s.op == OverlapOp::kGemmAllReduce) {
     constexpr double kPieceSeconds = 18e-6;
     auto cost = [&](int q) { return chunk_send_s / q + q * kPieceSeconds; };
