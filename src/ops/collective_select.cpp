@@ -18,14 +18,14 @@ std::string lower(std::string s) {
 constexpr size_t KiB = 1024, MiB = 1024 * 1024;
 
 // Thresholds from the side-by-side sweeps on 2 x H200 (bench/results/h200x2/, bf16, symmetric
-// buffers, graph-timed up to 4 MB): the LL protocol wins up to 256 KB (AllReduce) and 256 KB per rank
-// (AllGather); at two ranks one-shot AllReduce beats two-shot at every size and stays within 3 % of
+// buffers, graph-timed up to 4 MB): the LL protocol wins up to 512 KB (AllReduce: 6.7 us against
+// one-shot's 8.8 at 512 KB, all_reduce_ll_window.json) and 256 KB per rank (AllGather); at two ranks one-shot AllReduce beats two-shot at every size and stays within 3 % of
 // NCCL at 512 MB and 1 GB; the copy-engine AllGather overtakes the SM pull from 128 MB; the fused
 // ReduceScatter loses to NCCL below 512 KB. NCCL called on symmetric (window) buffers runs its own
 // symmetric kernels, which are slower than its regular ones on large AllReduce (0.7x at 512 MB), so
 // the method "nccl" is no stand-in for the NCCL baseline there. Larger teams are not measured yet:
 // one-shot and LL read (n - 1) copies, so their windows shrink with n, and two-shot takes the rest.
-size_t ar_ll_max(int n) { return n <= 2 ? 256 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
+size_t ar_ll_max(int n) { return n <= 2 ? 512 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
 size_t ar_one_shot_max(int n) { return n <= 2 ? SIZE_MAX : n <= 4 ? 128 * KiB : 64 * KiB; }
 size_t ag_ll_max_per_rank(int n) { return n <= 2 ? 256 * KiB : 16 * KiB; }
 // LL ReduceScatter (input size): at two ranks, up to 512 KB, where NCCL beat the fused kernel and

@@ -30,7 +30,7 @@ CollectiveShape shape(size_t bytes, int n = 2, bool in_sym = false, bool out_sym
   return s;
 }
 
-const CollectiveLimits kLimits{256 * MiB, 256 * KiB};
+const CollectiveLimits kLimits{256 * MiB, 512 * KiB};  // the default LL buffer
 
 }  // namespace
 
@@ -39,8 +39,9 @@ TEST(CollectiveSelect, AllReduceTable) {
   EXPECT_EQ(select_all_reduce(shape(64 * KiB), kLimits), AllReduceMethod::kLowLatency);
   EXPECT_EQ(select_all_reduce(shape(128 * KiB), kLimits), AllReduceMethod::kLowLatency);
   EXPECT_EQ(select_all_reduce(shape(256 * KiB), kLimits), AllReduceMethod::kLowLatency);
+  EXPECT_EQ(select_all_reduce(shape(512 * KiB), kLimits), AllReduceMethod::kLowLatency);
   // Two ranks: one-shot beats two-shot at every measured size.
-  EXPECT_EQ(select_all_reduce(shape(512 * KiB), kLimits), AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(512 * KiB + 16), kLimits), AllReduceMethod::kOneShot);
   EXPECT_EQ(select_all_reduce(shape(1 * MiB), kLimits), AllReduceMethod::kOneShot);
   EXPECT_EQ(select_all_reduce(shape(256 * MiB), kLimits), AllReduceMethod::kOneShot);
   EXPECT_EQ(select_all_reduce(shape(512 * MiB), CollectiveLimits{1024 * MiB, 256 * KiB}), AllReduceMethod::kOneShot);
@@ -56,6 +57,7 @@ TEST(CollectiveSelect, AllReduceTable) {
   EXPECT_EQ(select_all_reduce(shape(1 * KiB, 1), kLimits), AllReduceMethod::kNccl);
   // A small LL buffer narrows the LL window.
   EXPECT_EQ(select_all_reduce(shape(64 * KiB), CollectiveLimits{256 * MiB, 16 * KiB}), AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(512 * KiB), CollectiveLimits{256 * MiB, 256 * KiB}), AllReduceMethod::kOneShot);
 }
 
 TEST(CollectiveSelect, AllGatherTable) {
@@ -77,7 +79,7 @@ TEST(CollectiveSelect, AllGatherTable) {
 }
 
 TEST(CollectiveSelect, ReduceScatterTable) {
-  // Two ranks: LL up to 512 KB of input (256 KB per rank: the default LL buffer), where NCCL beat the
+  // Two ranks: LL up to 512 KB of input (256 KB per rank), where NCCL beat the
   // fused kernel; fused above.
   EXPECT_EQ(select_reduce_scatter(shape(1 * KiB), kLimits), ReduceScatterMethod::kLowLatency);
   EXPECT_EQ(select_reduce_scatter(shape(4), kLimits), ReduceScatterMethod::kLowLatency);
@@ -111,10 +113,10 @@ TEST(CollectiveSelect, ReduceScatterTable) {
   EXPECT_EQ(select_reduce_scatter(shape(64 * KiB, 4), small_ll), ReduceScatterMethod::kLowLatency);
   EXPECT_EQ(select_reduce_scatter(shape(128 * KiB, 4), small_ll), ReduceScatterMethod::kNccl);
   // Feasibility of ll: the per-rank slice against the LL buffer.
-  EXPECT_TRUE(feasible(ReduceScatterMethod::kLowLatency, shape(512 * KiB), kLimits));
-  EXPECT_FALSE(feasible(ReduceScatterMethod::kLowLatency, shape(512 * KiB + 16), kLimits));
-  EXPECT_TRUE(feasible(ReduceScatterMethod::kLowLatency, shape(1 * MiB, 4), kLimits));
-  EXPECT_FALSE(feasible(ReduceScatterMethod::kLowLatency, shape(2 * MiB, 4), kLimits));
+  EXPECT_TRUE(feasible(ReduceScatterMethod::kLowLatency, shape(1 * MiB), kLimits));
+  EXPECT_FALSE(feasible(ReduceScatterMethod::kLowLatency, shape(1 * MiB + 16), kLimits));
+  EXPECT_TRUE(feasible(ReduceScatterMethod::kLowLatency, shape(2 * MiB, 4), kLimits));
+  EXPECT_FALSE(feasible(ReduceScatterMethod::kLowLatency, shape(4 * MiB, 4), kLimits));
 }
 
 TEST(CollectiveSelect, OverridesAndEnvironment) {
@@ -151,12 +153,12 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
   EXPECT_NE(error_of([] { resolve_all_gather(AllGatherMethod::kCePush, nullptr, shape(1024 * MiB), kLimits); }), "");
   // ll ReduceScatter beyond the LL buffer (per-rank slice over ll_bytes): the argument or the variable.
   const std::string e3 =
-      error_of([] { resolve_reduce_scatter(ReduceScatterMethod::kLowLatency, nullptr, shape(1 * MiB), kLimits); });
+      error_of([] { resolve_reduce_scatter(ReduceScatterMethod::kLowLatency, nullptr, shape(2 * MiB), kLimits); });
   EXPECT_NE(e3.find("'method'"), std::string::npos) << e3;
   EXPECT_NE(e3.find("low-latency"), std::string::npos) << e3;
   EXPECT_NE(e3.find("ll_bytes"), std::string::npos) << e3;
   const std::string e4 =
-      error_of([] { resolve_reduce_scatter(ReduceScatterMethod::kAuto, "ll", shape(1 * MiB), kLimits); });
+      error_of([] { resolve_reduce_scatter(ReduceScatterMethod::kAuto, "ll", shape(2 * MiB), kLimits); });
   EXPECT_NE(e4.find("TDIST_REDUCESCATTER_METHOD"), std::string::npos) << e4;
   EXPECT_EQ(resolve_all_gather(AllGatherMethod::kCePush, nullptr, shape(1024 * MiB, 2, false, true), kLimits),
             AllGatherMethod::kCePush);

@@ -223,7 +223,8 @@ void run_sweep(Env& env, tdist::test::Suite& suite, Op op) {
     // Per-op element count c: the AllReduce count, the per-rank AllGather input, the per-rank
     // ReduceScatter output. The largest makes the op's buffer 256 MB.
     const size_t largest = (kMaxBytes / sz) / (op == Op::kAllReduce ? 1 : n);
-    std::vector<size_t> counts = {1, 3, 8, 1001, 4096 + 5, 65536, 262147, (1u << 20) + 1, 8u << 20};
+    // 262139 bf16 elements fill the default 512 KB LL buffer to within 10 bytes.
+    std::vector<size_t> counts = {1, 3, 8, 1001, 4096 + 5, 65536, 262139, 262147, (1u << 20) + 1, 8u << 20};
     if (dtype == DType::kBFloat16) counts.push_back(largest);
     for (int m : methods_of(op)) {
       suite.run(detail::concat(op_name(op), " ", to_string(dtype), " ", method_name(op, m)), [&] {
@@ -442,6 +443,7 @@ int main() {
   struct G { Op op; int method; size_t c; };
   const std::vector<G> graphs = {
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency), 4099},
+      {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency), 262139},  // the whole LL buffer
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kOneShot), 65537},
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kTwoShot), 262147},
       {Op::kAllGather, static_cast<int>(AllGatherMethod::kLowLatency), 1025},

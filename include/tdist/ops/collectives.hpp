@@ -37,8 +37,9 @@ namespace tdist {
 
 struct CollectivesOptions {
   // Low-latency payload per rank (bytes): the largest AllReduce buffer, AllGather input or
-  // ReduceScatter output (per rank) the LL methods can run.
-  size_t ll_bytes = 256 * 1024;
+  // ReduceScatter output (per rank) the LL methods can run. The LL buffer takes 4 x world x ll_bytes
+  // per rank (two parities, 8-byte lines of 4 data bytes).
+  size_t ll_bytes = 512 * 1024;
   // Blocks of the SM kernels at most; 0: the GPU's SM count.
   int max_blocks = 0;
 };
