@@ -57,7 +57,7 @@ def all_reduce(tensor, output=None, method: str = "auto"):
     Args:
         tensor: CUDA tensor (bfloat16, float16 or float32, contiguous) on this rank's GPU.
         output: optional tensor for the result.
-        method: "auto" (by size; docs/collectives.md), "one_shot", "two_shot", "ll" or "nccl".
+        method: "auto" (by size; docs/collectives.md), "one_shot", "two_shot", "ll", "ll128" or "nccl".
             ``TDIST_ALLREDUCE_METHOD`` overrides "auto".
 
     Returns:

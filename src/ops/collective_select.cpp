@@ -18,14 +18,18 @@ std::string lower(std::string s) {
 constexpr size_t KiB = 1024, MiB = 1024 * 1024;
 
 // Thresholds from the side-by-side sweeps on 2 x H200 (bench/results/h200x2/, bf16, symmetric
-// buffers, graph-timed up to 4 MB): the LL protocol wins up to 512 KB (AllReduce: 6.7 us against
-// one-shot's 8.8 at 512 KB, all_reduce_ll_window.json) and 256 KB per rank (AllGather); at two ranks one-shot AllReduce beats two-shot at every size and stays within 3 % of
+// buffers, graph-timed up to 4 MB): the LL protocol wins up to 128 KB (AllReduce; LL128 from 256 KB
+// to 1 MB, all_reduce_ll128.json) and 256 KB per rank (AllGather); at two ranks one-shot AllReduce beats two-shot at every size and stays within 3 % of
 // NCCL at 512 MB and 1 GB; the copy-engine AllGather overtakes the SM pull from 128 MB; the fused
 // ReduceScatter loses to NCCL below 512 KB. NCCL called on symmetric (window) buffers runs its own
 // symmetric kernels, which are slower than its regular ones on large AllReduce (0.7x at 512 MB), so
 // the method "nccl" is no stand-in for the NCCL baseline there. Larger teams are not measured yet:
 // one-shot and LL read (n - 1) copies, so their windows shrink with n, and two-shot takes the rest.
-size_t ar_ll_max(int n) { return n <= 2 ? 512 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
+size_t ar_ll_max(int n) { return n <= 2 ? 128 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
+// LL128 (94 % payload per line against LL's 50 %) from the end of the LL window: at two ranks
+// 4.3 / 5.1 / 6.9 us at 256 KB / 512 KB / 1 MB against LL's 4.6 / 7.0 and one-shot's 8.6 / 8.8 / 9.8
+// (all_reduce_ll128.json); tied with LL at 128 KB. Larger teams are not measured: LL128 is not chosen.
+size_t ar_ll128_max(int n) { return n <= 2 ? 1 * MiB : 0; }
 size_t ar_one_shot_max(int n) { return n <= 2 ? SIZE_MAX : n <= 4 ? 128 * KiB : 64 * KiB; }
 size_t ag_ll_max_per_rank(int n) { return n <= 2 ? 256 * KiB : 16 * KiB; }
 // LL ReduceScatter (input size): at two ranks, up to 512 KB, where NCCL beat the fused kernel and
@@ -45,13 +49,14 @@ constexpr size_t kRsCeMin = 512 * MiB;
 // Below this size NCCL's ReduceScatter beats the fused pull-and-reduce (the choice where LL cannot run).
 constexpr size_t kRsFusedMin = 512 * KiB;
 
+// `option`: what sizes the missing buffer (a Collectives constructor argument or option).
 std::string infeasible_reason(const char* method, const char* op, const CollectiveShape& s, size_t need, size_t have,
-                              const char* what) {
-  const bool ll = std::string(what).rfind("low-latency", 0) == 0;
+                              const char* what, const char* option = "max_bytes") {
   return detail::concat(method, " cannot run this ", op, " of ", s.bytes, " bytes: it needs ", need, " bytes of ",
                         what, " and the context has ", have, " (create the Collectives context with a larger ",
-                        ll ? "CollectivesOptions::ll_bytes" : "max_bytes", ", or use method nccl)");
+                        option, ", or use method nccl)");
 }
+constexpr const char* kLlOption = "CollectivesOptions::ll_bytes";
 
 }  // namespace
 
@@ -97,6 +102,7 @@ const char* to_string(AllReduceMethod m) {
     case AllReduceMethod::kOneShot: return "one_shot";
     case AllReduceMethod::kTwoShot: return "two_shot";
     case AllReduceMethod::kLowLatency: return "ll";
+    case AllReduceMethod::kLowLatency128: return "ll128";
     case AllReduceMethod::kNccl: return "nccl";
   }
   return "invalid";
@@ -128,9 +134,9 @@ const char* to_string(ReduceScatterMethod m) {
 AllReduceMethod parse_all_reduce_method(const std::string& text, const std::string& what) {
   const std::string s = lower(text);
   for (auto m : {AllReduceMethod::kAuto, AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot,
-                 AllReduceMethod::kLowLatency, AllReduceMethod::kNccl})
+                 AllReduceMethod::kLowLatency, AllReduceMethod::kLowLatency128, AllReduceMethod::kNccl})
     if (s == to_string(m)) return m;
-  TDIST_FAIL("invalid ", what, " '", text, "' for all_reduce (expected auto, one_shot, two_shot, ll or nccl)");
+  TDIST_FAIL("invalid ", what, " '", text, "' for all_reduce (expected auto, one_shot, two_shot, ll, ll128 or nccl)");
 }
 
 AllGatherMethod parse_all_gather_method(const std::string& text, const std::string& what) {
@@ -152,6 +158,7 @@ ReduceScatterMethod parse_reduce_scatter_method(const std::string& text, const s
 bool feasible(AllReduceMethod m, const CollectiveShape& s, const CollectiveLimits& l) {
   switch (m) {
     case AllReduceMethod::kLowLatency: return s.bytes <= l.ll_bytes;
+    case AllReduceMethod::kLowLatency128: return s.bytes <= l.ll128_bytes;
     case AllReduceMethod::kOneShot:
     case AllReduceMethod::kTwoShot: return s.bytes <= l.workspace_bytes;
     default: return true;
@@ -182,6 +189,8 @@ AllReduceMethod select_all_reduce(const CollectiveShape& s, const CollectiveLimi
   const int n = s.world_size;
   if (n <= 1) return AllReduceMethod::kNccl;
   if (s.bytes <= ar_ll_max(n) && feasible(AllReduceMethod::kLowLatency, s, l)) return AllReduceMethod::kLowLatency;
+  if (s.bytes <= ar_ll128_max(n) && feasible(AllReduceMethod::kLowLatency128, s, l))
+    return AllReduceMethod::kLowLatency128;
   if (s.bytes <= ar_one_shot_max(n) && feasible(AllReduceMethod::kOneShot, s, l)) return AllReduceMethod::kOneShot;
   if (feasible(AllReduceMethod::kTwoShot, s, l)) return AllReduceMethod::kTwoShot;
   return AllReduceMethod::kNccl;
@@ -238,10 +247,12 @@ AllReduceMethod resolve_all_reduce(AllReduceMethod requested, const char* env_va
                                    const CollectiveLimits& l) {
   return resolve(requested, kAllReduceMethodEnv, env_value, s, l, parse_all_reduce_method, select_all_reduce,
                  [&](AllReduceMethod m) {
-                   return m == AllReduceMethod::kLowLatency
-                              ? infeasible_reason("ll", "all_reduce", s, s.bytes, l.ll_bytes, "low-latency buffer")
-                              : infeasible_reason(to_string(m), "all_reduce", s, s.bytes, l.workspace_bytes,
-                                                  "workspace");
+                   if (m == AllReduceMethod::kLowLatency)
+                     return infeasible_reason("ll", "all_reduce", s, s.bytes, l.ll_bytes, "low-latency buffer", kLlOption);
+                   if (m == AllReduceMethod::kLowLatency128)
+                     return infeasible_reason("ll128", "all_reduce", s, s.bytes, l.ll128_bytes, "low-latency (LL128) buffer",
+                                              "CollectivesOptions::ll128_bytes");
+                   return infeasible_reason(to_string(m), "all_reduce", s, s.bytes, l.workspace_bytes, "workspace");
                  });
 }
 
@@ -251,7 +262,8 @@ AllGatherMethod resolve_all_gather(AllGatherMethod requested, const char* env_va
   return resolve(requested, kAllGatherMethodEnv, env_value, s, l, parse_all_gather_method, select_all_gather,
                  [&](AllGatherMethod m) {
                    if (m == AllGatherMethod::kLowLatency)
-                     return infeasible_reason("ll", "all_gather", s, per_rank, l.ll_bytes, "low-latency buffer per rank");
+                     return infeasible_reason("ll", "all_gather", s, per_rank, l.ll_bytes, "low-latency buffer per rank",
+                                              kLlOption);
                    if (m == AllGatherMethod::kCePush)
                      return infeasible_reason("ce_push", "all_gather", s, s.bytes, l.workspace_bytes, "workspace");
                    return infeasible_reason(to_string(m), "all_gather", s, per_rank, l.workspace_bytes, "workspace");
@@ -264,7 +276,7 @@ ReduceScatterMethod resolve_reduce_scatter(ReduceScatterMethod requested, const 
                  select_reduce_scatter, [&](ReduceScatterMethod m) {
                    if (m == ReduceScatterMethod::kLowLatency)
                      return infeasible_reason("ll", "reduce_scatter", s, s.bytes / std::max(1, s.world_size),
-                                              l.ll_bytes, "low-latency buffer per rank");
+                                              l.ll_bytes, "low-latency buffer per rank", kLlOption);
                    return infeasible_reason(to_string(m), "reduce_scatter", s, s.bytes, l.workspace_bytes, "workspace");
                  });
 }

@@ -12,6 +12,7 @@
 #include "tdist/common/error.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/registry.hpp"
+#include "tdist/kernels/collectives/ll128.cuh"
 #include "tdist/runtime/stream.hpp"
 
 namespace tdist {
@@ -56,21 +57,22 @@ bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % 
 // What a Collectives takes from the symmetric heap, one size per allocation (bytes), for `n` ranks,
 // the workspace slot size and LL payload (both already rounded) and `max_blocks` blocks.
 struct HeapSizes {
-  size_t workspace, flags, barrier_pads, ce_flags, ll;
+  size_t workspace, flags, barrier_pads, ce_flags, ll, ll128;
 };
-HeapSizes heap_sizes(int n, size_t max_bytes, size_t ll_bytes, int max_blocks, size_t ce_pieces) {
+HeapSizes heap_sizes(int n, size_t max_bytes, size_t ll_bytes, size_t ll128_bytes, int max_blocks, size_t ce_pieces) {
   const size_t u64_bytes = sizeof(device::u64), ranks = static_cast<size_t>(n);
   return {2 * max_bytes,
           static_cast<size_t>(kernels::coll::kPhases) * static_cast<size_t>(max_blocks) * ranks * u64_bytes,
           2 * barrier_pad_words(n) * u64_bytes,
           ce_pieces * ranks * u64_bytes,
-          2 * ranks * (ll_bytes / 4) * 8};
+          2 * ranks * (ll_bytes / 4) * 8,
+          2 * ranks * kernels::coll::ll128_lines(ll128_bytes) * kernels::coll::kLl128LineBytes};
 }
 
 }  // namespace
 
 std::vector<jit::CompileRequest> collective_compile_requests() {
-  std::vector<std::string> rs, ar, ll = {std::string(kNs) + "tdist_ll_all_gather"};
+  std::vector<std::string> rs, ar, ll128, ll = {std::string(kNs) + "tdist_ll_all_gather"};
   for (DType t : kDTypes) {
     rs.push_back(instance("rs_fused", t));
     rs.push_back(instance("rs_ce_pipelined", t));
@@ -78,12 +80,14 @@ std::vector<jit::CompileRequest> collective_compile_requests() {
     ar.push_back(instance("ar_two_shot", t));
     ll.push_back(instance("ll_all_reduce", t));
     ll.push_back(instance("ll_reduce_scatter", t));
+    ll128.push_back(instance("ll128_all_reduce", t));
   }
   return {family("all_gather.cuh", "collectives_all_gather.cu", {std::string(kNs) + "tdist_ag_sm"}),
           family("reduce_scatter.cuh", "collectives_reduce_scatter.cu", rs),
           family("all_reduce.cuh", "collectives_all_reduce.cu", ar),
           family("ll.cuh", "collectives_ll.cu", ll),
-          family("barrier.cuh", "collectives_barrier.cu", {"tdist_coll_barrier"})};
+          family("barrier.cuh", "collectives_barrier.cu", {"tdist_coll_barrier"}),
+          family("ll128.cuh", "collectives_ll128.cu", ll128)};
 }
 
 TDIST_JIT_REGISTER_KERNELS(collectives, collective_compile_requests);
@@ -92,7 +96,7 @@ struct Collectives::Kernels {
   std::vector<std::shared_ptr<jit::Module>> modules;
   jit::Kernel ag_sm, ll_all_gather, barrier;
   std::array<jit::Kernel, 3> rs_fused, rs_ce_pipelined, ar_one_shot, ar_two_shot, ll_all_reduce,
-      ll_reduce_scatter;  // by DType
+      ll_reduce_scatter, ll128_all_reduce;  // by DType
 
   Kernels() {
     auto reqs = collective_compile_requests();
@@ -108,6 +112,7 @@ struct Collectives::Kernels {
       ar_two_shot[i] = modules[2]->kernel(instance("ar_two_shot", t));
       ll_all_reduce[i] = modules[3]->kernel(instance("ll_all_reduce", t));
       ll_reduce_scatter[i] = modules[3]->kernel(instance("ll_reduce_scatter", t));
+      ll128_all_reduce[i] = modules[5]->kernel(instance("ll128_all_reduce", t));
     }
   }
 };
@@ -116,6 +121,7 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
     : world_(world), heap_(heap) {
   TDIST_CHECK_ARG(max_bytes > 0, "max_bytes", "the workspace must hold at least one byte");
   TDIST_CHECK_ARG(options.ll_bytes > 0, "options.ll_bytes", "the low-latency buffer must hold at least one byte");
+  TDIST_CHECK_ARG(options.ll128_bytes > 0, "options.ll128_bytes", "the LL128 buffer must hold at least one byte");
   const int n = world.world_size();
   TDIST_CHECK(n <= device::kMaxLsaRanks && n <= kernels::coll::kThreads, "world of ", n, " ranks is too large");
   TDIST_CHECK(world.lsa_size() == n, "Collectives needs every rank in one NVLink (LSA) domain; the LSA team has ",
@@ -125,12 +131,14 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   max_blocks_ = options.max_blocks > 0 ? options.max_blocks : sms;
   max_bytes_ = round_up(max_bytes, 256);
   ll_bytes_ = round_up(options.ll_bytes, 16);
-  const HeapSizes sizes = heap_sizes(n, max_bytes_, ll_bytes_, max_blocks_, kCePieces);
+  ll128_bytes_ = kernels::coll::ll128_lines(options.ll128_bytes) * kernels::coll::kLl128Payload;
+  const HeapSizes sizes = heap_sizes(n, max_bytes_, ll_bytes_, ll128_bytes_, max_blocks_, kCePieces);
   workspace_ = static_cast<char*>(heap.allocate(sizes.workspace));
   flags_ = static_cast<device::u64*>(heap.allocate(sizes.flags));
   barrier_pads_ = static_cast<device::u64*>(heap.allocate(sizes.barrier_pads));
   ce_flags_ = static_cast<device::u64*>(heap.allocate(sizes.ce_flags));
   ll_ = static_cast<char*>(heap.allocate(sizes.ll));
+  ll128_ = static_cast<char*>(heap.allocate(sizes.ll128));
   TDIST_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(EpochState)));
   TDIST_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(EpochState)));
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());
@@ -141,6 +149,7 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
 Collectives::~Collectives() {
   cudaDeviceSynchronize();
   try {
+    heap_.free(ll128_);
     heap_.free(ll_);
     heap_.free(ce_flags_);
     heap_.free(barrier_pads_);
@@ -153,10 +162,10 @@ Collectives::~Collectives() {
 
 size_t Collectives::heap_bytes(int world_size, size_t max_bytes, int max_blocks, const CollectivesOptions& options) {
   const HeapSizes s = heap_sizes(world_size, round_up(std::max<size_t>(max_bytes, 1), 256),
-                                 round_up(std::max<size_t>(options.ll_bytes, 1), 16),
+                                 round_up(std::max<size_t>(options.ll_bytes, 1), 16), std::max<size_t>(options.ll128_bytes, 1),
                                  options.max_blocks > 0 ? options.max_blocks : max_blocks, kCePieces);
   size_t total = 0;
-  for (size_t bytes : {s.workspace, s.flags, s.barrier_pads, s.ce_flags, s.ll})
+  for (size_t bytes : {s.workspace, s.flags, s.barrier_pads, s.ce_flags, s.ll, s.ll128})
     total += round_up(bytes, SymmetricHeap::kDefaultAlignment);
   return total;
 }
@@ -192,6 +201,8 @@ CollParams Collectives::params(const void* in, void* out, size_t count, bool zer
   p.epoch = epoch_;
   p.ll = ll_;
   p.ll_words = ll_bytes_ / 4;
+  p.ll128 = ll128_;
+  p.ll128_lines = kernels::coll::ll128_lines(ll128_bytes_);
   p.zero_copy = zero_copy ? 1 : 0;
   p.vec = vec ? 1 : 0;
   return p;
@@ -271,6 +282,14 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
       launch(kernels_->ll_all_reduce[t], blocks_for((bytes + 3) / 4, kernels::coll::kThreads),
              params(in, out, count, false, false), stream);
       return;
+    case AllReduceMethod::kLowLatency128: {
+      // One warp per 4 lines (ll128.cuh), 16 warps per block.
+      const size_t lines = kernels::coll::ll128_lines(bytes);
+      launch(kernels_->ll128_all_reduce[t],
+             blocks_for(lines, kernels::coll::kLl128LinesPerWarp * (kernels::coll::kThreads / 32)),
+             params(in, out, count, false, false), stream);
+      return;
+    }
     case AllReduceMethod::kOneShot: {
       // Zero copy needs out != in: peers read `in` until the closing exchange.
       const bool zc = s.in_symmetric && in != out;

@@ -30,7 +30,7 @@ CollectiveShape shape(size_t bytes, int n = 2, bool in_sym = false, bool out_sym
   return s;
 }
 
-const CollectiveLimits kLimits{256 * MiB, 512 * KiB};  // the default LL buffer
+const CollectiveLimits kLimits{256 * MiB, 256 * KiB, 1 * MiB};  // the default LL and LL128 buffers
 
 }  // namespace
 
@@ -38,11 +38,11 @@ TEST(CollectiveSelect, AllReduceTable) {
   EXPECT_EQ(select_all_reduce(shape(1 * KiB), kLimits), AllReduceMethod::kLowLatency);
   EXPECT_EQ(select_all_reduce(shape(64 * KiB), kLimits), AllReduceMethod::kLowLatency);
   EXPECT_EQ(select_all_reduce(shape(128 * KiB), kLimits), AllReduceMethod::kLowLatency);
-  EXPECT_EQ(select_all_reduce(shape(256 * KiB), kLimits), AllReduceMethod::kLowLatency);
-  EXPECT_EQ(select_all_reduce(shape(512 * KiB), kLimits), AllReduceMethod::kLowLatency);
-  // Two ranks: one-shot beats two-shot at every measured size.
-  EXPECT_EQ(select_all_reduce(shape(512 * KiB + 16), kLimits), AllReduceMethod::kOneShot);
-  EXPECT_EQ(select_all_reduce(shape(1 * MiB), kLimits), AllReduceMethod::kOneShot);
+  // Two ranks: LL128 to 1 MB, then one-shot, which beats two-shot at every measured size.
+  EXPECT_EQ(select_all_reduce(shape(128 * KiB + 16), kLimits), AllReduceMethod::kLowLatency128);
+  EXPECT_EQ(select_all_reduce(shape(512 * KiB), kLimits), AllReduceMethod::kLowLatency128);
+  EXPECT_EQ(select_all_reduce(shape(1 * MiB), kLimits), AllReduceMethod::kLowLatency128);
+  EXPECT_EQ(select_all_reduce(shape(1 * MiB + 16), kLimits), AllReduceMethod::kOneShot);
   EXPECT_EQ(select_all_reduce(shape(256 * MiB), kLimits), AllReduceMethod::kOneShot);
   EXPECT_EQ(select_all_reduce(shape(512 * MiB), CollectiveLimits{1024 * MiB, 256 * KiB}), AllReduceMethod::kOneShot);
   // Beyond the workspace: NCCL, never an error.
@@ -57,7 +57,14 @@ TEST(CollectiveSelect, AllReduceTable) {
   EXPECT_EQ(select_all_reduce(shape(1 * KiB, 1), kLimits), AllReduceMethod::kNccl);
   // A small LL buffer narrows the LL window.
   EXPECT_EQ(select_all_reduce(shape(64 * KiB), CollectiveLimits{256 * MiB, 16 * KiB}), AllReduceMethod::kOneShot);
-  EXPECT_EQ(select_all_reduce(shape(512 * KiB), CollectiveLimits{256 * MiB, 256 * KiB}), AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(64 * KiB), CollectiveLimits{256 * MiB, 16 * KiB, 1 * MiB}),
+            AllReduceMethod::kLowLatency128);
+  // A small LL128 buffer narrows the LL128 window; larger teams (unmeasured) do not take LL128.
+  EXPECT_EQ(select_all_reduce(shape(1 * MiB), CollectiveLimits{256 * MiB, 256 * KiB, 768 * KiB}),
+            AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(1 * MiB, 4), kLimits), AllReduceMethod::kTwoShot);
+  EXPECT_TRUE(feasible(AllReduceMethod::kLowLatency128, shape(1 * MiB, 8), kLimits));
+  EXPECT_FALSE(feasible(AllReduceMethod::kLowLatency128, shape(1 * MiB + 16), kLimits));
 }
 
 TEST(CollectiveSelect, AllGatherTable) {
@@ -79,7 +86,7 @@ TEST(CollectiveSelect, AllGatherTable) {
 }
 
 TEST(CollectiveSelect, ReduceScatterTable) {
-  // Two ranks: LL up to 512 KB of input (256 KB per rank), where NCCL beat the
+  // Two ranks: LL up to 512 KB of input (256 KB per rank: the default LL buffer), where NCCL beat the
   // fused kernel; fused above.
   EXPECT_EQ(select_reduce_scatter(shape(1 * KiB), kLimits), ReduceScatterMethod::kLowLatency);
   EXPECT_EQ(select_reduce_scatter(shape(4), kLimits), ReduceScatterMethod::kLowLatency);
@@ -92,7 +99,7 @@ TEST(CollectiveSelect, ReduceScatterTable) {
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB), kLimits), ReduceScatterMethod::kNccl);
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB, 2, true), kLimits), ReduceScatterMethod::kFused);
   // From 512 MB the pipelined copy-engine method, where the workspace holds the input.
-  const CollectiveLimits big{2048 * MiB, 256 * KiB};
+  const CollectiveLimits big{2048 * MiB, 256 * KiB, 1 * MiB};
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB), big), ReduceScatterMethod::kCe);
   EXPECT_EQ(select_reduce_scatter(shape(1024 * MiB, 2, true, true), big), ReduceScatterMethod::kCe);
   EXPECT_EQ(select_reduce_scatter(shape(256 * MiB), big), ReduceScatterMethod::kFused);
@@ -113,10 +120,10 @@ TEST(CollectiveSelect, ReduceScatterTable) {
   EXPECT_EQ(select_reduce_scatter(shape(64 * KiB, 4), small_ll), ReduceScatterMethod::kLowLatency);
   EXPECT_EQ(select_reduce_scatter(shape(128 * KiB, 4), small_ll), ReduceScatterMethod::kNccl);
   // Feasibility of ll: the per-rank slice against the LL buffer.
-  EXPECT_TRUE(feasible(ReduceScatterMethod::kLowLatency, shape(1 * MiB), kLimits));
-  EXPECT_FALSE(feasible(ReduceScatterMethod::kLowLatency, shape(1 * MiB + 16), kLimits));
-  EXPECT_TRUE(feasible(ReduceScatterMethod::kLowLatency, shape(2 * MiB, 4), kLimits));
-  EXPECT_FALSE(feasible(ReduceScatterMethod::kLowLatency, shape(4 * MiB, 4), kLimits));
+  EXPECT_TRUE(feasible(ReduceScatterMethod::kLowLatency, shape(512 * KiB), kLimits));
+  EXPECT_FALSE(feasible(ReduceScatterMethod::kLowLatency, shape(512 * KiB + 16), kLimits));
+  EXPECT_TRUE(feasible(ReduceScatterMethod::kLowLatency, shape(1 * MiB, 4), kLimits));
+  EXPECT_FALSE(feasible(ReduceScatterMethod::kLowLatency, shape(2 * MiB, 4), kLimits));
 }
 
 TEST(CollectiveSelect, OverridesAndEnvironment) {
@@ -125,7 +132,9 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
   EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, "two_shot", shape(1 * KiB), kLimits), AllReduceMethod::kTwoShot);
   EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, "NCCL", shape(1 * KiB), kLimits), AllReduceMethod::kNccl);
   EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, "", shape(1 * KiB), kLimits), AllReduceMethod::kLowLatency);
-  EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, nullptr, shape(1 * MiB), kLimits), AllReduceMethod::kOneShot);
+  EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, nullptr, shape(2 * MiB), kLimits), AllReduceMethod::kOneShot);
+  EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, "LL128", shape(4 * KiB), kLimits),
+            AllReduceMethod::kLowLatency128);
   EXPECT_EQ(resolve_all_gather(AllGatherMethod::kAuto, "ce_push", shape(1 * MiB), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, "ce", shape(1 * MiB), kLimits), ReduceScatterMethod::kCe);
   EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, "LL", shape(4 * KiB), kLimits),
@@ -147,6 +156,10 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
   const std::string e1 = error_of([] { resolve_all_reduce(AllReduceMethod::kLowLatency, nullptr, shape(1 * MiB), kLimits); });
   EXPECT_NE(e1.find("'method'"), std::string::npos) << e1;
   EXPECT_NE(e1.find("low-latency"), std::string::npos) << e1;
+  const std::string e1b =
+      error_of([] { resolve_all_reduce(AllReduceMethod::kLowLatency128, nullptr, shape(2 * MiB), kLimits); });
+  EXPECT_NE(e1b.find("'method'"), std::string::npos) << e1b;
+  EXPECT_NE(e1b.find("ll128_bytes"), std::string::npos) << e1b;
   const std::string e2 = error_of([] { resolve_all_reduce(AllReduceMethod::kAuto, "one_shot", shape(1024 * MiB), kLimits); });
   EXPECT_NE(e2.find("TDIST_ALLREDUCE_METHOD"), std::string::npos) << e2;
   EXPECT_NE(e2.find("workspace"), std::string::npos) << e2;
@@ -164,7 +177,7 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
             AllGatherMethod::kCePush);
   // Round trips of every name.
   for (auto m : {AllReduceMethod::kAuto, AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot,
-                 AllReduceMethod::kLowLatency, AllReduceMethod::kNccl})
+                 AllReduceMethod::kLowLatency, AllReduceMethod::kLowLatency128, AllReduceMethod::kNccl})
     EXPECT_EQ(parse_all_reduce_method(to_string(m)), m);
   for (auto m : {AllGatherMethod::kAuto, AllGatherMethod::kSm, AllGatherMethod::kCePush, AllGatherMethod::kCePull,
                  AllGatherMethod::kLowLatency, AllGatherMethod::kNccl})
@@ -246,7 +259,7 @@ TEST(CollectiveKernels, EveryInstanceCompilesForSm90a) {
     EXPECT_EQ(k->spill_stores, 0) << req.file_name << "\n" << k->log;
     EXPECT_EQ(k->spill_loads, 0) << req.file_name << "\n" << k->log;
   }
-  // 3 dtypes x (rs_fused, rs_ce_pipelined, ar_one_shot, ar_two_shot, ll_all_reduce, ll_reduce_scatter) + ag_sm,
-  // ll_all_gather, barrier.
-  EXPECT_EQ(instances, 21u);
+  // 3 dtypes x (rs_fused, rs_ce_pipelined, ar_one_shot, ar_two_shot, ll_all_reduce, ll_reduce_scatter,
+  // ll128_all_reduce) + ag_sm, ll_all_gather, barrier.
+  EXPECT_EQ(instances, 24u);
 }

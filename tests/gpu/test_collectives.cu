@@ -211,7 +211,7 @@ std::string method_name(Op op, int m) {
 }
 
 std::vector<int> methods_of(Op op) {
-  if (op == Op::kAllReduce) return {0, 1, 2, 3, 4};
+  if (op == Op::kAllReduce) return {0, 1, 2, 3, 4, 5};
   if (op == Op::kAllGather) return {0, 1, 2, 3, 4, 5};
   return {0, 1, 2, 3, 4};
 }
@@ -223,8 +223,9 @@ void run_sweep(Env& env, tdist::test::Suite& suite, Op op) {
     // Per-op element count c: the AllReduce count, the per-rank AllGather input, the per-rank
     // ReduceScatter output. The largest makes the op's buffer 256 MB.
     const size_t largest = (kMaxBytes / sz) / (op == Op::kAllReduce ? 1 : n);
-    // 262139 bf16 elements fill the default 512 KB LL buffer to within 10 bytes.
-    std::vector<size_t> counts = {1, 3, 8, 1001, 4096 + 5, 65536, 262139, 262147, (1u << 20) + 1, 8u << 20};
+    // 131069 and 524285 bf16 elements fill the default 256 KB LL and 1 MB LL128 buffers to within
+    // 6 bytes.
+    std::vector<size_t> counts = {1, 3, 8, 1001, 4096 + 5, 65536, 131069, 262147, 524285, (1u << 20) + 1, 8u << 20};
     if (dtype == DType::kBFloat16) counts.push_back(largest);
     for (int m : methods_of(op)) {
       suite.run(detail::concat(op_name(op), " ", to_string(dtype), " ", method_name(op, m)), [&] {
@@ -443,7 +444,9 @@ int main() {
   struct G { Op op; int method; size_t c; };
   const std::vector<G> graphs = {
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency), 4099},
-      {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency), 262139},  // the whole LL buffer
+      {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency), 131069},  // the whole LL buffer
+      {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency128), 3001},
+      {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency128), 524285},  // the whole LL128 buffer
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kOneShot), 65537},
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kTwoShot), 262147},
       {Op::kAllGather, static_cast<int>(AllGatherMethod::kLowLatency), 1025},
@@ -487,6 +490,9 @@ int main() {
     expect_error("overlaps", [&] { coll.all_reduce(env.d_in, env.d_in + 2, 64, DType::kFloat32, s); });
     expect_error("'method'", [&] {
       coll.all_reduce(env.d_in, env.d_out, 1 << 20, DType::kFloat32, s, AllReduceMethod::kLowLatency);
+    });
+    expect_error("ll128_bytes", [&] {
+      coll.all_reduce(env.d_in, env.d_out, 1 << 20, DType::kFloat32, s, AllReduceMethod::kLowLatency128);
     });
     // ll ReduceScatter with a per-rank slice one vector larger than the LL buffer: 'method'.
     const size_t ll_over = coll.limits().ll_bytes / 2 + 8;  // bf16 elements per rank

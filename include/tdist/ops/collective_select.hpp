@@ -20,11 +20,11 @@ DType parse_dtype(const std::string& s);
 // C++ type spelled for the kernels' template instances ("float", "__half", "__nv_bfloat16").
 const char* kernel_type_name(DType dtype);
 
-enum class AllReduceMethod { kAuto, kOneShot, kTwoShot, kLowLatency, kNccl };
+enum class AllReduceMethod { kAuto, kOneShot, kTwoShot, kLowLatency, kLowLatency128, kNccl };
 enum class AllGatherMethod { kAuto, kSm, kCePush, kCePull, kLowLatency, kNccl };
 enum class ReduceScatterMethod { kAuto, kFused, kCe, kLowLatency, kNccl };
 
-// Names: auto, one_shot, two_shot, ll, nccl | auto, sm, ce_push, ce_pull, ll, nccl | auto, fused, ce, ll, nccl.
+// Names: auto, one_shot, two_shot, ll, ll128, nccl | auto, sm, ce_push, ce_pull, ll, nccl | auto, fused, ce, ll, nccl.
 const char* to_string(AllReduceMethod m);
 const char* to_string(AllGatherMethod m);
 const char* to_string(ReduceScatterMethod m);
@@ -53,6 +53,7 @@ struct CollectiveLimits {
   size_t workspace_bytes = 0;  // one workspace slot (the context's max_bytes)
   size_t ll_bytes = 0;         // low-latency payload per rank (per source: AllReduce buffer, AllGather and
                                // ReduceScatter per-rank size)
+  size_t ll128_bytes = 0;      // LL128 payload per rank (the largest ll128 AllReduce buffer)
 };
 
 // Whether `m` can run this shape in this context (auto and nccl always can).

@@ -39,7 +39,10 @@ struct CollectivesOptions {
   // Low-latency payload per rank (bytes): the largest AllReduce buffer, AllGather input or
   // ReduceScatter output (per rank) the LL methods can run. The LL buffer takes 4 x world x ll_bytes
   // per rank (two parities, 8-byte lines of 4 data bytes).
-  size_t ll_bytes = 512 * 1024;
+  size_t ll_bytes = 256 * 1024;
+  // LL128 payload per rank (bytes): the largest AllReduce buffer the ll128 method can run. The
+  // LL128 buffer takes 2 x world x (ll128_bytes / 120, rounded up) x 128 bytes per rank.
+  size_t ll128_bytes = 1024 * 1024;
   // Blocks of the SM kernels at most; 0: the GPU's SM count.
   int max_blocks = 0;
 };
@@ -48,7 +51,7 @@ class Collectives {
  public:
   // Collective over `world`. `max_bytes`: the largest buffer an op stages (AllReduce buffer,
   // AllGather output, ReduceScatter input); allocates 2 * max_bytes of workspace from `heap`, plus
-  // flags, barrier pads and the LL buffer. Compiles (or loads from the JIT cache) every kernel.
+  // flags, barrier pads and the LL and LL128 buffers. Compiles (or loads from the JIT cache) every kernel.
   Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, const CollectivesOptions& options = {});
   ~Collectives();
   Collectives(const Collectives&) = delete;
@@ -80,7 +83,7 @@ class Collectives {
   static size_t heap_bytes(int world_size, size_t max_bytes, int num_sms, const CollectivesOptions& options = {});
 
   size_t max_bytes() const { return max_bytes_; }
-  CollectiveLimits limits() const { return {max_bytes_, ll_bytes_}; }
+  CollectiveLimits limits() const { return {max_bytes_, ll_bytes_, ll128_bytes_}; }
   World& world() const { return world_; }
   SymmetricHeap& heap() const { return heap_; }
 
@@ -100,6 +103,7 @@ class Collectives {
   SymmetricHeap& heap_;
   size_t max_bytes_;
   size_t ll_bytes_;
+  size_t ll128_bytes_;
   int max_blocks_;
   char* workspace_ = nullptr;            // 2 slots of max_bytes_
   device::u64* flags_ = nullptr;         // kPhases x max_blocks x world_size
@@ -110,6 +114,7 @@ class Collectives {
   static constexpr size_t kCePieces = 16;
   device::u64* ce_flags_ = nullptr;
   char* ll_ = nullptr;                   // 2 x world_size x ll_words
+  char* ll128_ = nullptr;                // 2 x world_size x ll128 lines (ll128.cuh)
   kernels::coll::EpochState* epoch_ = nullptr;  // ordinary device memory
   // Copies that run beside the caller's stream (forked from it and joined back within one call).
   SideStream side_;

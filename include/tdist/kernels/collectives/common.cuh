@@ -62,6 +62,8 @@ struct CollParams {
   EpochState* epoch;    // this rank's epoch (ordinary device memory)
   char* ll;             // low-latency buffer base (symmetric; 2 parities x num_ranks x ll_words u64)
   u64 ll_words;         // 8-byte LL lines per (parity, source rank)
+  char* ll128;          // LL128 buffer base (symmetric; 2 parities x num_ranks x ll128_lines x 128 B)
+  u64 ll128_lines;      // 128-byte LL128 lines per (parity, source rank)
   int zero_copy;        // `in` is the caller's symmetric buffer: peers read it directly
   int vec;              // all pointers and per-rank strides are 16-byte aligned
 };
