@@ -20,7 +20,9 @@ fused_matmul_reduce_scatter; none for AllReduce). Outputs are compared with nccl
 |x - ref| / max |ref|, the worst rank).
 
 Each cell is the median over --iters launches of one call timed with CUDA events (after --warmup
-calls), the slowest rank's median. NVLink multicast stays off.
+calls), the slowest rank's median. Collectives up to --graph-max bytes are timed as CUDA-graph
+replays instead, --ops-per-graph calls per graph, as tdist-bench does: the per-call time without the
+launch floor that event timing of single calls keeps. NVLink multicast stays off.
 """
 
 from __future__ import annotations
@@ -63,7 +65,10 @@ def _parse(argv):
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
                    help="element type (the overlapped GEMMs: bf16 or fp16)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls first")
-    p.add_argument("--iters", type=int, default=50, help="timed calls")
+    p.add_argument("--iters", type=int, default=50, help="timed calls (graph replays below --graph-max)")
+    p.add_argument("--graph-max", default="0",
+                   help="collectives up to this many bytes are timed as CUDA-graph replays (0: none)")
+    p.add_argument("--ops-per-graph", type=int, default=50, help="calls captured per graph (--graph-max)")
     p.add_argument("--heap-size", default=None,
                    help="tdist's symmetric heap per rank (default 8G with an overlapped GEMM, else 2G)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (rank 0)")
@@ -74,6 +79,9 @@ def _parse(argv):
             p.error(f"unknown op '{op}' (expected {', '.join(COLLECTIVES + GEMMS)})")
     if args.dtype == "fp32" and any(op in GEMMS for op in args.ops):
         p.error("the overlapped GEMMs take bf16 or fp16, not fp32")
+    args.graph_max = _size(args.graph_max) if args.graph_max != "0" else 0
+    if args.ops_per_graph < 1:
+        p.error("--ops-per-graph must be at least 1")
     if args.heap_size is None:
         args.heap_size = "8G" if any(op in GEMMS for op in args.ops) else "2G"
     return args
@@ -95,6 +103,27 @@ def _time_us(fn, warmup: int, iters: int, torch, dist) -> float:
     t = torch.tensor([med], device="cuda", dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def _time_us_graph(fn, ops_per_graph: int, warmup: int, iters: int, torch, dist) -> float:
+    """Median per-call time (us) of `fn` captured `ops_per_graph` times in one CUDA graph, over `iters`
+    replays, the slowest rank's."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture (lazy initialisation, allocations)
+        for _ in range(max(1, warmup)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ops_per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    per_replay = _time_us(graph.replay, 1, iters, torch, dist)
+    del graph
+    return per_replay / ops_per_graph
 
 
 def _symm_mem(torch, dist, *ops):
@@ -148,24 +177,28 @@ def main(argv=None) -> int:
                 count = max(n, size // elem // n * n)  # divisible by the world size
                 bytes_ = count * elem
                 cells = {}
+
+                def timed(fn):
+                    if bytes_ <= args.graph_max:
+                        return _time_us_graph(fn, args.ops_per_graph, args.warmup, args.iters, torch, dist)
+                    return _time_us(fn, args.warmup, args.iters, torch, dist)
+
                 if op == "all_reduce":
                     x = torch.randn(count, device="cuda").to(dtype)
                     out = torch.empty_like(x)
                     y = x.clone()
-                    cells["tdist"] = _time_us(lambda: tdist.all_reduce(x, output=out), args.warmup, args.iters, torch, dist)
-                    cells["nccl"] = _time_us(lambda: dist.all_reduce(y), args.warmup, args.iters, torch, dist)
+                    cells["tdist"] = timed(lambda: tdist.all_reduce(x, output=out))
+                    cells["nccl"] = timed(lambda: dist.all_reduce(y))
                     if symm is not None:
                         symm_mem, group = symm
                         try:
                             buf = symm_mem.empty(count, dtype=dtype, device="cuda")
                             symm_mem.rendezvous(buf, group)
                             buf.copy_(x)
-                            cells["symm_mem 1-shot"] = _time_us(
-                                lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group),
-                                args.warmup, args.iters, torch, dist)
-                            cells["symm_mem 2-shot"] = _time_us(
-                                lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group),
-                                args.warmup, args.iters, torch, dist)
+                            cells["symm_mem 1-shot"] = timed(
+                                lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group))
+                            cells["symm_mem 2-shot"] = timed(
+                                lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group))
                         except Exception as e:  # noqa: BLE001 - report, keep benchmarking
                             if me == 0:
                                 print(f"symm_mem all_reduce at {_fmt_size(bytes_)}: {type(e).__name__}: {e}",
@@ -174,17 +207,14 @@ def main(argv=None) -> int:
                 elif op == "all_gather":
                     x = torch.randn(count // n, device="cuda").to(dtype)
                     out = torch.empty(count, device="cuda", dtype=dtype)
-                    cells["tdist"] = _time_us(lambda: tdist.all_gather(x, out), args.warmup, args.iters, torch, dist)
-                    cells["nccl"] = _time_us(lambda: dist.all_gather_into_tensor(out, x), args.warmup, args.iters,
-                                             torch, dist)
+                    cells["tdist"] = timed(lambda: tdist.all_gather(x, out))
+                    cells["nccl"] = timed(lambda: dist.all_gather_into_tensor(out, x))
                     busbw_factor = (n - 1) / n
                 elif op == "reduce_scatter":
                     x = torch.randn(count, device="cuda").to(dtype)
                     out = torch.empty(count // n, device="cuda", dtype=dtype)
-                    cells["tdist"] = _time_us(lambda: tdist.reduce_scatter(x, out), args.warmup, args.iters,
-                                              torch, dist)
-                    cells["nccl"] = _time_us(lambda: dist.reduce_scatter_tensor(out, x), args.warmup, args.iters,
-                                             torch, dist)
+                    cells["tdist"] = timed(lambda: tdist.reduce_scatter(x, out))
+                    cells["nccl"] = timed(lambda: dist.reduce_scatter_tensor(out, x))
                     busbw_factor = (n - 1) / n
                 rows.append((op, bytes_, cells, busbw_factor))
                 torch.cuda.synchronize()
@@ -341,6 +371,8 @@ def _write_json(args, n, rows, gemm_rows) -> None:
     doc = {
         "world_size": n, "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
         "statistic": "median of per-call CUDA-event times, max over ranks (us)",
+        "graph_max_bytes": args.graph_max, "ops_per_graph": args.ops_per_graph,
+        "graph_statistic": "up to graph_max_bytes: median per-replay time / ops_per_graph, max over ranks (us)",
         "collectives": [{"op": op, "bytes": bytes_, "us": cells} for op, bytes_, cells, _ in rows],
         "gemm": gemm_rows,
     }
@@ -353,7 +385,8 @@ def _print_table(rows, n, args) -> None:
     cols = ["tdist", "nccl", "symm_mem 1-shot", "symm_mem 2-shot"]
     cols = [c for c in cols if any(c in r[2] for r in rows)]
     head = f"{'op':<15}{'size':>8}" + "".join(f"{c + ' us':>18}" for c in cols) + f"{'nccl/tdist':>12}{'tdist busbw GB/s':>18}"
-    print(f"tdist.bench: {n} ranks, {args.dtype}, median of {args.iters} after {args.warmup} warm-up, slowest rank")
+    print(f"tdist.bench: {n} ranks, {args.dtype}, median of {args.iters} after {args.warmup} warm-up, slowest rank"
+          + (f"; graph replays of {args.ops_per_graph} calls up to {_fmt_size(args.graph_max)}" if args.graph_max else ""))
     print(head)
     print("-" * len(head))
     for op, bytes_, cells, factor in rows:

@@ -307,8 +307,16 @@ def test_bench_help_needs_no_torch():
     out = subprocess.run([sys.executable, "-m", "tdist.bench", "--help"], capture_output=True, text=True, cwd="/")
     assert out.returncode == 0, out.stderr
     assert "--sizes" in out.stdout and "all_reduce" in out.stdout
-    for word in ("ag_gemm", "gemm_rs", "gemm_ar", "--rows", "--json"):
+    for word in ("ag_gemm", "gemm_rs", "gemm_ar", "--rows", "--json", "--graph-max"):
         assert word in out.stdout, word
+
+
+def test_bench_graph_options():
+    from tdist import bench
+    assert bench._parse(["--graph-max", "4M"]).graph_max == 4 << 20
+    assert bench._parse([]).graph_max == 0  # event timing unless asked
+    with pytest.raises(SystemExit):
+        bench._parse(["--ops-per-graph", "0"])
 
 
 # --- overlapped GEMMs (ag_gemm, gemm_rs, gemm_ar) ---------------------------------------------------
