@@ -27,8 +27,8 @@ constexpr size_t KiB = 1024, MiB = 1024 * 1024;
 // one-shot and LL read (n - 1) copies, so their windows shrink with n, and two-shot takes the rest.
 size_t ar_ll_max(int n) { return n <= 2 ? 128 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
 // LL128 (94 % payload per line against LL's 50 %) from the end of the LL window: at two ranks
-// 4.3 / 5.1 / 6.9 us at 256 KB / 512 KB / 1 MB against LL's 4.6 / 7.0 and one-shot's 8.6 / 8.8 / 9.8
-// (all_reduce_ll128.json); tied with LL at 128 KB. Larger teams are not measured: LL128 is not chosen.
+// 4.3 / 5.0 / 6.9 us at 256 KB / 512 KB / 1 MB against LL's 4.6 (7.0 with a 512 KB buffer) and
+// one-shot's 8.7 / 8.8 / 10.2 (all_reduce_ll128.json, all_reduce_ll512.json); tied with LL at 128 KB. Larger teams are not measured: LL128 is not chosen.
 size_t ar_ll128_max(int n) { return n <= 2 ? 1 * MiB : 0; }
 size_t ar_one_shot_max(int n) { return n <= 2 ? SIZE_MAX : n <= 4 ? 128 * KiB : 64 * KiB; }
 size_t ag_ll_max_per_rank(int n) { return n <= 2 ? 256 * KiB : 16 * KiB; }

@@ -118,15 +118,18 @@ __global__ void __launch_bounds__(kThreads, 1) tdist_ll_all_gather(CollParams p)
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ll_all_reduce(CollParams p) {
-  const u64 e = begin_call(p.epoch);
-  const u32 flag = static_cast<u32>(e);
-  const u64 parity = e & 1;
   const int n = p.heap.num_ranks, me = p.heap.rank;
   const u64 B = p.count * sizeof(T), W = (B + 3) / 4;
   const u64 g = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x, G = static_cast<u64>(gridDim.x) * blockDim.x;
   const char* in = static_cast<const char*>(p.in);
+  // The first word (the only one up to the LL window), loaded before the epoch so that the two
+  // loads are in flight together.
+  const u32 word0 = g < W ? load_word(in, B, g) : 0;
+  const u64 e = begin_call(p.epoch);
+  const u32 flag = static_cast<u32>(e);
+  const u64 parity = e & 1;
   for (u64 w = g; w < W; w += G) {
-    const u32 word = load_word(in, B, w);
+    const u32 word = w == g ? word0 : load_word(in, B, w);
     ll_push(p, parity, w, word, flag);
     const u32 sum = ll_reduce_word<T>(p, n, me, parity, w, flag, [word] { return word; });
     store_word(static_cast<char*>(p.out), B, w, sum);

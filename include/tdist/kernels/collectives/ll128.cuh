@@ -95,8 +95,6 @@ TDIST_DEVICE void ll128_read(const u64* part, bool valid, bool flag_lane, u64 fl
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) ll128_all_reduce(CollParams p) {
-  const u64 e = begin_call(p.epoch);
-  const u64 parity = e & 1;
   const int n = p.heap.num_ranks, me = p.heap.rank;
   const u64 B = p.count * sizeof(T), lines = ll128_lines(B);
   const u32 lane = threadIdx.x & 31u, part = lane & 7u;
@@ -104,32 +102,44 @@ __global__ void __launch_bounds__(kThreads, 1) ll128_all_reduce(CollParams p) {
   const u64 len = flag_lane ? 8 : 16;  // payload bytes of this lane's part
   const u64 warp = (blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x) / 32;
   const u64 warps = static_cast<u64>(gridDim.x) * blockDim.x / 32;
+  const u64 first0 = warp * kLl128LinesPerWarp, stride = warps * kLl128LinesPerWarp;
   const char* in = static_cast<const char*>(p.in);
+  // This lane's part of its first line (the only one up to 1 MB at two ranks), loaded before the
+  // epoch so that the two loads are in flight together, and kept for the reduction.
+  auto own_part = [&](u64 first, u64 own[2]) {
+    const u64 line = first + lane / 8;
+    own[0] = own[1] = 0;
+    if (line < lines) load_part(in, B, line * kLl128Payload + part * 16, len, own[0], own[1]);
+  };
+  u64 own0[2];
+  own_part(first0, own0);
+  const u64 e = begin_call(p.epoch);
+  const u64 parity = e & 1;
   u64* mine = ll128_region(p, parity, me);
   // Every push first (no read waits between them), then the reduction.
-  for (u64 first = warp * kLl128LinesPerWarp; first < lines; first += warps * kLl128LinesPerWarp) {
+  for (u64 first = first0; first < lines; first += stride) {
     const u64 line = first + lane / 8;
-    const bool valid = line < lines;
-    u64 a = 0, b = 0;
-    if (valid) load_part(in, B, line * kLl128Payload + part * 16, len, a, b);
-    if (flag_lane) b = e;
+    u64 v[2] = {own0[0], own0[1]};
+    if (first != first0) own_part(first, v);
+    if (flag_lane) v[1] = e;
     u64* dst = mine + line * kLl128LineWords + part * 2;
     __syncwarp();  // the line's eight lanes store together, in one instruction
     for (int k = 1; k < n; ++k)
-      if (valid) st_line_part(p.heap.symm_at(dst, (me + k) % n), a, b);
+      if (line < lines) st_line_part(p.heap.symm_at(dst, (me + k) % n), v[0], v[1]);
   }
   constexpr int kPer = 16 / sizeof(T);
-  for (u64 first = warp * kLl128LinesPerWarp; first < lines; first += warps * kLl128LinesPerWarp) {
+  for (u64 first = first0; first < lines; first += stride) {
     const u64 line = first + lane / 8;
     const bool valid = line < lines;
-    const u64 off = line * kLl128Payload + part * 16;
+    u64 own[2] = {own0[0], own0[1]};
+    if (first != first0) own_part(first, own);  // before the waits, to hide its latency behind them
     float acc[kPer];
 #pragma unroll
     for (int j = 0; j < kPer; ++j) acc[j] = 0.f;
     for (int r = 0; r < n; ++r) {
-      u64 v[2];
-      if (r == me) load_part(in, B, off, len, v[0], v[1]);
-      else ll128_read(ll128_region(p, parity, r) + line * kLl128LineWords + part * 2, valid, flag_lane, e, v[0], v[1]);
+      u64 v[2] = {own[0], own[1]};
+      if (r != me)
+        ll128_read(ll128_region(p, parity, r) + line * kLl128LineWords + part * 2, valid, flag_lane, e, v[0], v[1]);
       if (flag_lane) v[1] = 0;  // the flag, not data
       const T* el = reinterpret_cast<const T*>(v);
 #pragma unroll
@@ -139,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll128_all_reduce(CollParams p) {
     T* rel = reinterpret_cast<T*>(res);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) rel[j] = from_f32<T>(acc[j]);
-    if (valid) store_part(static_cast<char*>(p.out), B, off, len, res[0], res[1]);
+    if (valid) store_part(static_cast<char*>(p.out), B, line * kLl128Payload + part * 16, len, res[0], res[1]);
   }
   end_call(p.epoch, e);
 }
