@@ -18,17 +18,18 @@ std::string lower(std::string s) {
 constexpr size_t KiB = 1024, MiB = 1024 * 1024;
 
 // Thresholds from the side-by-side sweeps on 2 x H200 (bench/results/h200x2/, bf16, symmetric
-// buffers, graph-timed up to 4 MB): the LL protocol wins up to 128 KB (AllReduce; LL128 from 256 KB
-// to 1 MB, all_reduce_ll128.json) and 256 KB per rank (AllGather); at two ranks one-shot AllReduce beats two-shot at every size and stays within 3 % of
+// buffers, graph-timed up to 4 MB): the LL protocol wins up to 64 KB (AllReduce; LL128 above, to
+// 1 MB, all_reduce_ll128.json) and 256 KB per rank (AllGather); at two ranks one-shot AllReduce beats two-shot at every size and stays within 3 % of
 // NCCL at 512 MB and 1 GB; the copy-engine AllGather overtakes the SM pull from 128 MB; the fused
 // ReduceScatter loses to NCCL below 512 KB. NCCL called on symmetric (window) buffers runs its own
 // symmetric kernels, which are slower than its regular ones on large AllReduce (0.7x at 512 MB), so
 // the method "nccl" is no stand-in for the NCCL baseline there. Larger teams are not measured yet:
 // one-shot and LL read (n - 1) copies, so their windows shrink with n, and two-shot takes the rest.
-size_t ar_ll_max(int n) { return n <= 2 ? 128 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
+size_t ar_ll_max(int n) { return n <= 2 ? 64 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
 // LL128 (94 % payload per line against LL's 50 %) from the end of the LL window: at two ranks
-// 4.3 / 5.0 / 6.9 us at 256 KB / 512 KB / 1 MB against LL's 4.6 (7.0 with a 512 KB buffer) and
-// one-shot's 8.7 / 8.8 / 10.2 (all_reduce_ll128.json, all_reduce_ll512.json); tied with LL at 128 KB. Larger teams are not measured: LL128 is not chosen.
+// 3.7 / 4.1 / 5.0 / 6.6 us at 128 KB / 256 KB / 512 KB / 1 MB against LL's 3.8 / 4.6 (7.0 with a
+// 512 KB buffer) and one-shot's 7.6 / 8.6 / 8.8 / 10.0 (all_reduce_ll128.json,
+// all_reduce_ll512.json); within 2 % of LL at 64 KB. Larger teams are not measured: LL128 is not chosen.
 size_t ar_ll128_max(int n) { return n <= 2 ? 1 * MiB : 0; }
 size_t ar_one_shot_max(int n) { return n <= 2 ? SIZE_MAX : n <= 4 ? 128 * KiB : 64 * KiB; }
 size_t ag_ll_max_per_rank(int n) { return n <= 2 ? 256 * KiB : 16 * KiB; }
@@ -44,8 +45,9 @@ size_t rs_ll_max(int n) { return n <= 2 ? 512 * KiB : n <= 4 ? 256 * KiB : 128 *
 // 115 vs 131 at 64 MB, 370 vs 499 at 256 MB; sm ahead at 16 MB.
 constexpr size_t kAgCeMin = 32 * MiB;
 // From this total size on, the pipelined copy-engine ReduceScatter beats the fused SM kernel
-// (reduce_scatter_large.json: 837 vs 860 us at 512 MB, 1550 vs 1704 at 1 GB; fused ahead below).
-constexpr size_t kRsCeMin = 512 * MiB;
+// (reduce_scatter_ce_halving.json: 408 vs 439 us at 256 MB, 758 vs 860 at 512 MB, 1452
+// vs 1701 at 1 GB; fused ahead at 128 MB, 216 vs 228, and below).
+constexpr size_t kRsCeMin = 256 * MiB;
 // Below this size NCCL's ReduceScatter beats the fused pull-and-reduce (the choice where LL cannot run).
 constexpr size_t kRsFusedMin = 512 * KiB;
 

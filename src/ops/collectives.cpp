@@ -13,6 +13,7 @@
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/registry.hpp"
 #include "tdist/kernels/collectives/ll128.cuh"
+#include "tdist/kernels/collectives/reduce_scatter.cuh"
 #include "tdist/runtime/stream.hpp"
 
 namespace tdist {
@@ -129,6 +130,7 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   int sms = 0;
   TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, world.device()));
   max_blocks_ = options.max_blocks > 0 ? options.max_blocks : sms;
+  sms_ = sms;
   max_bytes_ = round_up(max_bytes, 256);
   ll_bytes_ = round_up(options.ll_bytes, 16);
   ll128_bytes_ = kernels::coll::ll128_lines(options.ll128_bytes) * kernels::coll::kLl128Payload;
@@ -208,10 +210,11 @@ CollParams Collectives::params(const void* in, void* out, size_t count, bool zer
   return p;
 }
 
-void Collectives::launch(const jit::Kernel& k, unsigned blocks, const CollParams& p, cudaStream_t stream) {
+void Collectives::launch(const jit::Kernel& k, unsigned blocks, const CollParams& p, cudaStream_t stream,
+                         unsigned threads) {
   jit::LaunchConfig cfg;
   cfg.grid = {blocks};
-  cfg.block = {static_cast<unsigned>(kernels::coll::kThreads)};
+  cfg.block = {threads};
   cfg.stream = stream;
   jit::launch(k, cfg, jit::make_args(p));
 }
@@ -283,11 +286,16 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
              params(in, out, count, false, false), stream);
       return;
     case AllReduceMethod::kLowLatency128: {
-      // One warp per 4 lines (ll128.cuh), 16 warps per block.
-      const size_t lines = kernels::coll::ll128_lines(bytes);
-      launch(kernels_->ll128_all_reduce[t],
-             blocks_for(lines, kernels::coll::kLl128LinesPerWarp * (kernels::coll::kThreads / 32)),
-             params(in, out, count, false, false), stream);
+      // One warp per 4 lines (ll128.cuh) in 4-warp blocks: spread over more SMs, they ran 1-5 %
+      // faster from 128 KB to 512 KB than 16-warp blocks, and 6.63 against 6.90 us at 1 MB, where
+      // 16-warp blocks need more than one per SM (bench/results/h200x2/ll128_blocks/). At most
+      // kLl128BlocksPerSm per SM, all resident at once; more lines loop.
+      using namespace kernels::coll;
+      const size_t per_block = kLl128LinesPerWarp * (kLl128Threads / 32);
+      const size_t lines = ll128_lines(bytes);
+      const size_t blocks = std::min((lines + per_block - 1) / per_block, static_cast<size_t>(kLl128BlocksPerSm) * sms_);
+      launch(kernels_->ll128_all_reduce[t], static_cast<unsigned>(blocks), params(in, out, count, false, false), stream,
+             kLl128Threads);
       return;
     }
     case AllReduceMethod::kOneShot: {
@@ -419,24 +427,27 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
       return;
     case ReduceScatterMethod::kCe: {
       // Scatter by copy engine, reduce on the SMs behind it: slice p of this rank's input goes to peer
-      // p's workspace slot 0 at [me * b] in pieces, each followed by a flag in peer p's ce_flags_;
-      // the reduction kernel adds up piece c as soon as its flags are up. The copies are enqueued
-      // before the kernel that waits for them. ce_flags_ is reset before the barrier, after which
-      // peers write it (this rank's previous kernel was its last reader).
+      // p's workspace slot 0 at [me * b] in halving pieces (ce_piece_start, the smallest at least
+      // kCePieceBytes), each followed by a flag in peer p's ce_flags_; the reduction kernel adds up
+      // piece c as soon as its flags are up. The copies are enqueued before the kernel that waits
+      // for them. ce_flags_ is reset before the barrier, after which peers write it (this rank's
+      // previous kernel was its last reader).
       const char* src = static_cast<const char*>(in);
       const size_t sz = dtype_size(dtype);
-      const int want = static_cast<int>(std::clamp<size_t>(b / kCePieceBytes, 1, kCePieces));
-      const size_t chunk = round_up((count + want - 1) / want, 8);
-      const int chunks = static_cast<int>((count + chunk - 1) / chunk);
+      int pieces = 1;
+      while (pieces < static_cast<int>(kCePieces) && (b >> pieces) >= kCePieceBytes) ++pieces;
       TDIST_CUDA_CHECK(cudaMemsetAsync(ce_flags_, 0, kCePieces * n * sizeof(device::u64), stream));
       ce_barrier(stream);
       side_.fork(stream);
-      for (int c = 0; c < chunks; ++c) {
-        const size_t lo = c * chunk, len = std::min(count, lo + chunk) - lo;
+      for (int c = 0; c < pieces; ++c) {
+        const size_t lo = kernels::coll::ce_piece_start(count, pieces, c);
+        const size_t len = kernels::coll::ce_piece_start(count, pieces, c + 1) - lo;
         for (int k = 1; k < n; ++k) {
           const int peer = (me + k) % n;
-          TDIST_CUDA_CHECK(cudaMemcpyAsync(heap_.peer_ptr(workspace_ + me * b + lo * sz, peer), src + peer * b + lo * sz,
-                                           len * sz, cudaMemcpyDeviceToDevice, side_.get()));
+          if (len > 0)
+            TDIST_CUDA_CHECK(cudaMemcpyAsync(heap_.peer_ptr(workspace_ + me * b + lo * sz, peer),
+                                             src + peer * b + lo * sz, len * sz, cudaMemcpyDeviceToDevice,
+                                             side_.get()));
           stream_write_value64(side_.get(), heap_.peer_ptr(ce_flags_ + c * n + me, peer), 1);
         }
       }
@@ -446,7 +457,7 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
       cfg.stream = stream;
       jit::launch(kernels_->rs_ce_pipelined[t], cfg,
                   jit::make_args(params(in, out, count, false, s.aligned16), static_cast<const device::u64*>(ce_flags_),
-                                 static_cast<device::u64>(chunk), chunks));
+                                 pieces));
       side_.join(stream);
       return;
     }

@@ -37,9 +37,9 @@ const CollectiveLimits kLimits{256 * MiB, 256 * KiB, 1 * MiB};  // the default L
 TEST(CollectiveSelect, AllReduceTable) {
   EXPECT_EQ(select_all_reduce(shape(1 * KiB), kLimits), AllReduceMethod::kLowLatency);
   EXPECT_EQ(select_all_reduce(shape(64 * KiB), kLimits), AllReduceMethod::kLowLatency);
-  EXPECT_EQ(select_all_reduce(shape(128 * KiB), kLimits), AllReduceMethod::kLowLatency);
   // Two ranks: LL128 to 1 MB, then one-shot, which beats two-shot at every measured size.
-  EXPECT_EQ(select_all_reduce(shape(128 * KiB + 16), kLimits), AllReduceMethod::kLowLatency128);
+  EXPECT_EQ(select_all_reduce(shape(64 * KiB + 16), kLimits), AllReduceMethod::kLowLatency128);
+  EXPECT_EQ(select_all_reduce(shape(128 * KiB), kLimits), AllReduceMethod::kLowLatency128);
   EXPECT_EQ(select_all_reduce(shape(512 * KiB), kLimits), AllReduceMethod::kLowLatency128);
   EXPECT_EQ(select_all_reduce(shape(1 * MiB), kLimits), AllReduceMethod::kLowLatency128);
   EXPECT_EQ(select_all_reduce(shape(1 * MiB + 16), kLimits), AllReduceMethod::kOneShot);
@@ -95,14 +95,15 @@ TEST(CollectiveSelect, ReduceScatterTable) {
   EXPECT_EQ(select_reduce_scatter(shape(512 * KiB, 2, true, true), kLimits), ReduceScatterMethod::kLowLatency);
   EXPECT_EQ(select_reduce_scatter(shape(512 * KiB + 16), kLimits), ReduceScatterMethod::kFused);
   EXPECT_EQ(select_reduce_scatter(shape(1 * MiB), kLimits), ReduceScatterMethod::kFused);
-  EXPECT_EQ(select_reduce_scatter(shape(256 * MiB), kLimits), ReduceScatterMethod::kFused);
+  EXPECT_EQ(select_reduce_scatter(shape(128 * MiB), kLimits), ReduceScatterMethod::kFused);
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB), kLimits), ReduceScatterMethod::kNccl);
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB, 2, true), kLimits), ReduceScatterMethod::kFused);
-  // From 512 MB the pipelined copy-engine method, where the workspace holds the input.
+  // From 256 MB the pipelined copy-engine method, where the workspace holds the input.
+  EXPECT_EQ(select_reduce_scatter(shape(256 * MiB), kLimits), ReduceScatterMethod::kCe);
   const CollectiveLimits big{2048 * MiB, 256 * KiB, 1 * MiB};
   EXPECT_EQ(select_reduce_scatter(shape(512 * MiB), big), ReduceScatterMethod::kCe);
   EXPECT_EQ(select_reduce_scatter(shape(1024 * MiB, 2, true, true), big), ReduceScatterMethod::kCe);
-  EXPECT_EQ(select_reduce_scatter(shape(256 * MiB), big), ReduceScatterMethod::kFused);
+  EXPECT_EQ(select_reduce_scatter(shape(128 * MiB), big), ReduceScatterMethod::kFused);
   // Larger teams (unmeasured): 256 KB at 3-4 ranks, 128 KB at 5-8; then the choice without LL.
   EXPECT_EQ(select_reduce_scatter(shape(256 * KiB, 4), kLimits), ReduceScatterMethod::kLowLatency);
   EXPECT_EQ(select_reduce_scatter(shape(384 * KiB, 3), kLimits), ReduceScatterMethod::kNccl);

@@ -92,7 +92,8 @@ class Collectives {
   CollectiveShape shape(size_t bytes, DType dtype, const void* in, size_t in_bytes, const void* out,
                         size_t out_bytes, size_t stride_bytes) const;
   kernels::coll::CollParams params(const void* in, void* out, size_t count, bool zero_copy, bool vec) const;
-  void launch(const jit::Kernel& k, unsigned blocks, const kernels::coll::CollParams& p, cudaStream_t stream);
+  void launch(const jit::Kernel& k, unsigned blocks, const kernels::coll::CollParams& p, cudaStream_t stream,
+              unsigned threads = kernels::coll::kThreads);
   void ce_barrier(cudaStream_t stream);
   // A device-to-device copy on the side stream after what `stream` has so far; side_.join(stream)
   // makes `stream` wait for it.
@@ -105,12 +106,13 @@ class Collectives {
   size_t ll_bytes_;
   size_t ll128_bytes_;
   int max_blocks_;
+  int sms_;
   char* workspace_ = nullptr;            // 2 slots of max_bytes_
   device::u64* flags_ = nullptr;         // kPhases x max_blocks x world_size
   device::u64* barrier_pads_ = nullptr;  // [0]: barrier(), [1]: copy-engine phases
-  // Copy-engine ReduceScatter: pieces of at least kCePieceBytes, at most kCePieces of them;
-  // ce_flags_[piece * world_size + src] = 1 once rank src's piece has landed here (symmetric).
-  static constexpr size_t kCePieceBytes = size_t{8} << 20;
+  // Copy-engine ReduceScatter: halving pieces, the smallest at least kCePieceBytes, at most kCePieces
+  // of them; ce_flags_[piece * world_size + src] = 1 once rank src's piece has landed here (symmetric).
+  static constexpr size_t kCePieceBytes = size_t{4} << 20;
   static constexpr size_t kCePieces = 16;
   device::u64* ce_flags_ = nullptr;
   char* ll_ = nullptr;                   // 2 x world_size x ll_words

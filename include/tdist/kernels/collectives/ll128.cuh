@@ -30,6 +30,8 @@ constexpr u64 kLl128LineBytes = 128;
 constexpr u64 kLl128Payload = 120;  // bytes of message per line
 constexpr u64 kLl128LineWords = kLl128LineBytes / 8;
 constexpr u64 kLl128LinesPerWarp = 4;  // 32 lanes x 16 bytes
+constexpr int kLl128Threads = 128;     // per block
+constexpr int kLl128BlocksPerSm = 6;   // the most blocks per SM a launch uses (all resident)
 
 TDIST_HOST_DEVICE constexpr u64 ll128_lines(u64 bytes) { return (bytes + kLl128Payload - 1) / kLl128Payload; }
 
@@ -94,7 +96,7 @@ TDIST_DEVICE void ll128_read(const u64* part, bool valid, bool flag_lane, u64 fl
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) ll128_all_reduce(CollParams p) {
+__global__ void __launch_bounds__(kLl128Threads, kLl128BlocksPerSm) ll128_all_reduce(CollParams p) {
   const int n = p.heap.num_ranks, me = p.heap.rank;
   const u64 B = p.count * sizeof(T), lines = ll128_lines(B);
   const u32 lane = threadIdx.x & 31u, part = lane & 7u;
