@@ -19,12 +19,13 @@ constexpr size_t KiB = 1024, MiB = 1024 * 1024;
 
 // Thresholds from the side-by-side sweeps on 2 x H200 (bench/results/h200x2/, bf16, symmetric
 // buffers, graph-timed up to 4 MB): the LL protocol wins up to 64 KB (AllReduce; LL128 above, to
-// 1 MB, all_reduce_ll128.json) and 256 KB per rank (AllGather); at two ranks one-shot AllReduce beats two-shot at every size and stays within 3 % of
-// NCCL at 512 MB and 1 GB; the copy-engine AllGather overtakes the SM pull from 128 MB; the fused
-// ReduceScatter loses to NCCL below 512 KB. NCCL called on symmetric (window) buffers runs its own
-// symmetric kernels, which are slower than its regular ones on large AllReduce (0.7x at 512 MB), so
-// the method "nccl" is no stand-in for the NCCL baseline there. Larger teams are not measured yet:
-// one-shot and LL read (n - 1) copies, so their windows shrink with n, and two-shot takes the rest.
+// 1 MB, all_reduce_ll128.json) and 256 KB per rank (AllGather); at two ranks one-shot AllReduce
+// beats two-shot at every size and stays within 3 % of NCCL at 512 MB and 1 GB; the copy-engine
+// AllGather overtakes the SM pull from 128 MB; the fused ReduceScatter loses to NCCL below 512 KB.
+// NCCL called on symmetric (window) buffers runs its own symmetric kernels, which are slower than its
+// regular ones on large AllReduce (0.7x at 512 MB), so the method "nccl" is no stand-in for the NCCL
+// baseline there. Larger teams are not measured yet: one-shot and LL read (n - 1) copies, so their
+// windows shrink with n, and two-shot takes the rest.
 size_t ar_ll_max(int n) { return n <= 2 ? 64 * KiB : n <= 4 ? 32 * KiB : 16 * KiB; }
 // LL128 (94 % payload per line against LL's 50 %) from the end of the LL window: at two ranks
 // 3.7 / 4.1 / 5.0 / 6.6 us at 128 KB / 256 KB / 512 KB / 1 MB against LL's 3.8 / 4.6 (7.0 with a
@@ -250,10 +251,11 @@ AllReduceMethod resolve_all_reduce(AllReduceMethod requested, const char* env_va
   return resolve(requested, kAllReduceMethodEnv, env_value, s, l, parse_all_reduce_method, select_all_reduce,
                  [&](AllReduceMethod m) {
                    if (m == AllReduceMethod::kLowLatency)
-                     return infeasible_reason("ll", "all_reduce", s, s.bytes, l.ll_bytes, "low-latency buffer", kLlOption);
+                     return infeasible_reason("ll", "all_reduce", s, s.bytes, l.ll_bytes, "low-latency buffer",
+                                              kLlOption);
                    if (m == AllReduceMethod::kLowLatency128)
-                     return infeasible_reason("ll128", "all_reduce", s, s.bytes, l.ll128_bytes, "low-latency (LL128) buffer",
-                                              "CollectivesOptions::ll128_bytes");
+                     return infeasible_reason("ll128", "all_reduce", s, s.bytes, l.ll128_bytes,
+                                              "low-latency (LL128) buffer", "CollectivesOptions::ll128_bytes");
                    return infeasible_reason(to_string(m), "all_reduce", s, s.bytes, l.workspace_bytes, "workspace");
                  });
 }

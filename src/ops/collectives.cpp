@@ -130,7 +130,6 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   int sms = 0;
   TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, world.device()));
   max_blocks_ = options.max_blocks > 0 ? options.max_blocks : sms;
-  sms_ = sms;
   max_bytes_ = round_up(max_bytes, 256);
   ll_bytes_ = round_up(options.ll_bytes, 16);
   ll128_bytes_ = kernels::coll::ll128_lines(options.ll128_bytes) * kernels::coll::kLl128Payload;
@@ -164,7 +163,8 @@ Collectives::~Collectives() {
 
 size_t Collectives::heap_bytes(int world_size, size_t max_bytes, int max_blocks, const CollectivesOptions& options) {
   const HeapSizes s = heap_sizes(world_size, round_up(std::max<size_t>(max_bytes, 1), 256),
-                                 round_up(std::max<size_t>(options.ll_bytes, 1), 16), std::max<size_t>(options.ll128_bytes, 1),
+                                 round_up(std::max<size_t>(options.ll_bytes, 1), 16),
+                                 std::max<size_t>(options.ll128_bytes, 1),
                                  options.max_blocks > 0 ? options.max_blocks : max_blocks, kCePieces);
   size_t total = 0;
   for (size_t bytes : {s.workspace, s.flags, s.barrier_pads, s.ce_flags, s.ll, s.ll128})
@@ -289,11 +289,12 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
       // One warp per 4 lines (ll128.cuh) in 4-warp blocks: spread over more SMs, they ran 1-5 %
       // faster from 128 KB to 512 KB than 16-warp blocks, and 6.63 against 6.90 us at 1 MB, where
       // 16-warp blocks need more than one per SM (bench/results/h200x2/ll128_blocks/). At most
-      // kLl128BlocksPerSm per SM, all resident at once; more lines loop.
+      // kLl128BlocksPerSm for each of max_blocks_ SMs, all resident at once; more lines loop.
       using namespace kernels::coll;
       const size_t per_block = kLl128LinesPerWarp * (kLl128Threads / 32);
       const size_t lines = ll128_lines(bytes);
-      const size_t blocks = std::min((lines + per_block - 1) / per_block, static_cast<size_t>(kLl128BlocksPerSm) * sms_);
+      const size_t blocks =
+          std::min((lines + per_block - 1) / per_block, static_cast<size_t>(kLl128BlocksPerSm) * max_blocks_);
       launch(kernels_->ll128_all_reduce[t], static_cast<unsigned>(blocks), params(in, out, count, false, false), stream,
              kLl128Threads);
       return;

@@ -43,7 +43,8 @@ struct CollectivesOptions {
   // LL128 payload per rank (bytes): the largest AllReduce buffer the ll128 method can run. The
   // LL128 buffer takes 2 x world x (ll128_bytes / 120, rounded up) x 128 bytes per rank.
   size_t ll128_bytes = 1024 * 1024;
-  // Blocks of the SM kernels at most; 0: the GPU's SM count.
+  // Blocks of the SM kernels at most; 0: the GPU's SM count. (ll128 runs smaller blocks: up to
+  // kLl128BlocksPerSm of them for each of these.)
   int max_blocks = 0;
 };
 
@@ -51,7 +52,8 @@ class Collectives {
  public:
   // Collective over `world`. `max_bytes`: the largest buffer an op stages (AllReduce buffer,
   // AllGather output, ReduceScatter input); allocates 2 * max_bytes of workspace from `heap`, plus
-  // flags, barrier pads and the LL and LL128 buffers. Compiles (or loads from the JIT cache) every kernel.
+  // flags, barrier pads and the LL and LL128 buffers. Compiles (or loads from the JIT cache) every
+  // kernel.
   Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, const CollectivesOptions& options = {});
   ~Collectives();
   Collectives(const Collectives&) = delete;
@@ -106,7 +108,6 @@ class Collectives {
   size_t ll_bytes_;
   size_t ll128_bytes_;
   int max_blocks_;
-  int sms_;
   char* workspace_ = nullptr;            // 2 slots of max_bytes_
   device::u64* flags_ = nullptr;         // kPhases x max_blocks x world_size
   device::u64* barrier_pads_ = nullptr;  // [0]: barrier(), [1]: copy-engine phases

@@ -89,7 +89,8 @@ TDIST_DEVICE void ll128_read(const u64* part, bool valid, bool flag_lane, u64 fl
   if (!__any_sync(0xFFFFFFFFu, waiting)) return;
   SpinDeadline deadline;
   do {
-    if (__any_sync(0xFFFFFFFFu, deadline.expired()) && waiting) wait_timed_out("ll128_read", part + 1, Cmp::kEq, flag, b);
+    if (__any_sync(0xFFFFFFFFu, deadline.expired()) && waiting)
+      wait_timed_out("ll128_read", part + 1, Cmp::kEq, flag, b);
     if (valid) ld_line_part(part, a, b);
     waiting = valid && flag_lane && b != flag;
   } while (__any_sync(0xFFFFFFFFu, waiting));
