@@ -132,30 +132,28 @@ tdist::DType check_all_reduce(const Desc& in, const Desc& out, int device) {
   return dt;
 }
 
+// AllGather and ReduceScatter: `whole` holds world_size parts of `part`'s size, and the op runs in
+// place when `part` is rank's part of `whole`; the names are the tensors' argument names.
+void check_whole_and_part(const char* op, const Desc& whole, const char* whole_name, const Desc& part,
+                          const char* part_name, size_t elem, int world_size, int rank) {
+  if (whole.numel != part.numel * world_size)
+    fail(msg("tdist.", op, ": '", whole_name, "' has ", whole.numel, " elements, expected world_size * ", part_name,
+             ".numel() = ", world_size, " * ", part.numel, " = ", part.numel * world_size));
+  const bool in_place = part.ptr == whole.ptr + static_cast<uint64_t>(rank) * part.numel * elem;
+  if (!in_place && overlap(part, whole, elem))
+    fail(msg("tdist.", op, ": '", part_name, "' overlaps '", whole_name, "' other than in place (", part_name, " is ",
+             whole_name, "'s part for rank ", rank, ")"));
+}
+
 tdist::DType check_all_gather(const Desc& in, const Desc& out, int world_size, int rank, int device) {
   const auto dt = check_input_output("all_gather", in, out, device);
-  if (out.numel != in.numel * world_size)
-    fail(msg("tdist.all_gather: 'output' has ", out.numel, " elements, expected world_size * input.numel() = ",
-                world_size, " * ", in.numel, " = ", in.numel * world_size));
-  const size_t elem = dtype_bytes(dt);
-  const bool in_place = in.ptr == out.ptr + static_cast<uint64_t>(rank) * in.numel * elem;
-  if (!in_place && overlap(in, out, elem))
-    fail(msg("tdist.all_gather: 'input' overlaps 'output' other than in place (input is output's part for rank ",
-                rank, ")"));
+  check_whole_and_part("all_gather", out, "output", in, "input", dtype_bytes(dt), world_size, rank);
   return dt;
 }
 
 tdist::DType check_reduce_scatter(const Desc& in, const Desc& out, int world_size, int rank, int device) {
   const auto dt = check_input_output("reduce_scatter", in, out, device);
-  if (in.numel != out.numel * world_size)
-    fail(msg("tdist.reduce_scatter: 'input' has ", in.numel,
-                " elements, expected world_size * output.numel() = ", world_size, " * ", out.numel, " = ",
-                out.numel * world_size));
-  const size_t elem = dtype_bytes(dt);
-  const bool in_place = out.ptr == in.ptr + static_cast<uint64_t>(rank) * out.numel * elem;
-  if (!in_place && overlap(in, out, elem))
-    fail(msg("tdist.reduce_scatter: 'output' overlaps 'input' other than in place (output is input's part for "
-                "rank ", rank, ")"));
+  check_whole_and_part("reduce_scatter", in, "input", out, "output", dtype_bytes(dt), world_size, rank);
   return dt;
 }
 

@@ -48,6 +48,25 @@ def _direct(op: str, input, output, method: str) -> None:
     getattr(rt, op)(d_in, d_out, current_stream(rt.device), method)
 
 
+def _gather_or_scatter(op: str, input, output, method):
+    """all_gather / reduce_scatter: torch tensors through the functional op (no output) or the _out
+    op, other arrays through the C++ core (output required)."""
+    method = _check_method(method)
+    if is_torch_tensor(input) and (output is None or is_torch_tensor(output)):
+        if op == "all_gather":
+            functional, out_variant = _all_gather, _all_gather_out
+        else:
+            functional, out_variant = _reduce_scatter, _reduce_scatter_out
+        if output is None:
+            return functional(input, method)
+        out_variant(input, output, method)
+        return output
+    if output is None:
+        raise Error(f"tdist.{op}: 'output' is required for arrays that are not torch tensors")
+    _direct(op, input, output, method)
+    return output
+
+
 def all_reduce(tensor, output=None, method: str = "auto"):
     """Sum ``tensor`` over all ranks.
 
@@ -92,16 +111,7 @@ def all_gather(input, output=None, method: str = "auto"):
     Returns:
         The gathered tensor.
     """
-    method = _check_method(method)
-    if is_torch_tensor(input) and (output is None or is_torch_tensor(output)):
-        if output is None:
-            return _all_gather(input, method)
-        _all_gather_out(input, output, method)
-        return output
-    if output is None:
-        raise Error("tdist.all_gather: 'output' is required for arrays that are not torch tensors")
-    _direct("all_gather", input, output, method)
-    return output
+    return _gather_or_scatter("all_gather", input, output, method)
 
 
 def reduce_scatter(input, output=None, method: str = "auto"):
@@ -120,16 +130,7 @@ def reduce_scatter(input, output=None, method: str = "auto"):
     Returns:
         This rank's part of the sum (fp32 accumulation).
     """
-    method = _check_method(method)
-    if is_torch_tensor(input) and (output is None or is_torch_tensor(output)):
-        if output is None:
-            return _reduce_scatter(input, method)
-        _reduce_scatter_out(input, output, method)
-        return output
-    if output is None:
-        raise Error("tdist.reduce_scatter: 'output' is required for arrays that are not torch tensors")
-    _direct("reduce_scatter", input, output, method)
-    return output
+    return _gather_or_scatter("reduce_scatter", input, output, method)
 
 
 def barrier() -> None:
