@@ -58,7 +58,8 @@ struct Options {
   bool quick = false;
   size_t graph_max = 4ull << 20;
   int ops_per_graph = 100;
-  size_t ll_bytes = CollectivesOptions{}.ll_bytes;  // low-latency buffer per rank
+  size_t ll_bytes = CollectivesOptions{}.ll_bytes;        // low-latency buffer per rank
+  size_t ll128_bytes = CollectivesOptions{}.ll128_bytes;  // LL128 buffer per rank
   bool symmetric = true;
   std::vector<size_t> sizes;  // explicit list (--quick)
 };
@@ -75,7 +76,7 @@ struct Row {
                "%s\nusage: %s [--op all_gather|reduce_scatter|all_reduce|all] [--dtype bf16|f16|f32]\n"
                "  [--sizes MIN:MAX (powers of 2, K/M/G suffixes)] [--method auto|<name>|all] [--iters N]\n"
                "  [--json FILE] [--quick] [--graph-max BYTES] [--ops-per-graph N] [--buffers symmetric|ordinary]\n"
-               "  [--ll-bytes BYTES (low-latency buffer per rank)]\n",
+               "  [--ll-bytes BYTES (low-latency buffer per rank)] [--ll128-bytes BYTES (LL128 buffer per rank)]\n",
                why.c_str(), argv0);
   std::exit(2);
 }
@@ -102,6 +103,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--graph-max") o.graph_max = SymmetricHeap::parse_size(value(), "--graph-max");
     else if (a == "--ops-per-graph") o.ops_per_graph = std::max(1, std::atoi(value().c_str()));
     else if (a == "--ll-bytes") o.ll_bytes = SymmetricHeap::parse_size(value(), "--ll-bytes");
+    else if (a == "--ll128-bytes") o.ll128_bytes = SymmetricHeap::parse_size(value(), "--ll128-bytes");
     else if (a == "--buffers") {
       const std::string v = value();
       if (v != "symmetric" && v != "ordinary") usage(argv[0], "--buffers: symmetric or ordinary");
@@ -181,6 +183,7 @@ int main(int argc, char** argv) {
   SymmetricHeap heap(world, 2 * S + (opt.symmetric ? 2 * buf : 0) + (64ull << 20));
   CollectivesOptions coll_options;
   coll_options.ll_bytes = opt.ll_bytes;
+  coll_options.ll128_bytes = opt.ll128_bytes;
   Collectives coll(world, heap, S, coll_options);
   char *n_in, *n_out, *t_in, *t_out;
   TDIST_CUDA_CHECK(cudaMalloc(&n_in, buf));
