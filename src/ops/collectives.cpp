@@ -172,9 +172,9 @@ size_t Collectives::heap_bytes(int world_size, size_t max_bytes, int max_blocks,
   return total;
 }
 
-unsigned Collectives::blocks_for(size_t bytes, size_t per_block) const {
+unsigned Collectives::blocks_for(size_t bytes, size_t per_block, int blocks_per_sm) const {
   const size_t b = (bytes + per_block - 1) / per_block;
-  return static_cast<unsigned>(std::clamp<size_t>(b, 1, static_cast<size_t>(max_blocks_)));
+  return static_cast<unsigned>(std::clamp<size_t>(b, 1, static_cast<size_t>(blocks_per_sm) * max_blocks_));
 }
 
 CollectiveShape Collectives::shape(size_t bytes, DType dtype, const void* in, size_t in_bytes, const void* out,
@@ -291,12 +291,9 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
       // 16-warp blocks need more than one per SM (bench/results/h200x2/ll128_blocks/). At most
       // kLl128BlocksPerSm for each of max_blocks_ SMs, all resident at once; more lines loop.
       using namespace kernels::coll;
-      const size_t per_block = kLl128LinesPerWarp * (kLl128Threads / 32);
-      const size_t lines = ll128_lines(bytes);
-      const size_t blocks =
-          std::min((lines + per_block - 1) / per_block, static_cast<size_t>(kLl128BlocksPerSm) * max_blocks_);
-      launch(kernels_->ll128_all_reduce[t], static_cast<unsigned>(blocks), params(in, out, count, false, false), stream,
-             kLl128Threads);
+      launch(kernels_->ll128_all_reduce[t],
+             blocks_for(ll128_lines(bytes), kLl128LinesPerWarp * (kLl128Threads / 32), kLl128BlocksPerSm),
+             params(in, out, count, false, false), stream, kLl128Threads);
       return;
     }
     case AllReduceMethod::kOneShot: {

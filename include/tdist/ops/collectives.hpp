@@ -100,7 +100,8 @@ class Collectives {
   // A device-to-device copy on the side stream after what `stream` has so far; side_.join(stream)
   // makes `stream` wait for it.
   void copy_beside(void* dst, const void* src, size_t bytes, cudaStream_t stream);
-  unsigned blocks_for(size_t bytes, size_t per_block) const;
+  // ceil(bytes / per_block) blocks, at least 1, at most blocks_per_sm x max_blocks_.
+  unsigned blocks_for(size_t bytes, size_t per_block, int blocks_per_sm = 1) const;
 
   World& world_;
   SymmetricHeap& heap_;
