@@ -157,6 +157,12 @@ tdist::DType check_reduce_scatter(const Desc& in, const Desc& out, int world_siz
   return dt;
 }
 
+// The binding of check_all_gather / check_reduce_scatter: descriptor tuples in, dtype name out.
+template <tdist::DType (*Check)(const Desc&, const Desc&, int, int, int)>
+std::string check_by_rank(const DescTuple& in, const DescTuple& out, int world_size, int rank, int device) {
+  return tdist::to_string(Check(Desc(in), Desc(out), world_size, rank, device));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Overlapped GEMMs (tdist/ops/gemm_overlap.hpp): argument checks on descriptors
 // ---------------------------------------------------------------------------------------------
@@ -914,20 +920,10 @@ NB_MODULE(_C, m) {
         return std::string(tdist::to_string(check_all_reduce(Desc(in), Desc(out), device)));
       },
       "input"_a, "output"_a, "device"_a = -1, "Argument checks of all_reduce; returns the dtype name.");
-  m.def(
-      "check_all_gather",
-      [](const DescTuple& in, const DescTuple& out, int world_size, int rank, int device) {
-        return std::string(tdist::to_string(check_all_gather(Desc(in), Desc(out), world_size, rank, device)));
-      },
-      "input"_a, "output"_a, "world_size"_a, "rank"_a = 0, "device"_a = -1,
-      "Argument checks of all_gather; returns the dtype name.");
-  m.def(
-      "check_reduce_scatter",
-      [](const DescTuple& in, const DescTuple& out, int world_size, int rank, int device) {
-        return std::string(tdist::to_string(check_reduce_scatter(Desc(in), Desc(out), world_size, rank, device)));
-      },
-      "input"_a, "output"_a, "world_size"_a, "rank"_a = 0, "device"_a = -1,
-      "Argument checks of reduce_scatter; returns the dtype name.");
+  m.def("check_all_gather", &check_by_rank<check_all_gather>, "input"_a, "output"_a, "world_size"_a, "rank"_a = 0,
+        "device"_a = -1, "Argument checks of all_gather; returns the dtype name.");
+  m.def("check_reduce_scatter", &check_by_rank<check_reduce_scatter>, "input"_a, "output"_a, "world_size"_a,
+        "rank"_a = 0, "device"_a = -1, "Argument checks of reduce_scatter; returns the dtype name.");
   m.def(
       "check_methods",
       [](const std::string& all_reduce, const std::string& all_gather, const std::string& reduce_scatter) {

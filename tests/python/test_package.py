@@ -24,6 +24,13 @@ class CudaArray:
                                          "strides": strides, "version": 3}
 
 
+def _prints_ok(code):
+    """Runs `code` in a fresh interpreter (no torch imported) and expects it to print only "ok"."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 def desc(shape, typestr="<f4", ptr=1 << 20, strides=None):
     return describe(CudaArray(shape, typestr, ptr, strides), "test", "x")
 
@@ -43,9 +50,7 @@ def test_import_without_torch():
             "else:\n"
             "    raise SystemExit('tdist.empty worked without torch')\n"
             "print('ok')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.strip() == "ok"
+    _prints_ok(code)
 
 
 def test_import_does_not_need_a_gpu():
@@ -368,9 +373,7 @@ def test_gemm_ops_without_torch_say_so():
             "except tdist.Error as e:\n"
             "    assert 'method must be one of auto, fused, chunked, sequential, baseline' in str(e), e\n"
             "print('ok')\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.strip() == "ok"
+    _prints_ok(code)
 
 
 def test_gemm_methods_match_the_library():
