@@ -10,3 +10,4 @@
 #include "tdist/device/signal.cuh"
 #include "tdist/device/copy.cuh"
 #include "tdist/device/barrier.cuh"
+#include "tdist/device/grid_dependency.cuh"

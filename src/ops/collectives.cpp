@@ -130,6 +130,7 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   int sms = 0;
   TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, world.device()));
   max_blocks_ = options.max_blocks > 0 ? options.max_blocks : sms;
+  programmatic_launch_ = options.programmatic_launch;
   max_bytes_ = round_up(max_bytes, 256);
   ll_bytes_ = round_up(options.ll_bytes, 16);
   ll128_bytes_ = kernels::coll::ll128_lines(options.ll128_bytes) * kernels::coll::kLl128Payload;
@@ -215,6 +216,7 @@ void Collectives::launch(const jit::Kernel& k, unsigned blocks, const CollParams
   jit::LaunchConfig cfg;
   cfg.grid = {blocks};
   cfg.block = {threads};
+  cfg.programmatic_dependent_launch = programmatic_launch_;  // every such kernel starts in begin_call
   cfg.stream = stream;
   jit::launch(k, cfg, jit::make_args(p));
 }

@@ -52,10 +52,11 @@ __global__ void fill_kernel(T* p, u64 count, u64 seed, const u64* counter, int r
     p[i] = store_f<T>(input_value(s, rank, first + i));
 }
 
-// Compares out[0, out_count) with the op's expected result in double; counts the mismatches.
+// Compares out[0, out_count) with the op's expected result in double, times `scale`; counts the
+// mismatches.
 template <typename T>
 __global__ void check_kernel(const T* out, u64 out_count, Op op, u64 c, int n, int me, u64 seed, const u64* counter,
-                             double tol, unsigned long long* bad, unsigned long long* first_bad) {
+                             double tol, unsigned long long* bad, unsigned long long* first_bad, double scale = 1.0) {
   const u64 s = seed ^ (counter ? *counter * 0x2545F4914F6CDD1Dull : 0);
   for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < out_count; i += static_cast<u64>(gridDim.x) * blockDim.x) {
     double expect = 0;
@@ -65,6 +66,7 @@ __global__ void check_kernel(const T* out, u64 out_count, Op op, u64 c, int n, i
       const u64 j = op == Op::kAllReduce ? i : me * c + i;
       for (int r = 0; r < n; ++r) expect += input_value(s, r, j);
     }
+    expect *= scale;
     const double got = load_f(out, i);
     if (!(fabs(got - expect) <= tol * fabs(expect) + 1e-30)) {
       atomicAdd(bad, 1ull);
@@ -391,6 +393,72 @@ void run_graph(Env& env, Op op, DType dtype, size_t c, int method, bool symmetri
   agree(env, host[0], host[1], detail::concat("graph replays, ", c, " elements"));
 }
 
+// Calls that each read the output of the call before them, on one stream with no host wait between:
+// with programmatic launch every call's kernel is scheduled while the previous call's kernel still
+// runs, so a kernel that touched its input, epoch or buffers before waiting for it would read stale
+// data. `rounds` of (fill from the device counter, chain, check, bump) run eagerly (graph = false)
+// or as `replays` replays of one captured graph.
+//   AllReduce: in place, methods[0], methods[1], ... over the same buffer: the result is
+//   n^(k-1) x the sum of the inputs after k calls, with one rounding per call.
+//   ReduceScatter then AllGather (methods {rs, ag}): the AllGather gathers, in place, the slices the
+//   ReduceScatter just wrote: together an AllReduce of n x c elements.
+template <typename T>
+void run_chain(Env& env, DType dtype, size_t c, bool all_reduce, const std::vector<int>& methods, bool symmetric,
+               bool graph, int rounds) {
+  const size_t n = env.n(), sz = sizeof(T);
+  const size_t count = all_reduce ? c : n * c;  // elements filled and checked
+  char* in = symmetric ? env.s_in : env.d_in;
+  char* out = symmetric ? env.s_out : env.d_out;
+  u64* counter;
+  TDIST_CUDA_CHECK(cudaMalloc(&counter, sizeof(u64)));
+  TDIST_CUDA_CHECK(cudaMemset(counter, 0, sizeof(u64)));
+  const u64 seed = env.seed_base + 15485863 * ++env.cases;
+  cudaStream_t s = env.stream;
+  reset_counters(env, s);
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  double scale = 1.0;
+  if (all_reduce)
+    for (size_t k = 1; k < methods.size(); ++k) scale *= static_cast<double>(n);
+  const double tol = (all_reduce ? methods.size() : 1) * tolerance(dtype);
+  auto enqueue_round = [&] {
+    char* slice = out + env.me() * c * sz;
+    TDIST_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, count * sz, s));
+    fill_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<T*>(all_reduce ? out : in), count, seed, counter, env.me(), 0);
+    if (all_reduce) {
+      for (int m : methods) env.coll.all_reduce(out, out, c, dtype, s, static_cast<AllReduceMethod>(m));
+    } else {
+      env.coll.reduce_scatter(in, slice, c, dtype, s, static_cast<ReduceScatterMethod>(methods[0]));
+      env.coll.all_gather(slice, out, c, dtype, s, static_cast<AllGatherMethod>(methods[1]));
+    }
+    check_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<const T*>(out), count, Op::kAllReduce, count, env.n(),
+                                       env.me(), seed, counter, tol, env.counters, env.counters + 1, scale);
+    bump_kernel<<<1, 1, 0, s>>>(counter);
+  };
+  cudaGraphExec_t exec = nullptr;
+  if (graph) {
+    cudaGraph_t g;
+    TDIST_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    enqueue_round();
+    TDIST_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+    TDIST_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  tdist::test::sync_all(env.world, "chain ready");
+  for (int r = 0; r < rounds; ++r) {
+    if (graph) TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    else enqueue_round();
+  }
+  unsigned long long host[2];
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  u64 done = 0;
+  TDIST_CUDA_CHECK(cudaMemcpy(&done, counter, sizeof(done), cudaMemcpyDeviceToHost));
+  if (exec) TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  TDIST_CUDA_CHECK(cudaFree(counter));
+  TDIST_CHECK(done == static_cast<u64>(rounds), "the chain ran ", done, " rounds");
+  agree(env, host[0], host[1], detail::concat("chained calls, ", c, " elements"));
+}
+
 template <typename F>
 void expect_error(const std::string& needle, F&& f) {
   try {
@@ -462,6 +530,45 @@ int main() {
       suite.run(detail::concat("CUDA graph, 1000 replays: ", op_name(g.op), " ", method_name(g.op, g.method), " bf16 ",
                                symmetric ? "symmetric" : "ordinary"),
                 [&] { run_graph<__nv_bfloat16>(env, g.op, DType::kBFloat16, g.c, g.method, symmetric, 1000); });
+    }
+  }
+
+  // Chained calls (each reads the previous call's output): programmatic launch must not let a call
+  // start on data its predecessor has not finished.
+  {
+    using AR = AllReduceMethod;
+    const int ll = static_cast<int>(AR::kLowLatency), ll128 = static_cast<int>(AR::kLowLatency128),
+              one = static_cast<int>(AR::kOneShot), two = static_cast<int>(AR::kTwoShot),
+              aut = static_cast<int>(AR::kAuto);
+    const std::vector<int> ar_chain = {ll, ll128, one, two, ll, two, ll128, one, ll, ll};
+    for (size_t c : {size_t{3001}, size_t{32771}}) {
+      for (bool symmetric : {false, true}) {
+        for (bool graph : {false, true}) {
+          suite.run(detail::concat("chained calls: all_reduce in place, ", ar_chain.size(), " methods in turn, ", c,
+                                   " bf16, ", symmetric ? "symmetric" : "ordinary", graph ? ", graph x 100" : ", 100 rounds"),
+                    [&] { run_chain<__nv_bfloat16>(env, DType::kBFloat16, c, true, ar_chain, symmetric, graph, 100); });
+        }
+      }
+    }
+    suite.run("chained calls: all_reduce auto, 4 in a row, 3001 f32, graph x 250", [&] {
+      run_chain<float>(env, DType::kFloat32, 3001, true, {aut, aut, aut, aut}, false, true, 250);
+    });
+    using RS = ReduceScatterMethod;
+    using AG = AllGatherMethod;
+    const std::vector<std::vector<int>> rs_ag = {
+        {static_cast<int>(RS::kLowLatency), static_cast<int>(AG::kLowLatency)},
+        {static_cast<int>(RS::kFused), static_cast<int>(AG::kSm)},
+        {static_cast<int>(RS::kLowLatency), static_cast<int>(AG::kSm)},
+        {static_cast<int>(RS::kFused), static_cast<int>(AG::kLowLatency)},
+        {static_cast<int>(RS::kCe), static_cast<int>(AG::kCePush)},
+    };
+    for (const auto& m : rs_ag) {
+      for (bool graph : {false, true}) {
+        suite.run(detail::concat("chained calls: reduce_scatter ", method_name(Op::kReduceScatter, m[0]),
+                                 " then all_gather ", method_name(Op::kAllGather, m[1]), " in place, 4099 bf16",
+                                 graph ? ", graph x 100" : ", 100 rounds"),
+                  [&] { run_chain<__nv_bfloat16>(env, DType::kBFloat16, 4099, false, m, false, graph, 100); });
+      }
     }
   }
 

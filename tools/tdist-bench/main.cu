@@ -8,7 +8,8 @@
 // Sizes up to --graph-max are timed as CUDA-graph replays (many ops per graph, per-op time: no launch
 // floor); larger ones with CUDA events around single ops. Each figure is the median of --iters
 // timings, the slowest rank's. Data is random and non-zero. tdist gets symmetric buffers (zero copy)
-// unless --buffers ordinary; NCCL gets ordinary device memory.
+// unless --buffers ordinary; NCCL gets ordinary device memory. tdist's SM kernels use programmatic
+// dependent launch unless --pdl off; --pdl both times each method both ways, alternating.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -20,6 +21,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -61,6 +63,7 @@ struct Options {
   size_t ll_bytes = CollectivesOptions{}.ll_bytes;        // low-latency buffer per rank
   size_t ll128_bytes = CollectivesOptions{}.ll128_bytes;  // LL128 buffer per rank
   bool symmetric = true;
+  std::vector<bool> pdl = {true};  // programmatic launch settings to time
   std::vector<size_t> sizes;  // explicit list (--quick)
 };
 
@@ -69,6 +72,7 @@ struct Row {
   size_t bytes;
   double tdist_us, tdist_busbw, nccl_us, nccl_busbw;
   bool graph;
+  bool pdl;
 };
 
 [[noreturn]] void usage(const char* argv0, const std::string& why) {
@@ -76,7 +80,8 @@ struct Row {
                "%s\nusage: %s [--op all_gather|reduce_scatter|all_reduce|all] [--dtype bf16|f16|f32]\n"
                "  [--sizes MIN:MAX (powers of 2, K/M/G suffixes)] [--method auto|<name>|all] [--iters N]\n"
                "  [--json FILE] [--quick] [--graph-max BYTES] [--ops-per-graph N] [--buffers symmetric|ordinary]\n"
-               "  [--ll-bytes BYTES (low-latency buffer per rank)] [--ll128-bytes BYTES (LL128 buffer per rank)]\n",
+               "  [--ll-bytes BYTES (low-latency buffer per rank)] [--ll128-bytes BYTES (LL128 buffer per rank)]\n"
+               "  [--pdl on|off|both (programmatic dependent launch of tdist's kernels)]\n",
                why.c_str(), argv0);
   std::exit(2);
 }
@@ -104,7 +109,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--ops-per-graph") o.ops_per_graph = std::max(1, std::atoi(value().c_str()));
     else if (a == "--ll-bytes") o.ll_bytes = SymmetricHeap::parse_size(value(), "--ll-bytes");
     else if (a == "--ll128-bytes") o.ll128_bytes = SymmetricHeap::parse_size(value(), "--ll128-bytes");
-    else if (a == "--buffers") {
+    else if (a == "--pdl") {
+      const std::string v = value();
+      if (v != "on" && v != "off" && v != "both") usage(argv[0], "--pdl: on, off or both");
+      o.pdl = v == "both" ? std::vector<bool>{true, false} : std::vector<bool>{v == "on"};
+    } else if (a == "--buffers") {
       const std::string v = value();
       if (v != "symmetric" && v != "ordinary") usage(argv[0], "--buffers: symmetric or ordinary");
       o.symmetric = v == "symmetric";
@@ -180,11 +189,19 @@ int main(int argc, char** argv) {
   }
   const size_t S = *std::max_element(opt.sizes.begin(), opt.sizes.end());
   const size_t buf = S + 4096;
-  SymmetricHeap heap(world, 2 * S + (opt.symmetric ? 2 * buf : 0) + (64ull << 20));
   CollectivesOptions coll_options;
   coll_options.ll_bytes = opt.ll_bytes;
   coll_options.ll128_bytes = opt.ll128_bytes;
-  Collectives coll(world, heap, S, coll_options);
+  int sms = 0;
+  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, world.device()));
+  const size_t per_context = Collectives::heap_bytes(n, S, sms, coll_options);
+  SymmetricHeap heap(world, opt.pdl.size() * per_context + (opt.symmetric ? 2 * buf : 0) + (16ull << 20));
+  // One context per programmatic-launch setting, each with its own buffers.
+  std::vector<std::unique_ptr<Collectives>> contexts;
+  for (bool pdl : opt.pdl) {
+    coll_options.programmatic_launch = pdl;
+    contexts.push_back(std::make_unique<Collectives>(world, heap, S, coll_options));
+  }
   char *n_in, *n_out, *t_in, *t_out;
   TDIST_CUDA_CHECK(cudaMalloc(&n_in, buf));
   TDIST_CUDA_CHECK(cudaMalloc(&n_out, buf));
@@ -217,21 +234,24 @@ int main(int argc, char** argv) {
       const int ops_per_graph = bytes <= (1ull << 20) ? opt.ops_per_graph : std::max(1, opt.ops_per_graph / 5);
       double nccl_us = -1;
       for (const std::string& mname : methods_for(op, opt.method)) {
-        std::function<void()> run_tdist;
+        std::vector<std::function<void()>> run_tdist;  // one per context
         std::string resolved;
         try {
-          if (op == "all_reduce") {
-            const auto m = coll.all_reduce_method(t_in, t_out, per, opt.dtype, parse_all_reduce_method(mname));
-            resolved = to_string(m);
-            run_tdist = [&, m, per] { coll.all_reduce(t_in, t_out, per, opt.dtype, s, m); };
-          } else if (op == "all_gather") {
-            const auto m = coll.all_gather_method(t_in, t_out, per, opt.dtype, parse_all_gather_method(mname));
-            resolved = to_string(m);
-            run_tdist = [&, m, per] { coll.all_gather(t_in, t_out, per, opt.dtype, s, m); };
-          } else {
-            const auto m = coll.reduce_scatter_method(t_in, t_out, per, opt.dtype, parse_reduce_scatter_method(mname));
-            resolved = to_string(m);
-            run_tdist = [&, m, per] { coll.reduce_scatter(t_in, t_out, per, opt.dtype, s, m); };
+          for (auto& ctx : contexts) {
+            Collectives& c = *ctx;
+            if (op == "all_reduce") {
+              const auto m = c.all_reduce_method(t_in, t_out, per, opt.dtype, parse_all_reduce_method(mname));
+              resolved = to_string(m);
+              run_tdist.push_back([&, m, per] { c.all_reduce(t_in, t_out, per, opt.dtype, s, m); });
+            } else if (op == "all_gather") {
+              const auto m = c.all_gather_method(t_in, t_out, per, opt.dtype, parse_all_gather_method(mname));
+              resolved = to_string(m);
+              run_tdist.push_back([&, m, per] { c.all_gather(t_in, t_out, per, opt.dtype, s, m); });
+            } else {
+              const auto m = c.reduce_scatter_method(t_in, t_out, per, opt.dtype, parse_reduce_scatter_method(mname));
+              resolved = to_string(m);
+              run_tdist.push_back([&, m, per] { c.reduce_scatter(t_in, t_out, per, opt.dtype, s, m); });
+            }
           }
         } catch (const tdist::Error& e) {
           if (opt.method == "all") continue;  // this method cannot run the size
@@ -242,21 +262,27 @@ int main(int argc, char** argv) {
           else if (op == "all_gather") TDIST_NCCL_CHECK(ncclAllGather(n_in, n_out, per, nt, world.comm(), s));
           else TDIST_NCCL_CHECK(ncclReduceScatter(n_in, n_out, per, nt, ncclSum, world.comm(), s));
         };
-        // Alternate tdist and NCCL, three times each; keep each one's best median.
-        double t_best = 1e30, n_best = nccl_us > 0 ? nccl_us : 1e30;
+        // Alternate tdist (each context) and NCCL, three times each; keep each one's best median.
+        std::vector<double> t_best(contexts.size(), 1e30);
+        double n_best = nccl_us > 0 ? nccl_us : 1e30;
         const int rounds = nccl_us > 0 ? 2 : 3;
         for (int r = 0; r < rounds; ++r) {
-          t_best = std::min(t_best, time_op(world, s, graph, ops_per_graph, opt.iters, run_tdist));
+          for (size_t c = 0; c < contexts.size(); ++c)
+            t_best[c] = std::min(t_best[c], time_op(world, s, graph, ops_per_graph, opt.iters, run_tdist[c]));
           if (nccl_us < 0) n_best = std::min(n_best, time_op(world, s, graph, ops_per_graph, opt.iters, run_nccl));
         }
         nccl_us = n_best;
         const double f = bus_factor(op, n) * bytes / 1e3;  // bytes / us = MB/s; / 1e3 = GB/s
-        rows.push_back({op, opt.method == "auto" ? "auto:" + resolved : resolved, bytes, t_best, f / t_best, nccl_us,
-                        f / nccl_us, graph});
-        if (me == 0) {
-          std::printf("%-15s %10zu %-16s %10.2f us %8.1f GB/s | nccl %10.2f us %8.1f GB/s | %5.2fx\n", op.c_str(),
-                      bytes, rows.back().method.c_str(), t_best, f / t_best, nccl_us, f / nccl_us, nccl_us / t_best);
-          std::fflush(stdout);
+        for (size_t c = 0; c < contexts.size(); ++c) {
+          const double t = t_best[c];
+          rows.push_back({op, opt.method == "auto" ? "auto:" + resolved : resolved, bytes, t, f / t, nccl_us,
+                          f / nccl_us, graph, opt.pdl[c]});
+          if (me == 0) {
+            std::printf("%-15s %10zu %-16s %-3s %10.2f us %8.1f GB/s | nccl %10.2f us %8.1f GB/s | %5.2fx\n",
+                        op.c_str(), bytes, rows.back().method.c_str(), opt.pdl[c] ? "pdl" : "", t, f / t, nccl_us,
+                        f / nccl_us, nccl_us / t);
+            std::fflush(stdout);
+          }
         }
       }
     }
@@ -267,11 +293,11 @@ int main(int argc, char** argv) {
     TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, world.device()));
     std::printf("\ntdist-bench: %d ranks on %s, %s, %s buffers for tdist; graph-timed up to %zu bytes; median of %d\n", n,
                 prop.name, to_string(opt.dtype), opt.symmetric ? "symmetric" : "ordinary", opt.graph_max, opt.iters);
-    std::printf("%-15s %12s %-18s %11s %11s %11s %11s %11s\n", "op", "bytes", "tdist method", "tdist us",
+    std::printf("%-15s %12s %-18s %4s %11s %11s %11s %11s %11s\n", "op", "bytes", "tdist method", "pdl", "tdist us",
                 "tdist GB/s", "NCCL us", "NCCL GB/s", "NCCL/tdist");
     for (const Row& r : rows)
-      std::printf("%-15s %12zu %-18s %11.2f %11.1f %11.2f %11.1f %11.2f\n", r.op.c_str(), r.bytes, r.method.c_str(),
-                  r.tdist_us, r.tdist_busbw, r.nccl_us, r.nccl_busbw, r.nccl_us / r.tdist_us);
+      std::printf("%-15s %12zu %-18s %4s %11.2f %11.1f %11.2f %11.1f %11.2f\n", r.op.c_str(), r.bytes, r.method.c_str(),
+                  r.pdl ? "on" : "off", r.tdist_us, r.tdist_busbw, r.nccl_us, r.nccl_busbw, r.nccl_us / r.tdist_us);
     if (!opt.json.empty()) {
       std::ofstream j(opt.json);
       j << "{\n  \"bench\": \"tdist-bench\",\n  \"gpu\": \"" << json_escape(prop.name) << "\",\n  \"world_size\": " << n
@@ -281,7 +307,8 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < rows.size(); ++i) {
         const Row& r = rows[i];
         j << "    {\"op\": \"" << r.op << "\", \"bytes\": " << r.bytes << ", \"method\": \"" << r.method
-          << "\", \"timing\": \"" << (r.graph ? "graph" : "events") << "\", \"tdist_us\": " << r.tdist_us
+          << "\", \"timing\": \"" << (r.graph ? "graph" : "events") << "\", \"pdl\": " << (r.pdl ? "true" : "false")
+          << ", \"tdist_us\": " << r.tdist_us
           << ", \"tdist_busbw_gbps\": " << r.tdist_busbw << ", \"nccl_us\": " << r.nccl_us
           << ", \"nccl_busbw_gbps\": " << r.nccl_busbw << ", \"speedup\": " << r.nccl_us / r.tdist_us << "}"
           << (i + 1 < rows.size() ? ",\n" : "\n");

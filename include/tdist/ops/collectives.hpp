@@ -46,6 +46,10 @@ struct CollectivesOptions {
   // Blocks of the SM kernels at most; 0: the GPU's SM count. (ll128 runs smaller blocks: up to
   // kLl128BlocksPerSm of them for each of these.)
   int max_blocks = 0;
+  // Launch the SM kernels with programmatic dependent launch: a call's kernel is scheduled while
+  // the kernel before it on the stream finishes and waits on the GPU for it to end, which takes the
+  // launch latency (about 1 us) off back-to-back small collectives. Off: plain stream order.
+  bool programmatic_launch = true;
 };
 
 class Collectives {
@@ -109,6 +113,7 @@ class Collectives {
   size_t ll_bytes_;
   size_t ll128_bytes_;
   int max_blocks_;
+  bool programmatic_launch_;
   char* workspace_ = nullptr;            // 2 slots of max_bytes_
   device::u64* flags_ = nullptr;         // kPhases x max_blocks x world_size
   device::u64* barrier_pads_ = nullptr;  // [0]: barrier(), [1]: copy-engine phases

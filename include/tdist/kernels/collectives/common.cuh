@@ -32,6 +32,7 @@
 #include "tdist/device/signal.cuh"
 #include "tdist/device/copy.cuh"
 #include "tdist/device/barrier.cuh"
+#include "tdist/device/grid_dependency.cuh"
 #endif
 
 namespace tdist::kernels::coll {
@@ -92,8 +93,13 @@ template <> TDIST_DEVICE __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return
 
 TDIST_DEVICE u32 thread_index() { return threadIdx.x; }
 
-// This call's signal value; every block reads it before any block can finish the call.
+// This call's signal value; every block reads it before any block can finish the call. The host
+// may launch a collective kernel early (programmatic launch, CollectivesOptions::
+// programmatic_launch): it first waits for the kernel before it on the stream, whose inputs, epoch
+// and buffers this call uses, then lets the next kernel be scheduled (its blocks wait in turn).
 TDIST_DEVICE u64 begin_call(const EpochState* state) {
+  wait_for_prior_grid();
+  allow_dependent_launch();
   return ld_relaxed<Scope::kGpu>(&state->epoch) + 1;
 }
 

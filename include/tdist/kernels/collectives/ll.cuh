@@ -123,7 +123,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_all_reduce(CollParams p) {
   const u64 g = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x, G = static_cast<u64>(gridDim.x) * blockDim.x;
   const char* in = static_cast<const char*>(p.in);
   // The first word (the only one up to the LL window), loaded before the epoch so that the two
-  // loads are in flight together.
+  // loads are in flight together; after the prior kernel, which may have written it.
+  wait_for_prior_grid();
   const u32 word0 = g < W ? load_word(in, B, g) : 0;
   const u64 e = begin_call(p.epoch);
   const u32 flag = static_cast<u32>(e);

@@ -115,6 +115,7 @@ __global__ void __launch_bounds__(kLl128Threads, kLl128BlocksPerSm) ll128_all_re
     if (line < lines) load_part(in, B, line * kLl128Payload + part * 16, len, own[0], own[1]);
   };
   u64 own0[2];
+  wait_for_prior_grid();  // the input may be the prior kernel's output
   own_part(first0, own0);
   const u64 e = begin_call(p.epoch);
   const u64 parity = e & 1;
