@@ -76,7 +76,9 @@ def all_reduce(tensor, output=None, method: str = "auto"):
     Args:
         tensor: CUDA tensor (bfloat16, float16 or float32, contiguous) on this rank's GPU.
         output: optional tensor for the result.
-        method: "auto" (by size; docs/collectives.md), "one_shot", "two_shot", "ll", "ll128" or "nccl".
+        method: "auto" (by size; docs/collectives.md), "one_shot", "two_shot", "ll", "ll128", "ce"
+            (copy-engine ReduceScatter then AllGather; the element count must divide by the world size)
+            or "nccl".
             ``TDIST_ALLREDUCE_METHOD`` overrides "auto".
 
     Returns:

@@ -49,6 +49,14 @@ constexpr size_t kAgCeMin = 32 * MiB;
 // (reduce_scatter_ce_halving.json: 408 vs 439 us at 256 MB, 758 vs 860 at 512 MB, 1452
 // vs 1701 at 1 GB; fused ahead at 128 MB, 216 vs 228, and below).
 constexpr size_t kRsCeMin = 256 * MiB;
+// From this size on, AllReduce as the ce ReduceScatter then the ce_push AllGather (no SMs but the
+// reduction's) beats one-shot: estimated from the same sweep's parts (collectives_auto.json: 406 +
+// 371 us against one-shot's 864 at 256 MB, 1473 against 1712 at 512 MB); measured in
+// all_reduce_ce.json.
+constexpr size_t kArCeMin = 256 * MiB;
+bool ce_all_reduce_divides(const CollectiveShape& s) {
+  return s.bytes % (dtype_size(s.dtype) * static_cast<size_t>(std::max(1, s.world_size))) == 0;
+}
 // Below this size NCCL's ReduceScatter beats the fused pull-and-reduce (the choice where LL cannot run).
 constexpr size_t kRsFusedMin = 512 * KiB;
 
@@ -107,6 +115,7 @@ const char* to_string(AllReduceMethod m) {
     case AllReduceMethod::kLowLatency: return "ll";
     case AllReduceMethod::kLowLatency128: return "ll128";
     case AllReduceMethod::kNccl: return "nccl";
+    case AllReduceMethod::kCe: return "ce";
   }
   return "invalid";
 }
@@ -137,9 +146,11 @@ const char* to_string(ReduceScatterMethod m) {
 AllReduceMethod parse_all_reduce_method(const std::string& text, const std::string& what) {
   const std::string s = lower(text);
   for (auto m : {AllReduceMethod::kAuto, AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot,
-                 AllReduceMethod::kLowLatency, AllReduceMethod::kLowLatency128, AllReduceMethod::kNccl})
+                 AllReduceMethod::kLowLatency, AllReduceMethod::kLowLatency128, AllReduceMethod::kNccl,
+                 AllReduceMethod::kCe})
     if (s == to_string(m)) return m;
-  TDIST_FAIL("invalid ", what, " '", text, "' for all_reduce (expected auto, one_shot, two_shot, ll, ll128 or nccl)");
+  TDIST_FAIL("invalid ", what, " '", text,
+             "' for all_reduce (expected auto, one_shot, two_shot, ll, ll128, ce or nccl)");
 }
 
 AllGatherMethod parse_all_gather_method(const std::string& text, const std::string& what) {
@@ -164,6 +175,8 @@ bool feasible(AllReduceMethod m, const CollectiveShape& s, const CollectiveLimit
     case AllReduceMethod::kLowLatency128: return s.bytes <= l.ll128_bytes;
     case AllReduceMethod::kOneShot:
     case AllReduceMethod::kTwoShot: return s.bytes <= l.workspace_bytes;
+    // The ce ReduceScatter stages the whole buffer; every rank's slice is a whole number of elements.
+    case AllReduceMethod::kCe: return s.bytes <= l.workspace_bytes && ce_all_reduce_divides(s);
     default: return true;
   }
 }
@@ -194,6 +207,7 @@ AllReduceMethod select_all_reduce(const CollectiveShape& s, const CollectiveLimi
   if (s.bytes <= ar_ll_max(n) && feasible(AllReduceMethod::kLowLatency, s, l)) return AllReduceMethod::kLowLatency;
   if (s.bytes <= ar_ll128_max(n) && feasible(AllReduceMethod::kLowLatency128, s, l))
     return AllReduceMethod::kLowLatency128;
+  if (s.bytes >= kArCeMin && feasible(AllReduceMethod::kCe, s, l)) return AllReduceMethod::kCe;
   if (s.bytes <= ar_one_shot_max(n) && feasible(AllReduceMethod::kOneShot, s, l)) return AllReduceMethod::kOneShot;
   if (feasible(AllReduceMethod::kTwoShot, s, l)) return AllReduceMethod::kTwoShot;
   return AllReduceMethod::kNccl;
@@ -256,6 +270,10 @@ AllReduceMethod resolve_all_reduce(AllReduceMethod requested, const char* env_va
                    if (m == AllReduceMethod::kLowLatency128)
                      return infeasible_reason("ll128", "all_reduce", s, s.bytes, l.ll128_bytes,
                                               "low-latency (LL128) buffer", "CollectivesOptions::ll128_bytes");
+                   if (m == AllReduceMethod::kCe && !ce_all_reduce_divides(s))
+                     return detail::concat("ce cannot run this all_reduce of ", s.bytes, " bytes: its ",
+                                           s.bytes / dtype_size(s.dtype), " elements do not split evenly over ",
+                                           s.world_size, " ranks (use another method)");
                    return infeasible_reason(to_string(m), "all_reduce", s, s.bytes, l.workspace_bytes, "workspace");
                  });
 }

@@ -310,6 +310,17 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
              stream);
       return;
     }
+    case AllReduceMethod::kCe: {
+      // Two-shot by copy engine: the ce ReduceScatter leaves this rank's slice of the sum in its part
+      // of `out` (in place when in == out), then the ce_push AllGather, in place, pushes it into every
+      // peer's `out`. Its entry barrier follows each peer's ReduceScatter copies, the last readers of
+      // `in` and of the workspace it may stage through.
+      const size_t slice = count / world_.world_size();
+      char* mine = static_cast<char*>(out) + world_.rank() * slice * dtype_size(dtype);
+      reduce_scatter(in, mine, slice, dtype, stream, ReduceScatterMethod::kCe);
+      all_gather(mine, out, slice, dtype, stream, AllGatherMethod::kCePush);
+      return;
+    }
     default: TDIST_FAIL("unreachable all_reduce method ", to_string(m));
   }
 }

@@ -43,11 +43,19 @@ TEST(CollectiveSelect, AllReduceTable) {
   EXPECT_EQ(select_all_reduce(shape(512 * KiB), kLimits), AllReduceMethod::kLowLatency128);
   EXPECT_EQ(select_all_reduce(shape(1 * MiB), kLimits), AllReduceMethod::kLowLatency128);
   EXPECT_EQ(select_all_reduce(shape(1 * MiB + 16), kLimits), AllReduceMethod::kOneShot);
-  EXPECT_EQ(select_all_reduce(shape(256 * MiB), kLimits), AllReduceMethod::kOneShot);
-  EXPECT_EQ(select_all_reduce(shape(512 * MiB), CollectiveLimits{1024 * MiB, 256 * KiB}), AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(256 * MiB - 16), kLimits), AllReduceMethod::kOneShot);
+  // From 256 MB: the copy-engine ReduceScatter then AllGather, when the ranks' slices are whole elements.
+  EXPECT_EQ(select_all_reduce(shape(256 * MiB), kLimits), AllReduceMethod::kCe);
+  EXPECT_EQ(select_all_reduce(shape(512 * MiB), CollectiveLimits{1024 * MiB, 256 * KiB}), AllReduceMethod::kCe);
+  EXPECT_EQ(select_all_reduce(shape(512 * MiB + 2), CollectiveLimits{1024 * MiB, 256 * KiB}),
+            AllReduceMethod::kOneShot);  // 2^28 + 1 bf16 elements: odd
   // Beyond the workspace: NCCL, never an error.
   EXPECT_EQ(select_all_reduce(shape(1024 * MiB), kLimits), AllReduceMethod::kNccl);
-  EXPECT_EQ(select_all_reduce(shape(256 * MiB, 4), kLimits), AllReduceMethod::kTwoShot);
+  EXPECT_EQ(select_all_reduce(shape(256 * MiB, 4), kLimits), AllReduceMethod::kCe);
+  EXPECT_EQ(select_all_reduce(shape(256 * MiB - 8, 4), kLimits), AllReduceMethod::kTwoShot);  // 4 ranks, odd slices
+  EXPECT_TRUE(feasible(AllReduceMethod::kCe, shape(6, 3), kLimits));  // 3 bf16 elements, one per rank
+  EXPECT_FALSE(feasible(AllReduceMethod::kCe, shape(8, 3), kLimits));
+  EXPECT_FALSE(feasible(AllReduceMethod::kCe, shape(256 * MiB + 12), kLimits));  // beyond the workspace
   // Larger teams: narrower LL and one-shot windows.
   EXPECT_EQ(select_all_reduce(shape(64 * KiB, 8), kLimits), AllReduceMethod::kOneShot);
   EXPECT_EQ(select_all_reduce(shape(16 * KiB, 8), kLimits), AllReduceMethod::kLowLatency);
@@ -176,9 +184,13 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
   EXPECT_NE(e4.find("TDIST_REDUCESCATTER_METHOD"), std::string::npos) << e4;
   EXPECT_EQ(resolve_all_gather(AllGatherMethod::kCePush, nullptr, shape(1024 * MiB, 2, false, true), kLimits),
             AllGatherMethod::kCePush);
+  const std::string e5 = error_of([] { resolve_all_reduce(AllReduceMethod::kCe, nullptr, shape(6 * KiB + 2), kLimits); });
+  EXPECT_NE(e5.find("'method'"), std::string::npos) << e5;
+  EXPECT_NE(e5.find("do not split evenly over 2 ranks"), std::string::npos) << e5;
   // Round trips of every name.
   for (auto m : {AllReduceMethod::kAuto, AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot,
-                 AllReduceMethod::kLowLatency, AllReduceMethod::kLowLatency128, AllReduceMethod::kNccl})
+                 AllReduceMethod::kLowLatency, AllReduceMethod::kLowLatency128, AllReduceMethod::kNccl,
+                 AllReduceMethod::kCe})
     EXPECT_EQ(parse_all_reduce_method(to_string(m)), m);
   for (auto m : {AllGatherMethod::kAuto, AllGatherMethod::kSm, AllGatherMethod::kCePush, AllGatherMethod::kCePull,
                  AllGatherMethod::kLowLatency, AllGatherMethod::kNccl})

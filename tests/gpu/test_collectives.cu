@@ -213,7 +213,7 @@ std::string method_name(Op op, int m) {
 }
 
 std::vector<int> methods_of(Op op) {
-  if (op == Op::kAllReduce) return {0, 1, 2, 3, 4, 5};
+  if (op == Op::kAllReduce) return {0, 1, 2, 3, 4, 5, 6};
   if (op == Op::kAllGather) return {0, 1, 2, 3, 4, 5};
   return {0, 1, 2, 3, 4};
 }
@@ -517,6 +517,7 @@ int main() {
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency128), 524285},  // the whole LL128 buffer
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kOneShot), 65537},
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kTwoShot), 262147},
+      {Op::kAllReduce, static_cast<int>(AllReduceMethod::kCe), 65536},
       {Op::kAllGather, static_cast<int>(AllGatherMethod::kLowLatency), 1025},
       {Op::kAllGather, static_cast<int>(AllGatherMethod::kSm), 65536 + 8},
       {Op::kAllGather, static_cast<int>(AllGatherMethod::kCePush), 65536},
@@ -549,6 +550,15 @@ int main() {
                     [&] { run_chain<__nv_bfloat16>(env, DType::kBFloat16, c, true, ar_chain, symmetric, graph, 100); });
         }
       }
+    }
+    const int ce = static_cast<int>(AR::kCe);
+    for (bool graph : {false, true}) {
+      suite.run(detail::concat("chained calls: all_reduce in place, ce between SM methods, 40960 bf16, symmetric",
+                               graph ? ", graph x 100" : ", 100 rounds"),
+                [&] {
+                  run_chain<__nv_bfloat16>(env, DType::kBFloat16, 40960, true, {ce, ll, ce, ll128, one, ce}, true,
+                                           graph, 100);
+                });
     }
     suite.run("chained calls: all_reduce auto, 4 in a row, 3001 f32, graph x 250", [&] {
       run_chain<float>(env, DType::kFloat32, 3001, true, {aut, aut, aut, aut}, false, true, 250);
