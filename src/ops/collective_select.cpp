@@ -45,15 +45,20 @@ size_t rs_ll_max(int n) { return n <= 2 ? 512 * KiB : n <= 4 ? 256 * KiB : 128 *
 // Two ranks, bf16 (bench/results/h200x2/all_gather_large.json): ce_push 68 vs sm 71 us at 32 MB,
 // 115 vs 131 at 64 MB, 370 vs 499 at 256 MB; sm ahead at 16 MB.
 constexpr size_t kAgCeMin = 32 * MiB;
+// With neither buffer symmetric, ce_push stages through the workspace (the pushes land there and the
+// gathered blocks are copied out) and still beats the SM pull, which stages its input, from this size
+// (all_gather_ordinary_methods.json: 131 vs 146 us at 64 MB, 1655 vs 2304 at 1 GB; sm ahead at 32 MB).
+constexpr size_t kAgCeStagedMin = 64 * MiB;
 // From this total size on, the pipelined copy-engine ReduceScatter beats the fused SM kernel
 // (reduce_scatter_ce_halving.json: 408 vs 439 us at 256 MB, 758 vs 860 at 512 MB, 1452
 // vs 1701 at 1 GB; fused ahead at 128 MB, 216 vs 228, and below).
 constexpr size_t kRsCeMin = 256 * MiB;
 // From this size on, AllReduce as the ce ReduceScatter then the ce_push AllGather (no SMs but the
-// reduction's) beats one-shot: estimated from the same sweep's parts (collectives_auto.json: 406 +
-// 371 us against one-shot's 864 at 256 MB, 1473 against 1712 at 512 MB); measured in
-// all_reduce_ce.json.
-constexpr size_t kArCeMin = 256 * MiB;
+// reduction's) beats one-shot. Two ranks, bf16 (all_reduce_ce.json, symmetric buffers): 778 against
+// 860 us at 256 MB, 2854 against 3383 at 1 GB, a tie at 128 MB (427 / 432); with ordinary buffers,
+// where one-shot stages its input (all_reduce_ordinary_methods.json): 461 against 505 us at 128 MB,
+// one-shot ahead at 64 MB.
+constexpr size_t kArCeMin = 128 * MiB;
 bool ce_all_reduce_divides(const CollectiveShape& s) {
   return s.bytes % (dtype_size(s.dtype) * static_cast<size_t>(std::max(1, s.world_size))) == 0;
 }
@@ -222,6 +227,7 @@ AllGatherMethod select_all_gather(const CollectiveShape& s, const CollectiveLimi
   if (s.bytes >= kAgCeMin) {
     if (s.out_symmetric) return AllGatherMethod::kCePush;
     if (s.in_symmetric) return AllGatherMethod::kCePull;
+    if (s.bytes >= kAgCeStagedMin && feasible(AllGatherMethod::kCePush, s, l)) return AllGatherMethod::kCePush;
   }
   if (feasible(AllGatherMethod::kSm, s, l)) return AllGatherMethod::kSm;
   return AllGatherMethod::kNccl;

@@ -43,8 +43,9 @@ TEST(CollectiveSelect, AllReduceTable) {
   EXPECT_EQ(select_all_reduce(shape(512 * KiB), kLimits), AllReduceMethod::kLowLatency128);
   EXPECT_EQ(select_all_reduce(shape(1 * MiB), kLimits), AllReduceMethod::kLowLatency128);
   EXPECT_EQ(select_all_reduce(shape(1 * MiB + 16), kLimits), AllReduceMethod::kOneShot);
-  EXPECT_EQ(select_all_reduce(shape(256 * MiB - 16), kLimits), AllReduceMethod::kOneShot);
-  // From 256 MB: the copy-engine ReduceScatter then AllGather, when the ranks' slices are whole elements.
+  EXPECT_EQ(select_all_reduce(shape(128 * MiB - 16), kLimits), AllReduceMethod::kOneShot);
+  EXPECT_EQ(select_all_reduce(shape(128 * MiB), kLimits), AllReduceMethod::kCe);
+  // From 128 MB: the copy-engine ReduceScatter then AllGather, when the ranks' slices are whole elements.
   EXPECT_EQ(select_all_reduce(shape(256 * MiB), kLimits), AllReduceMethod::kCe);
   EXPECT_EQ(select_all_reduce(shape(512 * MiB), CollectiveLimits{1024 * MiB, 256 * KiB}), AllReduceMethod::kCe);
   EXPECT_EQ(select_all_reduce(shape(512 * MiB + 2), CollectiveLimits{1024 * MiB, 256 * KiB}),
@@ -52,7 +53,7 @@ TEST(CollectiveSelect, AllReduceTable) {
   // Beyond the workspace: NCCL, never an error.
   EXPECT_EQ(select_all_reduce(shape(1024 * MiB), kLimits), AllReduceMethod::kNccl);
   EXPECT_EQ(select_all_reduce(shape(256 * MiB, 4), kLimits), AllReduceMethod::kCe);
-  EXPECT_EQ(select_all_reduce(shape(256 * MiB - 8, 4), kLimits), AllReduceMethod::kTwoShot);  // 4 ranks, odd slices
+  EXPECT_EQ(select_all_reduce(shape(256 * MiB - 4, 4), kLimits), AllReduceMethod::kTwoShot);  // 2^27 - 2 elements, 4 ranks
   EXPECT_TRUE(feasible(AllReduceMethod::kCe, shape(6, 3), kLimits));  // 3 bf16 elements, one per rank
   EXPECT_FALSE(feasible(AllReduceMethod::kCe, shape(8, 3), kLimits));
   EXPECT_FALSE(feasible(AllReduceMethod::kCe, shape(256 * MiB + 12), kLimits));  // beyond the workspace
@@ -80,7 +81,11 @@ TEST(CollectiveSelect, AllGatherTable) {
   EXPECT_EQ(select_all_gather(shape(64 * KiB), kLimits), AllGatherMethod::kLowLatency);
   EXPECT_EQ(select_all_gather(shape(512 * KiB), kLimits), AllGatherMethod::kLowLatency);  // 256 KB per rank
   EXPECT_EQ(select_all_gather(shape(1 * MiB), kLimits), AllGatherMethod::kSm);
-  EXPECT_EQ(select_all_gather(shape(256 * MiB), kLimits), AllGatherMethod::kSm);
+  // Ordinary buffers: ce_push staged through the workspace from 64 MB while the workspace holds it.
+  EXPECT_EQ(select_all_gather(shape(32 * MiB), kLimits), AllGatherMethod::kSm);
+  EXPECT_EQ(select_all_gather(shape(64 * MiB), kLimits), AllGatherMethod::kCePush);
+  EXPECT_EQ(select_all_gather(shape(256 * MiB), kLimits), AllGatherMethod::kCePush);
+  EXPECT_EQ(select_all_gather(shape(256 * MiB + 16), kLimits), AllGatherMethod::kSm);  // beyond the workspace
   EXPECT_EQ(select_all_gather(shape(64 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(select_all_gather(shape(32 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(select_all_gather(shape(16 * MiB, 2, false, true), kLimits), AllGatherMethod::kSm);  // below 32 MB
