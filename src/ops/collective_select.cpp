@@ -20,8 +20,8 @@ constexpr size_t KiB = 1024, MiB = 1024 * 1024;
 // Thresholds from the side-by-side sweeps on 2 x H200 (bench/results/h200x2/, bf16, symmetric
 // buffers, graph-timed up to 4 MB): the LL protocol wins up to 64 KB (AllReduce; LL128 above, to
 // 1 MB, all_reduce_ll128.json) and 256 KB per rank (AllGather); at two ranks one-shot AllReduce
-// beats two-shot at every size and stays within 3 % of NCCL at 512 MB and 1 GB; the copy-engine
-// AllGather overtakes the SM pull from 128 MB; the fused ReduceScatter loses to NCCL below 512 KB.
+// beats two-shot at every size, and the copy-engine AllReduce beats both from 128 MB; the copy-engine
+// AllGather overtakes the SM pull from 32 MB; the fused ReduceScatter loses to NCCL below 512 KB.
 // NCCL called on symmetric (window) buffers runs its own symmetric kernels, which are slower than its
 // regular ones on large AllReduce (0.7x at 512 MB), so the method "nccl" is no stand-in for the NCCL
 // baseline there. Larger teams are not measured yet: one-shot and LL read (n - 1) copies, so their
