@@ -108,7 +108,8 @@ def all_gather(input, output=None, method: str = "auto"):
         output: optional tensor of ``world_size * input.numel()`` elements (any shape); default a
             new tensor of shape ``(world_size * input.shape[0], *input.shape[1:])``. In place when
             ``input`` is rank's part of ``output`` (``output[rank * n:(rank + 1) * n]``).
-        method: "auto", "sm", "ce_push", "ce_pull", "ll" or "nccl" (``TDIST_ALLGATHER_METHOD``).
+        method: "auto", "sm", "sm_push" (output allocated from the heap), "ce_push", "ce_pull", "ll" or
+            "nccl" (``TDIST_ALLGATHER_METHOD``).
 
     Returns:
         The gathered tensor.

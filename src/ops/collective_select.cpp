@@ -133,6 +133,7 @@ const char* to_string(AllGatherMethod m) {
     case AllGatherMethod::kCePull: return "ce_pull";
     case AllGatherMethod::kLowLatency: return "ll";
     case AllGatherMethod::kNccl: return "nccl";
+    case AllGatherMethod::kSmPush: return "sm_push";
   }
   return "invalid";
 }
@@ -160,10 +161,11 @@ AllReduceMethod parse_all_reduce_method(const std::string& text, const std::stri
 
 AllGatherMethod parse_all_gather_method(const std::string& text, const std::string& what) {
   const std::string s = lower(text);
-  for (auto m : {AllGatherMethod::kAuto, AllGatherMethod::kSm, AllGatherMethod::kCePush, AllGatherMethod::kCePull,
-                 AllGatherMethod::kLowLatency, AllGatherMethod::kNccl})
+  for (auto m : {AllGatherMethod::kAuto, AllGatherMethod::kSm, AllGatherMethod::kSmPush, AllGatherMethod::kCePush,
+                 AllGatherMethod::kCePull, AllGatherMethod::kLowLatency, AllGatherMethod::kNccl})
     if (s == to_string(m)) return m;
-  TDIST_FAIL("invalid ", what, " '", text, "' for all_gather (expected auto, sm, ce_push, ce_pull, ll or nccl)");
+  TDIST_FAIL("invalid ", what, " '", text,
+             "' for all_gather (expected auto, sm, sm_push, ce_push, ce_pull, ll or nccl)");
 }
 
 ReduceScatterMethod parse_reduce_scatter_method(const std::string& text, const std::string& what) {
@@ -193,6 +195,7 @@ bool feasible(AllGatherMethod m, const CollectiveShape& s, const CollectiveLimit
     case AllGatherMethod::kSm:
     case AllGatherMethod::kCePull: return s.in_symmetric || per_rank <= l.workspace_bytes;
     case AllGatherMethod::kCePush: return s.out_symmetric || s.bytes <= l.workspace_bytes;
+    case AllGatherMethod::kSmPush: return s.out_symmetric;
     default: return true;
   }
 }
@@ -294,6 +297,9 @@ AllGatherMethod resolve_all_gather(AllGatherMethod requested, const char* env_va
                                               kLlOption);
                    if (m == AllGatherMethod::kCePush)
                      return infeasible_reason("ce_push", "all_gather", s, s.bytes, l.workspace_bytes, "workspace");
+                   if (m == AllGatherMethod::kSmPush)
+                     return std::string("sm_push stores into the peers' outputs, so 'out' must be a symmetric "
+                                        "buffer of the context's heap (or use another method)");
                    return infeasible_reason(to_string(m), "all_gather", s, per_rank, l.workspace_bytes, "workspace");
                  });
 }

@@ -83,7 +83,8 @@ std::vector<jit::CompileRequest> collective_compile_requests() {
     ll.push_back(instance("ll_reduce_scatter", t));
     ll128.push_back(instance("ll128_all_reduce", t));
   }
-  return {family("all_gather.cuh", "collectives_all_gather.cu", {std::string(kNs) + "tdist_ag_sm"}),
+  return {family("all_gather.cuh", "collectives_all_gather.cu",
+                 {std::string(kNs) + "tdist_ag_sm", std::string(kNs) + "tdist_ag_push"}),
           family("reduce_scatter.cuh", "collectives_reduce_scatter.cu", rs),
           family("all_reduce.cuh", "collectives_all_reduce.cu", ar),
           family("ll.cuh", "collectives_ll.cu", ll),
@@ -95,7 +96,7 @@ TDIST_JIT_REGISTER_KERNELS(collectives, collective_compile_requests);
 
 struct Collectives::Kernels {
   std::vector<std::shared_ptr<jit::Module>> modules;
-  jit::Kernel ag_sm, ll_all_gather, barrier;
+  jit::Kernel ag_sm, ag_push, ll_all_gather, barrier;
   std::array<jit::Kernel, 3> rs_fused, rs_ce_pipelined, ar_one_shot, ar_two_shot, ll_all_reduce,
       ll_reduce_scatter, ll128_all_reduce;  // by DType
 
@@ -103,6 +104,7 @@ struct Collectives::Kernels {
     auto reqs = collective_compile_requests();
     for (auto& r : reqs) modules.push_back(jit::Module::load(jit::compile(r)));
     ag_sm = modules[0]->kernel(std::string(kNs) + "tdist_ag_sm");
+    ag_push = modules[0]->kernel(std::string(kNs) + "tdist_ag_push");
     barrier = modules[4]->kernel("tdist_coll_barrier");
     ll_all_gather = modules[3]->kernel(std::string(kNs) + "tdist_ll_all_gather");
     for (DType t : kDTypes) {
@@ -352,6 +354,9 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
       return;
     case AllGatherMethod::kSm:
       launch(kernels_->ag_sm, blocks_for(b, 32 << 10), params(in, out, b, s.in_symmetric, s.aligned16), stream);
+      return;
+    case AllGatherMethod::kSmPush:
+      launch(kernels_->ag_push, blocks_for(b, 32 << 10), params(in, out, b, true, s.aligned16), stream);
       return;
     case AllGatherMethod::kCePush: {
       // Push this rank's input into every peer's output (zero copy) or workspace slot 0, then, in the

@@ -189,6 +189,11 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
   EXPECT_NE(e4.find("TDIST_REDUCESCATTER_METHOD"), std::string::npos) << e4;
   EXPECT_EQ(resolve_all_gather(AllGatherMethod::kCePush, nullptr, shape(1024 * MiB, 2, false, true), kLimits),
             AllGatherMethod::kCePush);
+  const std::string e6 =
+      error_of([] { resolve_all_gather(AllGatherMethod::kSmPush, nullptr, shape(64 * MiB, 2, true, false), kLimits); });
+  EXPECT_NE(e6.find("'method'"), std::string::npos) << e6;
+  EXPECT_NE(e6.find("'out' must be a symmetric buffer"), std::string::npos) << e6;
+  EXPECT_TRUE(feasible(AllGatherMethod::kSmPush, shape(64 * MiB, 2, false, true), kLimits));
   const std::string e5 = error_of([] { resolve_all_reduce(AllReduceMethod::kCe, nullptr, shape(6 * KiB + 2), kLimits); });
   EXPECT_NE(e5.find("'method'"), std::string::npos) << e5;
   EXPECT_NE(e5.find("do not split evenly over 2 ranks"), std::string::npos) << e5;
@@ -197,8 +202,8 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
                  AllReduceMethod::kLowLatency, AllReduceMethod::kLowLatency128, AllReduceMethod::kNccl,
                  AllReduceMethod::kCe})
     EXPECT_EQ(parse_all_reduce_method(to_string(m)), m);
-  for (auto m : {AllGatherMethod::kAuto, AllGatherMethod::kSm, AllGatherMethod::kCePush, AllGatherMethod::kCePull,
-                 AllGatherMethod::kLowLatency, AllGatherMethod::kNccl})
+  for (auto m : {AllGatherMethod::kAuto, AllGatherMethod::kSm, AllGatherMethod::kSmPush, AllGatherMethod::kCePush,
+                 AllGatherMethod::kCePull, AllGatherMethod::kLowLatency, AllGatherMethod::kNccl})
     EXPECT_EQ(parse_all_gather_method(to_string(m)), m);
   for (auto m : {ReduceScatterMethod::kAuto, ReduceScatterMethod::kFused, ReduceScatterMethod::kCe,
                  ReduceScatterMethod::kLowLatency, ReduceScatterMethod::kNccl})
@@ -278,6 +283,6 @@ TEST(CollectiveKernels, EveryInstanceCompilesForSm90a) {
     EXPECT_EQ(k->spill_loads, 0) << req.file_name << "\n" << k->log;
   }
   // 3 dtypes x (rs_fused, rs_ce_pipelined, ar_one_shot, ar_two_shot, ll_all_reduce, ll_reduce_scatter,
-  // ll128_all_reduce) + ag_sm, ll_all_gather, barrier.
-  EXPECT_EQ(instances, 24u);
+  // ll128_all_reduce) + ag_sm, ag_push, ll_all_gather, barrier.
+  EXPECT_EQ(instances, 25u);
 }

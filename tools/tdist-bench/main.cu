@@ -135,7 +135,7 @@ Options parse(int argc, char** argv) {
 std::vector<std::string> methods_for(const std::string& op, const std::string& choice) {
   if (choice != "all") return {choice};
   if (op == "all_reduce") return {"ll", "ll128", "one_shot", "two_shot", "ce"};
-  if (op == "all_gather") return {"ll", "sm", "ce_push", "ce_pull"};
+  if (op == "all_gather") return {"ll", "sm", "sm_push", "ce_push", "ce_pull"};
   return {"ll", "fused", "ce"};
 }
 

@@ -10,6 +10,14 @@
 // rank, except in place (in == out + me * B), where rank p's input is its own part out + p * B of
 // the symmetric output (translating this rank's `in` would read the peer's copy of this rank's
 // part, which the peer is about to fill).
+// tdist_ag_push (SM push, zero copy into a symmetric output): block b of every rank
+//   1. exchanges phase 0 with block b of every peer (the peer has entered this call, so the work
+//      before it on the peer's stream, which may still have used its output, is done);
+//   2. stores R_b of its input into out[me * B + R_b] of every peer, and of its own output;
+//   3. exchanges phase 1 (released after its stores): the peers' R_b has landed here.
+// NVLink stores reach a higher rate than loads (BASELINES.md: 364 GB/s from every SM), so pushing
+// beats pulling; both phases are in-kernel flag exchanges, cheaper than the copy-engine variants'
+// barrier kernels between stream operations.
 // The copy-engine variants (push and pull) run on the host side (src/ops/collectives.cpp) with the
 // stream barrier of barrier.cuh between their phases.
 #pragma once
@@ -38,6 +46,24 @@ __global__ void __launch_bounds__(kThreads, 1) tdist_ag_sm(CollParams p) {
     tdist::device::detail::group_copy<BlockGroup>(out + peer * B + lo, p.heap.symm_at(peer_src, peer) + lo, hi - lo);
   }
   if (p.zero_copy) exchange(p, 1, e);
+  end_call(p.epoch, e);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) tdist_ag_push(CollParams p) {
+  const u64 e = begin_call(p.epoch);
+  const int n = p.heap.num_ranks, me = p.heap.rank;
+  const u64 B = p.count;
+  u64 lo, hi;
+  block_range(B, blockIdx.x, gridDim.x, 16, lo, hi);
+  const char* in = static_cast<const char*>(p.in);
+  char* mine = static_cast<char*>(p.out) + me * B;  // this rank's part, at the same offset on every peer
+  exchange(p, 0, e);
+  for (int k = 1; k < n; ++k) {
+    const int peer = (me + k) % n;  // staggered, so ranks do not all write one peer at once
+    tdist::device::detail::group_copy<BlockGroup>(p.heap.symm_at(mine, peer) + lo, in + lo, hi - lo);
+  }
+  block_copy(mine + lo, in + lo, hi - lo);  // no-op in place
+  exchange(p, 1, e);
   end_call(p.epoch, e);
 }
 
