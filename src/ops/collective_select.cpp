@@ -45,6 +45,11 @@ size_t rs_ll_max(int n) { return n <= 2 ? 512 * KiB : n <= 4 ? 256 * KiB : 128 *
 // Two ranks, bf16 (bench/results/h200x2/all_gather_large.json): ce_push 68 vs sm 71 us at 32 MB,
 // 115 vs 131 at 64 MB, 370 vs 499 at 256 MB; sm ahead at 16 MB.
 constexpr size_t kAgCeMin = 32 * MiB;
+// Into a symmetric output the SM push (every SM storing over NVLink, in-kernel exchanges) beats the
+// pull at every size and the copy engine below this size; they tie here and the copy engine, which
+// leaves the SMs free, takes over (all_gather_push.json: sm_push 60.0 vs ce_push 68.7 us at 32 MB,
+// 113.5 vs 114.3 at 64 MB, 218.5 vs 200.1 at 128 MB).
+constexpr size_t kAgCePushMin = 64 * MiB;
 // With neither buffer symmetric, ce_push stages through the workspace (the pushes land there and the
 // gathered blocks are copied out) and still beats the SM pull, which stages its input, from this size
 // (all_gather_ordinary_methods.json: 131 vs 146 us at 64 MB, 1655 vs 2304 at 1 GB; sm ahead at 32 MB).
@@ -227,8 +232,8 @@ AllGatherMethod select_all_gather(const CollectiveShape& s, const CollectiveLimi
   const size_t per_rank = s.bytes / n;
   if (per_rank <= ag_ll_max_per_rank(n) && feasible(AllGatherMethod::kLowLatency, s, l))
     return AllGatherMethod::kLowLatency;
+  if (s.out_symmetric) return s.bytes >= kAgCePushMin ? AllGatherMethod::kCePush : AllGatherMethod::kSmPush;
   if (s.bytes >= kAgCeMin) {
-    if (s.out_symmetric) return AllGatherMethod::kCePush;
     if (s.in_symmetric) return AllGatherMethod::kCePull;
     if (s.bytes >= kAgCeStagedMin && feasible(AllGatherMethod::kCePush, s, l)) return AllGatherMethod::kCePush;
   }

@@ -87,11 +87,17 @@ TEST(CollectiveSelect, AllGatherTable) {
   EXPECT_EQ(select_all_gather(shape(256 * MiB), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(select_all_gather(shape(256 * MiB + 16), kLimits), AllGatherMethod::kSm);  // beyond the workspace
   EXPECT_EQ(select_all_gather(shape(64 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
-  EXPECT_EQ(select_all_gather(shape(32 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
-  EXPECT_EQ(select_all_gather(shape(16 * MiB, 2, false, true), kLimits), AllGatherMethod::kSm);  // below 32 MB
+  // A symmetric output: the SM push below 64 MB, the copy engine from there.
+  EXPECT_EQ(select_all_gather(shape(64 * MiB - 16, 2, false, true), kLimits), AllGatherMethod::kSmPush);
+  EXPECT_EQ(select_all_gather(shape(32 * MiB, 2, false, true), kLimits), AllGatherMethod::kSmPush);
+  EXPECT_EQ(select_all_gather(shape(1 * MiB, 2, false, true), kLimits), AllGatherMethod::kSmPush);
+  EXPECT_EQ(select_all_gather(shape(512 * KiB, 2, false, true), kLimits), AllGatherMethod::kLowLatency);
+  EXPECT_EQ(select_all_gather(shape(2048 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(select_all_gather(shape(256 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(select_all_gather(shape(256 * MiB, 2, true, false), kLimits), AllGatherMethod::kCePull);
-  EXPECT_EQ(select_all_gather(shape(16 * MiB, 2, true, true), kLimits), AllGatherMethod::kSm);
+  EXPECT_EQ(select_all_gather(shape(16 * MiB, 2, true, true), kLimits), AllGatherMethod::kSmPush);
+  EXPECT_EQ(select_all_gather(shape(16 * MiB, 2, true, false), kLimits), AllGatherMethod::kSm);
+  EXPECT_EQ(select_all_gather(shape(32 * MiB, 2, true, false), kLimits), AllGatherMethod::kCePull);
   EXPECT_EQ(select_all_gather(shape(512 * MiB, 2), kLimits), AllGatherMethod::kSm);    // 256 MB per rank: fits
   EXPECT_EQ(select_all_gather(shape(1024 * MiB, 2), kLimits), AllGatherMethod::kNccl);  // 512 MB per rank: does not
   EXPECT_EQ(select_all_gather(shape(2048 * MiB, 2), kLimits), AllGatherMethod::kNccl);

@@ -576,6 +576,15 @@ int main() {
         {static_cast<int>(RS::kFused), static_cast<int>(AG::kLowLatency)},
         {static_cast<int>(RS::kCe), static_cast<int>(AG::kCePush)},
     };
+    for (bool graph : {false, true}) {
+      suite.run(detail::concat("chained calls: reduce_scatter ll then all_gather sm_push in place, 4099 bf16, symmetric",
+                               graph ? ", graph x 100" : ", 100 rounds"),
+                [&] {
+                  run_chain<__nv_bfloat16>(env, DType::kBFloat16, 4099, false,
+                                           {static_cast<int>(RS::kLowLatency), static_cast<int>(AG::kSmPush)}, true,
+                                           graph, 100);
+                });
+    }
     for (const auto& m : rs_ag) {
       for (bool graph : {false, true}) {
         suite.run(detail::concat("chained calls: reduce_scatter ", method_name(Op::kReduceScatter, m[0]),
