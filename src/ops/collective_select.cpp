@@ -47,9 +47,9 @@ size_t rs_ll_max(int n) { return n <= 2 ? 512 * KiB : n <= 4 ? 256 * KiB : 128 *
 constexpr size_t kAgCeMin = 32 * MiB;
 // Into a symmetric output the SM push (every SM storing over NVLink, in-kernel exchanges) beats the
 // pull at every size and the copy engine below this size; they tie here and the copy engine, which
-// leaves the SMs free, takes over (all_gather_push.json: sm_push 60.0 vs ce_push 68.7 us at 32 MB,
-// 113.5 vs 114.3 at 64 MB, 218.5 vs 200.1 at 128 MB).
-constexpr size_t kAgCePushMin = 64 * MiB;
+// leaves the SMs free, takes over (all_gather_push_chunked.json: sm_push 59.2 vs ce_push 68.5 us at
+// 32 MB, 105.9 vs 114.1 at 64 MB, 197.7 vs 200.0 at 128 MB).
+constexpr size_t kAgCePushMin = 128 * MiB;
 // With neither buffer symmetric, ce_push stages through the workspace (the pushes land there and the
 // gathered blocks are copied out) and still beats the SM pull, which stages its input, from this size
 // (all_gather_ordinary_methods.json: 131 vs 146 us at 64 MB, 1655 vs 2304 at 1 GB; sm ahead at 32 MB).

@@ -86,9 +86,10 @@ TEST(CollectiveSelect, AllGatherTable) {
   EXPECT_EQ(select_all_gather(shape(64 * MiB), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(select_all_gather(shape(256 * MiB), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(select_all_gather(shape(256 * MiB + 16), kLimits), AllGatherMethod::kSm);  // beyond the workspace
-  EXPECT_EQ(select_all_gather(shape(64 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
-  // A symmetric output: the SM push below 64 MB, the copy engine from there.
-  EXPECT_EQ(select_all_gather(shape(64 * MiB - 16, 2, false, true), kLimits), AllGatherMethod::kSmPush);
+  EXPECT_EQ(select_all_gather(shape(64 * MiB, 2, false, true), kLimits), AllGatherMethod::kSmPush);
+  // A symmetric output: the SM push below 128 MB, the copy engine from there.
+  EXPECT_EQ(select_all_gather(shape(128 * MiB - 16, 2, false, true), kLimits), AllGatherMethod::kSmPush);
+  EXPECT_EQ(select_all_gather(shape(128 * MiB, 2, false, true), kLimits), AllGatherMethod::kCePush);
   EXPECT_EQ(select_all_gather(shape(32 * MiB, 2, false, true), kLimits), AllGatherMethod::kSmPush);
   EXPECT_EQ(select_all_gather(shape(1 * MiB, 2, false, true), kLimits), AllGatherMethod::kSmPush);
   EXPECT_EQ(select_all_gather(shape(512 * KiB, 2, false, true), kLimits), AllGatherMethod::kLowLatency);

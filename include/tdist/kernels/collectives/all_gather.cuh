@@ -13,7 +13,9 @@
 // tdist_ag_push (SM push, zero copy into a symmetric output): block b of every rank
 //   1. exchanges phase 0 with block b of every peer (the peer has entered this call, so the work
 //      before it on the peer's stream, which may still have used its output, is done);
-//   2. stores R_b of its input into out[me * B + R_b] of every peer, and of its own output;
+//   2. stores R_b of its input into out[me * B + R_b] of every peer, and of its own output, in
+//      turns of kPushChunkBytes: the local copy of one chunk runs while the NVLink stores of the
+//      last drain (copying the own part after all pushes cost 5-10 % from 64 MB);
 //   3. exchanges phase 1 (released after its stores): the peers' R_b has landed here.
 // NVLink stores reach a higher rate than loads (BASELINES.md: 364 GB/s from every SM), so pushing
 // beats pulling; both phases are in-kernel flag exchanges, cheaper than the copy-engine variants'
@@ -25,6 +27,8 @@
 #include "tdist/kernels/collectives/common.cuh"
 
 namespace tdist::kernels::coll {
+
+constexpr u64 kPushChunkBytes = 64 << 10;
 
 __global__ void __launch_bounds__(kThreads, 1) tdist_ag_sm(CollParams p) {
   const u64 e = begin_call(p.epoch);
@@ -58,11 +62,14 @@ __global__ void __launch_bounds__(kThreads, 1) tdist_ag_push(CollParams p) {
   const char* in = static_cast<const char*>(p.in);
   char* mine = static_cast<char*>(p.out) + me * B;  // this rank's part, at the same offset on every peer
   exchange(p, 0, e);
-  for (int k = 1; k < n; ++k) {
-    const int peer = (me + k) % n;  // staggered, so ranks do not all write one peer at once
-    tdist::device::detail::group_copy<BlockGroup>(p.heap.symm_at(mine, peer) + lo, in + lo, hi - lo);
+  for (u64 c = lo; c < hi; c += kPushChunkBytes) {
+    const u64 len = hi - c < kPushChunkBytes ? hi - c : kPushChunkBytes;
+    for (int k = 1; k < n; ++k) {
+      const int peer = (me + k) % n;  // staggered, so ranks do not all write one peer at once
+      tdist::device::detail::group_copy<BlockGroup>(p.heap.symm_at(mine, peer) + c, in + c, len);
+    }
+    block_copy(mine + c, in + c, len);  // no-op in place
   }
-  block_copy(mine + lo, in + lo, hi - lo);  // no-op in place
   exchange(p, 1, e);
   end_call(p.epoch, e);
 }
