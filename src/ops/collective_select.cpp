@@ -46,9 +46,9 @@ size_t rs_ll_max(int n) { return n <= 2 ? 512 * KiB : n <= 4 ? 256 * KiB : 128 *
 // 115 vs 131 at 64 MB, 370 vs 499 at 256 MB; sm ahead at 16 MB.
 constexpr size_t kAgCeMin = 32 * MiB;
 // Into a symmetric output the SM push (every SM storing over NVLink, in-kernel exchanges) beats the
-// pull at every size and the copy engine below this size; they tie here and the copy engine, which
-// leaves the SMs free, takes over (all_gather_push_chunked.json: sm_push 59.2 vs ce_push 68.5 us at
-// 32 MB, 105.9 vs 114.1 at 64 MB, 197.7 vs 200.0 at 128 MB).
+// pull at every size and the copy engine below this size; they are within 2 % here and the copy
+// engine, which leaves the SMs free, takes over (all_gather_push_chunked.json: sm_push 58.5 vs
+// ce_push 68.2 us at 32 MB, 105.5 vs 114.8 at 64 MB, 196.5 vs 200.3 at 128 MB, 403 vs 371 at 256 MB).
 constexpr size_t kAgCePushMin = 128 * MiB;
 // With neither buffer symmetric, ce_push stages through the workspace (the pushes land there and the
 // gathered blocks are copied out) and still beats the SM pull, which stages its input, from this size
