@@ -128,7 +128,7 @@ def reduce_scatter(input, output=None, method: str = "auto"):
         output: optional tensor of ``input.numel() / world_size`` elements; default a new tensor of
             shape ``(input.shape[0] / world_size, *input.shape[1:])`` (dimension 0 must divide).
             In place when ``output`` is rank's part of ``input``.
-        method: "auto", "fused", "sm_push", "ce", "ll" or "nccl" (``TDIST_REDUCESCATTER_METHOD``).
+        method: "auto", "fused", "ce", "ll" or "nccl" (``TDIST_REDUCESCATTER_METHOD``).
 
     Returns:
         This rank's part of the sum (fp32 accumulation).

@@ -150,7 +150,6 @@ const char* to_string(ReduceScatterMethod m) {
     case ReduceScatterMethod::kCe: return "ce";
     case ReduceScatterMethod::kLowLatency: return "ll";
     case ReduceScatterMethod::kNccl: return "nccl";
-    case ReduceScatterMethod::kSmPush: return "sm_push";
   }
   return "invalid";
 }
@@ -176,10 +175,10 @@ AllGatherMethod parse_all_gather_method(const std::string& text, const std::stri
 
 ReduceScatterMethod parse_reduce_scatter_method(const std::string& text, const std::string& what) {
   const std::string s = lower(text);
-  for (auto m : {ReduceScatterMethod::kAuto, ReduceScatterMethod::kFused, ReduceScatterMethod::kSmPush,
-                 ReduceScatterMethod::kCe, ReduceScatterMethod::kLowLatency, ReduceScatterMethod::kNccl})
+  for (auto m : {ReduceScatterMethod::kAuto, ReduceScatterMethod::kFused, ReduceScatterMethod::kCe,
+                 ReduceScatterMethod::kLowLatency, ReduceScatterMethod::kNccl})
     if (s == to_string(m)) return m;
-  TDIST_FAIL("invalid ", what, " '", text, "' for reduce_scatter (expected auto, fused, sm_push, ce, ll or nccl)");
+  TDIST_FAIL("invalid ", what, " '", text, "' for reduce_scatter (expected auto, fused, ce, ll or nccl)");
 }
 
 bool feasible(AllReduceMethod m, const CollectiveShape& s, const CollectiveLimits& l) {
@@ -210,8 +209,7 @@ bool feasible(ReduceScatterMethod m, const CollectiveShape& s, const CollectiveL
   switch (m) {
     case ReduceScatterMethod::kLowLatency: return s.bytes / std::max(1, s.world_size) <= l.ll_bytes;
     case ReduceScatterMethod::kFused: return s.in_symmetric || s.bytes <= l.workspace_bytes;
-    case ReduceScatterMethod::kCe:
-    case ReduceScatterMethod::kSmPush: return s.bytes <= l.workspace_bytes;
+    case ReduceScatterMethod::kCe: return s.bytes <= l.workspace_bytes;
     default: return true;
   }
 }

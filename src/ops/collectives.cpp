@@ -63,7 +63,7 @@ struct HeapSizes {
 HeapSizes heap_sizes(int n, size_t max_bytes, size_t ll_bytes, size_t ll128_bytes, int max_blocks, size_t ce_pieces) {
   const size_t u64_bytes = sizeof(device::u64), ranks = static_cast<size_t>(n);
   return {2 * max_bytes,
-          static_cast<size_t>(kernels::coll::kFlagRows) * static_cast<size_t>(max_blocks) * ranks * u64_bytes,
+          static_cast<size_t>(kernels::coll::kPhases) * static_cast<size_t>(max_blocks) * ranks * u64_bytes,
           2 * barrier_pad_words(n) * u64_bytes,
           ce_pieces * ranks * u64_bytes,
           2 * ranks * (ll_bytes / 4) * 8,
@@ -77,7 +77,6 @@ std::vector<jit::CompileRequest> collective_compile_requests() {
   for (DType t : kDTypes) {
     rs.push_back(instance("rs_fused", t));
     rs.push_back(instance("rs_ce_pipelined", t));
-    rs.push_back(instance("rs_push", t));
     ar.push_back(instance("ar_one_shot", t));
     ar.push_back(instance("ar_two_shot", t));
     ll.push_back(instance("ll_all_reduce", t));
@@ -98,7 +97,7 @@ TDIST_JIT_REGISTER_KERNELS(collectives, collective_compile_requests);
 struct Collectives::Kernels {
   std::vector<std::shared_ptr<jit::Module>> modules;
   jit::Kernel ag_sm, ag_push, ll_all_gather, barrier;
-  std::array<jit::Kernel, 3> rs_fused, rs_ce_pipelined, rs_push, ar_one_shot, ar_two_shot, ll_all_reduce,
+  std::array<jit::Kernel, 3> rs_fused, rs_ce_pipelined, ar_one_shot, ar_two_shot, ll_all_reduce,
       ll_reduce_scatter, ll128_all_reduce;  // by DType
 
   Kernels() {
@@ -112,7 +111,6 @@ struct Collectives::Kernels {
       const int i = static_cast<int>(t);
       rs_fused[i] = modules[1]->kernel(instance("rs_fused", t));
       rs_ce_pipelined[i] = modules[1]->kernel(instance("rs_ce_pipelined", t));
-      rs_push[i] = modules[1]->kernel(instance("rs_push", t));
       ar_one_shot[i] = modules[2]->kernel(instance("ar_one_shot", t));
       ar_two_shot[i] = modules[2]->kernel(instance("ar_two_shot", t));
       ll_all_reduce[i] = modules[3]->kernel(instance("ll_all_reduce", t));
@@ -442,9 +440,6 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
       return;
     case ReduceScatterMethod::kFused:
       launch(kernels_->rs_fused[t], blocks_for(b, 16 << 10), params(in, out, count, s.in_symmetric, s.aligned16), stream);
-      return;
-    case ReduceScatterMethod::kSmPush:
-      launch(kernels_->rs_push[t], blocks_for(b, 32 << 10), params(in, out, count, false, s.aligned16), stream);
       return;
     case ReduceScatterMethod::kCe: {
       // Scatter by copy engine, reduce on the SMs behind it: slice p of this rank's input goes to peer

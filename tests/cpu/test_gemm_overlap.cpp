@@ -447,12 +447,12 @@ TEST(GemmAllReduceArgs, AcceptsAndErrorsNameTheArgument) { reduce_checks<tdist::
 // allocation rounded to the heap's 256-byte alignment.
 TEST(OverlapHeapBytes, SumOfTheAllocations) {
   const size_t mib = size_t{1} << 20;
-  // Collectives of a 32 MiB workspace slot: workspace 2 x 32 MiB, flags 3 rows x 132 blocks x 2
-  // ranks x 8 B (6336 -> 6400), barrier pads 2 x (2 + 2) x 8 B (-> 256), copy-engine piece flags
+  // Collectives of a 32 MiB workspace slot: workspace 2 x 32 MiB, flags 2 phases x 132 blocks x 2
+  // ranks x 8 B (4224 -> 4352), barrier pads 2 x (2 + 2) x 8 B (-> 256), copy-engine piece flags
   // 16 x 2 x 8 B (256), LL buffer 2 x 2 ranks x 64 Ki lines x 8 B (2 MiB), LL128 buffer 2 x 2 ranks
   // x 8739 lines of 120 payload bytes (1 MiB) x 128 B (4474368 -> 4474368).
   const size_t ll128 = 2 * 2 * 8739 * 128;
-  const size_t coll = 64 * mib + 6400 + 256 + 256 + 2 * mib + ll128;
+  const size_t coll = 64 * mib + 4352 + 256 + 256 + 2 * mib + ll128;
   EXPECT_EQ(tdist::Collectives::heap_bytes(2, 32 * mib, 132), coll);
   EXPECT_GT(tdist::Collectives::heap_bytes(2, 32 * mib, 264), coll);  // more blocks, more flags
   // AllGather-GEMM, M = 16384, K = 8192, bf16: gathered A (256 MiB), flags (-> 256), the
@@ -467,5 +467,5 @@ TEST(OverlapHeapBytes, SumOfTheAllocations) {
   // A small problem keeps a small workspace (twice its 1 KiB collective).
   const tdist::AllGatherGemmConfig tiny{.max_m = 8, .k = 64, .dtype = DType::kFloat16};
   EXPECT_EQ(tdist::all_gather_gemm_heap_bytes(tiny, 2, 132),
-            1024 + 256 + 2048 + 6400 + 256 + 256 + 2 * mib + ll128);
+            1024 + 256 + 2048 + 4352 + 256 + 256 + 2 * mib + ll128);
 }

@@ -136,7 +136,7 @@ std::vector<std::string> methods_for(const std::string& op, const std::string& c
   if (choice != "all") return {choice};
   if (op == "all_reduce") return {"ll", "ll128", "one_shot", "two_shot", "ce"};
   if (op == "all_gather") return {"ll", "sm", "sm_push", "ce_push", "ce_pull"};
-  return {"ll", "fused", "sm_push", "ce"};
+  return {"ll", "fused", "ce"};
 }
 
 double bus_factor(const std::string& op, int n) {

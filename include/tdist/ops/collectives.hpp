@@ -115,7 +115,7 @@ class Collectives {
   int max_blocks_;
   bool programmatic_launch_;
   char* workspace_ = nullptr;            // 2 slots of max_bytes_
-  device::u64* flags_ = nullptr;         // kFlagRows x max_blocks x world_size
+  device::u64* flags_ = nullptr;         // kPhases x max_blocks x world_size
   device::u64* barrier_pads_ = nullptr;  // [0]: barrier(), [1]: copy-engine phases
   // Copy-engine ReduceScatter: halving pieces, the smallest at least kCePieceBytes, at most kCePieces
   // of them; ce_flags_[piece * world_size + src] = 1 once rank src's piece has landed here (symmetric).

@@ -28,6 +28,8 @@
 
 namespace tdist::kernels::coll {
 
+constexpr u64 kPushChunkBytes = 64 << 10;
+
 __global__ void __launch_bounds__(kThreads, 1) tdist_ag_sm(CollParams p) {
   const u64 e = begin_call(p.epoch);
   const int n = p.heap.num_ranks, me = p.heap.rank;

@@ -16,8 +16,7 @@
 // the peer's call e (the last reader of the slot) had finished.
 //
 // Flags (symmetric u64): flags[(phase * max_blocks + block) * num_ranks + src], raised by rank `src`
-// on every peer with release semantics: value e in the exchange phases 0 and 1; in the chunk row
-// (kChunkFlagPhase, rs_push) e * kChunkFlagStride + chunk + 1, which grows across calls as e does. Blocks of the same index on every rank cover the
+// on every peer with release semantics, value e. Blocks of the same index on every rank cover the
 // same part of the data (the partition depends only on the count and the grid, which agree), so a
 // block waits only for its own index's flags.
 #pragma once
@@ -41,14 +40,8 @@ namespace tdist::kernels::coll {
 using tdist::device::u32;
 using tdist::device::u64;
 
-// Flag phases per block (exchanges), then the row of chunk flags.
+// Flag phases per block.
 constexpr int kPhases = 2;
-constexpr int kChunkFlagPhase = kPhases;
-constexpr int kFlagRows = kPhases + 1;
-constexpr u64 kChunkFlagStride = u64{1} << 24;  // more chunks than any block's range holds
-// Bytes a pushing kernel stores to its peers before it turns to local work (own copy, reduction),
-// so that the local work of one chunk runs while the NVLink stores of the last drain.
-constexpr u64 kPushChunkBytes = 64 << 10;
 // Threads per block of every collective kernel (>= the largest LSA team, kMaxLsaRanks).
 constexpr int kThreads = 512;
 

@@ -8,15 +8,6 @@
 //   2. exchange phase 0 with block b of every peer;
 //   3. out[R_b] = sum over ranks r (in rank order) of rank r's slice `me`, read over NVLink;
 //   4. zero copy only: exchange phase 1 (no peer still reads `in` after the call).
-// rs_push<T> (push, then reduce locally): block b of every rank owns the same range R_b of each
-// slice; after exchange phase 0 (the peer has entered this call, so its workspace slot is free), in
-// turns of kPushChunkBytes it
-//   1. stores chunk k of slice p of its input into peer p's slot at [me * C] (NVLink stores, which
-//      run faster than the loads rs_fused pulls with), for every peer p;
-//   2. raises its chunk flag on every peer (value e * kChunkFlagStride + k + 1, released after the
-//      block's stores) and waits for every peer's flag for chunk k;
-//   3. reduces chunk k: out = sum over ranks in rank order, its own slice read from `in`, the
-//      peers' from its own slot (local reads), while the stores of the next chunk are in flight.
 // rs_ce_pipelined<T> (the SM half of the copy-engine variant): the peers' copy engines put their
 // slice `me` into this rank's workspace slot 0 at [r * C] in `pieces` pieces (ce_piece_start),
 // raising ce_flags[c * n + r] after piece c; every block adds up its share of piece c once piece c's
@@ -62,37 +53,6 @@ __global__ void __launch_bounds__(kThreads, 1) rs_fused(CollParams p) {
   __syncthreads();
   reduce_range<T>(static_cast<T*>(p.out), srcs, n, lo, hi, p.vec != 0);
   if (p.zero_copy) exchange(p, 1, e);
-  end_call(p.epoch, e);
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) rs_push(CollParams p) {
-  const u64 e = begin_call(p.epoch);
-  const int n = p.heap.num_ranks, me = p.heap.rank;
-  const int t = static_cast<int>(threadIdx.x);
-  const u64 C = p.count, sz = sizeof(T), chunk = kPushChunkBytes / sizeof(T);
-  u64 lo, hi;
-  block_range(C, blockIdx.x, gridDim.x, 8, lo, hi);
-  const char* in = static_cast<const char*>(p.in);
-  char* slot = slot_of(p, e);  // [source rank][C elements]: what each peer pushed for this rank
-  __shared__ const char* srcs[kMaxLsaRanks];
-  for (int r = t; r < n; r += blockDim.x) srcs[r] = r == me ? in + me * C * sz : slot + r * C * sz;
-  exchange(p, 0, e);  // ends with __syncthreads: srcs is visible
-  u64 k = 0;
-  for (u64 c = lo; c < hi; c += chunk, ++k) {
-    const u64 len = hi - c < chunk ? hi - c : chunk;
-    for (int j = 1; j < n; ++j) {
-      const int peer = (me + j) % n;  // staggered, so ranks do not all write one peer at once
-      tdist::device::detail::group_copy<BlockGroup>(p.heap.symm_at(slot + me * C * sz, peer) + c * sz,
-                                                    in + (peer * C + c) * sz, len * sz);
-    }
-    __syncthreads();  // the block's stores precede the releases
-    const u64 v = e * kChunkFlagStride + k + 1;
-    if (t < n && t != me) notify<Scope::kSystem>(p.heap.symm_at(flag_slot(p, kChunkFlagPhase, blockIdx.x, me), t), v);
-    if (t < n && t != me) signal_wait_until<Scope::kSystem>(flag_slot(p, kChunkFlagPhase, blockIdx.x, t), Cmp::kGe, v);
-    __syncthreads();
-    reduce_range<T>(static_cast<T*>(p.out), srcs, n, c, c + len, p.vec != 0);
-  }
   end_call(p.epoch, e);
 }
 
