@@ -356,7 +356,7 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
       launch(kernels_->ag_sm, blocks_for(b, 32 << 10), params(in, out, b, s.in_symmetric, s.aligned16), stream);
       return;
     case AllGatherMethod::kSmPush:
-      launch(kernels_->ag_push, blocks_for(b, 32 << 10), params(in, out, b, true, s.aligned16), stream);
+      launch(kernels_->ag_push, blocks_for(b, 32 << 10), params(in, out, b, false, s.aligned16), stream);
       return;
     case AllGatherMethod::kCePush: {
       // Push this rank's input into every peer's output (zero copy) or workspace slot 0, then, in the

@@ -24,7 +24,8 @@ enum class AllReduceMethod { kAuto, kOneShot, kTwoShot, kLowLatency, kLowLatency
 enum class AllGatherMethod { kAuto, kSm, kCePush, kCePull, kLowLatency, kNccl, kSmPush };
 enum class ReduceScatterMethod { kAuto, kFused, kCe, kLowLatency, kNccl };
 
-// Names: auto, one_shot, two_shot, ll, ll128, nccl, ce | auto, sm, sm_push, ce_push, ce_pull, ll, nccl | auto, fused, ce, ll, nccl.
+// Names: auto, one_shot, two_shot, ll, ll128, nccl, ce | auto, sm, sm_push, ce_push, ce_pull, ll, nccl |
+// auto, fused, ce, ll, nccl.
 const char* to_string(AllReduceMethod m);
 const char* to_string(AllGatherMethod m);
 const char* to_string(ReduceScatterMethod m);

@@ -15,7 +15,8 @@
 //      before it on the peer's stream, which may still have used its output, is done);
 //   2. stores R_b of its input into out[me * B + R_b] of every peer, and of its own output, in
 //      turns of kPushChunkBytes: the local copy of one chunk runs while the NVLink stores of the
-//      last drain (copying the own part after all pushes cost 5-10 % from 64 MB);
+//      last drain (copying the own part after all pushes was 8-10 % slower from 64 MB,
+//      bench/results/h200x2/ag_push_chunks.txt);
 //   3. exchanges phase 1 (released after its stores): the peers' R_b has landed here.
 // NVLink stores reach a higher rate than loads (BASELINES.md: 364 GB/s from every SM), so pushing
 // beats pulling; both phases are in-kernel flag exchanges, cheaper than the copy-engine variants'
