@@ -346,8 +346,50 @@ void nccl_window_diagnostic(Env& env, Op op, DType dtype, ncclDataType_t nt, siz
   }
 }
 
-// `replays` replays of one graph holding `ops_per_graph` rounds of (regenerate input from the device
-// counter, op, check, bump counter): flags and epochs must survive replay.
+// Runs `launches` x `per_launch` rounds of enqueue_round(counter, seed) on the stream: eagerly, or
+// as `launches` replays of one captured graph holding `per_launch` rounds. Each round regenerates its
+// inputs from the device `counter`, checks its output into env.counters and bumps the counter, so
+// graph replays see fresh inputs. Then checks that every round ran and that every rank agrees.
+template <typename EnqueueRound>
+void run_rounds(Env& env, u64 seed_step, bool graph, int per_launch, int launches, const std::string& what,
+                EnqueueRound&& enqueue_round) {
+  u64* counter;
+  TDIST_CUDA_CHECK(cudaMalloc(&counter, sizeof(u64)));
+  TDIST_CUDA_CHECK(cudaMemset(counter, 0, sizeof(u64)));
+  const u64 seed = env.seed_base + seed_step * ++env.cases;
+  cudaStream_t s = env.stream;
+  reset_counters(env, s);
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  auto enqueue_launch = [&] {
+    for (int k = 0; k < per_launch; ++k) enqueue_round(counter, seed);
+  };
+  cudaGraphExec_t exec = nullptr;
+  if (graph) {
+    cudaGraph_t g;
+    TDIST_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    enqueue_launch();
+    TDIST_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+    TDIST_CUDA_CHECK(cudaGraphDestroy(g));
+  }
+  tdist::test::sync_all(env.world, "rounds ready");
+  for (int r = 0; r < launches; ++r) {
+    if (graph) TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    else enqueue_launch();
+  }
+  unsigned long long host[2];
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  u64 done = 0;
+  TDIST_CUDA_CHECK(cudaMemcpy(&done, counter, sizeof(done), cudaMemcpyDeviceToHost));
+  if (exec) TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  TDIST_CUDA_CHECK(cudaFree(counter));
+  TDIST_CHECK(done == static_cast<u64>(launches) * per_launch, what, ": ran ", done, " rounds");
+  agree(env, host[0], host[1], what);
+}
+
+// `replays` replays of one graph holding 4 rounds of (regenerate input from the device counter, op,
+// check, bump counter): flags and epochs must survive replay.
 template <typename T>
 void run_graph(Env& env, Op op, DType dtype, size_t c, int method, bool symmetric, int replays) {
   const size_t n = env.n(), sz = sizeof(T);
@@ -355,49 +397,29 @@ void run_graph(Env& env, Op op, DType dtype, size_t c, int method, bool symmetri
   const size_t out_count = op == Op::kAllGather ? n * c : c;
   char* in = symmetric ? env.s_in : env.d_in;
   char* out = symmetric ? env.s_out : env.d_out;
-  u64* counter;
-  TDIST_CUDA_CHECK(cudaMalloc(&counter, sizeof(u64)));
-  TDIST_CUDA_CHECK(cudaMemset(counter, 0, sizeof(u64)));
-  const u64 seed = env.seed_base + 104729 * ++env.cases;
-  cudaStream_t s = env.stream;
-  reset_counters(env, s);
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  TDIST_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   constexpr int kOpsPerGraph = 4;
-  for (int k = 0; k < kOpsPerGraph; ++k) {
-    TDIST_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, out_count * sz, s));
-    fill_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<T*>(in), in_count, seed, counter, env.me(), 0);
-    if (op == Op::kAllReduce) env.coll.all_reduce(in, out, c, dtype, s, static_cast<AllReduceMethod>(method));
-    if (op == Op::kAllGather) env.coll.all_gather(in, out, c, dtype, s, static_cast<AllGatherMethod>(method));
-    if (op == Op::kReduceScatter) env.coll.reduce_scatter(in, out, c, dtype, s, static_cast<ReduceScatterMethod>(method));
-    check_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<const T*>(out), out_count, op, c, env.n(), env.me(), seed,
-                                       counter, op == Op::kAllGather ? 0.0 : tolerance(dtype), env.counters,
-                                       env.counters + 1);
-    bump_kernel<<<1, 1, 0, s>>>(counter);
-  }
-  TDIST_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  tdist::test::sync_all(env.world, "graph ready");
-  for (int r = 0; r < replays / kOpsPerGraph; ++r) TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
-  unsigned long long host[2];
-  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
-  u64 rounds = 0;
-  TDIST_CUDA_CHECK(cudaMemcpy(&rounds, counter, sizeof(rounds), cudaMemcpyDeviceToHost));
-  TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
-  TDIST_CUDA_CHECK(cudaFree(counter));
-  TDIST_CHECK(rounds == static_cast<u64>(replays / kOpsPerGraph * kOpsPerGraph), "the graph ran ", rounds, " rounds");
-  agree(env, host[0], host[1], detail::concat("graph replays, ", c, " elements"));
+  run_rounds(env, 104729, true, kOpsPerGraph, replays / kOpsPerGraph,
+             detail::concat("graph replays, ", c, " elements"), [&](u64* counter, u64 seed) {
+               cudaStream_t s = env.stream;
+               TDIST_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, out_count * sz, s));
+               fill_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<T*>(in), in_count, seed, counter, env.me(), 0);
+               if (op == Op::kAllReduce) env.coll.all_reduce(in, out, c, dtype, s, static_cast<AllReduceMethod>(method));
+               if (op == Op::kAllGather) env.coll.all_gather(in, out, c, dtype, s, static_cast<AllGatherMethod>(method));
+               if (op == Op::kReduceScatter)
+                 env.coll.reduce_scatter(in, out, c, dtype, s, static_cast<ReduceScatterMethod>(method));
+               check_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<const T*>(out), out_count, op, c, env.n(),
+                                                  env.me(), seed, counter,
+                                                  op == Op::kAllGather ? 0.0 : tolerance(dtype), env.counters,
+                                                  env.counters + 1);
+               bump_kernel<<<1, 1, 0, s>>>(counter);
+             });
 }
 
 // Calls that each read the output of the call before them, on one stream with no host wait between:
 // with programmatic launch every call's kernel is scheduled while the previous call's kernel still
 // runs, so a kernel that touched its input, epoch or buffers before waiting for it would read stale
-// data. `rounds` of (fill from the device counter, chain, check, bump) run eagerly (graph = false)
-// or as `replays` replays of one captured graph.
+// data. `rounds` rounds of (fill from the device counter, chain, check, bump), eagerly or as
+// replays of a graph of one round.
 //   AllReduce: in place, methods[0], methods[1], ... over the same buffer: the result is
 //   n^(k-1) x the sum of the inputs after k calls, with one rounding per call.
 //   ReduceScatter then AllGather (methods {rs, ag}): the AllGather gathers, in place, the slices the
@@ -409,54 +431,28 @@ void run_chain(Env& env, DType dtype, size_t c, bool all_reduce, const std::vect
   const size_t count = all_reduce ? c : n * c;  // elements filled and checked
   char* in = symmetric ? env.s_in : env.d_in;
   char* out = symmetric ? env.s_out : env.d_out;
-  u64* counter;
-  TDIST_CUDA_CHECK(cudaMalloc(&counter, sizeof(u64)));
-  TDIST_CUDA_CHECK(cudaMemset(counter, 0, sizeof(u64)));
-  const u64 seed = env.seed_base + 15485863 * ++env.cases;
-  cudaStream_t s = env.stream;
-  reset_counters(env, s);
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
   double scale = 1.0;
   if (all_reduce)
     for (size_t k = 1; k < methods.size(); ++k) scale *= static_cast<double>(n);
   const double tol = (all_reduce ? methods.size() : 1) * tolerance(dtype);
-  auto enqueue_round = [&] {
-    char* slice = out + env.me() * c * sz;
-    TDIST_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, count * sz, s));
-    fill_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<T*>(all_reduce ? out : in), count, seed, counter, env.me(), 0);
-    if (all_reduce) {
-      for (int m : methods) env.coll.all_reduce(out, out, c, dtype, s, static_cast<AllReduceMethod>(m));
-    } else {
-      env.coll.reduce_scatter(in, slice, c, dtype, s, static_cast<ReduceScatterMethod>(methods[0]));
-      env.coll.all_gather(slice, out, c, dtype, s, static_cast<AllGatherMethod>(methods[1]));
-    }
-    check_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<const T*>(out), count, Op::kAllReduce, count, env.n(),
-                                       env.me(), seed, counter, tol, env.counters, env.counters + 1, scale);
-    bump_kernel<<<1, 1, 0, s>>>(counter);
-  };
-  cudaGraphExec_t exec = nullptr;
-  if (graph) {
-    cudaGraph_t g;
-    TDIST_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    enqueue_round();
-    TDIST_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-    TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-    TDIST_CUDA_CHECK(cudaGraphDestroy(g));
-  }
-  tdist::test::sync_all(env.world, "chain ready");
-  for (int r = 0; r < rounds; ++r) {
-    if (graph) TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    else enqueue_round();
-  }
-  unsigned long long host[2];
-  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
-  u64 done = 0;
-  TDIST_CUDA_CHECK(cudaMemcpy(&done, counter, sizeof(done), cudaMemcpyDeviceToHost));
-  if (exec) TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  TDIST_CUDA_CHECK(cudaFree(counter));
-  TDIST_CHECK(done == static_cast<u64>(rounds), "the chain ran ", done, " rounds");
-  agree(env, host[0], host[1], detail::concat("chained calls, ", c, " elements"));
+  run_rounds(env, 15485863, graph, 1, rounds, detail::concat("chained calls, ", c, " elements"),
+             [&](u64* counter, u64 seed) {
+               cudaStream_t s = env.stream;
+               char* slice = out + env.me() * c * sz;
+               TDIST_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, count * sz, s));
+               fill_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<T*>(all_reduce ? out : in), count, seed, counter,
+                                                 env.me(), 0);
+               if (all_reduce) {
+                 for (int m : methods) env.coll.all_reduce(out, out, c, dtype, s, static_cast<AllReduceMethod>(m));
+               } else {
+                 env.coll.reduce_scatter(in, slice, c, dtype, s, static_cast<ReduceScatterMethod>(methods[0]));
+                 env.coll.all_gather(slice, out, c, dtype, s, static_cast<AllGatherMethod>(methods[1]));
+               }
+               check_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<const T*>(out), count, Op::kAllReduce, count,
+                                                  env.n(), env.me(), seed, counter, tol, env.counters,
+                                                  env.counters + 1, scale);
+               bump_kernel<<<1, 1, 0, s>>>(counter);
+             });
 }
 
 template <typename F>
