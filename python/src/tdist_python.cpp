@@ -80,8 +80,6 @@ std::optional<tdist::DType> collective_dtype(const std::string& name) {
   return std::nullopt;
 }
 
-size_t dtype_bytes(tdist::DType d) { return tdist::dtype_size(d); }
-
 // `device`: the runtime's GPU, or -1 when unknown (checks that need no GPU).
 tdist::DType check_tensor(const char* op, const char* name, const Desc& d, int device) {
   if (d.device_type != "cuda")
@@ -127,7 +125,7 @@ tdist::DType check_all_reduce(const Desc& in, const Desc& out, int device) {
   if (in.numel != out.numel)
     fail(msg("tdist.all_reduce: 'output' has ", out.numel, " elements but 'input' has ", in.numel,
                 "; they must match"));
-  if (in.ptr != out.ptr && overlap(in, out, dtype_bytes(dt)))
+  if (in.ptr != out.ptr && overlap(in, out, tdist::dtype_size(dt)))
     fail("tdist.all_reduce: 'input' and 'output' overlap without being the same tensor");
   return dt;
 }
@@ -147,13 +145,13 @@ void check_whole_and_part(const char* op, const Desc& whole, const char* whole_n
 
 tdist::DType check_all_gather(const Desc& in, const Desc& out, int world_size, int rank, int device) {
   const auto dt = check_input_output("all_gather", in, out, device);
-  check_whole_and_part("all_gather", out, "output", in, "input", dtype_bytes(dt), world_size, rank);
+  check_whole_and_part("all_gather", out, "output", in, "input", tdist::dtype_size(dt), world_size, rank);
   return dt;
 }
 
 tdist::DType check_reduce_scatter(const Desc& in, const Desc& out, int world_size, int rank, int device) {
   const auto dt = check_input_output("reduce_scatter", in, out, device);
-  check_whole_and_part("reduce_scatter", in, "input", out, "output", dtype_bytes(dt), world_size, rank);
+  check_whole_and_part("reduce_scatter", in, "input", out, "output", tdist::dtype_size(dt), world_size, rank);
   return dt;
 }
 
@@ -181,20 +179,14 @@ int64_t chunk_rows(int64_t m, int world, int rank) { return m / world + (rank < 
 // One operand of an overlapped GEMM: CUDA, bf16 / fp16, contiguous, on this rank's GPU, 16-byte
 // aligned (the GEMM's TMA and the copy engine read whole 16-byte units).
 tdist::DType check_gemm_tensor(const char* op, const char* name, const Desc& d, int device) {
-  if (d.device_type != "cuda")
-    fail(msg("tdist.", op, ": '", name, "' must be a CUDA tensor, got one on device type '", d.device_type, "'"));
-  if (d.dtype != "bfloat16" && d.dtype != "float16")
+  // The GEMMs' narrower dtype list where check_tensor would check the dtype, then its other checks.
+  if (d.device_type == "cuda" && d.dtype != "bfloat16" && d.dtype != "float16")
     fail(msg("tdist.", op, ": '", name, "' has dtype ", d.dtype, "; the overlapped GEMMs take bfloat16 or float16"));
-  if (!d.contiguous) fail(msg("tdist.", op, ": '", name, "' must be contiguous (call .contiguous() first)"));
-  if (d.numel < 0) fail(msg("tdist.", op, ": '", name, "' has a negative element count"));
-  if (device >= 0 && d.device_index >= 0 && d.device_index != device)
-    fail(msg("tdist.", op, ": '", name, "' is on cuda:", d.device_index, " but tdist runs this rank on cuda:",
-             device, " (the device given to tdist.init)"));
-  if (d.numel > 0 && d.ptr == 0) fail(msg("tdist.", op, ": '", name, "' has a null data pointer"));
+  const tdist::DType dtype = check_tensor(op, name, d, device);
   if (d.numel > 0 && d.ptr % 16 != 0)
     fail(msg("tdist.", op, ": '", name, "' must start at a 16-byte aligned address, got 0x", std::hex, d.ptr,
              std::dec, " (a view at an odd offset; call .clone() first)"));
-  return *collective_dtype(d.dtype);
+  return dtype;
 }
 
 // The operands of one call by role; `gathered` only for ag_gemm (optional there).
@@ -246,7 +238,7 @@ tdist::DType check_gemm_overlap(tdist::OverlapOp op, const GemmOperands& t, int6
   count("d", t.d, (rs ? rows : m) * n,
         rs ? msg("this rank's rows of m=", m, " (", rows, ") x N=", n) : msg("m=", m, " x N=", n));
   if (t.gathered) count("gathered", *t.gathered, m * k, msg("m=", m, " x K=", k));
-  const size_t elem = dtype_bytes(dt);
+  const size_t elem = tdist::dtype_size(dt);
   auto disjoint = [&](const char* out_name, const Desc& out, const char* other_name, const Desc& other) {
     if (overlap(out, other, elem))
       fail(msg("tdist.", o, ": '", out_name, "' overlaps '", other_name, "'; outputs must not share memory with "

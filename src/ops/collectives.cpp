@@ -15,11 +15,14 @@
 #include "tdist/kernels/collectives/ll128.cuh"
 #include "tdist/kernels/collectives/reduce_scatter.cuh"
 #include "tdist/runtime/stream.hpp"
+#include "src/ops/nccl_dtype.hpp"
 
 namespace tdist {
 
 using kernels::coll::CollParams;
 using kernels::coll::EpochState;
+
+using detail::nccl_type;
 
 namespace {
 
@@ -36,16 +39,6 @@ jit::CompileRequest family(const char* header, const char* file_name, std::vecto
   r.file_name = file_name;
   r.name_expressions = std::move(names);
   return r;
-}
-
-ncclDataType_t nccl_type(DType t) {
-  switch (t) {
-    case DType::kFloat32: return ncclFloat32;
-    case DType::kFloat16: return ncclFloat16;
-    case DType::kBFloat16: return ncclBfloat16;
-  }
-  check_dtype(t);
-  return ncclFloat32;
 }
 
 // barrier_pad_words(n) of tdist/device/barrier.cuh, which only CUDA code can include.

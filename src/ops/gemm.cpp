@@ -272,16 +272,19 @@ struct Gemm::Loaded {
   jit::Kernel kernel;
 };
 
+int compute_capability(int device) {
+  int major = 0, minor = 0;
+  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return 10 * major + minor;
+}
+
 Gemm::Gemm() {
   int device = 0;
   TDIST_CUDA_CHECK(cudaGetDevice(&device));
   TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
-  int major = 0;
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  int minor = 0;
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  TDIST_CHECK(major == 9 && minor == 0, "tdist::Gemm needs a Hopper GPU (sm_90a); device ", device, " is sm_", major,
-              minor);
+  const int cc = compute_capability(device);
+  TDIST_CHECK(cc == kGemmComputeCapability, "tdist::Gemm needs a Hopper GPU (sm_90a); device ", device, " is sm_", cc);
 }
 
 Gemm::~Gemm() = default;

@@ -32,10 +32,12 @@
 #include "tdist/ops/cublas.hpp"
 #include "tdist/ops/gemm.hpp"
 #include "tdist/runtime/stream.hpp"
+#include "src/ops/nccl_dtype.hpp"
 
 namespace tdist {
 
 namespace kg = kernels::gemm;
+using detail::nccl_type;
 using device::u64;
 
 namespace {
@@ -44,28 +46,29 @@ constexpr const char* kNs = "tdist::kernels::gemm::";
 // The largest buffer the sequential method hands to Collectives (its workspace is twice this).
 constexpr size_t kSequentialMaxBytes = size_t{32} << 20;
 
-size_t elem_bytes(DType t) { return dtype_size(t); }
-
 // Heap sizes, shared by the contexts' constructors and the *_heap_bytes functions that report them.
 // The Collectives of a context serves the sequential method's largest collective, capped.
 size_t collectives_bytes(size_t sequential_bytes) {
   return std::max<size_t>(std::min(sequential_bytes, kSequentialMaxBytes), 256);
 }
 size_t all_gather_sequential_bytes(const AllGatherGemmConfig& c) {
-  return static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * c.k * elem_bytes(c.dtype);
+  return static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * c.k * dtype_size(c.dtype);
 }
-size_t gathered_bytes(const AllGatherGemmConfig& c) { return static_cast<size_t>(c.max_m) * c.k * elem_bytes(c.dtype); }
+size_t gathered_bytes(const AllGatherGemmConfig& c) { return static_cast<size_t>(c.max_m) * c.k * dtype_size(c.dtype); }
 size_t reduce_scatter_sequential_bytes(const GemmReduceScatterConfig& c) {
-  return static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * std::max<int64_t>(c.max_n, 8) * elem_bytes(c.dtype);
+  return static_cast<size_t>(std::max<int64_t>(c.max_m, 1)) * std::max<int64_t>(c.max_n, 8) * dtype_size(c.dtype);
 }
 // Rows of one slot of the ReduceScatter receive buffer: the largest chunk.
 int64_t recv_slot_rows(const GemmReduceScatterConfig& c, int world_size) {
   return (c.max_m + world_size - 1) / world_size;
 }
 size_t recv_bytes(const GemmReduceScatterConfig& c, int world_size) {
-  return static_cast<size_t>(world_size) * recv_slot_rows(c, world_size) * c.max_n * elem_bytes(c.dtype);
+  return static_cast<size_t>(world_size) * recv_slot_rows(c, world_size) * c.max_n * dtype_size(c.dtype);
 }
-size_t reduced_bytes(const GemmAllReduceConfig& c) { return static_cast<size_t>(c.max_m) * c.max_n * elem_bytes(c.dtype); }
+// A max_m x max_n matrix: the ReduceScatter core's staging, GemmAllReduce's reduced rows.
+size_t output_bytes(const GemmReduceScatterConfig& c) {
+  return static_cast<size_t>(c.max_m) * c.max_n * dtype_size(c.dtype);
+}
 size_t flag_bytes(int world_size) { return static_cast<size_t>(world_size) * sizeof(u64); }
 // One flag per (piece, rank): the ReduceScatter and AllReduce exchanges (overlap_row_pieces).
 size_t piece_flag_bytes(int world_size) { return kMaxOverlapPieces * flag_bytes(world_size); }
@@ -89,8 +92,6 @@ void check_operand(const void* p, const char* what, bool needed) {
   TDIST_CHECK(p != nullptr, "invalid argument '", what, "': null pointer");
   TDIST_CHECK(aligned16(p), "invalid argument '", what, "': must be 16-byte aligned, got ", p);
 }
-
-ncclDataType_t nccl_type(DType t) { return t == DType::kBFloat16 ? ncclBfloat16 : ncclFloat16; }
 
 jit::CompileRequest overlap_kernels_request() {
   jit::CompileRequest r;
@@ -227,18 +228,11 @@ class OverlapRuntime {
     return hooked_.emplace(name, std::make_pair(module, k)).first->second.second;
   }
 
-  static bool hopper(int device) {
-    int major = 0, minor = 0;
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    return major == 9 && minor == 0;
-  }
-
   World& world_;
   SymmetricHeap& heap_;
   DType dtype_;
   int num_sms_ = 0;
-  bool fused_ok_ = hopper(world_.device());
+  bool fused_ok_ = compute_capability(world_.device()) == kGemmComputeCapability;
   std::unique_ptr<Collectives> coll_;
   std::unique_ptr<CublasGemm> cublas_;
   SideStream side_;
@@ -270,7 +264,7 @@ size_t gemm_reduce_scatter_heap_bytes(const GemmReduceScatterConfig& c, int worl
 }
 
 size_t gemm_all_reduce_heap_bytes(const GemmAllReduceConfig& c, int world_size, int num_sms) {
-  return gemm_reduce_scatter_heap_bytes(c, world_size, num_sms) + heap_rounded(reduced_bytes(c)) +
+  return gemm_reduce_scatter_heap_bytes(c, world_size, num_sms) + heap_rounded(output_bytes(c)) +
          heap_rounded(piece_flag_bytes(world_size));
 }
 
@@ -343,7 +337,7 @@ struct AllGatherGemm::Impl {
   }
 
   kg::RowChunks split(int64_t m) const { return {static_cast<u64>(m), rt.size()}; }
-  size_t row_bytes() const { return static_cast<size_t>(config.k) * elem_bytes(config.dtype); }
+  size_t row_bytes() const { return static_cast<size_t>(config.k) * dtype_size(config.dtype); }
 
   OverlapMethod method(const AllGatherGemmArgs& a, OverlapMethod requested) const {
     check_all_gather_gemm_args(a, config, rt.size(), rt.rank());
@@ -409,7 +403,7 @@ struct AllGatherGemm::Impl {
             if (i > 0) rt.wait_flags(flags_, r, 1, -1, stream);
             if (rows.rows(r) == 0) continue;
             rt.cublas().run(gemm_problem(r == rank ? own : gathered_ + rows.begin(r) * row_bytes(), a.b,
-                                      ptr_at(a.d, rows.begin(r) * a.n * elem_bytes(t)), static_cast<int64_t>(rows.rows(r)),
+                                      ptr_at(a.d, rows.begin(r) * a.n * dtype_size(t)), static_cast<int64_t>(rows.rows(r)),
                                       a.n, config.k, t),
                             stream);
           }
@@ -466,7 +460,7 @@ class ReduceScatterCore {
     cap_rows_ = recv_slot_rows(c, w);
     recv_ = static_cast<char*>(heap.allocate(recv_bytes(c, w)));
     flags_ = static_cast<u64*>(heap.allocate(piece_flag_bytes(w)));
-    TDIST_CUDA_CHECK(cudaMalloc(&staging_, static_cast<size_t>(c.max_m) * c.max_n * elem_bytes(c.dtype)));
+    TDIST_CUDA_CHECK(cudaMalloc(&staging_, output_bytes(c)));
     TDIST_CUDA_CHECK(cudaMalloc(&counts_, w * (sizeof(u64) + sizeof(device::u32))));
   }
   ~ReduceScatterCore() {
@@ -480,7 +474,7 @@ class ReduceScatterCore {
   GemmReduceScatterConfig config;
   OverlapRuntime rt;
 
-  size_t elem() const { return elem_bytes(config.dtype); }
+  size_t elem() const { return dtype_size(config.dtype); }
   kg::RowChunks split(int64_t m) const { return {static_cast<u64>(m), rt.size()}; }
   char* staging() const { return staging_; }
   char* slot(int source, int64_t n) const { return recv_ + static_cast<size_t>(source) * cap_rows_ * n * elem(); }
@@ -700,7 +694,7 @@ struct GemmAllReduce::Impl {
   SideStream pulls_;  // the peers' pieces, beside the core's side stream (sends, local copies)
 
   Impl(World& world, SymmetricHeap& heap, const GemmAllReduceConfig& c) : core(world, heap, c) {
-    reduced_ = static_cast<char*>(heap.allocate(reduced_bytes(c)));
+    reduced_ = static_cast<char*>(heap.allocate(output_bytes(c)));
     ar_flags_ = static_cast<u64*>(heap.allocate(piece_flag_bytes(world.world_size())));
   }
   ~Impl() {

@@ -119,6 +119,11 @@ kernels::gemm::TileScheduler gemm_schedule(const GemmArgs& args, const GemmTile&
 jit::KernelArgs gemm_kernel_args(const GemmArgs& checked_args, const GemmTile& tile,
                                  const kernels::gemm::TileScheduler& sched);
 
+// Compute capability of `device` as 10 x major + minor. tdist's GEMM runs on kGemmComputeCapability
+// only (sm_90a: its wgmma and TMA code is arch-specific).
+int compute_capability(int device);
+constexpr int kGemmComputeCapability = 90;
+
 class Gemm {
  public:
   // Reads the current device's SM count; compiles nothing yet.

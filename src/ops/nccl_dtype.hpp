@@ -1,0 +1,20 @@
+// NCCL's name for a collective element type (the ops that fall back to or compare with NCCL).
+#pragma once
+
+#include <nccl.h>
+
+#include "tdist/ops/collective_select.hpp"
+
+namespace tdist::detail {
+
+inline ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::kFloat32: return ncclFloat32;
+    case DType::kFloat16: return ncclFloat16;
+    case DType::kBFloat16: return ncclBfloat16;
+  }
+  check_dtype(t);
+  return ncclFloat32;
+}
+
+}  // namespace tdist::detail
