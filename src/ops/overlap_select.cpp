@@ -46,12 +46,16 @@ constexpr double kGemmFlops = 700e12;
 constexpr double kCopyBytesPerSecond = 350e9;
 constexpr double kStepSeconds = 6e-6;
 
-}  // namespace
-
-OverlapMethod choose_overlap_method(const OverlapShape& s) {
+void check_overlap_shape(const OverlapShape& s) {
   TDIST_CHECK_ARG(s.world_size >= 1, "world_size", "expected >= 1, got ", s.world_size);
   TDIST_CHECK_ARG(s.m >= 0 && s.n >= 0 && s.k >= 0, "shape", "m, n and k must be >= 0, got ", s.m, ", ", s.n, ", ",
                   s.k);
+}
+
+}  // namespace
+
+OverlapMethod choose_overlap_method(const OverlapShape& s) {
+  check_overlap_shape(s);
   const int w = s.world_size;
   // One rank: no communication; the chunked path is one plain cuBLAS GEMM.
   if (w == 1) return OverlapMethod::kChunked;
@@ -83,9 +87,7 @@ OverlapMethod choose_overlap_method(const OverlapShape& s) {
 }
 
 int overlap_row_pieces(const OverlapShape& s) {
-  TDIST_CHECK_ARG(s.world_size >= 1, "world_size", "expected >= 1, got ", s.world_size);
-  TDIST_CHECK_ARG(s.m >= 0 && s.n >= 0 && s.k >= 0, "shape", "m, n and k must be >= 0, got ", s.m, ", ", s.n, ", ",
-                  s.k);
+  check_overlap_shape(s);
   const int w = s.world_size;
   if (w == 1) return 1;  // nothing to exchange
   const int64_t rows = s.m / w;  // the shortest chunk
