@@ -30,6 +30,7 @@
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/launch.hpp"
 #include "tdist/ops/collective_select.hpp"
+#include "tdist/kernels/gemm/tile_scheduler.cuh"  // RowChunks
 #include "tdist/ops/collectives.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
@@ -173,9 +174,6 @@ tdist::OverlapOp parse_gemm_op(const std::string& op) {
   fail(msg("tdist: unknown overlapped GEMM '", op, "' (ag_gemm, gemm_rs, gemm_ar)"));
 }
 
-// RowChunks{m, world}: rank r owns rows [begin, begin + rows); the first m % world ranks one more.
-int64_t chunk_rows(int64_t m, int world, int rank) { return m / world + (rank < m % world ? 1 : 0); }
-
 // One operand of an overlapped GEMM: CUDA, bf16 / fp16, contiguous, on this rank's GPU, 16-byte
 // aligned (the GEMM's TMA and the copy engine read whole 16-byte units).
 tdist::DType check_gemm_tensor(const char* op, const char* name, const Desc& d, int device) {
@@ -225,7 +223,9 @@ tdist::DType check_gemm_overlap(tdist::OverlapOp op, const GemmOperands& t, int6
   same_dtype("b", t.b);
   same_dtype("d", t.d);
   if (t.gathered) same_dtype("gathered", *t.gathered);
-  const int64_t rows = chunk_rows(m, world_size, rank);
+  // This rank's rows of m, split as the library splits them (m and the rank are checked above).
+  const tdist::kernels::gemm::RowChunks chunks{static_cast<uint64_t>(m), world_size};
+  const int64_t rows = static_cast<int64_t>(chunks.rows(rank));
   auto count = [&](const char* name, const Desc& x, int64_t want, const std::string& formula) {
     if (x.numel != want)
       fail(msg("tdist.", o, ": '", name, "' has ", x.numel, " elements, expected ", formula, " = ", want));
