@@ -24,6 +24,7 @@
 #include <mutex>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_buffer.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/launch.hpp"
 #include "tdist/jit/registry.hpp"
@@ -317,7 +318,7 @@ struct AllGatherGemm::Impl {
   OverlapRuntime rt;
   char* gathered_ = nullptr;
   u64* flags_ = nullptr;
-  char* plain_ = nullptr;
+  DeviceBuffer plain_;
 
   Impl(World& world, SymmetricHeap& heap, const AllGatherGemmConfig& c)
       : config(c), rt(world, heap, c.dtype, all_gather_sequential_bytes(c), /*with_addend=*/false) {
@@ -327,11 +328,10 @@ struct AllGatherGemm::Impl {
                     "expected 0 < k < 2^31 and a multiple of 8, got ", c.k);
     gathered_ = static_cast<char*>(heap.allocate(gathered_bytes(c)));
     flags_ = static_cast<u64*>(heap.allocate(flag_bytes(world.world_size())));
-    TDIST_CUDA_CHECK(cudaMalloc(&plain_, gathered_bytes(c)));
+    plain_ = DeviceBuffer(gathered_bytes(c));
   }
   ~Impl() {
     cudaDeviceSynchronize();
-    cudaFree(plain_);
     rt.heap().free(flags_);
     rt.heap().free(gathered_);
   }
@@ -359,16 +359,18 @@ struct AllGatherGemm::Impl {
       case OverlapMethod::kBaseline: {
         ncclComm_t comm = rt.world().comm();
         if (a.m % world == 0) {
-          TDIST_NCCL_CHECK(ncclAllGather(a.a_local, plain_, rows.rows(rank) * config.k, nccl_type(t), comm, stream));
+          TDIST_NCCL_CHECK(
+              ncclAllGather(a.a_local, plain_.get(), rows.rows(rank) * config.k, nccl_type(t), comm, stream));
         } else {  // unequal rows per rank: one broadcast per root
           TDIST_NCCL_CHECK(ncclGroupStart());
           for (int r = 0; r < world; ++r)
-            TDIST_NCCL_CHECK(ncclBroadcast(r == rank ? a.a_local : nullptr, plain_ + rows.begin(r) * row_bytes(),
-                                           rows.rows(r) * config.k, nccl_type(t), r, comm, stream));
+            TDIST_NCCL_CHECK(ncclBroadcast(r == rank ? a.a_local : nullptr,
+                                           plain_.get<char>() + rows.begin(r) * row_bytes(), rows.rows(r) * config.k,
+                                           nccl_type(t), r, comm, stream));
           TDIST_NCCL_CHECK(ncclGroupEnd());
         }
-        rt.cublas().run(gemm_problem(plain_, a.b, a.d, a.m, a.n, config.k, t), stream);
-        source = plain_;
+        rt.cublas().run(gemm_problem(plain_.get(), a.b, a.d, a.m, a.n, config.k, t), stream);
+        source = plain_.get<char>();
         break;
       }
       case OverlapMethod::kSequential:
@@ -446,7 +448,7 @@ const AllGatherGemmConfig& AllGatherGemm::config() const { return impl_->config;
 //   flags_    u64[P][world]     symmetric: flags_[p * world + s] = 1 once piece p of slot s has landed
 //   staging_  T[max_m][max_n]   ordinary: this rank's partial products of the peers' rows (and, with
 //                               one piece and the fused method, of its own)
-//   counts_   u32[world] + u64[world] (chunk_tiles_done, chunk_ready) of the fused GEMM's hooks
+//   counts_   u64[world] chunk_ready, then u32[world] chunk_tiles_done: the fused GEMM's hooks
 
 class ReduceScatterCore {
  public:
@@ -460,13 +462,11 @@ class ReduceScatterCore {
     cap_rows_ = recv_slot_rows(c, w);
     recv_ = static_cast<char*>(heap.allocate(recv_bytes(c, w)));
     flags_ = static_cast<u64*>(heap.allocate(piece_flag_bytes(w)));
-    TDIST_CUDA_CHECK(cudaMalloc(&staging_, output_bytes(c)));
-    TDIST_CUDA_CHECK(cudaMalloc(&counts_, w * (sizeof(u64) + sizeof(device::u32))));
+    staging_ = DeviceBuffer(output_bytes(c));
+    counts_ = DeviceBuffer(counts_bytes());
   }
   ~ReduceScatterCore() {
     cudaDeviceSynchronize();
-    cudaFree(counts_);
-    cudaFree(staging_);
     rt.heap().free(flags_);
     rt.heap().free(recv_);
   }
@@ -476,7 +476,7 @@ class ReduceScatterCore {
 
   size_t elem() const { return dtype_size(config.dtype); }
   kg::RowChunks split(int64_t m) const { return {static_cast<u64>(m), rt.size()}; }
-  char* staging() const { return staging_; }
+  char* staging() const { return staging_.get<char>(); }
   char* slot(int source, int64_t n) const { return recv_ + static_cast<size_t>(source) * cap_rows_ * n * elem(); }
 
   // Called once rows [first, first + count) of this rank's chunk, piece `piece`, are reduced in `out`
@@ -497,12 +497,12 @@ class ReduceScatterCore {
     const int rank = rt.rank(), world = rt.size();
     const DType t = config.dtype;
     const kg::RowChunks rows = split(m);
-    auto* tiles_done = reinterpret_cast<device::u32*>(counts_ + world * sizeof(u64));
-    auto* ready = reinterpret_cast<u64*>(counts_);
+    auto* ready = counts_.get<u64>();
+    auto* tiles_done = reinterpret_cast<device::u32*>(ready + world);
     TDIST_CUDA_CHECK(cudaMemsetAsync(flags_, 0, pieces * world * sizeof(u64), stream));
     if (extra_flags) TDIST_CUDA_CHECK(cudaMemsetAsync(extra_flags, 0, extra_count * sizeof(u64), stream));
     if (method == OverlapMethod::kFused)
-      TDIST_CUDA_CHECK(cudaMemsetAsync(counts_, 0, world * (sizeof(u64) + sizeof(device::u32)), stream));
+      TDIST_CUDA_CHECK(cudaMemsetAsync(counts_.get(), 0, counts_bytes(), stream));
     rt.coll().barrier(stream);
 
     auto piece_rows = [&](int owner) { return kg::RowChunks{rows.rows(owner), pieces}; };
@@ -514,7 +514,7 @@ class ReduceScatterCore {
     auto send = [&](int owner, int p, cudaStream_t s) {
       const kg::RowChunks sub = piece_rows(owner);
       put_signal_async(rt.heap(), row_ptr(slot(rank, n), sub.begin(p)),
-                       row_ptr(staging_, rows.begin(owner) + sub.begin(p)), sub.rows(p) * n * elem(),
+                       row_ptr(staging(), rows.begin(owner) + sub.begin(p)), sub.rows(p) * n * elem(),
                        flags_ + p * world + rank, 1, owner, s);
     };
     kg::ReduceParams rp{};
@@ -531,7 +531,7 @@ class ReduceScatterCore {
         const kg::RowChunks sub = piece_rows(owner);
         for (int p = 0; p < pieces; ++p) {
           const u64 first = rows.begin(owner) + sub.begin(p);
-          rt.cublas().run(rows_gemm(first, sub.rows(p), row_ptr(staging_, first)), stream);
+          rt.cublas().run(rows_gemm(first, sub.rows(p), row_ptr(staging(), first)), stream);
           rt.side().fork(stream);  // the send waits for this piece's GEMM only
           send(owner, p, rt.side().get());
         }
@@ -576,7 +576,7 @@ class ReduceScatterCore {
       // enqueued first so that nothing of the side stream can sit ahead of it in a shared hardware
       // queue; the side stream still starts from the barrier.
       rt.side().mark(stream);
-      rt.hooked_gemm(gemm_problem(a, b, staging_, m, n, k, t), tile, kPublishHooks, hp,
+      rt.hooked_gemm(gemm_problem(a, b, staging(), m, n, k, t), tile, kPublishHooks, hp,
                      static_cast<int64_t>(rows.begin((rank + 1) % world)), std::max(rt.num_sms() - 1, 1), stream);
       rt.side().fork_from_mark();
       for (int i = 1; i < world; ++i) {
@@ -584,11 +584,11 @@ class ReduceScatterCore {
         if (rows.rows(owner) > 0) rt.wait_flags(ready, owner, 1, -1, rt.side().get());
         send(owner, 0, rt.side().get());
       }
-      rp.src[rank] = row_ptr(staging_, rows.begin(rank));
+      rp.src[rank] = row_ptr(staging(), rows.begin(rank));
     } else {
       for (int i = 1; i <= world; ++i) {
         const int owner = (rank + i) % world;
-        void* d = owner == rank ? slot(rank, n) : row_ptr(staging_, rows.begin(owner));
+        void* d = owner == rank ? slot(rank, n) : row_ptr(staging(), rows.begin(owner));
         if (rows.rows(owner) > 0) rt.cublas().run(rows_gemm(rows.begin(owner), rows.rows(owner), d), stream);
         if (owner != rank) {
           rt.side().fork(stream);  // the send waits for this chunk's GEMM only
@@ -607,8 +607,9 @@ class ReduceScatterCore {
   int64_t cap_rows_ = 0;
   char* recv_ = nullptr;
   u64* flags_ = nullptr;
-  char* staging_ = nullptr;
-  char* counts_ = nullptr;
+  DeviceBuffer staging_;
+  DeviceBuffer counts_;
+  size_t counts_bytes() const { return rt.size() * (sizeof(u64) + sizeof(device::u32)); }
 };
 
 // ============================================================================================
