@@ -518,7 +518,6 @@ class ReduceScatterCore {
                        flags_ + p * world + rank, 1, owner, s);
     };
     kg::ReduceParams rp{};
-    rp.out_ld = static_cast<u64>(n);
     rp.n = static_cast<u64>(n);
 
     if (pieces > 1) {

@@ -27,8 +27,8 @@ struct ChunkPublishParams {
 };
 
 // out[i][j] = sum over s < num_sources of src[s][i][j] in fp32 (source order: every rank reducing the
-// same rows gets the same bits) for rows x n elements; sources have row stride n, out has out_ld.
-// out may be one of the sources (each element is read before it is written, by the same thread).
+// same rows gets the same bits) for rows x n elements, row stride n everywhere. out may be one of
+// the sources (each element is read before it is written, by the same thread).
 // Every block first waits for flags[s] >= 1, s != skip_wait (flags may be null).
 struct ReduceParams {
   const void* src[kMaxOverlapRanks];
@@ -36,7 +36,6 @@ struct ReduceParams {
   int skip_wait;
   const u64* flags;
   void* out;
-  u64 out_ld;
   u64 rows, n;
 };
 
