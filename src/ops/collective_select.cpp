@@ -81,42 +81,6 @@ constexpr const char* kLlOption = "CollectivesOptions::ll_bytes";
 
 }  // namespace
 
-size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat16: return 2;
-    case DType::kBFloat16: return 2;
-  }
-  TDIST_FAIL("invalid argument 'dtype': ", static_cast<int>(dtype), " is not a DType (float32, float16, bfloat16)");
-}
-
-const char* to_string(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return "f32";
-    case DType::kFloat16: return "f16";
-    case DType::kBFloat16: return "bf16";
-  }
-  return "invalid";
-}
-
-DType parse_dtype(const std::string& text) {
-  const std::string s = lower(text);
-  if (s == "f32" || s == "fp32" || s == "float32" || s == "float") return DType::kFloat32;
-  if (s == "f16" || s == "fp16" || s == "float16" || s == "half") return DType::kFloat16;
-  if (s == "bf16" || s == "bfloat16") return DType::kBFloat16;
-  TDIST_FAIL("invalid argument 'dtype': '", text, "' (expected bf16, f16 or f32)");
-}
-
-const char* kernel_type_name(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return "float";
-    case DType::kFloat16: return "__half";
-    case DType::kBFloat16: return "__nv_bfloat16";
-  }
-  check_dtype(dtype);
-  return "";
-}
-
 const char* to_string(AllReduceMethod m) {
   switch (m) {
     case AllReduceMethod::kAuto: return "auto";

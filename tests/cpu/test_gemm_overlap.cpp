@@ -13,11 +13,12 @@
 #include "tdist/common/error.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/collectives.hpp"
+#include "tdist/ops/detail/overlap_model.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
 
 using tdist::DType;
 using tdist::OverlapMethod;
-using tdist::OverlapOp;
+using tdist::OverlapComm;
 using tdist::OverlapShape;
 
 using tdist::test::error_of;
@@ -25,7 +26,7 @@ using tdist::test::expect_arg_error;
 
 namespace {
 
-const OverlapOp kOps[] = {OverlapOp::kAllGatherGemm, OverlapOp::kGemmReduceScatter, OverlapOp::kGemmAllReduce};
+const OverlapComm kOps[] = {OverlapComm::kGatherA, OverlapComm::kScatterD, OverlapComm::kAllReduceD};
 const OverlapMethod kMethods[] = {OverlapMethod::kAuto, OverlapMethod::kFused, OverlapMethod::kChunked,
                                   OverlapMethod::kSequential, OverlapMethod::kBaseline};
 
@@ -37,12 +38,12 @@ void* ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
 
 // The model's problem sizes of the LLaMA-3-70B layers and of small and odd ones: (M, N, K) as
 // OverlapShape takes them (N local for AllGather-GEMM, K local for ReduceScatter/AllReduce).
-std::vector<OverlapShape> shapes_for(OverlapOp op, int world) {
+std::vector<OverlapShape> shapes_for(OverlapComm op, int world) {
   std::vector<OverlapShape> v;
   const std::vector<int64_t> ms = {1, 2, 7, 64, 127, 128, 255, 256, 257, 1000, 1024, 4096, 4097, 8192, 16384, 65536};
   for (int64_t m : ms) {
     for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
-      if (op == OverlapOp::kAllGatherGemm) {
+      if (op == OverlapComm::kGatherA) {
         v.push_back({op, m, 14336 / world, 8192, world, dtype});
         v.push_back({op, m, 8192 / world, 8192, world, dtype});
         v.push_back({op, m, 520, 264, world, dtype});
@@ -88,9 +89,9 @@ TEST(OverlapNames, BadMethodNamesTheArgument) {
   }
 }
 
-TEST(OverlapNames, Ops) {
+TEST(OverlapNames, Comms) {
   std::set<std::string> names;
-  for (OverlapOp op : kOps) {
+  for (OverlapComm op : kOps) {
     ASSERT_NE(tdist::to_string(op), nullptr);
     EXPECT_GT(std::string(tdist::to_string(op)).size(), 0u);
     names.insert(tdist::to_string(op));
@@ -102,7 +103,7 @@ TEST(OverlapNames, Ops) {
 // choose_overlap_method
 
 TEST(OverlapChoice, NeverAutoAndDeterministic) {
-  for (OverlapOp op : kOps) {
+  for (OverlapComm op : kOps) {
     for (int world = 1; world <= 8; ++world) {
       for (const OverlapShape& s : shapes_for(op, world)) {
         const OverlapMethod m = tdist::choose_overlap_method(s);
@@ -111,7 +112,7 @@ TEST(OverlapChoice, NeverAutoAndDeterministic) {
         EXPECT_TRUE(m == OverlapMethod::kFused || m == OverlapMethod::kChunked || no_overlap(m))
             << static_cast<int>(m);
         // The sequential method needs equal per-rank counts for AllGather / ReduceScatter.
-        if (s.op != OverlapOp::kGemmAllReduce && s.m % world != 0)
+        if (s.comm != OverlapComm::kAllReduceD && s.m % world != 0)
           EXPECT_NE(m, OverlapMethod::kSequential) << tdist::to_string(op) << " world " << world << " m " << s.m;
         for (int again = 0; again < 3; ++again) EXPECT_EQ(tdist::choose_overlap_method(s), m);
       }
@@ -123,7 +124,7 @@ TEST(OverlapChoice, AllReduceOverlapsFrom512RowsPerRank) {
   // Measured on 2 x H200, LLaMA-3-70B down projection: chunked GEMM-AllReduce loses to NCCL + cuBLAS
   // at M = 512 and wins from M = 1024.
   for (int world : {2, 4, 8}) {
-    OverlapShape s{OverlapOp::kGemmAllReduce, 256 * world, 8192, 14336 / world / 8 * 8, world, DType::kBFloat16};
+    OverlapShape s{OverlapComm::kAllReduceD, 256 * world, 8192, 14336 / world / 8 * 8, world, DType::kBFloat16};
     EXPECT_EQ(tdist::choose_overlap_method(s), OverlapMethod::kSequential) << world;
     s.m = 512 * world;
     // (At eight ranks the per-rank GEMM of 512 rows is too short to hide anything behind.)
@@ -136,7 +137,7 @@ TEST(OverlapChoice, NoOverlapAtSmallM) {
   // (a few KB to a few MB moved): the model must pick a method without overlap there (sequential
   // or baseline), for every op, team of 2 to 8 ranks and dtype, at every N and K tried. (One rank:
   // SingleRank.)
-  for (OverlapOp op : kOps) {
+  for (OverlapComm op : kOps) {
     for (int world = 2; world <= 8; ++world) {
       for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{8}, int64_t{64}, int64_t{100}, int64_t{128},
                         int64_t{200}, int64_t{255}, int64_t{256}}) {
@@ -147,8 +148,8 @@ TEST(OverlapChoice, NoOverlapAtSmallM) {
                 << tdist::to_string(op) << " world " << world << " m " << m << " n = k = " << nk << ": "
                 << tdist::to_string(tdist::choose_overlap_method(s));
           }
-          OverlapShape llama{op, m, op == OverlapOp::kAllGatherGemm ? 14336 / world : 8192,
-                             op == OverlapOp::kAllGatherGemm ? 8192 : 14336 / world / 8 * 8, world, dtype};
+          OverlapShape llama{op, m, op == OverlapComm::kGatherA ? 14336 / world : 8192,
+                             op == OverlapComm::kGatherA ? 8192 : 14336 / world / 8 * 8, world, dtype};
           EXPECT_TRUE(no_overlap(tdist::choose_overlap_method(llama)))
               << tdist::to_string(op) << " world " << world << " m " << m << ": "
               << tdist::to_string(tdist::choose_overlap_method(llama));
@@ -160,7 +161,7 @@ TEST(OverlapChoice, NoOverlapAtSmallM) {
 
 TEST(OverlapChoice, SingleRank) {
   // Nothing to exchange: the choice is made without error and is a runnable method.
-  for (OverlapOp op : kOps) {
+  for (OverlapComm op : kOps) {
     for (int64_t m : {int64_t{1}, int64_t{1024}, int64_t{8192}, int64_t{65536}}) {
       OverlapShape s{op, m, 8192, 8192, 1, DType::kBFloat16};
       OverlapMethod got = OverlapMethod::kAuto;
@@ -174,7 +175,7 @@ TEST(OverlapChoice, SingleRank) {
 
 namespace {
 int pieces(int64_t m, int64_t n, int64_t k, int w) {
-  return tdist::overlap_row_pieces({OverlapOp::kGemmReduceScatter, m, n, k, w, DType::kBFloat16});
+  return tdist::overlap_row_pieces({OverlapComm::kScatterD, m, n, k, w, DType::kBFloat16});
 }
 }  // namespace
 
@@ -202,7 +203,7 @@ TEST(OverlapRowPieces, FewestThatHideEachTransferNoneUnder512Rows) {
   EXPECT_EQ(pieces(16384, 8192, 7168, 1), 1);  // one rank: nothing to exchange
   // GEMM-AllReduce: more pieces as the chunk grows (its last piece travels in the open).
   auto ar = [](int64_t m, int w) {
-    return tdist::overlap_row_pieces({OverlapOp::kGemmAllReduce, m, 8192, 7168, w, DType::kBFloat16});
+    return tdist::overlap_row_pieces({OverlapComm::kAllReduceD, m, 8192, 7168, w, DType::kBFloat16});
   };
   EXPECT_EQ(ar(4096, 2), 2);
   EXPECT_EQ(ar(8192, 2), 4);

@@ -39,6 +39,7 @@
 #include "gpu/harness.cuh"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
+#include "tdist/ops/detail/overlap_model.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
 
 using namespace tdist;

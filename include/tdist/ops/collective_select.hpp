@@ -9,16 +9,9 @@
 #include <cstddef>
 #include <string>
 
+#include "tdist/common/dtype.hpp"
+
 namespace tdist {
-
-enum class DType { kFloat32, kFloat16, kBFloat16 };
-
-size_t dtype_size(DType dtype);
-const char* to_string(DType dtype);
-// "f32"/"fp32"/"float32"/"float", "f16"/"fp16"/"float16"/"half", "bf16"/"bfloat16"; throws otherwise.
-DType parse_dtype(const std::string& s);
-// C++ type spelled for the kernels' template instances ("float", "__half", "__nv_bfloat16").
-const char* kernel_type_name(DType dtype);
 
 enum class AllReduceMethod { kAuto, kOneShot, kTwoShot, kLowLatency, kLowLatency128, kNccl, kCe };
 enum class AllGatherMethod { kAuto, kSm, kCePush, kCePull, kLowLatency, kNccl, kSmPush };

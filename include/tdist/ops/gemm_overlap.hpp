@@ -37,53 +37,23 @@
 //              need M divisible by the world size for it (equal per-rank counts).
 //   kBaseline  NCCL collective and cuBLAS in sequence (what the overlap must beat).
 //   kAuto      the performance model's choice (choose_overlap_method); TDIST_OVERLAP_METHOD overrides.
+//
+// Each class is an OverlapContext (ops/overlap_ops.hpp): the catalogue names them ag_gemm, gemm_rs
+// and gemm_ar, and OverlapContextCache creates and grows them on demand for callers that do not
+// manage contexts themselves (the Python package does so).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <memory>
-#include <string>
 
-#include "tdist/ops/collective_select.hpp"  // DType
+#include "tdist/common/dtype.hpp"
+#include "tdist/ops/overlap_ops.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/world.hpp"
 
 namespace tdist {
-
-enum class OverlapMethod { kAuto, kFused, kChunked, kSequential, kBaseline };
-const char* to_string(OverlapMethod method);
-// "auto", "fused", "chunked", "sequential", "baseline"; throws tdist::Error naming `what` otherwise.
-OverlapMethod parse_overlap_method(const std::string& text, const char* what = "method");
-
-enum class OverlapOp { kAllGatherGemm, kGemmReduceScatter, kGemmAllReduce };
-const char* to_string(OverlapOp op);
-
-// The problem an overlap op solves, for the performance model: the whole M (all ranks' rows), the N
-// and K of one rank's GEMM (AllGather-GEMM: N = the local shard's columns; ReduceScatter/AllReduce:
-// K = the local slice).
-struct OverlapShape {
-  OverlapOp op;
-  int64_t m, n, k;
-  int world_size;
-  DType dtype = DType::kBFloat16;
-};
-// The method kAuto runs (pure; CPU-tested): the baseline when the model gives the overlap no gain
-// (small M, where per-chunk launches and flag waits cost more than the hidden communication),
-// otherwise the chunked or fused method.
-OverlapMethod choose_overlap_method(const OverlapShape& shape);
-
-// The chunked ReduceScatter and AllReduce cut every rank's row chunk into this many pieces (pure;
-// CPU-tested): each peer piece goes to its owner as soon as its GEMM is done, and the owner's GEMM
-// of a piece adds the received partial in its epilogue, so no separate reduction pass remains
-// (two ranks) and only the last piece's exchange is exposed. ReduceScatter: as few pieces as let
-// each piece's transfer hide behind one piece of GEMM (at least 2); AllReduce: more as the chunk
-// grows (its last piece is gathered after the GEMMs). A power of two (tile-aligned pieces), at most
-// kMaxOverlapPieces, none under 512 rows; 1 (fewer than 1024 rows per rank, or one rank) keeps one
-// GEMM per chunk and the fp32 reduction after them. TDIST_OVERLAP_PIECES (1 to kMaxOverlapPieces)
-// overrides.
-constexpr int kMaxOverlapPieces = 4;
-int overlap_row_pieces(const OverlapShape& shape);
 
 // ---------------------------------------------------------------------------------------------
 struct AllGatherGemmConfig {
@@ -100,10 +70,10 @@ struct AllGatherGemmArgs {
   int64_t m = 0, n = 0;
 };
 
-class AllGatherGemm {
+class AllGatherGemm final : public OverlapContext {
  public:
   AllGatherGemm(World& world, SymmetricHeap& heap, const AllGatherGemmConfig& config);
-  ~AllGatherGemm();
+  ~AllGatherGemm() override;
   AllGatherGemm(const AllGatherGemm&) = delete;
   AllGatherGemm& operator=(const AllGatherGemm&) = delete;
 
@@ -114,6 +84,11 @@ class AllGatherGemm {
   // this pointer (the caller wrote its rows there) is used without a copy.
   void* local_rows(int64_t m) const;
   const AllGatherGemmConfig& config() const;
+
+  // OverlapContext: operands (a_local, b, d, gathered).
+  OverlapContextConfig context_config() const override;
+  OverlapMethod method(const OverlapCall& call, OverlapMethod requested) const override;
+  void run(const OverlapCall& call, cudaStream_t stream, OverlapMethod method) override;
 
  private:
   struct Impl;
@@ -134,16 +109,21 @@ struct GemmReduceScatterArgs {
   int64_t m = 0, n = 0, k = 0;
 };
 
-class GemmReduceScatter {
+class GemmReduceScatter final : public OverlapContext {
  public:
   GemmReduceScatter(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& config);
-  ~GemmReduceScatter();
+  ~GemmReduceScatter() override;
   GemmReduceScatter(const GemmReduceScatter&) = delete;
   GemmReduceScatter& operator=(const GemmReduceScatter&) = delete;
 
   void run(const GemmReduceScatterArgs& args, cudaStream_t stream, OverlapMethod method = OverlapMethod::kAuto);
   OverlapMethod method(const GemmReduceScatterArgs& args, OverlapMethod method = OverlapMethod::kAuto) const;
   const GemmReduceScatterConfig& config() const;
+
+  // OverlapContext: operands (a, b, d).
+  OverlapContextConfig context_config() const override;
+  OverlapMethod method(const OverlapCall& call, OverlapMethod requested) const override;
+  void run(const OverlapCall& call, cudaStream_t stream, OverlapMethod method) override;
 
  private:
   struct Impl;
@@ -160,16 +140,21 @@ struct GemmAllReduceArgs {
   int64_t m = 0, n = 0, k = 0;
 };
 
-class GemmAllReduce {
+class GemmAllReduce final : public OverlapContext {
  public:
   GemmAllReduce(World& world, SymmetricHeap& heap, const GemmAllReduceConfig& config);
-  ~GemmAllReduce();
+  ~GemmAllReduce() override;
   GemmAllReduce(const GemmAllReduce&) = delete;
   GemmAllReduce& operator=(const GemmAllReduce&) = delete;
 
   void run(const GemmAllReduceArgs& args, cudaStream_t stream, OverlapMethod method = OverlapMethod::kAuto);
   OverlapMethod method(const GemmAllReduceArgs& args, OverlapMethod method = OverlapMethod::kAuto) const;
   const GemmAllReduceConfig& config() const;
+
+  // OverlapContext: operands (a, b, d).
+  OverlapContextConfig context_config() const override;
+  OverlapMethod method(const OverlapCall& call, OverlapMethod requested) const override;
+  void run(const OverlapCall& call, cudaStream_t stream, OverlapMethod method) override;
 
  private:
   struct Impl;
@@ -178,15 +163,9 @@ class GemmAllReduce {
 
 // The symmetric-heap bytes a context of this config allocates (its buffers and its Collectives) on
 // `world_size` ranks of GPUs with `num_sms` SMs: what the heap must have free for the constructor.
-// Pure (computed from the sizes the constructors allocate), CPU-tested.
+// Pure (computed from the layouts the constructors allocate), CPU-tested.
 size_t all_gather_gemm_heap_bytes(const AllGatherGemmConfig& config, int world_size, int num_sms);
 size_t gemm_reduce_scatter_heap_bytes(const GemmReduceScatterConfig& config, int world_size, int num_sms);
 size_t gemm_all_reduce_heap_bytes(const GemmAllReduceConfig& config, int world_size, int num_sms);
-
-// Argument checks (pure, CPU-tested; the classes call them): every error names the argument.
-void check_all_gather_gemm_args(const AllGatherGemmArgs& args, const AllGatherGemmConfig& config, int world_size,
-                                int rank);
-void check_gemm_reduce_scatter_args(const GemmReduceScatterArgs& args, const GemmReduceScatterConfig& config);
-void check_gemm_all_reduce_args(const GemmAllReduceArgs& args, const GemmAllReduceConfig& config);
 
 }  // namespace tdist

@@ -1,0 +1,192 @@
+#include "src/ops/overlap/runtime.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/jit/registry.hpp"
+#include "tdist/ops/detail/overlap_model.hpp"
+
+namespace tdist::overlap {
+
+namespace {
+
+// The largest buffer the sequential method hands to Collectives (its workspace is twice this).
+constexpr size_t kSequentialMaxBytes = size_t{32} << 20;
+
+std::string reduce_instance(DType dtype) {
+  return detail::concat("tdist::kernels::gemm::overlap_reduce<", kernel_type_name(dtype), ">");
+}
+constexpr const char* kWaitFlags = "tdist_overlap_wait_flags";
+
+}  // namespace
+
+void check_overlap_dtype(DType dtype) {
+  TDIST_CHECK_ARG(dtype == DType::kBFloat16 || dtype == DType::kFloat16, "dtype",
+                  "the overlap ops take bf16 or fp16, got ", to_string(dtype));
+}
+
+void check_operand(const void* p, const char* what, bool needed) {
+  if (!needed) return;
+  TDIST_CHECK(p != nullptr, "invalid argument '", what, "': null pointer");
+  TDIST_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "invalid argument '", what, "': must be 16-byte aligned, got ",
+              p);
+}
+
+// ---------------------------------------------------------------------------------------------
+// OverlapKernels
+
+jit::CompileRequest OverlapKernels::compile_request() {
+  jit::CompileRequest r;
+  r.source = "#include \"tdist/kernels/gemm/overlap_kernels.cuh\"\n";
+  r.file_name = "gemm_overlap.cu";
+  r.name_expressions = {kWaitFlags, reduce_instance(DType::kBFloat16), reduce_instance(DType::kFloat16)};
+  return r;
+}
+
+OverlapKernels::OverlapKernels(DType dtype) {
+  check_overlap_dtype(dtype);
+  module_ = jit::Module::load(jit::compile(compile_request()));
+  wait_flags_ = module_->kernel(kWaitFlags);
+  reduce_ = module_->kernel(reduce_instance(dtype));
+}
+
+void OverlapKernels::wait_flags(const u64* flags, int first, int count, int skip, cudaStream_t stream) const {
+  jit::LaunchConfig cfg;
+  cfg.grid = {1};
+  cfg.block = {32};
+  cfg.stream = stream;
+  jit::launch(wait_flags_, cfg, jit::make_args(flags, first, count, skip));
+}
+
+void OverlapKernels::reduce(const kg::ReduceParams& p, int num_sms, cudaStream_t stream) const {
+  if (p.rows == 0 || p.n == 0) return;  // nothing to receive: the flags are reset by the next call
+  const u64 work = p.rows * p.n / 8 + 1;
+  jit::LaunchConfig cfg;
+  cfg.grid = {static_cast<unsigned>(std::min<u64>((work + 511) / 512, static_cast<u64>(num_sms) * 2))};
+  cfg.block = {512};
+  cfg.stream = stream;
+  jit::launch(reduce_, cfg, jit::make_args(p));
+}
+
+// ---------------------------------------------------------------------------------------------
+// HookedGemm
+
+template <typename Params>
+jit::CompileRequest HookedGemm<Params>::compile_request(const GemmTile& tile) {
+  jit::CompileRequest r = gemm_compile_request(tile, HooksOf<Params>::kType);
+  r.source += "#include \"tdist/kernels/gemm/overlap.cuh\"\n";
+  const std::string hooks = HooksOf<Params>::kType;
+  r.file_name = detail::concat("gemm_overlap_", hooks.substr(hooks.rfind(':') + 1), "_", tile.name(), ".cu");
+  return r;
+}
+
+template <typename Params>
+const jit::Kernel& HookedGemm<Params>::kernel(const GemmTile& tile) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = instances_.find(tile.name());
+  if (it != instances_.end()) return it->second.second;
+  auto module = jit::Module::load(jit::compile(compile_request(tile)));
+  jit::Kernel k = module->kernel(gemm_kernel_name(dtype_, tile, HooksOf<Params>::kType));
+  return instances_.emplace(tile.name(), std::make_pair(module, k)).first->second.second;
+}
+
+template <typename Params>
+void HookedGemm<Params>::launch(const GemmArgs& args, const GemmTile& tile, const Params& params, int64_t first_row,
+                                int max_ctas, cudaStream_t stream) {
+  const jit::Kernel& k = kernel(tile);
+  const GemmArgs checked = check_gemm_args(args);
+  const kg::TileScheduler sched = gemm_schedule(checked, tile, 8, first_row);
+  const jit::LaunchConfig cfg = gemm_launch_config(checked, tile, num_sms_, max_ctas, stream);
+  jit::KernelArgs kargs = gemm_kernel_args(checked, tile, sched);
+  kargs.add(params);  // the hooks, sm90_gemm_tn's last parameter
+  jit::launch(k, cfg, kargs);
+}
+
+template class HookedGemm<kg::AllGatherWaitParams>;
+template class HookedGemm<kg::ChunkPublishParams>;
+
+namespace {
+
+std::vector<jit::CompileRequest> overlap_compile_requests() {
+  std::vector<jit::CompileRequest> v = {OverlapKernels::compile_request()};
+  for (const GemmTile& t : gemm_tiles()) {
+    v.push_back(HookedGemm<kg::AllGatherWaitParams>::compile_request(t));
+    v.push_back(HookedGemm<kg::ChunkPublishParams>::compile_request(t));
+  }
+  for (auto& r : v) r.arch.clear();  // tdist-compile sets it
+  return v;
+}
+
+TDIST_JIT_REGISTER_KERNELS(gemm_overlap, overlap_compile_requests);
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// OverlapRuntime
+
+size_t OverlapRuntime::collectives_bytes(size_t sequential_bytes) {
+  return std::max<size_t>(std::min(sequential_bytes, kSequentialMaxBytes), 256);
+}
+
+size_t OverlapRuntime::collectives_heap_bytes(size_t sequential_bytes, int world_size, int num_sms) {
+  return Collectives::heap_bytes(world_size, collectives_bytes(sequential_bytes), num_sms);
+}
+
+OverlapRuntime::OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, size_t sequential_bytes,
+                               bool with_addend)
+    : world_(world),
+      heap_(heap),
+      dtype_(dtype),
+      num_sms_([&] {
+        check_overlap_dtype(dtype);
+        int n = 0;
+        TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, world.device()));
+        return n;
+      }()),
+      fused_ok_(compute_capability(world.device()) == kGemmComputeCapability),
+      kernels_(dtype),
+      gather_gemm_(dtype, num_sms_),
+      publish_gemm_(dtype, num_sms_) {
+  TDIST_CHECK(world.world_size() <= kg::kMaxOverlapRanks, "the overlap ops support up to ", kg::kMaxOverlapRanks,
+              " ranks, the world has ", world.world_size());
+  TDIST_CHECK(world.lsa_size() == world.world_size(),
+              "the overlap ops need every rank in one NVLink (LSA) domain; the LSA team has ", world.lsa_size(),
+              " of ", world.world_size(), " ranks");
+  coll_ = std::make_unique<Collectives>(world, heap, collectives_bytes(sequential_bytes));
+  // cuBLAS now, not at the first chunked or baseline call: creating a handle inside a CUDA-graph
+  // capture would fail.
+  cublas_ = std::make_unique<CublasGemm>(with_addend);
+}
+
+OverlapRuntime::~OverlapRuntime() { cudaDeviceSynchronize(); }
+
+void OverlapRuntime::begin_call(std::initializer_list<std::pair<void*, size_t>> flags, cudaStream_t stream) {
+  for (const auto& [p, bytes] : flags)
+    if (p && bytes) TDIST_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream));
+  coll_->barrier(stream);
+}
+
+OverlapMethod OverlapRuntime::resolve(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k,
+                                      bool sequential_ok) const {
+  OverlapMethod method = requested;
+  if (method == OverlapMethod::kAuto) {
+    const char* env = std::getenv("TDIST_OVERLAP_METHOD");
+    if (env && *env) method = parse_overlap_method(env, "TDIST_OVERLAP_METHOD");
+  }
+  if (method == OverlapMethod::kAuto) {
+    method = choose_overlap_method({comm, m, n, k, size(), dtype_});
+    if (method == OverlapMethod::kSequential && !sequential_ok) method = OverlapMethod::kBaseline;
+    if (method == OverlapMethod::kFused && !fused_ok_) method = OverlapMethod::kChunked;
+    return method;
+  }
+  TDIST_CHECK_ARG(method != OverlapMethod::kSequential || sequential_ok, "method",
+                  "'sequential' needs m divisible by the world size (AllGather / ReduceScatter) and at most ",
+                  sequential_max_bytes(), " bytes per collective; use auto, chunked or baseline");
+  TDIST_CHECK_ARG(method != OverlapMethod::kFused || fused_ok_, "method",
+                  "'fused' needs a Hopper GPU (sm_90a) for tdist's GEMM; use auto, chunked or baseline");
+  return method;
+}
+
+}  // namespace tdist::overlap

@@ -1,0 +1,164 @@
+// What every overlapped op shares: the per-call frame, the typed launchers of the overlap's kernels
+// and of the hooked GEMMs, cuBLAS, the copy engine's side stream and tdist's collectives.
+//
+// The frame of a fused or chunked call:
+//   1. begin_call: reset this rank's flags (memset, stream-ordered after this rank's previous call,
+//      which was their only reader), then a barrier across ranks (Collectives::barrier): every rank
+//      has reset its flags and finished the previous call's reads of the buffers peers are about to
+//      write;
+//   2. the copy engine moves data on side(), forked from the caller's stream, each transfer followed
+//      by a flag write into the receiver's memory (stream-ordered after the copy);
+//   3. the GEMM (one hooked launch, or one cuBLAS call per row chunk with wait_flags between) and the
+//      fp32 reduction on the caller's stream; side() joins it at the end.
+// Flags only go 0 -> 1 within a call, so a CUDA graph replays the same sequence safely.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <initializer_list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "tdist/jit/launch.hpp"
+#include "tdist/kernels/gemm/overlap_params.cuh"
+#include "tdist/ops/collectives.hpp"
+#include "tdist/ops/cublas.hpp"
+#include "tdist/ops/gemm.hpp"
+#include "tdist/ops/overlap_ops.hpp"
+#include "tdist/runtime/stream.hpp"
+
+namespace tdist::overlap {
+
+namespace kg = kernels::gemm;
+using device::u32;
+using device::u64;
+
+// D = A x B^T, dense (leading dimensions K, K, N).
+inline GemmArgs gemm_problem(const void* a, const void* b, void* d, int64_t m, int64_t n, int64_t k, DType dtype) {
+  return GemmArgs{.a = a, .b = b, .d = d, .m = m, .n = n, .k = k, .dtype = dtype};
+}
+
+inline const char* byte_at(const void* base, size_t bytes) { return static_cast<const char*>(base) + bytes; }
+inline char* byte_at(void* base, size_t bytes) { return static_cast<char*>(base) + bytes; }
+
+// bf16 or fp16, else an error naming `dtype`.
+void check_overlap_dtype(DType dtype);
+// Non-null and 16-byte aligned when `needed`; the error names `what`.
+void check_operand(const void* p, const char* what, bool needed);
+
+// The overlap's kernels beside the GEMM (kernels/gemm/overlap_kernels.cuh): the flag wait between
+// chunked GEMMs and the fp32 reduction of partials. One module; its instances are named here only.
+class OverlapKernels {
+ public:
+  static jit::CompileRequest compile_request();
+  explicit OverlapKernels(DType dtype);
+
+  // Waits (one GPU thread, with the device API's timeout) until flags[i] >= 1 for i in
+  // [first, first + count), except i == skip (-1: none).
+  void wait_flags(const u64* flags, int first, int count, int skip, cudaStream_t stream) const;
+  // The reduction of `p` over at most 2 blocks per SM.
+  void reduce(const kg::ReduceParams& p, int num_sms, cudaStream_t stream) const;
+
+ private:
+  std::shared_ptr<jit::Module> module_;
+  jit::Kernel wait_flags_, reduce_;
+};
+
+// The device hooks type (kernels/gemm/overlap.cuh) whose parameter block is Params.
+template <typename Params>
+struct HooksOf;
+template <>
+struct HooksOf<kg::AllGatherWaitParams> {
+  static constexpr const char* kType = "tdist::kernels::gemm::AllGatherWaitHooks";
+};
+template <>
+struct HooksOf<kg::ChunkPublishParams> {
+  static constexpr const char* kType = "tdist::kernels::gemm::ChunkPublishHooks";
+};
+
+// tdist's persistent GEMM with the tile hooks of Params, one instance per tile config, compiled on
+// first use (tdist-compile and the JIT registry compile them ahead of time).
+template <typename Params>
+class HookedGemm {
+ public:
+  static jit::CompileRequest compile_request(const GemmTile& tile);
+
+  HookedGemm(DType dtype, int num_sms) : dtype_(dtype), num_sms_(num_sms) {}
+  // The walk starts at the m-tile holding `first_row`; at most `max_ctas` CTAs (0: one per SM).
+  void launch(const GemmArgs& args, const GemmTile& tile, const Params& params, int64_t first_row, int max_ctas,
+              cudaStream_t stream);
+
+ private:
+  const jit::Kernel& kernel(const GemmTile& tile);
+  DType dtype_;
+  int num_sms_;
+  std::mutex mu_;
+  std::map<std::string, std::pair<std::shared_ptr<jit::Module>, jit::Kernel>> instances_;  // by tile name
+};
+
+class OverlapRuntime {
+ public:
+  // `sequential_bytes`: the largest collective the sequential method hands to tdist's collectives
+  // (capped); `with_addend`: cuBLAS's D = A x B^T + C too (the ReduceScatter ops' chunked pieces).
+  OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, size_t sequential_bytes, bool with_addend);
+  ~OverlapRuntime();
+
+  // The Collectives context's bytes for a sequential method of `sequential_bytes` (what the heap
+  // sizes of the ops add).
+  static size_t collectives_bytes(size_t sequential_bytes);
+  static size_t collectives_heap_bytes(size_t sequential_bytes, int world_size, int num_sms);
+
+  World& world() const { return world_; }
+  SymmetricHeap& heap() const { return heap_; }
+  Collectives& coll() const { return *coll_; }
+  CublasGemm& cublas() { return *cublas_; }
+  int rank() const { return world_.rank(); }
+  int size() const { return world_.world_size(); }
+  int num_sms() const { return num_sms_; }
+  DType dtype() const { return dtype_; }
+  size_t sequential_max_bytes() const { return coll_->max_bytes(); }
+  // The copy engine's stream beside the caller's (fork / join within one call).
+  SideStream& side() { return side_; }
+
+  // Step 1 of the frame: zero `bytes` at each of `flags` on `stream`, then the barrier across ranks.
+  void begin_call(std::initializer_list<std::pair<void*, size_t>> flags, cudaStream_t stream);
+
+  void wait_flags(const u64* flags, int first, int count, int skip, cudaStream_t stream) const {
+    kernels_.wait_flags(flags, first, count, skip, stream);
+  }
+  void reduce(const kg::ReduceParams& p, cudaStream_t stream) const { kernels_.reduce(p, num_sms_, stream); }
+
+  template <typename Params>
+  void hooked_gemm(const GemmArgs& args, const GemmTile& tile, const Params& params, int64_t first_row,
+                   int max_ctas, cudaStream_t stream) {
+    if constexpr (std::is_same_v<Params, kg::AllGatherWaitParams>)
+      gather_gemm_.launch(args, tile, params, first_row, max_ctas, stream);
+    else
+      publish_gemm_.launch(args, tile, params, first_row, max_ctas, stream);
+  }
+
+  GemmTile tile_for(int64_t m, int64_t n, int64_t k) const { return choose_gemm_tile(m, n, k, num_sms_); }
+
+  // The method a call runs: `requested`, or for kAuto TDIST_OVERLAP_METHOD, else the model's choice
+  // for `comm`; checks that it is possible (`sequential_ok`: equal per-rank counts and small enough).
+  OverlapMethod resolve(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k,
+                        bool sequential_ok) const;
+
+ private:
+  World& world_;
+  SymmetricHeap& heap_;
+  DType dtype_;
+  int num_sms_ = 0;
+  bool fused_ok_ = false;  // tdist's GEMM runs here (sm_90a)
+  std::unique_ptr<Collectives> coll_;
+  std::unique_ptr<CublasGemm> cublas_;
+  SideStream side_;
+  OverlapKernels kernels_;
+  HookedGemm<kg::AllGatherWaitParams> gather_gemm_;
+  HookedGemm<kg::ChunkPublishParams> publish_gemm_;
+};
+
+}  // namespace tdist::overlap
