@@ -30,9 +30,8 @@
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/launch.hpp"
 #include "tdist/ops/collective_select.hpp"
-#include "tdist/kernels/gemm/tile_scheduler.cuh"  // RowChunks
 #include "tdist/ops/collectives.hpp"
-#include "tdist/ops/gemm_overlap.hpp"
+#include "tdist/ops/overlap_ops.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/tcp_store.hpp"
 #include "tdist/runtime/world.hpp"
@@ -163,20 +162,12 @@ std::string check_by_rank(const DescTuple& in, const DescTuple& out, int world_s
 }
 
 // ---------------------------------------------------------------------------------------------
-// Overlapped GEMMs (tdist/ops/gemm_overlap.hpp): argument checks on descriptors
+// Overlapped ops (tdist/ops/overlap_ops.hpp): argument checks on descriptors, from the op's traits
 // ---------------------------------------------------------------------------------------------
 
-// The three layers by their Python names.
-tdist::OverlapOp parse_gemm_op(const std::string& op) {
-  if (op == "ag_gemm") return tdist::OverlapOp::kAllGatherGemm;
-  if (op == "gemm_rs") return tdist::OverlapOp::kGemmReduceScatter;
-  if (op == "gemm_ar") return tdist::OverlapOp::kGemmAllReduce;
-  fail(msg("tdist: unknown overlapped GEMM '", op, "' (ag_gemm, gemm_rs, gemm_ar)"));
-}
-
-// One operand of an overlapped GEMM: CUDA, bf16 / fp16, contiguous, on this rank's GPU, 16-byte
+// One operand of an overlapped op: CUDA, bf16 / fp16, contiguous, on this rank's GPU, 16-byte
 // aligned (the GEMM's TMA and the copy engine read whole 16-byte units).
-tdist::DType check_gemm_tensor(const char* op, const char* name, const Desc& d, int device) {
+tdist::DType check_overlap_tensor(const char* op, const char* name, const Desc& d, int device) {
   // The GEMMs' narrower dtype list where check_tensor would check the dtype, then its other checks.
   if (d.device_type == "cuda" && d.dtype != "bfloat16" && d.dtype != "float16")
     fail(msg("tdist.", op, ": '", name, "' has dtype ", d.dtype, "; the overlapped GEMMs take bfloat16 or float16"));
@@ -187,83 +178,115 @@ tdist::DType check_gemm_tensor(const char* op, const char* name, const Desc& d, 
   return dtype;
 }
 
-// The operands of one call by role; `gathered` only for ag_gemm (optional there).
-struct GemmOperands {
-  Desc a, b, d;
-  std::optional<Desc> gathered;
-};
+// The names of the operands whose rows (or columns) are `e`, quoted and joined with "and".
+std::string operands_with(const tdist::OverlapOpTraits& op, tdist::Extent e, bool rows) {
+  std::string s;
+  for (const auto& t : op.operands)
+    if (t.role == tdist::OperandRole::kInput && (rows ? t.rows : t.cols) == e)
+      s += msg(s.empty() ? "" : " and ", "'", t.name, "'");
+  return s;
+}
 
-const char* a_name(tdist::OverlapOp op) { return op == tdist::OverlapOp::kAllGatherGemm ? "a_local" : "a"; }
+// What an extent is in a message: "m=7", "this rank's rows of m=7 (3)", "N=24", "K=64".
+std::string extent_formula(tdist::Extent e, const tdist::OverlapExtents& x) {
+  switch (e) {
+    case tdist::Extent::kRows: return msg("this rank's rows of m=", x.m, " (", x.rows, ")");
+    case tdist::Extent::kM: return msg("m=", x.m);
+    default: return msg(tdist::to_string(e), "=", x[e]);
+  }
+}
 
-// Checks of one ag_gemm / gemm_rs / gemm_ar call (pure: no GPU). m: the whole M (all ranks' rows),
-// n, k: this rank's GEMM (ag_gemm: the local shard's N; gemm_rs / gemm_ar: the local K slice).
-tdist::DType check_gemm_overlap(tdist::OverlapOp op, const GemmOperands& t, int64_t m, int64_t n, int64_t k,
-                                int world_size, int rank, int device) {
-  const std::string op_name = tdist::to_string(op);
-  const char* o = op_name.c_str();
-  const char* an = a_name(op);
+// Checks of one call of `op` (pure: no GPU): `descs` in the traits' operand order, an optional
+// output may be absent. m: the whole M (all ranks' rows); n, k: this rank's GEMM.
+tdist::DType check_overlap(const tdist::OverlapOpTraits& op, const std::vector<std::optional<Desc>>& descs, int64_t m,
+                           int64_t n, int64_t k, int world_size, int rank, int device) {
+  const char* o = op.name;
+  const int count = op.num_operands();
+  if (static_cast<int>(descs.size()) > count) {
+    std::string names;
+    for (const auto& t : op.operands) names += msg(names.empty() ? "" : ", ", t.name);
+    fail(msg("tdist.", o, ": takes ", count, " operands (", names, "), got ", descs.size()));
+  }
   if (world_size < 1 || rank < 0 || rank >= world_size)
     fail(msg("tdist.", o, ": rank ", rank, " is out of range for a world of ", world_size));
   if (m < 0 || m >= (int64_t{1} << 31)) fail(msg("tdist.", o, ": 'm' must be in [0, 2^31), got ", m));
-  if (n <= 0 || n % 8 != 0 || n >= (int64_t{1} << 31))
-    fail(msg("tdist.", o, ": N (rows of 'b') must be a positive multiple of 8 below 2^31, got ", n));
+  if (n <= 0 || n % op.n_multiple != 0 || n >= (int64_t{1} << 31))
+    fail(msg("tdist.", o, ": N (rows of ", operands_with(op, tdist::Extent::kN, true), ") must be a positive multiple of ",
+             op.n_multiple, " below 2^31, got ", n));
   if (k <= 0 || k % 8 != 0 || k >= (int64_t{1} << 31))
-    fail(msg("tdist.", o, ": K (columns of '", an, "' and 'b') must be a positive multiple of 8 below 2^31, got ", k));
-  if (t.gathered && op != tdist::OverlapOp::kAllGatherGemm)
-    fail(msg("tdist.", o, ": only ag_gemm has a gathered output"));
-  const auto dt = check_gemm_tensor(o, an, t.a, device);
-  check_gemm_tensor(o, "b", t.b, device);
-  check_gemm_tensor(o, "d", t.d, device);
-  if (t.gathered) check_gemm_tensor(o, "gathered", *t.gathered, device);
-  auto same_dtype = [&](const char* name, const Desc& x) {
-    if (x.dtype != t.a.dtype)
-      fail(msg("tdist.", o, ": '", name, "' has dtype ", x.dtype, " but '", an, "' has ", t.a.dtype,
+    fail(msg("tdist.", o, ": K (columns of ", operands_with(op, tdist::Extent::kK, false),
+             ") must be a positive multiple of 8 below 2^31, got ", k));
+  const tdist::OverlapExtents x = tdist::overlap_extents(m, n, k, world_size, rank);
+  std::optional<tdist::DType> dtype;
+  const char* first = nullptr;
+  const Desc* first_desc = nullptr;
+  for (int i = 0; i < count; ++i) {
+    const tdist::OperandTraits& t = op.operands[i];
+    const bool present = i < static_cast<int>(descs.size()) && descs[i].has_value();
+    if (!present) {
+      if (t.role == tdist::OperandRole::kOptionalOutput) continue;
+      fail(msg("tdist.", o, ": '", t.name, "' is missing"));
+    }
+    const Desc& d = *descs[i];
+    const tdist::DType dt = check_overlap_tensor(o, t.name, d, device);
+    if (!first_desc) {
+      first = t.name;
+      first_desc = &d;
+      dtype = dt;
+    } else if (d.dtype != first_desc->dtype) {
+      fail(msg("tdist.", o, ": '", t.name, "' has dtype ", d.dtype, " but '", first, "' has ", first_desc->dtype,
                "; they must match"));
-  };
-  same_dtype("b", t.b);
-  same_dtype("d", t.d);
-  if (t.gathered) same_dtype("gathered", *t.gathered);
-  // This rank's rows of m, split as the library splits them (m and the rank are checked above).
-  const tdist::kernels::gemm::RowChunks chunks{static_cast<uint64_t>(m), world_size};
-  const int64_t rows = static_cast<int64_t>(chunks.rows(rank));
-  auto count = [&](const char* name, const Desc& x, int64_t want, const std::string& formula) {
-    if (x.numel != want)
-      fail(msg("tdist.", o, ": '", name, "' has ", x.numel, " elements, expected ", formula, " = ", want));
-  };
-  const bool ag = op == tdist::OverlapOp::kAllGatherGemm;
-  const bool rs = op == tdist::OverlapOp::kGemmReduceScatter;
-  count(an, t.a, (ag ? rows : m) * k,
-        ag ? msg("this rank's rows of m=", m, " (", rows, ") x K=", k) : msg("m=", m, " x K=", k));
-  count("b", t.b, n * k, msg("N=", n, " x K=", k));
-  count("d", t.d, (rs ? rows : m) * n,
-        rs ? msg("this rank's rows of m=", m, " (", rows, ") x N=", n) : msg("m=", m, " x N=", n));
-  if (t.gathered) count("gathered", *t.gathered, m * k, msg("m=", m, " x K=", k));
-  const size_t elem = tdist::dtype_size(dt);
-  auto disjoint = [&](const char* out_name, const Desc& out, const char* other_name, const Desc& other) {
-    if (overlap(out, other, elem))
-      fail(msg("tdist.", o, ": '", out_name, "' overlaps '", other_name, "'; outputs must not share memory with "
-               "the inputs or each other"));
-  };
-  disjoint("d", t.d, an, t.a);
-  disjoint("d", t.d, "b", t.b);
-  if (t.gathered) {
-    disjoint("gathered", *t.gathered, an, t.a);
-    disjoint("gathered", *t.gathered, "b", t.b);
-    disjoint("gathered", *t.gathered, "d", t.d);
+    }
+    const int64_t want = x[t.rows] * x[t.cols];
+    if (d.numel != want)
+      fail(msg("tdist.", o, ": '", t.name, "' has ", d.numel, " elements, expected ", extent_formula(t.rows, x), " x ",
+               extent_formula(t.cols, x), " = ", want));
   }
-  return dt;
+  // Outputs share memory with nothing else.
+  const size_t elem = tdist::dtype_size(*dtype);
+  for (int i = 0; i < count; ++i) {
+    if (op.operands[i].role == tdist::OperandRole::kInput || i >= static_cast<int>(descs.size()) || !descs[i]) continue;
+    for (int j = 0; j < count; ++j) {
+      if (j == i || j >= static_cast<int>(descs.size()) || !descs[j]) continue;
+      if (op.operands[j].role != tdist::OperandRole::kInput && j > i) continue;  // each output pair once
+      if (overlap(*descs[i], *descs[j], elem))
+        fail(msg("tdist.", o, ": '", op.operands[i].name, "' overlaps '", op.operands[j].name,
+                 "'; outputs must not share memory with the inputs or each other"));
+    }
+  }
+  return *dtype;
 }
 
-// Symmetric memory a context takes from the heap (the library's *_heap_bytes: the sizes its
-// constructors allocate); k for ag_gemm, max_n for gemm_rs / gemm_ar.
-size_t gemm_context_bytes(tdist::OverlapOp op, tdist::DType dtype, int64_t max_m, int64_t k, int64_t max_n,
-                          int world_size, int num_sms) {
-  const int w = std::max(world_size, 1);
-  if (op == tdist::OverlapOp::kAllGatherGemm)
-    return tdist::all_gather_gemm_heap_bytes({.max_m = max_m, .k = k, .dtype = dtype}, w, num_sms);
-  const tdist::GemmReduceScatterConfig c{.max_m = max_m, .max_n = max_n, .dtype = dtype};
-  return op == tdist::OverlapOp::kGemmAllReduce ? tdist::gemm_all_reduce_heap_bytes(c, w, num_sms)
-                                                : tdist::gemm_reduce_scatter_heap_bytes(c, w, num_sms);
+// Descriptors from Python's tuples (None: an absent optional output; trailing ones dropped).
+std::vector<std::optional<Desc>> descs_of(const std::vector<std::optional<DescTuple>>& tuples) {
+  std::vector<std::optional<Desc>> v;
+  for (const auto& t : tuples) v.push_back(t ? std::optional<Desc>(Desc(*t)) : std::nullopt);
+  while (!v.empty() && !v.back()) v.pop_back();
+  return v;
+}
+
+// The catalogue as Python reads it: one dict per op.
+nb::list overlap_op_catalogue() {
+  nb::list ops;
+  for (const tdist::OverlapOpTraits* t : tdist::overlap_ops()) {
+    nb::list operands;
+    for (const auto& o : t->operands) {
+      const char* role = o.role == tdist::OperandRole::kInput    ? "input"
+                         : o.role == tdist::OperandRole::kOutput ? "output"
+                                                                 : "optional_output";
+      operands.append(nb::make_tuple(o.name, tdist::to_string(o.rows), tdist::to_string(o.cols), role));
+    }
+    nb::dict d;
+    d["name"] = t->name;
+    d["summary"] = t->summary;
+    d["operands"] = operands;
+    d["n_multiple"] = t->n_multiple;
+    d["context_by_k"] = t->context_by_k;
+    d["context_by_n"] = t->context_by_n;
+    d["comm"] = tdist::to_string(t->comm);
+    ops.append(d);
+  }
+  return ops;
 }
 
 // DLPack dtype (code, bits) -> the names used above.
@@ -358,9 +381,7 @@ class Runtime {
   // exit: waiting here for peers that may be gone could hang the exit.
   ~Runtime() {
     if (closed_) return;
-    for (auto& [key, ctx] : ag_) (void)ctx.release();
-    for (auto& [key, ctx] : rs_) (void)ctx.release();
-    for (auto& [key, ctx] : ar_) (void)ctx.release();
+    (void)cache_.release();
     (void)coll_.release();
     (void)heap_.release();
     (void)world_.release();
@@ -373,9 +394,7 @@ class Runtime {
     nb::gil_scoped_release release;
     if (world_) cudaSetDevice(world_->device());
     cudaDeviceSynchronize();
-    ag_.clear();  // the GEMM contexts free their symmetric buffers into the heap
-    rs_.clear();
-    ar_.clear();
+    cache_.reset();  // the overlapped-op contexts free their symmetric buffers into the heap
     coll_.reset();
     buffers_.clear();
     heap_.reset();
@@ -467,38 +486,37 @@ class Runtime {
                                                      tdist::parse_all_reduce_method(method, "method")));
   }
 
-  // Overlapped GEMMs. Collective: every rank calls with the same m, n, k and method. The context for
-  // the call's (op, dtype[, K]) is created on first use and re-created larger when a call exceeds it
-  // (both collective, never while `stream` captures a CUDA graph). Returns the method that ran.
-  std::string ag_gemm(const DescTuple& a, const DescTuple& b, const DescTuple& d, const std::optional<DescTuple>& gathered,
-                      int64_t m, int64_t n, int64_t k, uint64_t stream, const std::string& method) {
-    return gemm(tdist::OverlapOp::kAllGatherGemm, a, b, d, gathered, m, n, k, stream, method, true);
-  }
-  std::string gemm_rs(const DescTuple& a, const DescTuple& b, const DescTuple& d, int64_t m, int64_t n, int64_t k,
-                      uint64_t stream, const std::string& method) {
-    return gemm(tdist::OverlapOp::kGemmReduceScatter, a, b, d, std::nullopt, m, n, k, stream, method, true);
-  }
-  std::string gemm_ar(const DescTuple& a, const DescTuple& b, const DescTuple& d, int64_t m, int64_t n, int64_t k,
-                      uint64_t stream, const std::string& method) {
-    return gemm(tdist::OverlapOp::kGemmAllReduce, a, b, d, std::nullopt, m, n, k, stream, method, true);
-  }
-  // The method such a call would run ("auto" and TDIST_OVERLAP_METHOD resolved), without running it;
-  // creates or grows the context like a call (collective then).
-  std::string gemm_method(const std::string& op, const DescTuple& a, const DescTuple& b, const DescTuple& d,
-                          const std::optional<DescTuple>& gathered, int64_t m, int64_t n, int64_t k, uint64_t stream,
-                          const std::string& method) {
-    return gemm(parse_gemm_op(op), a, b, d, gathered, m, n, k, stream, method, false);
+  // An overlapped op by its catalogue name; `descs` in the op's operand order (an optional output
+  // may be None). Collective: every rank calls with the same m, n, k and method. The context for the
+  // call is created on first use and re-created larger when a call exceeds it (OverlapContextCache:
+  // collective, never while `stream` captures a CUDA graph). With `run` false, only resolves the
+  // method (creating or growing the context like a call). Returns the method that ran.
+  std::string overlap(const std::string& op_name, const std::vector<std::optional<DescTuple>>& tuples, int64_t m,
+                      int64_t n, int64_t k, uint64_t stream_id, const std::string& method, bool run) {
+    const tdist::OverlapOpTraits& op = tdist::find_overlap_op(op_name);
+    const auto descs = descs_of(tuples);
+    const auto dt = check_overlap(op, descs, m, n, k, world_size(), rank(), device());
+    const auto requested = tdist::parse_overlap_method(method, "method");
+    if (m == 0) return tdist::to_string(requested);  // nothing to compute; no context needed
+    tdist::OverlapCall call;
+    for (size_t i = 0; i < descs.size(); ++i) call.operands[i] = descs[i] ? descs[i]->data() : nullptr;
+    call.m = m;
+    call.n = n;
+    call.k = k;
+    const auto stream = reinterpret_cast<cudaStream_t>(stream_id);
+    nb::gil_scoped_release release;
+    tdist::OverlapContext& ctx = cache().get(op, dt, m, n, k, stream);
+    const tdist::OverlapMethod chosen = ctx.method(call, requested);
+    if (run) ctx.run(call, stream, chosen);
+    return tdist::to_string(chosen);
   }
 
-  // The live GEMM contexts: (op, dtype, k (ag_gemm; 0 otherwise), max_m, max_n (gemm_rs / gemm_ar; 0 otherwise)).
-  std::vector<std::tuple<std::string, std::string, int64_t, int64_t, int64_t>> gemm_contexts() const {
+  // The live contexts: (op, dtype, k (ops sized by K; else 0), max_m, max_n (ops sized by N; else 0)).
+  std::vector<std::tuple<std::string, std::string, int64_t, int64_t, int64_t>> overlap_contexts() const {
     std::vector<std::tuple<std::string, std::string, int64_t, int64_t, int64_t>> v;
-    for (const auto& [key, ctx] : ag_)
-      if (ctx) v.emplace_back("ag_gemm", tdist::to_string(key.first), key.second, ctx->config().max_m, 0);
-    for (const auto& [key, ctx] : rs_)
-      if (ctx) v.emplace_back("gemm_rs", tdist::to_string(key), 0, ctx->config().max_m, ctx->config().max_n);
-    for (const auto& [key, ctx] : ar_)
-      if (ctx) v.emplace_back("gemm_ar", tdist::to_string(key), 0, ctx->config().max_m, ctx->config().max_n);
+    if (!cache_) return v;
+    for (const auto& [op, c] : cache_->contexts())
+      v.emplace_back(op->name, tdist::to_string(c.dtype), c.k, c.max_m, c.max_n);
     return v;
   }
 
@@ -514,13 +532,12 @@ class Runtime {
   void finish_init(size_t heap_bytes, size_t max_bytes) {
     nb::gil_scoped_release release;
     heap_ = std::make_unique<tdist::SymmetricHeap>(*world_, heap_bytes);
-    if (cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, world_->device()) != cudaSuccess)
-      fail("tdist.init: cannot read the GPU's SM count");
     if (max_bytes == 0) max_bytes = std::max<size_t>(heap_->capacity() / 8, 1 << 20);
     if (2 * max_bytes >= heap_->capacity())
       fail(msg("tdist.init: max_bytes=", max_bytes, " needs a workspace of 2 * max_bytes, more than the "
                   "symmetric heap's ", heap_->capacity(), " bytes; raise heap_size or lower max_bytes"));
     coll_ = std::make_unique<tdist::Collectives>(*world_, *heap_, max_bytes);
+    cache_ = std::make_unique<tdist::OverlapContextCache>(*world_, *heap_);
   }
 
   // What the collective calls share once their arguments are checked: nothing to run for no
@@ -536,155 +553,9 @@ class Runtime {
                    method);
   }
 
-  std::string gemm(tdist::OverlapOp op, const DescTuple& a_t, const DescTuple& b_t, const DescTuple& d_t,
-                   const std::optional<DescTuple>& g_t, int64_t m, int64_t n, int64_t k, uint64_t stream_id,
-                   const std::string& method, bool run) {
-    GemmOperands t{Desc(a_t), Desc(b_t), Desc(d_t), std::nullopt};
-    if (g_t) t.gathered.emplace(*g_t);
-    const auto dt = check_gemm_overlap(op, t, m, n, k, world_size(), rank(), device());
-    const auto requested = tdist::parse_overlap_method(method, "method");
-    if (m == 0) return tdist::to_string(requested);  // nothing to compute; no context needed
-    const auto stream = reinterpret_cast<cudaStream_t>(stream_id);
-    tdist::OverlapMethod chosen;
-    // The context's choice for `requested`, then (run) the call, without the GIL.
-    const auto resolve_and_run = [&](auto& ctx, const auto& args) {
-      nb::gil_scoped_release release;
-      chosen = ctx.method(args, requested);
-      if (run) ctx.run(args, stream, chosen);
-    };
-    switch (op) {
-      case tdist::OverlapOp::kAllGatherGemm: {
-        tdist::AllGatherGemmArgs args;
-        args.a_local = t.a.data();
-        args.b = t.b.data();
-        args.d = t.d.data();
-        args.a_gathered = t.gathered ? t.gathered->data() : nullptr;
-        args.m = m;
-        args.n = n;
-        resolve_and_run(ag_context(dt, k, m, stream), args);
-        break;
-      }
-      case tdist::OverlapOp::kGemmReduceScatter: {
-        const tdist::GemmReduceScatterArgs args{t.a.data(), t.b.data(), t.d.data(), m, n, k};
-        resolve_and_run(rs_context(rs_, op, dt, m, n, stream), args);
-        break;
-      }
-      case tdist::OverlapOp::kGemmAllReduce: {
-        const tdist::GemmAllReduceArgs args{t.a.data(), t.b.data(), t.d.data(), m, n, k};
-        resolve_and_run(rs_context(ar_, op, dt, m, n, stream), args);
-        break;
-      }
-    }
-    return tdist::to_string(chosen);
-  }
-
-  static bool capturing(cudaStream_t stream) {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-      (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures: treat as capturing
-      return true;
-    }
-    return status != cudaStreamCaptureStatusNone;
-  }
-
-  // Before a context is (re)created: not during a graph capture, and the heap must have room.
-  // `have` describes the context being replaced ("" when none), `bytes_old` its estimated heap use.
-  void check_new_context(tdist::OverlapOp op, const std::string& want, const std::string& have, size_t bytes_new,
-                         size_t bytes_old, cudaStream_t stream) const {
-    const char* o = tdist::to_string(op);
-    if (capturing(stream))
-      fail(msg("tdist.", o, ": this call needs a new GEMM context (", want, have.empty() ? "" : "; the current one has ",
-               have, ") but the stream is capturing a CUDA graph, and creating a context allocates symmetric memory, "
-               "compiles kernels and synchronises every rank. Call the op once with the largest shapes before the "
-               "capture (a warm-up, on every rank)"));
-    const size_t free_bytes = heap().capacity() - heap().bytes_in_use() + bytes_old;
-    if (bytes_new > free_bytes)
-      fail(msg("tdist.", o, ": its GEMM context (", want, ") needs about ", mib(bytes_new),
-               " MiB of symmetric memory, but the heap has ", mib(free_bytes), " MiB free of ", mib(heap().capacity()),
-               " MiB; raise heap_size in tdist.init (e.g. heap_size=\"", suggest_heap(bytes_new - free_bytes),
-               "\") or free tdist.empty buffers"));
-  }
-
-  static size_t mib(size_t bytes) { return (bytes + (size_t{1} << 20) - 1) >> 20; }
-  std::string suggest_heap(size_t missing) const {
-    const size_t gib = ((heap().capacity() + missing) + (size_t{1} << 30) - 1) >> 30;
-    return msg(gib, "G");
-  }
-
-  // Creates a context (collective), rewording a heap shortage so that it names heap_size.
-  template <typename Ctx, typename Config>
-  std::unique_ptr<Ctx> make_context(tdist::OverlapOp op, const Config& config, const std::string& want) {
-    try {
-      nb::gil_scoped_release release;
-      return std::make_unique<Ctx>(world_mut(), heap(), config);
-    } catch (const tdist::TimeoutError&) {
-      throw;
-    } catch (const tdist::Error& e) {
-      const std::string what = e.what();
-      if (what.find("out of memory") != std::string::npos)
-        fail(msg("tdist.", tdist::to_string(op), ": creating its GEMM context (", want,
-                 ") ran out of symmetric memory; raise heap_size in tdist.init. ", what));
-      throw;
-    }
-  }
-
-  // Growth: a context re-created for a larger M takes at least twice the old max_m when the heap has
-  // room for it, so a run of growing M re-creates it O(log M) times.
-  static int64_t grown(int64_t old_max, int64_t need) {
-    return need <= old_max ? old_max : std::max(need, 2 * old_max);
-  }
-
-  tdist::AllGatherGemm& ag_context(tdist::DType dt, int64_t k, int64_t m, cudaStream_t stream) {
-    auto& slot = ag_[{dt, k}];
-    if (slot && slot->config().max_m >= m) return *slot;
-    const int w = world_size();
-    const auto op = tdist::OverlapOp::kAllGatherGemm;
-    const int64_t old_m = slot ? slot->config().max_m : 0;
-    const size_t old_bytes = slot ? gemm_context_bytes(op, dt, old_m, k, 0, w, num_sms_) : 0;
-    const size_t room = heap().capacity() - heap().bytes_in_use() + old_bytes;
-    tdist::AllGatherGemmConfig c;
-    c.k = k;
-    c.dtype = dt;
-    c.max_m = grown(old_m, m);
-    if (gemm_context_bytes(op, dt, c.max_m, k, 0, w, num_sms_) > room) c.max_m = m;
-    const std::string want = msg("max_m=", c.max_m, ", K=", k, ", ", tdist::to_string(dt));
-    check_new_context(op, want, slot ? msg("max_m=", old_m) : std::string(),
-                      gemm_context_bytes(op, dt, c.max_m, k, 0, w, num_sms_), old_bytes, stream);
-    if (slot) {
-      nb::gil_scoped_release release;
-      slot.reset();  // collective: its buffers go back to the heap first
-    }
-    slot = make_context<tdist::AllGatherGemm>(op, c, want);
-    return *slot;
-  }
-
-  template <typename Ctx>
-  Ctx& rs_context(std::map<tdist::DType, std::unique_ptr<Ctx>>& contexts, tdist::OverlapOp op, tdist::DType dt,
-                  int64_t m, int64_t n, cudaStream_t stream) {
-    auto& slot = contexts[dt];
-    if (slot && slot->config().max_m >= m && slot->config().max_n >= n) return *slot;
-    const int w = world_size();
-    const int64_t old_m = slot ? slot->config().max_m : 0, old_n = slot ? slot->config().max_n : 0;
-    const size_t old_bytes = slot ? gemm_context_bytes(op, dt, old_m, 0, old_n, w, num_sms_) : 0;
-    const size_t room = heap().capacity() - heap().bytes_in_use() + old_bytes;
-    tdist::GemmReduceScatterConfig c;
-    c.dtype = dt;
-    c.max_n = std::max(n, old_n);
-    c.max_m = grown(old_m, m);
-    if (gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w, num_sms_) > room) c.max_m = std::max(m, old_m);
-    if (gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w, num_sms_) > room) {  // the old sizes do not fit beside: just this call's
-      c.max_m = m;
-      c.max_n = n;
-    }
-    const std::string want = msg("max_m=", c.max_m, ", max_n=", c.max_n, ", ", tdist::to_string(dt));
-    check_new_context(op, want, slot ? msg("max_m=", old_m, ", max_n=", old_n) : std::string(),
-                      gemm_context_bytes(op, dt, c.max_m, 0, c.max_n, w, num_sms_), old_bytes, stream);
-    if (slot) {
-      nb::gil_scoped_release release;
-      slot.reset();
-    }
-    slot = make_context<Ctx>(op, c, want);
-    return *slot;
+  tdist::OverlapContextCache& cache() const {
+    if (!cache_) fail("tdist: the runtime is closed (tdist.finalize was called)");
+    return *cache_;
   }
 
   const tdist::World& world() const {
@@ -707,13 +578,10 @@ class Runtime {
   ncclComm_t own_comm_ = nullptr;
   std::unique_ptr<tdist::World> world_;
   std::unique_ptr<tdist::SymmetricHeap> heap_;
-  int num_sms_ = 0;  // of this rank's GPU: the overlap contexts' Collectives size their flags by it
   std::unique_ptr<tdist::Collectives> coll_;
   std::map<uint64_t, size_t> buffers_;  // live tdist.empty buffers: address -> bytes
-  // Overlapped-GEMM contexts, created on first use and re-created larger when a call exceeds them.
-  std::map<std::pair<tdist::DType, int64_t>, std::unique_ptr<tdist::AllGatherGemm>> ag_;  // by (dtype, K)
-  std::map<tdist::DType, std::unique_ptr<tdist::GemmReduceScatter>> rs_;                  // by dtype
-  std::map<tdist::DType, std::unique_ptr<tdist::GemmAllReduce>> ar_;                      // by dtype
+  // Overlapped-op contexts, created on first use and re-created larger when a call exceeds them.
+  std::unique_ptr<tdist::OverlapContextCache> cache_;
   bool closed_ = false;
 };
 
@@ -925,34 +793,36 @@ NB_MODULE(_C, m) {
       },
       "all_reduce"_a = std::string("auto"), "all_gather"_a = std::string("auto"), "reduce_scatter"_a = std::string("auto"),
       "Throws tdist.Error for a method name no op knows.");
+  m.def("overlap_ops", &overlap_op_catalogue,
+        "The catalogue of overlapped ops: one dict per op (name, summary, operands as (name, rows, cols, role), "
+        "n_multiple, context_by_k, context_by_n, comm).");
   m.def(
-      "check_gemm_overlap",
-      [](const std::string& op, const DescTuple& a, const DescTuple& b, const DescTuple& d,
-         const std::optional<DescTuple>& gathered, int64_t m, int64_t n, int64_t k, int world_size, int rank,
-         int device) {
-        GemmOperands t{Desc(a), Desc(b), Desc(d), std::nullopt};
-        if (gathered) t.gathered.emplace(*gathered);
-        return std::string(tdist::to_string(check_gemm_overlap(parse_gemm_op(op), t, m, n, k, world_size, rank, device)));
+      "check_overlap",
+      [](const std::string& op, const std::vector<std::optional<DescTuple>>& descs, int64_t m, int64_t n, int64_t k,
+         int world_size, int rank, int device) {
+        return std::string(tdist::to_string(
+            check_overlap(tdist::find_overlap_op(op), descs_of(descs), m, n, k, world_size, rank, device)));
       },
-      "op"_a, "a"_a, "b"_a, "d"_a, "gathered"_a.none(), "m"_a, "n"_a, "k"_a, "world_size"_a, "rank"_a = 0,
-      "device"_a = -1,
-      "Argument checks of ag_gemm / gemm_rs / gemm_ar on descriptors (m: all ranks' rows; n, k: this rank's "
-      "GEMM); returns the dtype name.");
+      "op"_a, "descs"_a, "m"_a, "n"_a, "k"_a, "world_size"_a, "rank"_a = 0, "device"_a = -1,
+      "Argument checks of an overlapped op on descriptors in its operand order (m: all ranks' rows; n, k: this "
+      "rank's GEMM); returns the dtype name.");
   m.def(
       "parse_overlap_method",
       [](const std::string& method) { return std::string(tdist::to_string(tdist::parse_overlap_method(method, "method"))); },
-      "method"_a, "The overlapped GEMMs' method name (auto, fused, chunked, sequential, baseline); tdist.Error otherwise.");
+      "method"_a, "The overlapped ops' method name (auto, fused, chunked, sequential, baseline); tdist.Error otherwise.");
   m.def(
-      "gemm_context_bytes",
-      [](const std::string& op, const std::string& dtype, int64_t max_m, int64_t k, int64_t max_n, int world_size,
+      "overlap_context_bytes",
+      [](const std::string& op, const std::string& dtype, int64_t max_m, int64_t max_n, int64_t k, int world_size,
          int num_sms) {
         const auto dt = collective_dtype(dtype);
-        if (!dt) fail(msg("gemm_context_bytes: unknown dtype '", dtype, "'"));
-        if (num_sms < 1) fail(msg("gemm_context_bytes: num_sms must be positive, got ", num_sms));
-        return gemm_context_bytes(parse_gemm_op(op), *dt, max_m, k, max_n, world_size, num_sms);
+        if (!dt) fail(msg("overlap_context_bytes: unknown dtype '", dtype, "'"));
+        if (num_sms < 1) fail(msg("overlap_context_bytes: num_sms must be positive, got ", num_sms));
+        if (world_size < 1) fail(msg("overlap_context_bytes: world_size must be positive, got ", world_size));
+        const tdist::OverlapOpTraits& t = tdist::find_overlap_op(op);
+        return t.heap_bytes(tdist::overlap_context_for(t, *dt, max_m, max_n, k), world_size, num_sms);
       },
-      "op"_a, "dtype"_a, "max_m"_a, "k"_a, "max_n"_a, "world_size"_a, "num_sms"_a = 132,
-      "Symmetric-heap bytes of one overlapped-GEMM context (k for ag_gemm, max_n for gemm_rs / gemm_ar) on GPUs "
+      "op"_a, "dtype"_a, "max_m"_a, "max_n"_a, "k"_a, "world_size"_a, "num_sms"_a = 132,
+      "Symmetric-heap bytes of one overlapped-op context (max_n for ops sized by N, k for ops sized by K) on GPUs "
       "with num_sms SMs (132: H100 / H200 SXM).");
   m.def("parse_size", [](const std::string& s) { return tdist::SymmetricHeap::parse_size(s, "heap_size"); },
         "Bytes from '512M', '2G', '1048576' (TDIST_SYMMETRIC_HEAP_SIZE's format).");
@@ -987,13 +857,8 @@ NB_MODULE(_C, m) {
       .def("all_reduce", &Runtime::all_reduce, "input"_a, "output"_a, "stream"_a, "method"_a)
       .def("all_gather", &Runtime::all_gather, "input"_a, "output"_a, "stream"_a, "method"_a)
       .def("reduce_scatter", &Runtime::reduce_scatter, "input"_a, "output"_a, "stream"_a, "method"_a)
-      .def("ag_gemm", &Runtime::ag_gemm, "a_local"_a, "b"_a, "d"_a, "gathered"_a.none(), "m"_a, "n"_a, "k"_a,
-           "stream"_a, "method"_a)
-      .def("gemm_rs", &Runtime::gemm_rs, "a"_a, "b"_a, "d"_a, "m"_a, "n"_a, "k"_a, "stream"_a, "method"_a)
-      .def("gemm_ar", &Runtime::gemm_ar, "a"_a, "b"_a, "d"_a, "m"_a, "n"_a, "k"_a, "stream"_a, "method"_a)
-      .def("gemm_method", &Runtime::gemm_method, "op"_a, "a"_a, "b"_a, "d"_a, "gathered"_a.none(), "m"_a, "n"_a,
-           "k"_a, "stream"_a, "method"_a)
-      .def("gemm_contexts", &Runtime::gemm_contexts)
+      .def("overlap", &Runtime::overlap, "op"_a, "descs"_a, "m"_a, "n"_a, "k"_a, "stream"_a, "method"_a, "run"_a = true)
+      .def("overlap_contexts", &Runtime::overlap_contexts)
       .def("barrier", &Runtime::barrier, "stream"_a)
       .def("all_reduce_method", &Runtime::all_reduce_method, "input"_a, "output"_a, "method"_a)
       .def("host_barrier", &Runtime::host_barrier, "tag"_a);

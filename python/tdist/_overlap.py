@@ -1,9 +1,13 @@
-"""Shapes and argument checks of the overlapped GEMMs (ag_gemm, gemm_rs, gemm_ar), torch-free.
+"""Shapes and argument checks of the overlapped ops (ag_gemm, gemm_rs, gemm_ar, ...), torch-free.
 
-The checks run on plain metadata (:class:`Operand`: shape, dtype name, device, contiguity, address), so
-the same code serves the real and the fake (meta) implementations of the torch ops and the CPU tests.
-Every error names the op and the argument. The C++ core checks the descriptors again before a run
-(``_C.check_gemm_overlap``).
+Every op is described once, in the C++ catalogue (include/tdist/ops/overlap_ops.hpp), which this
+module reads through ``_C.overlap_ops()``: its operands, the extents their shapes are written in (M,
+rows, N, N/2, K) and the multiple N must be. The checks here derive M, N and K of a call from its input
+shapes and the output shapes from the same description, so an op added to the catalogue needs no line
+here. They run on plain metadata (:class:`Operand`: shape, dtype name, device, contiguity, address),
+so the same code serves the real and the fake (meta) implementations of the torch ops and the CPU
+tests. Every error names the op and the argument. The C++ core checks the descriptors again before
+a run (``_C.check_overlap``).
 
 Rows split over ranks as ``RowChunks{M, world_size}``: rank r owns rows ``[begin(r), begin(r) +
 rows(r))``; the first ``M % world_size`` ranks own one row more.
@@ -11,8 +15,9 @@ rows(r))``; the first ``M % world_size`` ranks own one row more.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional
 
+from . import _C
 from ._tensors import Error
 
 METHODS = ("auto", "fused", "chunked", "sequential", "baseline")
@@ -93,40 +98,109 @@ def check_operands(op: str, **operands: Operand) -> None:
                         f"cuda:{first.device_index}; they must be on the same device")
 
 
-def _check_nk(op: str, a_name: str, a: Operand, b: Operand):
-    n, k = b.shape
-    if a.shape[1] != k:
-        raise Error(f"tdist.{op}: '{a_name}' has {a.shape[1]} columns but 'b' has {k}; both are K "
-                    f"(shapes {tuple(a.shape)} and {tuple(b.shape)}: y = {a_name} @ b.T with b of shape (N, K))")
+class OpTraits(NamedTuple):
+    """One op of the C++ catalogue."""
+
+    name: str
+    summary: str
+    operands: tuple      # ((name, rows extent, cols extent, role), ...); role: input, output, optional_output
+    n_multiple: int
+
+    @property
+    def inputs(self):
+        return tuple(o for o in self.operands if o[3] == "input")
+
+    @property
+    def outputs(self):
+        return tuple(o for o in self.operands if o[3] == "output")
+
+    @property
+    def optional_outputs(self):
+        return tuple(o for o in self.operands if o[3] == "optional_output")
+
+    @property
+    def takes_m(self) -> bool:
+        """Whether a call passes M: some input holds only this rank's rows."""
+        return any("rows" in (o[1], o[2]) for o in self.inputs)
+
+
+_catalogue: Optional[Dict[str, OpTraits]] = None
+
+
+def ops() -> Dict[str, OpTraits]:
+    """The catalogue of overlapped ops, by name."""
+    global _catalogue
+    if _catalogue is None:
+        _catalogue = {d["name"]: OpTraits(d["name"], d["summary"], tuple(tuple(o) for o in d["operands"]),
+                                          d["n_multiple"]) for d in _C.overlap_ops()}
+    return _catalogue
+
+
+def op_traits(op: str) -> OpTraits:
+    try:
+        return ops()[op]
+    except KeyError:
+        raise Error(f"tdist: no overlapped op is named {op!r} (known: {', '.join(sorted(ops()))})") from None
+
+
+def _with_extent(t: OpTraits, extent: str, axis: int) -> str:
+    return " and ".join(f"'{o[0]}'" for o in t.inputs if o[1 + axis] == extent)
+
+
+def call_dims(op: str, inputs: Dict[str, Operand], m, world_size: int, rank: int) -> Dims:
+    """M, N, K and this rank's rows of a call of ``op`` from its inputs (in the catalogue's order) and,
+    for ops whose inputs hold only this rank's rows, ``m`` (None: rows x world_size)."""
+    t = op_traits(op)
+    check_operands(op, **inputs)
+    bound: Dict[str, tuple] = {}  # extent -> (value, operand name, axis)
+    for name, rows_extent, cols_extent, _ in t.inputs:
+        for axis, extent in ((0, rows_extent), (1, cols_extent)):
+            value = inputs[name].shape[axis]
+            if extent == "N/2":
+                extent, value = "N", 2 * value
+            if extent in bound and bound[extent][0] != value:
+                first_value, first_name, first_axis = bound[extent]
+                what = ("rows", "columns")
+                raise Error(f"tdist.{op}: '{first_name}' has {first_value} {what[first_axis]} but '{name}' has "
+                            f"{value}; "
+                            f"both are {extent} (shapes {', '.join(str(tuple(inputs[o[0]].shape)) for o in t.inputs)}"
+                            f": y = a @ b.T with b of shape (N, K))")
+            bound.setdefault(extent, (value, name, axis))
+    n, k = bound["N"][0], bound["K"][0]
     if not (0 < k < _LIMIT and k % 8 == 0):
-        raise Error(f"tdist.{op}: K (columns of '{a_name}' and 'b') must be a positive multiple of 8, got {k}")
-    if not (0 < n < _LIMIT and n % 8 == 0):
-        raise Error(f"tdist.{op}: N (rows of 'b') must be a positive multiple of 8, got {n}")
-    return n, k
-
-
-def ag_gemm_dims(a_local: Operand, b: Operand, m, world_size: int, rank: int) -> Dims:
-    """ag_gemm: a_local (rows, K) this rank's rows of A, b (N, K); d (m, N)."""
-    op = "ag_gemm"
-    check_operands(op, a_local=a_local, b=b)
-    n, k = _check_nk(op, "a_local", a_local, b)
-    rows = a_local.shape[0]
+        raise Error(f"tdist.{op}: K (columns of {_with_extent(t, 'K', 1)}) must be a positive multiple of 8, "
+                    f"got {k}")
+    if not (0 < n < _LIMIT and n % t.n_multiple == 0):
+        raise Error(f"tdist.{op}: N (rows of {_with_extent(t, 'N', 0)}) must be a positive multiple of "
+                    f"{t.n_multiple}, got {n}")
+    if "M" in bound:
+        m = bound["M"][0]
+        if not m < _LIMIT:
+            raise Error(f"tdist.{op}: '{bound['M'][1]}' has {m} rows; M must stay below 2^31")
+        return Dims(m, n, k, chunk_rows(m, world_size, rank))
+    rows, rows_name = bound["rows"][0], bound["rows"][1]
     m = rows * world_size if check_m(op, m) is None else m
     if not 0 <= m < _LIMIT:
         raise Error(f"tdist.{op}: m must be in [0, 2^31), got {m}")
     want = chunk_rows(m, world_size, rank)
     if rows != want:
-        raise Error(f"tdist.{op}: 'a_local' has {rows} rows, but rank {rank} owns {want} of m={m} rows over "
+        raise Error(f"tdist.{op}: '{rows_name}' has {rows} rows, but rank {rank} owns {want} of m={m} rows over "
                     f"{world_size} ranks (RowChunks: the first m % world_size ranks own one more); pass m= the "
                     "total row count, the same on every rank")
     return Dims(m, n, k, rows)
 
 
+def shape_of(extents: tuple, dims: Dims) -> tuple:
+    """The shape of an operand whose (rows, cols) extents are ``extents``, in a call of ``dims``."""
+    value = {"M": dims.m, "rows": dims.rows, "N": dims.n, "N/2": dims.n // 2, "K": dims.k}
+    return tuple(value[e] for e in extents)
+
+
+def ag_gemm_dims(a_local: Operand, b: Operand, m, world_size: int, rank: int) -> Dims:
+    """ag_gemm: a_local (rows, K) this rank's rows of A, b (N, K); d (m, N)."""
+    return call_dims("ag_gemm", {"a_local": a_local, "b": b}, m, world_size, rank)
+
+
 def gemm_rs_dims(a: Operand, b: Operand, world_size: int, rank: int, op: str = "gemm_rs") -> Dims:
     """gemm_rs / gemm_ar: a (M, K_local), b (N, K_local); d (rows, N) or (M, N)."""
-    check_operands(op, a=a, b=b)
-    n, k = _check_nk(op, "a", a, b)
-    m = a.shape[0]
-    if not m < _LIMIT:
-        raise Error(f"tdist.{op}: 'a' has {m} rows; M must stay below 2^31")
-    return Dims(m, n, k, chunk_rows(m, world_size, rank))
+    return call_dims(op, {"a": a, "b": b}, None, world_size, rank)

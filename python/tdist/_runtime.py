@@ -249,7 +249,7 @@ def heap_info() -> dict:
     'gemm_contexts': the live contexts of the overlapped GEMMs, as dicts with 'op', 'dtype', 'k'
     (ag_gemm), 'max_m' and 'max_n' (gemm_rs, gemm_ar)."""
     rt = runtime("heap_info")
-    contexts = [dict(zip(("op", "dtype", "k", "max_m", "max_n"), c)) for c in rt.gemm_contexts()]
+    contexts = [dict(zip(("op", "dtype", "k", "max_m", "max_n"), c)) for c in rt.overlap_contexts()]
     return {"capacity": rt.heap_capacity, "in_use": rt.heap_bytes_in_use, "collective_max_bytes": rt.max_bytes,
             "gemm_contexts": contexts}
 

@@ -22,8 +22,9 @@ in-place ops that return their input).
 barrier mutates a one-element token tensor that tdist keeps: an op with neither outputs nor
 mutations could be dropped or moved freely by graph passes; a mutation keeps it in the graph.
 
-The overlapped GEMMs (ag_gemm, gemm_rs, gemm_ar; wrappers and docs in ops.py) check their arguments
-in Python (_overlap.py) in both implementations, so a bad call fails while tracing too. Their real
+The overlapped ops (ag_gemm, gemm_rs, gemm_ar, and every other op of the C++ catalogue, registered
+from its description; wrappers and docs in ops.py) check their arguments in Python (_overlap.py) in
+both implementations, so a bad call fails while tracing too. Their real
 implementations create or grow the op's context in the C++ runtime when a call needs it (collective;
 refused during a CUDA graph capture).
 """
@@ -180,7 +181,15 @@ def _(token):
     return None
 
 
-# --- overlapped GEMMs: ag_gemm, gemm_rs, gemm_ar ---------------------------------------------------
+# --- overlapped ops: ag_gemm, gemm_rs, gemm_ar and the rest of the C++ catalogue ------------------
+#
+# Every op is described once in the C++ catalogue (_overlap.op_traits): the helpers below derive the
+# call's extents, the output shapes and the C++ call from it. ag_gemm, gemm_rs and gemm_ar keep
+# hand-written torch.library definitions (their Python signatures are public); every other op of
+# the catalogue is registered from its description by _register_from_catalogue:
+#   tdist::NAME(Tensor <input>, ..., [SymInt? m=None,] str method="auto") -> Tensor | (Tensor, ...)
+# with `m` where an input holds only this rank's rows, and one op NAME_<output> per optional output
+# that returns it after the required ones.
 
 def _operand(t: Tensor, real: bool) -> _overlap.Operand:
     dev = t.device
@@ -188,103 +197,138 @@ def _operand(t: Tensor, real: bool) -> _overlap.Operand:
                             t.data_ptr() if real and dev.type == "cuda" and t.numel() > 0 else None)
 
 
-def _rank_world(op: str):
-    rt = runtime(op)
-    return rt.rank, rt.world_size
-
-
-def _dims(op: str, a: Tensor, b: Tensor, m, method, real: bool) -> _overlap.Dims:
-    """The Python checks of one call (real and fake implementations alike)."""
+def _dims(op: str, inputs, m, method, real: bool) -> _overlap.Dims:
+    """The Python checks of one call (real and fake implementations alike); `inputs` in the
+    catalogue's input order."""
     _overlap.check_method(op, method)
-    rank, world = _rank_world(op)
-    if op == "ag_gemm":
-        return _overlap.ag_gemm_dims(_operand(a, real), _operand(b, real), m, world, rank)
-    return _overlap.gemm_rs_dims(_operand(a, real), _operand(b, real), world, rank, op=op)
-
-
-def _d_shape(op: str, dims: _overlap.Dims):
-    return (dims.rows if op == "gemm_rs" else dims.m, dims.n)
-
-
-def _descs(op: str, a: Tensor, b: Tensor, d: Tensor):
-    a_name = "a_local" if op == "ag_gemm" else "a"
-    return [describe_checked(t, op, name) for t, name in ((a, a_name), (b, "b"), (d, "d"))]
-
-
-def _run_gemm(op: str, dims: _overlap.Dims, method: str, a: Tensor, b: Tensor, d: Tensor,
-              gathered: Optional[Tensor] = None) -> None:
-    """The C++ call on torch's current stream (after the Python checks; C++ checks the descriptors)."""
     rt = runtime(op)
-    descs = _descs(op, a, b, d)
-    if op == "ag_gemm":
-        g = None if gathered is None else describe_checked(gathered, op, "gathered")
-        rt.ag_gemm(*descs, g, dims.m, dims.n, dims.k, _stream(a), method)
-    else:
-        getattr(rt, op)(*descs, dims.m, dims.n, dims.k, _stream(a), method)
+    traits = _overlap.op_traits(op)
+    named = {o[0]: _operand(t, real) for o, t in zip(traits.inputs, inputs)}
+    return _overlap.call_dims(op, named, m, rt.world_size, rt.rank)
+
+
+def _outputs(op: str, dims: _overlap.Dims, like: Tensor, optional: Tuple[str, ...] = (), fake: bool = False):
+    """New output tensors of a call: the required ones, then the optional ones named in `optional`."""
+    traits = _overlap.op_traits(op)
+    wanted = traits.outputs + tuple(o for o in traits.optional_outputs if o[0] in optional)
+    make = like.new_empty if fake else (lambda shape: torch.empty(shape, dtype=like.dtype, device=like.device))
+    return [make(_overlap.shape_of(o[1:3], dims)) for o in wanted]
+
+
+def _run_overlap(op: str, dims: _overlap.Dims, method: str, inputs, outputs, optional: Tuple[str, ...] = (),
+                 run: bool = True) -> str:
+    """The C++ call on torch's current stream (after the Python checks; C++ checks the descriptors)."""
+    traits = _overlap.op_traits(op)
+    given = dict(zip([o[0] for o in traits.inputs], inputs))
+    given.update(zip([o[0] for o in traits.outputs] + list(optional), outputs))
+    descs = [describe_checked(given[o[0]], op, o[0]) if o[0] in given else None for o in traits.operands]
+    return runtime(op).overlap(op, descs, dims.m, dims.n, dims.k, _stream(inputs[0]), method, run)
+
+
+def _call(op: str, inputs, m, method: str, optional: Tuple[str, ...] = ()):
+    dims = _dims(op, inputs, m, method, True)
+    outputs = _outputs(op, dims, inputs[0], optional)
+    _run_overlap(op, dims, method, inputs, outputs, optional)
+    return outputs
 
 
 def gemm_method(op: str, a: Tensor, b: Tensor, m: Optional[int] = None, method: str = "auto") -> str:
-    """The method a call of ``op`` (ag_gemm, gemm_rs, gemm_ar) with these operands would run ("auto"
-    and TDIST_OVERLAP_METHOD resolved), without running it. Collective when the op's context has to be
-    created or grown, like a call."""
-    dims = _dims(op, a, b, m, method, True)
-    d = torch.empty(_d_shape(op, dims), dtype=a.dtype, device=a.device)
-    return runtime(op).gemm_method(op, *_descs(op, a, b, d), None, dims.m, dims.n, dims.k, _stream(a), method)
+    """The method a call of ``op`` with these operands would run ("auto" and TDIST_OVERLAP_METHOD
+    resolved), without running it. Collective when the op's context has to be created or grown, like
+    a call."""
+    inputs = (a, b)
+    dims = _dims(op, inputs, m, method, True)
+    return _run_overlap(op, dims, method, inputs, _outputs(op, dims, a), run=False)
 
 
 @torch.library.custom_op("tdist::ag_gemm", mutates_args=())
 def ag_gemm(a_local: Tensor, b: Tensor, m: Optional[int] = None, method: str = "auto") -> Tensor:
-    dims = _dims("ag_gemm", a_local, b, m, method, True)
-    d = torch.empty(_d_shape("ag_gemm", dims), dtype=a_local.dtype, device=a_local.device)
-    _run_gemm("ag_gemm", dims, method, a_local, b, d)
-    return d
+    return _call("ag_gemm", (a_local, b), m, method)[0]
 
 
 @ag_gemm.register_fake
 def _(a_local, b, m=None, method="auto"):
-    return a_local.new_empty(_d_shape("ag_gemm", _dims("ag_gemm", a_local, b, m, method, False)))
+    return _outputs("ag_gemm", _dims("ag_gemm", (a_local, b), m, method, False), a_local, fake=True)[0]
 
 
 @torch.library.custom_op("tdist::ag_gemm_gathered", mutates_args=())
 def ag_gemm_gathered(a_local: Tensor, b: Tensor, m: Optional[int] = None,
                      method: str = "auto") -> Tuple[Tensor, Tensor]:
-    dims = _dims("ag_gemm", a_local, b, m, method, True)
-    d = torch.empty(_d_shape("ag_gemm", dims), dtype=a_local.dtype, device=a_local.device)
-    gathered = torch.empty((dims.m, dims.k), dtype=a_local.dtype, device=a_local.device)
-    _run_gemm("ag_gemm", dims, method, a_local, b, d, gathered)
+    d, gathered = _call("ag_gemm", (a_local, b), m, method, ("gathered",))
     return d, gathered
 
 
 @ag_gemm_gathered.register_fake
 def _(a_local, b, m=None, method="auto"):
-    dims = _dims("ag_gemm", a_local, b, m, method, False)
-    return a_local.new_empty(_d_shape("ag_gemm", dims)), a_local.new_empty((dims.m, dims.k))
-
-
-def _gemm_reduce(op: str, a: Tensor, b: Tensor, method: str, real: bool) -> Tensor:
-    dims = _dims(op, a, b, None, method, real)
-    if not real:
-        return a.new_empty(_d_shape(op, dims))
-    d = torch.empty(_d_shape(op, dims), dtype=a.dtype, device=a.device)
-    _run_gemm(op, dims, method, a, b, d)
-    return d
+    dims = _dims("ag_gemm", (a_local, b), m, method, False)
+    d, gathered = _outputs("ag_gemm", dims, a_local, ("gathered",), fake=True)
+    return d, gathered
 
 
 @torch.library.custom_op("tdist::gemm_rs", mutates_args=())
 def gemm_rs(a: Tensor, b: Tensor, method: str = "auto") -> Tensor:
-    return _gemm_reduce("gemm_rs", a, b, method, True)
+    return _call("gemm_rs", (a, b), None, method)[0]
 
 
 @gemm_rs.register_fake
 def _(a, b, method="auto"):
-    return _gemm_reduce("gemm_rs", a, b, method, False)
+    return _outputs("gemm_rs", _dims("gemm_rs", (a, b), None, method, False), a, fake=True)[0]
 
 
 @torch.library.custom_op("tdist::gemm_ar", mutates_args=())
 def gemm_ar(a: Tensor, b: Tensor, method: str = "auto") -> Tensor:
-    return _gemm_reduce("gemm_ar", a, b, method, True)
+    return _call("gemm_ar", (a, b), None, method)[0]
 
 
 @gemm_ar.register_fake
 def _(a, b, method="auto"):
-    return _gemm_reduce("gemm_ar", a, b, method, False)
+    return _outputs("gemm_ar", _dims("gemm_ar", (a, b), None, method, False), a, fake=True)[0]
+
+
+_HAND_WRITTEN = ("ag_gemm", "gemm_rs", "gemm_ar")
+# Every catalogue op's torch op by name (NAME, and NAME_<output> for an optional output), all with
+# the schema convention above.
+catalogue_ops = {name: getattr(torch.ops.tdist, name).default
+                 for name in ("ag_gemm", "ag_gemm_gathered", "gemm_rs", "gemm_ar")}
+
+
+def _register(name: str, op: str, optional: Tuple[str, ...]) -> None:
+    traits = _overlap.op_traits(op)
+    args = ", ".join(f"Tensor {o[0]}" for o in traits.inputs)
+    if traits.takes_m:
+        args += ", SymInt? m=None"
+    n_out = len(traits.outputs) + len(optional)
+    ret = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
+    schema = f"({args}, str method=\"auto\") -> {ret}"
+    n_in = len(traits.inputs)
+
+    def split(args):
+        inputs, rest = args[:n_in], list(args[n_in:])
+        m = rest.pop(0) if traits.takes_m and rest else None
+        method = rest.pop(0) if rest else "auto"
+        return inputs, m, method
+
+    def real(*args):
+        inputs, m, method = split(args)
+        out = _call(op, inputs, m, method, optional)
+        return out[0] if n_out == 1 else tuple(out)
+
+    def fake(*args):
+        inputs, m, method = split(args)
+        out = _outputs(op, _dims(op, inputs, m, method, False), inputs[0], optional, fake=True)
+        return out[0] if n_out == 1 else tuple(out)
+
+    torch.library.custom_op(f"tdist::{name}", real, mutates_args=(), schema=schema).register_fake(fake)
+    catalogue_ops[name] = getattr(torch.ops.tdist, name).default
+
+
+def _register_from_catalogue() -> None:
+    for op, traits in _overlap.ops().items():
+        if op in _HAND_WRITTEN:
+            continue
+        _register(op, op, ())
+        for o in traits.optional_outputs:
+            _register(f"{op}_{o[0]}", op, (o[0],))
+
+
+_register_from_catalogue()

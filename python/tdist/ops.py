@@ -265,7 +265,65 @@ def gemm_ar(a, b, *, method: str = "auto"):
     return _gemm_ar(a, b, method)
 
 
-for _f in (ag_gemm, gemm_rs, gemm_ar):
+def overlap(op: str, *inputs, m=None, method: str = "auto", optional_outputs=()):
+    """Any overlapped op of the catalogue by name (``tdist.overlap_ops()`` lists them).
+
+    Args:
+        op: the op's name, e.g. "ag_gemm_swiglu".
+        *inputs: its input tensors, in the catalogue's order.
+        m: ``M``, the total row count, for ops whose inputs hold only this rank's rows (default:
+            rows x world_size).
+        method: "auto", "fused", "chunked", "sequential" or "baseline".
+        optional_outputs: names of optional outputs to return too (e.g. ("gathered",)).
+
+    Returns:
+        The op's output, or a tuple of its outputs.
+    """
+    method = _overlap.check_method(op, method)
+    traits = _overlap.op_traits(op)
+    if len(inputs) != len(traits.inputs):
+        raise Error(f"tdist.{op}: takes {len(traits.inputs)} inputs "
+                    f"({', '.join(o[0] for o in traits.inputs)}), got {len(inputs)}")
+    _gemm_operands(op, **{o[0]: t for o, t in zip(traits.inputs, inputs)})
+    if traits.takes_m:
+        _overlap.check_m(op, m)
+    elif m is not None:
+        raise Error(f"tdist.{op}: takes no m (its inputs hold every row)")
+    optional = tuple(optional_outputs)
+    known = tuple(o[0] for o in traits.optional_outputs)
+    for name in optional:
+        if name not in known:
+            raise Error(f"tdist.{op}: has no optional output {name!r} (it has: {', '.join(known) or 'none'})")
+    if len(optional) > 1:
+        raise Error(f"tdist.{op}: returns at most one optional output per call, got {optional}")
+    torch_op = _tops.catalogue_ops[f"{op}_{optional[0]}" if optional else op]
+    return torch_op(*inputs, m, method) if traits.takes_m else torch_op(*inputs, method)
+
+
+def overlap_ops() -> dict:
+    """The catalogue of overlapped ops: name -> one-line summary."""
+    return {name: t.summary for name, t in _overlap.ops().items()}
+
+
+def _catalogue_function(op: str):
+    traits = _overlap.op_traits(op)
+
+    def call(*inputs, m=None, method: str = "auto"):
+        return overlap(op, *inputs, m=m, method=method)
+
+    call.__name__ = call.__qualname__ = op
+    shapes = ", ".join(f"{o[0]} ({o[1]}, {o[2]})" for o in traits.operands)
+    call.__doc__ = (f"{traits.summary}.\n\n    Operands: {shapes}; M all ranks' rows, rows this rank's "
+                    "RowChunks rows, N and K this rank's GEMM.\n    Same as ``tdist.overlap"
+                    f"(\"{op}\", ...)``.\n")
+    return call
+
+
+# One function per catalogue op beyond the hand-written ones (tdist.<name>).
+catalogue_functions = {op: _catalogue_function(op) for op in _overlap.ops() if op not in ("ag_gemm", "gemm_rs",
+                                                                                         "gemm_ar")}
+
+for _f in (ag_gemm, gemm_rs, gemm_ar, *catalogue_functions.values()):
     if _f.__doc__:  # python -OO drops docstrings
         _f.__doc__ += _GEMM_NOTES
 del _f

@@ -448,50 +448,43 @@ def test_gemm_descriptor_checks():
     m, n, k, world = 7, 24, 64, 2  # rank 0 owns rows 0..3, rank 1 rows 4..6
     a0, b = desc((4, k), "<f2", ptr=base), desc((n, k), "<f2", ptr=2 * base)
     d = desc((m, n), "<f2", ptr=3 * base)
-    assert _C.check_gemm_overlap("ag_gemm", a0, b, d, None, m, n, k, world, 0) == "f16"
-    assert _C.check_gemm_overlap("ag_gemm", desc((3, k), "<f2", ptr=base), b, d, desc((m, k), "<f2", ptr=4 * base),
-                                 m, n, k, world, 1) == "f16"
+    assert _C.check_overlap("ag_gemm", [a0, b, d, None], m, n, k, world, 0) == "f16"
+    assert _C.check_overlap("ag_gemm", [desc((3, k), "<f2", ptr=base), b, d, desc((m, k), "<f2", ptr=4 * base)], m, n, k, world, 1) == "f16"
     with pytest.raises(tdist.Error, match=r"'a_local' has 256 elements, expected this rank's rows of m=7 \(3\) x "
                                           r"K=64 = 192"):
-        _C.check_gemm_overlap("ag_gemm", a0, b, d, None, m, n, k, world, 1)
+        _C.check_overlap("ag_gemm", [a0, b, d, None], m, n, k, world, 1)
     with pytest.raises(tdist.Error, match=r"'gathered' has 168 elements, expected m=7 x K=64 = 448"):
-        _C.check_gemm_overlap("ag_gemm", a0, b, d, desc((m, n), "<f2", ptr=4 * base), m, n, k, world, 0)
+        _C.check_overlap("ag_gemm", [a0, b, d, desc((m, n), "<f2", ptr=4 * base)], m, n, k, world, 0)
     with pytest.raises(tdist.Error, match=r"'d' has 168 elements, expected this rank's rows of m=7 \(4\) x N=24"):
-        _C.check_gemm_overlap("gemm_rs", desc((m, k), "<f2", ptr=base), b, d, None, m, n, k, world, 0)
-    assert _C.check_gemm_overlap("gemm_ar", desc((m, k), "<f2", ptr=base), b, d, None, m, n, k, world, 0) == "f16"
+        _C.check_overlap("gemm_rs", [desc((m, k), "<f2", ptr=base), b, d, None], m, n, k, world, 0)
+    assert _C.check_overlap("gemm_ar", [desc((m, k), "<f2", ptr=base), b, d, None], m, n, k, world, 0) == "f16"
     with pytest.raises(tdist.Error, match="'a' has dtype float32; the overlapped GEMMs take bfloat16 or float16"):
-        _C.check_gemm_overlap("gemm_ar", desc((m, k), ptr=base), b, d, None, m, n, k, world, 0)
+        _C.check_overlap("gemm_ar", [desc((m, k), ptr=base), b, d, None], m, n, k, world, 0)
     with pytest.raises(tdist.Error, match="'d' has dtype bfloat16 but 'a' has float16"):
-        _C.check_gemm_overlap("gemm_ar", desc((m, k), "<f2", ptr=base), b, (3 * base, m * n, "bfloat16", "cuda", 0, True),
-                              None, m, n, k, world, 0)
+        _C.check_overlap("gemm_ar", [desc((m, k), "<f2", ptr=base), b, (3 * base, m * n, "bfloat16", "cuda", 0, True), None], m, n, k, world, 0)
     with pytest.raises(tdist.Error, match="'d' overlaps 'b'"):
-        _C.check_gemm_overlap("gemm_ar", desc((m, k), "<f2", ptr=base), b, desc((m, n), "<f2", ptr=2 * base + 64),
-                              None, m, n, k, world, 0)
+        _C.check_overlap("gemm_ar", [desc((m, k), "<f2", ptr=base), b, desc((m, n), "<f2", ptr=2 * base + 64), None], m, n, k, world, 0)
     with pytest.raises(tdist.Error, match="'b' must start at a 16-byte aligned address"):
-        _C.check_gemm_overlap("gemm_ar", desc((m, k), "<f2", ptr=base), desc((n, k), "<f2", ptr=2 * base + 8), d,
-                              None, m, n, k, world, 0)
+        _C.check_overlap("gemm_ar", [desc((m, k), "<f2", ptr=base), desc((n, k), "<f2", ptr=2 * base + 8), d, None], m, n, k, world, 0)
     with pytest.raises(tdist.Error, match=r"N \(rows of 'b'\) must be a positive multiple of 8"):
-        _C.check_gemm_overlap("gemm_ar", desc((m, k), "<f2", ptr=base), desc((20, k), "<f2", ptr=2 * base), d, None,
-                              m, 20, k, world, 0)
+        _C.check_overlap("gemm_ar", [desc((m, k), "<f2", ptr=base), desc((20, k), "<f2", ptr=2 * base), d, None], m, 20, k, world, 0)
     with pytest.raises(tdist.Error, match=r"K \(columns of 'a' and 'b'\) must be a positive multiple of 8"):
-        _C.check_gemm_overlap("gemm_rs", desc((m, 12), "<f2", ptr=base), desc((n, 12), "<f2", ptr=2 * base), d, None,
-                              m, n, 12, world, 0)
-    with pytest.raises(tdist.Error, match="only ag_gemm has a gathered output"):
-        _C.check_gemm_overlap("gemm_rs", desc((m, k), "<f2", ptr=base), b, d, desc((m, k), "<f2", ptr=4 * base),
-                              m, n, k, world, 0)
-    with pytest.raises(tdist.Error, match="unknown overlapped GEMM 'gemm_a2a'"):
-        _C.check_gemm_overlap("gemm_a2a", a0, b, d, None, m, n, k, world, 0)
+        _C.check_overlap("gemm_rs", [desc((m, 12), "<f2", ptr=base), desc((n, 12), "<f2", ptr=2 * base), d, None], m, n, 12, world, 0)
+    with pytest.raises(tdist.Error, match=r"tdist.gemm_rs: takes 3 operands \(a, b, d\), got 4"):
+        _C.check_overlap("gemm_rs", [desc((m, k), "<f2", ptr=base), b, d, desc((m, k), "<f2", ptr=4 * base)], m, n, k, world, 0)
+    with pytest.raises(tdist.Error, match="no overlapped op is named 'gemm_a2a'"):
+        _C.check_overlap("gemm_a2a", [a0, b, d, None], m, n, k, world, 0)
     with pytest.raises(tdist.Error, match="is on cuda:1 but tdist runs this rank on cuda:0"):
-        _C.check_gemm_overlap("gemm_ar", (base, m * k, "float16", "cuda", 1, True), b, d, None, m, n, k, world, 0, 0)
+        _C.check_overlap("gemm_ar", [(base, m * k, "float16", "cuda", 1, True), b, d, None], m, n, k, world, 0, 0)
 
 
 def test_gemm_context_bytes():
     mib = 1 << 20
-    ag = _C.gemm_context_bytes("ag_gemm", "bfloat16", 16384, 8192, 0, 2)
+    ag = _C.overlap_context_bytes("ag_gemm", "bfloat16", 16384, 0, 8192, 2)
     # gathered A + workspace (2 x 32 MiB) + the LL (2 MiB) and LL128 (4.3 MiB) buffers and flags
     assert 256 * mib + 64 * mib <= ag <= 256 * mib + 64 * mib + 7 * mib
-    rs = _C.gemm_context_bytes("gemm_rs", "bfloat16", 16384, 0, 8192, 2)
-    ar = _C.gemm_context_bytes("gemm_ar", "bfloat16", 16384, 0, 8192, 2)
+    rs = _C.overlap_context_bytes("gemm_rs", "bfloat16", 16384, 8192, 0, 2)
+    ar = _C.overlap_context_bytes("gemm_ar", "bfloat16", 16384, 8192, 0, 2)
     assert 256 * mib + 64 * mib <= rs and ar - rs >= 256 * mib
-    small = _C.gemm_context_bytes("ag_gemm", "float16", 8, 64, 0, 2)
+    small = _C.overlap_context_bytes("ag_gemm", "float16", 8, 0, 64, 2)
     assert small < 7 * mib  # tiny workspace for tiny problems (the LL and LL128 buffers stay)
