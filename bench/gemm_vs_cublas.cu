@@ -5,10 +5,17 @@
 // larger than twice the L2 and no timed launch finds its operands there. Prints a table (TFLOP/s and
 // the tdist / cuBLAS time ratio) and, with --json FILE, writes the rows.
 //
+// Then the m-grouped GEMM of MoE layers: tdist::GroupedGemm (one launch) beside a loop of one
+// cuBLAS GEMM per non-empty group, on the same inputs: G groups of random sizes (mean M, 0.25 M to
+// 1.75 M rows), each padded to grouped_gemm_alignment() for tdist (padding rows of A are zeros),
+// the real row counts for cuBLAS; TFLOP/s count the real rows for both.
+//
 //   build-gpu/bench/bench_gemm_vs_cublas [--dtype bf16|fp16] [--iters 20] [--shapes MxNxK,...]
-//                                        [--tiles] [--tune] [--json FILE]
-//   --tiles  also times every shipped tile of tdist on each shape (for tuning the heuristic)
-//   --tune   runs tdist's autotuner per shape first and times its winner
+//                                        [--tiles] [--tune] [--grouped GxMxNxK,... | --no-grouped]
+//                                        [--json FILE]
+//   --tiles    also times every shipped tile of tdist on each shape (for tuning the heuristic)
+//   --tune     runs tdist's autotuner per shape first and times its winner
+//   --grouped  grouped shapes: G groups of M rows on average, N x K weights per group
 //
 // cuBLAS comes through tdist::CublasGemm (dlopen of libcublas.so.13, or TDIST_CUBLAS_LIBRARY).
 #include <cuda_bf16.h>
@@ -31,6 +38,7 @@
 #include "tdist/common/error.hpp"
 #include "tdist/ops/cublas.hpp"
 #include "tdist/ops/gemm.hpp"
+#include "tdist/ops/grouped_gemm.hpp"
 
 namespace {
 
@@ -84,6 +92,133 @@ double median_ms(cudaStream_t s, int iters, int sets, const std::function<void(i
   return ms[iters / 2];
 }
 
+struct GroupedShape {
+  int groups, mean_rows, n, k;
+  std::string note;
+};
+
+std::vector<GroupedShape> parse_grouped_shapes(const std::string& s) {
+  std::vector<GroupedShape> v;
+  size_t pos = 0;
+  while (pos < s.size()) {
+    size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    GroupedShape sh{};
+    TDIST_CHECK_ARG(std::sscanf(s.substr(pos, end - pos).c_str(), "%dx%dx%dx%d", &sh.groups, &sh.mean_rows, &sh.n,
+                                &sh.k) == 4 && sh.groups > 0 && sh.mean_rows >= 0,
+                    "--grouped", "expected GxMxNxK[,GxMxNxK...] with G > 0, got ", s);
+    sh.note = "custom";
+    v.push_back(sh);
+    pos = end + 1;
+  }
+  return v;
+}
+
+// One grouped shape: tdist::GroupedGemm beside a per-group cuBLAS loop. Appends a JSON row to `rows`.
+void bench_grouped(const GroupedShape& sh, tdist::DType dtype, int iters, int l2, tdist::GroupedGemm& grouped,
+                   tdist::CublasGemm& cublas, cudaStream_t stream, std::string& rows) {
+  const bool bf16 = dtype == tdist::DType::kBFloat16;
+  std::vector<int64_t> counts(sh.groups);
+  unsigned long long x = 0x2545F4914F6CDD1Dull * (sh.groups + 31ull * sh.mean_rows + 7ull * sh.n + sh.k);
+  int64_t real_rows = 0;
+  for (auto& c : counts) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    c = static_cast<int64_t>(sh.mean_rows * (0.25 + 1.5 * static_cast<double>(x % 10000) / 10000.0));
+    real_rows += c;
+  }
+  const std::vector<int64_t> offsets = tdist::grouped_gemm_offsets(counts);
+  const int64_t m_total = std::max<int64_t>(offsets.back(), 1);
+  const size_t a_elems = static_cast<size_t>(m_total) * sh.k, b_elems = static_cast<size_t>(sh.groups) * sh.n * sh.k;
+  const size_t d_elems = static_cast<size_t>(m_total) * sh.n;
+  const size_t set_bytes = 2 * (a_elems + b_elems);
+  const int sets = static_cast<int>(std::max<size_t>(2, (2 * static_cast<size_t>(l2) + set_bytes - 1) / set_bytes + 1));
+  std::vector<unsigned short*> as(sets), bs(sets);
+  unsigned short *d_tdist = nullptr, *d_cublas = nullptr;
+  float* stats = nullptr;
+  int* offs = nullptr;
+  for (int s = 0; s < sets; ++s) {
+    TDIST_CUDA_CHECK(cudaMalloc(&as[s], 2 * a_elems));
+    TDIST_CUDA_CHECK(cudaMalloc(&bs[s], 2 * b_elems));
+    fill_random<<<528, 256, 0, stream>>>(as[s], a_elems, 17 * s + 5, bf16);
+    fill_random<<<528, 256, 0, stream>>>(bs[s], b_elems, 17 * s + 6, bf16);
+    for (int g = 0; g < sh.groups; ++g)  // padding rows of A: zeros (so D's are zeros, as cuBLAS leaves them)
+      TDIST_CUDA_CHECK(cudaMemsetAsync(as[s] + static_cast<size_t>(offsets[g] + counts[g]) * sh.k, 0,
+                                       2 * static_cast<size_t>(offsets[g + 1] - offsets[g] - counts[g]) * sh.k, stream));
+  }
+  TDIST_CUDA_CHECK(cudaMalloc(&d_tdist, 2 * d_elems));
+  TDIST_CUDA_CHECK(cudaMalloc(&d_cublas, 2 * d_elems));
+  TDIST_CUDA_CHECK(cudaMalloc(&stats, 2 * sizeof(float)));
+  TDIST_CUDA_CHECK(cudaMalloc(&offs, sizeof(int) * offsets.size()));
+  const std::vector<int> offs32(offsets.begin(), offsets.end());
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(offs, offs32.data(), sizeof(int) * offs32.size(), cudaMemcpyHostToDevice, stream));
+  TDIST_CUDA_CHECK(cudaMemsetAsync(d_cublas, 0, 2 * d_elems, stream));
+
+  auto grouped_args = [&](int s) {
+    tdist::GroupedGemmArgs g;
+    g.a = as[s];
+    g.b = bs[s];
+    g.d = d_tdist;
+    g.offsets = offs;
+    g.m = m_total;
+    g.n = sh.n;
+    g.k = sh.k;
+    g.num_groups = sh.groups;
+    g.dtype = dtype;
+    return g;
+  };
+  auto cublas_loop = [&](int s) {
+    for (int g = 0; g < sh.groups; ++g) {
+      if (counts[g] == 0) continue;
+      tdist::GemmArgs a;
+      a.a = as[s] + static_cast<size_t>(offsets[g]) * sh.k;
+      a.b = bs[s] + static_cast<size_t>(g) * sh.n * sh.k;
+      a.d = d_cublas + static_cast<size_t>(offsets[g]) * sh.n;
+      a.m = counts[g];
+      a.n = sh.n;
+      a.k = sh.k;
+      a.dtype = dtype;
+      cublas.run(a, stream);
+    }
+  };
+  // Cross-check on set 0 over every row of the groups (padding rows: zeros on both sides).
+  TDIST_CUDA_CHECK(cudaMemsetAsync(d_tdist, 0xFF, 2 * d_elems, stream));
+  TDIST_CUDA_CHECK(cudaMemsetAsync(stats, 0, 2 * sizeof(float), stream));
+  grouped.run(grouped_args(0), stream);
+  cublas_loop(0);
+  diff<<<528, 256, 0, stream>>>(d_tdist, d_cublas, static_cast<size_t>(offsets.back()) * sh.n, bf16, stats);
+  float host_stats[2];
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(host_stats, stats, sizeof(host_stats), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const float rel = host_stats[1] > 0 ? host_stats[0] / host_stats[1] : host_stats[0];
+
+  const double flop = 2.0 * static_cast<double>(real_rows) * sh.n * static_cast<double>(sh.k);
+  const double cublas_ms = median_ms(stream, iters, sets, cublas_loop);
+  const double ms = median_ms(stream, iters, sets, [&](int s) { grouped.run(grouped_args(s), stream); });
+  const std::string tile_name = grouped.tile_for(grouped_args(0)).name();
+  char shape[64];
+  std::snprintf(shape, sizeof(shape), "%dx%dx%dx%d", sh.groups, sh.mean_rows, sh.n, sh.k);
+  std::printf("%-20s %-18s %10.1f %8.1f %10.1f %8.1f %7.3f %10.2e  %s\n", shape, tile_name.c_str(), ms * 1e3,
+              flop / ms * 1e-9, cublas_ms * 1e3, flop / cublas_ms * 1e-9, ms / cublas_ms, rel, sh.note.c_str());
+  std::fflush(stdout);
+  char row[640];
+  std::snprintf(row, sizeof(row),
+                "%s{\"op\": \"grouped\", \"groups\": %d, \"mean_rows\": %d, \"rows\": %lld, \"padded_rows\": %lld, "
+                "\"n\": %d, \"k\": %d, \"dtype\": \"%s\", \"tile\": \"%s\", \"tdist_us\": %.2f, "
+                "\"cublas_loop_us\": %.2f, \"tdist_tflops\": %.1f, \"cublas_tflops\": %.1f, \"ratio\": %.4f, "
+                "\"max_rel_diff\": %.3e}",
+                rows.empty() ? "" : ",\n  ", sh.groups, sh.mean_rows, static_cast<long long>(real_rows),
+                static_cast<long long>(offsets.back()), sh.n, sh.k, tdist::to_string(dtype), tile_name.c_str(),
+                ms * 1e3, cublas_ms * 1e3, flop / ms * 1e-9, flop / cublas_ms * 1e-9, ms / cublas_ms, rel);
+  rows += row;
+  for (int s = 0; s < sets; ++s) {
+    TDIST_CUDA_CHECK(cudaFree(as[s]));
+    TDIST_CUDA_CHECK(cudaFree(bs[s]));
+  }
+  for (void* p : {static_cast<void*>(d_tdist), static_cast<void*>(d_cublas), static_cast<void*>(stats),
+                  static_cast<void*>(offs)})
+    TDIST_CUDA_CHECK(cudaFree(p));
+}
+
 std::vector<Shape> parse_shapes(const std::string& s) {
   std::vector<Shape> v;
   size_t pos = 0;
@@ -103,9 +238,9 @@ std::vector<Shape> parse_shapes(const std::string& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string dtype_name = "bf16", shapes_arg, json;
+  std::string dtype_name = "bf16", shapes_arg, grouped_arg, json;
   int iters = 20;
-  bool all_tiles = false, tune = false;
+  bool all_tiles = false, tune = false, no_grouped = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -121,8 +256,12 @@ int main(int argc, char** argv) {
     else if (a == "--json") json = next();
     else if (a == "--tiles") all_tiles = true;
     else if (a == "--tune") tune = true;
+    else if (a == "--grouped") grouped_arg = next();
+    else if (a == "--no-grouped") no_grouped = true;
     else {
-      std::fprintf(stderr, "usage: %s [--dtype bf16|fp16] [--iters N] [--shapes MxNxK,...] [--tiles] [--tune] [--json FILE]\n",
+      std::fprintf(stderr,
+                   "usage: %s [--dtype bf16|fp16] [--iters N] [--shapes MxNxK,...] [--tiles] [--tune] "
+                   "[--grouped GxMxNxK,... | --no-grouped] [--json FILE]\n",
                    argv[0]);
       return 2;
     }
@@ -241,6 +380,23 @@ int main(int argc, char** argv) {
       TDIST_CUDA_CHECK(cudaFree(d_tdist));
       TDIST_CUDA_CHECK(cudaFree(d_cublas));
       TDIST_CUDA_CHECK(cudaFree(stats));
+    }
+    if (!no_grouped) {
+      // MoE expert GEMMs (Mixtral-8x7B-like at 8 experts, fine-grained DeepSeek-like at 64 and 128):
+      // up projections (N = FFN width, K = hidden) and down projections.
+      std::vector<GroupedShape> gshapes = {
+          {8, 2048, 14336, 4096, "8 experts, up, 16k tokens"},
+          {8, 2048, 4096, 14336, "8 experts, down"},
+          {8, 256, 14336, 4096, "8 experts, up, 2k tokens"},
+          {64, 512, 2048, 7168, "64 experts, up"},
+          {64, 512, 7168, 2048, "64 experts, down"},
+          {128, 128, 2048, 7168, "128 experts, few tokens each"},
+      };
+      if (!grouped_arg.empty()) gshapes = parse_grouped_shapes(grouped_arg);
+      tdist::GroupedGemm grouped;
+      std::printf("\n%-20s %-18s %10s %8s %10s %8s %7s %10s  %s\n", "G x M x N x K", "tdist tile", "tdist us", "TFLOP/s",
+                  "cuBLAS loop", "TFLOP/s", "ratio", "max diff", "grouped shape");
+      for (const GroupedShape& sh : gshapes) bench_grouped(sh, dtype, iters, l2, grouped, cublas, stream, rows);
     }
     std::printf("ratio: tdist time / cuBLAS time (below 1: tdist faster); max diff: max |tdist - cuBLAS| / max |cuBLAS|\n");
     if (!json.empty()) {

@@ -2,6 +2,8 @@
 // Kernel: include/tdist/kernels/gemm/sm90_gemm.cuh; design: docs/gemm.md.
 #include "tdist/ops/gemm.hpp"
 
+#include "tdist/ops/detail/gemm_runtime.hpp"
+
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cstring>
@@ -99,32 +101,59 @@ GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
   return *best;
 }
 
-std::string gemm_kernel_name(DType dtype, const GemmTile& t, const std::string& hook) {
+namespace detail {
+
+std::string gemm_instance_name(DType dtype, const GemmTile& t, const char* hooks_type, const char* scheduler_type) {
   check_gemm_dtype(dtype);
-  return detail::concat("tdist::kernels::gemm::sm90_gemm_tn<", kernel_type_name(dtype), ", ", t.block_m, ", ",
-                        t.block_n, ", ", t.block_k, ", ", t.stages, ", ", t.cluster_m, ", ", hook, ">");
+  // The scheduler follows the hooks (the kernel's last template parameter, TileScheduler by default).
+  return concat("tdist::kernels::gemm::sm90_gemm_tn<", kernel_type_name(dtype), ", ", t.block_m, ", ", t.block_n, ", ",
+                t.block_k, ", ", t.stages, ", ", t.cluster_m, ", ", hooks_type,
+                scheduler_type ? concat(", ", scheduler_type) : std::string(), ">");
 }
 
-jit::CompileRequest gemm_compile_request(const GemmTile& tile, const std::string& hook) {
+jit::CompileRequest gemm_instance_request(const GemmTile& tile, const char* hooks_type, const char* hooks_header,
+                                          const char* hooks_tag, const char* scheduler_type, const char* scheduler_tag) {
   check_gemm_tile(tile);
   jit::CompileRequest r;
   r.source = "#include \"tdist/kernels/gemm/sm90_gemm.cuh\"\n";
-  r.file_name = detail::concat("gemm_sm90_", tile.name(), ".cu");
-  r.name_expressions = {gemm_kernel_name(DType::kBFloat16, tile, hook), gemm_kernel_name(DType::kFloat16, tile, hook)};
+  if (hooks_header) r.source += concat("#include \"", hooks_header, "\"\n");
+  // gemm_sm90_<tile>[_<scheduler>][_<hooks>].cu: the plain instances keep their historical name.
+  r.file_name = concat("gemm_sm90_", tile.name(), *scheduler_tag ? "_" : "", scheduler_tag, *hooks_tag ? "_" : "",
+                       hooks_tag, ".cu");
+  r.name_expressions = {gemm_instance_name(DType::kBFloat16, tile, hooks_type, scheduler_type),
+                        gemm_instance_name(DType::kFloat16, tile, hooks_type, scheduler_type)};
   r.arch = "sm_90a";  // wgmma, TMA and setmaxnreg are sm_90a-only
   const char* debug = std::getenv("TDIST_GEMM_DEBUG");
   if (debug && *debug && std::string(debug) != "0") r.defines.push_back("TDIST_GEMM_DEBUG");
   return r;
 }
 
-std::vector<jit::CompileRequest> gemm_compile_requests() {
-  std::vector<jit::CompileRequest> v;
-  for (const GemmTile& t : gemm_tiles()) {
-    v.push_back(gemm_compile_request(t));
-    v.back().arch.clear();  // tdist-compile sets it
-  }
-  return v;
+struct GemmModules::Loaded {
+  std::shared_ptr<jit::Module> module;
+  jit::Kernel kernel;
+};
+
+const jit::Kernel& GemmModules::load(const std::string& name, const jit::CompileRequest& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = loaded_.find(name);
+  if (it != loaded_.end()) return it->second->kernel;
+  auto loaded = std::make_shared<Loaded>();
+  loaded->module = jit::Module::load(jit::compile(request));
+  loaded->kernel = loaded->module->kernel(name);
+  return loaded_.emplace(name, std::move(loaded)).first->second->kernel;
 }
+
+}  // namespace detail
+
+std::string gemm_kernel_name(DType dtype, const GemmTile& t, const std::string& hook) {
+  return detail::gemm_instance_name(dtype, t, hook.c_str(), nullptr);
+}
+
+jit::CompileRequest gemm_compile_request(const GemmTile& tile, const std::string& hook) {
+  return detail::gemm_instance_request(tile, hook.c_str(), nullptr, "", nullptr, "");
+}
+
+std::vector<jit::CompileRequest> gemm_compile_requests() { return detail::PlainGemm::compile_requests(); }
 
 TDIST_JIT_REGISTER_KERNELS(gemm, gemm_compile_requests);
 
@@ -177,6 +206,10 @@ GemmTensorMapSpec gemm_tensor_map_a(const GemmArgs& args, const GemmTile& tile) 
 
 GemmTensorMapSpec gemm_tensor_map_b(const GemmArgs& args, const GemmTile& tile) {
   return k_major_tensor_map(args.b, args.n, args.ldb, tile.block_n, args, tile);
+}
+
+GemmTensorMapSpec gemm_tensor_map_b_rows(const GemmArgs& args, const GemmTile& tile, int64_t b_rows) {
+  return k_major_tensor_map(args.b, b_rows, args.ldb, tile.block_n, args, tile);
 }
 
 GemmTensorMapSpec gemm_tensor_map_d(const GemmArgs& args, const GemmTile& tile) {
@@ -254,23 +287,23 @@ jit::LaunchConfig gemm_launch_config(const GemmArgs& args, const GemmTile& tile,
   return cfg;
 }
 
-jit::KernelArgs gemm_kernel_args(const GemmArgs& args, const GemmTile& tile, const kg::TileScheduler& sched) {
+jit::KernelArgs detail::gemm_operand_args(const GemmArgs& args, const GemmTile& tile, int64_t b_rows) {
   const GemmTensorMap map_a = encode_gemm_tensor_map(gemm_tensor_map_a(args, tile), args.dtype);
-  const GemmTensorMap map_b = encode_gemm_tensor_map(gemm_tensor_map_b(args, tile), args.dtype);
+  const GemmTensorMap map_b = encode_gemm_tensor_map(gemm_tensor_map_b_rows(args, tile, b_rows), args.dtype);
   const GemmTensorMap map_d = encode_gemm_tensor_map(gemm_tensor_map_d(args, tile), args.dtype);
   // The maps are 128-byte aligned parameters; KernelArgs aligns to 16 at most, which is enough for
   // the copy the driver makes.
   jit::KernelArgs kargs;
   kargs.add(map_a).add(map_b).add(map_d).add(args.d).add(static_cast<unsigned long long>(args.ldd));
   kargs.add(static_cast<unsigned>(args.m)).add(static_cast<unsigned>(args.n)).add(static_cast<unsigned>(args.k));
-  kargs.add(sched);
   return kargs;
 }
 
-struct Gemm::Loaded {
-  std::shared_ptr<jit::Module> module;
-  jit::Kernel kernel;
-};
+jit::KernelArgs gemm_kernel_args(const GemmArgs& args, const GemmTile& tile, const kg::TileScheduler& sched) {
+  jit::KernelArgs kargs = detail::gemm_operand_args(args, tile, args.n);
+  kargs.add(sched);
+  return kargs;
+}
 
 int compute_capability(int device) {
   int major = 0, minor = 0;
@@ -285,20 +318,12 @@ Gemm::Gemm() {
   TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
   const int cc = compute_capability(device);
   TDIST_CHECK(cc == kGemmComputeCapability, "tdist::Gemm needs a Hopper GPU (sm_90a); device ", device, " is sm_", cc);
+  runtime_ = std::make_unique<detail::PlainGemm>(num_sms_);
 }
 
 Gemm::~Gemm() = default;
 
-const jit::Kernel& Gemm::kernel(DType dtype, const GemmTile& tile) {
-  const std::string name = gemm_kernel_name(dtype, tile);
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = loaded_.find(name);
-  if (it != loaded_.end()) return it->second->kernel;
-  auto loaded = std::make_unique<Loaded>();
-  loaded->module = jit::Module::load(jit::compile(gemm_compile_request(tile)));
-  loaded->kernel = loaded->module->kernel(name);
-  return loaded_.emplace(name, std::move(loaded)).first->second->kernel;
-}
+const jit::Kernel& Gemm::kernel(DType dtype, const GemmTile& tile) { return runtime_->kernel(dtype, tile); }
 
 void Gemm::run(const GemmArgs& raw, cudaStream_t stream, const GemmRunOptions& options) {
   const GemmArgs args = check_gemm_args(raw);
@@ -311,14 +336,7 @@ void Gemm::run(const GemmArgs& raw, cudaStream_t stream, const GemmRunOptions& o
     auto it = tuned_.find(detail::concat(args.m, ",", args.n, ",", args.k, ",", to_string(args.dtype)));
     tile = it != tuned_.end() ? it->second : choose_gemm_tile(args.m, args.n, args.k, num_sms_);
   }
-  check_gemm_tile(tile);
-  const jit::Kernel& k = kernel(args.dtype, tile);
-  const kg::TileScheduler sched = gemm_schedule(args, tile, options.group_m, options.first_row);
-  const jit::LaunchConfig cfg = gemm_launch_config(args, tile, num_sms_, options.max_ctas, stream);
-  // Kernel parameters in order: tmap_a, tmap_b, tmap_d, d, ldd, m, n, k, sched, hooks.
-  jit::KernelArgs kargs = gemm_kernel_args(args, tile, sched);
-  kargs.add(kg::NoTileHooks{});
-  jit::launch(k, cfg, kargs);
+  runtime_->run(args, tile, kg::NoTileHooks{}, options, stream);
 }
 
 GemmTile Gemm::tune(const GemmArgs& raw, cudaStream_t stream) {

@@ -1,5 +1,6 @@
-// tdist::Gemm without a GPU: argument checks, tile checks and choice, launch shapes, tensor-map
-// parameters; and every registered kernel instance compiled for sm_90a through NVRTC, with the
+// tdist::Gemm and tdist::GroupedGemm without a GPU: argument checks, tile checks and choice, launch
+// shapes, tensor-map parameters, the typed runtime's names; and every registered kernel instance
+// (plain and grouped) compiled for sm_90a through NVRTC, with the
 // facts ptxas reports checked (no spills, no stack, no wgmma serialisation, registers within the
 // setmaxnreg split) and the instructions the design relies on present in the PTX.
 #include <gtest/gtest.h>
@@ -18,7 +19,9 @@
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/registry.hpp"
 #include "tdist/kernels/gemm/config.cuh"
+#include "tdist/ops/detail/gemm_runtime.hpp"
 #include "tdist/ops/gemm.hpp"
+#include "tdist/ops/grouped_gemm.hpp"
 
 namespace jit = tdist::jit;
 using tdist::DType;
@@ -383,4 +386,201 @@ static_assert(!kg::HooksNeedStoredTile<kg::NoTileHooks>::value, "the plain GEMM 
     EXPECT_EQ(count(read(e.path()), "cp.async.bulk.wait_group 0;"), 1);
   }
   EXPECT_EQ(ptx_files, 1);
+}
+
+// ---------------- grouped GEMM and the typed runtime ----------------
+
+namespace {
+
+using tdist::GroupedGemmArgs;
+
+GroupedGemmArgs valid_grouped() {
+  GroupedGemmArgs a;
+  a.a = reinterpret_cast<const void*>(0x10000);
+  a.b = reinterpret_cast<const void*>(0x20000);
+  a.d = reinterpret_cast<void*>(0x30000);
+  a.offsets = reinterpret_cast<const void*>(0x40004);
+  a.m = 4096;
+  a.n = 520;
+  a.k = 72;
+  a.num_groups = 16;
+  return a;
+}
+
+}  // namespace
+
+TEST(GroupedGemmArgs, DefaultsAndAccepts) {
+  GroupedGemmArgs a = tdist::check_grouped_gemm_args(valid_grouped());
+  EXPECT_EQ(a.lda, 72);
+  EXPECT_EQ(a.ldb, 72);
+  EXPECT_EQ(a.ldd, 520);
+  GroupedGemmArgs odd = valid_grouped();
+  odd.n = 13;  // any N, with ldd padded
+  odd.ldd = 16;
+  odd.offsets_type = tdist::IndexType::kInt64;
+  odd.offsets = reinterpret_cast<const void*>(0x40008);
+  EXPECT_NO_THROW(tdist::check_grouped_gemm_args(odd));
+  GroupedGemmArgs empty = valid_grouped();
+  empty.m = 0;
+  empty.offsets = nullptr;
+  EXPECT_NO_THROW(tdist::check_grouped_gemm_args(empty));
+}
+
+TEST(GroupedGemmArgs, ErrorsNameTheArgument) {
+  auto with = [](auto change) {
+    GroupedGemmArgs a = valid_grouped();
+    change(a);
+    return [a] { tdist::check_grouped_gemm_args(a); };
+  };
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.dtype = DType::kFloat32; }), "dtype");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.m = -5; }), "m");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.n = int64_t{1} << 31; }), "n");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.k = 0; }), "k");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.k = 68; }), "k");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.num_groups = 0; }), "num_groups");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.num_groups = -3; }), "num_groups");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.num_groups = 1 << 22; a.n = 1024; }), "num_groups");  // G N >= 2^31
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.lda = 64; }), "lda");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.ldb = 76; }), "ldb");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.ldd = 516; }), "ldd");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.a = nullptr; }), "a");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.b = reinterpret_cast<const void*>(0x20008); }), "b");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.d = reinterpret_cast<void*>(0x30002); }), "d");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.offsets = nullptr; }), "offsets");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.offsets = reinterpret_cast<const void*>(0x40002); }), "offsets");
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.offsets_type = tdist::IndexType::kInt64; }), "offsets");  // 4-aligned only
+  // Schedule options.
+  const GroupedGemmArgs ok = tdist::check_grouped_gemm_args(valid_grouped());
+  expect_arg_error([&] { tdist::grouped_gemm_schedule(ok, GemmTile{}, {.group_m = 0}); }, "group_m");
+  expect_arg_error([&] { tdist::grouped_gemm_schedule(ok, GemmTile{}, {.first_row = -1}); }, "first_row");
+  expect_arg_error([&] { tdist::grouped_gemm_schedule(ok, GemmTile{96, 128, 64, 4, 1}, {}); }, "tile");
+  tdist::GroupedGemmRunOptions bad_order;
+  bad_order.m_tile_order = reinterpret_cast<const uint32_t*>(0x50002);
+  expect_arg_error([&] { tdist::grouped_gemm_schedule(ok, GemmTile{}, bad_order); }, "m_tile_order");
+}
+
+TEST(GroupedGemmArgs, OffsetsAndSchedule) {
+  EXPECT_EQ(tdist::grouped_gemm_alignment(), 128);
+  const std::vector<int64_t> offs = tdist::grouped_gemm_offsets({0, 1, 128, 129, 0, 300});
+  EXPECT_EQ(offs, (std::vector<int64_t>{0, 0, 128, 256, 512, 512, 896}));
+  EXPECT_NO_THROW(tdist::check_grouped_gemm_offsets(offs, 896));
+  expect_arg_error([&] { tdist::check_grouped_gemm_offsets(offs, 895); }, "offsets");
+  expect_arg_error([] { tdist::check_grouped_gemm_offsets({0, 128, 64 + 128}, 1000); }, "offsets");
+  expect_arg_error([] { tdist::check_grouped_gemm_offsets({0, 256, 128}, 1000); }, "offsets");
+  expect_arg_error([] { tdist::check_grouped_gemm_offsets({128, 256}, 1000); }, "offsets");
+  expect_arg_error([] { tdist::check_grouped_gemm_offsets({0}, 1000); }, "offsets");
+  expect_arg_error([] { tdist::grouped_gemm_offsets({5, -1}); }, "counts");
+
+  const GroupedGemmArgs a = tdist::check_grouped_gemm_args(valid_grouped());  // 4096 x 520, 16 groups
+  const GemmTile t{128, 256, 64, 4, 1};
+  const auto s = tdist::grouped_gemm_schedule(a, t, {.group_m = 4, .first_row = 300});
+  EXPECT_EQ(s.offsets, a.offsets);
+  EXPECT_EQ(s.offset_bytes, 4u);
+  EXPECT_EQ(s.num_groups, 16u);
+  EXPECT_EQ(s.block_m, 128u);
+  EXPECT_EQ(s.max_tiles_m, 32u);
+  EXPECT_EQ(s.tiles_n, 3u);
+  EXPECT_EQ(s.group_m, 4u);
+  EXPECT_EQ(s.first_tile_m, 2u);
+  EXPECT_EQ(s.m_tile_order, nullptr);
+  // The launch covers M_total's tiles (the offsets are only known on the device).
+  const auto cfg = tdist::gemm_launch_config(tdist::grouped_gemm_problem(a), t, 132, 0, nullptr);
+  EXPECT_EQ(cfg.grid.x, 32u * 3u < 132u ? 32u * 3u : 132u);
+  // B's tensor map spans the G x N rows.
+  EXPECT_EQ(tdist::gemm_tensor_map_b_rows(tdist::grouped_gemm_problem(a), t, 16 * 520).dims[1], 16u * 520u);
+}
+
+TEST(GemmRuntime, NamesAndRequests) {
+  namespace kg = tdist::kernels::gemm;
+  using tdist::detail::GemmRuntime;
+  const GemmTile t{128, 192, 64, 5, 1};
+  // The plain instance keeps the names and the request of the free functions (and the JIT cache).
+  EXPECT_EQ(tdist::detail::PlainGemm::kernel_name(DType::kBFloat16, t), tdist::gemm_kernel_name(DType::kBFloat16, t));
+  const auto plain = tdist::detail::PlainGemm::compile_request(t);
+  const auto legacy = tdist::gemm_compile_request(t);
+  EXPECT_EQ(plain.source, legacy.source);
+  EXPECT_EQ(plain.file_name, legacy.file_name);
+  EXPECT_EQ(plain.name_expressions, legacy.name_expressions);
+  EXPECT_EQ(plain.file_name, "gemm_sm90_128x192x64_s5_c1.cu");
+  // A hooked instance names its device hooks type once, through the traits.
+  using AgGemm = tdist::detail::HookedGemm<kg::AllGatherWaitParams>;
+  EXPECT_EQ(AgGemm::kernel_name(DType::kFloat16, t),
+            "tdist::kernels::gemm::sm90_gemm_tn<__half, 128, 192, 64, 5, 1, tdist::kernels::gemm::AllGatherWaitHooks>");
+  EXPECT_EQ(AgGemm::kernel_name(DType::kFloat16, t),
+            tdist::gemm_kernel_name(DType::kFloat16, t, "tdist::kernels::gemm::AllGatherWaitHooks"));
+  const auto ag = AgGemm::compile_request(t);
+  EXPECT_NE(ag.source.find("tdist/kernels/gemm/overlap.cuh"), std::string::npos);
+  EXPECT_EQ(ag.file_name, "gemm_sm90_128x192x64_s5_c1_AllGatherWaitHooks.cu");
+  EXPECT_EQ(ag.arch, "sm_90a");
+  const auto rs = tdist::detail::HookedGemm<kg::ChunkPublishParams>::compile_request(t);
+  EXPECT_EQ(rs.name_expressions.size(), 2u);
+  EXPECT_NE(rs.name_expressions[0].find("ChunkPublishHooks>"), std::string::npos);
+  // The grouped instance names its scheduler after the hooks.
+  EXPECT_EQ(tdist::grouped_gemm_kernel_name(DType::kBFloat16, t),
+            "tdist::kernels::gemm::sm90_gemm_tn<__nv_bfloat16, 128, 192, 64, 5, 1, tdist::kernels::gemm::NoTileHooks, "
+            "tdist::kernels::gemm::GroupedScheduler>");
+  const auto reqs = tdist::grouped_gemm_compile_requests();
+  ASSERT_EQ(reqs.size(), tdist::gemm_tiles().size());
+  for (const auto& r : reqs) {
+    EXPECT_TRUE(r.arch.empty());
+    EXPECT_NE(r.file_name.find("_grouped"), std::string::npos) << r.file_name;
+  }
+  bool found = false;
+  for (const auto& f : jit::registered_kernels()) found = found || f.name == "grouped_gemm";
+  EXPECT_TRUE(found) << "the grouped_gemm family is not registered";
+}
+
+// Every grouped instance (bf16 and fp16) compiles for sm_90a without spills, stack or wgmma
+// serialisation, within the register split, with B loaded at the group's rows.
+TEST(GroupedGemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
+  TempDir cache, dump;
+  ASSERT_EQ(setenv("TDIST_JIT_DUMP", dump.path.c_str(), 1), 0);
+  jit::KernelCache kernels(cache.path);
+  const std::regex used(R"(Used (\d+) registers)");
+  for (jit::CompileRequest r : tdist::grouped_gemm_compile_requests()) {
+    SCOPED_TRACE(r.file_name);
+    r.arch = "sm_90a";
+    r.compiler = jit::CompilerKind::kNvrtc;
+    const auto compiled = jit::compile(r, kernels);
+    ASSERT_FALSE(compiled->cubin.empty());
+    for (const auto& name : r.name_expressions) EXPECT_FALSE(compiled->lowered_name(name).empty()) << name;
+    EXPECT_EQ(compiled->spill_stores, 0);
+    EXPECT_EQ(compiled->spill_loads, 0);
+    const std::string& log = compiled->log;
+    EXPECT_EQ(log.find("C7510"), std::string::npos) << "wgmma serialised:\n" << log;
+    EXPECT_EQ(log.find("Potential Performance Loss"), std::string::npos) << log;
+    const std::regex stack(R"((\d+) bytes stack frame)");
+    for (auto it = std::sregex_iterator(log.begin(), log.end(), stack); it != std::sregex_iterator(); ++it)
+      EXPECT_EQ((*it)[1].str(), "0") << "stack frame (local memory):\n" << log;
+    const std::smatch m = [&] {
+      std::smatch s;
+      std::regex_search(r.file_name, s, std::regex(R"(gemm_sm90_(\d+)x(\d+)x)"));
+      return s;
+    }();
+    ASSERT_EQ(m.size(), 3u);
+    const int block_m = std::stoi(m[1].str());
+    const unsigned threads = 128u * (1 + block_m / 64);
+    int functions = 0;
+    for (auto it = std::sregex_iterator(log.begin(), log.end(), used); it != std::sregex_iterator(); ++it) {
+      ++functions;
+      const int regs = std::stoi((*it)[1]);
+      EXPECT_LE(static_cast<long>(regs) * threads, 65536L) << log;
+      if (block_m == 128) EXPECT_GE(static_cast<long>(regs) * threads, 40L * 128 + 232L * 128 * 2) << log;
+    }
+    EXPECT_EQ(functions, 2) << log;
+  }
+  unsetenv("TDIST_JIT_DUMP");
+  int ptx_files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dump.path)) {
+    if (e.path().extension() != ".ptx") continue;
+    ++ptx_files;
+    const std::string ptx = read(e.path());
+    SCOPED_TRACE(e.path().filename().string());
+    EXPECT_NE(ptx.find("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"), std::string::npos);
+    EXPECT_NE(ptx.find("wgmma.wait_group.sync.aligned 1;"), std::string::npos);
+    EXPECT_NE(ptx.find("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"), std::string::npos);
+    EXPECT_EQ(ptx.find("st.local"), std::string::npos);
+    EXPECT_EQ(ptx.find("ld.local"), std::string::npos);
+  }
+  EXPECT_EQ(ptx_files, static_cast<int>(tdist::gemm_tiles().size()));
 }

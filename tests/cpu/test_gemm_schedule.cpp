@@ -1,10 +1,18 @@
 // The GEMM's tile order and the AllGather-GEMM chunk-to-flag mapping (include/tdist/kernels/gemm/
-// tile_scheduler.cuh), checked exhaustively on the CPU: the same code runs in the kernel.
+// tile_scheduler.cuh), the m-grouped GEMM's tile walk (grouped_scheduler.cuh) and the ring's
+// stage/phase sequence (pipeline.cuh), checked exhaustively on the CPU: the same code runs in the
+// kernel.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <numeric>
+#include <random>
 #include <set>
+#include <tuple>
 #include <vector>
 
+#include "tdist/kernels/gemm/grouped_scheduler.cuh"
+#include "tdist/kernels/gemm/pipeline.cuh"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 
 namespace kg = tdist::kernels::gemm;
@@ -150,4 +158,187 @@ TEST(GemmChunks, RankStartTile) {
           EXPECT_GE(chunks.first + chunks.count - 1, r);
         }
       }
+}
+
+// ---------------- m-grouped GEMM ----------------
+
+namespace {
+
+// Offsets of groups of `counts` rows, each padded to kGroupedAlignment.
+template <typename Index>
+std::vector<Index> padded_offsets(const std::vector<u64>& counts) {
+  std::vector<Index> o(counts.size() + 1, 0);
+  for (size_t g = 0; g < counts.size(); ++g)
+    o[g + 1] = static_cast<Index>(o[g] + (counts[g] + kg::kGroupedAlignment - 1) / kg::kGroupedAlignment * kg::kGroupedAlignment);
+  return o;
+}
+
+struct GroupedTile {
+  u32 group, m0, n0, b_row;
+  bool operator<(const GroupedTile& o) const {
+    return std::tie(group, m0, n0, b_row) < std::tie(o.group, o.m0, o.n0, o.b_row);
+  }
+  bool operator==(const GroupedTile&) const = default;
+};
+
+// What the kernel does: every CTA prepares the schedule, then walks its linear indices.
+std::vector<GroupedTile> grouped_walk(const kg::GroupedScheduler& sched, u32 grid, u32 block_m, u32 block_n, u32 m,
+                                      u32 n) {
+  std::vector<GroupedTile> v;
+  for (u32 b = 0; b < grid; ++b) {
+    const kg::GroupedScheduler s = sched.prepare();
+    for (u32 t = b; t < s.num_tiles(); t += grid) {
+      const kg::TileInfo info = s.tile_info(t, block_m, block_n, m, n);
+      EXPECT_EQ(info.linear, t);
+      v.push_back({info.group, info.m0, info.n0, info.b_row});
+    }
+  }
+  return v;
+}
+
+// Brute force: every (group, m-tile, n-tile) of the non-empty groups, from the offsets alone.
+template <typename Index>
+std::multiset<GroupedTile> expected_tiles(const std::vector<Index>& offsets, u32 block_m, u32 block_n, u32 n) {
+  std::multiset<GroupedTile> e;
+  for (u32 g = 0; g + 1 < offsets.size(); ++g)
+    for (u64 row = offsets[g]; row < static_cast<u64>(offsets[g + 1]); row += block_m)
+      for (u32 n0 = 0; n0 < n; n0 += block_n) e.insert({g, static_cast<u32>(row), n0, g * n + n0});
+  return e;
+}
+
+template <typename Index>
+void check_grouped(const std::vector<u64>& counts, u32 block_m, u32 block_n, u32 n, u32 group_m, u32 first, u32 grid,
+                   u64 extra_rows) {
+  const std::vector<Index> offsets = padded_offsets<Index>(counts);
+  const u64 m_total = static_cast<u64>(offsets.back()) + extra_rows;
+  const auto sched = kg::GroupedScheduler::make(offsets.data(), sizeof(Index), static_cast<u32>(counts.size()), m_total,
+                                                n, block_m, block_n, group_m, first);
+  const auto got = grouped_walk(sched, grid, block_m, block_n, static_cast<u32>(m_total), n);
+  const auto want = expected_tiles(offsets, block_m, block_n, n);
+  ASSERT_EQ(got.size(), want.size()) << "groups " << counts.size() << " grid " << grid;
+  std::multiset<GroupedTile> got_set(got.begin(), got.end());
+  ASSERT_TRUE(got_set == want) << "groups " << counts.size() << " block_m " << block_m << " grid " << grid;
+  for (const auto& t : got) {  // each exactly once
+    ASSERT_EQ(got_set.count(t), 1u);
+    ASSERT_GT(counts[t.group], 0u) << "a tile of empty group " << t.group;
+  }
+}
+
+}  // namespace
+
+TEST(GroupedSchedule, EveryTileOfEveryNonEmptyGroupExactlyOnce) {
+  std::mt19937 rng(1234);
+  for (int trial = 0; trial < 60; ++trial) {
+    const u32 groups = trial < 5 ? 1 + trial : 1 + rng() % 300;
+    std::vector<u64> counts(groups);
+    for (auto& c : counts) {
+      const u32 r = rng() % 4;  // a quarter empty, the rest small to large
+      c = r == 0 ? 0 : r == 1 ? 1 + rng() % 128 : rng() % 1000;
+    }
+    if (trial % 7 == 0) {  // one group holds everything
+      std::fill(counts.begin(), counts.end(), 0);
+      counts[rng() % groups] = 1 + rng() % 5000;
+    }
+    if (trial % 11 == 0) std::fill(counts.begin(), counts.end(), 0);  // nothing to do
+    for (u32 block_m : {64u, 128u}) {
+      const u32 block_n = trial % 2 ? 256 : 128;
+      const u32 n = 8 * (1 + rng() % 300);
+      const u32 grid = trial % 3 == 0 ? 1 : trial % 3 == 1 ? 7 : 132;
+      SCOPED_TRACE(testing::Message() << "trial " << trial << " block_m " << block_m);
+      check_grouped<int>(counts, block_m, block_n, n, 1 + rng() % 9, rng() % 50, grid, rng() % 300);
+      check_grouped<long long>(counts, block_m, block_n, n, 8, 0, grid, 0);
+    }
+  }
+}
+
+TEST(GroupedSchedule, GroupLookupSkipsEmptyGroups) {
+  // Groups 0, 2, 3 and 5 empty: rows of group 1 are [0, 256), of group 4 [256, 384), of 6 [384, 512).
+  const std::vector<int> offsets = {0, 0, 256, 256, 256, 384, 384, 512};
+  const auto s = kg::GroupedScheduler::make(offsets.data(), 4, 7, 1000, 64, 128, 64).prepare();
+  EXPECT_EQ(s.tiles_m, 4u);  // rows [512, 1000) are not groups' rows: no tiles
+  EXPECT_EQ(s.num_tiles(), 4u);
+  EXPECT_EQ(s.group_of_row(0), 1u);
+  EXPECT_EQ(s.group_of_row(128), 1u);
+  EXPECT_EQ(s.group_of_row(256), 4u);
+  EXPECT_EQ(s.group_of_row(384), 6u);
+  const kg::TileInfo info = s.tile_info(2, 128, 64, 1000, 64);  // group_m 8 over one n-tile: m-tile 2
+  EXPECT_EQ(info.m0, 256u);
+  EXPECT_EQ(info.group, 4u);
+  EXPECT_EQ(info.b_row, 4u * 64);
+  EXPECT_EQ(info.rows, 128u);
+  // Offsets past M_total are clipped to the launch's rows (never a tile outside D).
+  const std::vector<long long> big = {0, 128, 1 << 20};
+  EXPECT_EQ(kg::GroupedScheduler::make(big.data(), 8, 2, 300, 64, 128, 64).prepare().tiles_m, 3u);
+  // Negative offsets read as 0.
+  const std::vector<int> neg = {0, -128};
+  EXPECT_EQ(kg::GroupedScheduler::make(neg.data(), 4, 1, 300, 64, 128, 64).prepare().num_tiles(), 0u);
+}
+
+TEST(GroupedSchedule, RotationAndOrderTable) {
+  const std::vector<int> offsets = {0, 256, 256, 640};  // 5 m-tiles of 128 rows
+  const u32 tn = 3;
+  // Rotation: raster (group_m 1) starting at m-tile 3, wrapping.
+  auto s = kg::GroupedScheduler::make(offsets.data(), 4, 3, 640, 3 * 64, 128, 64, 1, 8).prepare();  // 8 % 5 = 3
+  ASSERT_EQ(s.num_tiles(), 5u * tn);
+  for (u32 i = 0; i < s.num_tiles(); ++i) {
+    EXPECT_EQ(s.tile(i).tile_m, (3 + i / tn) % 5);
+    EXPECT_EQ(s.tile(i).tile_n, i % tn);
+  }
+  // An order table replaces the rotation: its m-tiles in its order.
+  const std::vector<u32> order = {4, 0, 2, 1, 3};
+  auto o = kg::GroupedScheduler::make(offsets.data(), 4, 3, 640, 3 * 64, 128, 64, 1, 8, order.data()).prepare();
+  std::vector<u32> visited;
+  for (u32 i = 0; i < o.num_tiles(); i += tn) visited.push_back(o.tile(i).tile_m);
+  EXPECT_EQ(visited, order);
+  EXPECT_EQ(o.tile_info(0, 128, 64, 640, 3 * 64).group, 2u);  // m-tile 4: rows [512, 640)
+  // With group_m > 1 the table is still a bijection: every tile once.
+  auto og = kg::GroupedScheduler::make(offsets.data(), 4, 3, 640, 3 * 64, 128, 64, 2, 0, order.data()).prepare();
+  std::set<std::pair<u32, u32>> seen;
+  for (u32 i = 0; i < og.num_tiles(); ++i) EXPECT_TRUE(seen.insert({og.tile(i).tile_m, og.tile(i).tile_n}).second);
+  EXPECT_EQ(seen.size(), 15u);
+}
+
+TEST(GroupedSchedule, AlignmentSuitsEveryBlockM) {
+  for (u32 block_m : {64u, 128u}) EXPECT_EQ(kg::kGroupedAlignment % block_m, 0u);
+}
+
+// ---------------- pipeline state ----------------
+
+// The state the producer and the consumers advance: stage cycles through the ring, the phase flips
+// once per pass, and previous() is one step back (the stage a consumer releases).
+template <int kStages>
+void check_pipeline_sequence() {
+  kg::PipelineState<kStages> st;
+  for (u32 i = 0; i < 1000; ++i, ++st) {
+    ASSERT_EQ(st.count, i);
+    ASSERT_EQ(st.stage(), i % kStages);
+    ASSERT_EQ(st.phase(), (i / kStages) % 2);
+    if (i > 0) {
+      ASSERT_EQ(st.previous().stage(), (i - 1) % kStages);
+      ASSERT_EQ(st.previous().phase(), ((i - 1) / kStages) % 2);
+    }
+  }
+  // Across tiles: a producer and a consumer that run K blocks of several tiles in turn see the same
+  // sequence whatever the K blocks per tile (they share only the running count).
+  kg::PipelineState<kStages> producer, consumer;
+  for (u32 tile = 0; tile < 9; ++tile) {
+    const u32 k_blocks = 1 + (tile * 7) % 5;
+    for (u32 kb = 0; kb < k_blocks; ++kb, ++producer) {
+    }
+    for (u32 kb = 0; kb < k_blocks; ++kb, ++consumer) ASSERT_LE(consumer.count, producer.count);
+    ASSERT_EQ(producer.stage(), consumer.stage());
+    ASSERT_EQ(producer.phase(), consumer.phase());
+  }
+}
+
+TEST(GemmPipeline, StageAndPhaseSequence) {
+  check_pipeline_sequence<2>();
+  check_pipeline_sequence<4>();
+  check_pipeline_sequence<5>();
+  check_pipeline_sequence<6>();
+  check_pipeline_sequence<8>();
+  // The producer's first pass waits for parity 1 of a fresh barrier (which returns at once), the
+  // consumers' for parity 0 (the loads' phase).
+  kg::PipelineState<4> st;
+  EXPECT_EQ(st.phase() ^ 1, 1u);
 }

@@ -2,7 +2,11 @@
 // Fresh random inputs per case, D poisoned before every run (and the padding columns between N
 // and ldd checked to stay poisoned), odd M/N/K (K a multiple of 8), padded leading dimensions,
 // rotated and grouped tile orders, fewer CTAs than tiles (many tiles per CTA: the ring's phases
-// wrap), every shipped tile in bf16 and fp16. Prints "N passed, M failed" last.
+// wrap), every shipped tile in bf16 and fp16. Then tdist::GroupedGemm (m-grouped, MoE): random
+// group sizes with empty groups, one group holding every row, a single group, many small groups,
+// int32 and int64 offsets, rows past offsets[G] (must stay poisoned), N and K odd multiples of 8 and
+// an N that is no multiple of 8, rotated, table-ordered and few-CTA walks; each group checked against
+// the float64 reference of its rows and its own B_g. Prints "N passed, M failed" last.
 //
 //   build-gpu/tests/gpu_test_gemm [--quick | --small]
 // Single process; under tdistrun each rank tests its own GPU (LOCAL_RANK).
@@ -10,6 +14,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -21,6 +26,7 @@
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/ops/gemm.hpp"
+#include "tdist/ops/grouped_gemm.hpp"
 
 namespace {
 
@@ -182,6 +188,140 @@ Result run_case(tdist::Gemm& gemm, tdist::DType dtype, const tdist::GemmTile& ti
   return {host_counts[0] == 0 && host_counts[1] == 0 && ref_max > 0, detail};
 }
 
+// ---------------- grouped GEMM ----------------
+
+struct GroupedCase {
+  const char* what;
+  int groups, n, k;
+  std::vector<int> counts;  // rows per group before padding; empty: random in [0, max_rows], a third empty
+  int max_rows = 300;
+  int extra_rows = 0;       // M_total - offsets[G]: rows the kernel must not touch
+  bool int64_offsets = false;
+  long first_row = 0;
+  int group_m = 8;
+  int max_ctas = 0;
+  bool reversed_order = false;  // m_tile_order: the m-tiles last to first
+};
+
+template <typename T>
+Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist::GemmTile& tile, const GroupedCase& c,
+                        unsigned long long seed, cudaStream_t stream) {
+  std::vector<long long> counts(c.groups);
+  unsigned long long r = seed;
+  for (int g = 0; g < c.groups; ++g) {
+    r = mix(r + 0x9E3779B97F4A7C15ull);
+    counts[g] = !c.counts.empty() ? c.counts[g] : (r % 3 == 0 ? 0 : static_cast<long long>((r >> 8) % (c.max_rows + 1)));
+  }
+  std::vector<int64_t> offsets = tdist::grouped_gemm_offsets(std::vector<int64_t>(counts.begin(), counts.end()));
+  tdist::check_grouped_gemm_offsets(offsets, offsets.back());
+  const long rows = offsets.back(), m_total = rows + c.extra_rows;
+  const long lda = c.k + 8, ldb = c.k, ldd = ((c.n + 7) / 8) * 8 + 8;  // padded A and D rows
+  T *a = nullptr, *b = nullptr, *d = nullptr;
+  double *ref = nullptr, *stats = nullptr;
+  unsigned long long* counters = nullptr;
+  void* offs = nullptr;
+  uint32_t* order = nullptr;
+  const long ref_rows = rows > 0 ? rows : 1;
+  TDIST_CUDA_CHECK(cudaMalloc(&a, sizeof(T) * std::max(m_total, 1L) * lda));
+  TDIST_CUDA_CHECK(cudaMalloc(&b, sizeof(T) * c.groups * static_cast<long>(c.n) * ldb));
+  TDIST_CUDA_CHECK(cudaMalloc(&d, sizeof(T) * std::max(m_total, 1L) * ldd));
+  TDIST_CUDA_CHECK(cudaMalloc(&ref, sizeof(double) * ref_rows * c.n));
+  TDIST_CUDA_CHECK(cudaMalloc(&stats, 2 * sizeof(double)));
+  TDIST_CUDA_CHECK(cudaMalloc(&counters, 6 * sizeof(unsigned long long)));
+  TDIST_CUDA_CHECK(cudaMalloc(&offs, 8 * offsets.size()));
+  if (c.int64_offsets) {
+    std::vector<long long> o(offsets.begin(), offsets.end());
+    TDIST_CUDA_CHECK(cudaMemcpy(offs, o.data(), 8 * o.size(), cudaMemcpyHostToDevice));
+  } else {
+    std::vector<int> o(offsets.begin(), offsets.end());
+    TDIST_CUDA_CHECK(cudaMemcpy(offs, o.data(), 4 * o.size(), cudaMemcpyHostToDevice));
+  }
+  const long tiles_m = rows / tile.block_m;
+  if (c.reversed_order) {
+    std::vector<uint32_t> o(std::max(tiles_m, 1L));
+    for (long i = 0; i < tiles_m; ++i) o[i] = static_cast<uint32_t>(tiles_m - 1 - i);
+    TDIST_CUDA_CHECK(cudaMalloc(&order, 4 * o.size()));
+    TDIST_CUDA_CHECK(cudaMemcpy(order, o.data(), 4 * o.size(), cudaMemcpyHostToDevice));
+  }
+  fill_random<<<264, 256, 0, stream>>>(a, static_cast<size_t>(std::max(m_total, 1L)) * lda, seed);
+  fill_random<<<264, 256, 0, stream>>>(b, static_cast<size_t>(c.groups) * c.n * ldb, seed + 1);
+  const unsigned short poison = 0x7FC1;  // a NaN in bf16 and fp16 alike
+  fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(d), static_cast<size_t>(std::max(m_total, 1L)) * ldd,
+                                    poison);
+  TDIST_CUDA_CHECK(cudaMemsetAsync(stats, 0, 2 * sizeof(double), stream));
+  TDIST_CUDA_CHECK(cudaMemsetAsync(counters, 0, 6 * sizeof(unsigned long long), stream));
+  // Reference per group: its rows of A times its own B_g.
+  for (int g = 0; g < c.groups; ++g) {
+    const long r0 = offsets[g], nr = offsets[g + 1] - offsets[g];
+    if (nr == 0) continue;
+    reference<T><<<dim3((c.n + 15) / 16, (nr + 15) / 16), dim3(16, 16), 0, stream>>>(
+        a + r0 * lda, b + static_cast<long>(g) * c.n * ldb, ref + r0 * c.n, static_cast<int>(nr), c.n, c.k, lda, ldb);
+  }
+  if (rows > 0) abs_max<<<264, 256, 0, stream>>>(ref, static_cast<size_t>(rows) * c.n, stats);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+
+  tdist::GroupedGemmArgs args;
+  args.a = a;
+  args.b = b;
+  args.d = d;
+  args.offsets = offs;
+  args.offsets_type = c.int64_offsets ? tdist::IndexType::kInt64 : tdist::IndexType::kInt32;
+  args.m = m_total;
+  args.n = c.n;
+  args.k = c.k;
+  args.num_groups = c.groups;
+  args.dtype = dtype;
+  args.lda = lda;
+  args.ldb = ldb;
+  args.ldd = ldd;
+  tdist::GroupedGemmRunOptions o;
+  o.tile = tile;
+  o.group_m = c.group_m;
+  o.first_row = c.first_row;
+  o.max_ctas = c.max_ctas;
+  o.m_tile_order = order;
+  gg.run(args, stream, o);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+
+  double ref_max = 0;
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(&ref_max, stats, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const double tol = 1e-2;
+  if (rows > 0)
+    compare<T><<<dim3((ldd + 127) / 128, rows), 128, 0, stream>>>(d, ref, static_cast<int>(rows), c.n, ldd, poison,
+                                                                 ref_max, tol, counters, counters + 1, stats + 1,
+                                                                 counters + 2);
+  // Rows past offsets[G]: every element still poisoned (n = 0: the whole row is "padding").
+  if (c.extra_rows > 0)
+    compare<T><<<dim3((ldd + 127) / 128, c.extra_rows), 128, 0, stream>>>(d + rows * ldd, ref, c.extra_rows, 0, ldd,
+                                                                         poison, 1.0, tol, counters + 3, counters + 4,
+                                                                         stats + 1, counters + 5);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+  unsigned long long host[6];
+  double max_err = 0;
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, counters, sizeof(host), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(&max_err, stats + 1, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(d), static_cast<void*>(ref),
+                  static_cast<void*>(stats), static_cast<void*>(counters), offs, static_cast<void*>(order)})
+    TDIST_CUDA_CHECK(cudaFree(p));
+
+  int non_empty = 0;
+  for (long long cnt : counts) non_empty += cnt > 0;
+  char buf[320];
+  std::snprintf(buf, sizeof(buf),
+                "%d of %d groups non-empty, %ld rows + %d extra; max |err| / max |ref| = %.3g (max |ref| %.3g), %llu bad, "
+                "%llu padding overwritten, %llu rows-past-offsets overwritten",
+                non_empty, c.groups, rows, c.extra_rows, ref_max > 0 ? max_err / ref_max : max_err, ref_max, host[0],
+                host[1], host[4]);
+  std::string detail = buf;
+  if (host[0] > 0) {
+    std::snprintf(buf, sizeof(buf), ", first bad at (%llu, %llu)", host[2] >> 32, host[2] & 0xFFFFFFFFull);
+    detail += buf;
+  }
+  return {host[0] == 0 && host[1] == 0 && host[4] == 0 && (rows == 0 || ref_max > 0), detail};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -239,6 +379,65 @@ int main(int argc, char** argv) {
         }
       }
     }
+    // The grouped GEMM.
+    tdist::GroupedGemm grouped;
+    std::vector<GroupedCase> gcases = {
+        {"random groups, a third empty", 8, 256, 128},
+        {"one group holds every row", 16, 520, 264, std::vector<int>(16, 0)},
+        {"a single group", 1, 136, 72, {1000}},
+        {"many small groups, N and K odd multiples of 8", 64, 4104, 2056, {}, 200},
+        {"N no multiple of 8, rows past offsets[G], int64 offsets", 12, 100, 520, {}, 400, 77, true},
+        {"every group empty", 6, 128, 64, std::vector<int>(6, 0), 0, 130},
+        {"rotated start, groups of 3, 5 CTAs", 20, 1032, 1024, {}, 500, 0, false, 1500, 3, 5},
+        {"m-tiles in reverse order, 7 CTAs", 10, 776, 256, {}, 500, 64, true, 0, 8, 7, true},
+    };
+    gcases[1].counts[11] = 3000;
+    if (quick) gcases.resize(4);
+    if (small) gcases = {gcases[0], gcases[2], gcases[5]};
+    for (tdist::DType dtype : {tdist::DType::kBFloat16, tdist::DType::kFloat16}) {
+      if (small && dtype != tdist::DType::kBFloat16) continue;
+      for (const tdist::GemmTile& tile : tdist::gemm_tiles()) {
+        for (const GroupedCase& c : gcases) {
+          char name[240];
+          std::snprintf(name, sizeof(name), "grouped %s %s G=%d n=%d k=%d (%s)", tdist::to_string(dtype),
+                        tile.name().c_str(), c.groups, c.n, c.k, c.what);
+          const auto start = std::chrono::steady_clock::now();
+          Result r{false, ""};
+          try {
+            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+            r = dtype == tdist::DType::kBFloat16 ? run_grouped_case<__nv_bfloat16>(grouped, dtype, tile, c, seed, stream)
+                                                 : run_grouped_case<__half>(grouped, dtype, tile, c, seed, stream);
+          } catch (const std::exception& e) {
+            r = {false, e.what()};
+          }
+          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+          std::printf("%s %s: %s (%.0f ms)\n", r.ok ? "PASS" : "FAIL", name, r.detail.c_str(), ms);
+          std::fflush(stdout);
+          (r.ok ? passed : failed)++;
+          if (!r.ok && cudaDeviceSynchronize() != cudaSuccess) {
+            std::printf("FAIL: the CUDA context is broken (sticky error); stopping\n");
+            std::printf("%d passed, %d failed\n", passed, failed + 1);
+            return 1;
+          }
+        }
+      }
+    }
+    // Grouped argument errors name the argument.
+    try {
+      tdist::GroupedGemmArgs bad;
+      bad.m = 128;
+      bad.n = 8;
+      bad.k = 8;
+      bad.num_groups = 0;
+      grouped.run(bad, stream);
+      std::printf("FAIL argument error: num_groups = 0 accepted\n");
+      ++failed;
+    } catch (const tdist::Error& e) {
+      const bool ok = std::string(e.what()).find("'num_groups'") != std::string::npos;
+      std::printf("%s argument error names num_groups: %s\n", ok ? "PASS" : "FAIL", e.what());
+      (ok ? passed : failed)++;
+    }
+
     // Argument errors reach the caller before anything is launched.
     try {
       tdist::GemmArgs bad;

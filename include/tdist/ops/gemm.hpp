@@ -33,6 +33,11 @@
 
 namespace tdist {
 
+namespace detail {
+template <typename Scheduler, typename Params>
+class GemmRuntime;
+}  // namespace detail
+
 // One kernel instance's tile shape (template parameters of sm90_gemm_tn).
 struct GemmTile {
   int block_m = 128;  // 64 or 128: one consumer warpgroup per 64 rows
@@ -56,7 +61,8 @@ const std::vector<GemmTile>& gemm_tiles();
 // by wave efficiency weighted by the tile's own efficiency.
 GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms);
 
-// The kernel's name expression: tdist::kernels::gemm::sm90_gemm_tn<T, BM, BN, BK, S, C, Hooks>.
+// The kernel's name expression: tdist::kernels::gemm::sm90_gemm_tn<T, BM, BN, BK, S, C, Hooks> (the
+// TileScheduler instance). Typed alternative: detail::GemmRuntime (include/tdist/ops/detail/gemm_runtime.hpp).
 std::string gemm_kernel_name(DType dtype, const GemmTile& tile,
                              const std::string& hook = "tdist::kernels::gemm::NoTileHooks");
 // One JIT request per tile (both dtypes as name expressions), as registered for tdist-compile.
@@ -91,6 +97,8 @@ struct GemmTensorMapSpec {
 // kernels::gemm::gemm_epi_cols) for checked args and a tile.
 GemmTensorMapSpec gemm_tensor_map_a(const GemmArgs& args, const GemmTile& tile);
 GemmTensorMapSpec gemm_tensor_map_b(const GemmArgs& args, const GemmTile& tile);
+// B over `b_rows` rows instead of N (the grouped GEMM's G x N rows).
+GemmTensorMapSpec gemm_tensor_map_b_rows(const GemmArgs& args, const GemmTile& tile, int64_t b_rows);
 GemmTensorMapSpec gemm_tensor_map_d(const GemmArgs& args, const GemmTile& tile);
 
 // 128 bytes, as CUtensorMap (kept opaque here so this header needs no <cuda.h>).
@@ -102,7 +110,7 @@ struct alignas(128) GemmTensorMap {
 GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype);
 
 struct GemmRunOptions {
-  std::optional<GemmTile> tile;  // empty: choose_gemm_tile (or the tuned one, after tune())
+  std::optional<GemmTile> tile;  // empty: choose_gemm_tile (or the tuned one, after tune()); read by Gemm only
   int group_m = 8;               // m-tiles per raster group (L2 reuse)
   int64_t first_row = 0;         // the walk starts at the m-tile holding this row and wraps
   int max_ctas = 0;              // persistent CTAs at most; 0: the SM count
@@ -146,10 +154,9 @@ class Gemm {
   int num_sms() const { return num_sms_; }
 
  private:
-  struct Loaded;
   int num_sms_ = 0;
-  std::mutex mu_;
-  std::map<std::string, std::unique_ptr<Loaded>> loaded_;
+  std::unique_ptr<detail::GemmRuntime<kernels::gemm::TileScheduler, kernels::gemm::NoTileHooks>> runtime_;
+  std::mutex mu_;  // guards tuned_
   std::map<std::string, GemmTile> tuned_;
 };
 

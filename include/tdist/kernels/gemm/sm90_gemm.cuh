@@ -9,9 +9,15 @@
 // M, N, K need not be tile multiples: TMA fills out-of-range A/B elements with zeros, and the TMA
 // stores of D write only rows < M and columns < N (the padding of ldd > N stays untouched).
 //
+// Tile order: the Scheduler template parameter (interface in tile_scheduler.cuh): TileScheduler
+// (grouped raster, rank rotation) for the plain GEMM, GroupedScheduler (grouped_scheduler.cuh) for
+// the m-grouped GEMM, where B is (G N) x K and a tile of group g loads B rows from g N (TileInfo's
+// b_row). Hooks precedes Scheduler in the template list so that names without a scheduler keep
+// naming the TileScheduler instances.
+//
 // Threads: warpgroup 0 is the producer, warpgroups 1 .. BLOCK_M / 64 are consumers; consumer w owns
 // rows [64 (w - 1), +64) of each tile.
-//   producer  one thread walks the CTA's tiles (TileScheduler) and K blocks, waits for the stage to
+//   producer  one thread walks the CTA's tiles (Scheduler) and K blocks, waits for the stage to
 //             be empty, arms its `full` mbarrier with the stage's byte count and issues two TMA
 //             loads (A box BLOCK_K x BLOCK_M, B box BLOCK_K x BLOCK_N; 128-byte swizzle).
 //   consumers wait for `full`, issue BLOCK_K / 16 wgmma m64nBLOCK_Nk16 per stage with fp32
@@ -28,9 +34,10 @@
 //             issuing threads wait for their stores to complete (wait_group 0) before a barrier of
 //             all consumers and the hooks' after_store (before_loads runs on the producer before a
 //             tile's first load; tile_scheduler.cuh).
-// Producer and consumers walk the same tile list, so the ring's stage/phase sequence (a running
-// count of K blocks) matches on both sides across tiles; the producer runs ahead into the next
-// tile while the consumers store the previous one.
+// The ring is a TmaPipeline (pipeline.cuh). Producer and consumers walk the same tile list, each
+// advancing its own PipelineState once per K block, so the ring's stage/phase sequence matches on
+// both sides across tiles; the producer runs ahead into the next tile while the consumers store the
+// previous one.
 // With two or more consumer warpgroups, setmaxnreg moves registers from the producer (40) to the
 // consumers (232 for two); the launch allocation (launch bounds of kThreads, 1 CTA per SM) must
 // equal 128 x 40 + consumers x 232 or less, which the host checks from ptxas's report.
@@ -40,6 +47,8 @@
 #include <cuda_fp16.h>
 
 #include "tdist/kernels/gemm/config.cuh"
+#include "tdist/kernels/gemm/grouped_scheduler.cuh"
+#include "tdist/kernels/gemm/pipeline.cuh"
 #include "tdist/kernels/gemm/sm90_ptx.cuh"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/kernels/gemm/wgmma_ops.cuh"
@@ -86,11 +95,11 @@ struct RegisterSplit {
 };
 
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, int kClusterM,
-          typename Hooks = NoTileHooks>
+          typename Hooks = NoTileHooks, typename Scheduler = TileScheduler>
 __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     sm90_gemm_tn(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                  const __grid_constant__ CUtensorMap tmap_d, T* d, u64 ldd, u32 m, u32 n, u32 k,
-                 TileScheduler sched, Hooks hooks) {
+                 Scheduler sched, Hooks hooks) {
   static_assert(sizeof(T) == 2, "bf16 or fp16 inputs");
   static_assert(BLOCK_K * sizeof(T) == 128, "BLOCK_K spans one 128-byte swizzle row (64 elements)");
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M: 64 or 128 (one consumer warpgroup per 64 rows)");
@@ -127,6 +136,9 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   const u32 smem_d = smem_b + kNumStages * kTileBBytes;             // + (wg * kEpiBuffers + buf) * kEpiChunkBytes
   const u32 full_bar = smem_d + kNumMathWarpgroups * kEpiBuffers * kEpiChunkBytes;  // + stage * 8
   const u32 empty_bar = full_bar + kNumStages * 8;                  // + stage * 8
+  using Pipeline = TmaPipeline<kNumStages>;
+  using PipeState = PipelineState<kNumStages>;
+  const Pipeline pipe{full_bar, empty_bar};
 
   const u32 warpgroup = threadIdx.x / kWarpgroupThreads;
   const u32 lane = threadIdx.x % 32;
@@ -134,36 +146,32 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     ptx::prefetch_tensor_map(&tmap_a);
     ptx::prefetch_tensor_map(&tmap_b);
     ptx::prefetch_tensor_map(&tmap_d);
-    for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbar_init(full_bar + 8 * s, 1);                 // the producer's arrive.expect_tx
-      ptx::mbar_init(empty_bar + 8 * s, kNumMathWarps);     // one arrive per consumer warp
-    }
+    pipe.init(kNumMathWarps);  // one release per consumer warp
     ptx::fence_mbar_init();
   }
   __syncthreads();
 
-  const u32 num_tiles = sched.num_tiles();
+  const Scheduler tiles = sched.prepare();  // what the walk reads from device memory, read once
+  const u32 num_tiles = tiles.num_tiles();
   const u32 num_k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
 
   if (warpgroup == 0) {
     // ---------------- producer ----------------
     if constexpr (Regs::kEnabled) ptx::setmaxnreg_dec<Regs::kProducer>();
     if (threadIdx.x == 0) {
-      u32 iter = 0;  // running count of K blocks: stage = iter % kNumStages, pass = iter / kNumStages
+      PipeState st;  // running count of K blocks
       for (u32 t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const TileInfo info = tile_info(sched, t, BLOCK_M, BLOCK_N, m, n);
+        const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
         hooks.before_loads(info);
         ptx::fence_proxy_async_global();  // what the hook waited for is visible to the TMA loads
-        const int m0 = static_cast<int>(info.m0), n0 = static_cast<int>(info.n0);
-        for (u32 kb = 0; kb < num_k_blocks; ++kb, ++iter) {
-          const u32 s = iter % kNumStages, phase = (iter / kNumStages) & 1;
-          // The first pass finds every stage empty: waiting for parity phase ^ 1 of a fresh barrier
-          // returns at once.
-          ptx::mbar_wait(empty_bar + 8 * s, phase ^ 1, "producer empty");
-          ptx::mbar_arrive_expect_tx(full_bar + 8 * s, kStageBytes);
+        const int m0 = static_cast<int>(info.m0), b_row = static_cast<int>(info.b_row);
+        for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
+          const u32 s = st.stage();
+          pipe.producer_acquire(st);  // the first pass finds every stage empty
+          const u32 full = pipe.producer_commit(st, kStageBytes);
           const int k0 = static_cast<int>(kb * BLOCK_K);
-          ptx::tma_load_2d(smem_a + s * kTileABytes, &tmap_a, full_bar + 8 * s, k0, m0);
-          ptx::tma_load_2d(smem_b + s * kTileBBytes, &tmap_b, full_bar + 8 * s, k0, n0);
+          ptx::tma_load_2d(smem_a + s * kTileABytes, &tmap_a, full, k0, m0);
+          ptx::tma_load_2d(smem_b + s * kTileBBytes, &tmap_b, full, k0, b_row);
         }
       }
     }
@@ -181,14 +189,14 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   const u32 my_chunks = smem_d + math_wg * kEpiBuffers * kEpiChunkBytes;
   float acc[kAccum];
 
-  u32 iter = 0;      // running count of K blocks, as the producer's
+  PipeState st;      // running count of K blocks, as the producer's
   u32 epi_iter = 0;  // running count of this warpgroup's D chunks: buffer = epi_iter % kEpiBuffers
   for (u32 t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const TileInfo info = tile_info(sched, t, BLOCK_M, BLOCK_N, m, n);
+    const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
 
-    for (u32 kb = 0; kb < num_k_blocks; ++kb, ++iter) {
-      const u32 s = iter % kNumStages, phase = (iter / kNumStages) & 1;
-      ptx::mbar_wait(full_bar + 8 * s, phase, "consumer full");
+    for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
+      const u32 s = st.stage();
+      pipe.consumer_wait(st);
       const u32 a_tile = smem_a + s * kTileABytes + math_wg * (kWgmmaM * BLOCK_K * sizeof(T));
       const u32 b_tile = smem_b + s * kTileBBytes;
 #pragma unroll
@@ -205,13 +213,13 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
       ptx::wgmma_wait<1>();
 #pragma unroll
       for (int i = 0; i < kAccum; ++i) ptx::fence_operand(acc[i]);
-      if (kb > 0 && lane == 0) ptx::mbar_arrive(empty_bar + 8 * ((iter - 1) % kNumStages));
+      if (kb > 0 && lane == 0) pipe.consumer_release(st.previous());
     }
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kAccum; ++i) ptx::fence_operand(acc[i]);
-    // The tile's last block (iter - 1: the loop has counted it) is done with its stage.
-    if (lane == 0) ptx::mbar_arrive(empty_bar + 8 * ((iter - 1) % kNumStages));
+    // The tile's last block (st.previous(): the loop has counted it) is done with its stage.
+    if (lane == 0) pipe.consumer_release(st.previous());
 
     // Epilogue. wgmma m64nNk16 accumulator layout: thread (warp w, lane l) holds, for each 8-column
     // group j, acc[4j], acc[4j+1] at row 16w + l/4, columns 8j + 2(l%4) + {0, 1}, and acc[4j+2],

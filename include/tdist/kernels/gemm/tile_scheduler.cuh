@@ -15,6 +15,18 @@
 //      first row (its local chunk, which needs no wait) and wraps around through the others.
 //
 // Both are bijections of [0, num_tiles), so every tile is visited exactly once whatever the grid.
+//
+// The scheduler is a template parameter of the kernel (sm90_gemm_tn's Scheduler). A scheduler type is
+// a trivially copyable struct passed by value with:
+//   prepare()                  on each thread once, before its walk: a copy with whatever the walk
+//                              needs from device memory read (grouped_scheduler.cuh reads the group
+//                              offsets); TileScheduler returns itself.
+//   num_tiles()                on a prepared scheduler: the tiles of the walk.
+//   tile_info(i, BLOCK_M, BLOCK_N, M, N)
+//                              the TileInfo of linear index i < num_tiles(): the output tile, and
+//                              b_row, the first row of B the tile multiplies by (n0, or a group's
+//                              rows of B in the grouped GEMM).
+// The kernel's CTA b walks linear indices b, b + gridDim.x, ... on the producer and every consumer.
 #pragma once
 
 #include "tdist/device/common.cuh"
@@ -27,6 +39,16 @@ using tdist::device::u64;
 struct TileCoord {
   u32 tile_m;  // m-tile: rows [tile_m * BLOCK_M, +BLOCK_M)
   u32 tile_n;  // n-tile: columns [tile_n * BLOCK_N, +BLOCK_N)
+};
+
+// What the kernel hands the hooks for each tile.
+struct TileInfo {
+  TileCoord coord;
+  u32 m0, n0;        // first row and column of the tile
+  u32 rows, cols;    // rows and columns inside M x N (the tile clipped)
+  u32 linear;        // linear index in the schedule
+  u32 group;         // the group of the grouped GEMM whose rows the tile holds (0 for the plain GEMM)
+  u32 b_row;         // first row of B the tile loads: n0 + group * N
 };
 
 struct TileScheduler {
@@ -50,6 +72,22 @@ struct TileScheduler {
     return c;
   }
 
+  TDIST_HOST_DEVICE TileScheduler prepare() const { return *this; }
+
+  // The TileInfo of linear tile `t` of an M x N output (a member, as every scheduler has).
+  TDIST_HOST_DEVICE TileInfo tile_info(u32 t, u32 block_m, u32 block_n, u32 m, u32 n) const {
+    TileInfo info;
+    info.coord = tile(t);
+    info.m0 = info.coord.tile_m * block_m;
+    info.n0 = info.coord.tile_n * block_n;
+    info.rows = m - info.m0 < block_m ? m - info.m0 : block_m;
+    info.cols = n - info.n0 < block_n ? n - info.n0 : block_n;
+    info.linear = t;
+    info.group = 0;
+    info.b_row = info.n0;
+    return info;
+  }
+
   // A schedule for an M x N output; `group_m` 0 is taken as 1, `first_tile_m` is reduced mod tiles_m.
   TDIST_HOST_DEVICE static TileScheduler make(u64 m, u64 n, u32 block_m, u32 block_n, u32 group_m = 8,
                                               u32 first_tile_m = 0) {
@@ -62,14 +100,6 @@ struct TileScheduler {
     s.first_tile_m = first_tile_m % s.tiles_m;
     return s;
   }
-};
-
-// What the kernel hands the hooks for each tile.
-struct TileInfo {
-  TileCoord coord;
-  u32 m0, n0;        // first row and column of the tile
-  u32 rows, cols;    // rows and columns inside M x N (the tile clipped)
-  u32 linear;        // linear index in the schedule
 };
 
 // Tile hooks: how the fused ops plug into the persistent GEMM. A trivially copyable struct passed to
@@ -91,14 +121,7 @@ struct NoTileHooks {
 
 // The TileInfo of linear tile `t` of an M x N output.
 TDIST_HOST_DEVICE TileInfo tile_info(const TileScheduler& sched, u32 t, u32 block_m, u32 block_n, u32 m, u32 n) {
-  TileInfo info;
-  info.coord = sched.tile(t);
-  info.m0 = info.coord.tile_m * block_m;
-  info.n0 = info.coord.tile_n * block_n;
-  info.rows = m - info.m0 < block_m ? m - info.m0 : block_m;
-  info.cols = n - info.n0 < block_n ? n - info.n0 : block_n;
-  info.linear = t;
-  return info;
+  return sched.tile_info(t, block_m, block_n, m, n);
 }
 
 // Rows of A split over `num_ranks` chunks, as AllGather-GEMM splits them: chunk r holds rows

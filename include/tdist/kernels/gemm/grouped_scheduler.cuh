@@ -1,0 +1,123 @@
+// Tile order of the m-grouped GEMM (MoE experts): plain C++ shared by the host (plain g++, CPU tests),
+// nvcc and NVRTC, a Scheduler of sm90_gemm_tn (tile_scheduler.cuh gives the interface).
+//
+// Layout ("m-grouped contiguous"): G groups share one A and one D; group g owns rows
+// [offsets[g], offsets[g + 1]) of both and multiplies them by its own B_g:
+//   A        T[M_total][lda]     rows of every group, group after group
+//   B        T[G][N][ldb]        B_g = rows [g N, (g + 1) N) of a (G N) x K matrix
+//   D        T[M_total][ldd]     D rows [offsets[g], offsets[g + 1]) = A rows (same) x B_g^T
+//   offsets  int32 or int64 [G + 1], device memory: offsets[0] == 0, non-decreasing, every offset a
+//            multiple of kGroupedAlignment (each group's rows padded up to it; the padding rows are
+//            computed like the others), offsets[G] <= M_total. Rows [offsets[G], M_total) are not
+//            touched.
+// Since kGroupedAlignment is a multiple of every BLOCK_M, a tile never holds rows of two groups, and
+// m-tile j (rows [j BLOCK_M, +BLOCK_M)) belongs to the group whose rows contain row j BLOCK_M: the
+// m-tiles are those of the rows [0, offsets[G]), and an empty group simply owns none of them.
+//
+// Walk: the m-tiles [0, tiles_m) with tiles_m = ceil(offsets[G] / BLOCK_M) (clipped to max_tiles_m,
+// the launch's bound from M_total), crossed with the n-tiles, in TileScheduler's order (grouped
+// raster of group_m m-tiles, rotated to start at first_tile_m), or, with an order table, in the
+// order it gives: m_tile_order[p] is the m-tile visited at relative position p (a permutation of
+// [0, tiles_m) written by the host or a producer kernel, for instance this rank's tokens first).
+// The group of an m-tile is found by binary search over the offsets (ceil(log2 G) loads, cached;
+// the producer's loads run ahead of the consumers, so the search hides behind the ring), never by a
+// scan over all groups.
+#pragma once
+
+#include "tdist/kernels/gemm/tile_scheduler.cuh"
+
+namespace tdist::kernels::gemm {
+
+// Rows per group are padded to this (a multiple of every BLOCK_M the kernel takes: 64, 128).
+constexpr u32 kGroupedAlignment = 128;
+
+struct GroupedScheduler {
+  const void* offsets = nullptr;       // device: G + 1 row offsets (layout above)
+  const u32* m_tile_order = nullptr;   // device, optional: u32[tiles_m], the m-tile at each position
+  u32 num_groups = 0;                  // G >= 1
+  u32 offset_bytes = 4;                // 4 (int32 offsets) or 8 (int64)
+  u32 block_m = 128;                   // the kernel's BLOCK_M
+  u32 max_tiles_m = 0;                 // ceil(M_total / BLOCK_M)
+  u32 tiles_n = 1;                     // ceil(N / BLOCK_N)
+  u32 group_m = 1;                     // m-tiles per raster group, >= 1
+  u32 first_tile_m = 0;                // rotation without an order table (prepare() reduces it mod tiles_m)
+  u32 tiles_m = 0;                     // set by prepare(): m-tiles of rows [0, offsets[G])
+
+  // Offset `g` (<= num_groups), negative values read as 0.
+  TDIST_HOST_DEVICE u64 offset(u32 g) const {
+    const long long v = offset_bytes == 8 ? static_cast<const long long*>(offsets)[g]
+                                          : static_cast<long long>(static_cast<const int*>(offsets)[g]);
+    return v < 0 ? 0 : static_cast<u64>(v);
+  }
+
+  // Reads offsets[G] once: the m-tiles of the walk.
+  TDIST_HOST_DEVICE GroupedScheduler prepare() const {
+    GroupedScheduler s = *this;
+    const u64 tm = (offset(num_groups) + block_m - 1) / block_m;
+    s.tiles_m = tm < max_tiles_m ? static_cast<u32>(tm) : max_tiles_m;
+    if (s.tiles_m > 0) s.first_tile_m = first_tile_m % s.tiles_m;
+    return s;
+  }
+
+  TDIST_HOST_DEVICE u32 num_tiles() const { return tiles_m * tiles_n; }
+
+  // The group owning `row` (< offsets[G]): the largest g < G with offsets[g] <= row, i.e. the one
+  // non-empty group with offsets[g] <= row < offsets[g + 1] (empty groups before it share its start).
+  TDIST_HOST_DEVICE u32 group_of_row(u64 row) const {
+    u32 lo = 0, hi = num_groups - 1;
+    while (lo < hi) {
+      const u32 mid = (lo + hi + 1) / 2;
+      if (offset(mid) <= row)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    return lo;
+  }
+
+  // Tile of linear index `i` (< num_tiles() of a prepared scheduler).
+  TDIST_HOST_DEVICE TileCoord tile(u32 i) const {
+    TileScheduler raster;
+    raster.tiles_m = tiles_m;
+    raster.tiles_n = tiles_n;
+    raster.group_m = group_m;
+    raster.first_tile_m = m_tile_order != nullptr ? 0 : first_tile_m;
+    TileCoord c = raster.tile(i);
+    if (m_tile_order != nullptr) c.tile_m = m_tile_order[c.tile_m];
+    return c;
+  }
+
+  TDIST_HOST_DEVICE TileInfo tile_info(u32 t, u32 bm, u32 bn, u32 m, u32 n) const {
+    TileInfo info;
+    info.coord = tile(t);
+    info.m0 = info.coord.tile_m * bm;
+    info.n0 = info.coord.tile_n * bn;
+    info.rows = m - info.m0 < bm ? m - info.m0 : bm;
+    info.cols = n - info.n0 < bn ? n - info.n0 : bn;
+    info.linear = t;
+    info.group = group_of_row(info.m0);
+    info.b_row = info.group * n + info.n0;
+    return info;
+  }
+
+  // A schedule of `num_groups` groups over M_total rows (a launch bound) and N columns. `group_m` 0 is
+  // taken as 1.
+  TDIST_HOST_DEVICE static GroupedScheduler make(const void* offsets, u32 offset_bytes, u32 num_groups, u64 m_total,
+                                                 u64 n, u32 block_m, u32 block_n, u32 group_m = 8,
+                                                 u32 first_tile_m = 0, const u32* m_tile_order = nullptr) {
+    GroupedScheduler s;
+    s.offsets = offsets;
+    s.m_tile_order = m_tile_order;
+    s.num_groups = num_groups;
+    s.offset_bytes = offset_bytes;
+    s.block_m = block_m;
+    s.max_tiles_m = static_cast<u32>((m_total + block_m - 1) / block_m);
+    s.tiles_n = static_cast<u32>((n + block_n - 1) / block_n);
+    if (s.tiles_n == 0) s.tiles_n = 1;
+    s.group_m = group_m == 0 ? 1 : group_m;
+    s.first_tile_m = first_tile_m;
+    return s;
+  }
+};
+
+}  // namespace tdist::kernels::gemm

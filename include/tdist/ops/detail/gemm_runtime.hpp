@@ -1,0 +1,172 @@
+// Typed host glue of the sm90 GEMM kernel family (include/tdist/kernels/gemm/sm90_gemm.cuh): one
+// object per (scheduler, hooks) pair owns the instance names, the compile requests and the launch,
+// so no caller assembles a kernel name or a parameter list by hand. Used by tdist::Gemm,
+// tdist::GroupedGemm and the overlap ops.
+//
+// API
+//   GemmSchedulerTraits<Scheduler>  device type name of a scheduler (kernels::gemm::TileScheduler,
+//                                   kernels::gemm::GroupedScheduler) and its file-name tag.
+//   GemmHooksTraits<Params>         maps the parameter struct of a hooks type, as the host fills it, to
+//                                   the device hooks type (which derives from it, same layout) and the
+//                                   header that defines it. Shipped: kernels::gemm::NoTileHooks (plain
+//                                   GEMM), AllGatherWaitParams -> AllGatherWaitHooks, ChunkPublishParams
+//                                   -> ChunkPublishHooks (overlap.cuh). A new hooks type adds one
+//                                   specialisation here.
+//   GemmRuntime<Scheduler, Params>  the instances of one (scheduler, hooks) pair over (dtype, tile):
+//     static kernel_name(dtype, tile)      name expression: sm90_gemm_tn<T, BM, BN, BK, S, C, Hooks[, Scheduler]>
+//     static compile_request(tile)         one JIT request (bf16 and fp16 name expressions), arch sm_90a
+//     static compile_requests()            one per shipped tile, arch empty (TDIST_JIT_REGISTER_KERNELS)
+//     kernel(dtype, tile)                  the loaded kernel (compiled or read from the cache on first use)
+//     launch(checked_args, tile, b_rows, sched, params, max_ctas, stream)
+//                                          the launch: tensor maps (B over b_rows rows), grid, parameters
+//     run(args, tile, params, options, stream)   (TileScheduler only) checks the args, builds the
+//                                          schedule of options.group_m / first_row, launches
+//   HookedGemm<Params>              GemmRuntime<TileScheduler, Params>: the plain-order GEMM whose tiles
+//                                   run the hooks of Params. An overlap op holds one per hooks type:
+//
+//     detail::HookedGemm<kernels::gemm::AllGatherWaitParams> ag_gemm(num_sms);
+//     ag_gemm.run(args, tile, params, {.first_row = rank_row0, .max_ctas = ctas}, stream);
+//     TDIST_JIT_REGISTER_KERNELS(ag_gemm, detail::HookedGemm<kernels::gemm::AllGatherWaitParams>::compile_requests);
+//
+// Thread safety: kernel() and run()/launch() may be called from several threads (one mutex guards
+// the loaded instances).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "tdist/jit/compiler.hpp"
+#include "tdist/jit/launch.hpp"
+#include "tdist/kernels/gemm/grouped_scheduler.cuh"
+#include "tdist/kernels/gemm/overlap_params.cuh"
+#include "tdist/kernels/gemm/tile_scheduler.cuh"
+#include "tdist/ops/gemm.hpp"
+
+namespace tdist::detail {
+
+template <typename Scheduler>
+struct GemmSchedulerTraits;
+template <>
+struct GemmSchedulerTraits<kernels::gemm::TileScheduler> {
+  static constexpr const char* kDeviceType = "tdist::kernels::gemm::TileScheduler";
+  static constexpr const char* kTag = "";  // the default scheduler: names and files as before it was a parameter
+};
+template <>
+struct GemmSchedulerTraits<kernels::gemm::GroupedScheduler> {
+  static constexpr const char* kDeviceType = "tdist::kernels::gemm::GroupedScheduler";
+  static constexpr const char* kTag = "grouped";
+};
+
+template <typename Params>
+struct GemmHooksTraits;
+template <>
+struct GemmHooksTraits<kernels::gemm::NoTileHooks> {
+  static constexpr const char* kDeviceType = "tdist::kernels::gemm::NoTileHooks";
+  static constexpr const char* kHeader = nullptr;  // sm90_gemm.cuh defines it
+  static constexpr const char* kTag = "";
+};
+template <>
+struct GemmHooksTraits<kernels::gemm::AllGatherWaitParams> {
+  static constexpr const char* kDeviceType = "tdist::kernels::gemm::AllGatherWaitHooks";
+  static constexpr const char* kHeader = "tdist/kernels/gemm/overlap.cuh";
+  static constexpr const char* kTag = "AllGatherWaitHooks";
+};
+template <>
+struct GemmHooksTraits<kernels::gemm::ChunkPublishParams> {
+  static constexpr const char* kDeviceType = "tdist::kernels::gemm::ChunkPublishHooks";
+  static constexpr const char* kHeader = "tdist/kernels/gemm/overlap.cuh";
+  static constexpr const char* kTag = "ChunkPublishHooks";
+};
+
+// The untyped part: names, requests, loaded modules, parameter blocks.
+std::string gemm_instance_name(DType dtype, const GemmTile& tile, const char* hooks_type, const char* scheduler_type);
+jit::CompileRequest gemm_instance_request(const GemmTile& tile, const char* hooks_type, const char* hooks_header,
+                                          const char* hooks_tag, const char* scheduler_type, const char* scheduler_tag);
+// tmap_a, tmap_b (over b_rows rows of B), tmap_d, d, ldd, m, n, k: the kernel's parameters before
+// the scheduler and the hooks.
+jit::KernelArgs gemm_operand_args(const GemmArgs& checked_args, const GemmTile& tile, int64_t b_rows);
+
+class GemmModules {
+ public:
+  // The kernel `name` of the module compiled from `request` (compiled or loaded once per name).
+  const jit::Kernel& load(const std::string& name, const jit::CompileRequest& request);
+
+ private:
+  struct Loaded;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Loaded>> loaded_;
+};
+
+template <typename Scheduler, typename Params>
+class GemmRuntime {
+  static_assert(std::is_trivially_copyable_v<Scheduler> && std::is_trivially_copyable_v<Params>,
+                "kernel parameters are trivially copyable");
+  using SchedTraits = GemmSchedulerTraits<Scheduler>;
+  using HooksTraits = GemmHooksTraits<Params>;
+
+ public:
+  explicit GemmRuntime(int num_sms) : num_sms_(num_sms) {}
+
+  static std::string kernel_name(DType dtype, const GemmTile& tile) {
+    return gemm_instance_name(dtype, tile, HooksTraits::kDeviceType,
+                              std::is_same_v<Scheduler, kernels::gemm::TileScheduler> ? nullptr : SchedTraits::kDeviceType);
+  }
+  static jit::CompileRequest compile_request(const GemmTile& tile) {
+    return gemm_instance_request(tile, HooksTraits::kDeviceType, HooksTraits::kHeader, HooksTraits::kTag,
+                                 std::is_same_v<Scheduler, kernels::gemm::TileScheduler> ? nullptr : SchedTraits::kDeviceType,
+                                 SchedTraits::kTag);
+  }
+  static std::vector<jit::CompileRequest> compile_requests() {
+    std::vector<jit::CompileRequest> v;
+    for (const GemmTile& t : gemm_tiles()) {
+      v.push_back(compile_request(t));
+      v.back().arch.clear();  // tdist-compile sets it
+    }
+    return v;
+  }
+
+  const jit::Kernel& kernel(DType dtype, const GemmTile& tile) {
+    return modules_.load(kernel_name(dtype, tile), compile_request(tile));
+  }
+
+  // Launches on checked args (check_gemm_args) with B's tensor map over `b_rows` rows; the grid is
+  // min(SMs, max_ctas if > 0, args.m x args.n tiles).
+  void launch(const GemmArgs& checked, const GemmTile& tile, int64_t b_rows, const Scheduler& sched,
+              const Params& params, int max_ctas, cudaStream_t stream) {
+    const jit::Kernel& k = kernel(checked.dtype, tile);
+    const jit::LaunchConfig cfg = gemm_launch_config(checked, tile, num_sms_, max_ctas, stream);
+    jit::KernelArgs kargs = gemm_operand_args(checked, tile, b_rows);
+    kargs.add(sched).add(params);
+    jit::launch(k, cfg, kargs);
+  }
+
+  // The plain-order GEMM D = A x B^T (TileScheduler runtimes only); M == 0 or N == 0 is a no-op.
+  void run(const GemmArgs& args, const GemmTile& tile, const Params& params, const GemmRunOptions& options,
+           cudaStream_t stream) {
+    static_assert(std::is_same_v<Scheduler, kernels::gemm::TileScheduler>, "run() walks the plain tile order");
+    const GemmArgs checked = check_gemm_args(args);
+    if (checked.m == 0 || checked.n == 0) return;
+    check_gemm_tile(tile);
+    const Scheduler sched = gemm_schedule(checked, tile, options.group_m, options.first_row);
+    launch(checked, tile, checked.n, sched, params, options.max_ctas, stream);
+  }
+
+  int num_sms() const { return num_sms_; }
+
+ private:
+  int num_sms_;
+  GemmModules modules_;
+};
+
+template <typename Params>
+using HookedGemm = GemmRuntime<kernels::gemm::TileScheduler, Params>;
+using PlainGemm = GemmRuntime<kernels::gemm::TileScheduler, kernels::gemm::NoTileHooks>;
+
+}  // namespace tdist::detail

@@ -1,0 +1,110 @@
+// tdist::GroupedGemm: the m-grouped GEMM of MoE layers on Hopper (sm_90a): G groups (experts), group
+// g multiplies its rows of A by its own weight B_g. bf16 or fp16 inputs, fp32 accumulation, output in
+// the input type. docs/gemm.md ("Grouped GEMM").
+//
+// Layout ("m-grouped contiguous"; kernels/gemm/grouped_scheduler.cuh):
+//   A        M_total x K row-major (lda >= K): every group's rows, group after group
+//   B        G x N x K: B_g = rows [g N, (g + 1) N) of a (G N) x K row-major matrix (ldb >= K)
+//   D        M_total x N row-major (ldd >= N)
+//   offsets  G + 1 row offsets, int32 or int64, in device memory: group g owns rows
+//            [offsets[g], offsets[g + 1]) of A and D, and D[those rows] = A[those rows] x B_g^T.
+//            offsets[0] == 0, non-decreasing, each a multiple of grouped_gemm_alignment() (pad every
+//            group's row count up to it: grouped_gemm_offsets() does so from the counts), and
+//            offsets[G] <= M_total. Padding rows are computed like the others; an empty group costs
+//            nothing; rows [offsets[G], M_total) of D are left untouched.
+// The offsets are read by the kernel only (no host synchronisation: the routing that wrote them can
+// run on the same stream, and the call can be captured in a CUDA graph); offsets breaking the rules
+// give undefined rows of D (never accesses outside A, B and D). K and every leading dimension are
+// multiples of 8, every pointer 16-byte aligned; N is any size.
+//
+//   tdist::GroupedGemm gg;
+//   gg.run({.a = x, .b = w, .d = y, .offsets = offs, .m = m_total, .n = n, .k = k, .num_groups = experts}, stream);
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "tdist/kernels/gemm/grouped_scheduler.cuh"
+#include "tdist/ops/gemm.hpp"
+
+namespace tdist {
+
+namespace detail {
+template <typename Scheduler, typename Params>
+class GemmRuntime;
+}  // namespace detail
+
+enum class IndexType { kInt32, kInt64 };
+
+// Rows per group are padded to a multiple of this (a multiple of every tile's BLOCK_M).
+constexpr int64_t grouped_gemm_alignment() { return kernels::gemm::kGroupedAlignment; }
+
+struct GroupedGemmArgs {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* d = nullptr;
+  const void* offsets = nullptr;              // device memory, num_groups + 1 entries
+  IndexType offsets_type = IndexType::kInt32;
+  int64_t m = 0;                              // M_total: rows of A and D
+  int64_t n = 0, k = 0;
+  int num_groups = 0;                         // G >= 1
+  DType dtype = DType::kBFloat16;
+  int64_t lda = 0, ldb = 0, ldd = 0;          // 0: dense (K, K, N)
+};
+
+struct GroupedGemmRunOptions {
+  std::optional<GemmTile> tile;              // empty: choose_gemm_tile(M_total, N, K)
+  int group_m = 8;                           // m-tiles per raster group (L2 reuse of B_g)
+  int64_t first_row = 0;                     // the walk starts at the m-tile holding this row and wraps
+  const uint32_t* m_tile_order = nullptr;    // device, optional: the m-tiles (of the tile's BLOCK_M) in
+                                             // visit order, a permutation of [0, ceil(offsets[G] / BLOCK_M));
+                                             // replaces first_row
+  int max_ctas = 0;                          // persistent CTAs at most; 0: the SM count
+};
+
+// Checks the arguments and returns them with the leading dimensions filled in. Throws tdist::Error
+// naming the argument: dtype, m, n, k (> 0, multiple of 8), num_groups (1 .. 2^31 / N), lda, ldb,
+// ldd, a, b, d (null, 16-byte alignment), offsets (null, aligned to its type).
+GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& args);
+// The kernel's schedule for checked args and a tile (options.group_m, first_row, m_tile_order).
+kernels::gemm::GroupedScheduler grouped_gemm_schedule(const GroupedGemmArgs& checked_args, const GemmTile& tile,
+                                                      const GroupedGemmRunOptions& options);
+// The GemmArgs of the whole M_total x N x K problem (A, D, and B as its first N rows): launch shape,
+// A and D tensor maps.
+GemmArgs grouped_gemm_problem(const GroupedGemmArgs& checked_args);
+
+// Host helpers: offsets (G + 1) of groups of `counts` rows, each padded up to grouped_gemm_alignment();
+// and the check of host offsets against the rules above (throws naming "offsets").
+std::vector<int64_t> grouped_gemm_offsets(const std::vector<int64_t>& counts);
+void check_grouped_gemm_offsets(const std::vector<int64_t>& offsets, int64_t m_total);
+
+// The JIT requests of the grouped instances (one per shipped tile, both dtypes), as registered for
+// tdist-compile, and the name expression of one.
+std::vector<jit::CompileRequest> grouped_gemm_compile_requests();
+std::string grouped_gemm_kernel_name(DType dtype, const GemmTile& tile);
+
+class GroupedGemm {
+ public:
+  // Reads the current device's SM count (a Hopper GPU); compiles nothing yet.
+  GroupedGemm();
+  ~GroupedGemm();
+  GroupedGemm(const GroupedGemm&) = delete;
+  GroupedGemm& operator=(const GroupedGemm&) = delete;
+
+  // D = A x B_g^T per group on `stream`. No host synchronisation; graph-capturable once the instance
+  // is loaded (the first call of a tile compiles or loads it). M_total == 0 or N == 0 is a no-op.
+  void run(const GroupedGemmArgs& args, cudaStream_t stream, const GroupedGemmRunOptions& options = {});
+
+  // The tile run() uses for these args and options.
+  GemmTile tile_for(const GroupedGemmArgs& args, const GroupedGemmRunOptions& options = {}) const;
+  int num_sms() const { return num_sms_; }
+
+ private:
+  int num_sms_ = 0;
+  std::unique_ptr<detail::GemmRuntime<kernels::gemm::GroupedScheduler, kernels::gemm::NoTileHooks>> runtime_;
+};
+
+}  // namespace tdist

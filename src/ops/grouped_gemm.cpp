@@ -1,0 +1,153 @@
+// Host side of tdist::GroupedGemm (include/tdist/ops/grouped_gemm.hpp): argument checks, schedule,
+// JIT instances (GemmRuntime over GroupedScheduler), launch. Kernel: kernels/gemm/sm90_gemm.cuh with
+// kernels/gemm/grouped_scheduler.cuh; design: docs/gemm.md.
+#include "tdist/ops/grouped_gemm.hpp"
+
+#include <algorithm>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/jit/registry.hpp"
+#include "tdist/ops/detail/gemm_runtime.hpp"
+
+namespace tdist {
+
+namespace kg = kernels::gemm;
+
+namespace {
+
+using GroupedRuntime = detail::GemmRuntime<kg::GroupedScheduler, kg::NoTileHooks>;
+
+constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // TMA coordinates and the kernel's indices are 32-bit
+
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+}  // namespace
+
+GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
+  GroupedGemmArgs a = in;
+  TDIST_CHECK_ARG(a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat16, "dtype",
+                  "the grouped GEMM takes bf16 or fp16 inputs, got ", to_string(a.dtype));
+  TDIST_CHECK_ARG(a.m >= 0 && a.m <= kMaxDim, "m", "expected 0 <= m (M_total) < 2^31, got ", a.m);
+  TDIST_CHECK_ARG(a.n >= 0 && a.n <= kMaxDim, "n", "expected 0 <= n < 2^31, got ", a.n);
+  TDIST_CHECK_ARG(a.k > 0 && a.k <= kMaxDim, "k", "expected 0 < k < 2^31, got ", a.k);
+  TDIST_CHECK_ARG(a.k % 8 == 0, "k", "must be a multiple of 8 (16-byte TMA rows), got ", a.k);
+  TDIST_CHECK_ARG(a.num_groups >= 1, "num_groups", "expected at least one group, got ", a.num_groups);
+  // B is a (G N) x K matrix addressed with 32-bit row coordinates.
+  TDIST_CHECK_ARG(static_cast<int64_t>(a.num_groups) * std::max<int64_t>(a.n, 1) <= kMaxDim, "num_groups",
+                  "num_groups x n must be < 2^31 (rows of B), got ", a.num_groups, " x ", a.n);
+  TDIST_CHECK_ARG(a.offsets_type == IndexType::kInt32 || a.offsets_type == IndexType::kInt64, "offsets_type",
+                  "expected kInt32 or kInt64");
+  if (a.lda == 0) a.lda = a.k;
+  if (a.ldb == 0) a.ldb = a.k;
+  if (a.ldd == 0) a.ldd = a.n;
+  TDIST_CHECK_ARG(a.lda >= a.k && a.lda % 8 == 0, "lda", "must be >= k (", a.k,
+                  ") and a multiple of 8 elements (16 bytes), got ", a.lda);
+  TDIST_CHECK_ARG(a.ldb >= a.k && a.ldb % 8 == 0, "ldb", "must be >= k (", a.k,
+                  ") and a multiple of 8 elements (16 bytes), got ", a.ldb);
+  TDIST_CHECK_ARG(a.ldd >= a.n && a.ldd % 8 == 0, "ldd", "must be >= n (", a.n,
+                  ") and a multiple of 8 elements (16 bytes), got ", a.ldd);
+  if (a.m == 0 || a.n == 0) return a;  // nothing to compute; pointers may be anything
+  TDIST_CHECK_ARG(a.a != nullptr, "a", "null pointer");
+  TDIST_CHECK_ARG(a.b != nullptr, "b", "null pointer");
+  TDIST_CHECK_ARG(a.d != nullptr, "d", "null pointer");
+  TDIST_CHECK_ARG(a.offsets != nullptr, "offsets", "null pointer (expected num_groups + 1 row offsets in device memory)");
+  TDIST_CHECK_ARG(aligned(a.a, 16), "a", "must be 16-byte aligned, got ", a.a);
+  TDIST_CHECK_ARG(aligned(a.b, 16), "b", "must be 16-byte aligned, got ", a.b);
+  TDIST_CHECK_ARG(aligned(a.d, 16), "d", "must be 16-byte aligned, got ", a.d);
+  const size_t offset_bytes = a.offsets_type == IndexType::kInt64 ? 8 : 4;
+  TDIST_CHECK_ARG(aligned(a.offsets, offset_bytes), "offsets", "must be aligned to its ", offset_bytes,
+                  "-byte elements, got ", a.offsets);
+  return a;
+}
+
+GemmArgs grouped_gemm_problem(const GroupedGemmArgs& a) {
+  GemmArgs g;
+  g.a = a.a;
+  g.b = a.b;
+  g.d = a.d;
+  g.m = a.m;
+  g.n = a.n;
+  g.k = a.k;
+  g.dtype = a.dtype;
+  g.lda = a.lda;
+  g.ldb = a.ldb;
+  g.ldd = a.ldd;
+  return g;
+}
+
+kg::GroupedScheduler grouped_gemm_schedule(const GroupedGemmArgs& a, const GemmTile& tile,
+                                           const GroupedGemmRunOptions& options) {
+  TDIST_CHECK_ARG(options.group_m >= 1, "group_m", "expected >= 1, got ", options.group_m);
+  TDIST_CHECK_ARG(options.first_row >= 0, "first_row", "expected >= 0, got ", options.first_row);
+  TDIST_CHECK_ARG(aligned(options.m_tile_order, 4), "m_tile_order", "must be 4-byte aligned, got ",
+                  static_cast<const void*>(options.m_tile_order));
+  check_gemm_tile(tile);
+  TDIST_CHECK_ARG(grouped_gemm_alignment() % tile.block_m == 0, "tile", "block_m ", tile.block_m,
+                  " must divide the group alignment ", grouped_gemm_alignment());
+  return kg::GroupedScheduler::make(a.offsets, a.offsets_type == IndexType::kInt64 ? 8 : 4,
+                                    static_cast<unsigned>(a.num_groups), static_cast<uint64_t>(a.m),
+                                    static_cast<uint64_t>(a.n), static_cast<unsigned>(tile.block_m),
+                                    static_cast<unsigned>(tile.block_n), static_cast<unsigned>(options.group_m),
+                                    static_cast<unsigned>(options.first_row / tile.block_m), options.m_tile_order);
+}
+
+std::vector<int64_t> grouped_gemm_offsets(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> offsets(counts.size() + 1, 0);
+  const int64_t align = grouped_gemm_alignment();
+  for (size_t g = 0; g < counts.size(); ++g) {
+    TDIST_CHECK_ARG(counts[g] >= 0, "counts", "group ", g, " has a negative row count ", counts[g]);
+    offsets[g + 1] = offsets[g] + (counts[g] + align - 1) / align * align;
+  }
+  return offsets;
+}
+
+void check_grouped_gemm_offsets(const std::vector<int64_t>& offsets, int64_t m_total) {
+  TDIST_CHECK_ARG(offsets.size() >= 2, "offsets", "expected num_groups + 1 >= 2 entries, got ", offsets.size());
+  TDIST_CHECK_ARG(offsets[0] == 0, "offsets", "offsets[0] must be 0, got ", offsets[0]);
+  for (size_t g = 0; g + 1 < offsets.size(); ++g) {
+    TDIST_CHECK_ARG(offsets[g + 1] >= offsets[g], "offsets", "must be non-decreasing: offsets[", g, "] = ", offsets[g],
+                    " > offsets[", g + 1, "] = ", offsets[g + 1]);
+    TDIST_CHECK_ARG(offsets[g + 1] % grouped_gemm_alignment() == 0, "offsets", "offsets[", g + 1, "] = ",
+                    offsets[g + 1], " is not a multiple of ", grouped_gemm_alignment(),
+                    " (pad each group's rows; grouped_gemm_offsets)");
+  }
+  TDIST_CHECK_ARG(offsets.back() <= m_total, "offsets", "offsets[G] = ", offsets.back(), " exceeds m (M_total) = ",
+                  m_total);
+}
+
+std::vector<jit::CompileRequest> grouped_gemm_compile_requests() { return GroupedRuntime::compile_requests(); }
+
+std::string grouped_gemm_kernel_name(DType dtype, const GemmTile& tile) {
+  return GroupedRuntime::kernel_name(dtype, tile);
+}
+
+TDIST_JIT_REGISTER_KERNELS(grouped_gemm, grouped_gemm_compile_requests);
+
+GroupedGemm::GroupedGemm() {
+  int device = 0;
+  TDIST_CUDA_CHECK(cudaGetDevice(&device));
+  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
+  const int cc = compute_capability(device);
+  TDIST_CHECK(cc == kGemmComputeCapability, "tdist::GroupedGemm needs a Hopper GPU (sm_90a); device ", device,
+              " is sm_", cc);
+  runtime_ = std::make_unique<GroupedRuntime>(num_sms_);
+}
+
+GroupedGemm::~GroupedGemm() = default;
+
+GemmTile GroupedGemm::tile_for(const GroupedGemmArgs& args, const GroupedGemmRunOptions& options) const {
+  return options.tile ? *options.tile : choose_gemm_tile(args.m, args.n, args.k, num_sms_);
+}
+
+void GroupedGemm::run(const GroupedGemmArgs& raw, cudaStream_t stream, const GroupedGemmRunOptions& options) {
+  const GroupedGemmArgs args = check_grouped_gemm_args(raw);
+  if (args.m == 0 || args.n == 0) return;
+  const GemmTile tile = tile_for(args, options);
+  const kg::GroupedScheduler sched = grouped_gemm_schedule(args, tile, options);
+  // The grid is sized for M_total (the offsets are on the device); CTAs past the real tiles exit.
+  runtime_->launch(grouped_gemm_problem(args), tile, static_cast<int64_t>(args.num_groups) * args.n, sched,
+                   kg::NoTileHooks{}, options.max_ctas, stream);
+}
+
+}  // namespace tdist
