@@ -70,52 +70,14 @@ void OverlapKernels::reduce(const kg::ReduceParams& p, int num_sms, cudaStream_t
   jit::launch(reduce_, cfg, jit::make_args(p));
 }
 
-// ---------------------------------------------------------------------------------------------
-// HookedGemm
-
-template <typename Params>
-jit::CompileRequest HookedGemm<Params>::compile_request(const GemmTile& tile) {
-  jit::CompileRequest r = gemm_compile_request(tile, HooksOf<Params>::kType);
-  r.source += "#include \"tdist/kernels/gemm/overlap.cuh\"\n";
-  const std::string hooks = HooksOf<Params>::kType;
-  r.file_name = detail::concat("gemm_overlap_", hooks.substr(hooks.rfind(':') + 1), "_", tile.name(), ".cu");
-  return r;
-}
-
-template <typename Params>
-const jit::Kernel& HookedGemm<Params>::kernel(const GemmTile& tile) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = instances_.find(tile.name());
-  if (it != instances_.end()) return it->second.second;
-  auto module = jit::Module::load(jit::compile(compile_request(tile)));
-  jit::Kernel k = module->kernel(gemm_kernel_name(dtype_, tile, HooksOf<Params>::kType));
-  return instances_.emplace(tile.name(), std::make_pair(module, k)).first->second.second;
-}
-
-template <typename Params>
-void HookedGemm<Params>::launch(const GemmArgs& args, const GemmTile& tile, const Params& params, int64_t first_row,
-                                int max_ctas, cudaStream_t stream) {
-  const jit::Kernel& k = kernel(tile);
-  const GemmArgs checked = check_gemm_args(args);
-  const kg::TileScheduler sched = gemm_schedule(checked, tile, 8, first_row);
-  const jit::LaunchConfig cfg = gemm_launch_config(checked, tile, num_sms_, max_ctas, stream);
-  jit::KernelArgs kargs = gemm_kernel_args(checked, tile, sched);
-  kargs.add(params);  // the hooks, sm90_gemm_tn's last parameter
-  jit::launch(k, cfg, kargs);
-}
-
-template class HookedGemm<kg::AllGatherWaitParams>;
-template class HookedGemm<kg::ChunkPublishParams>;
-
 namespace {
 
 std::vector<jit::CompileRequest> overlap_compile_requests() {
   std::vector<jit::CompileRequest> v = {OverlapKernels::compile_request()};
-  for (const GemmTile& t : gemm_tiles()) {
-    v.push_back(HookedGemm<kg::AllGatherWaitParams>::compile_request(t));
-    v.push_back(HookedGemm<kg::ChunkPublishParams>::compile_request(t));
-  }
-  for (auto& r : v) r.arch.clear();  // tdist-compile sets it
+  v.back().arch.clear();  // tdist-compile sets it
+  for (auto requests : {detail::HookedGemm<kg::AllGatherWaitParams>::compile_requests(),
+                        detail::HookedGemm<kg::ChunkPublishParams>::compile_requests()})
+    v.insert(v.end(), requests.begin(), requests.end());
   return v;
 }
 
@@ -147,8 +109,8 @@ OverlapRuntime::OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, s
       }()),
       fused_ok_(compute_capability(world.device()) == kGemmComputeCapability),
       kernels_(dtype),
-      gather_gemm_(dtype, num_sms_),
-      publish_gemm_(dtype, num_sms_) {
+      gather_gemm_(num_sms_),
+      publish_gemm_(num_sms_) {
   TDIST_CHECK(world.world_size() <= kg::kMaxOverlapRanks, "the overlap ops support up to ", kg::kMaxOverlapRanks,
               " ranks, the world has ", world.world_size());
   TDIST_CHECK(world.lsa_size() == world.world_size(),

@@ -26,6 +26,7 @@
 #include "tdist/kernels/gemm/overlap_params.cuh"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/ops/cublas.hpp"
+#include "tdist/ops/detail/gemm_runtime.hpp"
 #include "tdist/ops/gemm.hpp"
 #include "tdist/ops/overlap_ops.hpp"
 #include "tdist/runtime/stream.hpp"
@@ -67,38 +68,6 @@ class OverlapKernels {
   jit::Kernel wait_flags_, reduce_;
 };
 
-// The device hooks type (kernels/gemm/overlap.cuh) whose parameter block is Params.
-template <typename Params>
-struct HooksOf;
-template <>
-struct HooksOf<kg::AllGatherWaitParams> {
-  static constexpr const char* kType = "tdist::kernels::gemm::AllGatherWaitHooks";
-};
-template <>
-struct HooksOf<kg::ChunkPublishParams> {
-  static constexpr const char* kType = "tdist::kernels::gemm::ChunkPublishHooks";
-};
-
-// tdist's persistent GEMM with the tile hooks of Params, one instance per tile config, compiled on
-// first use (tdist-compile and the JIT registry compile them ahead of time).
-template <typename Params>
-class HookedGemm {
- public:
-  static jit::CompileRequest compile_request(const GemmTile& tile);
-
-  HookedGemm(DType dtype, int num_sms) : dtype_(dtype), num_sms_(num_sms) {}
-  // The walk starts at the m-tile holding `first_row`; at most `max_ctas` CTAs (0: one per SM).
-  void launch(const GemmArgs& args, const GemmTile& tile, const Params& params, int64_t first_row, int max_ctas,
-              cudaStream_t stream);
-
- private:
-  const jit::Kernel& kernel(const GemmTile& tile);
-  DType dtype_;
-  int num_sms_;
-  std::mutex mu_;
-  std::map<std::string, std::pair<std::shared_ptr<jit::Module>, jit::Kernel>> instances_;  // by tile name
-};
-
 class OverlapRuntime {
  public:
   // `sequential_bytes`: the largest collective the sequential method hands to tdist's collectives
@@ -131,13 +100,16 @@ class OverlapRuntime {
   }
   void reduce(const kg::ReduceParams& p, cudaStream_t stream) const { kernels_.reduce(p, num_sms_, stream); }
 
+  // tdist's persistent GEMM with the tile hooks of Params (AllGatherWaitParams, ChunkPublishParams),
+  // its walk starting at the m-tile of `first_row`, on at most `max_ctas` CTAs (0: one per SM).
   template <typename Params>
   void hooked_gemm(const GemmArgs& args, const GemmTile& tile, const Params& params, int64_t first_row,
                    int max_ctas, cudaStream_t stream) {
+    const GemmRunOptions options{.first_row = first_row, .max_ctas = max_ctas};
     if constexpr (std::is_same_v<Params, kg::AllGatherWaitParams>)
-      gather_gemm_.launch(args, tile, params, first_row, max_ctas, stream);
+      gather_gemm_.run(args, tile, params, options, stream);
     else
-      publish_gemm_.launch(args, tile, params, first_row, max_ctas, stream);
+      publish_gemm_.run(args, tile, params, options, stream);
   }
 
   GemmTile tile_for(int64_t m, int64_t n, int64_t k) const { return choose_gemm_tile(m, n, k, num_sms_); }
@@ -157,8 +129,8 @@ class OverlapRuntime {
   std::unique_ptr<CublasGemm> cublas_;
   SideStream side_;
   OverlapKernels kernels_;
-  HookedGemm<kg::AllGatherWaitParams> gather_gemm_;
-  HookedGemm<kg::ChunkPublishParams> publish_gemm_;
+  detail::HookedGemm<kg::AllGatherWaitParams> gather_gemm_;
+  detail::HookedGemm<kg::ChunkPublishParams> publish_gemm_;
 };
 
 }  // namespace tdist::overlap
