@@ -288,3 +288,6 @@ def gemm_ar(a: Tensor, b: Tensor, method: str = "auto") -> Tensor:
 @gemm_ar.register_fake
 def _(a, b, method="auto"):
     return _gemm_reduce("gemm_ar", a, b, method, False)
+
+
+from . import _autograd  # noqa: E402,F401  (the GEMMs' autograd formulas, registered on import)
