@@ -47,6 +47,10 @@ def dense(t: Tensor) -> Tensor:
     """``t`` as the ops take it: contiguous and 16-byte aligned (a copy only where it is not)."""
     if not t.is_contiguous():
         return t.contiguous()
+    if torch.compiler.is_compiling():
+        # Dynamo does not trace storage_offset() in every torch version; tensors a compiled graph
+        # makes are fresh allocations, aligned.
+        return t
     if t.storage_offset() % max(1, 16 // t.element_size()) != 0:
         return t.clone()
     return t

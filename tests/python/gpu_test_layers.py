@@ -339,10 +339,10 @@ def sgd_step_check(plan, sequence_parallel, seed):
     # the gradient above the bf16 rounding of the updated weights
     lrs = {name: (0.3 * p.detach().abs().max() / p.grad.abs().max().clamp_min(1e-30)).item()
            for name, p in ref.named_parameters()}
-    ref_opt = torch.optim.SGD([{"params": [p], "lr": lrs[name]} for name, p in ref.named_parameters()])
+    ref_opt = torch.optim.SGD([{"params": [p], "lr": lrs[name]} for name, p in ref.named_parameters()], lr=1.0)
     ref_opt.step()
     # tensor-parallel step
-    opt = torch.optim.SGD([{"params": [p], "lr": lrs[name]} for name, p in tp.named_parameters()])
+    opt = torch.optim.SGD([{"params": [p], "lr": lrs[name]} for name, p in tp.named_parameters()], lr=1.0)
     if sequence_parallel:
         x = x_full[begin:begin + rows].to(torch.bfloat16).requires_grad_()
         local = ((tp(x).float() - target[begin:begin + rows]) ** 2).sum() / (m * hidden)

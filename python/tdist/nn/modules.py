@@ -77,7 +77,18 @@ def _flatten(cls: str, x, features: int, what: str):
     if x.dim() < 2 or x.shape[-1] != features:
         raise ValueError(f"tdist.nn.{cls}: input has shape {tuple(x.shape)}; expected (rows, ..., {features}) "
                          f"with {what}")
-    return x.reshape(-1, features)
+    return x if x.dim() == 2 else x.flatten(0, -2)
+
+
+def _unflatten(y, x):
+    """y (rows, features) back to x's leading dimensions after the first: (rows / inner, *inner, features)."""
+    if x.dim() == 2:
+        return y
+    inner = tuple(x.shape[1:-1])
+    count = 1
+    for d in inner:
+        count = count * d
+    return y.reshape((y.shape[0] // count,) + inner + (y.shape[-1],))
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -151,7 +162,7 @@ class ColumnParallelLinear(torch.nn.Module):
             y = _ag.linear_replicated_input(x2, self.weight, self.method, fused)
         if self.bias is not None:
             y = y + self.bias
-        return y.reshape((-1,) + tuple(x.shape[1:-1]) + (self.local_out_features,))
+        return _unflatten(y, x)
 
     @classmethod
     def from_linear(cls, linear, *, sequence_parallel: bool = True, save_gathered: Optional[bool] = None,
@@ -235,7 +246,7 @@ class RowParallelLinear(torch.nn.Module):
             y = _ag.linear_reduced(x2, self.weight, self.method, fused)
             if self.bias is not None:
                 y = y + self.bias
-        return y.reshape((-1,) + tuple(x.shape[1:-1]) + (self.out_features,))
+        return _unflatten(y, x)
 
     @classmethod
     def from_linear(cls, linear, *, sequence_parallel: bool = True, method: str = "auto"):
