@@ -332,3 +332,6 @@ def _register_from_catalogue() -> None:
 
 
 _register_from_catalogue()
+
+
+from . import _autograd  # noqa: E402,F401  (the GEMMs' autograd formulas, registered on import)

@@ -1,0 +1,312 @@
+"""Autograd formulas of the overlapped GEMMs (torch.library.register_autograd), imported by _torch_ops.
+
+The backward passes are the same family of overlapped ops, in the ops' "TN" layout (``d = a @ b.T``,
+``b`` of shape (N, K)); ``b.T`` of the forward is made contiguous once per backward (an N x K copy
+of this rank's weight shard, small beside the GEMMs):
+
+  ag_gemm    d (M, N) = gather(a_local) @ b.T
+             da_local = gemm_rs(dd, b.T)             this rank's rows of sum_r dd_r @ b_r
+             db       = dd.T @ gather(a_local)        local GEMM; gather(a_local) re-gathered here
+  ag_gemm_gathered  as ag_gemm, with the gathered A saved by the forward (no second gather; M x K
+             per call kept until backward); a gradient flowing into ``gathered`` itself is
+             reduce-scattered into da_local
+  gemm_rs    d (rows, N) = rows of sum_r a_r @ b_r.T
+             da, G    = ag_gemm_gathered(dd, b.T)     G @ b with G = gather(dd), overlapped
+             db       = G.T @ a                       local GEMM on the gathered G
+  gemm_ar    d (M, N) = sum_r a_r @ b_r.T, replicated; its gradient is taken as replicated too
+             (every rank computes the same loss from d, as Megatron-LM's all-reduce region):
+             da = dd @ b, db = dd.T @ a, local.
+
+Every backward op is the forward's transpose, so its shapes satisfy the op's rules whenever the
+forward's did (N and K swap, both multiples of 8; the same M, dtype and RowChunks split); the forward
+``method`` is reused. Gradients arriving as non-contiguous or misaligned views are copied first.
+
+All ops are collective: the backward runs them in the same order on every rank, as the forward did,
+which autograd guarantees when every rank runs the same graph (also under torch.utils.checkpoint,
+whose recomputation replays the forward's calls in order). The formulas use only torch ops and
+tdist's custom ops (with fake implementations), so torch.compile traces them into the backward graph.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._overlap import chunk_begin, chunk_rows
+from ._runtime import runtime
+
+_ops = torch.ops.tdist
+
+
+def rank_world():
+    rt = runtime("autograd")
+    return rt.rank, rt.world_size
+
+
+def dense(t: Tensor) -> Tensor:
+    """``t`` as the ops take it: contiguous and 16-byte aligned (a copy only where it is not)."""
+    if not t.is_contiguous():
+        return t.contiguous()
+    if torch.compiler.is_compiling():
+        # Dynamo does not trace storage_offset() in every torch version; tensors a compiled graph
+        # makes are fresh allocations, aligned.
+        return t
+    if t.storage_offset() % max(1, 16 // t.element_size()) != 0:
+        return t.clone()
+    return t
+
+
+def gather_rows(x: Tensor, m, world: int) -> Tensor:
+    """All ranks' rows (RowChunks{m, world}, in rank order) of the 2-D x: (m, K), through tdist's
+    AllGather. Unequal row counts are padded to the largest first (the collective moves equal parts)."""
+    x = dense(x)
+    if m % world == 0:
+        return _ops.all_gather.default(x, "auto")
+    most = m // world + 1
+    pad = torch.cat([x, x.new_zeros((most - x.shape[0], x.shape[1]))]) if x.shape[0] < most else x
+    g = _ops.all_gather.default(pad, "auto")
+    return torch.cat([g[r * most:r * most + chunk_rows(m, world, r)] for r in range(world)])
+
+
+def scatter_rows(t: Tensor, m, world: int, rank: int) -> Tensor:
+    """This rank's rows (RowChunks{m, world}) of the sum over ranks of the (m, K) t, through tdist's
+    ReduceScatter (fp32 accumulation). Unequal parts are padded to the largest first."""
+    t = dense(t)
+    if m % world == 0:
+        return _ops.reduce_scatter.default(t, "auto")
+    most = m // world + 1
+    parts = []
+    for r in range(world):
+        begin, rows = chunk_begin(m, world, r), chunk_rows(m, world, r)
+        p = t[begin:begin + rows]
+        parts.append(torch.cat([p, t.new_zeros((most - rows, t.shape[1]))]) if rows < most else p)
+    return _ops.reduce_scatter.default(torch.cat(parts), "auto")[:chunk_rows(m, world, rank)]
+
+
+def _transposed(b: Tensor) -> Tensor:
+    """b.T, contiguous: the backward GEMMs' weight operand in the TN layout."""
+    return b.t().contiguous()
+
+
+# --- ag_gemm: re-gathers A in backward --------------------------------------------------------------
+
+def _ag_gemm_setup(ctx, inputs, output):
+    a_local, b, m, method = inputs
+    rank, world = rank_world()
+    ctx.m = a_local.shape[0] * world if m is None else m
+    ctx.method, ctx.rank, ctx.world = method, rank, world
+    ctx.save_for_backward(a_local, b)
+
+
+def _ag_gemm_backward(ctx, grad_d):
+    a_local, b = ctx.saved_tensors
+    g = dense(grad_d)
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = _ops.gemm_rs.default(g, _transposed(b), ctx.method)
+    if ctx.needs_input_grad[1]:
+        grad_b = torch.mm(g.t(), gather_rows(a_local, ctx.m, ctx.world))
+    return grad_a, grad_b, None, None
+
+
+# --- ag_gemm_gathered: keeps the gathered A --------------------------------------------------------
+
+def _ag_gemm_gathered_setup(ctx, inputs, output):
+    a_local, b, m, method = inputs
+    rank, world = rank_world()
+    ctx.m = a_local.shape[0] * world if m is None else m
+    ctx.method, ctx.rank, ctx.world = method, rank, world
+    # Unused outputs (the gathered A, mostly) arrive as None instead of a zero-filled M x K tensor.
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(output[1], b)
+
+
+def _ag_gemm_gathered_backward(ctx, grad_d, grad_gathered):
+    gathered, b = ctx.saved_tensors
+    grad_a = grad_b = None
+    g = None if grad_d is None else dense(grad_d)
+    if ctx.needs_input_grad[0]:
+        if g is not None:
+            grad_a = _ops.gemm_rs.default(g, _transposed(b), ctx.method)
+        if grad_gathered is not None:
+            part = scatter_rows(grad_gathered, ctx.m, ctx.world, ctx.rank)
+            grad_a = part if grad_a is None else grad_a + part
+    if ctx.needs_input_grad[1] and g is not None:
+        grad_b = torch.mm(g.t(), gathered)
+    return grad_a, grad_b, None, None
+
+
+# --- gemm_rs ----------------------------------------------------------------------------------------
+
+def _gemm_rs_setup(ctx, inputs, output):
+    a, b, method = inputs
+    rank, world = rank_world()
+    ctx.method, ctx.rank, ctx.world = method, rank, world
+    ctx.save_for_backward(a, b)
+
+
+def _gemm_rs_backward(ctx, grad_d):
+    a, b = ctx.saved_tensors
+    m = a.shape[0]
+    g = dense(grad_d)
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_a = grad_b = None
+    if need_a and need_b:
+        grad_a, gathered = _ops.ag_gemm_gathered.default(g, _transposed(b), m, ctx.method)
+        grad_b = torch.mm(gathered.t(), a)
+    elif need_a:
+        grad_a = _ops.ag_gemm.default(g, _transposed(b), m, ctx.method)
+    elif need_b:
+        grad_b = torch.mm(gather_rows(g, m, ctx.world).t(), a)
+    return grad_a, grad_b, None
+
+
+# --- gemm_ar ----------------------------------------------------------------------------------------
+
+def _gemm_ar_setup(ctx, inputs, output):
+    a, b, method = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _gemm_ar_backward(ctx, grad_d):
+    a, b = ctx.saved_tensors
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.mm(grad_d, b)
+    if ctx.needs_input_grad[1]:
+        grad_b = torch.mm(grad_d.t(), a)
+    return grad_a, grad_b, None
+
+
+torch.library.register_autograd("tdist::ag_gemm", _ag_gemm_backward, setup_context=_ag_gemm_setup)
+torch.library.register_autograd("tdist::ag_gemm_gathered", _ag_gemm_gathered_backward,
+                                setup_context=_ag_gemm_gathered_setup)
+torch.library.register_autograd("tdist::gemm_rs", _gemm_rs_backward, setup_context=_gemm_rs_setup)
+torch.library.register_autograd("tdist::gemm_ar", _gemm_ar_backward, setup_context=_gemm_ar_setup)
+
+
+# --- the same math through torch and tdist's collectives (autograd.Function) ----------------------------
+# For layers whose shapes or dtype the overlapped GEMMs refuse (N or K not a multiple of 8, float32):
+# torch.matmul and tdist's collectives (which take any size and float32, and run NCCL where their own
+# kernels do not apply), one after the other.
+
+class GatherRows(torch.autograd.Function):
+    """x (rows, K) -> every rank's rows (m, K); backward: ReduceScatter of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, m: int, rank: int, world: int) -> Tensor:
+        ctx.m, ctx.rank, ctx.world = m, rank, world
+        return gather_rows(x, m, world)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return scatter_rows(grad, ctx.m, ctx.world, ctx.rank), None, None, None
+
+
+class ScatterRows(torch.autograd.Function):
+    """t (m, K) -> this rank's rows of the sum over ranks; backward: AllGather of the gradient."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor, rank: int, world: int) -> Tensor:
+        ctx.m, ctx.world = t.shape[0], world
+        return scatter_rows(t, t.shape[0], world, rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_rows(grad, ctx.m, ctx.world), None, None
+
+
+class ReduceReplicated(torch.autograd.Function):
+    """Sum over ranks into a replicated result; backward: identity (the gradient is replicated)."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor) -> Tensor:
+        return _ops.all_reduce.default(dense(t), "auto")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class CopyReplicated(torch.autograd.Function):
+    """Identity on a replicated input that feeds rank-local work; backward: sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ops.all_reduce.default(dense(grad), "auto")
+
+
+class ReplicatedColumnLinear(torch.autograd.Function):
+    """y = x @ w.T with x replicated and w this rank's column shard (no communication forward);
+    backward: dx = sum_r dy_r @ w_r through tdist's GEMM-AllReduce (overlapped), dw = dy.T @ x."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, method: str) -> Tensor:
+        ctx.method = method
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w.t())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        g = dense(grad)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _ops.gemm_ar.default(g, _transposed(w), ctx.method)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.mm(g.t(), x)
+        return grad_x, grad_w, None
+
+
+class SequenceParallelBias(torch.autograd.Function):
+    """y + bias where y holds this rank's rows of a replicated layer's output (after a
+    ReduceScatter): the bias is added once per row, and its gradient, a sum over every rank's rows,
+    is all-reduced (each rank sees only its own rows)."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, bias: Tensor) -> Tensor:
+        return y + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_bias = None
+        if ctx.needs_input_grad[1]:
+            part = grad.reshape(-1, grad.shape[-1]).float().sum(0)
+            grad_bias = _ops.all_reduce.default(part.contiguous(), "auto").to(grad.dtype)
+        return grad, grad_bias
+
+
+def linear_rows_gathered(x: Tensor, w: Tensor, m: Optional[int], method: str, fused: bool, save_gathered: bool,
+                         rank: int, world: int) -> Tensor:
+    """Column-parallel, sequence-parallel input: gather(x) @ w.T."""
+    if fused:
+        if save_gathered and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return _ops.ag_gemm_gathered.default(dense(x), w, m, method)[0]
+        return _ops.ag_gemm.default(dense(x), w, m, method)
+    total = x.shape[0] * world if m is None else m
+    return torch.mm(GatherRows.apply(x, total, rank, world), w.t())
+
+
+def linear_rows_scattered(x: Tensor, w: Tensor, method: str, fused: bool, rank: int, world: int) -> Tensor:
+    """Row-parallel, sequence-parallel output: this rank's rows of sum_r x_r @ w_r.T."""
+    if fused:
+        return _ops.gemm_rs.default(dense(x), w, method)
+    return ScatterRows.apply(torch.mm(x, w.t()), rank, world)
+
+
+def linear_reduced(x: Tensor, w: Tensor, method: str, fused: bool) -> Tensor:
+    """Row-parallel, replicated output: sum_r x_r @ w_r.T on every rank."""
+    if fused:
+        return _ops.gemm_ar.default(dense(x), w, method)
+    return ReduceReplicated.apply(torch.mm(x, w.t()))
+
+
+def linear_replicated_input(x: Tensor, w: Tensor, method: str, fused: bool) -> Tensor:
+    """Column-parallel, replicated input: x @ w.T locally; the input gradient is summed over ranks."""
+    if fused:
+        return ReplicatedColumnLinear.apply(dense(x), w, method)
+    return torch.mm(CopyReplicated.apply(x), w.t())

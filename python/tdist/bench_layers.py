@@ -1,0 +1,441 @@
+"""Model-layer benchmark: a Llama-style decoder layer in sequence + tensor parallelism, tdist.nn beside
+PyTorch's ways of running the same layer.
+
+    torchrun --nproc-per-node 2 -m tdist.bench_layers [--models 8b,70b] [--tokens 2048,4096,8192,16384]
+        [--layers decoder,attention,mlp] [--passes fwd,fwd+bwd] [--iters 20] [--json FILE]
+
+The layer (this rank's shard at TP = world size; activations between blocks sequence-sharded):
+RMSNorm -> qkv projection (colwise, q/k/v weights fused into one) -> causal SDPA over this rank's
+heads (k/v heads repeated for grouped-query attention) -> o projection (rowwise) -> residual ->
+RMSNorm -> gate/up projection (colwise, fused) -> SiLU(gate) * up -> down projection (rowwise) ->
+residual. Shapes: Llama-3-8B (hidden 4096, 32 heads, 8 kv heads, intermediate 14336) and Llama-3-70B
+(8192, 64, 8, 28672), head dim 128, bf16, one sequence of --tokens tokens; "attention" and "mlp"
+time the two halves alone. Heads, kv heads and the intermediate size are divided by the world size
+(kv heads at least one per rank); --scale divides the hidden and intermediate sizes and the heads
+further, for GPUs where a layer does not fit.
+
+Methods, all on the same weights and inputs:
+  tdist            tdist.nn.ColumnParallelLinear / RowParallelLinear (AllGather-GEMM and
+                   GEMM-ReduceScatter, their overlapped backward); --save-gathered as the modules'
+                   option (default on: like the two torch methods, which keep the gathered input)
+  no_comm          the same layer's local GEMMs only: colwise on an already-gathered input, rowwise
+                   without the reduction (the floor an overlap approaches)
+  torch_eager_tp   NCCL all_gather_into_tensor / reduce_scatter_tensor, then / after torch.matmul
+                   (backward: the transposed collectives)
+  torch_async_tp   torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter (backward:
+                   each other), where this torch has them
+
+Timing: CUDA events around each call; --warmup calls of every method first; then --iters rounds, each
+calling every method once in an order that rotates from round to round, on inputs rotated over three
+sets; the median per method, the slowest rank's. fwd runs under torch.no_grad(); fwd+bwd runs the
+forward and backward of a fixed output gradient. NVLink multicast stays off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import warnings
+
+MODELS = {
+    # name: (hidden, heads, kv heads, intermediate)
+    "8b": ("llama3-8b", 4096, 32, 8, 14336),
+    "70b": ("llama3-70b", 8192, 64, 8, 28672),
+}
+HEAD_DIM = 128
+METHODS = ("tdist", "no_comm", "torch_eager_tp", "torch_async_tp")
+LAYERS = ("decoder", "attention", "mlp")
+PASSES = ("fwd", "fwd+bwd")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m tdist.bench_layers", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--models", default="8b,70b", help="comma-separated: " + ", ".join(MODELS))
+    p.add_argument("--tokens", default="2048,4096,8192,16384", help="comma-separated sequence lengths (all ranks)")
+    p.add_argument("--layers", default=",".join(LAYERS), help="comma-separated: " + ", ".join(LAYERS))
+    p.add_argument("--passes", default=",".join(PASSES), help="comma-separated: " + ", ".join(PASSES))
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
+    p.add_argument("--scale", type=int, default=1, help="divide hidden, intermediate and heads by this")
+    p.add_argument("--save-gathered", type=int, default=1, choices=(0, 1),
+                   help="tdist: keep the gathered input for backward (1) or gather again (0)")
+    p.add_argument("--tdist-method", default="auto", help="the overlapped GEMMs' method for tdist")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls of every method first")
+    p.add_argument("--iters", type=int, default=20, help="timed rounds (one call of every method each)")
+    p.add_argument("--heap-size", default="8G", help="tdist's symmetric heap per rank")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON (rank 0)")
+    args = p.parse_args(argv)
+
+    def pick(text, allowed, what):
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        for x in items:
+            if x not in allowed:
+                p.error(f"unknown {what} '{x}' (expected {', '.join(allowed)})")
+        return items
+
+    args.models = pick(args.models, tuple(MODELS), "model")
+    args.layers = pick(args.layers, LAYERS, "layer")
+    args.passes = pick(args.passes, PASSES, "pass")
+    args.methods = pick(args.methods, METHODS, "method")
+    try:
+        args.tokens = [int(x) for x in args.tokens.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--tokens must be comma-separated integers, got '{args.tokens}'")
+    if args.scale < 1 or args.iters < 1 or args.warmup < 0:
+        p.error("--scale and --iters must be at least 1, --warmup at least 0")
+    return args
+
+
+def _shapes(model: str, scale: int, world: int):
+    """(model name, hidden, local heads, local kv heads, local intermediate) of this rank's shard."""
+    name, hidden, heads, kv, inter = MODELS[model]
+    hidden, heads, kv, inter = hidden // scale, max(1, heads // scale), max(1, kv // scale), inter // scale
+    for what, v in (("heads", heads), ("intermediate", inter)):
+        if v % world:
+            raise SystemExit(f"tdist.bench_layers: {name} {what}={v} does not divide over {world} ranks")
+    kv_local = max(1, kv // world)  # fewer kv heads than ranks: each rank keeps (a copy of) one
+    return name, hidden, heads // world, kv_local, inter // world
+
+
+class _Layer:
+    """The weights of this rank's shard and the four ways of running its linear layers."""
+
+    def __init__(self, torch, dist, tdist_nn, args, hidden, heads, kv, inter, tokens, symm):
+        self.torch, self.dist = torch, dist
+        self.hidden, self.heads, self.kv, self.inter, self.tokens = hidden, heads, kv, inter, tokens
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.rows = tokens // self.world
+        self.group = dist.group.WORLD
+        self.symm = symm
+        dtype, dev = torch.bfloat16, torch.device("cuda", torch.cuda.current_device())
+        qkv_out = (heads + 2 * kv) * HEAD_DIM
+        save = bool(args.save_gathered)
+        mk = dict(bias=False, method=args.tdist_method, device=dev, dtype=dtype)
+        # tdist's modules own the weights; the other methods use the same tensors.
+        self.mods = {
+            "qkv": tdist_nn.ColumnParallelLinear(hidden, qkv_out * self.world, save_gathered=save, **mk),
+            "o": tdist_nn.RowParallelLinear(heads * HEAD_DIM * self.world, hidden, **mk),
+            "gate_up": tdist_nn.ColumnParallelLinear(hidden, 2 * inter * self.world, save_gathered=save, **mk),
+            "down": tdist_nn.RowParallelLinear(inter * self.world, hidden, **mk),
+        }
+        self.w = {name: mod.weight for name, mod in self.mods.items()}
+        self.norm1 = torch.nn.Parameter(torch.ones(hidden, device=dev, dtype=dtype))
+        self.norm2 = torch.nn.Parameter(torch.ones(hidden, device=dev, dtype=dtype))
+        # no_comm: the gathered inputs (colwise) and the gathered output gradients (rowwise) as fixed
+        # buffers, so that only the GEMMs run.
+        self.full_in = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+        self.full_grad = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+        self._functions()
+
+    def params(self):
+        return list(self.w.values()) + [self.norm1, self.norm2]
+
+    def _functions(self):
+        torch, dist, group, world, rows = self.torch, self.dist, self.group, self.world, self.rows
+        layer = self
+
+        class EagerGather(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                out = x.new_empty((x.shape[0] * world, x.shape[1]))
+                dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+                return out
+
+            @staticmethod
+            def backward(ctx, grad):
+                out = grad.new_empty((grad.shape[0] // world, grad.shape[1]))
+                dist.reduce_scatter_tensor(out, grad.contiguous(), group=group)
+                return out
+
+        class EagerScatter(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                out = x.new_empty((x.shape[0] // world, x.shape[1]))
+                dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+                return out
+
+            @staticmethod
+            def backward(ctx, grad):
+                out = grad.new_empty((grad.shape[0] * world, grad.shape[1]))
+                dist.all_gather_into_tensor(out, grad.contiguous(), group=group)
+                return out
+
+        class AsyncColumn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, w, keep):
+                # keep: the gathered input, for the weight gradient (grad mode is off in here)
+                gathered, (y,) = torch.ops.symm_mem.fused_all_gather_matmul(
+                    x.contiguous(), [w.t()], 0, layer.symm, return_A=keep)
+                if keep:
+                    ctx.save_for_backward(gathered, w)
+                return y
+
+            @staticmethod
+            def backward(ctx, grad):
+                gathered, w = ctx.saved_tensors
+                grad = grad.contiguous()
+                dx = torch.ops.symm_mem.fused_matmul_reduce_scatter(grad, w, "sum", 0, layer.symm)
+                return dx, grad.t() @ gathered, None
+
+        class AsyncRow(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, w):
+                ctx.save_for_backward(x, w)
+                return torch.ops.symm_mem.fused_matmul_reduce_scatter(x.contiguous(), w.t(), "sum", 0, layer.symm)
+
+            @staticmethod
+            def backward(ctx, grad):
+                x, w = ctx.saved_tensors
+                gathered, (dx,) = torch.ops.symm_mem.fused_all_gather_matmul(
+                    grad.contiguous(), [w], 0, layer.symm, return_A=True)
+                return dx, gathered.t() @ x
+
+        class LocalColumn(torch.autograd.Function):
+            """The colwise GEMM on an already-gathered input; backward: the two GEMMs, no reduction."""
+
+            @staticmethod
+            def forward(ctx, x, w):
+                full = layer.full_in[:, :w.shape[1]]
+                ctx.save_for_backward(w)
+                return full @ w.t()
+
+            @staticmethod
+            def backward(ctx, grad):
+                (w,) = ctx.saved_tensors
+                dx = grad @ w
+                dw = grad.t() @ layer.full_in[:, :w.shape[1]]
+                return dx[:rows], dw
+
+        class LocalRow(torch.autograd.Function):
+            """The rowwise GEMM without the reduction (this rank keeps its rows of its own partial
+            sum); backward: the two GEMMs on an already-gathered output gradient."""
+
+            @staticmethod
+            def forward(ctx, x, w):
+                ctx.save_for_backward(x, w)
+                return (x @ w.t())[:rows]
+
+            @staticmethod
+            def backward(ctx, grad):
+                x, w = ctx.saved_tensors
+                full = layer.full_grad[:, :w.shape[0]]
+                return full @ w, full.t() @ x
+
+        self.EagerGather, self.EagerScatter = EagerGather, EagerScatter
+        self.AsyncColumn, self.AsyncRow = AsyncColumn, AsyncRow
+        self.LocalColumn, self.LocalRow = LocalColumn, LocalRow
+
+    def linears(self, method):
+        """(colwise(h, name), rowwise(a, name)) of one method."""
+        w, mods = self.w, self.mods
+        if method == "tdist":
+            return (lambda h, n: mods[n](h)), (lambda a, n: mods[n](a))
+        if method == "no_comm":
+            return (lambda h, n: self.LocalColumn.apply(h, w[n])), (lambda a, n: self.LocalRow.apply(a, w[n]))
+        if method == "torch_eager_tp":
+            return ((lambda h, n: self.EagerGather.apply(h) @ w[n].t()),
+                    (lambda a, n: self.EagerScatter.apply(a @ w[n].t())))
+        grad = self.torch.is_grad_enabled
+        return ((lambda h, n: self.AsyncColumn.apply(h, w[n], grad() and (h.requires_grad or w[n].requires_grad))),
+                (lambda a, n: self.AsyncRow.apply(a, w[n])))
+
+    def attention(self, x, col, row):
+        F = self.torch.nn.functional
+        t, d, hq, hkv = self.tokens, HEAD_DIM, self.heads, self.kv
+        h = F.rms_norm(x, (self.hidden,), self.norm1, 1e-5)
+        qkv = col(h, "qkv")
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = q.view(1, t, hq, d).transpose(1, 2)
+        k = k.view(1, t, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+        v = v.view(1, t, hkv, d).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = o.transpose(1, 2).reshape(t, hq * d)
+        return x + row(o, "o")
+
+    def mlp(self, x, col, row):
+        F = self.torch.nn.functional
+        h = F.rms_norm(x, (self.hidden,), self.norm2, 1e-5)
+        gate, up = col(h, "gate_up").chunk(2, dim=-1)
+        return x + row(F.silu(gate) * up, "down")
+
+    def forward(self, layer, x, col, row):
+        if layer == "attention":
+            return self.attention(x, col, row)
+        if layer == "mlp":
+            return self.mlp(x, col, row)
+        return self.mlp(self.attention(x, col, row), col, row)
+
+
+def _symm_mem_group(torch, dist):
+    """The group name for torch.ops.symm_mem's fused matmuls, or None where this torch lacks them."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        torch.ops.symm_mem.fused_all_gather_matmul
+        torch.ops.symm_mem.fused_matmul_reduce_scatter
+    except (ImportError, AttributeError, RuntimeError):
+        return None
+    name = dist.group.WORLD.group_name
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None:  # needed up to torch 2.9, a deprecated no-op after
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                enable(name)
+        except Exception:  # noqa: BLE001 - versions differ
+            pass
+    return name
+
+
+def _bench_config(layer_obj, layer, pas, methods, args, torch, dist):
+    """{method: median us (slowest rank) or None} for one (layer, pass)."""
+    rows, hidden = layer_obj.rows, layer_obj.hidden
+    gen = torch.Generator(device="cuda").manual_seed(4321 + dist.get_rank())
+    grad_mode = pas == "fwd+bwd"
+    xs = [torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(grad_mode)
+          for _ in range(3)]
+    dys = [torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+    params = layer_obj.params()
+
+    def make(method):
+        col, row = layer_obj.linears(method)
+
+        def call(i):
+            x = xs[i % 3]
+            if not grad_mode:
+                with torch.no_grad():
+                    return layer_obj.forward(layer, x, col, row)
+            x.grad = None
+            for p in params:
+                p.grad = None
+            y = layer_obj.forward(layer, x, col, row)
+            y.backward(dys[i % 3])
+            return None
+        return call
+
+    calls, failed = {}, {}
+    for method in methods:
+        fn = make(method)
+        try:
+            for i in range(args.warmup):
+                fn(i)
+            torch.cuda.synchronize()
+            calls[method] = fn
+        except Exception as e:  # noqa: BLE001 - report, keep benchmarking the others
+            failed[method] = f"{type(e).__name__}: {e}"
+            torch.cuda.synchronize()
+    # every rank must run the same methods (they are collective)
+    ok = torch.tensor([1.0 if m in calls else 0.0 for m in methods], device="cuda")
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    live = [m for m, flag in zip(methods, ok.tolist()) if flag > 0]
+    dist.barrier()
+    times = {m: [] for m in live}
+    for it in range(args.iters):
+        order = live[it % len(live):] + live[:it % len(live)] if live else []
+        for method in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            calls[method](it)
+            end.record()
+            times[method].append((start, end))
+    torch.cuda.synchronize()
+    out = {}
+    for method in methods:
+        if method in times:
+            med = statistics.median(s.elapsed_time(e) * 1000.0 for s, e in times[method])
+        else:
+            med = -1.0
+        t = torch.tensor([med], device="cuda", dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[method] = None if method not in live else float(t.item())
+    return out, failed
+
+
+def main(argv=None) -> int:
+    """Run the benchmark (under torchrun); rank 0 prints the table and writes the JSON."""
+    args = _parse(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+    import tdist  # before torch (NCCL >= 2.28)
+    import torch
+    import torch.distributed as dist
+
+    import tdist.nn as tdist_nn
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    tdist.init(process_group=dist.group.WORLD, heap_size=args.heap_size)
+    world, me = dist.get_world_size(), dist.get_rank()
+    symm = _symm_mem_group(torch, dist) if "torch_async_tp" in args.methods else None
+    methods = [m for m in args.methods if m != "torch_async_tp" or symm is not None]
+    if me == 0 and "torch_async_tp" in args.methods and symm is None:
+        print("tdist.bench_layers: this torch has no symm_mem fused matmuls; torch_async_tp left out", file=sys.stderr)
+    results = []
+    try:
+        for model in args.models:
+            name, hidden, heads, kv, inter = _shapes(model, args.scale, world)
+            for tokens in args.tokens:
+                if tokens % world:
+                    raise SystemExit(f"tdist.bench_layers: --tokens {tokens} must be divisible by {world} ranks")
+                layer_obj = _Layer(torch, dist, tdist_nn, args, hidden, heads, kv, inter, tokens, symm)
+                for layer in args.layers:
+                    for pas in args.passes:
+                        times, failed = _bench_config(layer_obj, layer, pas, methods, args, torch, dist)
+                        row = {"layer": layer, "model": name, "tokens": tokens, "pass": pas}
+                        for m in METHODS:
+                            row[f"{m}_us"] = times.get(m)
+                        if failed:
+                            row["errors"] = failed
+                            if me == 0:
+                                for m, e in failed.items():
+                                    print(f"{name} {layer} {pas} tokens={tokens} {m}: {e}", file=sys.stderr)
+                        results.append(row)
+                        if me == 0:
+                            _print_row(row, len(results) == 1, world, args)
+                del layer_obj
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+        if me == 0 and args.json:
+            doc = {"world_size": world, "dtype": "bf16", "scale": args.scale, "save_gathered": bool(args.save_gathered),
+                   "tdist_method": args.tdist_method, "iters": args.iters, "warmup": args.warmup,
+                   "statistic": "median of per-call CUDA-event times, methods alternating, max over ranks (us)",
+                   "rows": results}
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+            print(f"tdist.bench_layers: wrote {args.json}")
+    finally:
+        tdist.finalize()
+        dist.destroy_process_group()
+    return 0
+
+
+def _fmt(v):
+    return f"{v:>12.1f}" if v is not None else f"{'-':>12}"
+
+
+def _print_row(row, first, world, args):
+    if first:
+        print(f"tdist.bench_layers: {world} ranks, bf16, median of {args.iters} alternating rounds after "
+              f"{args.warmup} warm-up, slowest rank; tdist save_gathered={bool(args.save_gathered)}, "
+              f"method={args.tdist_method}; x/tdist: that method's time over tdist's")
+        head = (f"{'model':<11}{'layer':<10}{'tokens':>7} {'pass':<8}" + "".join(f"{m + ' us':>12}" for m in
+                ("tdist", "no_comm", "eager_tp", "async_tp")) + f"{'eager/tdist':>12}{'async/tdist':>12}")
+        print(head)
+        print("-" * len(head))
+    t = row["tdist_us"]
+
+    def ratio(key):
+        v = row[key]
+        return f"{v / t:>11.2f}x" if v is not None and t else f"{'-':>12}"
+
+    print(f"{row['model']:<11}{row['layer']:<10}{row['tokens']:>7} {row['pass']:<8}" + _fmt(row["tdist_us"])
+          + _fmt(row["no_comm_us"]) + _fmt(row["torch_eager_tp_us"]) + _fmt(row["torch_async_tp_us"])
+          + ratio("torch_eager_tp_us") + ratio("torch_async_tp_us"), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
