@@ -289,7 +289,7 @@ def run_sp(tp, ref, m, hidden, seed, dtype=torch.bfloat16, tol=MODEL_TOL, what="
     for p in tp.parameters():
         p.grad = None
     poison(*[(tuple(p.shape), p.dtype) for p in tp.parameters()], ((rows, hidden), dtype))
-    y = (run or tp)(x)
+    y = (tp if run is None else run)(x)
     (y.float() * dy_full[begin:begin + rows]).sum().backward()
     check(y, y_ref.detach()[begin:begin + rows], tol, what + " output")
     check(x.grad, x_ref.grad[begin:begin + rows], tol, what + " input gradient")
