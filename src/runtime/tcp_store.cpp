@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "tcp_store_server.hpp"
+#include "tdist/common/env.hpp"
 #include "tcp_store_wire.hpp"
 
 namespace tdist {
@@ -81,15 +82,8 @@ std::vector<int> as_ranks(const std::vector<uint32_t>& indices) {
 }  // namespace
 
 std::chrono::milliseconds TcpStoreOptions::default_timeout() {
-  const char* text = std::getenv("TDIST_HOST_TIMEOUT_S");
-  if (text == nullptr) return kDefaultTimeout;
-  char* end = nullptr;
-  const double seconds = std::strtod(text, &end);
-  const bool well_formed = *text != '\0' && !std::isspace(static_cast<unsigned char>(*text)) &&
-                           end != text && *end == '\0' && std::isfinite(seconds);
-  if (!well_formed || seconds <= 0 || seconds > 1e9)
-    TDIST_FAIL("environment variable TDIST_HOST_TIMEOUT_S='", text,
-               "' is invalid: expected a positive number of seconds (at most 1e9), e.g. 300 or 2.5");
+  const double seconds = env::seconds("TDIST_HOST_TIMEOUT_S", std::chrono::duration<double>(kDefaultTimeout).count(),
+                                      env::kMinTimeoutSeconds, env::kMaxTimeoutSeconds);
   return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
 }
 
