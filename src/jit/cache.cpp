@@ -74,14 +74,15 @@ bool read_trusted_file(const std::string& path, std::string& out) {
   // to a moment earlier.
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
-    if (errno == ELOOP) detail::warn_untrusted_once("cache entry " + path, path + " is a symbolic link");
+    if (errno == ELOOP)
+      detail::warn_untrusted_once("cache entries in " + detail::dirname(path), path + " is a symbolic link");
     return false;
   }
   struct stat st;
   std::string why;
   bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
   if (ok && detail::trust_of(st, path, why) != detail::Trust::ok) {
-    detail::warn_untrusted_once("cache entry " + path, why);
+    detail::warn_untrusted_once("cache entries in " + detail::dirname(path), why);
     ok = false;
   }
   ok = ok && read_fd(fd, out);

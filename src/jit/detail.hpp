@@ -31,8 +31,8 @@ Trust trust_of(const struct ::stat& st, const std::string& path, std::string& wh
 // The same for a path: `follow` follows a final symlink (the cache root may be one); without it
 // a symlink is untrusted. missing when the path does not exist.
 Trust trust_path(const std::string& path, bool follow, std::string& why);
-// "<path>: owned by uid N, not by this user (uid M)" and the like, as a one-time stderr warning
-// per `what`; later calls with the same `what` stay silent.
+// "ignoring <what>: <why>" as a stderr warning, once per `what` (a folder, or the entries of one
+// folder); later calls with the same `what` stay silent.
 void warn_untrusted_once(const std::string& what, const std::string& why);
 // A fresh private folder under $TMPDIR (or /tmp); removed by remove_tree.
 std::string make_temp_dir(const std::string& prefix);

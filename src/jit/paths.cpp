@@ -155,11 +155,13 @@ std::string nccl_include_dir() {
 
 namespace {
 
-// The last resort when neither XDG_CACHE_HOME nor HOME is set: /tmp/tdist-cache-<uid>. /tmp is
-// shared, so another user may have created that name first (and planted kernels in it): the
-// folder is used only when this user owns it and nobody else can enter it.
+// The last resort when neither XDG_CACHE_HOME nor HOME is set: $TMPDIR (else /tmp)/tdist-cache-<uid>.
+// That folder is shared, so another user may have created the name first (and planted kernels in
+// it): it is used only when this user owns it and nobody else can enter it.
 std::string private_tmp_cache_dir() {
-  const std::string dir = "/tmp/tdist-cache-" + std::to_string(::geteuid());
+  std::string base = env("TMPDIR");
+  if (base.empty() || base[0] != '/') base = "/tmp";
+  const std::string dir = join(base, "tdist-cache-" + std::to_string(::geteuid()));
   if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
     TDIST_FAIL("cannot create the JIT cache folder '", dir, "': ", std::strerror(errno),
                "; set TDIST_CACHE_DIR to a private folder");
