@@ -165,7 +165,7 @@ size_t Collectives::heap_bytes(int world_size, size_t max_bytes, int max_blocks,
                                  options.max_blocks > 0 ? options.max_blocks : max_blocks, kCePieces);
   size_t total = 0;
   for (size_t bytes : {s.workspace, s.flags, s.barrier_pads, s.ce_flags, s.ll, s.ll128})
-    total += round_up(bytes, SymmetricHeap::kDefaultAlignment);
+    total = checked_add(total, round_up(bytes, SymmetricHeap::kDefaultAlignment), "the collectives' heap bytes");
   return total;
 }
 

@@ -27,6 +27,7 @@
 
 #include "tcp_store_server.hpp"
 #include "tdist/common/env.hpp"
+#include "tdist/jit/hash.hpp"
 #include "tcp_store_wire.hpp"
 
 namespace tdist {
@@ -51,6 +52,23 @@ std::string format_rank_list(const std::vector<int>& sorted_ranks) {
     i = j + 1;
   }
   return out;
+}
+
+Bytes auth_token(const std::string& secret) {
+  if (secret.empty()) return {};
+  jit::Sha256 h;
+  h.field("tdist.store.auth.v1", secret);
+  const jit::Digest d = h.finish();
+  return Bytes(d.begin(), d.end());
+}
+
+bool constant_time_equal(const Bytes& a, const Bytes& b) {
+  if (a.size() != b.size()) return false;
+  uint8_t diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<uint8_t>(a[i] ^ b[i]);
+  // Through a volatile so that the compiler cannot turn the loop into an early-exit compare.
+  volatile uint8_t result = diff;
+  return result == 0;
 }
 
 }  // namespace store
@@ -87,6 +105,19 @@ std::chrono::milliseconds TcpStoreOptions::default_timeout() {
   return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
 }
 
+std::string TcpStoreOptions::default_secret() {
+  if (auto secret = env::get("TDIST_STORE_SECRET")) return "secret:" + *secret;
+  // Identity, not secrecy: a launcher's job id tells two jobs apart on one port. Each source is
+  // tagged, so that ids of two launchers cannot coincide.
+  std::string id;
+  for (const char* var : {"TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "OMPI_MCA_ess_base_jobid",
+                          "PMIX_NAMESPACE"})
+    if (auto v = env::get(var)) id += std::string(var) + "=" + *v + ";";
+  return id.empty() ? std::string() : "job:" + id;
+}
+
+std::string TcpStoreOptions::default_bind() { return env::text("TDIST_STORE_BIND"); }
+
 struct TcpStore::Impl {
   TcpStoreOptions opt;
   std::string who;     // "TcpStore rank 1 of 4", opening every error message
@@ -110,6 +141,9 @@ struct TcpStore::Impl {
   }
 
   void connect(Clock::time_point deadline);
+  // The join handshake; false when the server closed the connection before answering (it makes
+  // room for new connections by closing old ones that have not joined): connect and try again.
+  bool try_handshake(Clock::time_point deadline);
   void join(Clock::time_point deadline);
   void send_frame(const Bytes& frame, Clock::time_point deadline, const std::string& what);
   Bytes receive_frame(Clock::time_point deadline, const std::string& what);
@@ -253,20 +287,35 @@ Bytes TcpStore::Impl::receive_frame(Clock::time_point deadline, const std::strin
 Bytes TcpStore::Impl::request(Bytes frame, Clock::time_point reply_deadline, const std::string& what) {
   if (!broken.empty())
     TDIST_FAIL(who, ": ", what, " refused: the connection to the store is unusable since: ", broken);
+  if (frame.size() - 4 > kMaxRequestBytes)
+    TDIST_FAIL(who, ": ", what, ": the request has ", frame.size() - 4, " bytes, above the store's limit of ",
+               kMaxRequestBytes, " bytes (the store is for bootstrap data; exchange large data through NCCL)");
   send_frame(frame, reply_deadline, what);
   return receive_frame(reply_deadline, what);
 }
 
-void TcpStore::Impl::join(Clock::time_point deadline) {
+bool TcpStore::Impl::try_handshake(Clock::time_point deadline) {
   const std::string what = "the join handshake";
-  Bytes reply = request(Writer()
-                            .u8(uint8_t(Op::join))
-                            .u32(kMagic)
-                            .u32(kVersion)
-                            .i32(opt.rank)
-                            .i32(opt.world_size)
-                            .frame(),
-                        deadline, what);
+  const Bytes frame = Writer()
+                          .u8(uint8_t(Op::join))
+                          .u32(kMagic)
+                          .u32(kVersion)
+                          .i32(opt.rank)
+                          .i32(opt.world_size)
+                          .blob(auth_token(opt.secret))
+                          .frame();
+  Bytes reply;
+  try {
+    reply = request(frame, deadline, what);
+  } catch (const TimeoutError&) {
+    throw;
+  } catch (const Error&) {
+    if (!broken.empty() && Clock::now() < deadline) {
+      broken.clear();  // closed before any reply: a fresh connection is as good as new
+      return false;
+    }
+    throw;
+  }
   try {
     Reader r(reply.data(), reply.size());
     const auto status = Status(r.u8());
@@ -277,6 +326,17 @@ void TcpStore::Impl::join(Clock::time_point deadline) {
     fail_connection(who + ": the process at " + master + " is not a tdist store "
                     "(is MASTER_PORT the port of another service?)");
   }
+  return true;
+}
+
+void TcpStore::Impl::join(Clock::time_point deadline) {
+  auto backoff = std::chrono::milliseconds(10);
+  while (!try_handshake(deadline)) {
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+    connect(deadline);
+  }
+  Bytes reply;
 
   // Everyone meets before the constructor returns, so a missing rank shows up here, by number.
   const auto server_timeout = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
@@ -352,7 +412,14 @@ TcpStore::TcpStore(const TcpStoreOptions& options) {
   auto impl = std::make_unique<Impl>(options);
   const auto deadline = deadline_after(options.timeout);
   if (options.rank == 0) {
-    impl->server = std::make_unique<StoreServer>(options.host, options.port, options.world_size);
+    StoreServer::Config config;
+    config.host = options.host;
+    config.bind = options.bind;
+    config.port = options.port;
+    config.world_size = options.world_size;
+    config.auth = auth_token(options.secret);
+    config.handshake_timeout = std::min(kHandshakeTimeout, options.timeout);
+    impl->server = std::make_unique<StoreServer>(config);
     impl->server->start();
   }
   impl->connect(deadline);
