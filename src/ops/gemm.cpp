@@ -11,6 +11,7 @@
 #include <cstdlib>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/autotune.hpp"
 #include "tdist/jit/registry.hpp"
@@ -112,8 +113,7 @@ jit::CompileRequest gemm_compile_request(const GemmTile& tile, const std::string
   r.file_name = detail::concat("gemm_sm90_", tile.name(), ".cu");
   r.name_expressions = {gemm_kernel_name(DType::kBFloat16, tile, hook), gemm_kernel_name(DType::kFloat16, tile, hook)};
   r.arch = "sm_90a";  // wgmma, TMA and setmaxnreg are sm_90a-only
-  const char* debug = std::getenv("TDIST_GEMM_DEBUG");
-  if (debug && *debug && std::string(debug) != "0") r.defines.push_back("TDIST_GEMM_DEBUG");
+  if (env::flag("TDIST_GEMM_DEBUG")) r.defines.push_back("TDIST_GEMM_DEBUG");
   return r;
 }
 

@@ -25,6 +25,7 @@
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/launch.hpp"
 #include "tdist/jit/registry.hpp"
@@ -201,8 +202,7 @@ class OverlapRuntime {
   OverlapMethod resolve(OverlapMethod requested, const OverlapShape& shape, bool sequential_ok) const {
     OverlapMethod m = requested;
     if (m == OverlapMethod::kAuto) {
-      const char* env = std::getenv("TDIST_OVERLAP_METHOD");
-      if (env && *env) m = parse_overlap_method(env, "TDIST_OVERLAP_METHOD");
+      if (auto v = env::get("TDIST_OVERLAP_METHOD")) m = parse_overlap_method(*v, "TDIST_OVERLAP_METHOD");
     }
     if (m == OverlapMethod::kAuto) {
       m = choose_overlap_method(shape);
