@@ -156,7 +156,8 @@ struct TcpStore::Impl {
   // whose message ends with describe_missing(indices of the keys still missing).
   using DescribeMissing = std::function<std::string(const std::vector<uint32_t>&)>;
   std::vector<Bytes> wait_for(const std::vector<std::string>& keys, bool want_values,
-                              const std::string& what, const DescribeMissing& describe_missing);
+                              const std::string& what, const DescribeMissing& describe_missing,
+                              std::chrono::milliseconds timeout);
   void goodbye() noexcept;
 };
 
@@ -369,12 +370,13 @@ bool TcpStore::Impl::set(const std::string& key, const Bytes& value, bool exclus
 
 std::vector<Bytes> TcpStore::Impl::wait_for(const std::vector<std::string>& keys, bool want_values,
                                             const std::string& what,
-                                            const DescribeMissing& describe_missing) {
+                                            const DescribeMissing& describe_missing,
+                                            std::chrono::milliseconds timeout) {
   Writer w;
-  w.u8(uint8_t(Op::wait)).u64(uint64_t(opt.timeout.count())).u8(want_values ? 1 : 0);
+  w.u8(uint8_t(Op::wait)).u64(uint64_t(timeout.count())).u8(want_values ? 1 : 0);
   w.u32(uint32_t(keys.size()));
   for (const auto& k : keys) w.str(k);
-  Bytes reply = request(w.frame(), deadline_after(opt.timeout + kReplyGrace), what);
+  Bytes reply = request(w.frame(), deadline_after(timeout + kReplyGrace), what);
   Reader r(reply.data(), reply.size());
   const auto status = Status(r.u8());
   if (status == Status::error) TDIST_FAIL(who, ": ", what, " failed: ", r.str());
@@ -448,13 +450,13 @@ Bytes TcpStore::get(const std::string& key) {
   const std::vector<std::string> keys{key};
   return impl_->wait_for(keys, true, "get('" + key + "')", [&](const std::vector<uint32_t>& missing) {
     return "missing key: " + quoted_list(keys, missing);
-  }).at(0);
+  }, impl_->opt.timeout).at(0);
 }
 
 void TcpStore::wait(const std::vector<std::string>& keys) {
   impl_->wait_for(keys, false, "wait", [&](const std::vector<uint32_t>& missing) {
     return "missing keys: " + quoted_list(keys, missing);
-  });
+  }, impl_->opt.timeout);
 }
 
 bool TcpStore::check(const std::vector<std::string>& keys) {
@@ -497,7 +499,7 @@ std::vector<Bytes> TcpStore::all_gather(const std::string& tag, const Bytes& min
                "used once per job, so make it unique (e.g. add a counter suffix)");
   return impl_->wait_for(keys, true, what, [](const std::vector<uint32_t>& missing) {
     return "ranks that never arrived: " + format_rank_list(as_ranks(missing));
-  });
+  }, impl_->opt.timeout);
 }
 
 void TcpStore::barrier(const std::string& tag) {
@@ -508,7 +510,19 @@ void TcpStore::barrier(const std::string& tag) {
                "once per job, so make it unique (e.g. add a counter suffix)");
   impl_->wait_for(keys, false, what, [](const std::vector<uint32_t>& missing) {
     return "ranks that never arrived: " + format_rank_list(as_ranks(missing));
-  });
+  }, impl_->opt.timeout);
+}
+
+void TcpStore::check_alive() {
+  // A wait that expires at once on a key nobody sets: the server answers a wait with the dead
+  // ranks before anything else, else with "timeout", which here means "all alive".
+  const std::vector<std::string> keys{kInternalPrefix + "never_set"};
+  try {
+    impl_->wait_for(keys, false, "check_alive", [](const std::vector<uint32_t>&) { return std::string(); },
+                    std::chrono::milliseconds(0));
+  } catch (const TimeoutError&) {
+    if (!impl_->broken.empty()) throw;  // no answer at all: rank 0 is gone or hung
+  }
 }
 
 }  // namespace tdist

@@ -72,6 +72,10 @@ class TcpStore {
   // All ranks meet; the timeout error lists the ranks that never reached it.
   void barrier(const std::string& tag);
 
+  // Returns at once when no rank has died; throws tdist::Error naming the dead ranks otherwise.
+  // For watchdogs that wait on something other than the store (NCCL's initialisation, say).
+  void check_alive();
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
