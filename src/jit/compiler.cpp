@@ -8,6 +8,7 @@
 #include <cctype>
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -103,12 +104,59 @@ void parse_spills(const std::string& log, std::int64_t& stores, std::int64_t& lo
 
 namespace {
 
-// Base name and SHA-256 of a library's content: a patch release or a rebuilt library of the same
+std::string file_stamp(const std::string& path, const struct stat& st) {
+  return path + "|" + std::to_string(st.st_dev) + "|" + std::to_string(st.st_ino) + "|" +
+         std::to_string(st.st_size) + "|" + std::to_string(st.st_mtim.tv_sec) + "." +
+         std::to_string(st.st_mtim.tv_nsec) + "|" + std::to_string(st.st_ctim.tv_sec) + "." +
+         std::to_string(st.st_ctim.tv_nsec);
+}
+
+// SHA-256 of a file's content, "" if unreadable. Hashing libnvrtc takes about half a second, so the
+// digest is remembered across processes in <cache>/identity/, filed under the file's (path,
+// device, inode, size, mtime, ctime): a replaced or rewritten library gets a new stamp. Only
+// files unchanged for a while are remembered (file times tick coarsely), and the memo is read
+// under the cache's trust rules, so it is as trustworthy as the kernels next to it.
+std::string content_digest_hex(const std::string& path) {
+  struct stat st;
+  if (path.empty() || ::stat(path.c_str(), &st) != 0) return "";
+  const std::string stamp = file_stamp(path, st);
+  struct timespec now;
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  const bool settled = now.tv_sec - std::max(st.st_mtim.tv_sec, st.st_ctim.tv_sec) >= 2;
+  std::string dir, memo;
+  if (settled && !detail::env_flag("TDIST_JIT_DISABLE_DISK_CACHE")) {
+    try {
+      dir = default_cache_dir();
+      memo = join(dir, "identity/" + to_hex(sha256(stamp)).substr(0, 32) + ".txt");
+    } catch (const Error&) {
+      dir.clear();  // no usable cache folder: hash every time
+    }
+  }
+  std::string text;
+  if (!dir.empty() && trusted_folder(dir, "identity") && read_trusted_file(memo, text) &&
+      text.size() == stamp.size() + 1 + 64 && text.compare(0, stamp.size(), stamp) == 0 && text[stamp.size()] == '\n')
+    return text.substr(stamp.size() + 1);
+  std::string data;
+  if (!read_file(path, data)) return "";
+  const std::string hex = to_hex(sha256(data));
+  if (!dir.empty()) {
+    try {
+      detail::make_dirs(join(dir, "identity"));
+      detail::make_dirs(join(dir, "tmp"));
+      if (trusted_folder(dir, "identity") && trusted_folder(dir, "tmp"))
+        write_file_atomic(memo, stamp + "\n" + hex, join(dir, "tmp"));
+    } catch (const Error&) {
+      // A read-only cache only costs the hash again next time.
+    }
+  }
+  return hex;
+}
+
+// Base name and content digest of a library: a patch release or a rebuilt library of the same
 // size changes the key, while the key stays free of paths (the same on every machine).
 std::string file_content_tag(const std::string& path) {
-  std::string data;
-  if (path.empty() || !read_file(path, data)) return basename(path) + ":?";
-  return basename(path) + ":" + to_hex(sha256(data));
+  const std::string hex = content_digest_hex(path);
+  return basename(path) + ":" + (hex.empty() ? std::string("?") : hex);
 }
 
 // nvcc reads these by itself: they change its output as much as flags given on its command line.

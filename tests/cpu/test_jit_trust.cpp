@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -231,4 +232,54 @@ TEST(JitTrust, NvrtcIdentifiedByContent) {
   const std::string hash = id.substr(colon + 1, 64);
   EXPECT_EQ(hash.size(), 64u) << id;
   EXPECT_EQ(hash.find_first_not_of("0123456789abcdef"), std::string::npos) << id;
+}
+
+// Run by NvrtcDigestMemoIsTrustedOnlyWhenOwn in a fresh process: prints NVRTC's identity.
+TEST(JitTrustChild, DISABLED_PrintNvrtcIdentity) {
+  std::printf("identity=%s\n", jit::compiler_identity(jit::CompilerKind::kNvrtc).c_str());
+}
+
+namespace {
+
+// NVRTC's identity as a fresh process with TDIST_CACHE_DIR=`cache` computes it.
+std::string identity_in_fresh_process(const std::string& cache) {
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return "";
+  self[n] = '\0';
+  const std::string cmd = "TDIST_CACHE_DIR='" + cache + "' '" + self +
+                          "' --gtest_filter=JitTrustChild.DISABLED_PrintNvrtcIdentity --gtest_also_run_disabled_tests";
+  std::string out;
+  if (FILE* p = ::popen(cmd.c_str(), "r")) {
+    char buf[4096];
+    while (std::fgets(buf, sizeof buf, p)) out += buf;
+    ::pclose(p);
+  }
+  const auto at = out.find("identity=");
+  return at == std::string::npos ? "" : out.substr(at + 9, out.find('\n', at) - at - 9);
+}
+
+}  // namespace
+
+TEST(JitTrust, NvrtcDigestMemoIsTrustedOnlyWhenOwn) {
+  TempDir cache;
+  const std::string first = identity_in_fresh_process(cache.path);  // hashes, and remembers
+  ASSERT_NE(first.find("libnvrtc"), std::string::npos) << first;
+  ASSERT_FALSE(std::filesystem::is_empty(cache.path + "/identity"));
+  EXPECT_EQ(identity_in_fresh_process(cache.path), first);  // from the memo
+
+  // Forged memos: every digest replaced by zeros. Another user's are ignored.
+  const std::string zeros(64, '0');
+  for (const auto& e : std::filesystem::directory_iterator(cache.path + "/identity")) {
+    std::string text;
+    ASSERT_TRUE(jit::read_file(e.path(), text));
+    text = text.substr(0, text.size() - 64) + zeros;
+    std::filesystem::remove(e.path());
+    jit::write_file_atomic(e.path(), text, cache.path + "/tmp");
+    if (::geteuid() == 0) ASSERT_EQ(::chown(e.path().c_str(), kOtherUid, kOtherUid), 0);
+    else ASSERT_EQ(::chmod(e.path().c_str(), 0666), 0);
+  }
+  const std::string again = identity_in_fresh_process(cache.path);
+  EXPECT_EQ(again, first);
+  EXPECT_EQ(again.find(zeros), std::string::npos);
 }
