@@ -5,6 +5,7 @@
 //   tmp/                  files being written; each is fsynced, then renamed into kernels/
 //   locks/<key>.lock      flock files, so that processes compiling the same key compile it once
 //   autotune/             autotuner winners (autotune.hpp)
+//   identity/             content digests of compiler libraries, by file stamp (compiler.cpp)
 // An entry that fails its length, magic, key or trailer check is ignored and rewritten.
 //
 // Trust: the trailer proves an entry intact, not who wrote it, and anyone can compute a key. So
