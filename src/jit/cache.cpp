@@ -40,27 +40,64 @@ std::uint64_t get_uint(const std::string& s, std::size_t off, int bytes) {
 
 }  // namespace
 
-bool read_file(const std::string& path, std::string& out) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
+namespace {
+
+bool read_fd(int fd, std::string& out) {
   out.clear();
   struct stat st;
   if (::fstat(fd, &st) == 0 && st.st_size > 0) out.reserve(std::size_t(st.st_size));
   char buf[1 << 16];
-  bool ok = true;
   for (;;) {
     ssize_t n = ::read(fd, buf, sizeof buf);
     if (n > 0) {
       out.append(buf, std::size_t(n));
     } else if (n == 0) {
-      break;
+      return true;
     } else if (errno != EINTR) {
-      ok = false;
-      break;
+      return false;
     }
   }
+}
+
+}  // namespace
+
+bool read_file(const std::string& path, std::string& out) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = read_fd(fd, out);
   ::close(fd);
   return ok;
+}
+
+bool read_trusted_file(const std::string& path, std::string& out) {
+  // O_NOFOLLOW and fstat: what is checked is the file that is read, not what the name pointed
+  // to a moment earlier.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) {
+    if (errno == ELOOP)
+      detail::warn_untrusted_once("cache entries in " + detail::dirname(path), path + " is a symbolic link");
+    return false;
+  }
+  struct stat st;
+  std::string why;
+  bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  if (ok && detail::trust_of(st, path, why) != detail::Trust::ok) {
+    detail::warn_untrusted_once("cache entries in " + detail::dirname(path), why);
+    ok = false;
+  }
+  ok = ok && read_fd(fd, out);
+  ::close(fd);
+  return ok;
+}
+
+bool trusted_folder(const std::string& root, const std::string& sub) {
+  std::string why;
+  // The root may be a symbolic link the user made (~/.cache -> /scratch/...); folders inside may not.
+  detail::Trust t = detail::trust_path(root, /*follow=*/true, why);
+  if (t == detail::Trust::ok && !sub.empty())
+    t = detail::trust_path(detail::join(root, sub), /*follow=*/false, why);
+  if (t == detail::Trust::untrusted) detail::warn_untrusted_once("cache folder " + detail::join(root, sub), why);
+  return t == detail::Trust::ok;
 }
 
 void write_file_atomic(const std::string& path, const std::string& data, const std::string& tmp_dir) {
@@ -87,7 +124,7 @@ void write_file_atomic(const std::string& path, const std::string& data, const s
     }
     done += std::size_t(n);
   }
-  ::fchmod(fd, 0644);
+  ::fchmod(fd, 0600);  // mkstemp makes it so already; said here because the cache relies on it
   if (::fsync(fd) != 0) fail("fsync");
   ::close(fd);
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
@@ -195,8 +232,14 @@ std::shared_ptr<const CompiledKernel> KernelCache::lookup_memory(const Digest& k
 
 std::shared_ptr<const CompiledKernel> KernelCache::lookup_disk(const Digest& key) {
   if (dir_.empty()) return nullptr;
+  // An entry's checksum proves it intact, not who wrote it: only files and folders of this user
+  // that no other user can write are read at all.
+  if (!trusted_folder(dir_, "kernels")) return nullptr;
   std::string bytes;
-  if (!read_file(entry_path(key), bytes)) return nullptr;
+  if (!read_trusted_file(entry_path(key), bytes)) {
+    if (::access(entry_path(key).c_str(), F_OK) == 0) untrusted_++;
+    return nullptr;
+  }
   auto k = deserialize(bytes, key);
   if (!k) {
     corrupt_++;
@@ -223,6 +266,10 @@ void KernelCache::store(const std::shared_ptr<const CompiledKernel>& kernel) {
   stores_++;
   if (dir_.empty()) return;
   try {
+    detail::make_dirs(detail::join(dir_, "kernels"));
+    detail::make_dirs(detail::join(dir_, "tmp"));
+    // Another user able to write these folders could swap the file between write and rename.
+    if (!trusted_folder(dir_, "kernels") || !trusted_folder(dir_, "tmp")) return;
     write_file_atomic(entry_path(kernel->key), serialize(*kernel), detail::join(dir_, "tmp"));
   } catch (const Error& e) {
     // The kernel is compiled and in memory; a cache that cannot be written (read-only, full)
@@ -242,6 +289,7 @@ KernelCache::Stats KernelCache::stats() const {
   s.disk_hits = disk_hits_;
   s.misses = misses_;
   s.corrupt = corrupt_;
+  s.untrusted = untrusted_;
   s.stores = stores_;
   return s;
 }
@@ -254,8 +302,10 @@ KernelCache::KeyLock::KeyLock(const KernelCache& cache, const Digest& key, doubl
   } catch (const Error&) {
     return;  // a read-only cache still works, unlocked
   }
+  // A lock another user can hold would stall every compile: lock only in a private folder.
+  if (!trusted_folder(cache.dir(), "locks")) return;
   std::string path = detail::join(dir, to_hex(key) + ".lock");
-  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd_ < 0) return;
   auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   auto sleep = std::chrono::milliseconds(2);

@@ -8,11 +8,13 @@
 #include <cctype>
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <map>
 #include <mutex>
 #include <sstream>
 
 #include "detail.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/paths.hpp"
@@ -102,11 +104,63 @@ void parse_spills(const std::string& log, std::int64_t& stores, std::int64_t& lo
 
 namespace {
 
-std::string file_size_tag(const std::string& path) {
-  struct stat st;
-  if (path.empty() || ::stat(path.c_str(), &st) != 0) return basename(path) + ":?";
-  return basename(path) + ":" + std::to_string(st.st_size);
+std::string file_stamp(const std::string& path, const struct stat& st) {
+  return path + "|" + std::to_string(st.st_dev) + "|" + std::to_string(st.st_ino) + "|" +
+         std::to_string(st.st_size) + "|" + std::to_string(st.st_mtim.tv_sec) + "." +
+         std::to_string(st.st_mtim.tv_nsec) + "|" + std::to_string(st.st_ctim.tv_sec) + "." +
+         std::to_string(st.st_ctim.tv_nsec);
 }
+
+// SHA-256 of a file's content, "" if unreadable. Hashing libnvrtc takes about half a second, so the
+// digest is remembered across processes in <cache>/identity/, filed under the file's (path,
+// device, inode, size, mtime, ctime): a replaced or rewritten library gets a new stamp. Only
+// files unchanged for a while are remembered (file times tick coarsely), and the memo is read
+// under the cache's trust rules, so it is as trustworthy as the kernels next to it.
+std::string content_digest_hex(const std::string& path) {
+  struct stat st;
+  if (path.empty() || ::stat(path.c_str(), &st) != 0) return "";
+  const std::string stamp = file_stamp(path, st);
+  struct timespec now;
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  const bool settled = now.tv_sec - std::max(st.st_mtim.tv_sec, st.st_ctim.tv_sec) >= 2;
+  std::string dir, memo;
+  if (settled && !detail::env_flag("TDIST_JIT_DISABLE_DISK_CACHE")) {
+    try {
+      dir = default_cache_dir();
+      memo = join(dir, "identity/" + to_hex(sha256(stamp)).substr(0, 32) + ".txt");
+    } catch (const Error&) {
+      dir.clear();  // no usable cache folder: hash every time
+    }
+  }
+  std::string text;
+  if (!dir.empty() && trusted_folder(dir, "identity") && read_trusted_file(memo, text) &&
+      text.size() == stamp.size() + 1 + 64 && text.compare(0, stamp.size(), stamp) == 0 && text[stamp.size()] == '\n')
+    return text.substr(stamp.size() + 1);
+  std::string data;
+  if (!read_file(path, data)) return "";
+  const std::string hex = to_hex(sha256(data));
+  if (!dir.empty()) {
+    try {
+      detail::make_dirs(join(dir, "identity"));
+      detail::make_dirs(join(dir, "tmp"));
+      if (trusted_folder(dir, "identity") && trusted_folder(dir, "tmp"))
+        write_file_atomic(memo, stamp + "\n" + hex, join(dir, "tmp"));
+    } catch (const Error&) {
+      // A read-only cache only costs the hash again next time.
+    }
+  }
+  return hex;
+}
+
+// Base name and content digest of a library: a patch release or a rebuilt library of the same
+// size changes the key, while the key stays free of paths (the same on every machine).
+std::string file_content_tag(const std::string& path) {
+  const std::string hex = content_digest_hex(path);
+  return basename(path) + ":" + (hex.empty() ? std::string("?") : hex);
+}
+
+// nvcc reads these by itself: they change its output as much as flags given on its command line.
+constexpr const char* kNvccEnv[] = {"NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN"};
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
@@ -115,7 +169,8 @@ std::string first_line(const std::string& s) { return s.substr(0, s.find('\n'));
 std::string compiler_identity(CompilerKind kind) {
   static std::mutex mu;
   static std::map<std::string, std::string> memo;
-  std::string tag = kind == CompilerKind::kNvcc ? "nvcc:" + nvcc_path() : "nvrtc";
+  const std::string ccbin = detail::env("NVCC_CCBIN");
+  std::string tag = kind == CompilerKind::kNvcc ? "nvcc:" + nvcc_path() + ":" + ccbin : "nvrtc";
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = memo.find(tag);
@@ -130,16 +185,17 @@ std::string compiler_identity(CompilerKind kind) {
     std::istringstream is(r.output);
     for (std::string line; std::getline(is, line);)
       if (line.find("Copyright") == std::string::npos) version += line + "\n";
-    auto host = detail::run_process({"g++", "--version"});
+    auto host = detail::run_process({ccbin.empty() ? std::string("g++") : ccbin, "--version"});
     id = "nvcc\n" + version + "host: " + (host.exit_code == 0 ? first_line(host.output) : "unknown");
   } else {
-    // nvrtcVersion gives major.minor only; the library sizes tell patch releases apart without
-    // naming a path (so the key is the same on every machine with the same NVRTC).
+    // nvrtcVersion gives major.minor only; the content hashes of the library actually loaded and
+    // of its builtins tell patch releases apart without naming a path (so the key is the same on
+    // every machine with the same NVRTC). Hashed once per process (memo below).
     const auto& api = detail::nvrtc();
     std::string builtins = join(dirname(api.path), "libnvrtc-builtins.so." + std::to_string(api.major) +
                                                        "." + std::to_string(api.minor));
     id = "nvrtc " + std::to_string(api.major) + "." + std::to_string(api.minor) + " " +
-         file_size_tag(api.path) + " " + file_size_tag(builtins);
+         file_content_tag(api.path) + " " + file_content_tag(builtins);
   }
   std::lock_guard<std::mutex> lock(mu);
   memo[tag] = id;
@@ -179,7 +235,7 @@ Plan make_plan(const CompileRequest& req) {
   p.short_name = basename(p.program_name);
 
   CompilerKind kind = req.compiler;
-  if (kind == CompilerKind::kAuto) kind = parse_compiler_kind(detail::env("TDIST_JIT_COMPILER"));
+  if (kind == CompilerKind::kAuto) kind = parse_compiler_kind(env::choice("TDIST_JIT_COMPILER", "auto", {"auto", "nvrtc", "nvcc"}));
 
   // Options that enter the key. -I and -arch have their own fields.
   bool user_std = false, debug = false;
@@ -292,6 +348,8 @@ Plan make_plan(const CompileRequest& req) {
   if (debug) h.field("program", absolute(p.program_name));
   h.field("source", p.source);
   for (const auto& o : p.options) h.field("option", o);
+  if (kind == CompilerKind::kNvcc)
+    for (const char* var : kNvccEnv) h.field(var, detail::env(var));
   for (const auto& e : req.name_expressions) h.field("name", e);
   for (const auto& inc : p.scan.headers) {
     h.field("include", inc.spelled);

@@ -1,6 +1,8 @@
 // Internals of tdist::jit shared between its source files; not installed.
 #pragma once
 
+#include <sys/stat.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -11,7 +13,7 @@ namespace tdist::jit::detail {
 
 // ---- environment
 std::string env(const char* name);            // "" when unset
-bool env_flag(const char* name);              // set and not "0"/"false"/"off"/""
+bool env_flag(const char* name);              // tdist::env::flag: unset/empty false; else 1/0/true/... strictly
 
 // ---- files
 bool file_exists(const std::string& path);
@@ -19,7 +21,19 @@ bool is_dir(const std::string& path);
 std::string dirname(const std::string& path);   // "." for a bare name
 std::string basename(const std::string& path);
 std::string join(const std::string& a, const std::string& b);
-void make_dirs(const std::string& path);         // mkdir -p; throws tdist::Error
+void make_dirs(const std::string& path);         // mkdir -p, new folders 0700; throws tdist::Error
+
+// ---- trust: the cache loads only what this user wrote
+enum class Trust { ok, missing, untrusted };
+// ok when `st` belongs to this effective user and no other user can write it (no group/other
+// write bit); else untrusted, with `why` naming the owner or the mode.
+Trust trust_of(const struct ::stat& st, const std::string& path, std::string& why);
+// The same for a path: `follow` follows a final symlink (the cache root may be one); without it
+// a symlink is untrusted. missing when the path does not exist.
+Trust trust_path(const std::string& path, bool follow, std::string& why);
+// "ignoring <what>: <why>" as a stderr warning, once per `what` (a folder, or the entries of one
+// folder); later calls with the same `what` stay silent.
+void warn_untrusted_once(const std::string& what, const std::string& why);
 // A fresh private folder under $TMPDIR (or /tmp); removed by remove_tree.
 std::string make_temp_dir(const std::string& prefix);
 void remove_tree(const std::string& path);

@@ -5,10 +5,17 @@
 #include <limits.h>
 #include <nccl.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 
 #include <mutex>
 
 #include "detail.hpp"
+#include "tdist/common/error.hpp"
 
 namespace tdist::jit {
 namespace {
@@ -146,6 +153,41 @@ std::string nccl_include_dir() {
   return "";
 }
 
+namespace {
+
+// The last resort when neither XDG_CACHE_HOME nor HOME is set: $TMPDIR (else /tmp)/tdist-cache-<uid>.
+// That folder is shared, so another user may have created the name first (and planted kernels in
+// it): it is used only when this user owns it and nobody else can enter it.
+std::string private_tmp_cache_dir() {
+  std::string base = env("TMPDIR");
+  if (base.empty() || base[0] != '/') base = "/tmp";
+  const std::string dir = join(base, "tdist-cache-" + std::to_string(::geteuid()));
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    TDIST_FAIL("cannot create the JIT cache folder '", dir, "': ", std::strerror(errno),
+               "; set TDIST_CACHE_DIR to a private folder");
+  struct ::stat st;
+  if (::lstat(dir.c_str(), &st) != 0)
+    TDIST_FAIL("cannot inspect the JIT cache folder '", dir, "': ", std::strerror(errno),
+               "; set TDIST_CACHE_DIR to a private folder");
+  std::string why;
+  if (!S_ISDIR(st.st_mode)) why = dir + " is not a folder (a symbolic link or a file)";
+  else if (st.st_uid != ::geteuid())
+    why = dir + " is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
+          std::to_string(::geteuid()) + ")";
+  else if ((st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", unsigned(st.st_mode & 07777));
+    why = dir + " has mode " + mode + ", expected 0700";
+  }
+  if (!why.empty())
+    TDIST_FAIL("refusing the JIT cache folder: ", why,
+               ". Kernels in it could come from another user; set TDIST_CACHE_DIR (or HOME or "
+               "XDG_CACHE_HOME) to a folder of your own, or remove it and let tdist recreate it");
+  return dir;
+}
+
+}  // namespace
+
 std::string default_cache_dir() {
   std::string e = env("TDIST_CACHE_DIR");
   if (!e.empty()) return e;
@@ -153,7 +195,7 @@ std::string default_cache_dir() {
   if (!e.empty()) return join(e, "tdist");
   e = env("HOME");
   if (!e.empty()) return join(e, ".cache/tdist");
-  return "/tmp/tdist-cache";
+  return private_tmp_cache_dir();
 }
 
 std::string nvcc_path() {

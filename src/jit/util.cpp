@@ -8,15 +8,18 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <ctime>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <tuple>
 
 #include "detail.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/paths.hpp"
@@ -30,10 +33,7 @@ std::string env(const char* name) {
   return v ? std::string(v) : std::string();
 }
 
-bool env_flag(const char* name) {
-  std::string v = env(name);
-  return !(v.empty() || v == "0" || v == "false" || v == "FALSE" || v == "off" || v == "OFF");
-}
+bool env_flag(const char* name) { return tdist::env::flag(name, false); }
 
 bool file_exists(const std::string& path) {
   struct stat st;
@@ -67,8 +67,50 @@ void make_dirs(const std::string& path) {
   if (path.empty() || is_dir(path)) return;
   std::string parent = dirname(path);
   if (parent != path && parent != "." && parent != "/") make_dirs(parent);
-  if (::mkdir(path.c_str(), 0755) != 0 && errno != EEXIST)
+  // Private: the cache must not be writable, nor its entries listable, by other users.
+  if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST)
     TDIST_FAIL("cannot create folder '", path, "': ", std::strerror(errno));
+}
+
+Trust trust_of(const struct ::stat& st, const std::string& path, std::string& why) {
+  const uid_t me = ::geteuid();
+  if (st.st_uid != me) {
+    why = path + " is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
+          std::to_string(me) + ")";
+    return Trust::untrusted;
+  }
+  if (st.st_mode & (S_IWGRP | S_IWOTH)) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", unsigned(st.st_mode & 07777));
+    why = path + " has mode " + mode + ": writable by other users";
+    return Trust::untrusted;
+  }
+  return Trust::ok;
+}
+
+Trust trust_path(const std::string& path, bool follow, std::string& why) {
+  struct ::stat st;
+  if ((follow ? ::stat(path.c_str(), &st) : ::lstat(path.c_str(), &st)) != 0) {
+    why = path + ": " + std::strerror(errno);
+    return errno == ENOENT ? Trust::missing : Trust::untrusted;
+  }
+  if (S_ISLNK(st.st_mode)) {
+    why = path + " is a symbolic link inside the cache";
+    return Trust::untrusted;
+  }
+  return trust_of(st, path, why);
+}
+
+void warn_untrusted_once(const std::string& what, const std::string& why) {
+  static std::mutex mu;
+  static std::set<std::string> warned;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!warned.insert(what).second) return;
+  }
+  std::cerr << "[tdist.jit] warning: ignoring " << what << ": " << why
+            << " (the cache loads only files this user wrote; further ones are ignored silently)"
+            << std::endl;
 }
 
 std::string make_temp_dir(const std::string& prefix) {

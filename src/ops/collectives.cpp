@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "tdist/common/checked.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/compiler.hpp"
@@ -44,7 +45,7 @@ jit::CompileRequest family(const char* header, const char* file_name, std::vecto
 // barrier_pad_words(n) of tdist/device/barrier.cuh, which only CUDA code can include.
 size_t barrier_pad_words(int n) { return static_cast<size_t>(n) + 2; }
 
-size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+size_t round_up(size_t v, size_t a) { return checked_align_up(v, a, "a collectives buffer size rounded up"); }
 
 bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
@@ -55,7 +56,7 @@ struct HeapSizes {
 };
 HeapSizes heap_sizes(int n, size_t max_bytes, size_t ll_bytes, size_t ll128_bytes, int max_blocks, size_t ce_pieces) {
   const size_t u64_bytes = sizeof(device::u64), ranks = static_cast<size_t>(n);
-  return {2 * max_bytes,
+  return {checked_mul<size_t>(2, max_bytes, "the collectives workspace (2 * max_bytes)"),
           static_cast<size_t>(kernels::coll::kPhases) * static_cast<size_t>(max_blocks) * ranks * u64_bytes,
           2 * barrier_pad_words(n) * u64_bytes,
           ce_pieces * ranks * u64_bytes,
@@ -164,7 +165,7 @@ size_t Collectives::heap_bytes(int world_size, size_t max_bytes, int max_blocks,
                                  options.max_blocks > 0 ? options.max_blocks : max_blocks, kCePieces);
   size_t total = 0;
   for (size_t bytes : {s.workspace, s.flags, s.barrier_pads, s.ce_flags, s.ll, s.ll128})
-    total += round_up(bytes, SymmetricHeap::kDefaultAlignment);
+    total = checked_add(total, round_up(bytes, SymmetricHeap::kDefaultAlignment), "the collectives' heap bytes");
   return total;
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 
 namespace tdist {
@@ -36,8 +37,7 @@ void* open_library(const std::string& preferred, const std::string& soname, cons
 
 // TDIST_CUBLAS_LIBRARY, or "".
 std::string cublas_env() {
-  const char* env = std::getenv("TDIST_CUBLAS_LIBRARY");
-  return env ? env : "";
+  return env::text("TDIST_CUBLAS_LIBRARY");
 }
 
 template <typename F>

@@ -13,6 +13,7 @@
 #include <cstdlib>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/autotune.hpp"
 #include "tdist/jit/registry.hpp"
@@ -123,8 +124,7 @@ jit::CompileRequest gemm_instance_request(const GemmTile& tile, const char* hook
   r.name_expressions = {gemm_instance_name(DType::kBFloat16, tile, hooks_type, scheduler_type),
                         gemm_instance_name(DType::kFloat16, tile, hooks_type, scheduler_type)};
   r.arch = "sm_90a";  // wgmma, TMA and setmaxnreg are sm_90a-only
-  const char* debug = std::getenv("TDIST_GEMM_DEBUG");
-  if (debug && *debug && std::string(debug) != "0") r.defines.push_back("TDIST_GEMM_DEBUG");
+  if (env::flag("TDIST_GEMM_DEBUG")) r.defines.push_back("TDIST_GEMM_DEBUG");
   return r;
 }
 

@@ -3,26 +3,27 @@
 #include <cuda_runtime_api.h>
 
 #include <cctype>
+#include <charconv>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <sstream>
 
 #include "src/runtime/lsa_pointers.hpp"
+#include "tdist/common/checked.hpp"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/env.hpp"
 
 namespace tdist {
 namespace {
 
 constexpr size_t kHeapGranularity = 2ull << 20;  // NVLink mappings are made in 2 MiB pages
 constexpr size_t kDefaultCapacity = 1ull << 30;
-
-size_t align_up(size_t value, size_t alignment) { return (value + alignment - 1) / alignment * alignment; }
+constexpr size_t kMaxCapacity = 1ull << 40;  // 1 TiB: far above any GPU's memory, far below overflow
 
 size_t capacity_from_env() {
-  const char* text = std::getenv("TDIST_SYMMETRIC_HEAP_SIZE");
-  if (text == nullptr || *text == '\0') return kDefaultCapacity;
-  return SymmetricHeap::parse_size(text, "TDIST_SYMMETRIC_HEAP_SIZE");
+  return env::size("TDIST_SYMMETRIC_HEAP_SIZE", kDefaultCapacity, 1, kMaxCapacity);
 }
 
 // The request every rank must agree on, exchanged before a collective allocation commits.
@@ -42,15 +43,38 @@ size_t SymmetricHeap::parse_size(const std::string& text, const std::string& wha
   else if (suffix == "K" || suffix == "k") unit = 1ull << 10;
   else if (suffix == "M" || suffix == "m") unit = 1ull << 20;
   else if (suffix == "G" || suffix == "g") unit = 1ull << 30;
-  if (digits == 0 || digits > 15 || unit == 0)
+  if (digits == 0 || unit == 0)
     TDIST_FAIL(what, "='", text, "': expected a byte count with an optional K, M or G suffix, e.g. 512M");
-  const size_t value = std::stoull(text.substr(0, digits)) * unit;
+  uint64_t count = 0;
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + digits, count);
+  // Checked before multiplying: 17179869185G must not wrap around to 1 GiB.
+  if (ec != std::errc() || ptr != text.data() + digits || count > SIZE_MAX / unit)
+    TDIST_FAIL(what, "='", text, "': the size does not fit in 64 bits");
+  const size_t value = count * unit;
   if (value == 0) TDIST_FAIL(what, "='", text, "': expected a size above zero");
   return value;
 }
 
+size_t SymmetricHeap::array_bytes(size_t count, size_t element_size) {
+  return checked_mul(count, element_size, "the byte size of a symmetric array (count * element size)");
+}
+
+std::optional<size_t> SymmetricHeap::first_fit(const std::map<size_t, size_t>& free_blocks, size_t bytes,
+                                               size_t alignment) {
+  for (const auto& [block, block_bytes] : free_blocks) {
+    // In differences, never sums: a size near 2^64 must not wrap around and "fit".
+    const size_t end = block + block_bytes;
+    const size_t rem = block % alignment;
+    if (rem != 0 && alignment - rem >= block_bytes) continue;
+    const size_t aligned = rem == 0 ? block : block + (alignment - rem);
+    if (bytes <= end - aligned) return aligned;
+  }
+  return std::nullopt;
+}
+
 SymmetricHeap::SymmetricHeap(World& world, size_t capacity) : world_(world) {
-  capacity_ = align_up(capacity == 0 ? capacity_from_env() : capacity, kHeapGranularity);
+  capacity_ = checked_align_up(capacity == 0 ? capacity_from_env() : capacity, kHeapGranularity,
+                               "the symmetric heap capacity rounded up to 2 MiB");
   world_.check_same_on_all_ranks("symmetric heap capacity (bytes)", std::to_string(capacity_));
   TDIST_CHECK(world_.lsa_size() <= device::kMaxLsaRanks, "the load/store team has ", world_.lsa_size(),
               " ranks; SymmetricHeapView addresses at most ", device::kMaxLsaRanks);
@@ -95,16 +119,9 @@ void* SymmetricHeap::allocate(size_t bytes, size_t alignment) {
                   "expected a power of two, got ", alignment);
 
   // First fit in offset order: the same history gives the same offset on every rank.
-  auto chosen = free_blocks_.end();
-  size_t offset = 0;
-  for (auto it = free_blocks_.begin(); it != free_blocks_.end(); ++it) {
-    const size_t aligned = align_up(it->first, alignment);
-    if (aligned + bytes <= it->first + it->second) {
-      chosen = it;
-      offset = aligned;
-      break;
-    }
-  }
+  const std::optional<size_t> fit = first_fit(free_blocks_, bytes, alignment);
+  auto chosen = fit ? std::prev(free_blocks_.upper_bound(*fit)) : free_blocks_.end();
+  const size_t offset = fit.value_or(0);
   const bool fits = chosen != free_blocks_.end();
   const AllocRequest mine{bytes, alignment, fits ? offset : UINT64_MAX};
   const auto all = world_.all_gather("symmetric allocation", Bytes(reinterpret_cast<const uint8_t*>(&mine),

@@ -26,6 +26,8 @@
 #include <thread>
 
 #include "tcp_store_server.hpp"
+#include "tdist/common/env.hpp"
+#include "tdist/jit/hash.hpp"
 #include "tcp_store_wire.hpp"
 
 namespace tdist {
@@ -50,6 +52,23 @@ std::string format_rank_list(const std::vector<int>& sorted_ranks) {
     i = j + 1;
   }
   return out;
+}
+
+Bytes auth_token(const std::string& secret) {
+  if (secret.empty()) return {};
+  jit::Sha256 h;
+  h.field("tdist.store.auth.v1", secret);
+  const jit::Digest d = h.finish();
+  return Bytes(d.begin(), d.end());
+}
+
+bool constant_time_equal(const Bytes& a, const Bytes& b) {
+  if (a.size() != b.size()) return false;
+  uint8_t diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<uint8_t>(a[i] ^ b[i]);
+  // Through a volatile so that the compiler cannot turn the loop into an early-exit compare.
+  volatile uint8_t result = diff;
+  return result == 0;
 }
 
 }  // namespace store
@@ -81,17 +100,23 @@ std::vector<int> as_ranks(const std::vector<uint32_t>& indices) {
 }  // namespace
 
 std::chrono::milliseconds TcpStoreOptions::default_timeout() {
-  const char* text = std::getenv("TDIST_HOST_TIMEOUT_S");
-  if (text == nullptr) return kDefaultTimeout;
-  char* end = nullptr;
-  const double seconds = std::strtod(text, &end);
-  const bool well_formed = *text != '\0' && !std::isspace(static_cast<unsigned char>(*text)) &&
-                           end != text && *end == '\0' && std::isfinite(seconds);
-  if (!well_formed || seconds <= 0 || seconds > 1e9)
-    TDIST_FAIL("environment variable TDIST_HOST_TIMEOUT_S='", text,
-               "' is invalid: expected a positive number of seconds (at most 1e9), e.g. 300 or 2.5");
+  const double seconds = env::seconds("TDIST_HOST_TIMEOUT_S", std::chrono::duration<double>(kDefaultTimeout).count(),
+                                      env::kMinTimeoutSeconds, env::kMaxTimeoutSeconds);
   return std::chrono::milliseconds(static_cast<int64_t>(std::ceil(seconds * 1000.0)));
 }
+
+std::string TcpStoreOptions::default_secret() {
+  if (auto secret = env::get("TDIST_STORE_SECRET")) return "secret:" + *secret;
+  // Identity, not secrecy: a launcher's job id tells two jobs apart on one port. Each source is
+  // tagged, so that ids of two launchers cannot coincide.
+  std::string id;
+  for (const char* var : {"TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "OMPI_MCA_ess_base_jobid",
+                          "PMIX_NAMESPACE"})
+    if (auto v = env::get(var)) id += std::string(var) + "=" + *v + ";";
+  return id.empty() ? std::string() : "job:" + id;
+}
+
+std::string TcpStoreOptions::default_bind() { return env::text("TDIST_STORE_BIND"); }
 
 struct TcpStore::Impl {
   TcpStoreOptions opt;
@@ -116,6 +141,9 @@ struct TcpStore::Impl {
   }
 
   void connect(Clock::time_point deadline);
+  // The join handshake; false when the server closed the connection before answering (it makes
+  // room for new connections by closing old ones that have not joined): connect and try again.
+  bool try_handshake(Clock::time_point deadline);
   void join(Clock::time_point deadline);
   void send_frame(const Bytes& frame, Clock::time_point deadline, const std::string& what);
   Bytes receive_frame(Clock::time_point deadline, const std::string& what);
@@ -128,7 +156,8 @@ struct TcpStore::Impl {
   // whose message ends with describe_missing(indices of the keys still missing).
   using DescribeMissing = std::function<std::string(const std::vector<uint32_t>&)>;
   std::vector<Bytes> wait_for(const std::vector<std::string>& keys, bool want_values,
-                              const std::string& what, const DescribeMissing& describe_missing);
+                              const std::string& what, const DescribeMissing& describe_missing,
+                              std::chrono::milliseconds timeout);
   void goodbye() noexcept;
 };
 
@@ -259,20 +288,35 @@ Bytes TcpStore::Impl::receive_frame(Clock::time_point deadline, const std::strin
 Bytes TcpStore::Impl::request(Bytes frame, Clock::time_point reply_deadline, const std::string& what) {
   if (!broken.empty())
     TDIST_FAIL(who, ": ", what, " refused: the connection to the store is unusable since: ", broken);
+  if (frame.size() - 4 > kMaxRequestBytes)
+    TDIST_FAIL(who, ": ", what, ": the request has ", frame.size() - 4, " bytes, above the store's limit of ",
+               kMaxRequestBytes, " bytes (the store is for bootstrap data; exchange large data through NCCL)");
   send_frame(frame, reply_deadline, what);
   return receive_frame(reply_deadline, what);
 }
 
-void TcpStore::Impl::join(Clock::time_point deadline) {
+bool TcpStore::Impl::try_handshake(Clock::time_point deadline) {
   const std::string what = "the join handshake";
-  Bytes reply = request(Writer()
-                            .u8(uint8_t(Op::join))
-                            .u32(kMagic)
-                            .u32(kVersion)
-                            .i32(opt.rank)
-                            .i32(opt.world_size)
-                            .frame(),
-                        deadline, what);
+  const Bytes frame = Writer()
+                          .u8(uint8_t(Op::join))
+                          .u32(kMagic)
+                          .u32(kVersion)
+                          .i32(opt.rank)
+                          .i32(opt.world_size)
+                          .blob(auth_token(opt.secret))
+                          .frame();
+  Bytes reply;
+  try {
+    reply = request(frame, deadline, what);
+  } catch (const TimeoutError&) {
+    throw;
+  } catch (const Error&) {
+    if (!broken.empty() && Clock::now() < deadline) {
+      broken.clear();  // closed before any reply: a fresh connection is as good as new
+      return false;
+    }
+    throw;
+  }
   try {
     Reader r(reply.data(), reply.size());
     const auto status = Status(r.u8());
@@ -283,6 +327,17 @@ void TcpStore::Impl::join(Clock::time_point deadline) {
     fail_connection(who + ": the process at " + master + " is not a tdist store "
                     "(is MASTER_PORT the port of another service?)");
   }
+  return true;
+}
+
+void TcpStore::Impl::join(Clock::time_point deadline) {
+  auto backoff = std::chrono::milliseconds(10);
+  while (!try_handshake(deadline)) {
+    std::this_thread::sleep_for(backoff);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(200));
+    connect(deadline);
+  }
+  Bytes reply;
 
   // Everyone meets before the constructor returns, so a missing rank shows up here, by number.
   const auto server_timeout = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
@@ -315,12 +370,13 @@ bool TcpStore::Impl::set(const std::string& key, const Bytes& value, bool exclus
 
 std::vector<Bytes> TcpStore::Impl::wait_for(const std::vector<std::string>& keys, bool want_values,
                                             const std::string& what,
-                                            const DescribeMissing& describe_missing) {
+                                            const DescribeMissing& describe_missing,
+                                            std::chrono::milliseconds timeout) {
   Writer w;
-  w.u8(uint8_t(Op::wait)).u64(uint64_t(opt.timeout.count())).u8(want_values ? 1 : 0);
+  w.u8(uint8_t(Op::wait)).u64(uint64_t(timeout.count())).u8(want_values ? 1 : 0);
   w.u32(uint32_t(keys.size()));
   for (const auto& k : keys) w.str(k);
-  Bytes reply = request(w.frame(), deadline_after(opt.timeout + kReplyGrace), what);
+  Bytes reply = request(w.frame(), deadline_after(timeout + kReplyGrace), what);
   Reader r(reply.data(), reply.size());
   const auto status = Status(r.u8());
   if (status == Status::error) TDIST_FAIL(who, ": ", what, " failed: ", r.str());
@@ -358,7 +414,14 @@ TcpStore::TcpStore(const TcpStoreOptions& options) {
   auto impl = std::make_unique<Impl>(options);
   const auto deadline = deadline_after(options.timeout);
   if (options.rank == 0) {
-    impl->server = std::make_unique<StoreServer>(options.host, options.port, options.world_size);
+    StoreServer::Config config;
+    config.host = options.host;
+    config.bind = options.bind;
+    config.port = options.port;
+    config.world_size = options.world_size;
+    config.auth = auth_token(options.secret);
+    config.handshake_timeout = std::min(kHandshakeTimeout, options.timeout);
+    impl->server = std::make_unique<StoreServer>(config);
     impl->server->start();
   }
   impl->connect(deadline);
@@ -387,13 +450,13 @@ Bytes TcpStore::get(const std::string& key) {
   const std::vector<std::string> keys{key};
   return impl_->wait_for(keys, true, "get('" + key + "')", [&](const std::vector<uint32_t>& missing) {
     return "missing key: " + quoted_list(keys, missing);
-  }).at(0);
+  }, impl_->opt.timeout).at(0);
 }
 
 void TcpStore::wait(const std::vector<std::string>& keys) {
   impl_->wait_for(keys, false, "wait", [&](const std::vector<uint32_t>& missing) {
     return "missing keys: " + quoted_list(keys, missing);
-  });
+  }, impl_->opt.timeout);
 }
 
 bool TcpStore::check(const std::vector<std::string>& keys) {
@@ -436,7 +499,7 @@ std::vector<Bytes> TcpStore::all_gather(const std::string& tag, const Bytes& min
                "used once per job, so make it unique (e.g. add a counter suffix)");
   return impl_->wait_for(keys, true, what, [](const std::vector<uint32_t>& missing) {
     return "ranks that never arrived: " + format_rank_list(as_ranks(missing));
-  });
+  }, impl_->opt.timeout);
 }
 
 void TcpStore::barrier(const std::string& tag) {
@@ -447,7 +510,19 @@ void TcpStore::barrier(const std::string& tag) {
                "once per job, so make it unique (e.g. add a counter suffix)");
   impl_->wait_for(keys, false, what, [](const std::vector<uint32_t>& missing) {
     return "ranks that never arrived: " + format_rank_list(as_ranks(missing));
-  });
+  }, impl_->opt.timeout);
+}
+
+void TcpStore::check_alive() {
+  // A wait that expires at once on a key nobody sets: the server answers a wait with the dead
+  // ranks before anything else, else with "timeout", which here means "all alive".
+  const std::vector<std::string> keys{kInternalPrefix + "never_set"};
+  try {
+    impl_->wait_for(keys, false, "check_alive", [](const std::vector<uint32_t>&) { return std::string(); },
+                    std::chrono::milliseconds(0));
+  } catch (const TimeoutError&) {
+    if (!impl_->broken.empty()) throw;  // no answer at all: rank 0 is gone or hung
+  }
 }
 
 }  // namespace tdist

@@ -56,17 +56,21 @@ void raise_fd_limit(int world_size) {
 
 }  // namespace
 
-StoreServer::StoreServer(const std::string& host, int port, int world_size)
-    : world_size_(world_size), where_(host + ":" + std::to_string(port)),
-      ranks_(static_cast<size_t>(world_size), RankState::absent) {
+StoreServer::StoreServer(const Config& config)
+    : world_size_(config.world_size), where_(config.host + ":" + std::to_string(config.port)),
+      auth_(config.auth), handshake_timeout_(config.handshake_timeout),
+      ranks_(static_cast<size_t>(config.world_size), RankState::absent) {
+  const bool explicit_bind = !config.bind.empty();
+  const std::string& listen_host = explicit_bind ? config.bind : config.host;
+  const std::string what = explicit_bind ? "TDIST_STORE_BIND" : "MASTER_ADDR";
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* found = nullptr;
-  int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  int rc = ::getaddrinfo(listen_host.c_str(), std::to_string(config.port).c_str(), &hints, &found);
   if (rc != 0)
-    TDIST_FAIL("TcpStore rank 0 cannot resolve its listen address '", host, "' (MASTER_ADDR): ",
+    TDIST_FAIL("TcpStore rank 0 cannot resolve its listen address '", listen_host, "' (", what, "): ",
                ::gai_strerror(rc));
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(found, ::freeaddrinfo);
 
@@ -77,32 +81,20 @@ StoreServer::StoreServer(const std::string& host, int port, int world_size)
     if (fd < 0 && errno == EADDRINUSE) fail_port_in_use(where_);
     if (fd < 0) last_err = errno;
   }
-  if (fd < 0) {
-    // host is not an address of this machine (a NAT or DNS alias): listen on all interfaces.
-    sockaddr_storage any{};
-    socklen_t len = 0;
-    if (found->ai_family == AF_INET6) {
-      auto* a6 = reinterpret_cast<sockaddr_in6*>(&any);
-      a6->sin6_family = AF_INET6;
-      a6->sin6_addr = in6addr_any;
-      a6->sin6_port = htons(static_cast<uint16_t>(port));
-      len = sizeof(sockaddr_in6);
-    } else {
-      auto* a4 = reinterpret_cast<sockaddr_in*>(&any);
-      a4->sin_family = AF_INET;
-      a4->sin_addr.s_addr = htonl(INADDR_ANY);
-      a4->sin_port = htons(static_cast<uint16_t>(port));
-      len = sizeof(sockaddr_in);
-    }
-    fd = try_listen(reinterpret_cast<sockaddr*>(&any), len);
-    if (fd < 0 && errno == EADDRINUSE) fail_port_in_use(where_);
-    if (fd < 0)
-      TDIST_FAIL("TcpStore rank 0 cannot listen on ", where_, " (", errno_text(last_err),
-                 ") nor on all interfaces (", errno_text(errno), ")");
-  }
+  // Never widen to all interfaces behind the user's back: that would expose the store on every
+  // network this machine is on. Listening elsewhere than MASTER_ADDR must be asked for.
+  if (fd < 0 && last_err == EADDRNOTAVAIL)
+    TDIST_FAIL("TcpStore rank 0 cannot listen on '", listen_host, "' (", what, "): it is not an address "
+               "of this machine. Rank 0 must run on the host that ", what, " names", explicit_bind ? "" :
+               "; to listen on another local address, or on all interfaces behind NAT or a DNS alias, "
+               "set TDIST_STORE_BIND (e.g. TDIST_STORE_BIND=0.0.0.0, which exposes the store on every "
+               "network of this machine)");
+  if (fd < 0)
+    TDIST_FAIL("TcpStore rank 0 cannot listen on ", listen_host, ":", config.port, " (", what, "): ",
+               errno_text(last_err));
   listen_fd_ = Fd(fd);
 
-  raise_fd_limit(world_size);
+  raise_fd_limit(world_size_);
 
   wake_fd_ = Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!wake_fd_.valid()) TDIST_FAIL("eventfd failed: ", errno_text(errno));
@@ -143,6 +135,7 @@ void StoreServer::serve_loop() {
     for (auto& c : conns_)
       if (c->pending && !c->closed) answer_pending(*c, now);
     state_changed_ = false;
+    close_expired_handshakes(now);
     std::erase_if(conns_, [](const auto& c) { return c->closed; });
 
     if (stop_requested_.load()) {
@@ -156,10 +149,14 @@ void StoreServer::serve_loop() {
     fds.push_back({wake_fd_.get(), POLLIN, 0});
     Clock::time_point next_deadline = Clock::time_point::max();
     for (auto& c : conns_) {
-      short events = c->close_after_send ? 0 : POLLIN;
-      if (c->out_sent < c->out.size()) events |= POLLOUT;
+      // A client is read only once its last reply is out: one that sends without reading cannot
+      // make the server queue replies without bound.
+      const bool sending = c->out_sent < c->out.size();
+      short events = c->close_after_send || sending ? 0 : POLLIN;
+      if (sending) events |= POLLOUT;
       fds.push_back({c->fd.get(), events, 0});
       if (c->pending) next_deadline = std::min(next_deadline, c->pending->deadline);
+      if (c->rank < 0) next_deadline = std::min(next_deadline, c->accepted + handshake_timeout_);
     }
     if (stop_requested_.load())
       next_deadline = std::min(next_deadline, Clock::time_point{Clock::duration(linger_until_.load())});
@@ -213,39 +210,86 @@ void StoreServer::accept_clients() {
     }
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    make_room_for_a_connection();
     auto c = std::make_unique<Conn>();
     c->fd = Fd(fd);
+    c->accepted = Clock::now();
     conns_.push_back(std::move(c));
   }
 }
 
-void StoreServer::read_from(Conn& c) {
-  uint8_t buf[65536];
-  bool hung_up = false;
-  while (true) {
-    ssize_t n = ::recv(c.fd.get(), buf, sizeof(buf), 0);
-    if (n > 0) {
-      c.in.insert(c.in.end(), buf, buf + n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    hung_up = !(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK));  // EOF or a reset
-    break;
+void StoreServer::make_room_for_a_connection() {
+  // Every real rank sends its join right after connecting, so the oldest connection that has not
+  // joined is the likeliest idle one; a real rank closed here reconnects (TcpStore retries).
+  const size_t cap = static_cast<size_t>(world_size_) + kMaxUnjoinedExtra;
+  size_t unjoined = 0;
+  Conn* oldest = nullptr;
+  for (auto& c : conns_) {
+    if (c->closed || c->rank >= 0) continue;
+    ++unjoined;
+    if (oldest == nullptr || c->accepted < oldest->accepted) oldest = c.get();
   }
-  // Frames that arrived before a hang-up still count: a clean shutdown is a frame then EOF.
-  size_t consumed = 0;
-  while (!c.closed && !c.close_after_send && c.in.size() - consumed >= 4) {
-    const uint32_t len = frame_length(c.in.data() + consumed);
-    if (len > kMaxFrameBytes) {
-      close_conn(c);  // not a tdist client
+  if (unjoined >= cap && oldest != nullptr) {
+    if (!warned_crowded_)
+      std::fprintf(stderr,
+                   "tdist: TcpStore at %s: more than %zu connections have not joined; closing the "
+                   "oldest ones (is something else connecting to this port?)\n",
+                   where_.c_str(), cap);
+    warned_crowded_ = true;
+    close_conn(*oldest);
+  }
+}
+
+void StoreServer::close_expired_handshakes(Clock::time_point now) {
+  for (auto& c : conns_)
+    if (!c->closed && c->rank < 0 && now >= c->accepted + handshake_timeout_) close_conn(*c);
+}
+
+void StoreServer::read_from(Conn& c) {
+  // Reads one frame at a time, never more than its length asks for, so that memory held for a
+  // connection is bounded by the frame limits, whatever the peer sends.
+  uint8_t buf[65536];
+  while (!c.closed && !c.close_after_send && c.out_sent == c.out.size()) {
+    size_t want = sizeof(buf);
+    if (c.discard_left > 0) want = std::min<uint64_t>(c.discard_left, sizeof(buf));
+    else if (c.in.size() < 4) want = 4 - c.in.size();
+    else want = std::min<size_t>(4 + frame_length(c.in.data()) - c.in.size(), sizeof(buf));
+    const ssize_t n = ::recv(c.fd.get(), buf, want, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+    if (n <= 0) {  // EOF or a reset: frames before it were handled already (a goodbye, say)
+      close_conn(c);
       return;
     }
-    if (c.in.size() - consumed - 4 < len) break;
-    handle_frame(c, c.in.data() + consumed + 4, len);
-    consumed += 4 + len;
+    if (c.discard_left > 0) {
+      c.discard_left -= static_cast<uint64_t>(n);
+      if (c.discard_left == 0) reply_error(c, c.discard_error);
+      continue;
+    }
+    c.in.insert(c.in.end(), buf, buf + n);
+    if (c.in.size() < 4) continue;
+    const uint32_t len = frame_length(c.in.data());
+    if (c.in.size() == 4) {
+      // The length is checked as soon as it arrives, before any of the payload is kept.
+      if (c.rank < 0 && len > kMaxJoinFrameBytes) {
+        close_conn(c);  // not a tdist client: a join is a few dozen bytes
+        return;
+      }
+      if (len > kMaxRequestBytes) {
+        c.in.clear();
+        c.discard_left = len;
+        c.discard_error = "a request of " + std::to_string(len) + " bytes exceeds the store's limit of " +
+                          std::to_string(kMaxRequestBytes) + " bytes (the store is for bootstrap data; "
+                          "exchange large data through NCCL)";
+        continue;
+      }
+    }
+    if (c.in.size() == 4 + size_t(len)) {
+      const Bytes frame = std::move(c.in);
+      c.in.clear();
+      handle_frame(c, frame.data() + 4, len);
+    }
   }
-  if (!c.closed) c.in.erase(c.in.begin(), c.in.begin() + static_cast<ptrdiff_t>(consumed));
-  if (hung_up) close_conn(c);
 }
 
 void StoreServer::handle_frame(Conn& c, const uint8_t* data, size_t size) {
@@ -254,66 +298,72 @@ void StoreServer::handle_frame(Conn& c, const uint8_t* data, size_t size) {
     const auto op = static_cast<Op>(r.u8());
     // Before the handshake only a join is accepted; a client has at most one request in flight.
     if ((c.rank < 0) != (op == Op::join) || c.pending) throw ProtocolError("unexpected request");
-    switch (op) {
-      case Op::join:
-        handle_join(c, r);
-        return;
-      case Op::join_barrier: {
-        Pending p;
-        p.for_join = true;
-        p.deadline = deadline_after(read_timeout(r));
-        c.pending = std::move(p);
-        state_changed_ = true;  // check it on the next pass: everyone may have joined already
-        return;
-      }
-      case Op::set: {
-        std::string key = r.str();
-        Bytes value = r.blob();
-        const bool exclusive = r.u8() != 0;
-        if (exclusive && kv_.count(key)) {
-          reply_error(c, "key '" + key + "' is already present");
-          return;
-        }
-        kv_[std::move(key)] = std::move(value);
-        state_changed_ = true;
-        reply(c, Writer().u8(uint8_t(Status::ok)).frame());
-        return;
-      }
-      case Op::wait: {
-        Pending p;
-        p.deadline = deadline_after(read_timeout(r));
-        p.want_values = r.u8() != 0;
-        const uint32_t n = r.u32();
-        for (uint32_t i = 0; i < n; ++i) p.keys.push_back(r.str());
-        c.pending = std::move(p);
-        state_changed_ = true;  // check it on the next pass, it may be satisfied already
-        return;
-      }
-      case Op::check: {
-        const uint32_t n = r.u32();
-        bool all_present = true;
-        for (uint32_t i = 0; i < n; ++i) all_present = kv_.count(r.str()) && all_present;
-        reply(c, Writer().u8(uint8_t(Status::ok)).u8(all_present ? 1 : 0).frame());
-        return;
-      }
-      case Op::add:
-        handle_add(c, r);
-        return;
-      case Op::shutdown:
-        c.said_goodbye = true;
-        return;
-    }
-    throw ProtocolError("unknown request");
+    handle_request(c, r, op);
   } catch (const ProtocolError&) {
     close_conn(c);  // garbage on the port; a joined rank sending it counts as dead
+  } catch (const std::exception& e) {
+    // Out of memory, say: this request fails, the store and the other ranks carry on.
+    if (c.rank < 0) close_conn(c);
+    else reply_error(c, std::string("the store could not serve this request: ") + e.what());
   }
+}
+
+void StoreServer::handle_request(Conn& c, Reader& r, Op op) {
+  switch (op) {
+    case Op::join:
+      handle_join(c, r);
+      return;
+    case Op::join_barrier: {
+      Pending p;
+      p.for_join = true;
+      p.deadline = deadline_after(read_timeout(r));
+      c.pending = std::move(p);
+      state_changed_ = true;  // check it on the next pass: everyone may have joined already
+      return;
+    }
+    case Op::set: {
+      std::string key = r.str();
+      Bytes value = r.blob();
+      const bool exclusive = r.u8() != 0;
+      if (exclusive && kv_.count(key)) {
+        reply_error(c, "key '" + key + "' is already present");
+        return;
+      }
+      kv_[std::move(key)] = std::move(value);
+      state_changed_ = true;
+      reply(c, Writer().u8(uint8_t(Status::ok)).frame());
+      return;
+    }
+    case Op::wait: {
+      Pending p;
+      p.deadline = deadline_after(read_timeout(r));
+      p.want_values = r.u8() != 0;
+      const uint32_t n = r.u32();
+      for (uint32_t i = 0; i < n; ++i) p.keys.push_back(r.str());
+      c.pending = std::move(p);
+      state_changed_ = true;  // check it on the next pass, it may be satisfied already
+      return;
+    }
+    case Op::check: {
+      const uint32_t n = r.u32();
+      bool all_present = true;
+      for (uint32_t i = 0; i < n; ++i) all_present = kv_.count(r.str()) && all_present;
+      reply(c, Writer().u8(uint8_t(Status::ok)).u8(all_present ? 1 : 0).frame());
+      return;
+    }
+    case Op::add:
+      handle_add(c, r);
+      return;
+    case Op::shutdown:
+      c.said_goodbye = true;
+      return;
+  }
+  throw ProtocolError("unknown request");
 }
 
 void StoreServer::handle_join(Conn& c, Reader& r) {
   if (r.u32() != kMagic) throw ProtocolError("bad magic");
   const uint32_t version = r.u32();
-  const int rank = r.i32();
-  const int world = r.i32();
   auto refuse = [&](const std::string& why) {
     c.close_after_send = true;  // the store goes on serving the legitimate ranks
     reply_error(c, why);
@@ -321,6 +371,15 @@ void StoreServer::handle_join(Conn& c, Reader& r) {
   if (version != kVersion)
     return refuse("store protocol version " + std::to_string(version) + " differs from rank 0's " +
                   std::to_string(kVersion) + " (are all ranks running the same tdist build?)");
+  const int rank = r.i32();
+  const int world = r.i32();
+  const Bytes auth = r.blob();
+  // First, before anything about this job is said: a process of another job learns nothing.
+  if (!constant_time_equal(auth, auth_))
+    return refuse("this process does not belong to the job of rank 0's store at " + where_ +
+                  ": its job secret differs (TDIST_STORE_SECRET, or the launcher's job id). Another "
+                  "job may be using this MASTER_PORT, or the ranks were started with different "
+                  "secrets");
   if (world != world_size_)
     return refuse("this process has world size " + std::to_string(world) +
                   " but rank 0's store at " + where_ + " was created for world size " +
@@ -390,6 +449,15 @@ void StoreServer::answer_pending(Conn& c, Clock::time_point now) {
 
   while (p.next_missing < p.keys.size() && kv_.count(p.keys[p.next_missing])) ++p.next_missing;
   if (p.next_missing == p.keys.size()) {
+    uint64_t reply_bytes = 0;
+    if (p.want_values)
+      for (const auto& k : p.keys) reply_bytes += 4 + kv_[k].size();  // < 2^32 keys of < 2^26 bytes
+    if (reply_bytes > kMaxReplyBytes) {
+      reply_error(c, "the reply would hold " + std::to_string(reply_bytes) + " bytes, above the store's "
+                     "limit of " + std::to_string(kMaxReplyBytes) + " bytes: fetch fewer or smaller values at once");
+      c.pending.reset();
+      return;
+    }
     Writer w;
     w.u8(uint8_t(Status::ok)).u32(p.want_values ? uint32_t(p.keys.size()) : 0);
     if (p.want_values)

@@ -3,6 +3,12 @@
 // One thread serves every client with poll() over non-blocking sockets, so a slow or silent
 // client never stalls the others. Waits are kept as pending requests and answered when their
 // keys appear, when a rank dies, or at their deadline (with the missing keys), whichever is first.
+//
+// Admission (docs/security.md): a connection must join within the handshake deadline, presenting
+// the job's auth token, a free rank and the job's world size; until then it may send one small
+// frame and read nothing. Connections not joined are capped (the oldest is closed for a new one),
+// so idle sockets cannot crowd out a real rank. A request that fails is answered with an error;
+// the server thread itself survives every request.
 #pragma once
 
 #include <atomic>
@@ -19,9 +25,18 @@ namespace tdist::store {
 
 class StoreServer {
  public:
-  // Binds and listens on host:port: on host's own address when it is one of this machine's,
-  // else on all interfaces. Throws tdist::Error when the port is taken or host does not resolve.
-  StoreServer(const std::string& host, int port, int world_size);
+  struct Config {
+    std::string host;          // MASTER_ADDR: listened on, and named in messages
+    std::string bind;          // listen here instead when not empty (TDIST_STORE_BIND)
+    int port = 0;
+    int world_size = 1;
+    Bytes auth;                // auth_token(secret) every joining process must present
+    std::chrono::milliseconds handshake_timeout = kHandshakeTimeout;
+  };
+  // Binds and listens on `bind`, else on `host`, which must then be an address of this machine
+  // (a clear error otherwise: the server never widens to all interfaces by itself). Throws
+  // tdist::Error when the port is taken or the address does not resolve.
+  explicit StoreServer(const Config& config);
   ~StoreServer();  // stops at once
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
@@ -47,7 +62,10 @@ class StoreServer {
   struct Conn {
     Fd fd;
     int rank = -1;               // -1 until the join handshake succeeds
-    Bytes in;                    // bytes received, not yet a whole frame
+    Clock::time_point accepted;  // the handshake deadline counts from here
+    Bytes in;                    // one frame being received: length, then up to `length` bytes
+    uint64_t discard_left = 0;   // bytes of an oversized request still to read and drop
+    std::string discard_error;   // the error that answers it
     Bytes out;                   // replies not yet sent
     size_t out_sent = 0;
     bool said_goodbye = false;   // clean shutdown announced: closing is not a death
@@ -60,7 +78,10 @@ class StoreServer {
   void serve_loop();
   void accept_clients();
   void read_from(Conn& c);
+  void make_room_for_a_connection();
+  void close_expired_handshakes(Clock::time_point now);
   void handle_frame(Conn& c, const uint8_t* data, size_t size);
+  void handle_request(Conn& c, Reader& r, Op op);
   void handle_join(Conn& c, Reader& r);
   void handle_add(Conn& c, Reader& r);
   void answer_pending(Conn& c, Clock::time_point now);
@@ -73,6 +94,8 @@ class StoreServer {
 
   const int world_size_;
   const std::string where_;  // "host:port" for messages
+  const Bytes auth_;
+  const std::chrono::milliseconds handshake_timeout_;
   Fd listen_fd_;
   Fd wake_fd_;               // eventfd: stop() wakes the poll loop through it
   std::thread thread_;
@@ -88,6 +111,7 @@ class StoreServer {
   bool join_failed_ = false;     // a join barrier timed out: answer the other ones at once
   Clock::time_point accept_paused_until_{};  // set while out of file descriptors
   bool warned_out_of_fds_ = false;
+  bool warned_crowded_ = false;
   std::vector<std::unique_ptr<Conn>> conns_;
 };
 

@@ -6,7 +6,8 @@
 //
 //   request                                     reply (Status::ok)
 //   join         u32 magic, u32 version,        u32 magic
-//                i32 rank, i32 world_size
+//                i32 rank, i32 world_size,
+//                bytes auth (auth_token(secret): 32 bytes, or none without a secret)
 //   join_barrier u64 timeout_ms                 -
 //   set          str key, bytes value,          -
 //                u8 exclusive (fail if present)
@@ -16,7 +17,14 @@
 //   add          str key, i64 delta             i64 new value
 //   shutdown     -                              (no reply: the client closes next)
 //
-//   Status::error   str message (join refused, a rank died, key already present, ...)
+//   Status::error   str message (join refused, a rank died, key already present, request or
+//                   reply above its size limit, ...)
+//
+// Limits (checked by the server as soon as a frame's length arrives, before any payload is kept):
+// a connection that has not joined may send one frame of at most kMaxJoinFrameBytes, within the
+// handshake deadline, else it is closed; a joined rank's request above kMaxRequestBytes is read
+// and dropped, then answered with an error; a reply above kMaxReplyBytes is not built, an error
+// is sent instead. A connection is read only while its previous reply is fully sent.
 //   Status::timeout u32 n, u32 indices of the missing keys (join_barrier: missing ranks)
 #pragma once
 
@@ -45,9 +53,19 @@ namespace tdist::store {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x54445354;  // "TDST": tells a tdist store from another service
-constexpr uint32_t kVersion = 1;
-// Frames above this size are treated as garbage (a stray client on the port), not allocated.
-constexpr uint32_t kMaxFrameBytes = 1u << 30;
+constexpr uint32_t kVersion = 2;  // 2: join carries the job's auth token
+// The join frame is a few dozen bytes: anything larger before the handshake is not one of ours.
+constexpr uint32_t kMaxJoinFrameBytes = 4096;
+// The store carries bootstrap data (ids, sizes, small tables), not tensors.
+constexpr uint32_t kMaxRequestBytes = 64u << 20;
+constexpr uint64_t kMaxReplyBytes = 256ull << 20;
+// Replies the client accepts: the largest reply plus its header.
+constexpr uint32_t kMaxFrameBytes = uint32_t(kMaxReplyBytes) + 4096;
+// Connections that have not joined yet: at most this many above world_size (the oldest is closed
+// to make room), each for at most kHandshakeTimeout (or the store's timeout, if shorter).
+constexpr size_t kMaxUnjoinedExtra = 64;
+constexpr std::chrono::milliseconds kHandshakeTimeout{10'000};
+constexpr size_t kAuthTokenBytes = 32;
 
 enum class Op : uint8_t { join = 1, join_barrier, set, wait, check, add, shutdown };
 enum class Status : uint8_t { ok = 0, error = 1, timeout = 2 };
@@ -168,6 +186,12 @@ inline Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
   constexpr std::chrono::milliseconds kMax = std::chrono::hours(24 * 365 * 10);
   return Clock::now() + std::min(timeout, kMax);
 }
+
+// What a process presents at join: SHA-256 over a domain tag and the job secret (so the secret
+// itself is not what travels); empty for an empty secret.
+Bytes auth_token(const std::string& secret);
+// Equal sizes and bytes, in time that depends on the sizes only.
+bool constant_time_equal(const Bytes& a, const Bytes& b);
 
 // "3" / "1, 4-6, 9"; long lists are cut after a few entries with the count left.
 std::string format_rank_list(const std::vector<int>& sorted_ranks);

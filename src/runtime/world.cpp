@@ -4,17 +4,26 @@
 #include <nccl_device.h>  // ncclTeamLsa (host part of the device API)
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 #include <thread>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/process.hpp"
 
 namespace tdist {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// How often a watchdog wait looks at NCCL's state, and at the store for dead or failed ranks.
+constexpr auto kPollInterval = std::chrono::milliseconds(1);
+constexpr auto kPeerCheckInterval = std::chrono::milliseconds(200);
+// Counter of ranks whose NCCL initialisation failed, and each one's reason, in the store.
+const std::string kInitFailures = "tdist/nccl_init/failures";
+std::string init_failure_key(int rank) { return "tdist/nccl_init/failed/" + std::to_string(rank); }
 
 Bytes to_bytes(const void* data, size_t size) {
   const auto* p = static_cast<const uint8_t*>(data);
@@ -63,12 +72,126 @@ World::World(const WorldOptions& options) : timeout_(options.timeout) {
   std::memcpy(&id, id_bytes.data(), sizeof(id));
 
   // Every rank is known to be alive right before the collective init (a missing rank times out in
-  // this barrier, naming it), so the blocking init below cannot wait for a rank that never came.
-  // A non-blocking communicator would make every later NCCL call asynchronous as well.
+  // this barrier, naming it).
   store_->barrier("tdist/before_nccl_init");
-  TDIST_NCCL_CHECK(ncclCommInitRank(&comm_, world_size_, id, rank_));
+  if (env::flag("TDIST_NCCL_BOUNDED_INIT", true)) {
+    init_comm_bounded(id);
+  } else {
+    // Unbounded: a rank dying during the init blocks the others (kept to rule the bounded path
+    // out when diagnosing an init problem).
+    TDIST_NCCL_CHECK(ncclCommInitRank(&comm_, world_size_, id, rank_));
+  }
   owns_comm_ = true;
   init_from_comm();
+}
+
+// NCCL's initialisation is bounded by running it non-blocking and polling its state against the
+// deadline, the store's dead ranks and the other ranks' failures; on any of them the communicator
+// is aborted (ncclCommAbort never blocks) and this rank throws naming the stage.
+//
+// A non-blocking communicator makes every later NCCL call asynchronous too (a collective may
+// return ncclInProgress and launch from a helper thread, which breaks stream order and graph
+// capture), so the job's communicator is a blocking one split off the non-blocking one. The split
+// is launched through the non-blocking parent and so is bounded the same way; the parent is then
+// finalised (bounded) and destroyed.
+void World::init_comm_bounded(const ncclUniqueId& id) {
+  const auto deadline = Clock::now() + timeout_;
+  ncclConfig_t parent_config = NCCL_CONFIG_INITIALIZER;
+  parent_config.blocking = 0;
+  ncclComm_t parent = nullptr;
+  ncclUniqueId unique = id;
+  ncclResult_t r = ncclCommInitRankConfig(&parent, world_size_, unique, rank_, &parent_config);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    if (parent != nullptr) ncclCommAbort(parent);
+    fail_init("NCCL communicator init (ncclCommInitRankConfig)", ncclGetErrorString(r), false);
+  }
+  wait_comm(parent, "NCCL communicator init", deadline, /*abort_on_failure=*/true);
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 1;
+  ncclComm_t child = nullptr;
+  r = ncclCommSplit(parent, /*color=*/0, /*key=*/rank_, &child, &config);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    ncclCommAbort(parent);
+    if (child != nullptr) ncclCommAbort(child);
+    fail_init("NCCL communicator split (ncclCommSplit)", ncclGetErrorString(r), false);
+  }
+  try {
+    if (child == nullptr) TDIST_FAIL("ncclCommSplit returned no communicator");
+    wait_comm(child, "NCCL communicator split", deadline, /*abort_on_failure=*/true);
+  } catch (...) {
+    ncclCommAbort(parent);
+    throw;
+  }
+  comm_ = child;
+
+  // The parent has served its purpose; its finalize is non-blocking, so it is bounded as well.
+  // Whatever goes wrong here costs only the parent: abort it, the job's communicator is ready.
+  bool finalized = false;
+  if (const ncclResult_t f = ncclCommFinalize(parent); f == ncclSuccess || f == ncclInProgress) {
+    ncclResult_t state = ncclInProgress;
+    while (ncclCommGetAsyncError(parent, &state) == ncclSuccess && state == ncclInProgress && Clock::now() < deadline)
+      std::this_thread::sleep_for(kPollInterval);
+    finalized = state == ncclSuccess;
+  }
+  if (!finalized || ncclCommDestroy(parent) != ncclSuccess) ncclCommAbort(parent);
+}
+
+void World::wait_comm(ncclComm_t comm, const char* stage, Clock::time_point deadline, bool abort_on_failure) {
+  auto next_peer_check = Clock::now() + kPeerCheckInterval;
+  while (true) {
+    ncclResult_t state = ncclInProgress;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    if (r != ncclSuccess) state = r;
+    if (state == ncclSuccess) return;
+    std::string why;
+    bool timed_out = false;
+    if (state != ncclInProgress) {
+      const char* last = ncclGetLastError(comm);
+      why = detail::concat(ncclGetErrorString(state), last && *last ? std::string(" (") + last + ")" : "");
+    } else if (Clock::now() > deadline) {
+      why = detail::concat("not finished within ", timeout_.count(), " ms (TDIST_HOST_TIMEOUT_S)");
+      timed_out = true;
+    } else if (store_ && Clock::now() >= next_peer_check) {
+      next_peer_check = Clock::now() + kPeerCheckInterval;
+      try {
+        store_->check_alive();  // throws naming the ranks that died
+        if (store_->add(kInitFailures, 0) > 0) why = failed_ranks_message();
+      } catch (const Error& e) {
+        why = e.what();
+      }
+    }
+    if (!why.empty()) {
+      if (abort_on_failure) ncclCommAbort(comm);
+      fail_init(stage, why, timed_out);
+    }
+    std::this_thread::sleep_for(kPollInterval);
+  }
+}
+
+std::string World::failed_ranks_message() {
+  std::string out;
+  for (int r = 0; r < world_size_; ++r) {
+    if (r == rank_ || !store_->check({init_failure_key(r)})) continue;
+    const Bytes why = store_->get(init_failure_key(r));
+    out += detail::concat(out.empty() ? "" : "; ", "rank ", r, " failed: ", std::string(why.begin(), why.end()));
+  }
+  return out.empty() ? std::string("another rank failed") : out;
+}
+
+void World::fail_init(const char* stage, const std::string& why, bool timed_out) {
+  const std::string message = detail::concat(stage, " failed on rank ", rank_, " of ", world_size_, ": ", why);
+  // Tell the others, so that they stop waiting for this rank now rather than at their deadline.
+  if (store_) {
+    try {
+      store_->set(init_failure_key(rank_), Bytes(message.begin(), message.end()));
+      store_->add(kInitFailures, 1);
+    } catch (const Error&) {
+      // The store is gone too: the others learn it from their own store connections.
+    }
+  }
+  if (timed_out) throw TimeoutError(detail::concat(__FILE__, ":", __LINE__, ": ", message));
+  TDIST_FAIL(message);
 }
 
 World::World(ncclComm_t existing, std::chrono::milliseconds timeout) : timeout_(timeout), comm_(existing) {
@@ -84,10 +207,29 @@ World::World(ncclComm_t existing, std::chrono::milliseconds timeout) : timeout_(
 }
 
 World::~World() {
-  if (!owns_comm_ || comm_ == nullptr) return;
-  // Finalize flushes outstanding NCCL work; a failure must not throw from a destructor.
-  if (ncclCommFinalize(comm_) == ncclSuccess) ncclCommDestroy(comm_);
+  if (!owns_comm_ || comm_ == nullptr || aborted_) return;  // aborted: nothing left to release
+  // With an asynchronous error pending, NCCL work may never finish: finalize would block on it,
+  // so abort instead (ncclCommAbort never blocks). Otherwise finalize flushes
+  // the outstanding work. A failure must not throw from a destructor.
+  ncclResult_t state = ncclSuccess;
+  const bool healthy = ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclSuccess;
+  if (healthy && ncclCommFinalize(comm_) == ncclSuccess) ncclCommDestroy(comm_);
   else ncclCommAbort(comm_);
+}
+
+void World::abort(const std::string& why) noexcept {
+  if (aborted_ || comm_ == nullptr) return;
+  aborted_ = true;
+  if (!owns_comm_) {
+    // The caller's communicator is the caller's to abort (it would destroy it afterwards).
+    std::fprintf(stderr, "tdist: rank %d: the NCCL communicator passed to World has work that cannot finish (%s); "
+                 "abort it with ncclCommAbort rather than finalizing it\n", rank_, why.c_str());
+    return;
+  }
+  std::fprintf(stderr, "tdist: rank %d aborts its NCCL communicator: %s\n", rank_, why.c_str());
+  // The communicator has work queued that will never complete; aborting it is the only way to
+  // release the stream and to keep the destructor's finalize from blocking.
+  ncclCommAbort(comm_);
 }
 
 void World::init_from_comm() {
@@ -151,9 +293,21 @@ std::vector<Bytes> World::all_gather_nccl(const Bytes& mine) {
     TDIST_CUDA_CHECK(cudaMemcpyAsync(host_out.data(), dev + bytes, host_out.size(), cudaMemcpyDeviceToHost, stream));
     TDIST_CUDA_CHECK(cudaFreeAsync(dev, stream));
     while (cudaStreamQuery(stream) == cudaErrorNotReady) {
-      if (Clock::now() > deadline)
-        throw TimeoutError(detail::concat(__FILE__, ":", __LINE__, ": host all-gather through NCCL did not finish within ",
-                                          timeout_.count(), " ms: a rank did not join"));
+      ncclResult_t state = ncclSuccess;
+      const bool failed = ncclCommGetAsyncError(comm_, &state) != ncclSuccess ||
+                          (state != ncclSuccess && state != ncclInProgress);
+      if (failed || Clock::now() > deadline) {
+        const std::string why =
+            failed ? detail::concat("host all-gather through NCCL failed on rank ", rank_, ": ", ncclGetErrorString(state))
+                   : detail::concat("host all-gather through NCCL did not finish within ", timeout_.count(),
+                                    " ms on rank ", rank_, ": a rank did not join or died");
+        // The queued all-gather would never finish and would block every later NCCL call and the
+        // finalize: abort the communicator; the stream then drains and is released.
+        abort(why);
+        cudaStreamDestroy(stream);
+        if (failed) TDIST_FAIL(why);
+        throw TimeoutError(detail::concat(__FILE__, ":", __LINE__, ": ", why));
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));

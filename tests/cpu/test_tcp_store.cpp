@@ -535,7 +535,11 @@ TEST(TcpStore, DefaultTimeoutFromEnvironment) {
   EXPECT_EQ(TcpStoreOptions::default_timeout(), 2500ms);
   setenv("TDIST_HOST_TIMEOUT_S", "60", 1);
   EXPECT_EQ(TcpStoreOptions().timeout, 60s);
-  for (const char* bad : {"", "abc", "0", "-1", "5s", " 5", "nan", "inf", "1e300"}) {
+  setenv("TDIST_HOST_TIMEOUT_S", "", 1);  // empty means unset, as for every TDIST_* setting
+  EXPECT_EQ(TcpStoreOptions::default_timeout(), 300s);
+  // Decimal only, bounded to (0.001 s, 1 day): hex, exponents, signs and 115 days are refused.
+  for (const char* bad : {"abc", "0", "-1", "5s", " 5", "nan", "inf", "1e300", "1e-9", "0x10", "+5",
+                          "0.0001", "9936000", "2.", ".5x"}) {
     setenv("TDIST_HOST_TIMEOUT_S", bad, 1);
     Outcome o = timed([] { TcpStoreOptions::default_timeout(); });
     EXPECT_EQ(o.kind, "error") << bad;

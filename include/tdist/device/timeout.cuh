@@ -85,19 +85,16 @@ __device__ __noinline__ inline void wait_timed_out(const char* what, const void*
 
 #include <cstdlib>
 
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 
 namespace tdist::device {
 
-// Seconds from TDIST_WAIT_TIMEOUT_S, else the default; a malformed value is an error.
+// Seconds from TDIST_WAIT_TIMEOUT_S (a decimal number from 0.001 to 86400), else the default; a
+// malformed or out-of-range value is an error naming the variable.
 inline double wait_timeout_seconds_from_env() {
-  const char* s = std::getenv("TDIST_WAIT_TIMEOUT_S");
-  if (s == nullptr || *s == '\0') return kDefaultWaitTimeoutSeconds;
-  char* end = nullptr;
-  double v = std::strtod(s, &end);
-  if (end == s || *end != '\0' || !(v > 0) || v > 1e7)
-    TDIST_FAIL("TDIST_WAIT_TIMEOUT_S='", s, "': expected a positive number of seconds");
-  return v;
+  return env::seconds("TDIST_WAIT_TIMEOUT_S", kDefaultWaitTimeoutSeconds, env::kMinTimeoutSeconds,
+                      env::kMaxTimeoutSeconds);
 }
 
 inline WaitConfig make_wait_config(int rank, double timeout_seconds) {

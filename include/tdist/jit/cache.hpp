@@ -5,7 +5,14 @@
 //   tmp/                  files being written; each is fsynced, then renamed into kernels/
 //   locks/<key>.lock      flock files, so that processes compiling the same key compile it once
 //   autotune/             autotuner winners (autotune.hpp)
+//   identity/             content digests of compiler libraries, by file stamp (compiler.cpp)
 // An entry that fails its length, magic, key or trailer check is ignored and rewritten.
+//
+// Trust: the trailer proves an entry intact, not who wrote it, and anyone can compute a key. So
+// the cache reads only entries owned by this (effective) user and writable by nobody else, in
+// folders of which the same holds (kernels/, tmp/, locks/ are created 0700; entries 0600). Any
+// other entry or folder is ignored, never loaded, with one warning on stderr. A folder shared
+// between users (TDIST_CACHE_DIR on a group-writable path) therefore works as no disk cache.
 #pragma once
 
 #include <atomic>
@@ -66,6 +73,7 @@ class KernelCache {
 
   struct Stats {
     std::uint64_t memory_hits = 0, disk_hits = 0, misses = 0, corrupt = 0, stores = 0;
+    std::uint64_t untrusted = 0;  // entries present but ignored: another owner, or writable by others
   };
   Stats stats() const;
   // Counts a compile done for this cache (compile() calls it).
@@ -75,7 +83,7 @@ class KernelCache {
   std::string dir_;
   mutable std::mutex mu_;
   std::unordered_map<std::string, std::shared_ptr<const CompiledKernel>> memory_;
-  std::atomic<std::uint64_t> memory_hits_{0}, disk_hits_{0}, misses_{0}, corrupt_{0}, stores_{0};
+  std::atomic<std::uint64_t> memory_hits_{0}, disk_hits_{0}, misses_{0}, corrupt_{0}, stores_{0}, untrusted_{0};
 };
 
 // Writes `data` to `path` atomically: a temporary file in `tmp_dir` (same file system), fsync,
@@ -83,5 +91,12 @@ class KernelCache {
 void write_file_atomic(const std::string& path, const std::string& data, const std::string& tmp_dir);
 // Whole file into `out`; false if it cannot be read.
 bool read_file(const std::string& path, std::string& out);
+// Like read_file, but only a regular file (not a symbolic link) owned by this user and not
+// writable by group or others; any other is refused with a one-time warning on stderr.
+bool read_trusted_file(const std::string& path, std::string& out);
+// True when root (followed if a link) and root/sub (`sub` may be empty; not a link) are this
+// user's and writable by nobody else; false, with a one-time warning, when one is not; false
+// silently when one does not exist.
+bool trusted_folder(const std::string& root, const std::string& sub);
 
 }  // namespace tdist::jit

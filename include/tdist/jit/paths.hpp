@@ -20,7 +20,9 @@ std::string cutlass_include_dir();
 // NCCL's include dir (holding nccl_device.h): NCCL_INCLUDE_DIR, NCCL_HOME/include, next to the
 // loaded libnccl, then the system dirs. Used for nvcc-compiled kernels only.
 std::string nccl_include_dir();
-// The cache root: TDIST_CACHE_DIR, else $XDG_CACHE_HOME/tdist, else ~/.cache/tdist.
+// The cache root: TDIST_CACHE_DIR, else $XDG_CACHE_HOME/tdist, else $HOME/.cache/tdist, else
+// $TMPDIR (or /tmp)/tdist-cache-<uid>, created 0700; that last one is refused (tdist::Error naming
+// TDIST_CACHE_DIR) unless this user owns it and its mode is 0700.
 std::string default_cache_dir();
 // nvcc: TDIST_NVCC, else <cuda_home>/bin/nvcc, else "nvcc" from PATH.
 std::string nvcc_path();

@@ -16,6 +16,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
+#include <string>
 
 #include "tdist/device/symmetric.cuh"
 #include "tdist/runtime/world.hpp"
@@ -38,7 +40,7 @@ class SymmetricHeap {
   void* allocate(size_t bytes, size_t alignment = kDefaultAlignment);
   template <typename T>
   T* allocate_array(size_t count, size_t alignment = kDefaultAlignment) {
-    return static_cast<T*>(allocate(count * sizeof(T), alignment));
+    return static_cast<T*>(allocate(array_bytes(count, sizeof(T)), alignment));
   }
   // Collective: zeroed flags, 32- or 64-bit, for signals and barriers (the device API's flag types).
   device::u32* allocate_signals32(size_t count) { return allocate_array<device::u32>(count); }
@@ -64,7 +66,15 @@ class SymmetricHeap {
   World& world() const { return world_; }
 
   // Parses TDIST_SYMMETRIC_HEAP_SIZE's format: "1073741824", "512M", "2G", "64K".
+  // Sizes that do not fit in 64 bits are errors naming `what`, never wrapped.
   static size_t parse_size(const std::string& text, const std::string& what);
+  // count * element_size; throws tdist::Error when the product overflows.
+  static size_t array_bytes(size_t count, size_t element_size);
+  // The offset first-fit allocation would choose for `bytes` aligned to `alignment` (a power of
+  // two) among `free_blocks` (offset -> bytes), or nullopt when none has room. Pure: the heap
+  // changes only after every rank agreed on this offset.
+  static std::optional<size_t> first_fit(const std::map<size_t, size_t>& free_blocks, size_t bytes,
+                                         size_t alignment);
 
  private:
   void zero_and_meet(void* ptr, size_t bytes, const char* tag);

@@ -5,6 +5,10 @@
 // Every blocking call ends within the store's timeout: on expiry it throws tdist::TimeoutError
 // naming the ranks that did not arrive. A rank whose connection closes without a clean shutdown
 // is marked dead, and every later wait on any rank fails at once naming it.
+//
+// Trust (docs/security.md): the store assumes a trusted network. A process joins only by
+// presenting the job's secret (TcpStoreOptions::secret), so another job on the same port, or a
+// stray client, reads and writes nothing; the secret is not encrypted on the wire.
 #pragma once
 
 #include <chrono>
@@ -24,9 +28,23 @@ struct TcpStoreOptions {
   int world_size = 1;
   // Bound on every wait, the initial connection and the join of all ranks included.
   std::chrono::milliseconds timeout = default_timeout();
+  // Shared by all ranks of one job and checked when a process joins (default_secret()). Empty:
+  // any process that knows the port and the world size may join.
+  std::string secret = default_secret();
+  // Rank 0 only: the address its server listens on. Empty: `host`, which must then be an address
+  // of this machine. "0.0.0.0" (or "::") listens on every interface.
+  std::string bind = default_bind();
 
-  // TDIST_HOST_TIMEOUT_S seconds when set (a positive number), else 300 s.
+  // TDIST_HOST_TIMEOUT_S seconds when set (decimal, 0.001 to 86400), else 300 s.
   static std::chrono::milliseconds default_timeout();
+  // TDIST_STORE_SECRET when set (tdistrun exports a random one per job). Else a job identity
+  // from the launcher's environment: TORCHELASTIC_RUN_ID (torchrun), SLURM_JOB_ID and
+  // SLURM_STEP_ID (srun), OMPI_MCA_ess_base_jobid or PMIX_NAMESPACE (mpirun), so that two jobs on
+  // one port never join each other; such an identity is not secret (other local users can read
+  // it). Else empty.
+  static std::string default_secret();
+  // TDIST_STORE_BIND, else empty.
+  static std::string default_bind();
 };
 
 class TcpStore {
@@ -53,6 +71,10 @@ class TcpStore {
   std::vector<Bytes> all_gather(const std::string& tag, const Bytes& mine);
   // All ranks meet; the timeout error lists the ranks that never reached it.
   void barrier(const std::string& tag);
+
+  // Returns at once when no rank has died; throws tdist::Error naming the dead ranks otherwise.
+  // For watchdogs that wait on something other than the store (NCCL's initialisation, say).
+  void check_alive();
 
  private:
   struct Impl;

@@ -2,8 +2,13 @@
 //
 // Built from the launcher's environment (torchrun, tdistrun, Open MPI, Slurm; launch_env.hpp),
 // from explicit values, or around a communicator the caller already has. Every host wait is
-// bounded by `timeout`: rendezvous through the TCP store names the ranks that did not arrive,
-// and NCCL's initialisation runs non-blocking so a rank that never comes cannot hang the others.
+// bounded by `timeout`: rendezvous through the TCP store names the ranks that did not arrive;
+// NCCL's initialisation runs non-blocking under a watchdog (deadline, dead ranks in the store,
+// other ranks' init failures) and is aborted on any of them, so a rank that fails or dies makes
+// the others throw a tdist::Error naming the stage and the rank instead of hanging; the job's
+// communicator itself is blocking (split off the non-blocking one). TDIST_NCCL_BOUNDED_INIT=0
+// falls back to a plain blocking ncclCommInitRank. A host all-gather through NCCL that times out
+// aborts the communicator, after which the destructor does not finalize (it would block).
 #pragma once
 
 #include <nccl.h>
@@ -61,7 +66,21 @@ class World {
   // Throws tdist::Error naming `what` and each rank's value when the ranks disagree.
   void check_same_on_all_ranks(const std::string& what, const std::string& value);
 
+  // Aborts the communicator (ncclCommAbort: never blocks), for when NCCL work can no longer
+  // finish; the World is unusable afterwards and its destructor does not finalize. A communicator
+  // wrapped with World(ncclComm_t) stays its owner's to abort: this only marks the World and says
+  // so on stderr. Idempotent.
+  void abort(const std::string& why) noexcept;
+  bool aborted() const { return aborted_; }
+
  private:
+  using Clock = std::chrono::steady_clock;
+  void init_comm_bounded(const ncclUniqueId& id);
+  // Polls `comm` until its pending operation finishes; on an NCCL error, the deadline, a dead
+  // rank or another rank's init failure, aborts it (if asked) and throws via fail_init.
+  void wait_comm(ncclComm_t comm, const char* stage, Clock::time_point deadline, bool abort_on_failure);
+  [[noreturn]] void fail_init(const char* stage, const std::string& why, bool timed_out);
+  std::string failed_ranks_message();
   void init_from_comm();
   std::vector<Bytes> all_gather_nccl(const Bytes& mine);
 
@@ -71,6 +90,7 @@ class World {
   std::unique_ptr<TcpStore> store_;  // null when wrapping an existing communicator
   ncclComm_t comm_ = nullptr;
   bool owns_comm_ = false;
+  bool aborted_ = false;
   uint64_t collective_count_ = 0;  // makes store tags unique per call
 };
 

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/ops/detail/overlap_model.hpp"
 
@@ -92,11 +93,7 @@ int overlap_row_pieces(const OverlapShape& s) {
   const int w = s.world_size;
   if (w == 1) return 1;  // nothing to exchange
   const int64_t rows = s.m / w;  // the shortest chunk
-  if (const char* env = std::getenv("TDIST_OVERLAP_PIECES"); env && *env) {
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    TDIST_CHECK(*end == '\0' && v >= 1 && v <= kMaxOverlapPieces, "invalid TDIST_OVERLAP_PIECES '", env,
-                "': expected an integer from 1 to ", kMaxOverlapPieces);
+  if (const int64_t v = env::integer("TDIST_OVERLAP_PIECES", 0, 1, kMaxOverlapPieces); v > 0) {
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(v, rows)));  // a row per piece and rank
   }
   // The last peer to compute this rank's rows finishes them just as this rank starts its own, so

@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/registry.hpp"
 #include "tdist/ops/detail/overlap_model.hpp"
@@ -134,8 +135,7 @@ OverlapMethod OverlapRuntime::resolve(OverlapMethod requested, OverlapComm comm,
                                       bool sequential_ok) const {
   OverlapMethod method = requested;
   if (method == OverlapMethod::kAuto) {
-    const char* env = std::getenv("TDIST_OVERLAP_METHOD");
-    if (env && *env) method = parse_overlap_method(env, "TDIST_OVERLAP_METHOD");
+    if (auto v = env::get("TDIST_OVERLAP_METHOD")) method = parse_overlap_method(*v, "TDIST_OVERLAP_METHOD");
   }
   if (method == OverlapMethod::kAuto) {
     method = choose_overlap_method({comm, m, n, k, size(), dtype_});
