@@ -108,33 +108,33 @@ class Parser {
 
   // A switch: present means true. `names` is "--quick" or "-q,--quick".
   void flag(const std::string& names, const std::string& help, bool* out) {
-    add(names, "", help, [out](const std::string&) { *out = true; });
+    add(names, "", help, [out](const std::string&, const std::string&) { *out = true; });
   }
   // An option with a value handed to `set`, which throws UsageError on a bad one.
   void option(const std::string& names, const std::string& metavar, const std::string& help,
               std::function<void(const std::string&)> set) {
-    add(names, metavar, help, std::move(set));
+    add(names, metavar, help, [set = std::move(set)](const std::string&, const std::string& v) { set(v); });
   }
   void option(const std::string& names, const std::string& metavar, const std::string& help, std::string* out) {
-    add(names, metavar, help, [out](const std::string& v) { *out = v; });
+    add(names, metavar, help, [out](const std::string&, const std::string& v) { *out = v; });
   }
   template <typename Int>
   void option(const std::string& names, const std::string& metavar, const std::string& help, Int* out, int64_t lo,
               int64_t hi) {
-    const std::string what = long_name(names);
-    add(names, metavar, help, [out, what, lo, hi](const std::string& v) { *out = static_cast<Int>(parse_int(v, what, lo, hi)); });
+    add(names, metavar, help, [out, lo, hi](const std::string& what, const std::string& v) {
+      *out = static_cast<Int>(parse_int(v, what, lo, hi));
+    });
   }
   void option(const std::string& names, const std::string& metavar, const std::string& help, double* out, double lo,
               double hi) {
-    const std::string what = long_name(names);
-    add(names, metavar, help, [out, what, lo, hi](const std::string& v) { *out = parse_double(v, what, lo, hi); });
+    add(names, metavar, help,
+        [out, lo, hi](const std::string& what, const std::string& v) { *out = parse_double(v, what, lo, hi); });
   }
   // One of `choices`.
   void choice(const std::string& names, const std::string& help, std::vector<std::string> choices, std::string* out) {
-    const std::string what = long_name(names);
     std::string metavar;
     for (const auto& c : choices) metavar += (metavar.empty() ? "" : "|") + c;
-    add(names, metavar, help, [out, what, choices, metavar](const std::string& v) {
+    add(names, metavar, help, [out, choices, metavar](const std::string& what, const std::string& v) {
       for (const auto& c : choices)
         if (v == c) {
           *out = v;
@@ -152,6 +152,8 @@ class Parser {
     positional_help_ = help;
     stop_at_first_ = stop_at_first;
   }
+  // The usage line's text after the program name (default: "[options]" and the positional words).
+  void usage(const std::string& text) { usage_ = text; }
   // Text printed after the option list by --help.
   void epilog(const std::string& text) { epilog_ = text; }
 
@@ -184,9 +186,11 @@ class Parser {
         has_value = true;
       }
       const Opt* opt = find(name);
+      std::string used = name;  // errors name the option as the user typed it
       // "-n4": a short name with its value attached.
       if (opt == nullptr && !has_value && a[1] != '-' && a.size() > 2) {
-        opt = find(a.substr(0, 2));
+        used = a.substr(0, 2);
+        opt = find(used);
         if (opt != nullptr && !opt->metavar.empty()) {
           value = a.substr(2);
           has_value = true;
@@ -196,15 +200,15 @@ class Parser {
       }
       if (opt == nullptr) throw UsageError("unknown option '" + name + "'" + suggestion(name));
       if (opt->metavar.empty()) {
-        if (has_value) throw UsageError(opt->display + " takes no value, got '" + a + "'");
-        opt->set("");
+        if (has_value) throw UsageError(used + " takes no value, got '" + a + "'");
+        opt->set(used, "");
         continue;
       }
       if (!has_value) {
-        if (i + 1 >= args.size()) throw UsageError(opt->display + " needs a value (" + opt->metavar + ")");
+        if (i + 1 >= args.size()) throw UsageError(used + " needs a value (" + opt->metavar + ")");
         value = args[++i];
       }
-      opt->set(value);
+      opt->set(used, value);
     }
     return Outcome::kRun;
   }
@@ -236,6 +240,7 @@ class Parser {
   }
 
   std::string usage_line() const {
+    if (!usage_.empty()) return "usage: " + prog_ + " " + usage_ + "\n";
     std::string u = "usage: " + prog_ + " [options]";
     if (positional_ != nullptr) u += (stop_at_first_ ? " [--] " : " ") + positional_metavar_;
     return u + "\n";
@@ -265,18 +270,14 @@ class Parser {
   struct Opt {
     std::vector<std::string> names;
     std::string display, metavar, help;
-    std::function<void(const std::string&)> set;
+    std::function<void(const std::string&, const std::string&)> set;
   };
-
-  static std::string long_name(const std::string& names) {
-    const auto comma = names.rfind(',');
-    return comma == std::string::npos ? names : names.substr(comma + 1);
-  }
 
   static bool is_negative_number(const std::string& a) { return a.size() > 1 && a[0] == '-' && std::isdigit(static_cast<unsigned char>(a[1])); }
 
-  void add(const std::string& names, const std::string& metavar, const std::string& help,
-           std::function<void(const std::string&)> set) {
+  using Setter = std::function<void(const std::string& used_name, const std::string& value)>;
+
+  void add(const std::string& names, const std::string& metavar, const std::string& help, Setter set) {
     Opt o{split_list(names, "option names"), "", metavar, help, std::move(set)};
     for (const auto& n : o.names) {
       if (n.size() < 2 || n[0] != '-' || n == "--help" || n == "-h" || n == "--version" || find(n) != nullptr)
@@ -307,7 +308,7 @@ class Parser {
     for (size_t j = from; j < args.size(); ++j) positional_->push_back(args[j]);
   }
 
-  std::string prog_, description_, epilog_;
+  std::string prog_, description_, epilog_, usage_;
   std::vector<Opt> opts_;
   std::vector<std::string>* positional_ = nullptr;
   std::string positional_metavar_, positional_help_;
