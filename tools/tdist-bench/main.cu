@@ -84,7 +84,7 @@ __global__ void count_wrong(const void* got, const void* want, size_t count, int
 }
 
 struct Options {
-  std::string op = "all";
+  std::vector<std::string> ops = {"all_gather", "reduce_scatter", "all_reduce"};
   DType dtype = DType::kBFloat16;
   std::string method = "auto";
   int iters = 20;
@@ -122,11 +122,19 @@ Options parse(int argc, char** argv) {
   std::string sizes = "1K:1G", dtype = "bf16", pdl = "on", buffers = "symmetric", check = "on";
   cli::Parser p("tdist-bench", "tdist's collectives beside NCCL, in the same run, alternating, over a sweep of sizes.\n"
                                "Run under a launcher, one GPU per rank: tdistrun -n 2 tdist-bench --op all");
-  p.choice("--op", "operation (default all)", {"all_gather", "reduce_scatter", "all_reduce", "all"}, &o.op);
+  p.option("--op,--ops", "LIST", "all_gather, reduce_scatter, all_reduce, a comma list of them, or all (default)",
+           [&](const std::string& v) {
+             o.ops.clear();
+             for (const auto& item : cli::split_list(v, "--op")) {
+               if (item == "all") o.ops = {"all_gather", "reduce_scatter", "all_reduce"};
+               else if (item == "all_gather" || item == "reduce_scatter" || item == "all_reduce") o.ops.push_back(item);
+               else throw cli::UsageError("--op expects all_gather, reduce_scatter, all_reduce or all, got '" + item + "'");
+             }
+           });
   p.choice("--dtype", "element type (default bf16)", {"bf16", "f16", "fp16", "f32", "fp32"}, &dtype);
   p.option("--sizes", "MIN:MAX|A,B,..", "bytes: powers of two from MIN to MAX, or a list; K/M/G suffixes (default 1K:1G)",
            &sizes);
-  p.option("--method", "NAME", "auto, a method name of the op, or all (default auto)", &o.method);
+  p.option("--method,--methods", "NAME", "auto, a method name of the op, or all (default auto)", &o.method);
   p.option("--iters", "N", "timings per figure, the median is kept (default 20)", &o.iters, 3, 1000000);
   p.option("--json", "FILE", "also write the results as JSON (rank 0)", &o.json);
   p.flag("--quick", "a short sweep: 8K, 256K, 4M, 64M, at most 10 iterations", &o.quick);
@@ -256,8 +264,7 @@ int run(const Options& opt, int argc, char** argv) {
     std::fflush(stdout);
   }
 
-  std::vector<std::string> ops = opt.op == "all" ? std::vector<std::string>{"all_gather", "reduce_scatter", "all_reduce"}
-                                                 : std::vector<std::string>{opt.op};
+  const std::vector<std::string>& ops = opt.ops;
   long long total_wrong = 0;
   for (const std::string& op : ops) {
     for (size_t bytes : opt.sizes) {
