@@ -1,6 +1,10 @@
 // The tools' shared pieces: the command-line parser, the JSON writer, the log settings and the
 // version.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
 
 #include <cmath>
 #include <fstream>
@@ -202,4 +206,72 @@ TEST(Version, MatchesTheVersionFile) {
   EXPECT_NE(report.find("tdist: " + expected), std::string::npos);
   EXPECT_NE(report.find("NCCL built: 2."), std::string::npos);
   EXPECT_NE(report.find("CUDA driver: "), std::string::npos);
+}
+
+namespace {
+
+// stderr of a child process that sets `env` (NAME=VALUE, or NAME alone to unset) and then logs one
+// line per level and subsystem; the settings are read at the first log call, in the child.
+std::string log_output(const std::vector<std::string>& env) {
+  int fds[2];
+  if (pipe(fds) != 0) return "pipe failed";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 2);
+    close(fds[0]);
+    for (const char* name : {"TDIST_DEBUG", "TDIST_DEBUG_SUBSYS", "TDIST_JIT_VERBOSE"}) unsetenv(name);
+    for (const auto& e : env) putenv(strdup(e.c_str()));
+    TDIST_WARN(INIT, "warn-init");
+    TDIST_INFO(INIT, "info-init ", 42);
+    TDIST_INFO(JIT, "info-jit");
+    TDIST_TRACE(JIT, "trace-jit");
+    TDIST_TRACE(TUNE, "trace-tune");
+    _exit(0);
+  }
+  close(fds[1]);
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = read(fds[0], buf, sizeof(buf))) > 0;) out.append(buf, static_cast<size_t>(n));
+  close(fds[0]);
+  waitpid(pid, nullptr, 0);
+  return out;
+}
+
+bool has(const std::string& s, const std::string& needle) { return s.find(needle) != std::string::npos; }
+
+}  // namespace
+
+TEST(Log, LinesFollowTheSettings) {
+  const std::string def = log_output({});
+  EXPECT_TRUE(has(def, " TDIST WARN INIT: warn-init\n")) << def;
+  EXPECT_FALSE(has(def, "info-init"));
+
+  const std::string info = log_output({"TDIST_DEBUG=INFO"});
+  EXPECT_TRUE(has(info, " TDIST INFO INIT: info-init 42\n")) << info;
+  EXPECT_TRUE(has(info, "info-jit"));
+  EXPECT_FALSE(has(info, "trace-jit"));
+  // "host:pid" first, as NCCL's lines (the child's pid: any digits after the colon).
+  EXPECT_NE(info.find(':'), std::string::npos);
+  EXPECT_LT(info.find(':'), info.find(" TDIST "));
+
+  const std::string jit_only = log_output({"TDIST_DEBUG=TRACE", "TDIST_DEBUG_SUBSYS=JIT"});
+  EXPECT_TRUE(has(jit_only, "trace-jit")) << jit_only;
+  EXPECT_FALSE(has(jit_only, "info-init"));
+  EXPECT_FALSE(has(jit_only, "trace-tune"));
+
+  const std::string not_jit = log_output({"TDIST_DEBUG=TRACE", "TDIST_DEBUG_SUBSYS=^JIT"});
+  EXPECT_TRUE(has(not_jit, "trace-tune")) << not_jit;
+  EXPECT_FALSE(has(not_jit, "info-jit"));
+
+  const std::string none = log_output({"TDIST_DEBUG=NONE"});
+  EXPECT_EQ(none, "");
+
+  // The old switch still shows the JIT's lines at every level, and nothing else beyond the default.
+  const std::string alias = log_output({"TDIST_JIT_VERBOSE=1"});
+  EXPECT_TRUE(has(alias, "trace-jit")) << alias;
+  EXPECT_FALSE(has(alias, "info-init"));
+
+  const std::string bad = log_output({"TDIST_DEBUG=LOUD"});
+  EXPECT_TRUE(has(bad, "invalid TDIST_DEBUG 'LOUD'")) << bad;
+  EXPECT_TRUE(has(bad, "warn-init"));
 }
