@@ -8,7 +8,8 @@ the extension is imported, each library is loaded here with RTLD_GLOBAL, in this
 2. by soname from the system (LD_LIBRARY_PATH, ld.so.cache);
 3. from CUDA_HOME / CUDA_PATH and /usr/local/cuda.
 
-A library already in the process (torch imported first) is used as it is. libtdist's dependencies then
+NVRTC is loaded here only from the wheel (the JIT opens the system's by itself, when it first
+compiles). A library already in the process (torch imported first) is used as it is. libtdist's dependencies then
 resolve, by soname, to the ones loaded here. A library not found is left to the dynamic loader, whose
 error names it.
 """
@@ -75,6 +76,8 @@ def load_libraries() -> dict:
         if soname in loaded:
             continue
         path = wheel_library(folder, soname)
+        if soname.startswith("libnvrtc") and not path:
+            continue  # the JIT opens the system's NVRTC itself, when it first compiles
         candidates = ([path] if path else []) + [soname] + system_candidates(soname)
         for c in candidates:
             if c != soname and not os.path.isfile(c):
