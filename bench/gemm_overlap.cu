@@ -23,6 +23,8 @@
 //   build-gpu/tools/tdistrun -n 2 -- build-gpu/bench/bench_gemm_overlap [--ops ag_gemm,gemm_rs,gemm_ar]
 //       [--m 1024,4096] [--methods auto,fused,chunked,sequential,baseline] [--dtype bf16|fp16] [--iters 20]
 //       [--heap 8G] [--no-align] [--json FILE] [--quick]
+// (--rows is another name of --m and --heap-size of --heap, the names `python -m tdist.bench` uses;
+// the JSON file has the schema of tools/common/bench_report.hpp, one row per op, M and variant.)
 // Prints (rank 0 only) a table per op: M, method, tdist us, gemm-alone us, baseline us, nccl us,
 // cublas us, tdist/gemm, tdist/baseline, TFLOP/s per GPU of the op, output difference.
 #include <cuda_bf16.h>
@@ -34,7 +36,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -43,6 +44,9 @@
 #include <vector>
 
 #include "fill_random.cuh"
+#include "../tools/common/bench_report.hpp"
+#include "tdist/common/cli.hpp"
+#include "tdist/common/json.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/common/error.hpp"
@@ -99,15 +103,6 @@ struct Shape {
   int64_t m, n_total, k_total;
   std::string note;
 };
-
-std::vector<std::string> split_list(const std::string& s) {
-  std::vector<std::string> v;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) v.push_back(item);
-  return v;
-}
-
 
 struct Variant {
   std::string name;
@@ -411,82 +406,85 @@ void print_table(const std::vector<Row>& rows, Op op, int world, const Options& 
   std::fflush(stdout);
 }
 
+// Rows of schema tdist.bench/1: for each op and M, one row per tdist method, then the GEMM alone,
+// the NCCL + cuBLAS baseline and its two parts.
 void write_json(const std::string& path, const std::vector<Row>& rows, int world, const Options& o,
-                const std::string& gpu) {
-  std::ofstream f(path);
-  TDIST_CHECK(f.good(), "cannot write ", path);
-  f << "{\n  \"bench\": \"gemm_overlap\",\n  \"gpu\": \"" << gpu << "\",\n  \"ranks\": " << world
-    << ",\n  \"dtype\": \"" << to_string(o.dtype) << "\",\n  \"iters\": " << o.iters << ",\n  \"rows\": [\n";
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const Row& r = rows[i];
-    char buf[1024];
-    std::snprintf(buf, sizeof(buf),
-                  "    {\"op\": \"%s\", \"note\": \"%s\", \"m\": %lld, \"n_total\": %lld, \"k_total\": %lld, \"n\": %lld, "
-                  "\"k\": %lld, \"method\": \"%s\", \"resolved\": \"%s\", \"tdist_us\": %.2f, \"gemm_us\": %.2f, "
-                  "\"baseline_us\": %.2f, \"nccl_us\": %.2f, \"cublas_us\": %.2f, \"ratio_gemm\": %.4f, "
-                  "\"ratio_baseline\": %.4f, \"tflops\": %.1f, \"max_rel_diff\": %.3e}%s\n",
-                  op_name(r.op), r.shape.note.c_str(), static_cast<long long>(r.m),
-                  static_cast<long long>(r.shape.n_total), static_cast<long long>(r.shape.k_total),
-                  static_cast<long long>(r.n), static_cast<long long>(r.k), r.method.c_str(), r.resolved.c_str(),
-                  r.tdist_us, r.gemm_us, r.baseline_us, r.nccl_us, r.cublas_us, r.tdist_us / r.gemm_us,
-                  r.tdist_us / r.baseline_us, r.tflops, r.max_rel_diff, i + 1 < rows.size() ? "," : "");
-    f << buf;
+                const std::string& gpu, int argc, char** argv) {
+  json::Value doc = bench::document("gemm_overlap", gpu, world, to_string(o.dtype), argc, argv);
+  doc["iters"] = o.iters;
+  doc["statistic"] = "median of per-call CUDA-event times, max over ranks (us)";
+  std::string last;  // op and M of the previous row: the baselines are written once per shape
+  for (const Row& r : rows) {
+    const double flop = 2.0 * r.m * r.n * static_cast<double>(r.k);
+    auto row = [&](const char* impl, const std::string& method, double us) {
+      return json::Value(json::Object{{"op", op_name(r.op)}, {"m", r.m}, {"n", r.n}, {"k", r.k},
+                                      {"n_total", r.shape.n_total}, {"k_total", r.shape.k_total},
+                                      {"note", r.shape.note}, {"impl", impl}, {"method", method}, {"us", us},
+                                      {"tflops", flop / us * 1e-6}});
+    };
+    json::Value t = row("tdist", r.method, r.tdist_us);
+    t["resolved"] = r.resolved;
+    t["max_rel_diff"] = r.max_rel_diff;
+    t["ratio_gemm"] = r.tdist_us / r.gemm_us;
+    t["ratio_baseline"] = r.tdist_us / r.baseline_us;
+    doc["rows"].push_back(t);
+    const std::string shape = detail::concat(op_name(r.op), "/", r.m, "/", r.n, "/", r.k);
+    if (shape == last) continue;
+    last = shape;
+    doc["rows"].push_back(row("gemm", "tdist::Gemm", r.gemm_us));
+    doc["rows"].push_back(row("nccl+cublas", "baseline", r.baseline_us));
+    doc["rows"].push_back(row("nccl", "nccl", r.nccl_us));
+    doc["rows"].push_back(row("cublas", "cublas", r.cublas_us));
   }
-  f << "  ]\n}\n";
+  json::write_file(path, doc);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   Options o;
-  try {
-    for (int i = 1; i < argc; ++i) {
-      const std::string a = argv[i];
-      auto next = [&]() -> std::string {
-        TDIST_CHECK_ARG(i + 1 < argc, "argv", a, " needs a value");
-        return argv[++i];
-      };
-      if (a == "--ops") {
-        o.ops.clear();
-        for (const auto& s : split_list(next())) o.ops.push_back(parse_op(s));
-      } else if (a == "--m") {
-        o.ms.clear();
-        for (const auto& s : split_list(next())) {
-          const long long v = std::atoll(s.c_str());
-          TDIST_CHECK_ARG(v > 0, "--m", "expected positive row counts, got '", s, "'");
-          o.ms.push_back(v);
-        }
-        o.ms_given = true;
-      } else if (a == "--methods") {
-        o.methods.clear();
-        for (const auto& s : split_list(next())) o.methods.push_back(parse_overlap_method(s, "--methods"));
-      } else if (a == "--dtype") {
-        o.dtype = parse_dtype(next());
-        TDIST_CHECK_ARG(o.dtype != DType::kFloat32, "--dtype", "bf16 or fp16");
-      } else if (a == "--iters") {
-        o.iters = std::max(1, std::atoi(next().c_str()));
-      } else if (a == "--heap") {
-        o.heap = SymmetricHeap::parse_size(next(), "--heap");
-      } else if (a == "--json") {
-        o.json = next();
-      } else if (a == "--no-align") {
-        o.align = false;
-      } else if (a == "--quick") {
-        o.quick = true;
-      } else {
-        std::fprintf(stderr,
-                     "usage: %s [--ops ag_gemm,gemm_rs,gemm_ar] [--m 1024,4096,...] [--methods auto,fused,chunked,sequential,baseline]\n"
-                     "          [--dtype bf16|fp16] [--iters N] [--heap 8G] [--no-align] [--json FILE] [--quick]\n",
-                     argv[0]);
-        return 2;
+  cli::Parser p("bench_gemm_overlap",
+                "The overlapped tensor-parallel linear layers beside the GEMM alone and NCCL + cuBLAS.\n"
+                "Run under a launcher: tdistrun -n 2 bench_gemm_overlap --quick");
+  std::string dtype = "bf16";
+  p.option("--ops", "LIST", "ag_gemm,gemm_rs,gemm_ar (default all three)", [&](const std::string& v) {
+    o.ops.clear();
+    for (const auto& s : cli::split_list(v, "--ops")) {
+      try {
+        o.ops.push_back(parse_op(s));
+      } catch (const tdist::Error&) {
+        throw cli::UsageError("--ops expects ag_gemm, gemm_rs or gemm_ar, got '" + s + "'");
       }
     }
-    TDIST_CHECK_ARG(!o.methods.empty(), "--methods", "at least one method");
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  }
-  try {
+  });
+  p.option("--m,--rows", "LIST", "M (all ranks' rows), e.g. 1024,4096 (default 1024,4096,8192,16384)",
+           [&](const std::string& v) {
+             o.ms.clear();
+             for (const auto& s : cli::split_list(v, "--m")) o.ms.push_back(cli::parse_int(s, "--m", 1, int64_t{1} << 40));
+             o.ms_given = true;
+           });
+  p.option("--methods", "LIST", "auto,fused,chunked,sequential,baseline (default auto)", [&](const std::string& v) {
+    o.methods.clear();
+    for (const auto& s : cli::split_list(v, "--methods")) {
+      try {
+        o.methods.push_back(parse_overlap_method(s, "--methods"));
+      } catch (const tdist::Error& e) {
+        throw cli::UsageError(e.what());
+      }
+    }
+  });
+  p.choice("--dtype", "element type (default bf16)", {"bf16", "fp16", "f16"}, &dtype);
+  p.option("--iters", "N", "timed launches per variant, the median is kept (default 20)", &o.iters, 1, 1000000);
+  p.option("--heap,--heap-size", "BYTES", "symmetric heap per rank (default 8G)",
+           [&](const std::string& v) { o.heap = cli::parse_size(v, "--heap"); });
+  p.option("--json", "FILE", "also write the results as JSON (rank 0)", &o.json);
+  bool no_align = false;
+  p.flag("--no-align", "no one-element NCCL AllReduce before each timed launch", &no_align);
+  p.flag("--quick", "M in {1024, 8192} unless --m is given", &o.quick);
+  p.parse(argc, argv);
+  o.align = !no_align;
+  o.dtype = dtype == "bf16" ? DType::kBFloat16 : DType::kFloat16;
+  return cli::run_main("bench_gemm_overlap", [&]() -> int {
     World world;
     SymmetricHeap heap(world, o.heap);
     cudaStream_t stream;
@@ -512,13 +510,10 @@ int main(int argc, char** argv) {
       std::printf("\nt/gemm: tdist time / GEMM-alone time (1 = communication fully hidden); t/base: tdist time / "
                   "baseline time (below 1: tdist faster); TFLOP/s: this rank's GEMM flops / tdist time; diff: "
                   "max |tdist - baseline| / max |baseline| on the same inputs\n");
-      if (!o.json.empty()) write_json(o.json, rows, world.world_size(), o, prop.name);
+      if (!o.json.empty()) write_json(o.json, rows, world.world_size(), o, prop.name, argc, argv);
     }
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
     TDIST_CUDA_CHECK(cudaStreamDestroy(stream));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+    return 0;
+  });
 }

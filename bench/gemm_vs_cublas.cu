@@ -27,13 +27,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "fill_random.cuh"
+#include "../tools/common/bench_report.hpp"
+#include "tdist/common/cli.hpp"
+#include "tdist/common/json.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/ops/cublas.hpp"
@@ -116,7 +118,7 @@ std::vector<GroupedShape> parse_grouped_shapes(const std::string& s) {
 
 // One grouped shape: tdist::GroupedGemm beside a per-group cuBLAS loop. Appends a JSON row to `rows`.
 void bench_grouped(const GroupedShape& sh, tdist::DType dtype, int iters, int l2, tdist::GroupedGemm& grouped,
-                   tdist::CublasGemm& cublas, cudaStream_t stream, std::string& rows) {
+                   tdist::CublasGemm& cublas, cudaStream_t stream, tdist::json::Value& doc) {
   const bool bf16 = dtype == tdist::DType::kBFloat16;
   std::vector<int64_t> counts(sh.groups);
   unsigned long long x = 0x2545F4914F6CDD1Dull * (sh.groups + 31ull * sh.mean_rows + 7ull * sh.n + sh.k);
@@ -200,16 +202,18 @@ void bench_grouped(const GroupedShape& sh, tdist::DType dtype, int iters, int l2
   std::printf("%-20s %-18s %10.1f %8.1f %10.1f %8.1f %7.3f %10.2e  %s\n", shape, tile_name.c_str(), ms * 1e3,
               flop / ms * 1e-9, cublas_ms * 1e3, flop / cublas_ms * 1e-9, ms / cublas_ms, rel, sh.note.c_str());
   std::fflush(stdout);
-  char row[640];
-  std::snprintf(row, sizeof(row),
-                "%s{\"op\": \"grouped\", \"groups\": %d, \"mean_rows\": %d, \"rows\": %lld, \"padded_rows\": %lld, "
-                "\"n\": %d, \"k\": %d, \"dtype\": \"%s\", \"tile\": \"%s\", \"tdist_us\": %.2f, "
-                "\"cublas_loop_us\": %.2f, \"tdist_tflops\": %.1f, \"cublas_tflops\": %.1f, \"ratio\": %.4f, "
-                "\"max_rel_diff\": %.3e}",
-                rows.empty() ? "" : ",\n  ", sh.groups, sh.mean_rows, static_cast<long long>(real_rows),
-                static_cast<long long>(offsets.back()), sh.n, sh.k, tdist::to_string(dtype), tile_name.c_str(),
-                ms * 1e3, cublas_ms * 1e3, flop / ms * 1e-9, flop / cublas_ms * 1e-9, ms / cublas_ms, rel);
-  rows += row;
+  // Schema tdist.bench/1: the grouped GEMM and the per-group cuBLAS loop, one row each.
+  auto row = [&](const char* impl, const std::string& method, double us) {
+    return tdist::json::Value(tdist::json::Object{
+        {"op", "grouped_gemm"}, {"groups", sh.groups}, {"mean_rows", sh.mean_rows}, {"m", real_rows},
+        {"padded_rows", offsets.back()}, {"n", sh.n}, {"k", sh.k}, {"impl", impl}, {"method", method}, {"us", us},
+        {"tflops", flop / us * 1e-6}});
+  };
+  tdist::json::Value t = row("tdist", tile_name, ms * 1e3);
+  t["ratio_cublas"] = ms / cublas_ms;
+  t["max_rel_diff"] = rel;
+  doc["rows"].push_back(t);
+  doc["rows"].push_back(row("cublas", "cublas_loop", cublas_ms * 1e3));
   for (int s = 0; s < sets; ++s) {
     TDIST_CUDA_CHECK(cudaFree(as[s]));
     TDIST_CUDA_CHECK(cudaFree(bs[s]));
@@ -241,32 +245,19 @@ int main(int argc, char** argv) {
   std::string dtype_name = "bf16", shapes_arg, grouped_arg, json;
   int iters = 20;
   bool all_tiles = false, tune = false, no_grouped = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "%s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--dtype") dtype_name = next();
-    else if (a == "--iters") iters = std::max(1, std::atoi(next().c_str()));
-    else if (a == "--shapes") shapes_arg = next();
-    else if (a == "--json") json = next();
-    else if (a == "--tiles") all_tiles = true;
-    else if (a == "--tune") tune = true;
-    else if (a == "--grouped") grouped_arg = next();
-    else if (a == "--no-grouped") no_grouped = true;
-    else {
-      std::fprintf(stderr,
-                   "usage: %s [--dtype bf16|fp16] [--iters N] [--shapes MxNxK,...] [--tiles] [--tune] "
-                   "[--grouped GxMxNxK,... | --no-grouped] [--json FILE]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
-  try {
+  tdist::cli::Parser p("bench_gemm_vs_cublas", "tdist::Gemm beside cuBLAS on one GPU (LOCAL_RANK picks it).");
+  p.choice("--dtype", "element type (default bf16)", {"bf16", "fp16", "f16"}, &dtype_name);
+  p.option("--iters", "N", "timed launches, the median is kept (default 20)", &iters, 1, 1000000);
+  p.option("--shapes", "MxNxK,...", "shapes to time (default: the LLM shapes)", &shapes_arg);
+  p.flag("--tiles", "also time every tile configuration", &all_tiles);
+  p.flag("--tune", "let the autotuner pick the tile", &tune);
+  p.option("--grouped", "GxMxNxK,...", "grouped-GEMM shapes: G groups of about M rows (default: MoE shapes)",
+           &grouped_arg);
+  p.flag("--no-grouped", "skip the grouped GEMM beside the per-group cuBLAS loop", &no_grouped);
+  p.option("--json", "FILE", "also write the results as JSON", &json);
+  p.parse(argc, argv);
+  if (dtype_name == "f16") dtype_name = "fp16";
+  return tdist::cli::run_main("bench_gemm_vs_cublas", [&]() -> int {
     const tdist::DType dtype = tdist::parse_dtype(dtype_name);
     const bool bf16 = dtype == tdist::DType::kBFloat16;
     TDIST_CHECK_ARG(dtype != tdist::DType::kFloat32, "--dtype", "bf16 or fp16");
@@ -299,7 +290,8 @@ int main(int argc, char** argv) {
                 iters);
     std::printf("%-20s %-18s %10s %8s %10s %8s %7s %10s  %s\n", "M x N x K", "tdist tile", "tdist us", "TFLOP/s",
                 "cuBLAS us", "TFLOP/s", "ratio", "max diff", "shape");
-    std::string rows;
+    tdist::json::Value doc = tdist::bench::document("gemm_vs_cublas", prop.name, 1, dtype_name, argc, argv);
+    doc["iters"] = iters;
     for (const Shape& sh : shapes) {
       const size_t a_elems = static_cast<size_t>(sh.m) * sh.k, b_elems = static_cast<size_t>(sh.n) * sh.k;
       const size_t d_elems = static_cast<size_t>(sh.m) * sh.n;
@@ -364,14 +356,17 @@ int main(int argc, char** argv) {
                     tune && !tile ? "tuned" : tile_name.c_str(), ms * 1e3, flop / ms * 1e-9, cublas_ms * 1e3,
                     flop / cublas_ms * 1e-9, ms / cublas_ms, rel, sh.note.c_str());
         std::fflush(stdout);
-        char row[512];
-        std::snprintf(row, sizeof(row),
-                      "%s{\"m\": %d, \"n\": %d, \"k\": %d, \"dtype\": \"%s\", \"tile\": \"%s\", \"tdist_us\": %.2f, "
-                      "\"cublas_us\": %.2f, \"tdist_tflops\": %.1f, \"cublas_tflops\": %.1f, \"ratio\": %.4f, "
-                      "\"max_rel_diff\": %.3e}",
-                      rows.empty() ? "" : ",\n  ", sh.m, sh.n, sh.k, dtype_name.c_str(), tile_name.c_str(), ms * 1e3,
-                      cublas_ms * 1e3, flop / ms * 1e-9, flop / cublas_ms * 1e-9, ms / cublas_ms, rel);
-        rows += row;
+        // Schema tdist.bench/1: the tdist row (with its tile), and cuBLAS's once per shape.
+        auto row = [&](const char* impl, const std::string& method, double us) {
+          return tdist::json::Value(tdist::json::Object{{"op", "gemm"}, {"m", sh.m}, {"n", sh.n}, {"k", sh.k},
+                                                        {"impl", impl}, {"method", method}, {"us", us},
+                                                        {"tflops", flop / us * 1e-6}});
+        };
+        tdist::json::Value t = row("tdist", tile_name, ms * 1e3);
+        t["ratio_cublas"] = ms / cublas_ms;
+        t["max_rel_diff"] = rel;
+        doc["rows"].push_back(t);
+        if (!tile) doc["rows"].push_back(row("cublas", "cublas", cublas_ms * 1e3));
       }
       for (int s = 0; s < sets; ++s) {
         TDIST_CUDA_CHECK(cudaFree(as[s]));
@@ -396,16 +391,10 @@ int main(int argc, char** argv) {
       tdist::GroupedGemm grouped;
       std::printf("\n%-20s %-18s %10s %8s %10s %8s %7s %10s  %s\n", "G x M x N x K", "tdist tile", "tdist us", "TFLOP/s",
                   "cuBLAS loop", "TFLOP/s", "ratio", "max diff", "grouped shape");
-      for (const GroupedShape& sh : gshapes) bench_grouped(sh, dtype, iters, l2, grouped, cublas, stream, rows);
+      for (const GroupedShape& sh : gshapes) bench_grouped(sh, dtype, iters, l2, grouped, cublas, stream, doc);
     }
     std::printf("ratio: tdist time / cuBLAS time (below 1: tdist faster); max diff: max |tdist - cuBLAS| / max |cuBLAS|\n");
-    if (!json.empty()) {
-      std::ofstream f(json);
-      f << "{\"gpu\": \"" << prop.name << "\", \"rows\": [\n  " << rows << "\n]}\n";
-    }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+    if (!json.empty()) tdist::json::write_file(json, doc);
+    return 0;
+  });
 }

@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
-"""Plots benchmark JSON. tdist-bench (collectives): bus bandwidth and latency against size, tdist
-beside NCCL, one row per op. bench_gemm_overlap: time of each overlapped GEMM layer (tdist's
-automatic method) beside the GEMM alone and the NCCL + cuBLAS baseline, one panel per op.
+"""Plots benchmark result files: any file of schema "tdist.bench/1" (tdist-bench, bench_gemm_overlap,
+bench_put_bandwidth, bench_gemm_vs_cublas, python -m tdist.bench), and the older layouts committed
+under bench/results/, which are read into that schema first.
 
-    python3 bench/plot.py results.json [-o results.png]
+Rows indexed by size (collectives, puts): bus bandwidth and time against size, one line per
+implementation and method, one row of panels per op (a bar chart when every series has one size).
+Rows indexed by shape (GEMMs): time per call, grouped bars per shape, one panel per op.
+
+    python3 bench/plot.py results.json [more.json ...] [-o out.png | --out-dir DIR]
 """
 import argparse
 import json
+import math
+import os
+import sys
 from collections import defaultdict
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+SCHEMA = "tdist.bench/1"
 
 
 def human(n):
@@ -23,62 +27,154 @@ def human(n):
     return f"{n:g}T"
 
 
-def plot_gemm_overlap(data, out):
-    """Grouped bars per shape: tdist (auto, with the method it ran), GEMM alone, baseline."""
-    rows = [r for r in data["rows"] if r["method"] == "auto"]
-    ops = [op for op in ("ag_gemm", "gemm_rs", "gemm_ar") if any(r["op"] == op for r in rows)]
-    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.6 * len(ops)), squeeze=False)
-    for ax, op in zip(axes[:, 0], ops):
-        sel = [r for r in rows if r["op"] == op]
-        labels = [f"M={r['m']}\nN={r['n']} K={r['k']}" for r in sel]
-        x = range(len(sel))
-        width = 0.27
-        series = (("tdist", "tdist_us", "tab:blue"), ("GEMM alone (tdist)", "gemm_us", "tab:gray"),
-                  ("NCCL + cuBLAS", "baseline_us", "tab:red"))
-        for j, (name, key, color) in enumerate(series):
-            ax.bar([i + (j - 1) * width for i in x], [r[key] for r in sel], width, label=name, color=color)
-        for i, r in enumerate(sel):
-            ax.annotate(f"{r['ratio_baseline']:.2f}x\n{r['resolved']}", (i - width, r["tdist_us"]),
-                        ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(list(x))
-        ax.set_xticklabels(labels, fontsize=7)
-        ax.set_ylabel("us per call (per-rank N, K)")
-        ax.set_title(f"{op}, {data['ranks']} x {data['gpu']}, {data['dtype']} (label: tdist / baseline time)")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+def _num(x):
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else None
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("json")
-    ap.add_argument("-o", "--output", help="PNG path (default: the JSON path with .png)")
-    args = ap.parse_args()
-    with open(args.json) as f:
-        data = json.load(f)
-    out = args.output or args.json.rsplit(".", 1)[0] + ".png"
-    if data.get("bench") == "gemm_overlap":
-        plot_gemm_overlap(data, out)
-        return
+# --- reading: every layout into schema tdist.bench/1 ------------------------------------------------
 
-    by_op = defaultdict(lambda: defaultdict(list))  # op -> method -> rows
-    nccl = defaultdict(dict)  # op -> bytes -> (us, busbw)
-    for r in data["rows"]:
-        by_op[r["op"]][r["method"]].append(r)
-        nccl[r["op"]][r["bytes"]] = (r["nccl_us"], r["nccl_busbw_gbps"])
+def _from_old_tdist_bench(d):
+    rows, seen = [], set()
+    for r in d["rows"]:
+        rows.append({"op": r["op"], "bytes": r["bytes"], "impl": "tdist", "method": r["method"],
+                     "pdl": r.get("pdl"), "us": r.get("tdist_us"), "busbw_gbps": r.get("tdist_busbw_gbps")})
+        if (r["op"], r["bytes"]) not in seen:
+            seen.add((r["op"], r["bytes"]))
+            rows.append({"op": r["op"], "bytes": r["bytes"], "impl": "nccl", "method": "nccl", "us": r.get("nccl_us"),
+                         "busbw_gbps": r.get("nccl_busbw_gbps")})
+    return rows
+
+
+def _from_old_gemm_overlap(d):
+    rows, seen = [], set()
+    for r in d["rows"]:
+        shape = {"op": r["op"], "m": r["m"], "n": r["n"], "k": r["k"]}
+        rows.append(dict(shape, impl="tdist", method=r["method"], resolved=r.get("resolved"), us=r.get("tdist_us"),
+                         max_rel_diff=r.get("max_rel_diff")))
+        key = (r["op"], r["m"], r["n"], r["k"])
+        if key in seen:
+            continue
+        seen.add(key)
+        for impl, field in (("gemm", "gemm_us"), ("nccl+cublas", "baseline_us"), ("nccl", "nccl_us"),
+                            ("cublas", "cublas_us")):
+            if field in r:
+                rows.append(dict(shape, impl=impl, method=impl, us=r[field]))
+    return rows
+
+
+def _from_old_put_bandwidth(d):
+    rows = []
+    for r in d["rows"]:
+        for impl, field in (("tdist", "tdist_gbps"), ("baseline", "baseline_gbps")):
+            gbps = _num(r.get(field))
+            rows.append({"op": "put", "bytes": d.get("bytes", 0), "impl": impl, "method": r["method"],
+                         "algbw_gbps": gbps, "us": d.get("bytes", 0) / gbps * 1e-3 if gbps else None})
+    return rows
+
+
+def _from_old_gemm_vs_cublas(d):
+    rows, seen = [], set()
+    for r in d["rows"]:
+        shape = {"op": "gemm", "m": r["m"], "n": r["n"], "k": r["k"]}
+        rows.append(dict(shape, impl="tdist", method=r.get("tile", ""), us=r.get("tdist_us")))
+        if (r["m"], r["n"], r["k"]) not in seen:
+            seen.add((r["m"], r["n"], r["k"]))
+            rows.append(dict(shape, impl="cublas", method="cublas", us=r.get("cublas_us")))
+    return rows
+
+
+def _from_old_python(d):
+    rows = []
+    for r in d.get("collectives", []):
+        for name, us in r["us"].items():
+            impl, _, method = name.partition(" ")
+            rows.append({"op": r["op"], "bytes": r["bytes"], "impl": impl, "method": method or impl, "us": us})
+    for r in d.get("gemm", []):
+        for name, us in r["us"].items():
+            impl, _, method = name.partition(" ")
+            rows.append({"op": r["op"], "m": r["m"], "n": r["n"], "k": r["k"], "impl": impl,
+                         "method": method or impl, "us": us})
+    return rows
+
+
+def normalise(d):
+    """(meta, rows) of a result file of any layout, rows in schema tdist.bench/1."""
+    if d.get("schema") == SCHEMA:
+        return d, list(d["rows"])
+    meta = {k: v for k, v in d.items() if k not in ("rows", "collectives", "gemm")}
+    meta.setdefault("world_size", d.get("ranks"))
+    bench = d.get("bench")
+    if bench == "tdist-bench":
+        return meta, _from_old_tdist_bench(d)
+    if bench == "gemm_overlap":
+        return meta, _from_old_gemm_overlap(d)
+    if bench == "put_bandwidth":
+        return meta, _from_old_put_bandwidth(d)
+    if "collectives" in d or "gemm" in d:
+        meta["bench"] = "python"
+        return meta, _from_old_python(d)
+    if "rows" in d and d["rows"] and "cublas_us" in d["rows"][0]:
+        meta["bench"] = "gemm_vs_cublas"
+        return meta, _from_old_gemm_vs_cublas(d)
+    raise ValueError("unknown result layout (neither schema tdist.bench/1 nor an older tdist benchmark's)")
+
+
+# --- drawing ----------------------------------------------------------------------------------------
+
+def _label(r):
+    impl, method = r.get("impl", "?"), r.get("method", "")
+    name = impl if not method or method == impl else f"{impl} {method}"
+    if r.get("pdl") is False:
+        name += " (no pdl)"
+    return name
+
+
+def _bandwidth(r):
+    return _num(r.get("busbw_gbps")) or _num(r.get("algbw_gbps"))
+
+
+def _title(meta):
+    parts = [str(meta.get("bench", "")), f"{meta.get('world_size', '?')} x {meta.get('gpu', '?')}"]
+    if meta.get("dtype"):
+        parts.append(str(meta["dtype"]))
+    if meta.get("buffers"):
+        parts.append(f"tdist {meta['buffers']} buffers")
+    return ", ".join(p for p in parts if p)
+
+
+def plot_sizes(plt, meta, rows, out):
+    by_op = defaultdict(lambda: defaultdict(list))  # op -> series -> rows
+    for r in rows:
+        if _num(r.get("us")) is not None or _bandwidth(r) is not None:
+            by_op[r["op"]][_label(r)].append(r)
     ops = sorted(by_op)
     fig, axes = plt.subplots(len(ops), 2, figsize=(13, 4 * len(ops)), squeeze=False)
-    for i, op in enumerate(ops):
-        ax_bw, ax_lat = axes[i]
-        sizes = sorted(nccl[op])
-        ax_bw.plot(sizes, [nccl[op][s][1] for s in sizes], "k--o", label="NCCL", markersize=3)
-        ax_lat.plot(sizes, [nccl[op][s][0] for s in sizes], "k--o", label="NCCL", markersize=3)
-        for method, rows in sorted(by_op[op].items()):
-            rows = sorted(rows, key=lambda r: r["bytes"])
-            xs = [r["bytes"] for r in rows]
-            ax_bw.plot(xs, [r["tdist_busbw_gbps"] for r in rows], "-o", label=f"tdist {method}", markersize=3)
-            ax_lat.plot(xs, [r["tdist_us"] for r in rows], "-o", label=f"tdist {method}", markersize=3)
+    for (ax_bw, ax_lat), op in zip(axes, ops):
+        series = by_op[op]
+        single = all(len({r["bytes"] for r in rs}) == 1 for rs in series.values())
+        if single:  # one size: bars per series
+            names = sorted(series)
+            ax_bw.bar(range(len(names)), [_bandwidth(series[n][0]) or 0 for n in names], color="tab:blue")
+            ax_lat.bar(range(len(names)), [_num(series[n][0].get("us")) or 0 for n in names], color="tab:gray")
+            for ax in (ax_bw, ax_lat):
+                ax.set_xticks(range(len(names)))
+                ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
+            size = human(series[names[0]][0]["bytes"])
+            ax_bw.set_ylabel("bandwidth (GB/s)")
+            ax_lat.set_ylabel("time (us)")
+            ax_bw.set_title(f"{op} {size}: bandwidth")
+            ax_lat.set_title(f"{op} {size}: time")
+            continue
+        sizes = sorted({r["bytes"] for rs in series.values() for r in rs})
+        for name, rs in sorted(series.items()):
+            rs = sorted(rs, key=lambda r: r["bytes"])
+            style = "k--o" if name.startswith("nccl") else "-o"
+            bw = [(r["bytes"], _bandwidth(r)) for r in rs if _bandwidth(r) is not None]
+            lat = [(r["bytes"], _num(r.get("us"))) for r in rs if _num(r.get("us")) is not None]
+            if bw:
+                ax_bw.plot(*zip(*bw), style, label=name, markersize=3)
+            if lat:
+                ax_lat.plot(*zip(*lat), style, label=name, markersize=3)
         for ax, ylabel in ((ax_bw, "bus bandwidth (GB/s)"), (ax_lat, "time per op (us)")):
             ax.set_xscale("log", base=2)
             ax.set_xticks(sizes)
@@ -86,16 +182,86 @@ def main():
             ax.set_xlabel("size (bytes)")
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
         ax_lat.set_yscale("log")
         ax_bw.set_title(f"{op}: bus bandwidth")
         ax_lat.set_title(f"{op}: latency")
-    fig.suptitle(f"{data.get('gpu', '?')} x {data.get('world_size', '?')}, {data.get('dtype', '')}, "
-                 f"tdist {data.get('buffers', '')} buffers")
+    fig.suptitle(_title(meta))
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_shapes(plt, meta, rows, out):
+    by_op = defaultdict(list)
+    for r in rows:
+        by_op[r["op"]].append(r)
+    ops = sorted(by_op)
+    fig, axes = plt.subplots(len(ops), 1, figsize=(12, 3.8 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops):
+        shapes = []
+        for r in by_op[op]:
+            key = (r["m"], r["n"], r["k"])
+            if key not in shapes:
+                shapes.append(key)
+        names = []
+        for r in by_op[op]:
+            if _label(r) not in names:
+                names.append(_label(r))
+        width = 0.8 / max(1, len(names))
+        for j, name in enumerate(names):
+            t = {(r["m"], r["n"], r["k"]): _num(r.get("us")) for r in by_op[op] if _label(r) == name}
+            xs = [i + (j - (len(names) - 1) / 2) * width for i in range(len(shapes))]
+            ax.bar(xs, [t.get(s) or 0 for s in shapes], width, label=name)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels([f"M={m}\nN={n} K={k}" for m, n, k in shapes], fontsize=7)
+        ax.set_ylabel("us per call (per-rank N, K)")
+        ax.set_title(f"{op}, {_title(meta)}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_file(path, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        meta, rows = normalise(json.load(f))
+    sized = [r for r in rows if "bytes" in r]
+    shaped = [r for r in rows if "bytes" not in r and "m" in r]
+    if not sized and not shaped:
+        raise ValueError(f"{path}: no rows to draw")
+    if sized:
+        plot_sizes(plt, meta, sized, out)
+    if shaped:
+        plot_shapes(plt, meta, shaped, out if not sized else out.rsplit(".", 1)[0] + "_gemm.png")
     print(f"wrote {out}")
 
 
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", nargs="+", help="result files")
+    ap.add_argument("-o", "--output", help="PNG path (one input; default: the JSON path with .png)")
+    ap.add_argument("--out-dir", help="write each PNG into this folder")
+    args = ap.parse_args(argv)
+    if args.output and len(args.json) > 1:
+        ap.error("-o takes one input file; use --out-dir for several")
+    failed = 0
+    for path in args.json:
+        base = os.path.basename(path).rsplit(".", 1)[0] + ".png"
+        out = args.output or (os.path.join(args.out_dir, base) if args.out_dir else path.rsplit(".", 1)[0] + ".png")
+        try:
+            plot_file(path, out)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"plot.py: error: {path}: {type(e).__name__}: {e}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,10 +9,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <string>
 #include <vector>
 
+#include "../tools/common/bench_report.hpp"
+#include "tdist/common/cli.hpp"
+#include "tdist/common/json.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/device.cuh"
 #include "tdist/runtime/stream.hpp"
@@ -53,26 +55,10 @@ double median_gbps(World& world, cudaStream_t stream, size_t bytes, int iters, L
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  size_t bytes = 256ull << 20;
-  int iters = 20;
-  std::string json_path;
-  for (int i = 1; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--bytes" && i + 1 < argc) bytes = SymmetricHeap::parse_size(argv[++i], "--bytes");
-    else if (arg == "--iters" && i + 1 < argc) iters = std::max(3, std::atoi(argv[++i]));
-    else if (arg == "--json" && i + 1 < argc) json_path = argv[++i];
-    else {
-      std::fprintf(stderr, "usage: %s [--bytes N[K|M|G]] [--iters N] [--json FILE]\n", argv[0]);
-      return 2;
-    }
-  }
+int run(size_t bytes, int iters, const std::string& json_path, int argc, char** argv) {
   bytes = bytes / 16 * 16;
   World world;
-  if (world.world_size() < 2) {
-    std::fprintf(stderr, "put_bandwidth needs at least 2 ranks (tdistrun -n 2)\n");
-    return 2;
-  }
+  if (world.world_size() < 2) throw cli::UsageError("needs at least 2 ranks (tdistrun -n 2 bench_put_bandwidth)");
   const int peer = (world.rank() + 1) % world.world_size();
   SymmetricHeap heap(world, 2 * bytes + (4ull << 20));
   char* dst = heap.allocate_array<char>(bytes);
@@ -175,20 +161,41 @@ int main(int argc, char** argv) {
                   r.reference_gbps > 0 ? r.tdist_gbps / r.reference_gbps : 0.0);
     }
     if (!json_path.empty()) {
-      std::ofstream json(json_path);
-      json << "{\n  \"bench\": \"put_bandwidth\",\n  \"gpu\": \"" << prop.name << "\",\n  \"ranks\": " << world.world_size()
-           << ",\n  \"bytes\": " << bytes << ",\n  \"iters\": " << iters << ",\n  \"rows\": [\n";
-      for (size_t i = 0; i < rows.size(); ++i) {
-        const Row& r = rows[i];
-        json << "    {\"method\": \"" << r.method << "\", \"sms\": " << r.sms << ", \"tdist_gbps\": " << r.tdist_gbps
-             << ", \"baseline_gbps\": " << r.baseline_gbps << ", \"reference_gbps\": " << r.reference_gbps << "}"
-             << (i + 1 < rows.size() ? "," : "") << "\n";
+      // Schema tdist.bench/1: per method, tdist's put and its baseline (a plain store loop or cudaMemcpy).
+      json::Value doc = bench::document("put_bandwidth", prop.name, world.world_size(), "bytes", argc, argv);
+      doc["bytes"] = bytes;
+      doc["iters"] = iters;
+      for (const Row& r : rows) {
+        for (const bool tdist_row : {true, false}) {
+          const double gbps = tdist_row ? r.tdist_gbps : r.baseline_gbps;
+          json::Value row = json::Object{{"op", "put"}, {"bytes", bytes}, {"impl", tdist_row ? "tdist" : "baseline"},
+                                         {"method", r.method}, {"sms", r.sms}, {"us", bytes / gbps * 1e-3},
+                                         {"algbw_gbps", gbps}};
+          if (tdist_row && r.reference_gbps > 0) row["reference_gbps"] = r.reference_gbps;
+          doc["rows"].push_back(row);
+        }
       }
-      json << "  ]\n}\n";
+      json::write_file(json_path, doc);
     }
   }
   TDIST_CUDA_CHECK(cudaStreamDestroy(stream));
   TDIST_CUDA_CHECK(cudaFree(src));
   heap.free(dst);
   return 0;
+}
+
+int main(int argc, char** argv) {
+  size_t bytes = 256ull << 20;
+  int iters = 20;
+  std::string json_path;
+  tdist::cli::Parser p("bench_put_bandwidth",
+                       "Put bandwidth over NVLink per direction, every rank pushing to the next at once: tdist's SM\n"
+                       "and copy-engine puts beside plain store loops and cudaMemcpy. Run under tdistrun -n 2.");
+  p.option("--bytes", "BYTES", "bytes per put, K/M/G suffixes (default 256M)",
+           [&](const std::string& v) { bytes = tdist::cli::parse_size(v, "--bytes"); });
+  p.option("--iters", "N", "timings per figure, the median is kept (default 20)", &iters, 3, 1000000);
+  p.option("--json", "FILE", "also write the results as JSON (rank 0)", &json_path);
+  p.parse(argc, argv);
+  if (bytes < 16) p.fail("--bytes expects at least 16 bytes");
+  return tdist::cli::run_main("bench_put_bandwidth", [&] { return run(bytes, iters, json_path, argc, argv); });
 }

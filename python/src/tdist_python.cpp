@@ -26,6 +26,7 @@
 #include <tuple>
 #include <vector>
 
+#include "tdist/version.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/launch.hpp"
@@ -890,4 +891,6 @@ NB_MODULE(_C, m) {
 
   m.def("jit_compile", &jit_compile, "source"_a, "name_expressions"_a, "arch"_a, "file_name"_a, "constants"_a,
         "defines"_a, "include_dirs"_a, "flags"_a, "compiler"_a);
+  m.def("version", [] { return std::string(tdist::version()); }, "libtdist's version");
+  m.def("version_report", &tdist::version_report, "device"_a = -1, "versions tdist runs with, one per line");
 }

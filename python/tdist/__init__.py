@@ -9,10 +9,30 @@
         remote = tdist.peer(buf, (tdist.get_rank() + 1) % tdist.get_world_size())
         y = tdist.ag_gemm(x_rows, w_shard)   # all_gather(x_rows) @ w_shard.T, overlapped
 
-Importing needs neither torch nor a GPU. docs/python.md has the API.
+Importing needs neither torch nor a GPU. docs/python.md has the API; `python -m tdist.collect_env`
+reports versions and settings.
 """
 
-from . import _C  # first: libtdist brings in the NCCL it was built with before torch loads its own
+from ._libs import load_libraries as _load_libraries
+
+try:
+    from ._version import __version__  # written by the build from VERSION
+except ImportError:  # pragma: no cover - a source tree used without building
+    from importlib.metadata import version as _dist_version
+
+    __version__ = _dist_version("tdist")
+
+# First: the CUDA runtime, NVRTC and NCCL (the nvidia-* wheels when installed, else the system's), then
+# libtdist, before torch loads its own NCCL.
+_load_libraries()
+try:
+    from . import _C
+except ImportError as _e:
+    raise ImportError(
+        f"tdist {__version__}: cannot load its extension ({_e}). tdist needs the CUDA 13 runtime and "
+        "NCCL >= 2.28: pip install 'tdist[cuda]' (NVIDIA's wheels), or install the CUDA 13 toolkit and "
+        "NCCL and set CUDA_HOME or LD_LIBRARY_PATH; `python -m tdist.collect_env` shows what was found."
+    ) from _e
 from ._C import Error, TimeoutError  # noqa: A004 (tdist.TimeoutError also subclasses the built-in)
 from ._runtime import (
     Session,
@@ -31,7 +51,6 @@ from ._runtime import (
 from .ops import ag_gemm, all_gather, all_reduce, barrier, gemm_ar, gemm_rs, reduce_scatter
 from . import jit
 
-__version__ = "0.1.0"
 
 __all__ = [
     "Error",

@@ -19,6 +19,10 @@ alone, the floor an overlap approaches) and "symm_mem" (torch.ops.symm_mem.fused
 fused_matmul_reduce_scatter; none for AllReduce). Outputs are compared with nccl+mm's ("diff": max
 |x - ref| / max |ref|, the worst rank).
 
+Flags, defaults and the JSON file are shared with the C++ benchmarks (tdist-bench, bench_gemm_overlap):
+--op/--ops, --method/--methods, --sizes MIN:MAX or a list, --iters 20, --json FILE of schema
+"tdist.bench/1" (one row per op, size or shape, and implementation; bench/plot.py draws it).
+
 Each cell is the median over --iters launches of one call timed with CUDA events (after --warmup
 calls), the slowest rank's median. Collectives up to --graph-max bytes are timed as CUDA-graph
 replays instead, --ops-per-graph calls per graph, as tdist-bench does: the per-call time without the
@@ -29,19 +33,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import statistics
 import sys
 import warnings
+
+SCHEMA = "tdist.bench/1"
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 GEMMS = ("ag_gemm", "gemm_rs", "gemm_ar")
 
 
 def _size(text: str) -> int:
-    text = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text[:-1] if text[-1:] in "KMG" else text) * mult)
+    """'4096', '64K', '1M', '2G', '8MiB' (binary multiples, as the C++ tools read them)."""
+    m = re.fullmatch(r"(\d+)([KMGT]?)(?:I?B)?", text.strip().upper())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4096, 64K, 1M or 2G, got '{text}'")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[m.group(2)]
+
+
+def _sizes(text: str):
+    """'MIN:MAX' (every power of two from MIN) or 'A,B,C', as tdist-bench reads --sizes."""
+    if ":" in text:
+        lo, hi = (_size(x) for x in text.split(":", 1))
+        if lo <= 0 or lo > hi:
+            raise argparse.ArgumentTypeError(f"expected MIN:MAX with 0 < MIN <= MAX, got '{text}'")
+        out = []
+        while lo <= hi:
+            out.append(lo)
+            lo *= 2
+        return out
+    items = text.split(",")
+    if any(not x.strip() for x in items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list without empty items, got '{text}'")
+    return [_size(x) for x in items]
 
 
 def _fmt_size(n: int) -> str:
@@ -54,32 +81,36 @@ def _fmt_size(n: int) -> str:
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m tdist.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter",
+    p.add_argument("--ops", "--op", default="all_reduce,all_gather,reduce_scatter",
                    help="comma-separated ops: " + ", ".join(COLLECTIVES + GEMMS))
-    p.add_argument("--sizes", default="4K,64K,256K,1M,4M,16M,64M",
-                   help="collectives: comma-separated bytes, K/M/G suffixes")
+    p.add_argument("--sizes", default="4K,64K,256K,1M,4M,16M,64M", type=_sizes,
+                   help="collectives: bytes, MIN:MAX (powers of two) or a comma list, K/M/G suffixes")
     p.add_argument("--rows", default="1024,4096,8192,16384",
                    help="overlapped GEMMs: comma-separated M (all ranks' rows; not --m, which torchrun would take)")
-    p.add_argument("--methods", default="auto",
+    p.add_argument("--methods", "--method", default="auto",
                    help="overlapped GEMMs: tdist methods to time (auto, fused, chunked, sequential, baseline)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "f16", "fp32", "f32"),
                    help="element type (the overlapped GEMMs: bf16 or fp16)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls first")
-    p.add_argument("--iters", type=int, default=50, help="timed calls (graph replays below --graph-max)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls (graph replays below --graph-max)")
     p.add_argument("--graph-max", default="0",
                    help="collectives up to this many bytes are timed as CUDA-graph replays (0: none)")
     p.add_argument("--ops-per-graph", type=int, default=50, help="calls captured per graph (--graph-max)")
-    p.add_argument("--heap-size", default=None,
+    p.add_argument("--heap-size", "--heap", default=None,
                    help="tdist's symmetric heap per rank (default 8G with an overlapped GEMM, else 2G)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON (rank 0)")
     args = p.parse_args(argv)
+    args.dtype = {"f16": "fp16", "f32": "fp32"}.get(args.dtype, args.dtype)
     args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     for op in args.ops:
         if op not in COLLECTIVES + GEMMS:
             p.error(f"unknown op '{op}' (expected {', '.join(COLLECTIVES + GEMMS)})")
     if args.dtype == "fp32" and any(op in GEMMS for op in args.ops):
         p.error("the overlapped GEMMs take bf16 or fp16, not fp32")
-    args.graph_max = _size(args.graph_max) if args.graph_max != "0" else 0
+    try:
+        args.graph_max = _size(args.graph_max) if args.graph_max != "0" else 0
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--graph-max: {e}")
     if args.ops_per_graph < 1:
         p.error("--ops-per-graph must be at least 1")
     if args.heap_size is None:
@@ -155,8 +186,14 @@ def main(argv=None) -> int:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
     import tdist  # before torch (NCCL >= 2.28)
-    import torch
-    import torch.distributed as dist
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as e:
+        print(f"python -m tdist.bench: error: needs PyTorch with CUDA ({e}); install it with "
+              "'pip install torch' (or 'pip install tdist[torch]'), then run it under torchrun, "
+              "e.g. torchrun --nproc-per-node 2 -m tdist.bench", file=sys.stderr)
+        return 2
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -166,6 +203,7 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
     symm = _symm_mem(torch, dist, "one_shot_all_reduce", "two_shot_all_reduce_")
+    cols = ["tdist", "nccl"] + (["symm_mem 1-shot", "symm_mem 2-shot"] if symm and "all_reduce" in args.ops else [])
     rows = []
     gemm_rows = []
     try:
@@ -173,7 +211,7 @@ def main(argv=None) -> int:
             if op in GEMMS:
                 gemm_rows += _bench_gemm(op, args, dtype, tdist, torch, dist)
                 continue
-            for size in [_size(s) for s in args.sizes.split(",")]:
+            for size in args.sizes:
                 count = max(n, size // elem // n * n)  # divisible by the world size
                 bytes_ = count * elem
                 cells = {}
@@ -217,10 +255,12 @@ def main(argv=None) -> int:
                     cells["nccl"] = timed(lambda: dist.reduce_scatter_tensor(out, x))
                     busbw_factor = (n - 1) / n
                 rows.append((op, bytes_, cells, busbw_factor))
+                if me == 0:  # as it is measured
+                    if len(rows) == 1:
+                        _print_header(cols, n, args)
+                    _print_row(rows[-1], cols)
                 torch.cuda.synchronize()
         if me == 0:
-            if rows:
-                _print_table(rows, n, args)
             if gemm_rows:
                 _print_gemm_table(gemm_rows, n, args)
             if args.json:
@@ -367,36 +407,89 @@ def _print_gemm_table(rows, n, args) -> None:
         print(line)
 
 
-def _write_json(args, n, rows, gemm_rows) -> None:
+def _finite(x):
+    """JSON has no NaN or infinity: they are written as null."""
+    return x if isinstance(x, (int, str, bool)) or x is None or math.isfinite(x) else None
+
+
+def _impl(name: str):
+    """(impl, method) of a column name: 'tdist auto' -> ('tdist', 'auto'), 'symm_mem 1-shot' ->
+    ('symm_mem', '1-shot'), 'nccl' -> ('nccl', 'nccl')."""
+    impl, _, method = name.partition(" ")
+    return impl, method or impl
+
+
+def result_document(args, n, rows, gemm_rows, gpu="", command=None):
+    """The results as schema tdist.bench/1 (tools/common/bench_report.hpp): one row per op, size or
+    shape, and implementation."""
+    try:
+        from . import __version__ as version
+    except ImportError:
+        version = None
     doc = {
-        "world_size": n, "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
+        "schema": SCHEMA, "bench": "python", "tdist_version": version, "gpu": gpu, "world_size": n,
+        "dtype": args.dtype, "command": command if command is not None else " ".join(sys.argv),
+        "iters": args.iters, "warmup": args.warmup,
         "statistic": "median of per-call CUDA-event times, max over ranks (us)",
         "graph_max_bytes": args.graph_max, "ops_per_graph": args.ops_per_graph,
         "graph_statistic": "up to graph_max_bytes: median per-replay time / ops_per_graph, max over ranks (us)",
-        "collectives": [{"op": op, "bytes": bytes_, "us": cells} for op, bytes_, cells, _ in rows],
-        "gemm": gemm_rows,
+        "rows": [],
     }
-    with open(args.json, "w") as f:
-        json.dump(doc, f, indent=1)
+    for op, bytes_, cells, factor in rows:
+        for name, us in cells.items():
+            impl, method = _impl(name)
+            doc["rows"].append({
+                "op": op, "bytes": bytes_, "impl": impl, "method": "auto" if impl == "tdist" else method,
+                "timing": "graph" if bytes_ <= args.graph_max else "events", "us": _finite(us),
+                "algbw_gbps": _finite(bytes_ / (us * 1e3)) if us else None,
+                "busbw_gbps": _finite(bytes_ * factor / (us * 1e3)) if us else None,
+            })
+    for r in gemm_rows:
+        for name, us in r["us"].items():
+            impl, method = _impl(name)
+            row = {"op": r["op"], "m": r["m"], "n": r["n"], "k": r["k"], "note": r["shape"], "impl": impl,
+                   "method": method, "us": _finite(us), "tflops": _finite(r["tflops_per_gpu"].get(name))}
+            if impl == "tdist" and method in r["resolved"]:
+                row["resolved"] = r["resolved"][method]
+            if name in r["diff"]:
+                row["max_rel_diff"] = _finite(r["diff"][name])
+            doc["rows"].append(row)
+        for name, err in r.get("errors", {}).items():
+            impl, method = _impl(name)
+            doc["rows"].append({"op": r["op"], "m": r["m"], "n": r["n"], "k": r["k"], "impl": impl,
+                                "method": method, "us": None, "error": err})
+    return doc
+
+
+def _write_json(args, n, rows, gemm_rows) -> None:
+    import torch
+
+    doc = result_document(args, n, rows, gemm_rows, gpu=torch.cuda.get_device_name())
+    tmp = args.json + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, args.json)
     print(f"tdist.bench: wrote {args.json}")
 
 
-def _print_table(rows, n, args) -> None:
-    cols = ["tdist", "nccl", "symm_mem 1-shot", "symm_mem 2-shot"]
-    cols = [c for c in cols if any(c in r[2] for r in rows)]
-    head = f"{'op':<15}{'size':>8}" + "".join(f"{c + ' us':>18}" for c in cols) + f"{'nccl/tdist':>12}{'tdist busbw GB/s':>18}"
+def _print_header(cols, n, args) -> None:
     print(f"tdist.bench: {n} ranks, {args.dtype}, median of {args.iters} after {args.warmup} warm-up, slowest rank"
           + (f"; graph replays of {args.ops_per_graph} calls up to {_fmt_size(args.graph_max)}" if args.graph_max else ""))
+    head = f"{'op':<15}{'size':>8}" + "".join(f"{c + ' us':>18}" for c in cols) + f"{'nccl/tdist':>12}{'tdist busbw GB/s':>18}"
     print(head)
-    print("-" * len(head))
-    for op, bytes_, cells, factor in rows:
-        line = f"{op:<15}{_fmt_size(bytes_):>8}"
-        for c in cols:
-            line += f"{cells[c]:>18.1f}" if c in cells else f"{'-':>18}"
-        ratio = cells["nccl"] / cells["tdist"]
-        busbw = bytes_ * factor / (cells["tdist"] * 1e-6) / 1e9
-        line += f"{ratio:>11.2f}x{busbw:>18.1f}"
-        print(line)
+    print("-" * len(head), flush=True)
+
+
+def _print_row(row, cols) -> None:
+    op, bytes_, cells, factor = row
+    line = f"{op:<15}{_fmt_size(bytes_):>8}"
+    for c in cols:
+        line += f"{cells[c]:>18.1f}" if c in cells else f"{'-':>18}"
+    ratio = cells["nccl"] / cells["tdist"]
+    busbw = bytes_ * factor / (cells["tdist"] * 1e-6) / 1e9
+    line += f"{ratio:>11.2f}x{busbw:>18.1f}"
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

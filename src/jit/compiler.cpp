@@ -16,6 +16,7 @@
 #include "detail.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/log.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/paths.hpp"
 
@@ -558,6 +559,7 @@ std::shared_ptr<const CompiledKernel> compile(const CompileRequest& req, KernelC
   auto k = std::make_shared<const CompiledKernel>(std::move(out.kernel));
   detail::verbose(std::string("compiled ") + p.short_name + " " + p.arch + " with " + to_string(p.kind) +
                   " key " + to_hex(p.key).substr(0, 16) + " in " + std::to_string(ms()) + " ms");
+  TDIST_INFO(JIT, "compiled ", p.short_name, " for ", p.arch, " (not cached) in ", static_cast<long>(ms()), " ms");
   if (want_dump) dump(p, *k, out.ptx);
   // Stored before the spill check: the entry is valid; the setting only decides whether to use it.
   cache.store(k);

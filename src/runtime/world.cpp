@@ -12,6 +12,7 @@
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/process.hpp"
+#include "tdist/version.hpp"
 
 namespace tdist {
 namespace {
@@ -234,6 +235,7 @@ void World::abort(const std::string& why) noexcept {
 
 void World::init_from_comm() {
   set_process_rank(rank_);
+  log_startup(device_);
   const ncclTeam_t lsa = ncclTeamLsa(comm_);
   lsa_rank_ = lsa.rank;
   lsa_size_ = lsa.nRanks;

@@ -317,6 +317,87 @@ TEST_F(Tdistrun, RanksDieWithTheLauncher) {
   }
 }
 
+TEST_F(Tdistrun, GrandchildrenDieWithAKilledLauncher) {
+  // A rank starts a background child in its group, then waits; the launcher is SIGKILLed. The rank
+  // dies of PR_SET_PDEATHSIG; its child only through the launcher's watchdog.
+  const std::string script = "sleep 60 & echo $! > " + path("child.tmp") + "; mv " + path("child.tmp") + " " +
+                             path("child") + "; exec sleep 60";
+  pid_t child = -1;
+  Result r = run({"-n", "1", "sh", "-c", script}, {}, [&](pid_t launcher) {
+    child = read_pid("child");
+    kill(launcher, SIGKILL);
+  });
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL);
+  ASSERT_GT(child, 0);
+  EXPECT_TRUE(wait_until([&] { return !process_alive(child); }, 3s)) << "grandchild " << child << " survived";
+}
+
+TEST_F(Tdistrun, TimeoutHoldsWhileOutputIsBlocked) {
+  // stdout is a pipe nobody reads: the ranks fill it, and the launcher must still stop them on time.
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  const auto start = Clock::now();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(out[1], 1);
+    const int err = open(path("launcher.err").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(err, 2);
+    close(out[0]);
+    execl(kTdistrun.c_str(), kTdistrun.c_str(), "--timeout", "2", "--kill-grace", "1", "-n", "2", "sh", "-c",
+          "yes 'a line of output that nobody reads'", static_cast<char*>(nullptr));
+    _exit(99);
+  }
+  close(out[1]);
+  int status = 0;
+  const bool ended = wait_until([&] { return waitpid(pid, &status, WNOHANG) == pid; }, 15s);
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!ended) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  }
+  close(out[0]);
+  ASSERT_TRUE(ended) << "tdistrun still running 15 s after a 2 s timeout";
+  EXPECT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 124) << read_file(path("launcher.err"));
+  EXPECT_LT(seconds, 6.0);
+  EXPECT_CONTAINS(read_file(path("launcher.err")), "tdistrun: timeout");
+}
+
+TEST_F(Tdistrun, ExportsOneRandomStoreSecretPerJob) {
+  const std::string print = "echo secret=$TDIST_STORE_SECRET";
+  auto secrets = [&](const Result& r) {
+    std::vector<std::string> found;
+    std::istringstream lines(r.out);
+    for (std::string line; std::getline(lines, line);)
+      if (auto at = line.find("secret="); at != std::string::npos) found.push_back(line.substr(at + 7));
+    return found;
+  };
+  Result a = run({"-n", "3", "sh", "-c", print});
+  ASSERT_EQ(a.exit_code, 0) << a.err;
+  const auto sa = secrets(a);
+  ASSERT_EQ(sa.size(), 3u) << a.out;
+  EXPECT_EQ(sa[0].size(), 32u);
+  EXPECT_EQ(sa[0].find_first_not_of("0123456789abcdef"), std::string::npos) << sa[0];
+  for (const auto& x : sa) EXPECT_EQ(x, sa[0]);
+  Result b = run({"-n", "1", "sh", "-c", print});
+  ASSERT_EQ(secrets(b).size(), 1u);
+  EXPECT_NE(secrets(b)[0], sa[0]);  // a new one per job
+  Result c = run({"-n", "2", "sh", "-c", print}, {"TDIST_STORE_SECRET=mine"});
+  for (const auto& x : secrets(c)) EXPECT_EQ(x, "mine");
+}
+
+TEST_F(Tdistrun, VersionAndValueForms) {
+  Result v = run({"--version"});
+  EXPECT_EQ(v.exit_code, 0);
+  EXPECT_EQ(v.out.rfind("tdistrun ", 0), 0u) << v.out;
+  Result r = run({"--nproc=2", "--timeout=30", "sh", "-c", "echo rank=$RANK"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_CONTAINS(r.out, "[rank 1] rank=1");
+  Result bad = run({"-n", "2", "--kill-grace=x", "true"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_CONTAINS(bad.err, "tdistrun: error: --kill-grace expects a non-negative number of seconds, got 'x'");
+}
+
 // The body of every rank in RanksRendezvousThroughTheStore: the test binary runs itself under
 // tdistrun with this test selected. Disabled so that it does not run on its own.
 TEST(TdistrunRank, DISABLED_Rendezvous) {

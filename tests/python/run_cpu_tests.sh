@@ -22,7 +22,7 @@ fi
 rm -rf "$venv"
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-"${pip[@]}" install -q ${TDIST_PIP_ARGS:-} "scikit-build-core>=0.10" "nanobind>=2.0" pytest
+"${pip[@]}" install -q ${TDIST_PIP_ARGS:-} "scikit-build-core>=0.10" "nanobind>=2.0" pytest matplotlib
 # Build isolation off: the build uses the packages above (and the system's CMake and Ninja), so the
 # same command works on a machine without a package index once they are installed.
 CMAKE_BUILD_PARALLEL_LEVEL=${TDIST_BUILD_JOBS:-$(nproc)} \

@@ -488,3 +488,152 @@ def test_gemm_context_bytes():
     assert 256 * mib + 64 * mib <= rs and ar - rs >= 256 * mib
     small = _C.overlap_context_bytes("ag_gemm", "float16", 8, 0, 64, 2)
     assert small < 7 * mib  # tiny workspace for tiny problems (the LL and LL128 buffers stay)
+
+
+# --- packaging: version, tools, environment report, bench contract ----------------------------------
+
+import json  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+
+REPO = os.environ.get("TDIST_SOURCE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+TOOLS = ("tdistrun", "tdist-compile", "tdist-bench")
+
+
+def test_one_version_everywhere():
+    with open(os.path.join(REPO, "VERSION")) as f:
+        expected = f.read().strip()
+    assert tdist.__version__ == expected
+    assert _C.version() == expected  # the libtdist that was loaded
+    from importlib.metadata import version
+    assert version("tdist") == expected
+    report = _C.version_report()
+    assert f"tdist: {expected}" in report and "NCCL built: 2." in report and "CUDA driver:" in report
+
+
+def _tool_run(name, *args):
+    from tdist import run
+    return subprocess.run([sys.executable, "-m", "tdist.run", name, *args], capture_output=True, text=True,
+                          timeout=60, cwd="/")
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_tools_are_shipped_and_share_the_parser(name):
+    from tdist import run
+    assert os.access(run.tool_path(name), os.X_OK), run.tool_path(name)
+    v = _tool_run(name, "--version")
+    assert v.returncode == 0, v.stderr
+    assert v.stdout.split() == [name, tdist.__version__]
+    h = _tool_run(name, "--help")
+    assert h.returncode == 0 and h.stdout.startswith(f"usage: {name}"), h.stderr
+    bad = _tool_run(name, "--no-such-flag")
+    assert bad.returncode == 2, (bad.stdout, bad.stderr)
+    assert f"{name}: error: unknown option '--no-such-flag'" in bad.stderr
+    assert "terminate called" not in bad.stderr
+
+
+def test_console_scripts_are_installed():
+    bindir = os.path.dirname(sys.executable)
+    for name in TOOLS + ("tdist-collect-env",):
+        assert os.access(os.path.join(bindir, name), os.X_OK), name
+    out = subprocess.run([os.path.join(bindir, "tdist-bench"), "--sizes", "1K:4Q"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2
+    assert "tdist-bench: error: --sizes expects a size" in out.stderr
+
+
+def test_tool_errors_name_no_build_machine_path():
+    # A failure inside the library (no GPU here) is reported as 'tool: error:' with a path relative to
+    # the source tree, and exit code 1, not an abort.
+    out = _tool_run("tdist-compile", "--all", "--arch", "sm_bogus")
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert out.stderr.startswith("tdist-compile: error: ")
+    assert REPO not in out.stderr and "terminate called" not in out.stderr
+
+
+def _runpaths(path):
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf not found")
+    out = subprocess.run([readelf, "-d", path], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"R(?:UN)?PATH\)\s+Library r(?:un)?path: \[(.*)\]", out)
+
+
+def test_libraries_carry_no_build_machine_path():
+    pkg = os.path.dirname(tdist.__file__)
+    from tdist import run
+    files = [os.path.join(pkg, f) for f in os.listdir(pkg) if f.startswith(("libtdist", "_C."))]
+    files += [run.tool_path(t) for t in TOOLS]
+    assert len(files) >= 2 + len(TOOLS), files
+    for path in files:
+        for runpath in _runpaths(path):
+            for entry in runpath.split(":"):
+                assert entry.startswith("$ORIGIN"), f"{path}: RUNPATH entry {entry!r} is a build-machine path"
+
+
+def test_collect_env_without_gpu_or_torch():
+    env = dict(os.environ, TDIST_DEBUG="INFO", TDIST_STORE_SECRET="0123456789abcdef", TDIST_UNKNOWN_THING="1")
+    out = subprocess.run([sys.executable, "-m", "tdist.collect_env"], capture_output=True, text=True, timeout=120,
+                         cwd="/", env=env)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert f"tdist (package): {tdist.__version__}" in text
+    assert f"libtdist: {tdist.__version__}" in text
+    for word in ("NCCL built:", "NCCL loaded:", "CUDA runtime built:", "CUDA runtime loaded:", "CUDA driver:",
+                 "JIT cache", "TDIST_CACHE_DIR", "TDIST_HOST_TIMEOUT_S", "300 (default)", "TDIST_DEBUG",
+                 "INFO (set)", "TDIST_UNKNOWN_THING", "libtdist.so"):
+        assert word in text, word
+    assert "0123456789abcdef" not in text  # secrets stay hidden
+
+
+def test_bench_without_torch_says_what_to_install():
+    probe = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("torch is installed here")
+    out = subprocess.run([sys.executable, "-m", "tdist.bench", "--ops", "all_reduce"], capture_output=True,
+                         text=True, timeout=60, cwd="/")
+    assert out.returncode == 2
+    assert "needs PyTorch" in out.stderr and "pip install torch" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_bench_shares_flags_with_the_cpp_benches():
+    from tdist import bench
+    a = bench._parse(["--op", "all_gather", "--method", "auto", "--sizes", "1K:8K", "--dtype", "f16"])
+    assert a.ops == ["all_gather"] and a.methods == "auto" and a.dtype == "fp16"
+    assert a.sizes == [1024, 2048, 4096, 8192]
+    assert a.iters == 20
+    assert bench._parse(["--sizes", "4K,1M"]).sizes == [4096, 1 << 20]
+    for bad in ("1K,4Q", "8K:1K", "1K,,4K"):
+        with pytest.raises(SystemExit):
+            bench._parse(["--sizes", bad])
+
+
+def test_bench_json_is_valid_and_drawn(tmp_path):
+    from tdist import bench
+    args = bench._parse(["--ops", "all_reduce,ag_gemm", "--graph-max", "4K"])
+    rows = [("all_reduce", 4096, {"tdist": 5.0, "nccl": float("nan")}, 1.0),
+            ("all_reduce", 1 << 20, {"tdist": 20.0, "nccl": 30.0}, 1.0)]
+    gemm_rows = [{"op": "ag_gemm", "m": 1024, "n": 7168, "k": 8192, "shape": "s",
+                  "us": {"tdist auto": 100.0, "nccl+mm": 120.0, "mm": float("inf")}, "diff": {"tdist auto": 0.0},
+                  "resolved": {"auto": "chunked"}, "tflops_per_gpu": {"tdist auto": 1.0, "nccl+mm": 0.8}}]
+    doc = bench.result_document(args, 2, rows, gemm_rows, gpu="test \"gpu\"", command="x")
+    text = json.dumps(doc, allow_nan=False)  # raises on NaN: non-finite numbers must be null
+    back = json.loads(text)
+    assert back["schema"] == "tdist.bench/1" and back["tdist_version"] == tdist.__version__
+    nccl = [r for r in back["rows"] if r.get("bytes") == 4096 and r["impl"] == "nccl"]
+    assert nccl and nccl[0]["us"] is None
+    auto = [r for r in back["rows"] if r["op"] == "ag_gemm" and r["impl"] == "tdist"]
+    assert auto[0]["resolved"] == "chunked" and auto[0]["method"] == "auto"
+    plot = os.path.join(REPO, "bench", "plot.py")
+    if not os.path.exists(plot):
+        pytest.skip("bench/plot.py is not beside these tests")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pytest.skip("matplotlib is not installed")
+    path = tmp_path / "r.json"
+    path.write_text(text)
+    out = subprocess.run([sys.executable, plot, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "r.png").exists() and (tmp_path / "r_gemm.png").exists()

@@ -3,6 +3,14 @@
 //
 //   tdistrun -n 2 build/tools/tdist-bench --op all --dtype bf16 --sizes 1K:1G --method auto --json out.json
 //
+// --sizes takes MIN:MAX (every power of two between) or a comma list (4K,64K,1M), as
+// `python -m tdist.bench` does. Rows are printed as they are measured, in the manner of nccl-tests:
+// time, algorithm and bus bandwidth of tdist and of NCCL, and #wrong: with --check on (the default)
+// each size is first run once by both on the same random inputs into poisoned outputs, and #wrong
+// counts tdist's output elements that differ from NCCL's (exactly for AllGather, within the
+// rounding of a sum of world-size terms for the reductions). The JSON file has the schema of
+// tools/common/bench_report.hpp.
+//
 // Sizes follow nccl-tests: the AllReduce buffer, the AllGather output, the ReduceScatter input.
 // Bus bandwidth: AllReduce 2(n-1)/n x size / time, AllGather and ReduceScatter (n-1)/n x size / time.
 // Sizes up to --graph-max are timed as CUDA-graph replays (many ops per graph, per-op time: no launch
@@ -19,14 +27,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "tdist/runtime/timing.hpp"
+#include "../common/bench_report.hpp"
+#include "tdist/common/cli.hpp"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/json.hpp"
+#include "tdist/runtime/timing.hpp"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/world.hpp"
@@ -50,85 +60,108 @@ __global__ void random_fill(unsigned short* p, size_t halves, unsigned long long
   }
 }
 
+// Counts the elements of `got` that differ from `want` by more than tol * (1 + |want|); a NaN
+// (the poison left where nothing was written) always counts.
+__global__ void count_wrong(const void* got, const void* want, size_t count, int kind, float tol,
+                            unsigned long long* wrong) {
+  unsigned long long mine = 0;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    float g, w;
+    if (kind == 0) {
+      g = __bfloat162float(__ushort_as_bfloat16(static_cast<const unsigned short*>(got)[i]));
+      w = __bfloat162float(__ushort_as_bfloat16(static_cast<const unsigned short*>(want)[i]));
+    } else if (kind == 1) {
+      g = __half2float(__ushort_as_half(static_cast<const unsigned short*>(got)[i]));
+      w = __half2float(__ushort_as_half(static_cast<const unsigned short*>(want)[i]));
+    } else {
+      g = static_cast<const float*>(got)[i];
+      w = static_cast<const float*>(want)[i];
+    }
+    if (!(fabsf(g - w) <= tol * (1.0f + fabsf(w)))) ++mine;
+  }
+  if (mine) atomicAdd(wrong, mine);
+}
+
 struct Options {
-  std::string op = "all";
+  std::vector<std::string> ops = {"all_gather", "reduce_scatter", "all_reduce"};
   DType dtype = DType::kBFloat16;
-  size_t min_bytes = 1024, max_bytes = 1ull << 30;
   std::string method = "auto";
   int iters = 20;
   std::string json;
   bool quick = false;
+  bool check = true;
   size_t graph_max = 4ull << 20;
   int ops_per_graph = 100;
   size_t ll_bytes = CollectivesOptions{}.ll_bytes;        // low-latency buffer per rank
   size_t ll128_bytes = CollectivesOptions{}.ll128_bytes;  // LL128 buffer per rank
   bool symmetric = true;
   std::vector<bool> pdl = {true};  // programmatic launch settings to time
-  std::vector<size_t> sizes;  // explicit list (--quick)
+  std::vector<size_t> sizes;
 };
 
-struct Row {
-  std::string op, method;
-  size_t bytes;
-  double tdist_us, tdist_busbw, nccl_us, nccl_busbw;
-  bool graph;
-  bool pdl;
-};
-
-[[noreturn]] void usage(const char* argv0, const std::string& why) {
-  std::fprintf(stderr,
-               "%s\nusage: %s [--op all_gather|reduce_scatter|all_reduce|all] [--dtype bf16|f16|f32]\n"
-               "  [--sizes MIN:MAX (powers of 2, K/M/G suffixes)] [--method auto|<name>|all] [--iters N]\n"
-               "  [--json FILE] [--quick] [--graph-max BYTES] [--ops-per-graph N] [--buffers symmetric|ordinary]\n"
-               "  [--ll-bytes BYTES (low-latency buffer per rank)] [--ll128-bytes BYTES (LL128 buffer per rank)]\n"
-               "  [--pdl on|off|both (programmatic dependent launch of tdist's kernels)]\n",
-               why.c_str(), argv0);
-  std::exit(2);
+// "MIN:MAX" (powers of two from MIN) or "A,B,C".
+std::vector<size_t> parse_sizes(const std::string& v) {
+  std::vector<size_t> sizes;
+  if (const auto colon = v.find(':'); colon != std::string::npos) {
+    const size_t lo = cli::parse_size(v.substr(0, colon), "--sizes"), hi = cli::parse_size(v.substr(colon + 1), "--sizes");
+    if (lo == 0 || lo > hi) throw cli::UsageError("--sizes expects MIN:MAX with 0 < MIN <= MAX, got '" + v + "'");
+    for (size_t s = lo; s <= hi && s != 0; s *= 2) sizes.push_back(s);
+  } else {
+    for (const auto& item : cli::split_list(v, "--sizes")) {
+      const size_t s = cli::parse_size(item, "--sizes");
+      if (s == 0) throw cli::UsageError("--sizes expects sizes above 0, got '" + v + "'");
+      sizes.push_back(s);
+    }
+  }
+  return sizes;
 }
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage(argv[0], a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "--op") o.op = value();
-    else if (a == "--dtype") o.dtype = parse_dtype(value());
-    else if (a == "--sizes") {
-      const std::string v = value();
-      const auto colon = v.find(':');
-      o.min_bytes = SymmetricHeap::parse_size(v.substr(0, colon), "--sizes");
-      o.max_bytes = colon == std::string::npos ? o.min_bytes : SymmetricHeap::parse_size(v.substr(colon + 1), "--sizes");
-    } else if (a == "--method") o.method = value();
-    else if (a == "--iters") o.iters = std::max(3, std::atoi(value().c_str()));
-    else if (a == "--json") o.json = value();
-    else if (a == "--quick") o.quick = true;
-    else if (a == "--graph-max") o.graph_max = SymmetricHeap::parse_size(value(), "--graph-max");
-    else if (a == "--ops-per-graph") o.ops_per_graph = std::max(1, std::atoi(value().c_str()));
-    else if (a == "--ll-bytes") o.ll_bytes = SymmetricHeap::parse_size(value(), "--ll-bytes");
-    else if (a == "--ll128-bytes") o.ll128_bytes = SymmetricHeap::parse_size(value(), "--ll128-bytes");
-    else if (a == "--pdl") {
-      const std::string v = value();
-      if (v != "on" && v != "off" && v != "both") usage(argv[0], "--pdl: on, off or both");
-      o.pdl = v == "both" ? std::vector<bool>{true, false} : std::vector<bool>{v == "on"};
-    } else if (a == "--buffers") {
-      const std::string v = value();
-      if (v != "symmetric" && v != "ordinary") usage(argv[0], "--buffers: symmetric or ordinary");
-      o.symmetric = v == "symmetric";
-    } else usage(argv[0], "unknown argument " + a);
+  std::string sizes = "1K:1G", dtype = "bf16", pdl = "on", buffers = "symmetric", check = "on";
+  cli::Parser p("tdist-bench", "tdist's collectives beside NCCL, in the same run, alternating, over a sweep of sizes.\n"
+                               "Run under a launcher, one GPU per rank: tdistrun -n 2 tdist-bench --op all");
+  p.option("--op,--ops", "LIST", "all_gather, reduce_scatter, all_reduce, a comma list of them, or all (default)",
+           [&](const std::string& v) {
+             o.ops.clear();
+             for (const auto& item : cli::split_list(v, "--op")) {
+               if (item == "all") o.ops = {"all_gather", "reduce_scatter", "all_reduce"};
+               else if (item == "all_gather" || item == "reduce_scatter" || item == "all_reduce") o.ops.push_back(item);
+               else throw cli::UsageError("--op expects all_gather, reduce_scatter, all_reduce or all, got '" + item + "'");
+             }
+           });
+  p.choice("--dtype", "element type (default bf16)", {"bf16", "f16", "fp16", "f32", "fp32"}, &dtype);
+  p.option("--sizes", "MIN:MAX|A,B,..", "bytes: powers of two from MIN to MAX, or a list; K/M/G suffixes (default 1K:1G)",
+           &sizes);
+  p.option("--method,--methods", "NAME", "auto, a method name of the op, or all (default auto)", &o.method);
+  p.option("--iters", "N", "timings per figure, the median is kept (default 20)", &o.iters, 3, 1000000);
+  p.option("--json", "FILE", "also write the results as JSON (rank 0)", &o.json);
+  p.flag("--quick", "a short sweep: 8K, 256K, 4M, 64M, at most 10 iterations", &o.quick);
+  p.choice("--check", "verify tdist's output against NCCL's before timing (default on)", {"on", "off"}, &check);
+  p.option("--graph-max", "BYTES", "time sizes up to this as CUDA-graph replays (default 4M)",
+           [&](const std::string& v) { o.graph_max = cli::parse_size(v, "--graph-max"); });
+  p.option("--ops-per-graph", "N", "ops captured per graph (default 100)", &o.ops_per_graph, 1, 100000);
+  p.choice("--buffers", "tdist's buffers (default symmetric: zero copy)", {"symmetric", "ordinary"}, &buffers);
+  p.option("--ll-bytes", "BYTES", "low-latency buffer per rank",
+           [&](const std::string& v) { o.ll_bytes = cli::parse_size(v, "--ll-bytes"); });
+  p.option("--ll128-bytes", "BYTES", "LL128 buffer per rank",
+           [&](const std::string& v) { o.ll128_bytes = cli::parse_size(v, "--ll128-bytes"); });
+  p.choice("--pdl", "programmatic dependent launch of tdist's kernels (default on)", {"on", "off", "both"}, &pdl);
+  p.parse(argc, argv);
+  try {
+    o.sizes = parse_sizes(sizes);
+  } catch (const cli::UsageError& e) {
+    p.fail(e.what());
   }
-  if (o.op != "all" && o.op != "all_reduce" && o.op != "all_gather" && o.op != "reduce_scatter")
-    usage(argv[0], "--op: all_gather, reduce_scatter, all_reduce or all");
+  o.dtype = parse_dtype(dtype == "fp16" ? "f16" : dtype == "fp32" ? "f32" : dtype);
+  o.check = check == "on";
+  o.symmetric = buffers == "symmetric";
+  o.pdl = pdl == "both" ? std::vector<bool>{true, false} : std::vector<bool>{pdl == "on"};
   if (o.quick) {
     o.sizes = {8ull << 10, 256ull << 10, 4ull << 20, 64ull << 20};
     o.iters = std::min(o.iters, 10);
-    o.max_bytes = 64ull << 20;
-  } else {
-    for (size_t s = o.min_bytes; s <= o.max_bytes; s *= 2) o.sizes.push_back(s);
   }
-  if (o.sizes.empty()) usage(argv[0], "--sizes: empty range");
   return o;
 }
 
@@ -166,27 +199,10 @@ double time_op(World& world, cudaStream_t s, bool graph, int ops_per_graph, int 
   return us;
 }
 
-std::string json_escape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '"' || c == '\\') o += '\\';
-    o += c;
-  }
-  return o;
-}
-
-}  // namespace
-
-int main(int argc, char** argv) {
-  const Options opt = parse(argc, argv);
-  std::string command;
-  for (int i = 0; i < argc; ++i) command += (i ? " " : "") + std::string(argv[i]);
+int run(const Options& opt, int argc, char** argv) {
   World world;
   const int n = world.world_size(), me = world.rank();
-  if (n < 2) {
-    std::fprintf(stderr, "tdist-bench needs at least 2 ranks (tdistrun -n 2)\n");
-    return 2;
-  }
+  if (n < 2) throw cli::UsageError("needs at least 2 ranks (tdistrun -n 2 tdist-bench ...)");
   const size_t S = *std::max_element(opt.sizes.begin(), opt.sizes.end());
   const size_t buf = S + 4096;
   CollectivesOptions coll_options;
@@ -203,8 +219,10 @@ int main(int argc, char** argv) {
     contexts.push_back(std::make_unique<Collectives>(world, heap, S, coll_options));
   }
   char *n_in, *n_out, *t_in, *t_out;
+  unsigned long long* wrong_count;
   TDIST_CUDA_CHECK(cudaMalloc(&n_in, buf));
   TDIST_CUDA_CHECK(cudaMalloc(&n_out, buf));
+  TDIST_CUDA_CHECK(cudaMalloc(&wrong_count, sizeof(unsigned long long)));
   if (opt.symmetric) {
     t_in = heap.allocate_array<char>(buf);
     t_out = heap.allocate_array<char>(buf);
@@ -213,6 +231,7 @@ int main(int argc, char** argv) {
     TDIST_CUDA_CHECK(cudaMalloc(&t_out, buf));
   }
   const bool f32 = opt.dtype == DType::kFloat32;
+  // The same random data in NCCL's and tdist's inputs: their outputs must agree.
   for (char* p : {n_in, t_in}) random_fill<<<1024, 256>>>(reinterpret_cast<unsigned short*>(p), buf / 2, 1234 + me, f32);
   TDIST_CUDA_CHECK(cudaMemcpy(n_out, n_in, buf, cudaMemcpyDeviceToDevice));
   TDIST_CUDA_CHECK(cudaMemcpy(t_out, t_in, buf, cudaMemcpyDeviceToDevice));
@@ -221,15 +240,38 @@ int main(int argc, char** argv) {
   TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   const ncclDataType_t nt = opt.dtype == DType::kFloat32 ? ncclFloat32 : opt.dtype == DType::kFloat16 ? ncclFloat16 : ncclBfloat16;
   const size_t sz = dtype_size(opt.dtype);
+  const int kind = opt.dtype == DType::kBFloat16 ? 0 : opt.dtype == DType::kFloat16 ? 1 : 2;
+  // A sum of n terms in (-1, 1) rounded in another order: a few units in the last place per term.
+  const float sum_tol = static_cast<float>(n) * (kind == 0 ? 1.0f / 64 : kind == 1 ? 1.0f / 512 : 1e-5f);
 
-  std::vector<std::string> ops = opt.op == "all" ? std::vector<std::string>{"all_gather", "reduce_scatter", "all_reduce"}
-                                                 : std::vector<std::string>{opt.op};
-  std::vector<Row> rows;
+  cudaDeviceProp prop;
+  TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, world.device()));
+  json::Value doc = bench::document("tdist-bench", prop.name, n, to_string(opt.dtype), argc, argv);
+  doc["buffers"] = opt.symmetric ? "symmetric" : "ordinary";
+  doc["iters"] = opt.iters;
+  doc["graph_max_bytes"] = opt.graph_max;
+  doc["check"] = opt.check;
+  doc["statistic"] = "median per-op time of --iters timings, the slowest rank's (us)";
+
+  if (me == 0) {
+    std::printf("# tdist-bench %s: %d ranks on %s, %s, %s buffers for tdist; graph-timed up to %zu bytes; median of %d\n",
+                tdist::version(), n, prop.name, to_string(opt.dtype), opt.symmetric ? "symmetric" : "ordinary",
+                opt.graph_max, opt.iters);
+    std::printf("# %-14s %12s %12s %-18s %3s | %10s %8s %8s %6s | %10s %8s %8s | %7s\n", "", "", "", "", "",
+                "tdist", "", "", "", "nccl", "", "", "");
+    std::printf("# %-14s %12s %12s %-18s %3s | %10s %8s %8s %6s | %10s %8s %8s | %7s\n", "op", "size (B)", "count",
+                "method", "pdl", "time (us)", "algbw", "busbw", "#wrong", "time (us)", "algbw", "busbw", "speedup");
+    std::fflush(stdout);
+  }
+
+  const std::vector<std::string>& ops = opt.ops;
+  long long total_wrong = 0;
   for (const std::string& op : ops) {
     for (size_t bytes : opt.sizes) {
       // Elements the op's count argument names: AllReduce all, AllGather/ReduceScatter per rank.
       const size_t per = op == "all_reduce" ? bytes / sz : bytes / sz / n;
       if (per == 0) continue;
+      const size_t out_count = op == "all_gather" ? per * n : per;
       const bool graph = bytes <= opt.graph_max;
       const int ops_per_graph = bytes <= (1ull << 20) ? opt.ops_per_graph : std::max(1, opt.ops_per_graph / 5);
       double nccl_us = -1;
@@ -262,6 +304,29 @@ int main(int argc, char** argv) {
           else if (op == "all_gather") TDIST_NCCL_CHECK(ncclAllGather(n_in, n_out, per, nt, world.comm(), s));
           else TDIST_NCCL_CHECK(ncclReduceScatter(n_in, n_out, per, nt, ncclSum, world.comm(), s));
         };
+        // --check: each context once into a poisoned output (all ones: NaN in every type), then
+        // NCCL once; #wrong is the worst rank's count.
+        std::vector<long long> wrong(contexts.size(), -1);
+        if (opt.check) {
+          for (size_t c = 0; c < contexts.size(); ++c) {
+            TDIST_CUDA_CHECK(cudaMemsetAsync(t_out, 0xFF, out_count * sz, s));
+            TDIST_CUDA_CHECK(cudaMemsetAsync(n_out, 0xFF, out_count * sz, s));
+            // Peers may store into this rank's symmetric output: every poison lands before any op.
+            TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+            world.barrier("bench poison");
+            run_tdist[c]();
+            run_nccl();
+            TDIST_CUDA_CHECK(cudaMemsetAsync(wrong_count, 0, sizeof(unsigned long long), s));
+            count_wrong<<<256, 256, 0, s>>>(t_out, n_out, out_count, kind, op == "all_gather" ? 0.0f : sum_tol,
+                                            wrong_count);
+            TDIST_CUDA_CHECK(cudaGetLastError());
+            unsigned long long host = 0;
+            TDIST_CUDA_CHECK(cudaMemcpyAsync(&host, wrong_count, sizeof(host), cudaMemcpyDeviceToHost, s));
+            TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+            wrong[c] = static_cast<long long>(world.max_across_ranks("bench check", {static_cast<double>(host)})[0]);
+            total_wrong += wrong[c];
+          }
+        }
         // Alternate tdist (each context) and NCCL, three times each; keep each one's best median.
         std::vector<double> t_best(contexts.size(), 1e30);
         double n_best = nccl_us > 0 ? nccl_us : 1e30;
@@ -271,59 +336,58 @@ int main(int argc, char** argv) {
             t_best[c] = std::min(t_best[c], time_op(world, s, graph, ops_per_graph, opt.iters, run_tdist[c]));
           if (nccl_us < 0) n_best = std::min(n_best, time_op(world, s, graph, ops_per_graph, opt.iters, run_nccl));
         }
+        const bool first_nccl_row = nccl_us < 0;
         nccl_us = n_best;
-        const double f = bus_factor(op, n) * bytes / 1e3;  // bytes / us = MB/s; / 1e3 = GB/s
+        const double algbw = static_cast<double>(bytes) / 1e3;  // bytes / us = MB/s; / 1e3 = GB/s
+        const double busbw = bus_factor(op, n) * algbw;
+        const std::string method = opt.method == "auto" ? "auto:" + resolved : resolved;
         for (size_t c = 0; c < contexts.size(); ++c) {
           const double t = t_best[c];
-          rows.push_back({op, opt.method == "auto" ? "auto:" + resolved : resolved, bytes, t, f / t, nccl_us,
-                          f / nccl_us, graph, opt.pdl[c]});
+          json::Value row = json::Object{{"op", op}, {"bytes", bytes}, {"count", per}, {"impl", "tdist"},
+                                         {"method", method}, {"pdl", static_cast<bool>(opt.pdl[c])},
+                                         {"timing", graph ? "graph" : "events"}, {"us", t}, {"algbw_gbps", algbw / t},
+                                         {"busbw_gbps", busbw / t}, {"speedup_vs_nccl", nccl_us / t}};
+          row["wrong"] = wrong[c] >= 0 ? json::Value(wrong[c]) : json::Value();
+          doc["rows"].push_back(row);
           if (me == 0) {
-            std::printf("%-15s %10zu %-16s %-3s %10.2f us %8.1f GB/s | nccl %10.2f us %8.1f GB/s | %5.2fx\n",
-                        op.c_str(), bytes, rows.back().method.c_str(), opt.pdl[c] ? "pdl" : "", t, f / t, nccl_us,
-                        f / nccl_us, nccl_us / t);
+            const std::string wrong_text = wrong[c] >= 0 ? std::to_string(wrong[c]) : "N/A";
+            std::printf("  %-14s %12zu %12zu %-18s %3s | %10.2f %8.2f %8.2f %6s | %10.2f %8.2f %8.2f | %6.2fx\n",
+                        op.c_str(), bytes, per, method.c_str(), opt.pdl[c] ? "on" : "off", t, algbw / t, busbw / t,
+                        wrong_text.c_str(), nccl_us, algbw / nccl_us, busbw / nccl_us, nccl_us / t);
             std::fflush(stdout);
           }
+        }
+        if (first_nccl_row) {
+          doc["rows"].push_back(json::Object{{"op", op}, {"bytes", bytes}, {"count", per}, {"impl", "nccl"},
+                                             {"method", "nccl"}, {"timing", graph ? "graph" : "events"}, {"us", nccl_us},
+                                             {"algbw_gbps", algbw / nccl_us}, {"busbw_gbps", busbw / nccl_us}});
         }
       }
     }
   }
 
   if (me == 0) {
-    cudaDeviceProp prop;
-    TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, world.device()));
-    std::printf("\ntdist-bench: %d ranks on %s, %s, %s buffers for tdist; graph-timed up to %zu bytes; median of %d\n", n,
-                prop.name, to_string(opt.dtype), opt.symmetric ? "symmetric" : "ordinary", opt.graph_max, opt.iters);
-    std::printf("%-15s %12s %-18s %4s %11s %11s %11s %11s %11s\n", "op", "bytes", "tdist method", "pdl", "tdist us",
-                "tdist GB/s", "NCCL us", "NCCL GB/s", "NCCL/tdist");
-    for (const Row& r : rows)
-      std::printf("%-15s %12zu %-18s %4s %11.2f %11.1f %11.2f %11.1f %11.2f\n", r.op.c_str(), r.bytes, r.method.c_str(),
-                  r.pdl ? "on" : "off", r.tdist_us, r.tdist_busbw, r.nccl_us, r.nccl_busbw, r.nccl_us / r.tdist_us);
+    if (opt.check) std::printf("# out of bounds values: %lld %s\n", total_wrong, total_wrong ? "ERROR" : "OK");
     if (!opt.json.empty()) {
-      std::ofstream j(opt.json);
-      j << "{\n  \"bench\": \"tdist-bench\",\n  \"gpu\": \"" << json_escape(prop.name) << "\",\n  \"world_size\": " << n
-        << ",\n  \"dtype\": \"" << to_string(opt.dtype) << "\",\n  \"buffers\": \""
-        << (opt.symmetric ? "symmetric" : "ordinary") << "\",\n  \"iters\": " << opt.iters
-        << ",\n  \"command\": \"" << json_escape(command) << "\",\n  \"rows\": [\n";
-      for (size_t i = 0; i < rows.size(); ++i) {
-        const Row& r = rows[i];
-        j << "    {\"op\": \"" << r.op << "\", \"bytes\": " << r.bytes << ", \"method\": \"" << r.method
-          << "\", \"timing\": \"" << (r.graph ? "graph" : "events") << "\", \"pdl\": " << (r.pdl ? "true" : "false")
-          << ", \"tdist_us\": " << r.tdist_us
-          << ", \"tdist_busbw_gbps\": " << r.tdist_busbw << ", \"nccl_us\": " << r.nccl_us
-          << ", \"nccl_busbw_gbps\": " << r.nccl_busbw << ", \"speedup\": " << r.nccl_us / r.tdist_us << "}"
-          << (i + 1 < rows.size() ? ",\n" : "\n");
-      }
-      j << "  ]\n}\n";
-      std::printf("wrote %s\n", opt.json.c_str());
+      json::write_file(opt.json, doc);
+      std::printf("# wrote %s\n", opt.json.c_str());
     }
   }
   TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
   world.barrier("bench end");
   cudaFree(n_in);
   cudaFree(n_out);
+  cudaFree(wrong_count);
   if (!opt.symmetric) {
     cudaFree(t_in);
     cudaFree(t_out);
   }
-  return 0;
+  return total_wrong ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options opt = parse(argc, argv);
+  return cli::run_main("tdist-bench", [&] { return run(opt, argc, argv); });
 }

@@ -2,6 +2,8 @@
 // machine with or without a GPU.
 //
 //   tdist-compile --arch sm_90a [--cache-dir DIR] [--all] [--jobs N] [--list] [MANIFEST...]
+//
+// Exit codes: 0 every kernel compiled (or was cached), 1 some failed, 2 bad command line.
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -12,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "tdist/common/cli.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"
@@ -20,17 +23,6 @@
 #include "tdist/jit/registry.hpp"
 
 namespace {
-
-void usage(std::FILE* f) {
-  std::fprintf(f,
-               "usage: tdist-compile --arch ARCH [--cache-dir DIR] [--all] [--jobs N] [--list] [MANIFEST...]\n"
-               "  --arch ARCH       target, e.g. sm_90a (default: the current GPU's)\n"
-               "  --cache-dir DIR   cache to fill (default: TDIST_CACHE_DIR or ~/.cache/tdist)\n"
-               "  --all             every kernel the library registers\n"
-               "  --jobs N          parallel compiles (default: number of CPUs)\n"
-               "  --list            print what would be compiled, compile nothing\n"
-               "  MANIFEST          kernel manifest files (format: include/tdist/jit/manifest.hpp)\n");
-}
 
 struct Item {
   std::string origin;  // "manifest.txt#2" or "registry:name#1"
@@ -44,31 +36,19 @@ int main(int argc, char** argv) {
   bool all = false, list = false;
   unsigned jobs = std::max(1u, std::thread::hardware_concurrency());
   std::vector<std::string> manifests;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "tdist-compile: %s needs a value\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--arch") arch = value();
-    else if (a.rfind("--arch=", 0) == 0) arch = a.substr(7);
-    else if (a == "--cache-dir") cache_dir = value();
-    else if (a.rfind("--cache-dir=", 0) == 0) cache_dir = a.substr(12);
-    else if (a == "--all") all = true;
-    else if (a == "--list") list = true;
-    else if (a == "--jobs" || a == "-j") jobs = unsigned(std::max(1, std::atoi(value().c_str())));
-    else if (a == "-h" || a == "--help") { usage(stdout); return 0; }
-    else if (!a.empty() && a[0] == '-') { std::fprintf(stderr, "tdist-compile: unknown option %s\n", a.c_str()); usage(stderr); return 2; }
-    else manifests.push_back(a);
-  }
-  if (!all && manifests.empty()) {
-    usage(stderr);
-    return 2;
-  }
-  try {
+  tdist::cli::Parser p("tdist-compile",
+                       "Fills a tdist JIT cache ahead of time, for a named GPU architecture, on a machine with or\n"
+                       "without a GPU.");
+  p.usage("[--arch ARCH] [--cache-dir DIR] [--all] [--jobs N] [--list] [MANIFEST...]");
+  p.option("--arch", "ARCH", "target, e.g. sm_90a (default: the current GPU's)", &arch);
+  p.option("--cache-dir", "DIR", "cache to fill (default: TDIST_CACHE_DIR or ~/.cache/tdist)", &cache_dir);
+  p.flag("--all", "every kernel the library registers", &all);
+  p.option("-j,--jobs", "N", "parallel compiles (default: number of CPUs)", &jobs, 1, 4096);
+  p.flag("--list", "print what would be compiled, compile nothing", &list);
+  p.positional("MANIFEST...", "kernel manifest files (format: include/tdist/jit/manifest.hpp)", &manifests);
+  p.parse(argc, argv);
+  if (!all && manifests.empty()) p.fail("nothing to compile: give --all or MANIFEST files");
+  return tdist::cli::run_main("tdist-compile", [&]() -> int {
     arch = tdist::jit::normalize_arch(arch.empty() ? tdist::jit::current_arch() : arch);
     std::vector<Item> items;
     if (all)
@@ -122,8 +102,5 @@ int main(int argc, char** argv) {
     for (auto& t : threads) t.join();
     std::printf("tdist-compile: %zu ok, %d failed\n", items.size() - std::size_t(failed.load()), failed.load());
     return failed ? 1 : 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "tdist-compile: %s\n", e.what());
-    return 1;
-  }
+  });
 }

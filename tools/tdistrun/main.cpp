@@ -6,6 +6,12 @@
 // the ranks are not in the terminal's foreground group, Ctrl-C reaches only tdistrun, which
 // forwards it; for the same reason the ranks' stdin is /dev/null (reading the terminal from a
 // background group would stop them).
+//
+// The control loop never blocks on output: lines go to a writer thread per destination, and when
+// stdout or stderr stops draining the loop stops reading the ranks' pipes (so the ranks wait in
+// their own writes) while --timeout, signals and failures are still handled on time. A watchdog
+// process, forked before any rank, kills every rank's process group (grandchildren included) if
+// the launcher itself dies without cleaning up (SIGKILL).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -18,15 +24,19 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <charconv>
 #include <chrono>
-#include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include "tdist/common/cli.hpp"
 
 extern char** environ;
 
@@ -34,35 +44,26 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int kExitUsage = 2;
 constexpr int kExitCannotExec = 127;
 constexpr int kExitTimeout = 124;
 constexpr int kMaxRanks = 1024;
 // A partial line longer than this is written out (with a newline) rather than buffered forever.
 constexpr size_t kMaxPartialLine = 64 * 1024;
+// Output waiting for a slow stdout/stderr beyond this: stop reading the ranks' pipes until it drains.
+constexpr size_t kMaxQueuedOutput = 8u << 20;
 
-const char* const kUsage =
-    "usage: tdistrun -n N [--master-port P] [--timeout S] [--kill-grace S] [--] program [args...]\n"
-    "\n"
+const char* const kDescription =
     "Starts N ranks of `program` on this machine, each with RANK, WORLD_SIZE, LOCAL_RANK,\n"
     "LOCAL_WORLD_SIZE (=N), MASTER_ADDR=127.0.0.1 and MASTER_PORT set; rank R uses GPU R.\n"
     "NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 are set\n"
-    "unless already set. Output lines are prefixed with \"[rank R] \"; stdin is /dev/null.\n"
-    "\n"
-    "  -n, --nproc N      number of ranks (required, >= 1)\n"
-    "  --master-port P    rendezvous port (default: a free port picked by tdistrun)\n"
-    "  --timeout S        terminate every rank after S seconds and exit with 124\n"
-    "  --kill-grace S     seconds between SIGTERM and SIGKILL when stopping ranks (default 5)\n"
-    "  -h, --help         show this help\n"
-    "\n"
+    "unless already set, and TDIST_STORE_SECRET (a random key for the job's rendezvous store)\n"
+    "unless the user set one. Output lines are prefixed with \"[rank R] \"; stdin is /dev/null.";
+
+const char* const kEpilog =
     "When a rank exits non-zero or is killed, the others get SIGTERM (then SIGKILL after the\n"
     "grace period) and tdistrun exits with that rank's code (128+signal if it was killed).\n"
-    "SIGINT, SIGTERM and SIGHUP are forwarded to every rank; a second one sends SIGKILL.\n";
-
-[[noreturn]] void usage_error(const std::string& message) {
-  std::fprintf(stderr, "tdistrun: %s\nRun 'tdistrun --help' for usage.\n", message.c_str());
-  std::exit(kExitUsage);
-}
+    "SIGINT, SIGTERM and SIGHUP are forwarded to every rank; a second one sends SIGKILL.\n"
+    "Each rank runs in its own process group; the whole group is ended with the job.\n";
 
 // ---------------------------------------------------------------------------------------------
 // Command line
@@ -75,69 +76,57 @@ struct Options {
   std::vector<std::string> command;
 };
 
-int parse_int_option(const std::string& flag, const std::string& text, int lo, int hi) {
-  int value = 0;
-  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || ec != std::errc() || ptr != text.data() + text.size() || value < lo || value > hi)
-    usage_error(flag + " expects an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                "], got '" + text + "'");
-  return value;
-}
-
-double parse_seconds_option(const std::string& flag, const std::string& text, bool allow_zero) {
+double parse_seconds(const std::string& flag, const std::string& text, bool allow_zero) {
   char* end = nullptr;
   const double value = std::strtod(text.c_str(), &end);
   const bool ok = !text.empty() && end == text.c_str() + text.size() && std::isfinite(value) &&
                   (allow_zero ? value >= 0 : value > 0) && value <= 1e7;
   if (!ok)
-    usage_error(flag + " expects a " + (allow_zero ? "non-negative" : "positive") +
-                " number of seconds, got '" + text + "'");
+    throw tdist::cli::UsageError(flag + " expects a " + (allow_zero ? "non-negative" : "positive") +
+                                 " number of seconds, got '" + text + "'");
   return value;
 }
 
 Options parse_args(int argc, char** argv) {
   Options opt;
-  int i = 1;
-  // Value of an option given as "--flag value" or "--flag=value".
-  auto value_of = [&](const std::string& arg, const std::string& flag) -> std::optional<std::string> {
-    if (arg == flag) {
-      if (i + 1 >= argc) usage_error(flag + " needs a value");
-      return std::string(argv[++i]);
-    }
-    if (arg.rfind(flag + "=", 0) == 0) return arg.substr(flag.size() + 1);
-    return std::nullopt;
-  };
-  for (; i < argc; ++i) {
-    const std::string arg = argv[i];
-    if (arg == "--") {
-      ++i;
-      break;
-    }
-    if (arg == "-h" || arg == "--help") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    }
-    if (arg.empty() || arg[0] != '-') break;  // the program
-    if (auto v = value_of(arg, "-n")) {
-      opt.nproc = parse_int_option("-n", *v, 1, kMaxRanks);
-    } else if (arg.size() > 2 && arg.rfind("-n", 0) == 0 && arg[2] != '-') {
-      opt.nproc = parse_int_option("-n", arg.substr(2), 1, kMaxRanks);  // -n4
-    } else if (auto v = value_of(arg, "--nproc")) {
-      opt.nproc = parse_int_option("--nproc", *v, 1, kMaxRanks);
-    } else if (auto v = value_of(arg, "--master-port")) {
-      opt.master_port = parse_int_option("--master-port", *v, 1, 65535);
-    } else if (auto v = value_of(arg, "--timeout")) {
-      opt.timeout_s = parse_seconds_option("--timeout", *v, false);
-    } else if (auto v = value_of(arg, "--kill-grace")) {
-      opt.kill_grace_s = parse_seconds_option("--kill-grace", *v, true);
-    } else {
-      usage_error("unknown option '" + arg + "'");
-    }
-  }
-  for (; i < argc; ++i) opt.command.emplace_back(argv[i]);
-  if (opt.nproc == 0) usage_error("missing -n N (the number of ranks)");
-  if (opt.command.empty()) usage_error("no program given");
+  tdist::cli::Parser p("tdistrun", kDescription);
+  p.usage("-n N [--master-port P] [--timeout S] [--kill-grace S] [--] program [args...]");
+  p.option("-n,--nproc", "N", "number of ranks (required, >= 1)", &opt.nproc, 1, kMaxRanks);
+  p.option("--master-port", "P", "rendezvous port (default: a free port picked by tdistrun)", &opt.master_port, 1,
+           65535);
+  p.option("--timeout", "S", "terminate every rank after S seconds and exit with 124",
+           [&](const std::string& v) { opt.timeout_s = parse_seconds("--timeout", v, false); });
+  p.option("--kill-grace", "S", "seconds between SIGTERM and SIGKILL when stopping ranks (default 5)",
+           [&](const std::string& v) { opt.kill_grace_s = parse_seconds("--kill-grace", v, true); });
+  p.positional("program [args...]", "the program each rank runs, with its arguments", &opt.command,
+               /*stop_at_first=*/true);
+  p.epilog(kEpilog);
+  p.parse(argc, argv);
+  if (opt.nproc == 0) p.fail("missing -n N (the number of ranks)");
+  if (opt.command.empty()) p.fail("no program given");
   return opt;
+}
+
+// 32 hex characters from /dev/urandom: the job's TDIST_STORE_SECRET.
+std::string random_secret() {
+  unsigned char bytes[16];
+  const int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  size_t got = 0;
+  while (fd >= 0 && got < sizeof(bytes)) {
+    const ssize_t n = ::read(fd, bytes + got, sizeof(bytes) - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  if (fd >= 0) ::close(fd);
+  if (got != sizeof(bytes)) throw std::runtime_error("cannot read 16 bytes from /dev/urandom for TDIST_STORE_SECRET");
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out += kHex[b >> 4];
+    out += kHex[b & 15];
+  }
+  return out;
 }
 
 // Asks the kernel for a free port. Another process could take it before rank 0 binds it; the
@@ -151,9 +140,7 @@ int pick_free_port() {
   socklen_t len = sizeof(addr);
   if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    std::fprintf(stderr, "tdistrun: cannot find a free port (%s); pass --master-port\n",
-                 std::strerror(errno));
-    std::exit(1);
+    throw std::runtime_error(std::string("cannot find a free port (") + std::strerror(errno) + "); pass --master-port");
   }
   ::close(fd);
   return ntohs(addr.sin_port);
@@ -170,6 +157,63 @@ void write_all(int fd, const std::string& data) {
     if (n <= 0) return;  // the reader went away: drop the output, keep managing the ranks
     done += static_cast<size_t>(n);
   }
+}
+
+// The launcher's stdout or stderr: a thread does the (blocking) writes, so that a reader that
+// stops draining never stalls the control loop.
+class Sink {
+ public:
+  explicit Sink(int fd) : fd_(fd), thread_([this] { loop(); }) { thread_.detach(); }
+
+  void push(std::string data) {
+    if (data.empty()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    queued_ += data.size();
+    queue_.push_back(std::move(data));
+    cv_.notify_one();
+  }
+  size_t queued() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return queued_;
+  }
+  // Waits until everything queued is written, or `deadline`; true if drained.
+  bool drain(Clock::time_point deadline) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return drained_.wait_until(lock, deadline, [&] { return queued_ == 0; });
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::string data;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return !queue_.empty(); });
+        data = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      write_all(fd_, data);
+      std::lock_guard<std::mutex> lock(mu_);
+      queued_ -= data.size();
+      if (queued_ == 0) drained_.notify_all();
+    }
+  }
+
+  int fd_;
+  std::mutex mu_;
+  std::condition_variable cv_, drained_;
+  std::deque<std::string> queue_;
+  size_t queued_ = 0;  // bytes queued or being written
+  std::thread thread_;  // detached: at exit it may still be blocked in write()
+};
+
+Sink* g_sinks[3] = {nullptr, nullptr, nullptr};  // [1] stdout, [2] stderr once the launcher runs
+
+// The launcher's own messages, through the stderr sink (or directly before it exists).
+void note(const std::string& line) {
+  const std::string text = "tdistrun: " + line + "\n";
+  if (g_sinks[2] != nullptr) g_sinks[2]->push(text);
+  else write_all(2, text);
 }
 
 // One output pipe of a rank; complete lines go out prefixed, a partial line waits for the rest.
@@ -192,7 +236,7 @@ struct Stream {
     }
     partial.append(data + start, size - start);
     if (partial.size() > kMaxPartialLine) flush_partial(out);
-    if (!out.empty()) write_all(dest, out);
+    g_sinks[dest]->push(std::move(out));
   }
   void flush_partial(std::string& out) {
     if (partial.empty()) return;
@@ -215,7 +259,7 @@ struct Stream {
     fd = -1;
     std::string out;
     flush_partial(out);
-    write_all(dest, out);
+    g_sinks[dest]->push(std::move(out));
   }
 };
 
@@ -235,8 +279,7 @@ constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
 
 void install_signal_handlers() {
   if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
-    std::perror("tdistrun: pipe2");
-    std::exit(1);
+    throw std::runtime_error(std::string("pipe2: ") + std::strerror(errno));
   }
   struct sigaction sa {};
   sa.sa_handler = on_signal;
@@ -265,6 +308,12 @@ std::string describe_status(int status) {
   return "exited with code " + std::to_string(WEXITSTATUS(status));
 }
 
+std::string seconds(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", s);
+  return buf;
+}
+
 int exit_code_of(int status) {
   return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
 }
@@ -274,7 +323,10 @@ class Launcher {
   explicit Launcher(Options opt) : opt_(std::move(opt)) {}
 
   int run() {
+    start_watchdog();
     install_signal_handlers();
+    for (int fd : {1, 2}) g_sinks[fd] = new Sink(fd);  // never freed: its thread may outlive main
+    if (std::getenv("TDIST_STORE_SECRET") == nullptr) secret_ = random_secret();
     const int port = opt_.master_port ? opt_.master_port : pick_free_port();
     if (opt_.timeout_s)
       timeout_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -282,15 +334,76 @@ class Launcher {
     ranks_.resize(static_cast<size_t>(opt_.nproc));
     for (int r = 0; r < opt_.nproc && !exit_code_; ++r) start_rank(r, port);
     supervise();
+    stop_watchdog();
     return exit_code_.value_or(0);
   }
 
+  // Whether the job ended by a timeout or a signal (then output is not waited for long).
+  bool interrupted() const { return timed_out_ || forwarded_signals_ > 0; }
+
  private:
+  // The watchdog: a process of its own group that outlives a SIGKILLed launcher. It reads each
+  // rank's process-group id from a pipe; at end of file without the all-clear (a zero), the
+  // launcher died without stopping the job, and it SIGKILLs every group, grandchildren included
+  // (PR_SET_PDEATHSIG reaches the ranks only).
+  void start_watchdog() {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error(std::string("pipe2: ") + std::strerror(errno));
+    const pid_t pid = ::fork();
+    if (pid < 0) throw std::runtime_error(std::string("fork: ") + std::strerror(errno));
+    if (pid == 0) {
+      ::close(fds[1]);
+      ::setpgid(0, 0);  // a kill of the launcher's group (a CI timeout) leaves it to clean up
+      for (int sig : kForwardedSignals) ::signal(sig, SIG_IGN);
+      const int devnull = ::open("/dev/null", O_RDWR);
+      for (int fd : {0, 1, 2})
+        if (devnull >= 0) ::dup2(devnull, fd);
+      static pid_t groups[kMaxRanks];
+      int n = 0;
+      bool all_clear = false;
+      for (;;) {
+        pid_t group = 0;
+        const ssize_t got = ::read(fds[0], &group, sizeof(group));
+        if (got < 0 && errno == EINTR) continue;
+        if (got != static_cast<ssize_t>(sizeof(group))) break;
+        if (group == 0) {
+          all_clear = true;
+          break;
+        }
+        if (n < kMaxRanks) groups[n++] = group;
+      }
+      if (!all_clear)
+        for (int i = 0; i < n; ++i) ::killpg(groups[i], SIGKILL);
+      ::_exit(0);
+    }
+    ::close(fds[0]);
+    watchdog_fd_ = fds[1];
+    watchdog_pid_ = pid;
+  }
+
+  void tell_watchdog(pid_t group) {
+    if (watchdog_fd_ < 0) return;
+    ssize_t n;
+    do n = ::write(watchdog_fd_, &group, sizeof(group)); while (n < 0 && errno == EINTR);
+  }
+
+  // Every group has been signalled by now: the all-clear, then the watchdog exits.
+  void stop_watchdog() {
+    tell_watchdog(0);
+    ::close(watchdog_fd_);
+    watchdog_fd_ = -1;
+    int status;
+    while (::waitpid(watchdog_pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+  }
+
   std::vector<std::string> rank_environment(int rank, int port) const {
-    const std::vector<std::pair<std::string, std::string>> launch_vars = {
+    std::vector<std::pair<std::string, std::string>> launch_vars = {
         {"RANK", std::to_string(rank)},           {"WORLD_SIZE", std::to_string(opt_.nproc)},
         {"LOCAL_RANK", std::to_string(rank)},     {"LOCAL_WORLD_SIZE", std::to_string(opt_.nproc)},
         {"MASTER_ADDR", "127.0.0.1"},             {"MASTER_PORT", std::to_string(port)}};
+    // One random key per job for the rendezvous store, unless the user chose one.
+    if (!secret_.empty()) launch_vars.emplace_back("TDIST_STORE_SECRET", secret_);
     // NVLink multicast stays off on shared hosts unless the user chose otherwise.
     const std::pair<const char*, const char*> safety_defaults[] = {
         {"NCCL_NVLS_ENABLE", "0"}, {"NVSHMEM_DISABLE_NVLS", "1"}, {"TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"}};
@@ -321,7 +434,7 @@ class Launcher {
     int out_pipe[2], err_pipe[2], exec_pipe[2];
     if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0 ||
         ::pipe2(exec_pipe, O_CLOEXEC) != 0) {
-      std::fprintf(stderr, "tdistrun: pipe2 failed: %s\n", std::strerror(errno));
+      note(std::string("pipe2 failed: ") + std::strerror(errno));
       fail(1);
       return;
     }
@@ -356,11 +469,12 @@ class Launcher {
       ::close(out_pipe[0]);
       ::close(err_pipe[0]);
       ::close(exec_pipe[0]);
-      std::fprintf(stderr, "tdistrun: cannot start rank %d: fork failed: %s\n", r, std::strerror(fork_errno));
+      note("cannot start rank " + std::to_string(r) + ": fork failed: " + std::strerror(fork_errno));
       fail(1);
       return;
     }
     ::setpgid(pid, pid);  // also in the parent, so that killpg works even before the child runs
+    tell_watchdog(pid);
     rank.pid = pid;
     rank.running = true;
     rank.out = Stream{out_pipe[0], 1, "[rank " + std::to_string(r) + "] ", {}};
@@ -372,8 +486,7 @@ class Launcher {
     do n = ::read(exec_pipe[0], &exec_errno, sizeof(exec_errno)); while (n < 0 && errno == EINTR);
     ::close(exec_pipe[0]);
     if (n == sizeof(exec_errno)) {
-      std::fprintf(stderr, "tdistrun: rank %d: cannot execute '%s': %s\n", r, argv[0],
-                   std::strerror(exec_errno));
+      note("rank " + std::to_string(r) + ": cannot execute '" + argv[0] + "': " + std::strerror(exec_errno));
       fail(kExitCannotExec);
     }
   }
@@ -408,8 +521,7 @@ class Launcher {
         const bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
         // Ranks stopped by the shutdown are not news; the first failure is.
         if (failed && !kill_at_) {
-          std::fprintf(stderr, "tdistrun: rank %d %s; stopping the other ranks\n", r.index,
-                       describe_status(status).c_str());
+          note("rank " + std::to_string(r.index) + " " + describe_status(status) + "; stopping the other ranks");
           fail(exit_code_of(status));
         }
       }
@@ -419,12 +531,12 @@ class Launcher {
   void on_signal_received(int sig) {
     if (sig == SIGCHLD) return;  // reap() runs after every wake-up anyway
     if (forwarded_signals_++ == 0) {
-      std::fprintf(stderr, "tdistrun: received %s; forwarding it to every rank\n", sigabbrev(sig).c_str());
+      note("received " + sigabbrev(sig) + "; forwarding it to every rank");
       if (!exit_code_) exit_code_ = 128 + sig;
       if (kill_at_) signal_all(sig);  // already stopping: forward it all the same
       else begin_shutdown(sig);
     } else {
-      std::fprintf(stderr, "tdistrun: received %s again; killing every rank\n", sigabbrev(sig).c_str());
+      note("received " + sigabbrev(sig) + " again; killing every rank");
       signal_all(SIGKILL);
     }
   }
@@ -448,7 +560,11 @@ class Launcher {
       fds.clear();
       streams.clear();
       fds.push_back({g_signal_pipe[0], POLLIN, 0});
+      // While stdout/stderr do not drain, the ranks' pipes are left unread (the ranks then wait in
+      // their writes); timers and signals are handled all the same.
+      const bool throttled = g_sinks[1]->queued() + g_sinks[2]->queued() > kMaxQueuedOutput;
       for (Rank& r : ranks_)
+        if (!throttled)
         for (Stream* s : {&r.out, &r.err})
           if (s->fd >= 0) {
             fds.push_back({s->fd, POLLIN, 0});
@@ -462,8 +578,9 @@ class Launcher {
         auto left = std::chrono::ceil<std::chrono::milliseconds>(*next - Clock::now()).count();
         wait_ms = static_cast<int>(std::clamp<int64_t>(left, 0, 1 << 30));
       }
+      if (throttled) wait_ms = wait_ms < 0 ? 20 : std::min(wait_ms, 20);
       if (::poll(fds.data(), fds.size(), wait_ms) < 0 && errno != EINTR) {
-        std::fprintf(stderr, "tdistrun: poll failed: %s\n", std::strerror(errno));
+        note(std::string("poll failed: ") + std::strerror(errno));
         fail(1);
       }
       if (fds[0].revents & POLLIN) {
@@ -484,8 +601,7 @@ class Launcher {
     const auto now = Clock::now();
     if (timeout_at_ && !timed_out_ && now >= *timeout_at_) {
       timed_out_ = true;
-      std::fprintf(stderr, "tdistrun: timeout: ranks still running after %g s; stopping them\n",
-                   *opt_.timeout_s);
+      note("timeout: ranks still running after " + seconds(*opt_.timeout_s) + " s; stopping them");
       if (!exit_code_) exit_code_ = kExitTimeout;
       begin_shutdown(SIGTERM);
     }
@@ -493,8 +609,8 @@ class Launcher {
       killed_ = true;
       for (const Rank& r : ranks_)
         if (r.running)
-          std::fprintf(stderr, "tdistrun: rank %d still running %g s after SIGTERM; sending SIGKILL\n",
-                       r.index, opt_.kill_grace_s);
+          note("rank " + std::to_string(r.index) + " still running " + seconds(opt_.kill_grace_s) +
+               " s after SIGTERM; sending SIGKILL");
       signal_all(SIGKILL);
     }
   }
@@ -519,6 +635,9 @@ class Launcher {
   }
 
   Options opt_;
+  std::string secret_;  // TDIST_STORE_SECRET given to the ranks; empty: the user's passes through
+  int watchdog_fd_ = -1;
+  pid_t watchdog_pid_ = -1;
   std::vector<Rank> ranks_;
   std::optional<int> exit_code_;
   std::optional<Clock::time_point> timeout_at_;
@@ -528,9 +647,35 @@ class Launcher {
   int forwarded_signals_ = 0;
 };
 
+// Waits for the writer threads to pass on what was queued: as long as they make progress, or a
+// second after a timeout or signal (a reader that stopped must not hold the launcher).
+void flush_sinks(bool interrupted) {
+  for (int fd : {1, 2}) {
+    Sink* sink = g_sinks[fd];
+    if (sink == nullptr) continue;
+    size_t last = SIZE_MAX;
+    while (!sink->drain(Clock::now() + std::chrono::seconds(1))) {
+      const size_t now = sink->queued();
+      if (interrupted || now >= last) break;
+      last = now;
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  Options opt = parse_args(argc, argv);
-  return Launcher(std::move(opt)).run();
+  const Options opt = parse_args(argc, argv);
+  return tdist::cli::run_main("tdistrun", [&] {
+    Launcher launcher(opt);
+    int code = 0;
+    try {
+      code = launcher.run();
+    } catch (...) {
+      flush_sinks(true);
+      throw;
+    }
+    flush_sinks(launcher.interrupted());
+    return code;
+  });
 }
