@@ -9,7 +9,7 @@
 #include <cstdlib>
 #include <random>
 
-#include "tdist/device/timeout.cuh"
+#include "tdist/runtime/wait_config.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/manifest.hpp"
 #include "tdist/runtime/launch_env.hpp"
@@ -193,7 +193,7 @@ int run_tutorial(int argc, char** argv, const TutorialInfo& info, const std::fun
     // A lost signal must end in the device wait's diagnostic, not in a long hang. Module::load
     // reads this when it writes the module's wait timeout.
     setenv("TDIST_WAIT_TIMEOUT_S", "30", /*overwrite=*/0);
-    const double wait_timeout_s = device::wait_timeout_seconds_from_env();
+    const double wait_timeout_s = wait_timeout_seconds_from_env();
 
     world = std::make_unique<World>();
     TDIST_CHECK(world->lsa_size() == world->world_size(), "the tutorials address every peer with loads and stores, "

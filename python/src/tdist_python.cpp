@@ -360,18 +360,10 @@ class Runtime {
     auto rt = std::unique_ptr<Runtime>(new Runtime());
     {
       nb::gil_scoped_release release;
-      int count = 0;
-      const cudaError_t err = cudaGetDeviceCount(&count);
-      if (err != cudaSuccess || count == 0)
-        fail(msg("tdist.init: no CUDA device is usable (", cudaGetErrorString(err), ")"));
-      if (device >= count) fail(msg("tdist.init: device ", device, " requested, ", count, " visible"));
-      if (cudaSetDevice(device) != cudaSuccess) fail(msg("tdist.init: cudaSetDevice(", device, ") failed"));
       // Every rank is alive here: the id came from a collective of torch.distributed.
-      const ncclResult_t r = ncclCommInitRank(&rt->own_comm_, world_size, id, rank);
-      if (r != ncclSuccess) fail(msg("tdist.init: ncclCommInitRank failed: ", ncclGetErrorString(r)));
       const auto timeout = timeout_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000))
                                          : tdist::TcpStoreOptions::default_timeout();
-      rt->world_ = std::make_unique<tdist::World>(rt->own_comm_, timeout);
+      rt->world_ = std::make_unique<tdist::World>(id, rank, world_size, device, timeout);
     }
     rt->finish_init(heap_bytes, max_bytes);
     return rt;
@@ -388,7 +380,7 @@ class Runtime {
     (void)world_.release();
   }
 
-  // Collective teardown: the context, the heap (every buffer), the World, then our communicator.
+  // Collective teardown: the contexts, the heap (every buffer), then the World (and its communicator).
   void close() {
     if (closed_) return;
     closed_ = true;
@@ -400,11 +392,6 @@ class Runtime {
     buffers_.clear();
     heap_.reset();
     world_.reset();
-    if (own_comm_) {
-      if (ncclCommFinalize(own_comm_) == ncclSuccess) ncclCommDestroy(own_comm_);
-      else ncclCommAbort(own_comm_);
-      own_comm_ = nullptr;
-    }
   }
 
   bool closed() const { return closed_; }
@@ -576,7 +563,6 @@ class Runtime {
     return *coll_;
   }
 
-  ncclComm_t own_comm_ = nullptr;
   std::unique_ptr<tdist::World> world_;
   std::unique_ptr<tdist::SymmetricHeap> heap_;
   std::unique_ptr<tdist::Collectives> coll_;

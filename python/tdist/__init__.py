@@ -48,8 +48,12 @@ from ._runtime import (
     is_symmetric,
     peer,
 )
-from .ops import ag_gemm, all_gather, all_reduce, barrier, gemm_ar, gemm_rs, reduce_scatter
+from .ops import ag_gemm, all_gather, all_reduce, barrier, gemm_ar, gemm_rs, overlap, overlap_ops, reduce_scatter
+from .ops import catalogue_functions as _catalogue_functions
 from . import jit
+
+# Every other op of the C++ catalogue of overlapped ops, as tdist.<name> (e.g. tdist.ag_gemm_swiglu).
+globals().update(_catalogue_functions)
 
 
 __all__ = [
@@ -74,5 +78,8 @@ __all__ = [
     "ag_gemm",
     "gemm_rs",
     "gemm_ar",
+    "overlap",
+    "overlap_ops",
+    *_catalogue_functions,
     "jit",
 ]

@@ -11,7 +11,7 @@
 #include "detail.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/process.hpp"
-#include "tdist/device/timeout.cuh"
+#include "tdist/runtime/wait_config.hpp"
 
 namespace tdist::jit {
 namespace {
@@ -157,7 +157,7 @@ std::shared_ptr<Module> Module::load(std::shared_ptr<const CompiledKernel> compi
       d.LibraryGetGlobal(&config_ptr, &config_bytes, lib, device::kWaitConfigSymbol) == CUDA_SUCCESS) {
     TDIST_CHECK(config_bytes == sizeof(device::WaitConfig), "module ", m->compiled_->file_name, " has a ",
                 device::kWaitConfigSymbol, " of ", config_bytes, " bytes, expected ", sizeof(device::WaitConfig));
-    const device::WaitConfig config = device::make_wait_config(process_rank(), device::wait_timeout_seconds_from_env());
+    const device::WaitConfig config = make_wait_config(process_rank(), wait_timeout_seconds_from_env());
     TDIST_JIT_CU(d.MemcpyHtoD(config_ptr, &config, sizeof(config)));
   }
   return m;

@@ -195,6 +195,31 @@ void World::fail_init(const char* stage, const std::string& why, bool timed_out)
   TDIST_FAIL(message);
 }
 
+World::World(const ncclUniqueId& id, int rank, int world_size, int device, std::chrono::milliseconds timeout)
+    : timeout_(timeout) {
+  TDIST_CHECK_ARG(world_size >= 1 && rank >= 0 && rank < world_size, "rank", "expected 0 <= rank < world_size (",
+                  world_size, "), got ", rank);
+  TDIST_CHECK_ARG(device >= 0, "device", "expected a CUDA device index, got ", device);
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  TDIST_CHECK(err == cudaSuccess && count > 0, "no CUDA device is usable (", cudaGetErrorString(err), ")");
+  TDIST_CHECK_ARG(device < count, "device", "device ", device, " requested, ", count, " visible");
+  rank_ = rank;
+  world_size_ = world_size;
+  device_ = device;
+  TDIST_CUDA_CHECK(cudaSetDevice(device_));
+  if (env::flag("TDIST_NCCL_BOUNDED_INIT", true)) {
+    init_comm_bounded(id);
+  } else {
+    ncclUniqueId unique = id;
+    TDIST_NCCL_CHECK(ncclCommInitRank(&comm_, world_size_, unique, rank_));
+  }
+  owns_comm_ = true;
+  init_from_comm();
+  local_rank_ = lsa_rank_;
+  local_world_size_ = lsa_size_;
+}
+
 World::World(ncclComm_t existing, std::chrono::milliseconds timeout) : timeout_(timeout), comm_(existing) {
   TDIST_CHECK_ARG(existing != nullptr, "existing", "expected an initialised ncclComm_t, got nullptr");
   TDIST_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));

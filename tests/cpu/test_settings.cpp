@@ -12,7 +12,7 @@
 #include "tdist/common/checked.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
-#include "tdist/device/timeout.cuh"
+#include "tdist/runtime/wait_config.hpp"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 
@@ -106,20 +106,20 @@ TEST(Settings, BooleansAndChoices) {
 TEST(Settings, ProcessSettingsNameTheVariable) {
   {
     ScopedEnv v("TDIST_WAIT_TIMEOUT_S", nullptr);
-    EXPECT_DOUBLE_EQ(tdist::device::wait_timeout_seconds_from_env(), tdist::device::kDefaultWaitTimeoutSeconds);
+    EXPECT_DOUBLE_EQ(tdist::wait_timeout_seconds_from_env(), tdist::device::kDefaultWaitTimeoutSeconds);
   }
   {
     ScopedEnv v("TDIST_WAIT_TIMEOUT_S", "");
-    EXPECT_DOUBLE_EQ(tdist::device::wait_timeout_seconds_from_env(), tdist::device::kDefaultWaitTimeoutSeconds);
+    EXPECT_DOUBLE_EQ(tdist::wait_timeout_seconds_from_env(), tdist::device::kDefaultWaitTimeoutSeconds);
   }
   {
     ScopedEnv v("TDIST_WAIT_TIMEOUT_S", "30");
-    EXPECT_DOUBLE_EQ(tdist::device::wait_timeout_seconds_from_env(), 30.0);
+    EXPECT_DOUBLE_EQ(tdist::wait_timeout_seconds_from_env(), 30.0);
   }
   // 1e-9 made every device wait trap at once; 0x10 and 115 days were taken as well.
   for (const char* bad : {"1e-9", "0x10", "9936000", "abc"}) {
     ScopedEnv v("TDIST_WAIT_TIMEOUT_S", bad);
-    expect_error([] { tdist::device::wait_timeout_seconds_from_env(); }, {"TDIST_WAIT_TIMEOUT_S", bad}, bad);
+    expect_error([] { tdist::wait_timeout_seconds_from_env(); }, {"TDIST_WAIT_TIMEOUT_S", bad}, bad);
   }
   {
     ScopedEnv v("TDIST_OVERLAP_PIECES", "0x2");

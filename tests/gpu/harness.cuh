@@ -14,6 +14,7 @@
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/device.cuh"
+#include "tdist/runtime/wait_config.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/world.hpp"
 

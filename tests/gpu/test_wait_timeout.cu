@@ -6,6 +6,7 @@
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/device.cuh"
+#include "tdist/runtime/wait_config.hpp"
 
 using namespace tdist::device;
 
@@ -14,7 +15,7 @@ __global__ void wait_forever(const u64* flag) { signal_wait_until(flag, Cmp::kGe
 int main() {
   constexpr double kTimeoutSeconds = 1.0;
   TDIST_CUDA_CHECK(cudaSetDevice(0));
-  TDIST_CUDA_CHECK(configure_waits(/*rank=*/0, kTimeoutSeconds));
+  TDIST_CUDA_CHECK(tdist::configure_waits(/*rank=*/0, kTimeoutSeconds));
   u64* flag;
   TDIST_CUDA_CHECK(cudaMalloc(&flag, sizeof(u64)));
   TDIST_CUDA_CHECK(cudaMemset(flag, 0, sizeof(u64)));

@@ -637,3 +637,55 @@ def test_bench_json_is_valid_and_drawn(tmp_path):
     out = subprocess.run([sys.executable, plot, str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "r.png").exists() and (tmp_path / "r_gemm.png").exists()
+
+
+# --- the catalogue of overlapped ops (C++'s OverlapOpTraits, read by Python) ---------------------
+
+def test_catalogue_matches_the_library():
+    names = sorted(_overlap.ops())
+    assert names == ["ag_gemm", "ag_gemm_swiglu", "gemm_ar", "gemm_rs"]
+    assert sorted(tdist.overlap_ops()) == names
+    swiglu = _overlap.op_traits("ag_gemm_swiglu")
+    assert swiglu.n_multiple == 16 and swiglu.takes_m
+    assert [o[0] for o in swiglu.inputs] == ["a_local", "b"]
+    assert [o[0] for o in swiglu.outputs] == ["d"] and [o[0] for o in swiglu.optional_outputs] == ["gathered"]
+    assert not _overlap.op_traits("gemm_rs").takes_m
+    with pytest.raises(tdist.Error, match="no overlapped op is named 'gemm_a2a'.*known: ag_gemm, ag_gemm_swiglu"):
+        _overlap.op_traits("gemm_a2a")
+    # Every catalogue op beyond the hand-written three is a function of the package.
+    assert "ag_gemm_swiglu" in tdist.__all__ and callable(tdist.ag_gemm_swiglu)
+    assert "silu" in tdist.ag_gemm_swiglu.__doc__ and "Collective" in tdist.ag_gemm_swiglu.__doc__
+
+
+def test_catalogue_shapes_of_a_new_op():
+    a, b = op_((5, 64)), op_((32, 64), ptr=1 << 30)
+    dims = _overlap.call_dims("ag_gemm_swiglu", {"a_local": a, "b": b}, None, 3, 1)
+    assert dims == (15, 32, 64, 5)
+    assert _overlap.shape_of(("M", "N/2"), dims) == (15, 16)
+    assert _overlap.shape_of(("rows", "K"), dims) == (5, 64)
+    with pytest.raises(tdist.Error, match=r"tdist.ag_gemm_swiglu: N \(rows of 'b'\) must be a positive multiple of "
+                                          r"16, got 24"):
+        _overlap.call_dims("ag_gemm_swiglu", {"a_local": a, "b": op_((24, 64))}, None, 3, 1)
+    base = 1 << 30
+    m, n, k, world = 7, 32, 64, 2
+    good = [desc((4, k), "<f2", ptr=base), desc((n, k), "<f2", ptr=2 * base), desc((m, n // 2), "<f2", ptr=3 * base)]
+    assert _C.check_overlap("ag_gemm_swiglu", good, m, n, k, world, 0) == "f16"
+    with pytest.raises(tdist.Error, match=r"'d' has 224 elements, expected m=7 x N/2=16 = 112"):
+        _C.check_overlap("ag_gemm_swiglu", good[:2] + [desc((m, n), "<f2", ptr=3 * base)], m, n, k, world, 0)
+    with pytest.raises(tdist.Error, match="'d' is missing"):
+        _C.check_overlap("ag_gemm_swiglu", good[:2], m, n, k, world, 0)
+    heap = _C.overlap_context_bytes("ag_gemm_swiglu", "bfloat16", 4096, 2048, 1024, 2)
+    assert heap == _C.overlap_context_bytes("ag_gemm", "bfloat16", 4096, 0, 1024, 2)  # its h is ordinary memory
+
+
+def test_overlap_without_torch_says_so():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import tdist\n"
+            "try:\n"
+            "    tdist.overlap('ag_gemm_swiglu', object(), object())\n"
+            "except tdist.Error as e:\n"
+            "    assert 'tdist.ag_gemm_swiglu needs PyTorch' in str(e), e\n"
+            "else:\n"
+            "    raise SystemExit('ran without torch')\n"
+            "print('ok')\n")
+    _prints_ok(code)

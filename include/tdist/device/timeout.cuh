@@ -6,10 +6,11 @@
 // (per translation unit under nvcc without -rdc, per program under the JIT). Time is read from
 // %globaltimer, which counts real nanoseconds whatever the SM clock, so no clock-rate conversion
 // is needed. The host sets the value at run time, without recompiling:
-//   - nvcc-compiled code: tdist::device::configure_waits(rank, seconds) from a host function of
-//     the same translation unit as the kernels (it writes that unit's copy);
+//   - nvcc-compiled code: tdist::configure_waits(rank, seconds) (runtime/wait_config.hpp) from a
+//     host function of the same translation unit as the kernels (it writes that unit's copy);
 //   - JIT-compiled modules: the JIT writes the symbol after loading the module.
-// The default seconds come from TDIST_WAIT_TIMEOUT_S when the host configures, else kDefault.
+// The default seconds come from TDIST_WAIT_TIMEOUT_S when the host configures, else kDefault. This
+// header holds device code only; the host side is runtime/wait_config.hpp.
 #pragma once
 
 #include "tdist/device/common.cuh"
@@ -79,36 +80,3 @@ __device__ __noinline__ inline void wait_timed_out(const char* what, const void*
 
 }  // namespace tdist::device
 #endif  // __CUDACC__
-
-#if !defined(__CUDACC_RTC__)
-#include <cuda_runtime_api.h>
-
-#include <cstdlib>
-
-#include "tdist/common/env.hpp"
-#include "tdist/common/error.hpp"
-
-namespace tdist::device {
-
-// Seconds from TDIST_WAIT_TIMEOUT_S (a decimal number from 0.001 to 86400), else the default; a
-// malformed or out-of-range value is an error naming the variable.
-inline double wait_timeout_seconds_from_env() {
-  return env::seconds("TDIST_WAIT_TIMEOUT_S", kDefaultWaitTimeoutSeconds, env::kMinTimeoutSeconds,
-                      env::kMaxTimeoutSeconds);
-}
-
-inline WaitConfig make_wait_config(int rank, double timeout_seconds) {
-  return WaitConfig{static_cast<u64>(timeout_seconds * 1e9), rank};
-}
-
-#if defined(__CUDACC__)
-// Sets the wait timeout and the rank printed by this translation unit's kernels. Call it from the
-// same .cu file as the kernels, after selecting the device. Returns the CUDA status.
-static inline cudaError_t configure_waits(int rank, double timeout_seconds = wait_timeout_seconds_from_env()) {
-  const WaitConfig config = make_wait_config(rank, timeout_seconds);
-  return cudaMemcpyToSymbol(tdist_device_config, &config, sizeof(config));
-}
-#endif
-
-}  // namespace tdist::device
-#endif

@@ -37,6 +37,11 @@ class World {
  public:
   // Joins the job: selects the GPU, rendezvous through the TCP store, creates the NCCL communicator.
   explicit World(const WorldOptions& options = {});
+  // Joins a job whose ranks received one NCCL unique id through another bootstrap (e.g.
+  // torch.distributed): selects `device`, creates the communicator within `timeout` (bounded as
+  // above, without a store to learn of dead ranks) and owns it.
+  World(const ncclUniqueId& id, int rank, int world_size, int device,
+        std::chrono::milliseconds timeout = TcpStoreOptions::default_timeout());
   // Wraps a communicator the caller created and keeps owning (not destroyed with the World).
   // Host collectives then run through NCCL on a private stream.
   World(ncclComm_t existing, std::chrono::milliseconds timeout = TcpStoreOptions::default_timeout());
