@@ -3,8 +3,9 @@
 // with this rank's weight shard b = [W_gate; W_up] (N = 2 x the rank's intermediate features, the
 // gate rows first) and d of N/2 columns. The AllGather overlaps the GEMM as in AllGatherGemm (every
 // method of it: the op wraps one), and the SwiGLU runs on the GEMM's output
-// (kernels/epilogue/swiglu.cuh): one extra pass over M x N elements, about 4 % of the GEMM's time at
-// LLaMA shapes.
+// (kernels/epilogue/swiglu.cuh) once the GEMM is done: one extra pass that reads M x N and writes
+// M x N / 2 elements (at M = 8192, N = 7168 per rank, 176 MB: about 50 us at H200 copy bandwidth,
+// beside a GEMM of about 1.2 ms). Fusing it into the GEMM's epilogue would save that pass.
 //
 // This op is the worked example of docs/adding_an_op.md: a device header, this file, and a test.
 #include <algorithm>

@@ -3,7 +3,7 @@
 // under NVRTC and nvcc.
 //
 // Flags are u64, set to 1 by the copy engine's stream write (after its data, in stream order) or by
-// the GEMM, and reset to 0 by the host before the per-call barrier; see src/ops/gemm_overlap.cpp for
+// the GEMM, and reset to 0 by the host before the per-call barrier; see src/ops/overlap/ for
 // the buffers and their protocols.
 #pragma once
 
