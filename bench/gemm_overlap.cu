@@ -43,13 +43,13 @@
 #include <string>
 #include <vector>
 
-#include "fill_random.cuh"
 #include "../tools/common/bench_report.hpp"
+#include "fill_random.cuh"
 #include "tdist/common/cli.hpp"
-#include "tdist/common/json.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/json.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/cublas.hpp"
 #include "tdist/ops/gemm.hpp"
@@ -60,7 +60,6 @@
 using namespace tdist;
 
 namespace {
-
 
 __device__ inline float to_f(unsigned short bits, bool bf16) {
   if (bf16) {
@@ -172,11 +171,14 @@ std::vector<Shape> shapes_of(Op op, const Options& o) {
   if (o.quick && !o.ms_given) ms = {1024, 8192};
   std::vector<Shape> v;
   for (int64_t m : ms) {
-    if (op == Op::kAllGather) v.push_back({m, 14336, 8192, "LLaMA-3-70B MLP up: N=14336 total, K=8192"});
-    else v.push_back({m, 8192, 14336, "LLaMA-3-70B MLP down: N=8192, K=14336 total"});
+    if (op == Op::kAllGather)
+      v.push_back({m, 14336, 8192, "LLaMA-3-70B MLP up: N=14336 total, K=8192"});
+    else
+      v.push_back({m, 8192, 14336, "LLaMA-3-70B MLP down: N=8192, K=14336 total"});
   }
   if (!o.quick && std::find(ms.begin(), ms.end(), 4096) != ms.end())
-    v.push_back({4096, 8192, 8192, op == Op::kAllGather ? "8192 x 8192 weight: N=8192 total" : "8192 x 8192 weight: K=8192 total"});
+    v.push_back({4096, 8192, 8192,
+                 op == Op::kAllGather ? "8192 x 8192 weight: N=8192 total" : "8192 x 8192 weight: K=8192 total"});
   return v;
 }
 
@@ -261,8 +263,10 @@ struct Bench {
       c.max_m = max_m;
       c.max_n = max_n;
       c.dtype = o.dtype;
-      if (op == Op::kReduceScatter) rs = std::make_unique<GemmReduceScatter>(world, heap, c);
-      else ar = std::make_unique<GemmAllReduce>(world, heap, c);
+      if (op == Op::kReduceScatter)
+        rs = std::make_unique<GemmReduceScatter>(world, heap, c);
+      else
+        ar = std::make_unique<GemmAllReduce>(world, heap, c);
     }
 
     for (const Shape& sh : shapes) {
@@ -283,11 +287,14 @@ struct Bench {
       for (int s = 0; s < sets; ++s) {
         as.emplace_back(e * a_elems);
         bs.emplace_back(e * b_elems);
-        fill_random<<<528, 256, 0, stream>>>(as.back().get<unsigned short>(), a_elems, 1000003ull * (me + 1) + 17 * s + 1, bf16());
-        fill_random<<<528, 256, 0, stream>>>(bs.back().get<unsigned short>(), b_elems, 1000003ull * (me + 1) + 17 * s + 2, bf16());
+        fill_random<<<528, 256, 0, stream>>>(as.back().get<unsigned short>(), a_elems,
+                                             1000003ull * (me + 1) + 17 * s + 1, bf16());
+        fill_random<<<528, 256, 0, stream>>>(bs.back().get<unsigned short>(), b_elems,
+                                             1000003ull * (me + 1) + 17 * s + 2, bf16());
         if (g_elems) {
           gs.emplace_back(e * g_elems);
-          fill_random<<<528, 256, 0, stream>>>(gs.back().get<unsigned short>(), g_elems, 1000003ull * (me + 1) + 17 * s + 3, bf16());
+          fill_random<<<528, 256, 0, stream>>>(gs.back().get<unsigned short>(), g_elems,
+                                               1000003ull * (me + 1) + 17 * s + 3, bf16());
         }
       }
       TDIST_CUDA_CHECK(cudaGetLastError());
@@ -317,9 +324,12 @@ struct Bench {
         return args;
       };
       auto run = [&](OverlapMethod method, int s, void* out) {
-        if (op == Op::kAllGather) ag.at(k)->run(ag_args(s, out), stream, method);
-        else if (op == Op::kReduceScatter) rs->run(reduce_args(GemmReduceScatterArgs{}, s, out), stream, method);
-        else ar->run(reduce_args(GemmAllReduceArgs{}, s, out), stream, method);
+        if (op == Op::kAllGather)
+          ag.at(k)->run(ag_args(s, out), stream, method);
+        else if (op == Op::kReduceScatter)
+          rs->run(reduce_args(GemmReduceScatterArgs{}, s, out), stream, method);
+        else
+          ar->run(reduce_args(GemmAllReduceArgs{}, s, out), stream, method);
       };
       auto resolve = [&](OverlapMethod method) {
         if (op == Op::kAllGather) return ag.at(k)->method(ag_args(0, d.get()), method);
@@ -352,8 +362,9 @@ struct Bench {
           resolved.push_back(to_string(resolve(method)));
           methods.push_back(method);
         } catch (const tdist::Error& e) {
-          if (me == 0) std::printf("%s M=%lld: %s skipped: %s\n", op_name(op), static_cast<long long>(m),
-                                   to_string(method), e.what());
+          if (me == 0)
+            std::printf("%s M=%lld: %s skipped: %s\n", op_name(op), static_cast<long long>(m), to_string(method),
+                        e.what());
         }
       }
       std::vector<double> diffs;
@@ -389,8 +400,8 @@ void print_table(const std::vector<Row>& rows, Op op, int world, const Options& 
   std::string note;
   for (const Row& r : rows) {
     if (r.op != op) continue;
-    const std::string shape_note = detail::concat(r.shape.note, op == Op::kAllGather ? ": N_local = " : ": K_local = ",
-                                                  op == Op::kAllGather ? r.n : r.k);
+    const std::string shape_note = detail::concat(
+        r.shape.note, op == Op::kAllGather ? ": N_local = " : ": K_local = ", op == Op::kAllGather ? r.n : r.k);
     if (shape_note != note) {
       note = shape_note;
       std::printf("\n%s, %s, %d ranks, %s, median of %d, max over ranks\n", op_name(op), note.c_str(), world,
@@ -417,9 +428,16 @@ void write_json(const std::string& path, const std::vector<Row>& rows, int world
   for (const Row& r : rows) {
     const double flop = 2.0 * r.m * r.n * static_cast<double>(r.k);
     auto row = [&](const char* impl, const std::string& method, double us) {
-      return json::Value(json::Object{{"op", op_name(r.op)}, {"m", r.m}, {"n", r.n}, {"k", r.k},
-                                      {"n_total", r.shape.n_total}, {"k_total", r.shape.k_total},
-                                      {"note", r.shape.note}, {"impl", impl}, {"method", method}, {"us", us},
+      return json::Value(json::Object{{"op", op_name(r.op)},
+                                      {"m", r.m},
+                                      {"n", r.n},
+                                      {"k", r.k},
+                                      {"n_total", r.shape.n_total},
+                                      {"k_total", r.shape.k_total},
+                                      {"note", r.shape.note},
+                                      {"impl", impl},
+                                      {"method", method},
+                                      {"us", us},
                                       {"tflops", flop / us * 1e-6}});
     };
     json::Value t = row("tdist", r.method, r.tdist_us);
@@ -460,7 +478,8 @@ int main(int argc, char** argv) {
   p.option("--m,--rows", "LIST", "M (all ranks' rows), e.g. 1024,4096 (default 1024,4096,8192,16384)",
            [&](const std::string& v) {
              o.ms.clear();
-             for (const auto& s : cli::split_list(v, "--m")) o.ms.push_back(cli::parse_int(s, "--m", 1, int64_t{1} << 40));
+             for (const auto& s : cli::split_list(v, "--m"))
+               o.ms.push_back(cli::parse_int(s, "--m", 1, int64_t{1} << 40));
              o.ms_given = true;
            });
   p.option("--methods", "LIST", "auto,fused,chunked,sequential,baseline (default auto)", [&](const std::string& v) {
@@ -495,9 +514,10 @@ int main(int argc, char** argv) {
     {
       Bench bench(world, heap, o, stream);
       if (world.rank() == 0) {
-        std::printf("gemm_overlap: %d ranks on %s (%d SMs, L2 %zu MB), %s; columns: tdist = the op, gemm = tdist::Gemm "
-                    "alone on this rank's GEMM, baseline = NCCL then cuBLAS (kBaseline), nccl / cublas = its parts\n",
-                    world.world_size(), prop.name, prop.multiProcessorCount, bench.l2 >> 20, to_string(o.dtype));
+        std::printf(
+            "gemm_overlap: %d ranks on %s (%d SMs, L2 %zu MB), %s; columns: tdist = the op, gemm = tdist::Gemm "
+            "alone on this rank's GEMM, baseline = NCCL then cuBLAS (kBaseline), nccl / cublas = its parts\n",
+            world.world_size(), prop.name, prop.multiProcessorCount, bench.l2 >> 20, to_string(o.dtype));
         std::fflush(stdout);
       }
       for (Op op : o.ops) {
@@ -507,9 +527,10 @@ int main(int argc, char** argv) {
       rows = bench.rows;
     }
     if (world.rank() == 0) {
-      std::printf("\nt/gemm: tdist time / GEMM-alone time (1 = communication fully hidden); t/base: tdist time / "
-                  "baseline time (below 1: tdist faster); TFLOP/s: this rank's GEMM flops / tdist time; diff: "
-                  "max |tdist - baseline| / max |baseline| on the same inputs\n");
+      std::printf(
+          "\nt/gemm: tdist time / GEMM-alone time (1 = communication fully hidden); t/base: tdist time / "
+          "baseline time (below 1: tdist faster); TFLOP/s: this rank's GEMM flops / tdist time; diff: "
+          "max |tdist - baseline| / max |baseline| on the same inputs\n");
       if (!o.json.empty()) write_json(o.json, rows, world.world_size(), o, prop.name, argc, argv);
     }
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));

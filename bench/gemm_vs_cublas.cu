@@ -32,18 +32,17 @@
 #include <string>
 #include <vector>
 
-#include "fill_random.cuh"
 #include "../tools/common/bench_report.hpp"
+#include "fill_random.cuh"
 #include "tdist/common/cli.hpp"
-#include "tdist/common/json.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/json.hpp"
 #include "tdist/ops/cublas.hpp"
 #include "tdist/ops/gemm.hpp"
 #include "tdist/ops/grouped_gemm.hpp"
 
 namespace {
-
 
 // max |x - y| and max |y| over two outputs.
 __global__ void diff(const unsigned short* x, const unsigned short* y, size_t count, bool bf16, float* out) {
@@ -106,9 +105,10 @@ std::vector<GroupedShape> parse_grouped_shapes(const std::string& s) {
     size_t end = s.find(',', pos);
     if (end == std::string::npos) end = s.size();
     GroupedShape sh{};
-    TDIST_CHECK_ARG(std::sscanf(s.substr(pos, end - pos).c_str(), "%dx%dx%dx%d", &sh.groups, &sh.mean_rows, &sh.n,
-                                &sh.k) == 4 && sh.groups > 0 && sh.mean_rows >= 0,
-                    "--grouped", "expected GxMxNxK[,GxMxNxK...] with G > 0, got ", s);
+    TDIST_CHECK_ARG(
+        std::sscanf(s.substr(pos, end - pos).c_str(), "%dx%dx%dx%d", &sh.groups, &sh.mean_rows, &sh.n, &sh.k) == 4 &&
+            sh.groups > 0 && sh.mean_rows >= 0,
+        "--grouped", "expected GxMxNxK[,GxMxNxK...] with G > 0, got ", s);
     sh.note = "custom";
     v.push_back(sh);
     pos = end + 1;
@@ -145,7 +145,8 @@ void bench_grouped(const GroupedShape& sh, tdist::DType dtype, int iters, int l2
     fill_random<<<528, 256, 0, stream>>>(bs[s], b_elems, 17 * s + 6, bf16);
     for (int g = 0; g < sh.groups; ++g)  // padding rows of A: zeros (so D's are zeros, as cuBLAS leaves them)
       TDIST_CUDA_CHECK(cudaMemsetAsync(as[s] + static_cast<size_t>(offsets[g] + counts[g]) * sh.k, 0,
-                                       2 * static_cast<size_t>(offsets[g + 1] - offsets[g] - counts[g]) * sh.k, stream));
+                                       2 * static_cast<size_t>(offsets[g + 1] - offsets[g] - counts[g]) * sh.k,
+                                       stream));
   }
   TDIST_CUDA_CHECK(cudaMalloc(&d_tdist, 2 * d_elems));
   TDIST_CUDA_CHECK(cudaMalloc(&d_cublas, 2 * d_elems));
@@ -204,10 +205,17 @@ void bench_grouped(const GroupedShape& sh, tdist::DType dtype, int iters, int l2
   std::fflush(stdout);
   // Schema tdist.bench/1: the grouped GEMM and the per-group cuBLAS loop, one row each.
   auto row = [&](const char* impl, const std::string& method, double us) {
-    return tdist::json::Value(tdist::json::Object{
-        {"op", "grouped_gemm"}, {"groups", sh.groups}, {"mean_rows", sh.mean_rows}, {"m", real_rows},
-        {"padded_rows", offsets.back()}, {"n", sh.n}, {"k", sh.k}, {"impl", impl}, {"method", method}, {"us", us},
-        {"tflops", flop / us * 1e-6}});
+    return tdist::json::Value(tdist::json::Object{{"op", "grouped_gemm"},
+                                                  {"groups", sh.groups},
+                                                  {"mean_rows", sh.mean_rows},
+                                                  {"m", real_rows},
+                                                  {"padded_rows", offsets.back()},
+                                                  {"n", sh.n},
+                                                  {"k", sh.k},
+                                                  {"impl", impl},
+                                                  {"method", method},
+                                                  {"us", us},
+                                                  {"tflops", flop / us * 1e-6}});
   };
   tdist::json::Value t = row("tdist", tile_name, ms * 1e3);
   t["ratio_cublas"] = ms / cublas_ms;
@@ -218,8 +226,8 @@ void bench_grouped(const GroupedShape& sh, tdist::DType dtype, int iters, int l2
     TDIST_CUDA_CHECK(cudaFree(as[s]));
     TDIST_CUDA_CHECK(cudaFree(bs[s]));
   }
-  for (void* p : {static_cast<void*>(d_tdist), static_cast<void*>(d_cublas), static_cast<void*>(stats),
-                  static_cast<void*>(offs)})
+  for (void* p :
+       {static_cast<void*>(d_tdist), static_cast<void*>(d_cublas), static_cast<void*>(stats), static_cast<void*>(offs)})
     TDIST_CUDA_CHECK(cudaFree(p));
 }
 
@@ -296,7 +304,8 @@ int main(int argc, char** argv) {
       const size_t a_elems = static_cast<size_t>(sh.m) * sh.k, b_elems = static_cast<size_t>(sh.n) * sh.k;
       const size_t d_elems = static_cast<size_t>(sh.m) * sh.n;
       const size_t set_bytes = 2 * (a_elems + b_elems);
-      const int sets = static_cast<int>(std::max<size_t>(2, (2 * static_cast<size_t>(l2) + set_bytes - 1) / set_bytes + 1));
+      const int sets =
+          static_cast<int>(std::max<size_t>(2, (2 * static_cast<size_t>(l2) + set_bytes - 1) / set_bytes + 1));
       std::vector<unsigned short*> as(sets), bs(sets);
       unsigned short *d_tdist = nullptr, *d_cublas = nullptr;
       float* stats = nullptr;
@@ -338,9 +347,7 @@ int main(int argc, char** argv) {
       const float rel = host_stats[1] > 0 ? host_stats[0] / host_stats[1] : host_stats[0];
 
       const double flop = 2.0 * sh.m * sh.n * static_cast<double>(sh.k);
-      const double cublas_ms = median_ms(stream, iters, sets, [&](int s) {
-        cublas.run(cublas_args(s), stream);
-      });
+      const double cublas_ms = median_ms(stream, iters, sets, [&](int s) { cublas.run(cublas_args(s), stream); });
       std::vector<std::pair<std::string, std::optional<tdist::GemmTile>>> variants = {{"", std::nullopt}};
       if (all_tiles)
         for (const auto& t : tdist::gemm_tiles()) variants.push_back({t.name(), t});
@@ -348,7 +355,8 @@ int main(int argc, char** argv) {
         tdist::GemmRunOptions o;
         o.tile = tile;
         const std::string tile_name =
-            tile ? tile->name() : (tune ? "tuned " : "auto ") + tdist::choose_gemm_tile(sh.m, sh.n, sh.k, gemm.num_sms()).name();
+            tile ? tile->name()
+                 : (tune ? "tuned " : "auto ") + tdist::choose_gemm_tile(sh.m, sh.n, sh.k, gemm.num_sms()).name();
         const double ms = median_ms(stream, iters, sets, [&](int s) { gemm.run(args(s), stream, o); });
         char shape[64];
         std::snprintf(shape, sizeof(shape), "%dx%dx%d", sh.m, sh.n, sh.k);
@@ -358,8 +366,13 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
         // Schema tdist.bench/1: the tdist row (with its tile), and cuBLAS's once per shape.
         auto row = [&](const char* impl, const std::string& method, double us) {
-          return tdist::json::Value(tdist::json::Object{{"op", "gemm"}, {"m", sh.m}, {"n", sh.n}, {"k", sh.k},
-                                                        {"impl", impl}, {"method", method}, {"us", us},
+          return tdist::json::Value(tdist::json::Object{{"op", "gemm"},
+                                                        {"m", sh.m},
+                                                        {"n", sh.n},
+                                                        {"k", sh.k},
+                                                        {"impl", impl},
+                                                        {"method", method},
+                                                        {"us", us},
                                                         {"tflops", flop / us * 1e-6}});
         };
         tdist::json::Value t = row("tdist", tile_name, ms * 1e3);
@@ -380,20 +393,18 @@ int main(int argc, char** argv) {
       // MoE expert GEMMs (Mixtral-8x7B-like at 8 experts, fine-grained DeepSeek-like at 64 and 128):
       // up projections (N = FFN width, K = hidden) and down projections.
       std::vector<GroupedShape> gshapes = {
-          {8, 2048, 14336, 4096, "8 experts, up, 16k tokens"},
-          {8, 2048, 4096, 14336, "8 experts, down"},
-          {8, 256, 14336, 4096, "8 experts, up, 2k tokens"},
-          {64, 512, 2048, 7168, "64 experts, up"},
-          {64, 512, 7168, 2048, "64 experts, down"},
-          {128, 128, 2048, 7168, "128 experts, few tokens each"},
+          {8, 2048, 14336, 4096, "8 experts, up, 16k tokens"}, {8, 2048, 4096, 14336, "8 experts, down"},
+          {8, 256, 14336, 4096, "8 experts, up, 2k tokens"},   {64, 512, 2048, 7168, "64 experts, up"},
+          {64, 512, 7168, 2048, "64 experts, down"},           {128, 128, 2048, 7168, "128 experts, few tokens each"},
       };
       if (!grouped_arg.empty()) gshapes = parse_grouped_shapes(grouped_arg);
       tdist::GroupedGemm grouped;
-      std::printf("\n%-20s %-18s %10s %8s %10s %8s %7s %10s  %s\n", "G x M x N x K", "tdist tile", "tdist us", "TFLOP/s",
-                  "cuBLAS loop", "TFLOP/s", "ratio", "max diff", "grouped shape");
+      std::printf("\n%-20s %-18s %10s %8s %10s %8s %7s %10s  %s\n", "G x M x N x K", "tdist tile", "tdist us",
+                  "TFLOP/s", "cuBLAS loop", "TFLOP/s", "ratio", "max diff", "grouped shape");
       for (const GroupedShape& sh : gshapes) bench_grouped(sh, dtype, iters, l2, grouped, cublas, stream, doc);
     }
-    std::printf("ratio: tdist time / cuBLAS time (below 1: tdist faster); max diff: max |tdist - cuBLAS| / max |cuBLAS|\n");
+    std::printf(
+        "ratio: tdist time / cuBLAS time (below 1: tdist faster); max diff: max |tdist - cuBLAS| / max |cuBLAS|\n");
     if (!json.empty()) tdist::json::write_file(json, doc);
     return 0;
   });

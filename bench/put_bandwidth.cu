@@ -14,8 +14,8 @@
 
 #include "../tools/common/bench_report.hpp"
 #include "tdist/common/cli.hpp"
-#include "tdist/common/json.hpp"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/json.hpp"
 #include "tdist/device.cuh"
 #include "tdist/runtime/stream.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
@@ -31,12 +31,14 @@ namespace {
 __global__ void block_put_kernel(SymmetricHeapView heap, char* dst, const char* src, u64 bytes, int peer) {
   const u64 share = (bytes / gridDim.x + 15) / 16 * 16;
   const u64 start = blockIdx.x * share;
-  if (start < bytes) putmem_nbi_block(heap, dst + start, src + start, bytes - start < share ? bytes - start : share, peer);
+  if (start < bytes)
+    putmem_nbi_block(heap, dst + start, src + start, bytes - start < share ? bytes - start : share, peer);
 }
 
 // The baseline: a grid-stride int4 store loop into the peer pointer.
 __global__ void plain_store_kernel(int4* dst, const int4* src, u64 count) {
-  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < count; i += static_cast<u64>(gridDim.x) * blockDim.x)
+  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<u64>(gridDim.x) * blockDim.x)
     dst[i] = src[i];
 }
 
@@ -72,7 +74,9 @@ int run(size_t bytes, int iters, const std::string& json_path, int argc, char** 
   char* peer_dst = heap.peer_ptr(dst, peer);
 
   // Reference figures measured on 2 x H200 with the same launch shapes (shared/BASELINES.md).
-  auto reference = [](int sms) { return sms == 8 ? 287.0 : sms == 16 ? 294.0 : sms == 32 ? 343.0 : sms == 132 ? 364.0 : 0.0; };
+  auto reference = [](int sms) {
+    return sms == 8 ? 287.0 : sms == 16 ? 294.0 : sms == 32 ? 343.0 : sms == 132 ? 364.0 : 0.0;
+  };
   std::vector<Row> rows;
   std::vector<int> sm_counts = {8, 16, 32, num_sms};
   for (int sms : sm_counts) {
@@ -82,7 +86,8 @@ int run(size_t bytes, int iters, const std::string& json_path, int argc, char** 
       block_put_kernel<<<blocks, threads, 0, stream>>>(heap.view(), dst, src, bytes, peer);
     });
     const double b = median_gbps(world, stream, bytes, iters, [&] {
-      plain_store_kernel<<<blocks, threads, 0, stream>>>(reinterpret_cast<int4*>(peer_dst), reinterpret_cast<const int4*>(src), bytes / 16);
+      plain_store_kernel<<<blocks, threads, 0, stream>>>(reinterpret_cast<int4*>(peer_dst),
+                                                         reinterpret_cast<const int4*>(src), bytes / 16);
     });
     TDIST_CUDA_CHECK(cudaGetLastError());
     rows.push_back({"SM put (block scope)", sms, t, b, reference(sms)});
@@ -136,7 +141,8 @@ int run(size_t bytes, int iters, const std::string& json_path, int argc, char** 
           TDIST_CUDA_CHECK(cudaStreamWaitEvent(side, fork));
           put_async(heap, dst, src, ce_bytes, peer, side);
           TDIST_CUDA_CHECK(cudaEventRecord(done, side));
-          block_put_kernel<<<2 * sms, 512, 0, stream>>>(heap.view(), dst + ce_bytes, src + ce_bytes, bytes - ce_bytes, peer);
+          block_put_kernel<<<2 * sms, 512, 0, stream>>>(heap.view(), dst + ce_bytes, src + ce_bytes, bytes - ce_bytes,
+                                                        peer);
           TDIST_CUDA_CHECK(cudaStreamWaitEvent(stream, done));
         });
         rows.push_back({"copy engine " + std::to_string(ce_pct) + "% + SMs", sms, tc, b, 390.0});
@@ -150,8 +156,9 @@ int run(size_t bytes, int iters, const std::string& json_path, int argc, char** 
   if (world.rank() == 0) {
     cudaDeviceProp prop;
     TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, world.device()));
-    std::printf("\nput bandwidth per direction, %d ranks on %s, %zu MB per put, all ranks pushing at once, median of %d\n",
-                world.world_size(), prop.name, bytes >> 20, iters);
+    std::printf(
+        "\nput bandwidth per direction, %d ranks on %s, %zu MB per put, all ranks pushing at once, median of %d\n",
+        world.world_size(), prop.name, bytes >> 20, iters);
     std::printf("%-22s %5s %12s %14s %8s %16s %8s\n", "method", "SMs", "tdist GB/s", "baseline GB/s", "ratio",
                 "BASELINES.md GB/s", "ratio");
     for (const Row& r : rows) {
@@ -168,9 +175,10 @@ int run(size_t bytes, int iters, const std::string& json_path, int argc, char** 
       for (const Row& r : rows) {
         for (const bool tdist_row : {true, false}) {
           const double gbps = tdist_row ? r.tdist_gbps : r.baseline_gbps;
-          json::Value row = json::Object{{"op", "put"}, {"bytes", bytes}, {"impl", tdist_row ? "tdist" : "baseline"},
-                                         {"method", r.method}, {"sms", r.sms}, {"us", bytes / gbps * 1e-3},
-                                         {"algbw_gbps", gbps}};
+          json::Value row =
+              json::Object{{"op", "put"},        {"bytes", bytes}, {"impl", tdist_row ? "tdist" : "baseline"},
+                           {"method", r.method}, {"sms", r.sms},   {"us", bytes / gbps * 1e-3},
+                           {"algbw_gbps", gbps}};
           if (tdist_row && r.reference_gbps > 0) row["reference_gbps"] = r.reference_gbps;
           doc["rows"].push_back(row);
         }

@@ -93,8 +93,8 @@ void run(ex::Context& ctx) {
                      prev, "'s payload, first at word ", first_wrong, " (got ", got[i * words + first_wrong],
                      ", expected ", expected[first_wrong], ")");
         const u64 expected_header = (static_cast<u64>(prev) << 32) | (first_round + i);
-        check.expect(headers[i] == expected_header, "round ", first_round + i, ": header ", headers[i],
-                     ", expected ", expected_header);
+        check.expect(headers[i] == expected_header, "round ", first_round + i, ": header ", headers[i], ", expected ",
+                     expected_header);
       }
     });
   }

@@ -52,8 +52,8 @@ __global__ void all_gather(SymmetricHeapView heap, unsigned char* gathered, cons
   // 3. Put the chunk into dst's slot for this rank. putmem_signal_block shares the copy among the
   //    block's threads, meets at __syncthreads, then one thread raises arrived[rank][chunk] on dst
   //    with a release store: whoever acquires the flag sees the whole chunk.
-  putmem_signal_block(heap, gathered + rank * bytes + begin, input + begin, length,
-                      arrived + rank * kMaxChunks + chunk, call, SignalOp::kSet, dst);
+  putmem_signal_block(heap, gathered + rank * bytes + begin, input + begin, length, arrived + rank * kMaxChunks + chunk,
+                      call, SignalOp::kSet, dst);
 
   // 4. Wait for the same chunk from src. When every block has passed this, the whole concatenation
   //    is here, and work after this kernel in the stream may read it.

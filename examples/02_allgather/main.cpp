@@ -16,7 +16,7 @@ namespace ex = tdist::examples;
 
 namespace {
 
-constexpr int kMaxChunks = 16;     // as in allgather.cu
+constexpr int kMaxChunks = 16;  // as in allgather.cu
 constexpr unsigned kThreads = 512;
 constexpr u64 kChunkTarget = 256 << 10;  // split inputs into chunks of about this size
 constexpr u64 kGuardBytes = 64;          // after the concatenation: must stay poisoned
@@ -58,48 +58,50 @@ void run(ex::Context& ctx) {
   for (const u64 bytes : sizes) {
     // More chunks (blocks) for large inputs, but never more blocks than SMs: every block must be
     // resident, since each waits for a block of a peer.
-    const int chunks = static_cast<int>(
-        std::clamp<u64>(bytes / kChunkTarget, 1, std::min<u64>(kMaxChunks, ctx.device_sm_count / n)));
+    const int chunks =
+        static_cast<int>(std::clamp<u64>(bytes / kChunkTarget, 1, std::min<u64>(kMaxChunks, ctx.device_sm_count / n)));
     const u64 result_bytes = n * bytes + kGuardBytes;  // the concatenation and its guard
 
-    ctx.report.run(detail::concat("all-gather of ", bytes, " bytes per rank, ", calls, " calls, ", chunks,
-                                  " chunk(s) per rank"),
-                   [&](ex::Case& check) {
-      // This rank's input for every call, uploaded up front; every call's result gets its own copy.
-      ex::DeviceArray<unsigned char> inputs(calls * bytes), results(calls * result_bytes);
-      const u64 first_call = call + 1;
-      for (u64 i = 0; i < calls; ++i) inputs.upload(input_of(ctx.job_seed, world.rank(), first_call + i, bytes), i * bytes);
-      results.poison(kPoison);
-      TDIST_CUDA_CHECK(cudaMemset(gathered, kPoison, result_bytes));
-      ex::sync_all(world, "gathered poisoned");  // before any peer writes into it
+    ctx.report.run(
+        detail::concat("all-gather of ", bytes, " bytes per rank, ", calls, " calls, ", chunks, " chunk(s) per rank"),
+        [&](ex::Case& check) {
+          // This rank's input for every call, uploaded up front; every call's result gets its own copy.
+          ex::DeviceArray<unsigned char> inputs(calls * bytes), results(calls * result_bytes);
+          const u64 first_call = call + 1;
+          for (u64 i = 0; i < calls; ++i)
+            inputs.upload(input_of(ctx.job_seed, world.rank(), first_call + i, bytes), i * bytes);
+          results.poison(kPoison);
+          TDIST_CUDA_CHECK(cudaMemset(gathered, kPoison, result_bytes));
+          ex::sync_all(world, "gathered poisoned");  // before any peer writes into it
 
-      for (u64 i = 0; i < calls; ++i) {
-        ++call;
-        jit::launch(all_gather, {.grid = {static_cast<unsigned>(n * chunks)}, .block = {kThreads}, .stream = stream},
-                    jit::make_args(heap.view(), gathered, inputs.data() + i * bytes, bytes, chunks, arrived, may_write,
-                                   call));
-        // The consumer of this call's result, in stream order. The next call's puts into our
-        // `gathered` wait until this copy is done (may_write).
-        TDIST_CUDA_CHECK(cudaMemcpyAsync(results.data() + i * result_bytes, gathered, result_bytes,
-                                         cudaMemcpyDeviceToDevice, stream));
-      }
-      ex::sync_all(world, "calls done");
+          for (u64 i = 0; i < calls; ++i) {
+            ++call;
+            jit::launch(all_gather,
+                        {.grid = {static_cast<unsigned>(n * chunks)}, .block = {kThreads}, .stream = stream},
+                        jit::make_args(heap.view(), gathered, inputs.data() + i * bytes, bytes, chunks, arrived,
+                                       may_write, call));
+            // The consumer of this call's result, in stream order. The next call's puts into our
+            // `gathered` wait until this copy is done (may_write).
+            TDIST_CUDA_CHECK(cudaMemcpyAsync(results.data() + i * result_bytes, gathered, result_bytes,
+                                             cudaMemcpyDeviceToDevice, stream));
+          }
+          ex::sync_all(world, "calls done");
 
-      // Reference: every rank's input of each call, concatenated in rank order.
-      const std::vector<unsigned char> got = results.download();
-      for (u64 i = 0; i < calls; ++i) {
-        const unsigned char* result = got.data() + i * result_bytes;
-        for (int s = 0; s < n; ++s) {
-          const std::vector<unsigned char> expected = input_of(ctx.job_seed, s, first_call + i, bytes);
-          const auto diff = std::mismatch(expected.begin(), expected.end(), result + s * bytes);
-          check.expect(diff.first == expected.end(), "call ", first_call + i, ": rank ", s, "'s part differs from ",
-                       "its input at byte ", diff.first - expected.begin(), " of ", bytes);
-        }
-        const unsigned char* guard = result + n * bytes;
-        check.expect(std::all_of(guard, guard + kGuardBytes, [](unsigned char b) { return b == kPoison; }), "call ",
-                     first_call + i, ": bytes after the concatenation were overwritten");
-      }
-    });
+          // Reference: every rank's input of each call, concatenated in rank order.
+          const std::vector<unsigned char> got = results.download();
+          for (u64 i = 0; i < calls; ++i) {
+            const unsigned char* result = got.data() + i * result_bytes;
+            for (int s = 0; s < n; ++s) {
+              const std::vector<unsigned char> expected = input_of(ctx.job_seed, s, first_call + i, bytes);
+              const auto diff = std::mismatch(expected.begin(), expected.end(), result + s * bytes);
+              check.expect(diff.first == expected.end(), "call ", first_call + i, ": rank ", s, "'s part differs from ",
+                           "its input at byte ", diff.first - expected.begin(), " of ", bytes);
+            }
+            const unsigned char* guard = result + n * bytes;
+            check.expect(std::all_of(guard, guard + kGuardBytes, [](unsigned char b) { return b == kPoison; }), "call ",
+                         first_call + i, ": bytes after the concatenation were overwritten");
+          }
+        });
   }
 }
 

@@ -44,8 +44,8 @@ __global__ void all_to_all_dispatch(SymmetricHeapView heap, const unsigned char*
     for (int e = 0; e < dst * experts_per_rank; ++e) before += send_splits[e];
     for (int e = dst * experts_per_rank; e < (dst + 1) * experts_per_rank; ++e) count += send_splits[e];
     if (count > rows_per_source) {
-      printf("all_to_all_dispatch: rank %d sends %llu rows to rank %d, its receive slot holds %llu\n", rank, count,
-             dst, rows_per_source);
+      printf("all_to_all_dispatch: rank %d sends %llu rows to rank %d, its receive slot holds %llu\n", rank, count, dst,
+             rows_per_source);
       __trap();
     }
     first_row = before;

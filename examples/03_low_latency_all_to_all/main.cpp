@@ -27,10 +27,10 @@ constexpr uint64_t kTokenSeedPurpose = 3;
 
 struct Config {
   int num_ranks;
-  int max_tokens;        // per rank and call
-  int hidden;            // bf16 elements per token
+  int max_tokens;  // per rank and call
+  int hidden;      // bf16 elements per token
   int experts_per_rank;
-  int topk;              // distinct experts per token
+  int topk;  // distinct experts per token
   int num_experts() const { return num_ranks * experts_per_rank; }
   u64 row_bytes() const { return static_cast<u64>(hidden) * sizeof(uint16_t); }
   // A token reaches a rank once per expert it picked there: at most min(topk, experts_per_rank) rows.
@@ -49,7 +49,7 @@ struct Tokens {
 Tokens tokens_of(const Config& cfg, uint64_t job_seed, int rank, u64 call, u64 call_index) {
   ex::Rng rng(ex::derive_seed(job_seed, rank, kTokenSeedPurpose, call));
   Tokens t;
-  t.count = call_index == 0 ? cfg.max_tokens
+  t.count = call_index == 0                ? cfg.max_tokens
             : call_index == 1 && rank == 0 ? 0
                                            : static_cast<int>(rng.below(cfg.max_tokens + 1));
   t.hidden.resize(static_cast<size_t>(t.count) * cfg.hidden);
@@ -90,7 +90,8 @@ void run(ex::Context& ctx) {
                   " ranks x ", experts_per_rank, " experts per rank make only ", n * experts_per_rank);
   // An odd hidden size (rows 2-byte aligned only), one element, and DeepSeek-V3's 7168.
   const std::vector<int> hidden_sizes = {1031, 1, 7168};
-  const Config largest{n, max_tokens, *std::max_element(hidden_sizes.begin(), hidden_sizes.end()), experts_per_rank, topk};
+  const Config largest{n, max_tokens, *std::max_element(hidden_sizes.begin(), hidden_sizes.end()), experts_per_rank,
+                       topk};
   const u64 max_recv_bytes = 2ull * n * largest.rows_per_source() * largest.row_bytes();
 
   // Symmetric buffers; their roles are described in low_latency_all_to_all.cu.
@@ -110,77 +111,78 @@ void run(ex::Context& ctx) {
     const u64 recv_bytes_per_parity = n * rows_per_source * row_bytes;
     const u64 send_rows_capacity = static_cast<u64>(max_tokens) * topk;
 
-    ctx.report.run(detail::concat("dispatch of up to ", max_tokens, " tokens x top-", topk, " over ",
-                                  cfg.num_experts(), " experts, hidden ", hidden, ", ", calls, " calls"),
-                   [&](ex::Case& check) {
-      // Every call's send-side input, uploaded up front; every call's received data gets its own copy.
-      ex::DeviceArray<unsigned char> send_rows(calls * send_rows_capacity * row_bytes);
-      ex::DeviceArray<int> send_splits(calls * cfg.num_experts());
-      ex::DeviceArray<unsigned char> got_rows(calls * recv_bytes_per_parity);
-      ex::DeviceArray<int> got_splits(calls * n * experts_per_rank);
-      const u64 first_call = call + 1;
-      for (u64 i = 0; i < calls; ++i) {
-        std::vector<uint16_t> rows;
-        std::vector<int> splits;
-        lay_out_by_expert(cfg, tokens_of(cfg, ctx.job_seed, world.rank(), first_call + i, i), rows, splits);
-        std::vector<unsigned char> row_bytes_host(rows.size() * sizeof(uint16_t));
-        std::memcpy(row_bytes_host.data(), rows.data(), row_bytes_host.size());
-        send_rows.upload(row_bytes_host, i * send_rows_capacity * row_bytes);
-        send_splits.upload(splits, i * cfg.num_experts());
-      }
-      got_rows.poison(kPoison);
-      got_splits.poison(kPoison);
-      TDIST_CUDA_CHECK(cudaMemset(recv_rows, kPoison, 2 * recv_bytes_per_parity));
-      TDIST_CUDA_CHECK(cudaMemset(recv_splits, kPoison, 2ull * n * experts_per_rank * sizeof(int)));
-      ex::sync_all(world, "receive buffers poisoned");  // before any peer writes into them
-
-      for (u64 i = 0; i < calls; ++i) {
-        ++call;
-        const u64 parity = call % 2;
-        jit::launch(dispatch, {.grid = {static_cast<unsigned>(n)}, .block = {kThreads}, .stream = stream},
-                    jit::make_args(heap.view(), send_rows.data() + i * send_rows_capacity * row_bytes,
-                                   send_splits.data() + i * cfg.num_experts(), recv_rows, recv_splits, arrived,
-                                   row_bytes, rows_per_source, experts_per_rank, call));
-        // The consumer, in stream order (a real MoE layer runs its expert GEMM here, reading the
-        // receive buffer in place). Buffer `parity` is written again only by call + 2.
-        TDIST_CUDA_CHECK(cudaMemcpyAsync(got_rows.data() + i * recv_bytes_per_parity,
-                                         recv_rows + parity * recv_bytes_per_parity, recv_bytes_per_parity,
-                                         cudaMemcpyDeviceToDevice, stream));
-        TDIST_CUDA_CHECK(cudaMemcpyAsync(got_splits.data() + i * n * experts_per_rank,
-                                         recv_splits + parity * n * experts_per_rank,
-                                         n * experts_per_rank * sizeof(int), cudaMemcpyDeviceToDevice, stream));
-      }
-      ex::sync_all(world, "calls done");
-
-      // Reference, per call and source: for each of this rank's experts in order, the source's
-      // tokens that picked it, in token order.
-      const std::vector<unsigned char> rows = got_rows.download();
-      const std::vector<int> splits = got_splits.download();
-      for (u64 i = 0; i < calls; ++i) {
-        for (int s = 0; s < n; ++s) {
-          const Tokens sent = tokens_of(cfg, ctx.job_seed, s, first_call + i, i);
-          const unsigned char* slot = rows.data() + i * recv_bytes_per_parity + s * rows_per_source * row_bytes;
-          u64 row = 0;
-          for (int local = 0; local < experts_per_rank; ++local) {
-            const int expert = world.rank() * experts_per_rank + local;
-            int expected_count = 0;
-            for (int t = 0; t < sent.count; ++t) {
-              const int* picked = &sent.experts[static_cast<size_t>(t) * topk];
-              if (std::find(picked, picked + topk, expert) == picked + topk) continue;
-              ++expected_count;
-              check.expect(std::memcmp(slot + row * row_bytes, &sent.hidden[static_cast<size_t>(t) * hidden],
-                                       row_bytes) == 0,
-                           "call ", first_call + i, ": row ", row, " from rank ", s, " (expert ", expert,
-                           ") is not token ", t);
-              ++row;
-            }
-            const int got_count = splits[(i * n + s) * experts_per_rank + local];
-            check.expect(got_count == expected_count, "call ", first_call + i, ": rank ", s, " sent ", got_count,
-                         " rows for expert ", expert, ", expected ", expected_count);
+    ctx.report.run(
+        detail::concat("dispatch of up to ", max_tokens, " tokens x top-", topk, " over ", cfg.num_experts(),
+                       " experts, hidden ", hidden, ", ", calls, " calls"),
+        [&](ex::Case& check) {
+          // Every call's send-side input, uploaded up front; every call's received data gets its own copy.
+          ex::DeviceArray<unsigned char> send_rows(calls * send_rows_capacity * row_bytes);
+          ex::DeviceArray<int> send_splits(calls * cfg.num_experts());
+          ex::DeviceArray<unsigned char> got_rows(calls * recv_bytes_per_parity);
+          ex::DeviceArray<int> got_splits(calls * n * experts_per_rank);
+          const u64 first_call = call + 1;
+          for (u64 i = 0; i < calls; ++i) {
+            std::vector<uint16_t> rows;
+            std::vector<int> splits;
+            lay_out_by_expert(cfg, tokens_of(cfg, ctx.job_seed, world.rank(), first_call + i, i), rows, splits);
+            std::vector<unsigned char> row_bytes_host(rows.size() * sizeof(uint16_t));
+            std::memcpy(row_bytes_host.data(), rows.data(), row_bytes_host.size());
+            send_rows.upload(row_bytes_host, i * send_rows_capacity * row_bytes);
+            send_splits.upload(splits, i * cfg.num_experts());
           }
-        }
-      }
-    });
+          got_rows.poison(kPoison);
+          got_splits.poison(kPoison);
+          TDIST_CUDA_CHECK(cudaMemset(recv_rows, kPoison, 2 * recv_bytes_per_parity));
+          TDIST_CUDA_CHECK(cudaMemset(recv_splits, kPoison, 2ull * n * experts_per_rank * sizeof(int)));
+          ex::sync_all(world, "receive buffers poisoned");  // before any peer writes into them
+
+          for (u64 i = 0; i < calls; ++i) {
+            ++call;
+            const u64 parity = call % 2;
+            jit::launch(dispatch, {.grid = {static_cast<unsigned>(n)}, .block = {kThreads}, .stream = stream},
+                        jit::make_args(heap.view(), send_rows.data() + i * send_rows_capacity * row_bytes,
+                                       send_splits.data() + i * cfg.num_experts(), recv_rows, recv_splits, arrived,
+                                       row_bytes, rows_per_source, experts_per_rank, call));
+            // The consumer, in stream order (a real MoE layer runs its expert GEMM here, reading the
+            // receive buffer in place). Buffer `parity` is written again only by call + 2.
+            TDIST_CUDA_CHECK(cudaMemcpyAsync(got_rows.data() + i * recv_bytes_per_parity,
+                                             recv_rows + parity * recv_bytes_per_parity, recv_bytes_per_parity,
+                                             cudaMemcpyDeviceToDevice, stream));
+            TDIST_CUDA_CHECK(cudaMemcpyAsync(got_splits.data() + i * n * experts_per_rank,
+                                             recv_splits + parity * n * experts_per_rank,
+                                             n * experts_per_rank * sizeof(int), cudaMemcpyDeviceToDevice, stream));
+          }
+          ex::sync_all(world, "calls done");
+
+          // Reference, per call and source: for each of this rank's experts in order, the source's
+          // tokens that picked it, in token order.
+          const std::vector<unsigned char> rows = got_rows.download();
+          const std::vector<int> splits = got_splits.download();
+          for (u64 i = 0; i < calls; ++i) {
+            for (int s = 0; s < n; ++s) {
+              const Tokens sent = tokens_of(cfg, ctx.job_seed, s, first_call + i, i);
+              const unsigned char* slot = rows.data() + i * recv_bytes_per_parity + s * rows_per_source * row_bytes;
+              u64 row = 0;
+              for (int local = 0; local < experts_per_rank; ++local) {
+                const int expert = world.rank() * experts_per_rank + local;
+                int expected_count = 0;
+                for (int t = 0; t < sent.count; ++t) {
+                  const int* picked = &sent.experts[static_cast<size_t>(t) * topk];
+                  if (std::find(picked, picked + topk, expert) == picked + topk) continue;
+                  ++expected_count;
+                  check.expect(std::memcmp(slot + row * row_bytes, &sent.hidden[static_cast<size_t>(t) * hidden],
+                                           row_bytes) == 0,
+                               "call ", first_call + i, ": row ", row, " from rank ", s, " (expert ", expert,
+                               ") is not token ", t);
+                  ++row;
+                }
+                const int got_count = splits[(i * n + s) * experts_per_rank + local];
+                check.expect(got_count == expected_count, "call ", first_call + i, ": rank ", s, " sent ", got_count,
+                             " rows for expert ", expert, ", expected ", expected_count);
+              }
+            }
+          }
+        });
   }
 }
 

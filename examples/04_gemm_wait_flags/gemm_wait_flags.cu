@@ -1,7 +1,7 @@
 // Tutorial 4: the core of AllGather-GEMM, C = allgather(A) x B. Compiled at run time by tdist's JIT.
 //
-// A (M x K, row-major) is split by rows over the ranks (RowChunks, tdist/kernels/gemm/tile_scheduler.cuh); B (K x N, row-major) and
-// C (M x N, fp32) are this rank's own. Each rank's chunk of A travels into every rank's `a_gathered`
+// A (M x K, row-major) is split by rows over the ranks (RowChunks, tdist/kernels/gemm/tile_scheduler.cuh); B (K x N,
+// row-major) and C (M x N, fp32) are this rank's own. Each rank's chunk of A travels into every rank's `a_gathered`
 // (copy-engine puts from the host, or the put_chunk kernel below), and its arrival raises one flag
 // per chunk. The GEMM does not wait for the whole gather: each tile waits only for the chunks that
 // hold its rows, so the first tiles compute while the rest of A is still on the wire. Tiles start
@@ -113,4 +113,6 @@ __global__ void put_chunk(SymmetricHeapView heap, unsigned char* a_gathered, con
 }
 
 // One block per rank: every rank meets. Launched first in each call (see the order above).
-__global__ void start_of_call_barrier(SymmetricHeapView heap, u64* barrier_pad) { barrier_all_block(heap, barrier_pad); }
+__global__ void start_of_call_barrier(SymmetricHeapView heap, u64* barrier_pad) {
+  barrier_all_block(heap, barrier_pad);
+}

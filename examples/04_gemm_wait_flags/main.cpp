@@ -10,8 +10,8 @@
 #include <cstring>
 #include <vector>
 
-#include "common/tutorial.hpp"
 #include <tdist/kernels/gemm/tile_scheduler.cuh>
+#include "common/tutorial.hpp"
 #include "tdist/runtime/stream.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 
@@ -136,10 +136,10 @@ void run(ex::Context& ctx) {
         const u64 tiles = ((shape.m + BLOCK_M - 1) / BLOCK_M) * ((shape.n + BLOCK_N - 1) / BLOCK_N);
         const unsigned gemm_blocks = static_cast<unsigned>(std::min<u64>(tiles, ctx.device_sm_count));
 
-        const std::string name = detail::concat(
-            "C = allgather(A) x B, M=", shape.m, " N=", shape.n, " K=", shape.k, ", ",
-            dtype == Dtype::kFp32 ? "fp32" : "bf16", " inputs, ",
-            transport == Transport::kCopyEngine ? "copy-engine puts" : "SM puts", ", ", calls, " calls");
+        const std::string name =
+            detail::concat("C = allgather(A) x B, M=", shape.m, " N=", shape.n, " K=", shape.k, ", ",
+                           dtype == Dtype::kFp32 ? "fp32" : "bf16", " inputs, ",
+                           transport == Transport::kCopyEngine ? "copy-engine puts" : "SM puts", ", ", calls, " calls");
         ctx.report.run(name, [&](ex::Case& check) {
           // This rank's inputs for every call, uploaded up front; every call writes its own C.
           ex::DeviceArray<unsigned char> a_chunks(calls * chunk_bytes), bs(calls * shape.k * shape.n * es);
@@ -168,13 +168,14 @@ void run(ex::Context& ctx) {
                 put_signal_async(heap, a_gathered + my_offset_bytes, my_chunk, chunk_bytes, chunk_arrived + rank, call,
                                  (rank + j) % num_ranks, comm);
             } else {
-              jit::launch(put_chunk, {.grid = {static_cast<unsigned>(num_ranks)}, .block = {kPutThreads}, .stream = comm},
-                          jit::make_args(heap.view(), a_gathered, my_chunk, my_offset_bytes, chunk_bytes,
-                                         chunk_arrived, call));
+              jit::launch(
+                  put_chunk, {.grid = {static_cast<unsigned>(num_ranks)}, .block = {kPutThreads}, .stream = comm},
+                  jit::make_args(heap.view(), a_gathered, my_chunk, my_offset_bytes, chunk_bytes, chunk_arrived, call));
             }
             jit::launch(dtype == Dtype::kFp32 ? gemm_fp32 : gemm_bf16,
                         {.grid = {gemm_blocks}, .block = {kGemmThreads}, .stream = compute},
-                        jit::make_args(static_cast<const void*>(a_gathered), static_cast<const void*>(bs.data() + i * shape.k * shape.n * es),
+                        jit::make_args(static_cast<const void*>(a_gathered),
+                                       static_cast<const void*>(bs.data() + i * shape.k * shape.n * es),
                                        cs.data() + i * shape.m * shape.n, shape.m, shape.n, shape.k,
                                        static_cast<const u64*>(chunk_arrived), call, rank, num_ranks));
           }

@@ -5,14 +5,14 @@
 #include <charconv>
 #include <chrono>
 #include <climits>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 
-#include "tdist/runtime/wait_config.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/manifest.hpp"
 #include "tdist/runtime/launch_env.hpp"
+#include "tdist/runtime/wait_config.hpp"
 
 #ifndef TDIST_EXAMPLES_SOURCE_DIR
 #error "TDIST_EXAMPLES_SOURCE_DIR must name the examples/ source folder (examples/CMakeLists.txt sets it)"
@@ -127,12 +127,15 @@ void Report::run(const std::string& name, const std::function<void(Case&)>& body
   const auto verdicts = world_.all_gather("verdict: " + name, Bytes{static_cast<uint8_t>(checks.failures() == 0)});
   std::string failing_ranks;
   for (size_t r = 0; r < verdicts.size(); ++r)
-    if (verdicts[r].empty() || verdicts[r][0] == 0) failing_ranks += (failing_ranks.empty() ? "" : ", ") + std::to_string(r);
+    if (verdicts[r].empty() || verdicts[r][0] == 0)
+      failing_ranks += (failing_ranks.empty() ? "" : ", ") + std::to_string(r);
   failing_ranks.empty() ? ++passed_ : ++failed_;
   if (world_.rank() == 0) {
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-    if (failing_ranks.empty()) std::printf("PASS %s (%.0f ms)\n", name.c_str(), ms);
-    else std::printf("FAIL %s (mismatches on rank %s)\n", name.c_str(), failing_ranks.c_str());
+    if (failing_ranks.empty())
+      std::printf("PASS %s (%.0f ms)\n", name.c_str(), ms);
+    else
+      std::printf("FAIL %s (mismatches on rank %s)\n", name.c_str(), failing_ranks.c_str());
   }
   std::fflush(stdout);
 }
@@ -153,8 +156,9 @@ std::string usage(const TutorialInfo& info, const std::vector<OptionSpec>& specs
   for (const auto& s : specs)
     text += detail::concat("  --", s.name, std::string(s.name.size() < 18 ? 18 - s.name.size() : 1, ' '), s.help,
                            " (default ", s.default_value, ", range ", s.min, "..", s.max, ")\n");
-  text += "\nenvironment: TDIST_WAIT_TIMEOUT_S (device wait timeout, default 30 here), TDIST_EXAMPLES_DIR\n"
-          "(folder holding kernels.manifest and the kernel sources), TDIST_CACHE_DIR (JIT cache)\n";
+  text +=
+      "\nenvironment: TDIST_WAIT_TIMEOUT_S (device wait timeout, default 30 here), TDIST_EXAMPLES_DIR\n"
+      "(folder holding kernels.manifest and the kernel sources), TDIST_CACHE_DIR (JIT cache)\n";
   return text;
 }
 
@@ -188,23 +192,26 @@ int run_tutorial(int argc, char** argv, const TutorialInfo& info, const std::fun
   try {
     // Checked before any GPU or network work, so that a plain `./example_...` explains itself.
     const LaunchEnv env = launch_env_from_process();
-    TDIST_CHECK(env.world_size >= 2, "this tutorial needs at least 2 ranks, one GPU each; run it as\n  tdistrun -n N -- ",
-                argv[0], "   (N = 2 .. number of GPUs)");
+    TDIST_CHECK(env.world_size >= 2,
+                "this tutorial needs at least 2 ranks, one GPU each; run it as\n  tdistrun -n N -- ", argv[0],
+                "   (N = 2 .. number of GPUs)");
     // A lost signal must end in the device wait's diagnostic, not in a long hang. Module::load
     // reads this when it writes the module's wait timeout.
     setenv("TDIST_WAIT_TIMEOUT_S", "30", /*overwrite=*/0);
     const double wait_timeout_s = wait_timeout_seconds_from_env();
 
     world = std::make_unique<World>();
-    TDIST_CHECK(world->lsa_size() == world->world_size(), "the tutorials address every peer with loads and stores, "
-                "so all ranks must share one NVLink domain; here ", world->lsa_size(), " of ", world->world_size(),
-                " ranks are reachable");
+    TDIST_CHECK(world->lsa_size() == world->world_size(),
+                "the tutorials address every peer with loads and stores, "
+                "so all ranks must share one NVLink domain; here ",
+                world->lsa_size(), " of ", world->world_size(), " ranks are reachable");
     report = std::make_unique<Report>(*world);
 
     // Rank 0's seed is the job's: every rank can then rebuild any peer's inputs on the host.
     const uint64_t my_seed = (*options)["seed"] != 0 ? static_cast<uint64_t>((*options)["seed"]) : fresh_seed();
-    const auto seeds = world->all_gather("job seed", Bytes(reinterpret_cast<const uint8_t*>(&my_seed),
-                                                          reinterpret_cast<const uint8_t*>(&my_seed) + sizeof(my_seed)));
+    const auto seeds =
+        world->all_gather("job seed", Bytes(reinterpret_cast<const uint8_t*>(&my_seed),
+                                            reinterpret_cast<const uint8_t*>(&my_seed) + sizeof(my_seed)));
     uint64_t job_seed = 0;
     std::memcpy(&job_seed, seeds[0].data(), sizeof(job_seed));
     int sm_count = 0;

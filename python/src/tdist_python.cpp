@@ -26,7 +26,6 @@
 #include <tuple>
 #include <vector>
 
-#include "tdist/version.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/launch.hpp"
@@ -36,6 +35,7 @@
 #include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/tcp_store.hpp"
 #include "tdist/runtime/world.hpp"
+#include "tdist/version.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -68,8 +68,12 @@ struct Desc {
   bool contiguous = true;
   Desc() = default;
   explicit Desc(const DescTuple& t)
-      : ptr(std::get<0>(t)), numel(std::get<1>(t)), dtype(std::get<2>(t)), device_type(std::get<3>(t)),
-        device_index(std::get<4>(t)), contiguous(std::get<5>(t)) {}
+      : ptr(std::get<0>(t)),
+        numel(std::get<1>(t)),
+        dtype(std::get<2>(t)),
+        device_type(std::get<3>(t)),
+        device_index(std::get<4>(t)),
+        contiguous(std::get<5>(t)) {}
   void* data() const { return reinterpret_cast<void*>(ptr); }
 };
 
@@ -88,20 +92,19 @@ tdist::DType check_tensor(const char* op, const char* name, const Desc& d, int d
   auto dt = collective_dtype(d.dtype);
   if (!dt)
     fail(msg("tdist.", op, ": '", name, "' has dtype ", d.dtype,
-                "; supported dtypes are bfloat16, float16 and float32"));
+             "; supported dtypes are bfloat16, float16 and float32"));
   if (!d.contiguous) fail(msg("tdist.", op, ": '", name, "' must be contiguous (call .contiguous() first)"));
   if (d.numel < 0) fail(msg("tdist.", op, ": '", name, "' has a negative element count"));
   if (device >= 0 && d.device_index >= 0 && d.device_index != device)
-    fail(msg("tdist.", op, ": '", name, "' is on cuda:", d.device_index, " but tdist runs this rank on cuda:",
-                device, " (the device given to tdist.init)"));
+    fail(msg("tdist.", op, ": '", name, "' is on cuda:", d.device_index, " but tdist runs this rank on cuda:", device,
+             " (the device given to tdist.init)"));
   if (d.numel > 0 && d.ptr == 0) fail(msg("tdist.", op, ": '", name, "' has a null data pointer"));
   return *dt;
 }
 
 void check_same_dtype(const char* op, const Desc& in, const Desc& out) {
   if (in.dtype != out.dtype)
-    fail(msg("tdist.", op, ": 'output' has dtype ", out.dtype, " but 'input' has ", in.dtype,
-                "; they must match"));
+    fail(msg("tdist.", op, ": 'output' has dtype ", out.dtype, " but 'input' has ", in.dtype, "; they must match"));
 }
 
 // Whether two byte ranges overlap.
@@ -124,8 +127,8 @@ tdist::DType check_input_output(const char* op, const Desc& in, const Desc& out,
 tdist::DType check_all_reduce(const Desc& in, const Desc& out, int device) {
   const auto dt = check_input_output("all_reduce", in, out, device);
   if (in.numel != out.numel)
-    fail(msg("tdist.all_reduce: 'output' has ", out.numel, " elements but 'input' has ", in.numel,
-                "; they must match"));
+    fail(
+        msg("tdist.all_reduce: 'output' has ", out.numel, " elements but 'input' has ", in.numel, "; they must match"));
   if (in.ptr != out.ptr && overlap(in, out, tdist::dtype_size(dt)))
     fail("tdist.all_reduce: 'input' and 'output' overlap without being the same tensor");
   return dt;
@@ -174,8 +177,8 @@ tdist::DType check_overlap_tensor(const char* op, const char* name, const Desc& 
     fail(msg("tdist.", op, ": '", name, "' has dtype ", d.dtype, "; the overlapped GEMMs take bfloat16 or float16"));
   const tdist::DType dtype = check_tensor(op, name, d, device);
   if (d.numel > 0 && d.ptr % 16 != 0)
-    fail(msg("tdist.", op, ": '", name, "' must start at a 16-byte aligned address, got 0x", std::hex, d.ptr,
-             std::dec, " (a view at an odd offset; call .clone() first)"));
+    fail(msg("tdist.", op, ": '", name, "' must start at a 16-byte aligned address, got 0x", std::hex, d.ptr, std::dec,
+             " (a view at an odd offset; call .clone() first)"));
   return dtype;
 }
 
@@ -212,8 +215,8 @@ tdist::DType check_overlap(const tdist::OverlapOpTraits& op, const std::vector<s
     fail(msg("tdist.", o, ": rank ", rank, " is out of range for a world of ", world_size));
   if (m < 0 || m >= (int64_t{1} << 31)) fail(msg("tdist.", o, ": 'm' must be in [0, 2^31), got ", m));
   if (n <= 0 || n % op.n_multiple != 0 || n >= (int64_t{1} << 31))
-    fail(msg("tdist.", o, ": N (rows of ", operands_with(op, tdist::Extent::kN, true), ") must be a positive multiple of ",
-             op.n_multiple, " below 2^31, got ", n));
+    fail(msg("tdist.", o, ": N (rows of ", operands_with(op, tdist::Extent::kN, true),
+             ") must be a positive multiple of ", op.n_multiple, " below 2^31, got ", n));
   if (k <= 0 || k % 8 != 0 || k >= (int64_t{1} << 31))
     fail(msg("tdist.", o, ": K (columns of ", operands_with(op, tdist::Extent::kK, false),
              ") must be a positive multiple of 8 below 2^31, got ", k));
@@ -326,8 +329,8 @@ DescTuple dlpack_describe(nb::ndarray<nb::ro> a) {
     if (n != 1 && a.stride(i) != expected) contiguous = false;
     expected *= n;
   }
-  return {reinterpret_cast<uint64_t>(a.data()), numel, dlpack_dtype_name(a.dtype()),
-          dlpack_device_name(a.device_type()), a.device_id(), contiguous};
+  return {reinterpret_cast<uint64_t>(a.data()), numel,         dlpack_dtype_name(a.dtype()),
+          dlpack_device_name(a.device_type()),  a.device_id(), contiguous};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -522,8 +525,10 @@ class Runtime {
     heap_ = std::make_unique<tdist::SymmetricHeap>(*world_, heap_bytes);
     if (max_bytes == 0) max_bytes = std::max<size_t>(heap_->capacity() / 8, 1 << 20);
     if (2 * max_bytes >= heap_->capacity())
-      fail(msg("tdist.init: max_bytes=", max_bytes, " needs a workspace of 2 * max_bytes, more than the "
-                  "symmetric heap's ", heap_->capacity(), " bytes; raise heap_size or lower max_bytes"));
+      fail(msg("tdist.init: max_bytes=", max_bytes,
+               " needs a workspace of 2 * max_bytes, more than the "
+               "symmetric heap's ",
+               heap_->capacity(), " bytes; raise heap_size or lower max_bytes"));
     coll_ = std::make_unique<tdist::Collectives>(*world_, *heap_, max_bytes);
     cache_ = std::make_unique<tdist::OverlapContextCache>(*world_, *heap_);
   }
@@ -580,12 +585,13 @@ nb::bytes nccl_unique_id() {
 }
 
 // A DLPack-exporting view of device memory (no copy); `owner` stays alive as long as the view.
-nb::ndarray<nb::array_api> device_array(uint64_t ptr, const std::vector<size_t>& shape, const std::vector<int64_t>& strides,
-                           int dtype_code, int bits, int device_id, nb::handle owner) {
+nb::ndarray<nb::array_api> device_array(uint64_t ptr, const std::vector<size_t>& shape,
+                                        const std::vector<int64_t>& strides, int dtype_code, int bits, int device_id,
+                                        nb::handle owner) {
   if (!strides.empty() && strides.size() != shape.size()) fail("device_array: strides and shape differ in length");
   nb::dlpack::dtype dt{static_cast<uint8_t>(dtype_code), static_cast<uint8_t>(bits), 1};
   return nb::ndarray<nb::array_api>(reinterpret_cast<void*>(ptr), shape.size(), shape.data(), owner,
-                       strides.empty() ? nullptr : strides.data(), dt, nb::device::cuda::value, device_id);
+                                    strides.empty() ? nullptr : strides.data(), dt, nb::device::cuda::value, device_id);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -617,7 +623,7 @@ class PyModule : public std::enable_shared_from_this<PyModule> {
     if (!module_) {
       if (!tdist::jit::driver_available())
         fail(msg("tdist.jit: cannot load kernel '", name,
-                    "': no CUDA driver or GPU is available (compiling works without one, launching does not)"));
+                 "': no CUDA driver or GPU is available (compiling works without one, launching does not)"));
       module_ = tdist::jit::Module::load(compiled_);
     }
     return module_->kernel(name);
@@ -654,26 +660,38 @@ void add_arg(tdist::jit::KernelArgs& a, size_t index, const std::string& type, c
     if (x > hi) fail(msg("tdist.jit: argument ", index, " = ", x, " does not fit in ", type));
     return x;
   };
-  if (type == "ptr") a.add(static_cast<uint64_t>(as_uint()));
-  else if (type == "i8") a.add(static_cast<int8_t>(ranged(as_int(), INT8_MIN, INT8_MAX)));
-  else if (type == "i16") a.add(static_cast<int16_t>(ranged(as_int(), INT16_MIN, INT16_MAX)));
-  else if (type == "i32") a.add(static_cast<int32_t>(ranged(as_int(), INT32_MIN, INT32_MAX)));
-  else if (type == "i64") a.add(static_cast<int64_t>(as_int()));
-  else if (type == "u8") a.add(static_cast<uint8_t>(uranged(as_uint(), UINT8_MAX)));
-  else if (type == "u16") a.add(static_cast<uint16_t>(uranged(as_uint(), UINT16_MAX)));
-  else if (type == "u32") a.add(static_cast<uint32_t>(uranged(as_uint(), UINT32_MAX)));
-  else if (type == "u64") a.add(static_cast<uint64_t>(as_uint()));
-  else if (type == "bool") a.add(static_cast<bool>(as_int() != 0));
-  else if (type == "f32") a.add(static_cast<float>(as_float()));
-  else if (type == "f64") a.add(as_float());
+  if (type == "ptr")
+    a.add(static_cast<uint64_t>(as_uint()));
+  else if (type == "i8")
+    a.add(static_cast<int8_t>(ranged(as_int(), INT8_MIN, INT8_MAX)));
+  else if (type == "i16")
+    a.add(static_cast<int16_t>(ranged(as_int(), INT16_MIN, INT16_MAX)));
+  else if (type == "i32")
+    a.add(static_cast<int32_t>(ranged(as_int(), INT32_MIN, INT32_MAX)));
+  else if (type == "i64")
+    a.add(static_cast<int64_t>(as_int()));
+  else if (type == "u8")
+    a.add(static_cast<uint8_t>(uranged(as_uint(), UINT8_MAX)));
+  else if (type == "u16")
+    a.add(static_cast<uint16_t>(uranged(as_uint(), UINT16_MAX)));
+  else if (type == "u32")
+    a.add(static_cast<uint32_t>(uranged(as_uint(), UINT32_MAX)));
+  else if (type == "u64")
+    a.add(static_cast<uint64_t>(as_uint()));
+  else if (type == "bool")
+    a.add(static_cast<bool>(as_int() != 0));
+  else if (type == "f32")
+    a.add(static_cast<float>(as_float()));
+  else if (type == "f64")
+    a.add(as_float());
   else
     fail(msg("tdist.jit: argument ", index, " has unknown type '", type,
-                "' (ptr, i8, i16, i32, i64, u8, u16, u32, u64, bool, f32, f64)"));
+             "' (ptr, i8, i16, i32, i64, u8, u16, u32, u64, bool, f32, f64)"));
 }
 
 void PyKernel::launch(std::tuple<unsigned, unsigned, unsigned> grid, std::tuple<unsigned, unsigned, unsigned> block,
-                      const std::vector<std::pair<std::string, nb::object>>& args, size_t shared_bytes,
-                      uint64_t stream, std::tuple<unsigned, unsigned, unsigned> cluster, bool pdl) {
+                      const std::vector<std::pair<std::string, nb::object>>& args, size_t shared_bytes, uint64_t stream,
+                      std::tuple<unsigned, unsigned, unsigned> cluster, bool pdl) {
   auto dim = [](const std::tuple<unsigned, unsigned, unsigned>& t, const char* what) {
     const auto [x, y, z] = t;
     if (x == 0 || y == 0 || z == 0) fail(msg("tdist.jit: ", what, " dimensions must be positive"));
@@ -729,11 +747,11 @@ NB_MODULE(_C, m) {
       "the C++ library's (tdist::Error).",
       PyExc_RuntimeError, nullptr);
   nb::object timeout_bases = nb::make_tuple(nb::handle(g_error), nb::handle(PyExc_TimeoutError));
-  g_timeout_error = PyErr_NewExceptionWithDoc(
-      "tdist.TimeoutError",
-      "A host-side wait (rendezvous, barrier, NCCL initialisation) ran past its deadline "
-      "(tdist::TimeoutError). A subclass of tdist.Error and of the built-in TimeoutError.",
-      timeout_bases.ptr(), nullptr);
+  g_timeout_error =
+      PyErr_NewExceptionWithDoc("tdist.TimeoutError",
+                                "A host-side wait (rendezvous, barrier, NCCL initialisation) ran past its deadline "
+                                "(tdist::TimeoutError). A subclass of tdist.Error and of the built-in TimeoutError.",
+                                timeout_bases.ptr(), nullptr);
   if (!g_error || !g_timeout_error) throw nb::python_error();
   m.attr("Error") = nb::handle(g_error);
   m.attr("TimeoutError") = nb::handle(g_timeout_error);
@@ -747,10 +765,12 @@ NB_MODULE(_C, m) {
     }
   });
 
-  m.def("_raise_error", [](const std::string& what) { throw tdist::Error(what); },
-        "Throws tdist::Error(what) from C++ (tests the exception translation).");
-  m.def("_raise_timeout", [](const std::string& what) { throw tdist::TimeoutError(what); },
-        "Throws tdist::TimeoutError(what) from C++ (tests the exception translation).");
+  m.def(
+      "_raise_error", [](const std::string& what) { throw tdist::Error(what); },
+      "Throws tdist::Error(what) from C++ (tests the exception translation).");
+  m.def(
+      "_raise_timeout", [](const std::string& what) { throw tdist::TimeoutError(what); },
+      "Throws tdist::TimeoutError(what) from C++ (tests the exception translation).");
 
   m.def("dlpack_describe", &dlpack_describe, "array"_a,
         "(ptr, numel, dtype, device_type, device_index, contiguous) of an object exporting DLPack.");
@@ -778,8 +798,8 @@ NB_MODULE(_C, m) {
         tdist::parse_all_gather_method(all_gather, "method");
         tdist::parse_reduce_scatter_method(reduce_scatter, "method");
       },
-      "all_reduce"_a = std::string("auto"), "all_gather"_a = std::string("auto"), "reduce_scatter"_a = std::string("auto"),
-      "Throws tdist.Error for a method name no op knows.");
+      "all_reduce"_a = std::string("auto"), "all_gather"_a = std::string("auto"),
+      "reduce_scatter"_a = std::string("auto"), "Throws tdist.Error for a method name no op knows.");
   m.def("overlap_ops", &overlap_op_catalogue,
         "The catalogue of overlapped ops: one dict per op (name, summary, operands as (name, rows, cols, role), "
         "n_multiple, context_by_k, context_by_n, comm).");
@@ -795,8 +815,11 @@ NB_MODULE(_C, m) {
       "rank's GEMM); returns the dtype name.");
   m.def(
       "parse_overlap_method",
-      [](const std::string& method) { return std::string(tdist::to_string(tdist::parse_overlap_method(method, "method"))); },
-      "method"_a, "The overlapped ops' method name (auto, fused, chunked, sequential, baseline); tdist.Error otherwise.");
+      [](const std::string& method) {
+        return std::string(tdist::to_string(tdist::parse_overlap_method(method, "method")));
+      },
+      "method"_a,
+      "The overlapped ops' method name (auto, fused, chunked, sequential, baseline); tdist.Error otherwise.");
   m.def(
       "overlap_context_bytes",
       [](const std::string& op, const std::string& dtype, int64_t max_m, int64_t max_n, int64_t k, int world_size,
@@ -811,16 +834,21 @@ NB_MODULE(_C, m) {
       "op"_a, "dtype"_a, "max_m"_a, "max_n"_a, "k"_a, "world_size"_a, "num_sms"_a = 132,
       "Symmetric-heap bytes of one overlapped-op context (max_n for ops sized by N, k for ops sized by K) on GPUs "
       "with num_sms SMs (132: H100 / H200 SXM).");
-  m.def("parse_size", [](const std::string& s) { return tdist::SymmetricHeap::parse_size(s, "heap_size"); },
-        "Bytes from '512M', '2G', '1048576' (TDIST_SYMMETRIC_HEAP_SIZE's format).");
+  m.def(
+      "parse_size", [](const std::string& s) { return tdist::SymmetricHeap::parse_size(s, "heap_size"); },
+      "Bytes from '512M', '2G', '1048576' (TDIST_SYMMETRIC_HEAP_SIZE's format).");
   m.def("nccl_unique_id", &nccl_unique_id, "A new NCCL unique id (bytes), made on the rank that bootstraps.");
-  m.def("nccl_version", [] {
-    int v = 0;
-    ncclGetVersion(&v);
-    return v;
-  }, "NCCL's version code (e.g. 22809) of the loaded libnccl.");
+  m.def(
+      "nccl_version",
+      [] {
+        int v = 0;
+        ncclGetVersion(&v);
+        return v;
+      },
+      "NCCL's version code (e.g. 22809) of the loaded libnccl.");
   m.def("device_array", &device_array, "ptr"_a, "shape"_a, "strides"_a, "dtype_code"_a, "bits"_a, "device_id"_a,
-        "owner"_a.none(), nb::rv_policy::reference, "A DLPack-exporting view of CUDA memory at ptr that keeps owner alive.");
+        "owner"_a.none(), nb::rv_policy::reference,
+        "A DLPack-exporting view of CUDA memory at ptr that keeps owner alive.");
   m.def("driver_available", &tdist::jit::driver_available, "Whether a CUDA driver and GPU are usable.");
 
   nb::class_<Runtime>(m, "Runtime", "World, symmetric heap and collectives context of this process.")
@@ -855,9 +883,8 @@ NB_MODULE(_C, m) {
       .def_prop_ro("compiler", [](const PyModule& p) { return p.compiled().compiler; })
       .def_prop_ro("log", [](const PyModule& p) { return p.compiled().log; })
       .def_prop_ro("key", [](const PyModule& p) { return tdist::jit::to_hex(p.compiled().key); })
-      .def_prop_ro("cubin", [](const PyModule& p) {
-        return nb::bytes(p.compiled().cubin.data(), p.compiled().cubin.size());
-      })
+      .def_prop_ro("cubin",
+                   [](const PyModule& p) { return nb::bytes(p.compiled().cubin.data(), p.compiled().cubin.size()); })
       .def_prop_ro("spill_stores", [](const PyModule& p) { return p.compiled().spill_stores; })
       .def_prop_ro("spill_loads", [](const PyModule& p) { return p.compiled().spill_loads; })
       .def_prop_ro("name_expressions",
@@ -866,8 +893,9 @@ NB_MODULE(_C, m) {
                      for (const auto& [expr, sym] : p.compiled().lowered_names) v.push_back(expr);
                      return v;
                    })
-      .def("lowered_name", [](const PyModule& p, const std::string& e) { return p.compiled().lowered_name(e); },
-           "name_expression"_a);
+      .def(
+          "lowered_name", [](const PyModule& p, const std::string& e) { return p.compiled().lowered_name(e); },
+          "name_expression"_a);
 
   nb::class_<PyKernel>(m, "JitKernel", "One kernel of a JitModule.")
       .def(nb::init<std::shared_ptr<PyModule>, std::string>(), "module"_a, "name"_a)
@@ -877,6 +905,7 @@ NB_MODULE(_C, m) {
 
   m.def("jit_compile", &jit_compile, "source"_a, "name_expressions"_a, "arch"_a, "file_name"_a, "constants"_a,
         "defines"_a, "include_dirs"_a, "flags"_a, "compiler"_a);
-  m.def("version", [] { return std::string(tdist::version()); }, "libtdist's version");
+  m.def(
+      "version", [] { return std::string(tdist::version()); }, "libtdist's version");
   m.def("version_report", &tdist::version_report, "device"_a = -1, "versions tdist runs with, one per line");
 }

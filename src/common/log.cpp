@@ -31,9 +31,9 @@ bool env_set(const char* name) {
 
 struct Settings {
   Level level = Level::kWarn;
-  std::string subsys;      // TDIST_DEBUG_SUBSYS; empty: every subsystem
+  std::string subsys;  // TDIST_DEBUG_SUBSYS; empty: every subsystem
   bool jit_verbose = false;
-  std::string prefix;      // "host:pid"
+  std::string prefix;  // "host:pid"
 };
 
 // Read once; a bad value is reported on stderr (logging cannot throw into the caller's code path).

@@ -49,8 +49,8 @@ const std::string& Autotuner::gpu_name() {
 }
 
 std::string Autotuner::key_string(const TuneRequest& req) {
-  return "kernel " + one_line(req.kernel) + "\nshape " + one_line(req.shape_class) + "\ngpu " +
-         one_line(gpu_name()) + "\ncandidates " + candidates_digest(req) + "\n";
+  return "kernel " + one_line(req.kernel) + "\nshape " + one_line(req.shape_class) + "\ngpu " + one_line(gpu_name()) +
+         "\ncandidates " + candidates_digest(req) + "\n";
 }
 
 std::string Autotuner::record_path(const TuneRequest& req) {
@@ -126,8 +126,7 @@ const TuneConfig& Autotuner::tune(const TuneRequest& req) {
     if (agreed[0] != -agreed[1]) stored = -1;
   }
   if (stored >= 0) {
-    detail::verbose("autotune " + req.kernel + " [" + req.shape_class + "]: stored winner " +
-                    req.configs[stored].name);
+    detail::verbose("autotune " + req.kernel + " [" + req.shape_class + "]: stored winner " + req.configs[stored].name);
     return memory_[key] = req.configs[stored];
   }
 
@@ -162,8 +161,8 @@ const TuneConfig& Autotuner::tune(const TuneRequest& req) {
   rec << "# median ms per candidate (after the ranks' reduction):\n";
   for (std::size_t i = 0; i < times.size(); ++i) rec << "# " << req.configs[i].name << " " << times[i] << "\n";
   write_file_atomic(path, rec.str(), detail::join(dir_, "tmp"));
-  detail::verbose("autotune " + req.kernel + " [" + req.shape_class + "]: winner " + req.configs[best].name +
-                  " (" + std::to_string(times[best]) + " ms)");
+  detail::verbose("autotune " + req.kernel + " [" + req.shape_class + "]: winner " + req.configs[best].name + " (" +
+                  std::to_string(times[best]) + " ms)");
   return memory_[key] = req.configs[best];
 }
 

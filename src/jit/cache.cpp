@@ -94,8 +94,7 @@ bool trusted_folder(const std::string& root, const std::string& sub) {
   std::string why;
   // The root may be a symbolic link the user made (~/.cache -> /scratch/...); folders inside may not.
   detail::Trust t = detail::trust_path(root, /*follow=*/true, why);
-  if (t == detail::Trust::ok && !sub.empty())
-    t = detail::trust_path(detail::join(root, sub), /*follow=*/false, why);
+  if (t == detail::Trust::ok && !sub.empty()) t = detail::trust_path(detail::join(root, sub), /*follow=*/false, why);
   if (t == detail::Trust::untrusted) detail::warn_untrusted_once("cache folder " + detail::join(root, sub), why);
   return t == detail::Trust::ok;
 }
@@ -143,8 +142,7 @@ void write_file_atomic(const std::string& path, const std::string& data, const s
 KernelCache::KernelCache(std::string dir) : dir_(std::move(dir)) {}
 
 KernelCache& KernelCache::global() {
-  static KernelCache cache(detail::env_flag("TDIST_JIT_DISABLE_DISK_CACHE") ? std::string()
-                                                                            : default_cache_dir());
+  static KernelCache cache(detail::env_flag("TDIST_JIT_DISABLE_DISK_CACHE") ? std::string() : default_cache_dir());
   return cache;
 }
 
@@ -154,8 +152,7 @@ std::string KernelCache::entry_path(const Digest& key) const {
 
 std::string KernelCache::serialize(const CompiledKernel& k) {
   std::vector<std::pair<std::string, const std::string*>> fields = {
-      {"arch", &k.arch}, {"compiler", &k.compiler}, {"file_name", &k.file_name},
-      {"cubin", &k.cubin}, {"log", &k.log}};
+      {"arch", &k.arch}, {"compiler", &k.compiler}, {"file_name", &k.file_name}, {"cubin", &k.cubin}, {"log", &k.log}};
   for (const auto& [expr, sym] : k.lowered_names) {
     fields.push_back({"expr", &expr});
     fields.push_back({"sym", &sym});
@@ -205,13 +202,20 @@ std::optional<CompiledKernel> KernelCache::deserialize(const std::string& b, con
     if (end - pos < vlen) return std::nullopt;
     std::string value = b.substr(pos, vlen);
     pos += vlen;
-    if (tag == "arch") k.arch = std::move(value);
-    else if (tag == "compiler") k.compiler = std::move(value);
-    else if (tag == "file_name") k.file_name = std::move(value);
-    else if (tag == "cubin") k.cubin = std::move(value);
-    else if (tag == "log") k.log = std::move(value);
-    else if (tag == "expr") { pending_expr = std::move(value); have_expr = true; }
-    else if (tag == "sym") {
+    if (tag == "arch")
+      k.arch = std::move(value);
+    else if (tag == "compiler")
+      k.compiler = std::move(value);
+    else if (tag == "file_name")
+      k.file_name = std::move(value);
+    else if (tag == "cubin")
+      k.cubin = std::move(value);
+    else if (tag == "log")
+      k.log = std::move(value);
+    else if (tag == "expr") {
+      pending_expr = std::move(value);
+      have_expr = true;
+    } else if (tag == "sym") {
       if (!have_expr) return std::nullopt;
       k.lowered_names.emplace_back(std::move(pending_expr), std::move(value));
       have_expr = false;

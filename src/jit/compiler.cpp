@@ -60,13 +60,15 @@ const std::string& CompiledKernel::lowered_name(const std::string& name_expressi
 
 std::string normalize_arch(const std::string& arch) {
   std::string a = arch;
-  if (a.rfind("sm_", 0) == 0) a = a.substr(3);
-  else if (a.rfind("sm", 0) == 0) a = a.substr(2);
+  if (a.rfind("sm_", 0) == 0)
+    a = a.substr(3);
+  else if (a.rfind("sm", 0) == 0)
+    a = a.substr(2);
   std::size_t i = 0;
   while (i < a.size() && std::isdigit(static_cast<unsigned char>(a[i]))) ++i;
   std::string suffix = a.substr(i);
-  TDIST_CHECK_ARG(i >= 2 && i <= 3 && (suffix.empty() || suffix == "a" || suffix == "f"), "arch",
-                  "'", arch, "' is not a real GPU architecture such as sm_90a (tdist stores CUBIN, not PTX)");
+  TDIST_CHECK_ARG(i >= 2 && i <= 3 && (suffix.empty() || suffix == "a" || suffix == "f"), "arch", "'", arch,
+                  "' is not a real GPU architecture such as sm_90a (tdist stores CUBIN, not PTX)");
   return "sm_" + a;
 }
 
@@ -98,18 +100,16 @@ void parse_spills(const std::string& log, std::int64_t& stores, std::int64_t& lo
   for (std::size_t p = log.find("bytes spill stores"); p != std::string::npos;
        p = log.find("bytes spill stores", p + 1))
     stores += number_before(p + 5);
-  for (std::size_t p = log.find("bytes spill loads"); p != std::string::npos;
-       p = log.find("bytes spill loads", p + 1))
+  for (std::size_t p = log.find("bytes spill loads"); p != std::string::npos; p = log.find("bytes spill loads", p + 1))
     loads += number_before(p + 5);
 }
 
 namespace {
 
 std::string file_stamp(const std::string& path, const struct stat& st) {
-  return path + "|" + std::to_string(st.st_dev) + "|" + std::to_string(st.st_ino) + "|" +
-         std::to_string(st.st_size) + "|" + std::to_string(st.st_mtim.tv_sec) + "." +
-         std::to_string(st.st_mtim.tv_nsec) + "|" + std::to_string(st.st_ctim.tv_sec) + "." +
-         std::to_string(st.st_ctim.tv_nsec);
+  return path + "|" + std::to_string(st.st_dev) + "|" + std::to_string(st.st_ino) + "|" + std::to_string(st.st_size) +
+         "|" + std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + "|" +
+         std::to_string(st.st_ctim.tv_sec) + "." + std::to_string(st.st_ctim.tv_nsec);
 }
 
 // SHA-256 of a file's content, "" if unreadable. Hashing libnvrtc takes about half a second, so the
@@ -193,10 +193,10 @@ std::string compiler_identity(CompilerKind kind) {
     // of its builtins tell patch releases apart without naming a path (so the key is the same on
     // every machine with the same NVRTC). Hashed once per process (memo below).
     const auto& api = detail::nvrtc();
-    std::string builtins = join(dirname(api.path), "libnvrtc-builtins.so." + std::to_string(api.major) +
-                                                       "." + std::to_string(api.minor));
-    id = "nvrtc " + std::to_string(api.major) + "." + std::to_string(api.minor) + " " +
-         file_content_tag(api.path) + " " + file_content_tag(builtins);
+    std::string builtins =
+        join(dirname(api.path), "libnvrtc-builtins.so." + std::to_string(api.major) + "." + std::to_string(api.minor));
+    id = "nvrtc " + std::to_string(api.major) + "." + std::to_string(api.minor) + " " + file_content_tag(api.path) +
+         " " + file_content_tag(builtins);
   }
   std::lock_guard<std::mutex> lock(mu);
   memo[tag] = id;
@@ -209,9 +209,9 @@ namespace {
 struct Plan {
   CompilerKind kind = CompilerKind::kNvrtc;
   std::string arch;
-  std::string program_name;     // given to the compiler (the user's path), steers quoted includes
-  std::string short_name;       // base name: diagnostics, __FILE__, key
-  std::string source;           // constants + #line + source (+ nvcc name markers)
+  std::string program_name;               // given to the compiler (the user's path), steers quoted includes
+  std::string short_name;                 // base name: diagnostics, __FILE__, key
+  std::string source;                     // constants + #line + source (+ nvcc name markers)
   std::vector<std::string> options;       // without include dirs: these enter the key
   std::vector<std::string> include_dirs;  // given to the compiler (-I); their paths do not enter the key
   detail::ScanResult scan;
@@ -236,16 +236,16 @@ Plan make_plan(const CompileRequest& req) {
   p.short_name = basename(p.program_name);
 
   CompilerKind kind = req.compiler;
-  if (kind == CompilerKind::kAuto) kind = parse_compiler_kind(env::choice("TDIST_JIT_COMPILER", "auto", {"auto", "nvrtc", "nvcc"}));
+  if (kind == CompilerKind::kAuto)
+    kind = parse_compiler_kind(env::choice("TDIST_JIT_COMPILER", "auto", {"auto", "nvrtc", "nvcc"}));
 
   // Options that enter the key. -I and -arch have their own fields.
   bool user_std = false, debug = false;
   std::vector<std::string> user;
   for (const auto& f : req.flags) {
-    TDIST_CHECK_ARG(!starts_with(f, "-I") && !starts_with(f, "--include-path"), "flags",
-                    "'", f, "': give include dirs in CompileRequest::include_dirs");
-    TDIST_CHECK_ARG(!starts_with(f, "-arch") && !starts_with(f, "--gpu-architecture") &&
-                        !starts_with(f, "-gencode"),
+    TDIST_CHECK_ARG(!starts_with(f, "-I") && !starts_with(f, "--include-path"), "flags", "'", f,
+                    "': give include dirs in CompileRequest::include_dirs");
+    TDIST_CHECK_ARG(!starts_with(f, "-arch") && !starts_with(f, "--gpu-architecture") && !starts_with(f, "-gencode"),
                     "flags", "'", f, "': give the target in CompileRequest::arch");
     if (starts_with(f, "-std=") || starts_with(f, "--std=")) user_std = true;
     if (f == "-G" || f == "--device-debug" || f == "-g") debug = true;
@@ -261,8 +261,7 @@ Plan make_plan(const CompileRequest& req) {
 
   // Generated source: constants, then the user's text with its own line numbers and name.
   std::string prelude;
-  for (const auto& c : req.constants)
-    prelude += "static constexpr " + c.type + " " + c.name + " = " + c.value + ";\n";
+  for (const auto& c : req.constants) prelude += "static constexpr " + c.type + " " + c.name + " = " + c.value + ";\n";
   std::string body = prelude + "#line 1 \"" + p.short_name + "\"\n" + req.source;
   if (!body.empty() && body.back() != '\n') body += '\n';
 
@@ -293,15 +292,13 @@ Plan make_plan(const CompileRequest& req) {
   };
   auto scan_with = [&](CompilerKind k) {
     auto dirs = plan_dirs(k, false);
-    auto scan = detail::scan_includes(body, k == CompilerKind::kNvrtc ? dirname(p.program_name) : "",
-                                      dirs.second);
+    auto scan = detail::scan_includes(body, k == CompilerKind::kNvrtc ? dirname(p.program_name) : "", dirs.second);
     bool wants_cutlass = std::any_of(scan.headers.begin(), scan.headers.end(), [](const auto& h) {
       return h.resolved.empty() && (starts_with(h.spelled, "cutlass/") || starts_with(h.spelled, "cute/"));
     });
     if (wants_cutlass && !cutlass_include_dir().empty()) {
       dirs = plan_dirs(k, true);
-      scan = detail::scan_includes(body, k == CompilerKind::kNvrtc ? dirname(p.program_name) : "",
-                                   dirs.second);
+      scan = detail::scan_includes(body, k == CompilerKind::kNvrtc ? dirname(p.program_name) : "", dirs.second);
     }
     p.include_dirs = dirs.first;
     p.scan = std::move(scan);
@@ -311,8 +308,8 @@ Plan make_plan(const CompileRequest& req) {
   if (p.scan.needs_nccl) {
     // NVRTC cannot parse NCCL's device headers (they need libc headers and declare __host__
     // functions): such kernels always go through nvcc.
-    TDIST_CHECK_ARG(kind != CompilerKind::kNvrtc, "compiler",
-                    p.program_name, " includes NCCL's headers, which NVRTC cannot compile: use "
+    TDIST_CHECK_ARG(kind != CompilerKind::kNvrtc, "compiler", p.program_name,
+                    " includes NCCL's headers, which NVRTC cannot compile: use "
                     "CompilerKind::kNvcc (or kAuto), or keep NCCL types out of the kernel and pass "
                     "peer pointers through tdist's device descriptor");
     if (kind == CompilerKind::kAuto) scan_with(CompilerKind::kNvcc);
@@ -376,8 +373,7 @@ struct Output {
 
 [[noreturn]] void compile_error(const Plan& p, const std::string& log) {
   TDIST_FAIL(to_string(p.kind), " failed to compile ", p.program_name, " for ", p.arch,
-             (p.program_name != p.short_name ? " (reported as " + p.short_name + ")" : std::string()),
-             ":\n", log);
+             (p.program_name != p.short_name ? " (reported as " + p.short_name + ")" : std::string()), ":\n", log);
 }
 
 Output compile_nvrtc(const Plan& p, const CompileRequest& req) {
@@ -457,7 +453,8 @@ Output compile_nvcc(const Plan& p, const CompileRequest& req, bool want_ptx) {
   std::string error;
   if (!detail::lowered_names_from_cubin(out.kernel.cubin, req.name_expressions.size(), names, error))
     TDIST_FAIL("cannot find the kernels named in ", p.program_name, " in nvcc's cubin: ", error);
-  for (std::size_t i = 0; i < names.size(); ++i) out.kernel.lowered_names.emplace_back(req.name_expressions[i], names[i]);
+  for (std::size_t i = 0; i < names.size(); ++i)
+    out.kernel.lowered_names.emplace_back(req.name_expressions[i], names[i]);
   if (want_ptx) {
     std::vector<std::string> ptx_argv = argv;
     ptx_argv[1] = "-ptx";
@@ -478,8 +475,7 @@ void dump(const Plan& p, const CompiledKernel& k, const std::string& ptx) {
   std::string tmp = join(dir, ".tmp");
   write_file_atomic(base + ".cu", p.source, tmp);
   write_file_atomic(base + ".cubin", k.cubin, tmp);
-  std::string info = "compiler: " + k.compiler + "\narch: " + k.arch + "\noptions: " + join_options(p.options) +
-                     "\n";
+  std::string info = "compiler: " + k.compiler + "\narch: " + k.arch + "\noptions: " + join_options(p.options) + "\n";
   for (const auto& [e, s] : k.lowered_names) info += "name: " + e + " -> " + s + "\n";
   write_file_atomic(base + ".log", info + "\n" + k.log, tmp);
   if (!ptx.empty()) write_file_atomic(base + ".ptx", ptx, tmp);
@@ -532,15 +528,11 @@ std::shared_ptr<const CompiledKernel> finish_hit(const Plan& p, std::shared_ptr<
 
 Digest cache_key(const CompileRequest& req) { return make_plan(req).key; }
 
-std::shared_ptr<const CompiledKernel> compile(const CompileRequest& req) {
-  return compile(req, KernelCache::global());
-}
+std::shared_ptr<const CompiledKernel> compile(const CompileRequest& req) { return compile(req, KernelCache::global()); }
 
 std::shared_ptr<const CompiledKernel> compile(const CompileRequest& req, KernelCache& cache) {
   auto t0 = std::chrono::steady_clock::now();
-  auto ms = [&] {
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  };
+  auto ms = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(); };
   Plan p = make_plan(req);
   if (auto k = cache.lookup_memory(p.key)) return finish_hit(p, k, "memory", ms());
   if (auto k = cache.lookup_disk(p.key)) return finish_hit(p, k, "disk", ms());
@@ -557,8 +549,8 @@ std::shared_ptr<const CompiledKernel> compile(const CompileRequest& req, KernelC
   out.kernel.log = deterministic_log(out.kernel.log);
   parse_spills(out.kernel.log, out.kernel.spill_stores, out.kernel.spill_loads);
   auto k = std::make_shared<const CompiledKernel>(std::move(out.kernel));
-  detail::verbose(std::string("compiled ") + p.short_name + " " + p.arch + " with " + to_string(p.kind) +
-                  " key " + to_hex(p.key).substr(0, 16) + " in " + std::to_string(ms()) + " ms");
+  detail::verbose(std::string("compiled ") + p.short_name + " " + p.arch + " with " + to_string(p.kind) + " key " +
+                  to_hex(p.key).substr(0, 16) + " in " + std::to_string(ms()) + " ms");
   TDIST_INFO(JIT, "compiled ", p.short_name, " for ", p.arch, " (not cached) in ", static_cast<long>(ms()), " ms");
   if (want_dump) dump(p, *k, out.ptx);
   // Stored before the spill check: the entry is valid; the setting only decides whether to use it.

@@ -25,8 +25,7 @@ bool read_at(const std::string& b, std::uint64_t off, T& out) {
 }  // namespace
 
 bool looks_like_elf(const std::string& b) {
-  return b.size() >= sizeof(Elf64_Ehdr) && std::memcmp(b.data(), ELFMAG, SELFMAG) == 0 &&
-         b[EI_CLASS] == ELFCLASS64;
+  return b.size() >= sizeof(Elf64_Ehdr) && std::memcmp(b.data(), ELFMAG, SELFMAG) == 0 && b[EI_CLASS] == ELFCLASS64;
 }
 
 bool lowered_names_from_cubin(const std::string& b, std::size_t count, std::vector<std::string>& names,

@@ -12,16 +12,16 @@
 namespace tdist::jit::detail {
 
 // ---- environment
-std::string env(const char* name);            // "" when unset
-bool env_flag(const char* name);              // tdist::env::flag: unset/empty false; else 1/0/true/... strictly
+std::string env(const char* name);  // "" when unset
+bool env_flag(const char* name);    // tdist::env::flag: unset/empty false; else 1/0/true/... strictly
 
 // ---- files
 bool file_exists(const std::string& path);
 bool is_dir(const std::string& path);
-std::string dirname(const std::string& path);   // "." for a bare name
+std::string dirname(const std::string& path);  // "." for a bare name
 std::string basename(const std::string& path);
 std::string join(const std::string& a, const std::string& b);
-void make_dirs(const std::string& path);         // mkdir -p, new folders 0700; throws tdist::Error
+void make_dirs(const std::string& path);  // mkdir -p, new folders 0700; throws tdist::Error
 
 // ---- trust: the cache loads only what this user wrote
 enum class Trust { ok, missing, untrusted };
@@ -42,8 +42,8 @@ bool file_digest(const std::string& path, Digest& out);
 
 // ---- processes
 struct ProcessResult {
-  int exit_code = -1;   // -1: could not start; 128+N: killed by signal N
-  std::string output;   // stdout and stderr together
+  int exit_code = -1;  // -1: could not start; 128+N: killed by signal N
+  std::string output;  // stdout and stderr together
 };
 // Runs argv[0] (searched on PATH when it has no '/') without a shell.
 ProcessResult run_process(const std::vector<std::string>& argv);
@@ -52,9 +52,9 @@ std::string find_tool(const std::string& name);
 
 // ---- include scanning (include_scan.cpp)
 struct ScannedInclude {
-  std::string spelled;    // as written: "tdist/device.cuh", or "<computed: MACRO>"
-  std::string resolved;   // absolute path; empty when not found on the search path
-  Digest digest{};        // content digest when resolved
+  std::string spelled;   // as written: "tdist/device.cuh", or "<computed: MACRO>"
+  std::string resolved;  // absolute path; empty when not found on the search path
+  Digest digest{};       // content digest when resolved
 };
 struct ScanResult {
   std::vector<ScannedInclude> headers;  // every header reached, in first-visit (DFS) order
@@ -68,8 +68,8 @@ ScanResult scan_includes(const std::string& source, const std::string& source_di
 
 // ---- cubin (ELF) helpers (cubin_elf.cpp)
 // For nvcc: the symbol each `__tdist_name_expr_<i>` device variable was initialised with.
-bool lowered_names_from_cubin(const std::string& cubin, std::size_t count,
-                              std::vector<std::string>& names, std::string& error);
+bool lowered_names_from_cubin(const std::string& cubin, std::size_t count, std::vector<std::string>& names,
+                              std::string& error);
 bool looks_like_elf(const std::string& bytes);
 
 // ---- verbose log
@@ -96,7 +96,7 @@ struct NvrtcApi {
   decltype(&::nvrtcGetCUBIN) GetCUBIN = nullptr;
   decltype(&::nvrtcGetPTXSize) GetPTXSize = nullptr;
   decltype(&::nvrtcGetPTX) GetPTX = nullptr;
-  std::string path;   // the loaded library file
+  std::string path;  // the loaded library file
   int major = 0, minor = 0;
 };
 // Loads libnvrtc (TDIST_NVRTC_LIBRARY, the soname, CUDA's lib dirs); throws tdist::Error if absent.

@@ -54,8 +54,8 @@ std::string strip_comments(const std::string& s) {
       out += ' ';
       continue;
     }
-    if (c == '"' && i > 0 && s[i - 1] == 'R' && (i < 2 || !ident_char(s[i - 2]) || s[i - 2] == '8' ||
-                                                 s[i - 2] == 'u' || s[i - 2] == 'U' || s[i - 2] == 'L')) {
+    if (c == '"' && i > 0 && s[i - 1] == 'R' &&
+        (i < 2 || !ident_char(s[i - 2]) || s[i - 2] == '8' || s[i - 2] == 'u' || s[i - 2] == 'U' || s[i - 2] == 'L')) {
       // Raw string literal R"delim( ... )delim": copied whole, nothing inside is a directive.
       std::size_t open = s.find('(', i + 1);
       if (open != std::string::npos) {
@@ -163,8 +163,8 @@ bool is_nccl_header(const std::string& name) {
 ScanResult scan_includes(const std::string& source, const std::string& source_dir,
                          const std::vector<std::string>& include_dirs) {
   ScanResult result;
-  std::set<std::string> visited;        // canonical paths
-  std::set<std::string> missing_seen;   // names not found, recorded once
+  std::set<std::string> visited;       // canonical paths
+  std::set<std::string> missing_seen;  // names not found, recorded once
   struct Frame {
     std::vector<Directive> dirs;
     std::size_t next = 0;

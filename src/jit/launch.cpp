@@ -89,9 +89,9 @@ const Driver& drv() {
   ::tdist::detail::throw_at(file, line, what, " failed: ", name ? name : "?", " (", desc ? desc : "", ")");
 }
 
-#define TDIST_JIT_CU(expr)                                          \
-  do {                                                              \
-    CUresult tdist_r_ = (expr);                                     \
+#define TDIST_JIT_CU(expr)                                                      \
+  do {                                                                          \
+    CUresult tdist_r_ = (expr);                                                 \
     if (tdist_r_ != CUDA_SUCCESS) cu_fail(tdist_r_, #expr, __FILE__, __LINE__); \
   } while (0)
 
@@ -138,8 +138,7 @@ std::shared_ptr<Module> Module::load(std::shared_ptr<const CompiledKernel> compi
   if (r != CUDA_SUCCESS) {
     const char* name = nullptr;
     d.GetErrorName(r, &name);
-    TDIST_FAIL("cannot load the cubin of ", m->compiled_->file_name, " (", m->compiled_->arch,
-               "): ", name ? name : "?",
+    TDIST_FAIL("cannot load the cubin of ", m->compiled_->file_name, " (", m->compiled_->arch, "): ", name ? name : "?",
                r == CUDA_ERROR_NO_BINARY_FOR_GPU ? " - it was compiled for another GPU architecture" : "");
   }
   m->library_ = lib;
@@ -176,8 +175,8 @@ Kernel Module::kernel(const std::string& name) const {
   if (r != CUDA_SUCCESS) {
     std::string known;
     for (const auto& [expr, sym] : compiled_->lowered_names) known += "\n  " + expr + " -> " + sym;
-    TDIST_FAIL("no kernel '", name, "' in ", compiled_->file_name, "; compiled name expressions:",
-               known.empty() ? std::string(" none") : known);
+    TDIST_FAIL("no kernel '", name, "' in ", compiled_->file_name,
+               "; compiled name expressions:", known.empty() ? std::string(" none") : known);
   }
   // Under lazy loading (CUDA's default) a function is loaded at its first launch, and that load can
   // wait for kernels already running: a kernel spinning until this one runs would deadlock. Load
@@ -203,7 +202,8 @@ void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args) {
     std::lock_guard<std::mutex> lock(module.smem_mu_);
     std::size_t& cur = module.smem_raised_[{kernel.handle_, static_cast<int>(dev)}];
     if (cur < cfg.shared_bytes) {
-      TDIST_JIT_CU(d.KernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(cfg.shared_bytes), k, dev));
+      TDIST_JIT_CU(
+          d.KernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(cfg.shared_bytes), k, dev));
       cur = cfg.shared_bytes;
     }
   }
@@ -237,9 +237,9 @@ void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args) {
   if (r != CUDA_SUCCESS) {
     const char* name = nullptr;
     d.GetErrorName(r, &name);
-    TDIST_FAIL("launch of ", kernel.name_, " failed: ", name ? name : "?", " (grid ", cfg.grid.x, "x", cfg.grid.y,
-               "x", cfg.grid.z, ", block ", cfg.block.x, "x", cfg.block.y, "x", cfg.block.z, ", smem ",
-               cfg.shared_bytes, ", cluster ", cfg.cluster.x, "x", cfg.cluster.y, "x", cfg.cluster.z, ")");
+    TDIST_FAIL("launch of ", kernel.name_, " failed: ", name ? name : "?", " (grid ", cfg.grid.x, "x", cfg.grid.y, "x",
+               cfg.grid.z, ", block ", cfg.block.x, "x", cfg.block.y, "x", cfg.block.z, ", smem ", cfg.shared_bytes,
+               ", cluster ", cfg.cluster.x, "x", cfg.cluster.y, "x", cfg.cluster.z, ")");
   }
 }
 

@@ -25,8 +25,7 @@ std::vector<CompileRequest> parse_manifest(const std::string& text, const std::s
   std::vector<int> start_lines;
   bool in_kernel = false, have_source = false;
   auto finish = [&](int line) {
-    if (in_kernel && !have_source)
-      TDIST_FAIL(manifest_name, ":", line, ": [kernel] section without 'source ='");
+    if (in_kernel && !have_source) TDIST_FAIL(manifest_name, ":", line, ": [kernel] section without 'source ='");
   };
   std::istringstream is(text);
   int lineno = 0;
@@ -50,8 +49,7 @@ std::vector<CompileRequest> parse_manifest(const std::string& text, const std::s
     CompileRequest& r = out.back();
     if (key == "source") {
       std::string path = detail::join(base_dir, value);
-      if (!read_file(path, r.source))
-        TDIST_FAIL(manifest_name, ":", lineno, ": cannot read source '", path, "'");
+      if (!read_file(path, r.source)) TDIST_FAIL(manifest_name, ":", lineno, ": cannot read source '", path, "'");
       r.file_name = path;
       have_source = true;
     } else if (key == "name") {

@@ -113,11 +113,11 @@ std::string cutlass_include_dir() {
     // where it is costs a process start, so this runs only for kernels that include CUTLASS.
     std::string py = detail::find_tool("python3");
     if (py.empty()) return;
-    auto r = detail::run_process(
-        {py, "-c",
-         "import importlib.util as u\n"
-         "s = u.find_spec('cutlass_library')\n"
-         "print(s.submodule_search_locations[0] if s and s.submodule_search_locations else '')"});
+    auto r =
+        detail::run_process({py, "-c",
+                             "import importlib.util as u\n"
+                             "s = u.find_spec('cutlass_library')\n"
+                             "print(s.submodule_search_locations[0] if s and s.submodule_search_locations else '')"});
     if (r.exit_code != 0) return;
     std::string pkg = r.output.substr(0, r.output.find('\n'));
     if (pkg.empty()) return;
@@ -170,7 +170,8 @@ std::string private_tmp_cache_dir() {
     TDIST_FAIL("cannot inspect the JIT cache folder '", dir, "': ", std::strerror(errno),
                "; set TDIST_CACHE_DIR to a private folder");
   std::string why;
-  if (!S_ISDIR(st.st_mode)) why = dir + " is not a folder (a symbolic link or a file)";
+  if (!S_ISDIR(st.st_mode))
+    why = dir + " is not a folder (a symbolic link or a file)";
   else if (st.st_uid != ::geteuid())
     why = dir + " is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
           std::to_string(::geteuid()) + ")";

@@ -9,9 +9,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
-#include <ctime>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -75,8 +75,8 @@ void make_dirs(const std::string& path) {
 Trust trust_of(const struct ::stat& st, const std::string& path, std::string& why) {
   const uid_t me = ::geteuid();
   if (st.st_uid != me) {
-    why = path + " is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " +
-          std::to_string(me) + ")";
+    why =
+        path + " is owned by uid " + std::to_string(st.st_uid) + ", not by this user (uid " + std::to_string(me) + ")";
     return Trust::untrusted;
   }
   if (st.st_mode & (S_IWGRP | S_IWOTH)) {
@@ -109,8 +109,7 @@ void warn_untrusted_once(const std::string& what, const std::string& why) {
     if (!warned.insert(what).second) return;
   }
   std::cerr << "[tdist.jit] warning: ignoring " << what << ": " << why
-            << " (the cache loads only files this user wrote; further ones are ignored silently)"
-            << std::endl;
+            << " (the cache loads only files this user wrote; further ones are ignored silently)" << std::endl;
 }
 
 std::string make_temp_dir(const std::string& prefix) {
@@ -147,8 +146,8 @@ bool file_digest(const std::string& path, Digest& out) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
   using Stamp = std::tuple<dev_t, ino_t, off_t, long, long, long, long>;
-  Stamp stamp{st.st_dev, st.st_ino, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec,
-              st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
+  Stamp stamp{st.st_dev,          st.st_ino,         st.st_size,        st.st_mtim.tv_sec,
+              st.st_mtim.tv_nsec, st.st_ctim.tv_sec, st.st_ctim.tv_nsec};
   static std::mutex mu;
   static std::map<std::string, std::pair<Stamp, Digest>> memo;
   // File times tick with the kernel's coarse clock (milliseconds), so two writes of the same

@@ -73,9 +73,9 @@ constexpr size_t kRsFusedMin = 512 * KiB;
 // `option`: what sizes the missing buffer (a Collectives constructor argument or option).
 std::string infeasible_reason(const char* method, const char* op, const CollectiveShape& s, size_t need, size_t have,
                               const char* what, const char* option = "max_bytes") {
-  return detail::concat(method, " cannot run this ", op, " of ", s.bytes, " bytes: it needs ", need, " bytes of ",
-                        what, " and the context has ", have, " (create the Collectives context with a larger ",
-                        option, ", or use method nccl)");
+  return detail::concat(method, " cannot run this ", op, " of ", s.bytes, " bytes: it needs ", need, " bytes of ", what,
+                        " and the context has ", have, " (create the Collectives context with a larger ", option,
+                        ", or use method nccl)");
 }
 constexpr const char* kLlOption = "CollectivesOptions::ll_bytes";
 
@@ -120,9 +120,9 @@ const char* to_string(ReduceScatterMethod m) {
 
 AllReduceMethod parse_all_reduce_method(const std::string& text, const std::string& what) {
   const std::string s = lower(text);
-  for (auto m : {AllReduceMethod::kAuto, AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot,
-                 AllReduceMethod::kLowLatency, AllReduceMethod::kLowLatency128, AllReduceMethod::kNccl,
-                 AllReduceMethod::kCe})
+  for (auto m :
+       {AllReduceMethod::kAuto, AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot, AllReduceMethod::kLowLatency,
+        AllReduceMethod::kLowLatency128, AllReduceMethod::kNccl, AllReduceMethod::kCe})
     if (s == to_string(m)) return m;
   TDIST_FAIL("invalid ", what, " '", text,
              "' for all_reduce (expected auto, one_shot, two_shot, ll, ll128, ce or nccl)");
@@ -223,8 +223,8 @@ bool nccl_avoid_symmetric_kernels(const CollectiveShape& s) {
 namespace {
 
 template <typename M, typename Parse, typename Select, typename Explain>
-M resolve(M requested, const char* env_name, const char* env_value, const CollectiveShape& s,
-          const CollectiveLimits& l, Parse parse, Select select, Explain explain) {
+M resolve(M requested, const char* env_name, const char* env_value, const CollectiveShape& s, const CollectiveLimits& l,
+          Parse parse, Select select, Explain explain) {
   std::string what = "argument 'method'";
   M m = requested;
   if (m == M::kAuto && env_value != nullptr && *env_value != '\0') {
@@ -262,13 +262,14 @@ AllGatherMethod resolve_all_gather(AllGatherMethod requested, const char* env_va
   return resolve(requested, kAllGatherMethodEnv, env_value, s, l, parse_all_gather_method, select_all_gather,
                  [&](AllGatherMethod m) {
                    if (m == AllGatherMethod::kLowLatency)
-                     return infeasible_reason("ll", "all_gather", s, per_rank, l.ll_bytes, "low-latency buffer per rank",
-                                              kLlOption);
+                     return infeasible_reason("ll", "all_gather", s, per_rank, l.ll_bytes,
+                                              "low-latency buffer per rank", kLlOption);
                    if (m == AllGatherMethod::kCePush)
                      return infeasible_reason("ce_push", "all_gather", s, s.bytes, l.workspace_bytes, "workspace");
                    if (m == AllGatherMethod::kSmPush)
-                     return std::string("sm_push stores into the peers' outputs, so 'out' must be a symmetric "
-                                        "buffer of the context's heap (or use another method)");
+                     return std::string(
+                         "sm_push stores into the peers' outputs, so 'out' must be a symmetric "
+                         "buffer of the context's heap (or use another method)");
                    return infeasible_reason(to_string(m), "all_gather", s, per_rank, l.workspace_bytes, "workspace");
                  });
 }
@@ -308,8 +309,8 @@ void check_buffers(const char* op, const void* in, size_t in_bytes, const void* 
 
 size_t reduce_scatter_recv_count(size_t total_count, int world_size) {
   TDIST_CHECK_ARG(world_size > 0, "world_size", "must be positive, got ", world_size);
-  TDIST_CHECK_ARG(total_count % static_cast<size_t>(world_size) == 0, "count", "reduce_scatter input of ",
-                  total_count, " elements does not divide into ", world_size, " equal slices");
+  TDIST_CHECK_ARG(total_count % static_cast<size_t>(world_size) == 0, "count", "reduce_scatter input of ", total_count,
+                  " elements does not divide into ", world_size, " equal slices");
   return total_count / static_cast<size_t>(world_size);
 }
 

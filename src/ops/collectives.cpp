@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "src/ops/nccl_dtype.hpp"
 #include "tdist/common/checked.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
@@ -16,7 +17,6 @@
 #include "tdist/kernels/collectives/ll128.cuh"
 #include "tdist/kernels/collectives/reduce_scatter.cuh"
 #include "tdist/runtime/stream.hpp"
-#include "src/ops/nccl_dtype.hpp"
 
 namespace tdist {
 
@@ -30,9 +30,7 @@ namespace {
 constexpr const char* kNs = "tdist::kernels::coll::";
 constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 
-std::string instance(const char* kernel, DType t) {
-  return detail::concat(kNs, kernel, "<", kernel_type_name(t), ">");
-}
+std::string instance(const char* kernel, DType t) { return detail::concat(kNs, kernel, "<", kernel_type_name(t), ">"); }
 
 jit::CompileRequest family(const char* header, const char* file_name, std::vector<std::string> names) {
   jit::CompileRequest r;
@@ -91,8 +89,8 @@ TDIST_JIT_REGISTER_KERNELS(collectives, collective_compile_requests);
 struct Collectives::Kernels {
   std::vector<std::shared_ptr<jit::Module>> modules;
   jit::Kernel ag_sm, ag_push, ll_all_gather, barrier;
-  std::array<jit::Kernel, 3> rs_fused, rs_ce_pipelined, ar_one_shot, ar_two_shot, ll_all_reduce,
-      ll_reduce_scatter, ll128_all_reduce;  // by DType
+  std::array<jit::Kernel, 3> rs_fused, rs_ce_pipelined, ar_one_shot, ar_two_shot, ll_all_reduce, ll_reduce_scatter,
+      ll128_all_reduce;  // by DType
 
   Kernels() {
     auto reqs = collective_compile_requests();
@@ -159,10 +157,9 @@ Collectives::~Collectives() {
 }
 
 size_t Collectives::heap_bytes(int world_size, size_t max_bytes, int max_blocks, const CollectivesOptions& options) {
-  const HeapSizes s = heap_sizes(world_size, round_up(std::max<size_t>(max_bytes, 1), 256),
-                                 round_up(std::max<size_t>(options.ll_bytes, 1), 16),
-                                 std::max<size_t>(options.ll128_bytes, 1),
-                                 options.max_blocks > 0 ? options.max_blocks : max_blocks, kCePieces);
+  const HeapSizes s = heap_sizes(
+      world_size, round_up(std::max<size_t>(max_bytes, 1), 256), round_up(std::max<size_t>(options.ll_bytes, 1), 16),
+      std::max<size_t>(options.ll128_bytes, 1), options.max_blocks > 0 ? options.max_blocks : max_blocks, kCePieces);
   size_t total = 0;
   for (size_t bytes : {s.workspace, s.flags, s.barrier_pads, s.ce_flags, s.ll, s.ll128})
     total = checked_add(total, round_up(bytes, SymmetricHeap::kDefaultAlignment), "the collectives' heap bytes");
@@ -222,7 +219,8 @@ void Collectives::ce_barrier(cudaStream_t stream) {
   cfg.grid = {1};
   cfg.block = {128};
   cfg.stream = stream;
-  jit::launch(kernels_->barrier, cfg, jit::make_args(heap_.view(), barrier_pads_ + barrier_pad_words(world_.world_size())));
+  jit::launch(kernels_->barrier, cfg,
+              jit::make_args(heap_.view(), barrier_pads_ + barrier_pad_words(world_.world_size())));
 }
 
 void Collectives::copy_beside(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
@@ -265,8 +263,8 @@ ReduceScatterMethod Collectives::reduce_scatter_method(const void* in, void* out
   const size_t b = count * dtype_size(dtype), total = b * world_.world_size();
   const void* in_place_in = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(out) - world_.rank() * b);
   check_buffers("reduce_scatter", in, total, out, b, in_place_in);
-  return resolve_reduce_scatter(method, std::getenv(kReduceScatterMethodEnv),
-                                shape(total, dtype, in, total, out, b, b), limits());
+  return resolve_reduce_scatter(method, std::getenv(kReduceScatterMethodEnv), shape(total, dtype, in, total, out, b, b),
+                                limits());
 }
 
 void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
@@ -343,8 +341,8 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
       TDIST_NCCL_CHECK(ncclAllGather(in, out, count, nccl_type(dtype), world_.comm(), stream));
       return;
     case AllGatherMethod::kLowLatency:
-      launch(kernels_->ll_all_gather, blocks_for((b + 3) / 4, kernels::coll::kThreads), params(in, out, b, false, false),
-             stream);
+      launch(kernels_->ll_all_gather, blocks_for((b + 3) / 4, kernels::coll::kThreads),
+             params(in, out, b, false, false), stream);
       return;
     case AllGatherMethod::kSm:
       launch(kernels_->ag_sm, blocks_for(b, 32 << 10), params(in, out, b, s.in_symmetric, s.aligned16), stream);
@@ -433,7 +431,8 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
              params(in, out, count, false, false), stream);
       return;
     case ReduceScatterMethod::kFused:
-      launch(kernels_->rs_fused[t], blocks_for(b, 16 << 10), params(in, out, count, s.in_symmetric, s.aligned16), stream);
+      launch(kernels_->rs_fused[t], blocks_for(b, 16 << 10), params(in, out, count, s.in_symmetric, s.aligned16),
+             stream);
       return;
     case ReduceScatterMethod::kCe: {
       // Scatter by copy engine, reduce on the SMs behind it: slice p of this rank's input goes to peer

@@ -36,9 +36,7 @@ void* open_library(const std::string& preferred, const std::string& soname, cons
 }
 
 // TDIST_CUBLAS_LIBRARY, or "".
-std::string cublas_env() {
-  return env::text("TDIST_CUBLAS_LIBRARY");
-}
+std::string cublas_env() { return env::text("TDIST_CUBLAS_LIBRARY"); }
 
 template <typename F>
 F symbol(void* lib, const char* name, const char* what) {
@@ -49,9 +47,9 @@ F symbol(void* lib, const char* name, const char* what) {
 // field = the function `fn` of `lib`, typed as the header declares it.
 #define TDIST_LOAD_SYMBOL(field, fn, what) (field) = symbol<decltype(&fn)>(lib, #fn, what)
 
-#define TDIST_CUBLAS_CALL(call)                                                                    \
-  do {                                                                                             \
-    const cublasStatus_t st_ = (call);                                                             \
+#define TDIST_CUBLAS_CALL(call)                                                                            \
+  do {                                                                                                     \
+    const cublasStatus_t st_ = (call);                                                                     \
     TDIST_CHECK(st_ == CUBLAS_STATUS_SUCCESS, #call " failed with cuBLAS status ", static_cast<int>(st_)); \
   } while (0)
 

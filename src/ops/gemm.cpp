@@ -76,8 +76,7 @@ const std::vector<GemmTile>& gemm_tiles() {
       {128, 256, 64, 4, 1},  // 192 KiB ring + 32 KiB of D chunks: the large-problem workhorse
       {128, 224, 64, 4, 1},  // N = 14336 (= 64 x 224): fills the last wave where 256 leaves it 40% empty
       {128, 192, 64, 5, 1},  // one D chunk buffer per warpgroup (two do not fit beside 5 stages)
-      {128, 128, 64, 6, 1},
-      {64, 256, 64, 5, 1},
+      {128, 128, 64, 6, 1}, {64, 256, 64, 5, 1},
       {64, 128, 64, 8, 1},  // small problems: more tiles to spread over the SMs
   };
   return tiles;
@@ -113,7 +112,8 @@ std::string gemm_instance_name(DType dtype, const GemmTile& t, const char* hooks
 }
 
 jit::CompileRequest gemm_instance_request(const GemmTile& tile, const char* hooks_type, const char* hooks_header,
-                                          const char* hooks_tag, const char* scheduler_type, const char* scheduler_tag) {
+                                          const char* hooks_tag, const char* scheduler_type,
+                                          const char* scheduler_tag) {
   check_gemm_tile(tile);
   jit::CompileRequest r;
   r.source = "#include \"tdist/kernels/gemm/sm90_gemm.cuh\"\n";
@@ -233,7 +233,8 @@ GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype)
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult status{};
-    TDIST_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
+    TDIST_CUDA_CHECK(
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
     TDIST_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr,
                 "cuTensorMapEncodeTiled not found in the driver (status ", static_cast<int>(status), ")");
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
@@ -248,11 +249,10 @@ GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype)
   const cuuint64_t strides[1] = {spec.row_stride_bytes};
   const cuuint32_t box[2] = {spec.box[0], spec.box[1]};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode(&map,
-                            dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                            2, const_cast<void*>(spec.base), dims, strides, box, elem_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      encode(&map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+             const_cast<void*>(spec.base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TDIST_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r), ") for dims {",
               spec.dims[0], ", ", spec.dims[1], "}, row stride ", spec.row_stride_bytes, " bytes, box {", spec.box[0],
               ", ", spec.box[1], "}, swizzle ", spec.swizzle_bytes, " bytes");
@@ -346,8 +346,11 @@ GemmTile Gemm::tune(const GemmArgs& raw, cudaStream_t stream) {
   req.shape_class = detail::concat("m=", args.m, ",n=", args.n, ",k=", args.k, ",", to_string(args.dtype));
   for (const GemmTile& t : gemm_tiles()) {
     req.configs.push_back({t.name(),
-                           {{"block_m", t.block_m}, {"block_n", t.block_n}, {"block_k", t.block_k},
-                            {"stages", t.stages}, {"cluster_m", t.cluster_m}}});
+                           {{"block_m", t.block_m},
+                            {"block_n", t.block_n},
+                            {"block_k", t.block_k},
+                            {"stages", t.stages},
+                            {"cluster_m", t.cluster_m}}});
   }
   req.stream = stream;
   req.launch = [&](const jit::TuneConfig& c, int, cudaStream_t s) {

@@ -51,7 +51,8 @@ GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
   TDIST_CHECK_ARG(a.a != nullptr, "a", "null pointer");
   TDIST_CHECK_ARG(a.b != nullptr, "b", "null pointer");
   TDIST_CHECK_ARG(a.d != nullptr, "d", "null pointer");
-  TDIST_CHECK_ARG(a.offsets != nullptr, "offsets", "null pointer (expected num_groups + 1 row offsets in device memory)");
+  TDIST_CHECK_ARG(a.offsets != nullptr, "offsets",
+                  "null pointer (expected num_groups + 1 row offsets in device memory)");
   TDIST_CHECK_ARG(aligned(a.a, 16), "a", "must be 16-byte aligned, got ", a.a);
   TDIST_CHECK_ARG(aligned(a.b, 16), "b", "must be 16-byte aligned, got ", a.b);
   TDIST_CHECK_ARG(aligned(a.d, 16), "d", "must be 16-byte aligned, got ", a.d);
@@ -108,12 +109,12 @@ void check_grouped_gemm_offsets(const std::vector<int64_t>& offsets, int64_t m_t
   for (size_t g = 0; g + 1 < offsets.size(); ++g) {
     TDIST_CHECK_ARG(offsets[g + 1] >= offsets[g], "offsets", "must be non-decreasing: offsets[", g, "] = ", offsets[g],
                     " > offsets[", g + 1, "] = ", offsets[g + 1]);
-    TDIST_CHECK_ARG(offsets[g + 1] % grouped_gemm_alignment() == 0, "offsets", "offsets[", g + 1, "] = ",
-                    offsets[g + 1], " is not a multiple of ", grouped_gemm_alignment(),
+    TDIST_CHECK_ARG(offsets[g + 1] % grouped_gemm_alignment() == 0, "offsets", "offsets[", g + 1,
+                    "] = ", offsets[g + 1], " is not a multiple of ", grouped_gemm_alignment(),
                     " (pad each group's rows; grouped_gemm_offsets)");
   }
-  TDIST_CHECK_ARG(offsets.back() <= m_total, "offsets", "offsets[G] = ", offsets.back(), " exceeds m (M_total) = ",
-                  m_total);
+  TDIST_CHECK_ARG(offsets.back() <= m_total, "offsets", "offsets[G] = ", offsets.back(),
+                  " exceeds m (M_total) = ", m_total);
 }
 
 std::vector<jit::CompileRequest> grouped_gemm_compile_requests() { return GroupedRuntime::compile_requests(); }

@@ -32,8 +32,7 @@ bool parse_int64(const std::string& text, int64_t& out) {
 
 int parse_int_var(const std::string& name, const std::string& value) {
   int64_t parsed = 0;
-  if (!parse_int64(value, parsed))
-    TDIST_FAIL("environment variable ", name, "='", value, "' is not a decimal integer");
+  if (!parse_int64(value, parsed)) TDIST_FAIL("environment variable ", name, "='", value, "' is not a decimal integer");
   if (parsed < std::numeric_limits<int>::min() || parsed > std::numeric_limits<int>::max())
     TDIST_FAIL("environment variable ", name, "='", value, "' is out of the range of int");
   return static_cast<int>(parsed);
@@ -45,28 +44,23 @@ struct FieldNames {
   std::string rank, world_size, local_rank, local_world_size, master_addr, master_port;
 };
 
-const FieldNames kTorchrunNames{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                "MASTER_ADDR", "MASTER_PORT"};
-const FieldNames kOpenMpiNames{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                               "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                               "MASTER_ADDR", "MASTER_PORT"};
-const FieldNames kExplicitNames{"rank", "world_size", "local_rank", "local_world_size",
-                                "master_addr", "master_port"};
+const FieldNames kTorchrunNames{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
+const FieldNames kOpenMpiNames{"OMPI_COMM_WORLD_RANK",       "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                               "OMPI_COMM_WORLD_LOCAL_SIZE", "MASTER_ADDR",          "MASTER_PORT"};
+const FieldNames kExplicitNames{"rank", "world_size", "local_rank", "local_world_size", "master_addr", "master_port"};
 
 void validate(const LaunchEnv& env, const FieldNames& n) {
-  if (env.world_size < 1)
-    TDIST_FAIL(n.world_size, "=", env.world_size, " is invalid: expected a world size >= 1");
+  if (env.world_size < 1) TDIST_FAIL(n.world_size, "=", env.world_size, " is invalid: expected a world size >= 1");
   if (env.rank < 0 || env.rank >= env.world_size)
-    TDIST_FAIL(n.rank, "=", env.rank, " is out of range: expected 0 <= ", n.rank, " < ",
-               n.world_size, " (=", env.world_size, ")");
+    TDIST_FAIL(n.rank, "=", env.rank, " is out of range: expected 0 <= ", n.rank, " < ", n.world_size,
+               " (=", env.world_size, ")");
   if (env.local_world_size < 1 || env.local_world_size > env.world_size)
-    TDIST_FAIL(n.local_world_size, "=", env.local_world_size, " is out of range: expected 1 <= ",
-               n.local_world_size, " <= ", n.world_size, " (=", env.world_size, ")");
+    TDIST_FAIL(n.local_world_size, "=", env.local_world_size, " is out of range: expected 1 <= ", n.local_world_size,
+               " <= ", n.world_size, " (=", env.world_size, ")");
   if (env.local_rank < 0 || env.local_rank >= env.local_world_size)
-    TDIST_FAIL(n.local_rank, "=", env.local_rank, " is out of range: expected 0 <= ",
-               n.local_rank, " < ", n.local_world_size, " (=", env.local_world_size, ")");
-  if (env.master_addr.empty())
-    TDIST_FAIL(n.master_addr, " is empty: expected the host name or address of rank 0");
+    TDIST_FAIL(n.local_rank, "=", env.local_rank, " is out of range: expected 0 <= ", n.local_rank, " < ",
+               n.local_world_size, " (=", env.local_world_size, ")");
+  if (env.master_addr.empty()) TDIST_FAIL(n.master_addr, " is empty: expected the host name or address of rank 0");
   if (env.master_port < 1 || env.master_port > 65535)
     TDIST_FAIL(n.master_port, "=", env.master_port, " is out of range: expected 1..65535");
 }
@@ -83,13 +77,11 @@ int port_from_env(const EnvLookup& lookup, int fallback) {
 }
 
 // MASTER_ADDR when set; otherwise loopback, which is only right when every rank is on this node.
-std::string master_addr_or_loopback(const EnvLookup& lookup, const LaunchEnv& env,
-                                    const char* launcher) {
+std::string master_addr_or_loopback(const EnvLookup& lookup, const LaunchEnv& env, const char* launcher) {
   if (auto addr = lookup("MASTER_ADDR")) return *addr;
   if (env.local_world_size == env.world_size) return "127.0.0.1";
-  TDIST_FAIL("MASTER_ADDR is not set and the ", launcher, " job spans several nodes (",
-             env.local_world_size, " of ", env.world_size,
-             " ranks on this node): set MASTER_ADDR to the host name or address of rank 0");
+  TDIST_FAIL("MASTER_ADDR is not set and the ", launcher, " job spans several nodes (", env.local_world_size, " of ",
+             env.world_size, " ranks on this node): set MASTER_ADDR to the host name or address of rank 0");
 }
 
 LaunchEnv parse_torchrun(const EnvLookup& lookup) {
@@ -128,17 +120,16 @@ LaunchEnv parse_torchrun(const EnvLookup& lookup) {
 }
 
 LaunchEnv parse_openmpi(const EnvLookup& lookup) {
-  const std::string why = "Open MPI sets OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK and _LOCAL_SIZE "
-                          "together (is this process started by mpirun?)";
+  const std::string why =
+      "Open MPI sets OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK and _LOCAL_SIZE "
+      "together (is this process started by mpirun?)";
   LaunchEnv env;
   env.launcher = "openmpi";
   env.rank = parse_int_var("OMPI_COMM_WORLD_RANK", require(lookup, "OMPI_COMM_WORLD_RANK", why));
-  env.world_size =
-      parse_int_var("OMPI_COMM_WORLD_SIZE", require(lookup, "OMPI_COMM_WORLD_SIZE", why));
-  env.local_rank = parse_int_var("OMPI_COMM_WORLD_LOCAL_RANK",
-                                 require(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", why));
-  env.local_world_size = parse_int_var("OMPI_COMM_WORLD_LOCAL_SIZE",
-                                       require(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE", why));
+  env.world_size = parse_int_var("OMPI_COMM_WORLD_SIZE", require(lookup, "OMPI_COMM_WORLD_SIZE", why));
+  env.local_rank = parse_int_var("OMPI_COMM_WORLD_LOCAL_RANK", require(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", why));
+  env.local_world_size =
+      parse_int_var("OMPI_COMM_WORLD_LOCAL_SIZE", require(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE", why));
   env.master_addr = master_addr_or_loopback(lookup, env, "Open MPI");
   env.master_port = port_from_env(lookup, kDefaultMasterPort);
   validate(env, kOpenMpiNames);
@@ -218,8 +209,9 @@ std::string first_host_of(const std::string& nodelist, std::string& why) {
 }
 
 LaunchEnv parse_slurm(const EnvLookup& lookup) {
-  const std::string why = "srun sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID together "
-                          "(is this process started by srun?)";
+  const std::string why =
+      "srun sets SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID together "
+      "(is this process started by srun?)";
   LaunchEnv env;
   env.launcher = "slurm";
   env.rank = parse_int_var("SLURM_PROCID", require(lookup, "SLURM_PROCID", why));
@@ -232,8 +224,7 @@ LaunchEnv parse_slurm(const EnvLookup& lookup) {
     tpn_name = "SLURM_TASKS_PER_NODE";
     tpn = lookup(tpn_name);
   }
-  if (!tpn)
-    TDIST_FAIL("neither SLURM_STEP_TASKS_PER_NODE nor SLURM_TASKS_PER_NODE is set: ", why);
+  if (!tpn) TDIST_FAIL("neither SLURM_STEP_TASKS_PER_NODE nor SLURM_TASKS_PER_NODE is set: ", why);
   std::vector<int> tasks_per_node = expand_tasks_per_node(tpn_name, *tpn);
   int node_id = 0;
   if (auto node = lookup("SLURM_NODEID")) {
@@ -243,8 +234,8 @@ LaunchEnv parse_slurm(const EnvLookup& lookup) {
                "' lists several nodes: cannot tell this node's task count");
   }
   if (node_id < 0 || static_cast<size_t>(node_id) >= tasks_per_node.size())
-    TDIST_FAIL("SLURM_NODEID=", node_id, " is out of range: ", tpn_name, "='", *tpn,
-               "' describes ", tasks_per_node.size(), " node(s)");
+    TDIST_FAIL("SLURM_NODEID=", node_id, " is out of range: ", tpn_name, "='", *tpn, "' describes ",
+               tasks_per_node.size(), " node(s)");
   env.local_world_size = tasks_per_node[node_id];
 
   if (auto addr = lookup("MASTER_ADDR")) {
@@ -257,12 +248,12 @@ LaunchEnv parse_slurm(const EnvLookup& lookup) {
       list = lookup(list_name);
     }
     if (!list)
-      TDIST_FAIL("MASTER_ADDR, SLURM_STEP_NODELIST and SLURM_NODELIST are all unset: "
-                 "cannot tell where rank 0 runs; set MASTER_ADDR");
+      TDIST_FAIL(
+          "MASTER_ADDR, SLURM_STEP_NODELIST and SLURM_NODELIST are all unset: "
+          "cannot tell where rank 0 runs; set MASTER_ADDR");
     std::string why;
     env.master_addr = first_host_of(*list, why);
-    if (!why.empty())
-      TDIST_FAIL("environment variable ", list_name, "='", *list, "' is malformed: ", why);
+    if (!why.empty()) TDIST_FAIL("environment variable ", list_name, "='", *list, "' is malformed: ", why);
   }
 
   int port = kDefaultMasterPort;
@@ -279,8 +270,8 @@ LaunchEnv parse_slurm(const EnvLookup& lookup) {
   }
   env.master_port = port_from_env(lookup, port);
 
-  validate(env, FieldNames{"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-                           tpn_name + " (this node's entry)", "MASTER_ADDR", "MASTER_PORT"});
+  validate(env, FieldNames{"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", tpn_name + " (this node's entry)",
+                           "MASTER_ADDR", "MASTER_PORT"});
   return env;
 }
 
@@ -314,8 +305,8 @@ LaunchEnv launch_env_from_process() {
   });
 }
 
-LaunchEnv make_launch_env(int rank, int world_size, int local_rank, int local_world_size,
-                          std::string master_addr, int master_port) {
+LaunchEnv make_launch_env(int rank, int world_size, int local_rank, int local_world_size, std::string master_addr,
+                          int master_port) {
   LaunchEnv env;
   env.rank = rank;
   env.world_size = world_size;

@@ -22,9 +22,7 @@ constexpr size_t kHeapGranularity = 2ull << 20;  // NVLink mappings are made in 
 constexpr size_t kDefaultCapacity = 1ull << 30;
 constexpr size_t kMaxCapacity = 1ull << 40;  // 1 TiB: far above any GPU's memory, far below overflow
 
-size_t capacity_from_env() {
-  return env::size("TDIST_SYMMETRIC_HEAP_SIZE", kDefaultCapacity, 1, kMaxCapacity);
-}
+size_t capacity_from_env() { return env::size("TDIST_SYMMETRIC_HEAP_SIZE", kDefaultCapacity, 1, kMaxCapacity); }
 
 // The request every rank must agree on, exchanged before a collective allocation commits.
 struct AllocRequest {
@@ -39,10 +37,14 @@ size_t SymmetricHeap::parse_size(const std::string& text, const std::string& wha
   while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
   const std::string suffix = text.substr(digits);
   size_t unit = 0;
-  if (suffix.empty()) unit = 1;
-  else if (suffix == "K" || suffix == "k") unit = 1ull << 10;
-  else if (suffix == "M" || suffix == "m") unit = 1ull << 20;
-  else if (suffix == "G" || suffix == "g") unit = 1ull << 30;
+  if (suffix.empty())
+    unit = 1;
+  else if (suffix == "K" || suffix == "k")
+    unit = 1ull << 10;
+  else if (suffix == "M" || suffix == "m")
+    unit = 1ull << 20;
+  else if (suffix == "G" || suffix == "g")
+    unit = 1ull << 30;
   if (digits == 0 || unit == 0)
     TDIST_FAIL(what, "='", text, "': expected a byte count with an optional K, M or G suffix, e.g. 512M");
   uint64_t count = 0;
@@ -115,8 +117,8 @@ SymmetricHeap::~SymmetricHeap() {
 
 void* SymmetricHeap::allocate(size_t bytes, size_t alignment) {
   TDIST_CHECK_ARG(bytes > 0, "bytes", "expected a positive size, got 0");
-  TDIST_CHECK_ARG(alignment > 0 && (alignment & (alignment - 1)) == 0, "alignment",
-                  "expected a power of two, got ", alignment);
+  TDIST_CHECK_ARG(alignment > 0 && (alignment & (alignment - 1)) == 0, "alignment", "expected a power of two, got ",
+                  alignment);
 
   // First fit in offset order: the same history gives the same offset on every rank.
   const std::optional<size_t> fit = first_fit(free_blocks_, bytes, alignment);
@@ -125,7 +127,7 @@ void* SymmetricHeap::allocate(size_t bytes, size_t alignment) {
   const bool fits = chosen != free_blocks_.end();
   const AllocRequest mine{bytes, alignment, fits ? offset : UINT64_MAX};
   const auto all = world_.all_gather("symmetric allocation", Bytes(reinterpret_cast<const uint8_t*>(&mine),
-                                                                  reinterpret_cast<const uint8_t*>(&mine + 1)));
+                                                                   reinterpret_cast<const uint8_t*>(&mine + 1)));
   bool agree = true, all_fit = true;
   std::ostringstream seen;
   for (size_t r = 0; r < all.size(); ++r) {
@@ -147,7 +149,8 @@ void* SymmetricHeap::allocate(size_t bytes, size_t alignment) {
   const size_t block_offset = chosen->first, block_size = chosen->second;
   free_blocks_.erase(chosen);
   if (offset > block_offset) free_blocks_[block_offset] = offset - block_offset;
-  if (offset + bytes < block_offset + block_size) free_blocks_[offset + bytes] = block_offset + block_size - (offset + bytes);
+  if (offset + bytes < block_offset + block_size)
+    free_blocks_[offset + bytes] = block_offset + block_size - (offset + bytes);
   live_blocks_[offset] = bytes;
   in_use_ += bytes;
 
@@ -195,7 +198,8 @@ size_t SymmetricHeap::largest_free_block() const {
 
 void* SymmetricHeap::peer_ptr(const void* local, int peer) const {
   TDIST_CHECK_ARG(contains(local), "local", local, " is not inside this symmetric heap");
-  TDIST_CHECK_ARG(peer >= 0 && peer < view_.num_ranks, "peer", "expected a rank in [0, ", view_.num_ranks, "), got ", peer);
+  TDIST_CHECK_ARG(peer >= 0 && peer < view_.num_ranks, "peer", "expected a rank in [0, ", view_.num_ranks, "), got ",
+                  peer);
   void* p = view_.symm_at(const_cast<void*>(local), peer);
   TDIST_CHECK_ARG(p != nullptr, "peer", "rank ", peer, " is not load/store reachable from rank ", view_.rank,
                   " (LSA team of ", view_.lsa_size, " ranks)");

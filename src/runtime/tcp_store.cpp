@@ -26,9 +26,9 @@
 #include <thread>
 
 #include "tcp_store_server.hpp"
+#include "tcp_store_wire.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/jit/hash.hpp"
-#include "tcp_store_wire.hpp"
 
 namespace tdist {
 
@@ -87,8 +87,7 @@ const std::string kInternalPrefix = "__tdist/";
 std::string quoted_list(const std::vector<std::string>& items, const std::vector<uint32_t>& indices) {
   constexpr size_t kMaxShown = 10;
   std::string out;
-  for (size_t i = 0; i < indices.size() && i < kMaxShown; ++i)
-    out += (i ? ", '" : "'") + items.at(indices[i]) + "'";
+  for (size_t i = 0; i < indices.size() && i < kMaxShown; ++i) out += (i ? ", '" : "'") + items.at(indices[i]) + "'";
   if (indices.size() > kMaxShown) out += ", ... (" + std::to_string(indices.size() - kMaxShown) + " more)";
   return out;
 }
@@ -110,8 +109,8 @@ std::string TcpStoreOptions::default_secret() {
   // Identity, not secrecy: a launcher's job id tells two jobs apart on one port. Each source is
   // tagged, so that ids of two launchers cannot coincide.
   std::string id;
-  for (const char* var : {"TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "OMPI_MCA_ess_base_jobid",
-                          "PMIX_NAMESPACE"})
+  for (const char* var :
+       {"TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID", "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"})
     if (auto v = env::get(var)) id += std::string(var) + "=" + *v + ";";
   return id.empty() ? std::string() : "job:" + id;
 }
@@ -120,8 +119,8 @@ std::string TcpStoreOptions::default_bind() { return env::text("TDIST_STORE_BIND
 
 struct TcpStore::Impl {
   TcpStoreOptions opt;
-  std::string who;     // "TcpStore rank 1 of 4", opening every error message
-  std::string master;  // "host:port"
+  std::string who;                      // "TcpStore rank 1 of 4", opening every error message
+  std::string master;                   // "host:port"
   std::unique_ptr<StoreServer> server;  // rank 0 only
   Fd sock;
   // Set once the connection can no longer be trusted (closed, or a reply overdue); every later
@@ -155,9 +154,8 @@ struct TcpStore::Impl {
   // Waits for `keys`; returns their values when want_values. On timeout, throws TimeoutError
   // whose message ends with describe_missing(indices of the keys still missing).
   using DescribeMissing = std::function<std::string(const std::vector<uint32_t>&)>;
-  std::vector<Bytes> wait_for(const std::vector<std::string>& keys, bool want_values,
-                              const std::string& what, const DescribeMissing& describe_missing,
-                              std::chrono::milliseconds timeout);
+  std::vector<Bytes> wait_for(const std::vector<std::string>& keys, bool want_values, const std::string& what,
+                              const DescribeMissing& describe_missing, std::chrono::milliseconds timeout);
   void goodbye() noexcept;
 };
 
@@ -178,8 +176,7 @@ void TcpStore::Impl::connect(Clock::time_point deadline) {
     addrinfo* found = nullptr;
     const int rc = ::getaddrinfo(opt.host.c_str(), std::to_string(opt.port).c_str(), &hints, &found);
     if (rc == EAI_NONAME || rc == EAI_FAIL || rc == EAI_SERVICE || rc == EAI_FAMILY)
-      TDIST_FAIL(who, ": cannot resolve the master host '", opt.host, "' (MASTER_ADDR): ",
-                 ::gai_strerror(rc));
+      TDIST_FAIL(who, ": cannot resolve the master host '", opt.host, "' (MASTER_ADDR): ", ::gai_strerror(rc));
     if (rc != 0) last_error = std::string("name lookup: ") + ::gai_strerror(rc);
     std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(found, ::freeaddrinfo);
 
@@ -195,10 +192,13 @@ void TcpStore::Impl::connect(Clock::time_point deadline) {
         if (err == EINPROGRESS) {
           pollfd p{fd.get(), POLLOUT, 0};
           int n;
-          do n = ::poll(&p, 1, poll_timeout_ms(deadline)); while (n < 0 && errno == EINTR);
+          do n = ::poll(&p, 1, poll_timeout_ms(deadline));
+          while (n < 0 && errno == EINTR);
           socklen_t len = sizeof(err);
-          if (n == 1) ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-          else err = ETIMEDOUT;
+          if (n == 1)
+            ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
+          else
+            err = ETIMEDOUT;
         }
       }
       if (err == 0) {
@@ -212,8 +212,8 @@ void TcpStore::Impl::connect(Clock::time_point deadline) {
     // Rank 0 may simply not be listening yet: retry with backoff until the deadline.
     const auto now = Clock::now();
     if (now >= deadline)
-      TDIST_STORE_TIMEOUT(who, ": could not reach the master at ", master, " within ",
-                          opt.timeout.count(), " ms (last error: ", last_error,
+      TDIST_STORE_TIMEOUT(who, ": could not reach the master at ", master, " within ", opt.timeout.count(),
+                          " ms (last error: ", last_error,
                           "). Is rank 0 running, and are MASTER_ADDR/MASTER_PORT right?");
     std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
@@ -239,8 +239,8 @@ void TcpStore::Impl::send_frame(const Bytes& frame, Clock::time_point deadline, 
       }
       continue;
     }
-    fail_connection(who + ": rank 0's store at " + master + " is gone (" + errno_text(errno) +
-                    " while sending " + what + "): rank 0 exited or crashed");
+    fail_connection(who + ": rank 0's store at " + master + " is gone (" + errno_text(errno) + " while sending " +
+                    what + "): rank 0 exited or crashed");
   }
 }
 
@@ -255,8 +255,7 @@ Bytes TcpStore::Impl::receive_frame(Clock::time_point deadline, const std::strin
       if (in_payload) return payload;
       const uint32_t len = frame_length(header);
       if (len > kMaxFrameBytes)
-        fail_connection(who + ": malformed reply from " + master +
-                        " (is MASTER_PORT the port of another service?)");
+        fail_connection(who + ": malformed reply from " + master + " (is MASTER_PORT the port of another service?)");
       payload.resize(len);
       in_payload = true;
       got = 0;
@@ -269,8 +268,7 @@ Bytes TcpStore::Impl::receive_frame(Clock::time_point deadline, const std::strin
     if (ready == 0) {
       broken = who + ": no reply from rank 0's store at " + master + " to " + what;
       sock.reset();
-      TDIST_STORE_TIMEOUT(broken, " within the timeout of ", opt.timeout.count(),
-                          " ms (is rank 0 hung?)");
+      TDIST_STORE_TIMEOUT(broken, " within the timeout of ", opt.timeout.count(), " ms (is rank 0 hung?)");
     }
     uint8_t* dst = in_payload ? payload.data() : header;
     const ssize_t n = ::recv(sock.get(), dst + got, want - got, 0);
@@ -280,14 +278,13 @@ Bytes TcpStore::Impl::receive_frame(Clock::time_point deadline, const std::strin
     }
     if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     const std::string cause = n == 0 ? "connection closed" : errno_text(errno);
-    fail_connection(who + ": rank 0's store at " + master + " is gone (" + cause +
-                    " while waiting for " + what + "): rank 0 exited or crashed");
+    fail_connection(who + ": rank 0's store at " + master + " is gone (" + cause + " while waiting for " + what +
+                    "): rank 0 exited or crashed");
   }
 }
 
 Bytes TcpStore::Impl::request(Bytes frame, Clock::time_point reply_deadline, const std::string& what) {
-  if (!broken.empty())
-    TDIST_FAIL(who, ": ", what, " refused: the connection to the store is unusable since: ", broken);
+  if (!broken.empty()) TDIST_FAIL(who, ": ", what, " refused: the connection to the store is unusable since: ", broken);
   if (frame.size() - 4 > kMaxRequestBytes)
     TDIST_FAIL(who, ": ", what, ": the request has ", frame.size() - 4, " bytes, above the store's limit of ",
                kMaxRequestBytes, " bytes (the store is for bootstrap data; exchange large data through NCCL)");
@@ -320,11 +317,11 @@ bool TcpStore::Impl::try_handshake(Clock::time_point deadline) {
   try {
     Reader r(reply.data(), reply.size());
     const auto status = Status(r.u8());
-    if (status == Status::error)
-      TDIST_FAIL(who, ": rank 0's store at ", master, " refused this process: ", r.str());
+    if (status == Status::error) TDIST_FAIL(who, ": rank 0's store at ", master, " refused this process: ", r.str());
     if (status != Status::ok || r.u32() != kMagic) throw ProtocolError("bad join reply");
   } catch (const ProtocolError&) {
-    fail_connection(who + ": the process at " + master + " is not a tdist store "
+    fail_connection(who + ": the process at " + master +
+                    " is not a tdist store "
                     "(is MASTER_PORT the port of another service?)");
   }
   return true;
@@ -342,24 +339,22 @@ void TcpStore::Impl::join(Clock::time_point deadline) {
   // Everyone meets before the constructor returns, so a missing rank shows up here, by number.
   const auto server_timeout = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
   const uint64_t server_timeout_ms = uint64_t(std::max<int64_t>(0, server_timeout.count()));
-  reply = request(Writer().u8(uint8_t(Op::join_barrier)).u64(server_timeout_ms).frame(),
-                  deadline + kReplyGrace, "the join of all ranks");
+  reply = request(Writer().u8(uint8_t(Op::join_barrier)).u64(server_timeout_ms).frame(), deadline + kReplyGrace,
+                  "the join of all ranks");
   Reader r(reply.data(), reply.size());
   const auto status = Status(r.u8());
-  if (status == Status::error)
-    TDIST_FAIL(who, ": joining the store at ", master, " failed: ", r.str());
+  if (status == Status::error) TDIST_FAIL(who, ": joining the store at ", master, " failed: ", r.str());
   if (status == Status::timeout) {
     std::vector<int> missing(r.u32());
     for (int& m : missing) m = static_cast<int>(r.u32());
-    TDIST_STORE_TIMEOUT(who, ": timed out after ", opt.timeout.count(), " ms waiting for all ",
-                        opt.world_size, " ranks to join the store at ", master,
+    TDIST_STORE_TIMEOUT(who, ": timed out after ", opt.timeout.count(), " ms waiting for all ", opt.world_size,
+                        " ranks to join the store at ", master,
                         "; ranks that never joined: ", format_rank_list(missing),
                         " (are they running, with the same MASTER_ADDR/MASTER_PORT?)");
   }
 }
 
-bool TcpStore::Impl::set(const std::string& key, const Bytes& value, bool exclusive,
-                         const std::string& what) {
+bool TcpStore::Impl::set(const std::string& key, const Bytes& value, bool exclusive, const std::string& what) {
   Bytes reply = request(Writer().u8(uint8_t(Op::set)).str(key).blob(value).u8(exclusive ? 1 : 0).frame(),
                         deadline_after(opt.timeout), what);
   Reader r(reply.data(), reply.size());
@@ -369,8 +364,7 @@ bool TcpStore::Impl::set(const std::string& key, const Bytes& value, bool exclus
 }
 
 std::vector<Bytes> TcpStore::Impl::wait_for(const std::vector<std::string>& keys, bool want_values,
-                                            const std::string& what,
-                                            const DescribeMissing& describe_missing,
+                                            const std::string& what, const DescribeMissing& describe_missing,
                                             std::chrono::milliseconds timeout) {
   Writer w;
   w.u8(uint8_t(Op::wait)).u64(uint64_t(timeout.count())).u8(want_values ? 1 : 0);
@@ -383,8 +377,7 @@ std::vector<Bytes> TcpStore::Impl::wait_for(const std::vector<std::string>& keys
   if (status == Status::timeout) {
     std::vector<uint32_t> missing(r.u32());
     for (auto& m : missing) m = r.u32();
-    TDIST_STORE_TIMEOUT(who, ": ", what, " timed out after ", opt.timeout.count(), " ms; ",
-                        describe_missing(missing));
+    TDIST_STORE_TIMEOUT(who, ": ", what, " timed out after ", opt.timeout.count(), " ms; ", describe_missing(missing));
   }
   std::vector<Bytes> values(r.u32());
   for (auto& v : values) v = r.blob();
@@ -405,11 +398,10 @@ TcpStore::TcpStore(const TcpStoreOptions& options) {
   TDIST_CHECK_ARG(options.world_size >= 1, "options.world_size", "expected >= 1, got ", options.world_size);
   TDIST_CHECK_ARG(options.rank >= 0 && options.rank < options.world_size, "options.rank",
                   "expected 0 <= rank < world_size (=", options.world_size, "), got ", options.rank);
-  TDIST_CHECK_ARG(options.port >= 1 && options.port <= 65535, "options.port",
-                  "expected 1..65535, got ", options.port);
+  TDIST_CHECK_ARG(options.port >= 1 && options.port <= 65535, "options.port", "expected 1..65535, got ", options.port);
   TDIST_CHECK_ARG(!options.host.empty(), "options.host", "expected a host name or address, got ''");
-  TDIST_CHECK_ARG(options.timeout.count() > 0, "options.timeout",
-                  "expected a positive duration, got ", options.timeout.count(), " ms");
+  TDIST_CHECK_ARG(options.timeout.count() > 0, "options.timeout", "expected a positive duration, got ",
+                  options.timeout.count(), " ms");
 
   auto impl = std::make_unique<Impl>(options);
   const auto deadline = deadline_after(options.timeout);
@@ -448,15 +440,19 @@ void TcpStore::set(const std::string& key, const Bytes& value) {
 
 Bytes TcpStore::get(const std::string& key) {
   const std::vector<std::string> keys{key};
-  return impl_->wait_for(keys, true, "get('" + key + "')", [&](const std::vector<uint32_t>& missing) {
-    return "missing key: " + quoted_list(keys, missing);
-  }, impl_->opt.timeout).at(0);
+  return impl_
+      ->wait_for(
+          keys, true, "get('" + key + "')",
+          [&](const std::vector<uint32_t>& missing) { return "missing key: " + quoted_list(keys, missing); },
+          impl_->opt.timeout)
+      .at(0);
 }
 
 void TcpStore::wait(const std::vector<std::string>& keys) {
-  impl_->wait_for(keys, false, "wait", [&](const std::vector<uint32_t>& missing) {
-    return "missing keys: " + quoted_list(keys, missing);
-  }, impl_->opt.timeout);
+  impl_->wait_for(
+      keys, false, "wait",
+      [&](const std::vector<uint32_t>& missing) { return "missing keys: " + quoted_list(keys, missing); },
+      impl_->opt.timeout);
 }
 
 bool TcpStore::check(const std::vector<std::string>& keys) {
@@ -484,8 +480,7 @@ namespace {
 std::vector<std::string> per_rank_keys(const std::string& kind, const std::string& tag, int world_size) {
   std::vector<std::string> keys;
   keys.reserve(static_cast<size_t>(world_size));
-  for (int r = 0; r < world_size; ++r)
-    keys.push_back(kInternalPrefix + kind + "/" + tag + "/" + std::to_string(r));
+  for (int r = 0; r < world_size; ++r) keys.push_back(kInternalPrefix + kind + "/" + tag + "/" + std::to_string(r));
   return keys;
 }
 
@@ -495,22 +490,30 @@ std::vector<Bytes> TcpStore::all_gather(const std::string& tag, const Bytes& min
   const std::string what = "all_gather('" + tag + "')";
   const auto keys = per_rank_keys("all_gather", tag, impl_->opt.world_size);
   if (!impl_->set(keys[impl_->opt.rank], mine, /*exclusive=*/true, what))
-    TDIST_FAIL(impl_->who, ": ", what, ": this tag was used before; each all_gather tag may be "
+    TDIST_FAIL(impl_->who, ": ", what,
+               ": this tag was used before; each all_gather tag may be "
                "used once per job, so make it unique (e.g. add a counter suffix)");
-  return impl_->wait_for(keys, true, what, [](const std::vector<uint32_t>& missing) {
-    return "ranks that never arrived: " + format_rank_list(as_ranks(missing));
-  }, impl_->opt.timeout);
+  return impl_->wait_for(
+      keys, true, what,
+      [](const std::vector<uint32_t>& missing) {
+        return "ranks that never arrived: " + format_rank_list(as_ranks(missing));
+      },
+      impl_->opt.timeout);
 }
 
 void TcpStore::barrier(const std::string& tag) {
   const std::string what = "barrier('" + tag + "')";
   const auto keys = per_rank_keys("barrier", tag, impl_->opt.world_size);
   if (!impl_->set(keys[impl_->opt.rank], Bytes{}, /*exclusive=*/true, what))
-    TDIST_FAIL(impl_->who, ": ", what, ": this tag was used before; each barrier tag may be used "
+    TDIST_FAIL(impl_->who, ": ", what,
+               ": this tag was used before; each barrier tag may be used "
                "once per job, so make it unique (e.g. add a counter suffix)");
-  impl_->wait_for(keys, false, what, [](const std::vector<uint32_t>& missing) {
-    return "ranks that never arrived: " + format_rank_list(as_ranks(missing));
-  }, impl_->opt.timeout);
+  impl_->wait_for(
+      keys, false, what,
+      [](const std::vector<uint32_t>& missing) {
+        return "ranks that never arrived: " + format_rank_list(as_ranks(missing));
+      },
+      impl_->opt.timeout);
 }
 
 void TcpStore::check_alive() {
@@ -518,8 +521,9 @@ void TcpStore::check_alive() {
   // ranks before anything else, else with "timeout", which here means "all alive".
   const std::vector<std::string> keys{kInternalPrefix + "never_set"};
   try {
-    impl_->wait_for(keys, false, "check_alive", [](const std::vector<uint32_t>&) { return std::string(); },
-                    std::chrono::milliseconds(0));
+    impl_->wait_for(
+        keys, false, "check_alive", [](const std::vector<uint32_t>&) { return std::string(); },
+        std::chrono::milliseconds(0));
   } catch (const TimeoutError&) {
     if (!impl_->broken.empty()) throw;  // no answer at all: rank 0 is gone or hung
   }

@@ -57,8 +57,10 @@ void raise_fd_limit(int world_size) {
 }  // namespace
 
 StoreServer::StoreServer(const Config& config)
-    : world_size_(config.world_size), where_(config.host + ":" + std::to_string(config.port)),
-      auth_(config.auth), handshake_timeout_(config.handshake_timeout),
+    : world_size_(config.world_size),
+      where_(config.host + ":" + std::to_string(config.port)),
+      auth_(config.auth),
+      handshake_timeout_(config.handshake_timeout),
       ranks_(static_cast<size_t>(config.world_size), RankState::absent) {
   const bool explicit_bind = !config.bind.empty();
   const std::string& listen_host = explicit_bind ? config.bind : config.host;
@@ -70,8 +72,8 @@ StoreServer::StoreServer(const Config& config)
   addrinfo* found = nullptr;
   int rc = ::getaddrinfo(listen_host.c_str(), std::to_string(config.port).c_str(), &hints, &found);
   if (rc != 0)
-    TDIST_FAIL("TcpStore rank 0 cannot resolve its listen address '", listen_host, "' (", what, "): ",
-               ::gai_strerror(rc));
+    TDIST_FAIL("TcpStore rank 0 cannot resolve its listen address '", listen_host, "' (", what,
+               "): ", ::gai_strerror(rc));
   std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(found, ::freeaddrinfo);
 
   int fd = -1;
@@ -84,14 +86,17 @@ StoreServer::StoreServer(const Config& config)
   // Never widen to all interfaces behind the user's back: that would expose the store on every
   // network this machine is on. Listening elsewhere than MASTER_ADDR must be asked for.
   if (fd < 0 && last_err == EADDRNOTAVAIL)
-    TDIST_FAIL("TcpStore rank 0 cannot listen on '", listen_host, "' (", what, "): it is not an address "
-               "of this machine. Rank 0 must run on the host that ", what, " names", explicit_bind ? "" :
-               "; to listen on another local address, or on all interfaces behind NAT or a DNS alias, "
-               "set TDIST_STORE_BIND (e.g. TDIST_STORE_BIND=0.0.0.0, which exposes the store on every "
-               "network of this machine)");
+    TDIST_FAIL("TcpStore rank 0 cannot listen on '", listen_host, "' (", what,
+               "): it is not an address "
+               "of this machine. Rank 0 must run on the host that ",
+               what, " names",
+               explicit_bind ? ""
+                             : "; to listen on another local address, or on all interfaces behind NAT or a DNS alias, "
+                               "set TDIST_STORE_BIND (e.g. TDIST_STORE_BIND=0.0.0.0, which exposes the store on every "
+                               "network of this machine)");
   if (fd < 0)
-    TDIST_FAIL("TcpStore rank 0 cannot listen on ", listen_host, ":", config.port, " (", what, "): ",
-               errno_text(last_err));
+    TDIST_FAIL("TcpStore rank 0 cannot listen on ", listen_host, ":", config.port, " (", what,
+               "): ", errno_text(last_err));
   listen_fd_ = Fd(fd);
 
   raise_fd_limit(world_size_);
@@ -178,8 +183,10 @@ void StoreServer::serve_loop() {
       const short rev = fds[2 + i].revents;
       if (rev & POLLOUT) send_pending_output(c);
       if (!c.closed && (rev & (POLLIN | POLLHUP | POLLERR))) {
-        if (c.close_after_send) close_conn(c);  // the rejected client hung up or errored
-        else read_from(c);
+        if (c.close_after_send)
+          close_conn(c);  // the rejected client hung up or errored
+        else
+          read_from(c);
       }
     }
     if (fds[0].revents & POLLIN) accept_clients();
@@ -251,9 +258,12 @@ void StoreServer::read_from(Conn& c) {
   uint8_t buf[65536];
   while (!c.closed && !c.close_after_send && c.out_sent == c.out.size()) {
     size_t want = sizeof(buf);
-    if (c.discard_left > 0) want = std::min<uint64_t>(c.discard_left, sizeof(buf));
-    else if (c.in.size() < 4) want = 4 - c.in.size();
-    else want = std::min<size_t>(4 + frame_length(c.in.data()) - c.in.size(), sizeof(buf));
+    if (c.discard_left > 0)
+      want = std::min<uint64_t>(c.discard_left, sizeof(buf));
+    else if (c.in.size() < 4)
+      want = 4 - c.in.size();
+    else
+      want = std::min<size_t>(4 + frame_length(c.in.data()) - c.in.size(), sizeof(buf));
     const ssize_t n = ::recv(c.fd.get(), buf, want, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
@@ -279,7 +289,8 @@ void StoreServer::read_from(Conn& c) {
         c.in.clear();
         c.discard_left = len;
         c.discard_error = "a request of " + std::to_string(len) + " bytes exceeds the store's limit of " +
-                          std::to_string(kMaxRequestBytes) + " bytes (the store is for bootstrap data; "
+                          std::to_string(kMaxRequestBytes) +
+                          " bytes (the store is for bootstrap data; "
                           "exchange large data through NCCL)";
         continue;
       }
@@ -303,16 +314,16 @@ void StoreServer::handle_frame(Conn& c, const uint8_t* data, size_t size) {
     close_conn(c);  // garbage on the port; a joined rank sending it counts as dead
   } catch (const std::exception& e) {
     // Out of memory, say: this request fails, the store and the other ranks carry on.
-    if (c.rank < 0) close_conn(c);
-    else reply_error(c, std::string("the store could not serve this request: ") + e.what());
+    if (c.rank < 0)
+      close_conn(c);
+    else
+      reply_error(c, std::string("the store could not serve this request: ") + e.what());
   }
 }
 
 void StoreServer::handle_request(Conn& c, Reader& r, Op op) {
   switch (op) {
-    case Op::join:
-      handle_join(c, r);
-      return;
+    case Op::join: handle_join(c, r); return;
     case Op::join_barrier: {
       Pending p;
       p.for_join = true;
@@ -351,12 +362,8 @@ void StoreServer::handle_request(Conn& c, Reader& r, Op op) {
       reply(c, Writer().u8(uint8_t(Status::ok)).u8(all_present ? 1 : 0).frame());
       return;
     }
-    case Op::add:
-      handle_add(c, r);
-      return;
-    case Op::shutdown:
-      c.said_goodbye = true;
-      return;
+    case Op::add: handle_add(c, r); return;
+    case Op::shutdown: c.said_goodbye = true; return;
   }
   throw ProtocolError("unknown request");
 }
@@ -381,14 +388,15 @@ void StoreServer::handle_join(Conn& c, Reader& r) {
                   "job may be using this MASTER_PORT, or the ranks were started with different "
                   "secrets");
   if (world != world_size_)
-    return refuse("this process has world size " + std::to_string(world) +
-                  " but rank 0's store at " + where_ + " was created for world size " +
-                  std::to_string(world_size_) + ": every rank must be started with the same "
+    return refuse("this process has world size " + std::to_string(world) + " but rank 0's store at " + where_ +
+                  " was created for world size " + std::to_string(world_size_) +
+                  ": every rank must be started with the same "
                   "WORLD_SIZE (is another job using this MASTER_PORT?)");
   if (rank < 0 || rank >= world_size_)
     return refuse("rank " + std::to_string(rank) + " is outside [0, " + std::to_string(world_size_) + ")");
   if (ranks_[rank] != RankState::absent)
-    return refuse("rank " + std::to_string(rank) + " is already taken by another process: two "
+    return refuse("rank " + std::to_string(rank) +
+                  " is already taken by another process: two "
                   "processes were started with the same RANK (or another job uses this MASTER_PORT)");
   c.rank = rank;
   ranks_[rank] = RankState::joined;
@@ -453,8 +461,10 @@ void StoreServer::answer_pending(Conn& c, Clock::time_point now) {
     if (p.want_values)
       for (const auto& k : p.keys) reply_bytes += 4 + kv_[k].size();  // < 2^32 keys of < 2^26 bytes
     if (reply_bytes > kMaxReplyBytes) {
-      reply_error(c, "the reply would hold " + std::to_string(reply_bytes) + " bytes, above the store's "
-                     "limit of " + std::to_string(kMaxReplyBytes) + " bytes: fetch fewer or smaller values at once");
+      reply_error(c, "the reply would hold " + std::to_string(reply_bytes) +
+                         " bytes, above the store's "
+                         "limit of " +
+                         std::to_string(kMaxReplyBytes) + " bytes: fetch fewer or smaller values at once");
       c.pending.reset();
       return;
     }

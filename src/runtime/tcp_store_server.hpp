@@ -26,11 +26,11 @@ namespace tdist::store {
 class StoreServer {
  public:
   struct Config {
-    std::string host;          // MASTER_ADDR: listened on, and named in messages
-    std::string bind;          // listen here instead when not empty (TDIST_STORE_BIND)
+    std::string host;  // MASTER_ADDR: listened on, and named in messages
+    std::string bind;  // listen here instead when not empty (TDIST_STORE_BIND)
     int port = 0;
     int world_size = 1;
-    Bytes auth;                // auth_token(secret) every joining process must present
+    Bytes auth;  // auth_token(secret) every joining process must present
     std::chrono::milliseconds handshake_timeout = kHandshakeTimeout;
   };
   // Binds and listens on `bind`, else on `host`, which must then be an address of this machine
@@ -52,10 +52,10 @@ class StoreServer {
   enum class RankState { absent, joined, left, dead };
 
   struct Pending {
-    bool for_join = false;      // join_barrier: wait until every rank has joined
+    bool for_join = false;  // join_barrier: wait until every rank has joined
     std::vector<std::string> keys;
     bool want_values = false;
-    size_t next_missing = 0;    // keys before this index are known present (keys never vanish)
+    size_t next_missing = 0;  // keys before this index are known present (keys never vanish)
     Clock::time_point deadline;
   };
 
@@ -68,7 +68,7 @@ class StoreServer {
     std::string discard_error;   // the error that answers it
     Bytes out;                   // replies not yet sent
     size_t out_sent = 0;
-    bool said_goodbye = false;   // clean shutdown announced: closing is not a death
+    bool said_goodbye = false;  // clean shutdown announced: closing is not a death
     bool close_after_send = false;
     bool closed = false;
     std::optional<Pending> pending;
@@ -97,7 +97,7 @@ class StoreServer {
   const Bytes auth_;
   const std::chrono::milliseconds handshake_timeout_;
   Fd listen_fd_;
-  Fd wake_fd_;               // eventfd: stop() wakes the poll loop through it
+  Fd wake_fd_;  // eventfd: stop() wakes the poll loop through it
   std::thread thread_;
   std::atomic<bool> stop_requested_{false};
   std::atomic<Clock::rep> linger_until_{0};
@@ -106,9 +106,9 @@ class StoreServer {
   std::map<std::string, Bytes> kv_;
   std::vector<RankState> ranks_;
   int joined_count_ = 0;
-  std::vector<int> dead_ranks_;  // sorted
-  bool state_changed_ = false;   // a key, a join or a death since pending waits were last checked
-  bool join_failed_ = false;     // a join barrier timed out: answer the other ones at once
+  std::vector<int> dead_ranks_;              // sorted
+  bool state_changed_ = false;               // a key, a join or a death since pending waits were last checked
+  bool join_failed_ = false;                 // a join barrier timed out: answer the other ones at once
   Clock::time_point accept_paused_until_{};  // set while out of file descriptors
   bool warned_out_of_fds_ = false;
   bool warned_crowded_ = false;

@@ -45,15 +45,14 @@
 #include "tdist/runtime/tcp_store.hpp"
 
 // Like TDIST_FAIL, but throws tdist::TimeoutError.
-#define TDIST_STORE_TIMEOUT(...) \
-  ::tdist::detail::throw_at<::tdist::TimeoutError>(__FILE__, __LINE__, __VA_ARGS__)
+#define TDIST_STORE_TIMEOUT(...) ::tdist::detail::throw_at<::tdist::TimeoutError>(__FILE__, __LINE__, __VA_ARGS__)
 
 namespace tdist::store {
 
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x54445354;  // "TDST": tells a tdist store from another service
-constexpr uint32_t kVersion = 2;  // 2: join carries the job's auth token
+constexpr uint32_t kVersion = 2;         // 2: join carries the job's auth token
 // The join frame is a few dozen bytes: anything larger before the handshake is not one of ours.
 constexpr uint32_t kMaxJoinFrameBytes = 4096;
 // The store carries bootstrap data (ids, sizes, small tables), not tensors.
@@ -78,7 +77,10 @@ struct ProtocolError : Error {
 class Writer {
  public:
   Writer() { buf_.resize(4); }  // room for the frame length
-  Writer& u8(uint8_t v) { buf_.push_back(v); return *this; }
+  Writer& u8(uint8_t v) {
+    buf_.push_back(v);
+    return *this;
+  }
   Writer& u32(uint32_t v) { return put(v, 4); }
   Writer& u64(uint64_t v) { return put(v, 8); }
   Writer& i32(int32_t v) { return u32(static_cast<uint32_t>(v)); }
@@ -109,7 +111,10 @@ class Writer {
 class Reader {
  public:
   Reader(const uint8_t* data, size_t size) : p_(data), end_(data + size) {}
-  uint8_t u8() { need(1); return *p_++; }
+  uint8_t u8() {
+    need(1);
+    return *p_++;
+  }
   uint32_t u32() { return static_cast<uint32_t>(get(4)); }
   uint64_t u64() { return get(8); }
   int32_t i32() { return static_cast<int32_t>(u32()); }
@@ -143,8 +148,7 @@ class Reader {
 };
 
 inline uint32_t frame_length(const uint8_t* header) {
-  return uint32_t(header[0]) | uint32_t(header[1]) << 8 | uint32_t(header[2]) << 16 |
-         uint32_t(header[3]) << 24;
+  return uint32_t(header[0]) | uint32_t(header[1]) << 8 | uint32_t(header[2]) << 16 | uint32_t(header[3]) << 24;
 }
 
 // Owns a file descriptor.

@@ -68,8 +68,8 @@ World::World(const WorldOptions& options) : timeout_(options.timeout) {
     store_->set("tdist/nccl_unique_id", to_bytes(&id, sizeof(id)));
   }
   const Bytes id_bytes = store_->get("tdist/nccl_unique_id");
-  TDIST_CHECK(id_bytes.size() == sizeof(id), "the NCCL unique id from rank 0 has ", id_bytes.size(), " bytes, expected ",
-              sizeof(id), " (ranks built against different NCCL versions?)");
+  TDIST_CHECK(id_bytes.size() == sizeof(id), "the NCCL unique id from rank 0 has ", id_bytes.size(),
+              " bytes, expected ", sizeof(id), " (ranks built against different NCCL versions?)");
   std::memcpy(&id, id_bytes.data(), sizeof(id));
 
   // Every rank is known to be alive right before the collective init (a missing rank times out in
@@ -239,8 +239,10 @@ World::~World() {
   // the outstanding work. A failure must not throw from a destructor.
   ncclResult_t state = ncclSuccess;
   const bool healthy = ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclSuccess;
-  if (healthy && ncclCommFinalize(comm_) == ncclSuccess) ncclCommDestroy(comm_);
-  else ncclCommAbort(comm_);
+  if (healthy && ncclCommFinalize(comm_) == ncclSuccess)
+    ncclCommDestroy(comm_);
+  else
+    ncclCommAbort(comm_);
 }
 
 void World::abort(const std::string& why) noexcept {
@@ -248,8 +250,10 @@ void World::abort(const std::string& why) noexcept {
   aborted_ = true;
   if (!owns_comm_) {
     // The caller's communicator is the caller's to abort (it would destroy it afterwards).
-    std::fprintf(stderr, "tdist: rank %d: the NCCL communicator passed to World has work that cannot finish (%s); "
-                 "abort it with ncclCommAbort rather than finalizing it\n", rank_, why.c_str());
+    std::fprintf(stderr,
+                 "tdist: rank %d: the NCCL communicator passed to World has work that cannot finish (%s); "
+                 "abort it with ncclCommAbort rather than finalizing it\n",
+                 rank_, why.c_str());
     return;
   }
   std::fprintf(stderr, "tdist: rank %d aborts its NCCL communicator: %s\n", rank_, why.c_str());
@@ -321,13 +325,14 @@ std::vector<Bytes> World::all_gather_nccl(const Bytes& mine) {
     TDIST_CUDA_CHECK(cudaFreeAsync(dev, stream));
     while (cudaStreamQuery(stream) == cudaErrorNotReady) {
       ncclResult_t state = ncclSuccess;
-      const bool failed = ncclCommGetAsyncError(comm_, &state) != ncclSuccess ||
-                          (state != ncclSuccess && state != ncclInProgress);
+      const bool failed =
+          ncclCommGetAsyncError(comm_, &state) != ncclSuccess || (state != ncclSuccess && state != ncclInProgress);
       if (failed || Clock::now() > deadline) {
         const std::string why =
-            failed ? detail::concat("host all-gather through NCCL failed on rank ", rank_, ": ", ncclGetErrorString(state))
-                   : detail::concat("host all-gather through NCCL did not finish within ", timeout_.count(),
-                                    " ms on rank ", rank_, ": a rank did not join or died");
+            failed
+                ? detail::concat("host all-gather through NCCL failed on rank ", rank_, ": ", ncclGetErrorString(state))
+                : detail::concat("host all-gather through NCCL did not finish within ", timeout_.count(),
+                                 " ms on rank ", rank_, ": a rank did not join or died");
         // The queued all-gather would never finish and would block every later NCCL call and the
         // finalize: abort the communicator; the stream then drains and is released.
         abort(why);

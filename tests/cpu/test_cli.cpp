@@ -52,7 +52,8 @@ Parser::Outcome parse(Bench& b, std::vector<std::string> args, bool launcher = f
 
 TEST(Cli, ValueForms) {
   Bench b;
-  EXPECT_EQ(parse(b, {"--iters", "7", "--op=all_gather", "-q", "--timeout=2.5", "--size", "64K"}), Parser::Outcome::kRun);
+  EXPECT_EQ(parse(b, {"--iters", "7", "--op=all_gather", "-q", "--timeout=2.5", "--size", "64K"}),
+            Parser::Outcome::kRun);
   EXPECT_EQ(b.iters, 7);
   EXPECT_EQ(b.op, "all_gather");
   EXPECT_TRUE(b.quick);

@@ -53,7 +53,8 @@ TEST(CollectiveSelect, AllReduceTable) {
   // Beyond the workspace: NCCL, never an error.
   EXPECT_EQ(select_all_reduce(shape(1024 * MiB), kLimits), AllReduceMethod::kNccl);
   EXPECT_EQ(select_all_reduce(shape(256 * MiB, 4), kLimits), AllReduceMethod::kCe);
-  EXPECT_EQ(select_all_reduce(shape(256 * MiB - 4, 4), kLimits), AllReduceMethod::kTwoShot);  // 2^27 - 2 elements, 4 ranks
+  EXPECT_EQ(select_all_reduce(shape(256 * MiB - 4, 4), kLimits),
+            AllReduceMethod::kTwoShot);                               // 2^27 - 2 elements, 4 ranks
   EXPECT_TRUE(feasible(AllReduceMethod::kCe, shape(6, 3), kLimits));  // 3 bf16 elements, one per rank
   EXPECT_FALSE(feasible(AllReduceMethod::kCe, shape(8, 3), kLimits));
   EXPECT_FALSE(feasible(AllReduceMethod::kCe, shape(256 * MiB + 12), kLimits));  // beyond the workspace
@@ -99,7 +100,7 @@ TEST(CollectiveSelect, AllGatherTable) {
   EXPECT_EQ(select_all_gather(shape(16 * MiB, 2, true, true), kLimits), AllGatherMethod::kSmPush);
   EXPECT_EQ(select_all_gather(shape(16 * MiB, 2, true, false), kLimits), AllGatherMethod::kSm);
   EXPECT_EQ(select_all_gather(shape(32 * MiB, 2, true, false), kLimits), AllGatherMethod::kCePull);
-  EXPECT_EQ(select_all_gather(shape(512 * MiB, 2), kLimits), AllGatherMethod::kSm);    // 256 MB per rank: fits
+  EXPECT_EQ(select_all_gather(shape(512 * MiB, 2), kLimits), AllGatherMethod::kSm);     // 256 MB per rank: fits
   EXPECT_EQ(select_all_gather(shape(1024 * MiB, 2), kLimits), AllGatherMethod::kNccl);  // 512 MB per rank: does not
   EXPECT_EQ(select_all_gather(shape(2048 * MiB, 2), kLimits), AllGatherMethod::kNccl);
   EXPECT_EQ(select_all_gather(shape(2048 * MiB, 2, true, false), kLimits), AllGatherMethod::kCePull);
@@ -157,7 +158,8 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
   EXPECT_EQ(resolve_all_reduce(AllReduceMethod::kAuto, "LL128", shape(4 * KiB), kLimits),
             AllReduceMethod::kLowLatency128);
   EXPECT_EQ(resolve_all_gather(AllGatherMethod::kAuto, "ce_push", shape(1 * MiB), kLimits), AllGatherMethod::kCePush);
-  EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, "ce", shape(1 * MiB), kLimits), ReduceScatterMethod::kCe);
+  EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, "ce", shape(1 * MiB), kLimits),
+            ReduceScatterMethod::kCe);
   EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, "LL", shape(4 * KiB), kLimits),
             ReduceScatterMethod::kLowLatency);
   EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, "nccl", shape(4 * KiB), kLimits),
@@ -167,21 +169,26 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
   EXPECT_EQ(resolve_reduce_scatter(ReduceScatterMethod::kAuto, nullptr, shape(4 * KiB), kLimits),
             ReduceScatterMethod::kLowLatency);
   // Bad names name the variable.
-  EXPECT_NE(error_of([] { resolve_all_reduce(AllReduceMethod::kAuto, "three_shot", shape(1 * KiB), kLimits); })
-                .find("TDIST_ALLREDUCE_METHOD"),
+  EXPECT_NE(error_of([] {
+              resolve_all_reduce(AllReduceMethod::kAuto, "three_shot", shape(1 * KiB), kLimits);
+            }).find("TDIST_ALLREDUCE_METHOD"),
             std::string::npos);
   EXPECT_NE(error_of([] { parse_all_gather_method("bogus"); }).find("method"), std::string::npos);
-  EXPECT_NE(error_of([] { parse_reduce_scatter_method("x", "TDIST_REDUCESCATTER_METHOD"); }).find("TDIST_REDUCESCATTER_METHOD"),
+  EXPECT_NE(error_of([] {
+              parse_reduce_scatter_method("x", "TDIST_REDUCESCATTER_METHOD");
+            }).find("TDIST_REDUCESCATTER_METHOD"),
             std::string::npos);
   // Infeasible explicit methods fail with the reason, naming the argument or the variable.
-  const std::string e1 = error_of([] { resolve_all_reduce(AllReduceMethod::kLowLatency, nullptr, shape(1 * MiB), kLimits); });
+  const std::string e1 =
+      error_of([] { resolve_all_reduce(AllReduceMethod::kLowLatency, nullptr, shape(1 * MiB), kLimits); });
   EXPECT_NE(e1.find("'method'"), std::string::npos) << e1;
   EXPECT_NE(e1.find("low-latency"), std::string::npos) << e1;
   const std::string e1b =
       error_of([] { resolve_all_reduce(AllReduceMethod::kLowLatency128, nullptr, shape(2 * MiB), kLimits); });
   EXPECT_NE(e1b.find("'method'"), std::string::npos) << e1b;
   EXPECT_NE(e1b.find("ll128_bytes"), std::string::npos) << e1b;
-  const std::string e2 = error_of([] { resolve_all_reduce(AllReduceMethod::kAuto, "one_shot", shape(1024 * MiB), kLimits); });
+  const std::string e2 =
+      error_of([] { resolve_all_reduce(AllReduceMethod::kAuto, "one_shot", shape(1024 * MiB), kLimits); });
   EXPECT_NE(e2.find("TDIST_ALLREDUCE_METHOD"), std::string::npos) << e2;
   EXPECT_NE(e2.find("workspace"), std::string::npos) << e2;
   EXPECT_NE(error_of([] { resolve_all_gather(AllGatherMethod::kCePush, nullptr, shape(1024 * MiB), kLimits); }), "");
@@ -201,13 +208,14 @@ TEST(CollectiveSelect, OverridesAndEnvironment) {
   EXPECT_NE(e6.find("'method'"), std::string::npos) << e6;
   EXPECT_NE(e6.find("'out' must be a symmetric buffer"), std::string::npos) << e6;
   EXPECT_TRUE(feasible(AllGatherMethod::kSmPush, shape(64 * MiB, 2, false, true), kLimits));
-  const std::string e5 = error_of([] { resolve_all_reduce(AllReduceMethod::kCe, nullptr, shape(6 * KiB + 2), kLimits); });
+  const std::string e5 =
+      error_of([] { resolve_all_reduce(AllReduceMethod::kCe, nullptr, shape(6 * KiB + 2), kLimits); });
   EXPECT_NE(e5.find("'method'"), std::string::npos) << e5;
   EXPECT_NE(e5.find("do not split evenly over 2 ranks"), std::string::npos) << e5;
   // Round trips of every name.
-  for (auto m : {AllReduceMethod::kAuto, AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot,
-                 AllReduceMethod::kLowLatency, AllReduceMethod::kLowLatency128, AllReduceMethod::kNccl,
-                 AllReduceMethod::kCe})
+  for (auto m :
+       {AllReduceMethod::kAuto, AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot, AllReduceMethod::kLowLatency,
+        AllReduceMethod::kLowLatency128, AllReduceMethod::kNccl, AllReduceMethod::kCe})
     EXPECT_EQ(parse_all_reduce_method(to_string(m)), m);
   for (auto m : {AllGatherMethod::kAuto, AllGatherMethod::kSm, AllGatherMethod::kSmPush, AllGatherMethod::kCePush,
                  AllGatherMethod::kCePull, AllGatherMethod::kLowLatency, AllGatherMethod::kNccl})
@@ -233,8 +241,9 @@ TEST(CollectiveSelect, ArgumentChecks) {
   EXPECT_NO_THROW(check_count("all_reduce", 1));
   alignas(16) static char buf[4096];
   EXPECT_NE(error_of([] { check_buffers("all_reduce", nullptr, 16, buf, 16, buf); }).find("'in'"), std::string::npos);
-  EXPECT_NE(error_of([] { check_buffers("all_reduce", buf, 16, nullptr, 16, nullptr); }).find("'out'"), std::string::npos);
-  EXPECT_NO_THROW(check_buffers("all_reduce", buf, 64, buf, 64, buf));           // in place
+  EXPECT_NE(error_of([] { check_buffers("all_reduce", buf, 16, nullptr, 16, nullptr); }).find("'out'"),
+            std::string::npos);
+  EXPECT_NO_THROW(check_buffers("all_reduce", buf, 64, buf, 64, buf));            // in place
   EXPECT_NO_THROW(check_buffers("all_reduce", buf, 64, buf + 64, 64, buf + 64));  // disjoint
   EXPECT_NE(error_of([] { check_buffers("all_reduce", buf, 64, buf + 32, 64, buf + 32); }).find("overlaps"),
             std::string::npos);
@@ -249,7 +258,8 @@ TEST(CollectiveSelect, ArgumentChecks) {
   // Zero-copy buffers lie wholly inside the heap or wholly outside.
   EXPECT_TRUE(check_symmetric_range("in", buf + 100, 100, buf, 1024));
   EXPECT_FALSE(check_symmetric_range("in", buf + 2048, 100, buf, 1024));
-  EXPECT_NE(error_of([] { check_symmetric_range("out", buf + 1000, 100, buf, 1024); }).find("'out'"), std::string::npos);
+  EXPECT_NE(error_of([] { check_symmetric_range("out", buf + 1000, 100, buf, 1024); }).find("'out'"),
+            std::string::npos);
   EXPECT_NE(error_of([] { check_symmetric_range("in", buf + 1000, 100, buf + 1024, 1024); }).find("'in'"),
             std::string::npos);
 }

@@ -24,9 +24,7 @@ namespace {
 
 const std::string kExamplesDir = std::string(TDIST_SOURCE_DIR) + "/examples";
 
-std::vector<jit::CompileRequest> tutorial_requests() {
-  return jit::load_manifest(kExamplesDir + "/kernels.manifest");
-}
+std::vector<jit::CompileRequest> tutorial_requests() { return jit::load_manifest(kExamplesDir + "/kernels.manifest"); }
 
 // The manifest's source path relative to examples/ ("01_notify_wait/notify_wait.cu").
 std::string relative_source(const jit::CompileRequest& request) {
@@ -106,4 +104,3 @@ TEST(ExamplesCompile, EveryKernelAProgramLooksUpIsInTheManifest) {
   }
   EXPECT_GE(lookups, 4);
 }
-

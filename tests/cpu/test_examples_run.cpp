@@ -16,8 +16,8 @@ namespace jit = tdist::jit;
 namespace {
 
 const std::string kBinaryDir = TDIST_BINARY_DIR;
-const char* const kPrograms[] = {"example_01_notify_wait", "example_02_allgather",
-                                 "example_03_low_latency_all_to_all", "example_04_gemm_wait_flags"};
+const char* const kPrograms[] = {"example_01_notify_wait", "example_02_allgather", "example_03_low_latency_all_to_all",
+                                 "example_04_gemm_wait_flags"};
 
 struct Result {
   int exit_code = -1;  // -1: killed by a signal

@@ -12,8 +12,8 @@
 #include <sstream>
 #include <string>
 
-#include "cpu/temp_dir.hpp"
 #include "cpu/errors.hpp"
+#include "cpu/temp_dir.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"
@@ -119,7 +119,8 @@ TEST(GemmTiles, ShippedTilesAreValidAndFit) {
   for (const GemmTile& t : tdist::gemm_tiles()) {
     SCOPED_TRACE(t.name());
     const unsigned bufs = kg::gemm_epi_buffers(t.block_m, t.block_n, t.block_k, t.stages, 2);
-    if (bufs == 1) EXPECT_GT(kg::gemm_smem_bytes_with(t.block_m, t.block_n, t.block_k, t.stages, 2, 2), kg::kMaxSmemBytes);
+    if (bufs == 1)
+      EXPECT_GT(kg::gemm_smem_bytes_with(t.block_m, t.block_n, t.block_k, t.stages, 2, 2), kg::kMaxSmemBytes);
   }
   expect_arg_error([] { tdist::check_gemm_tile({96, 256, 64, 4, 1}); }, "tile");
   expect_arg_error([] { tdist::check_gemm_tile({128, 264, 64, 4, 1}); }, "tile");
@@ -260,7 +261,8 @@ TEST(GemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
     const std::string ptx = read(e.path());
     const std::string file = e.path().filename().string();
     SCOPED_TRACE(file);
-    EXPECT_NE(ptx.find("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"), std::string::npos);
+    EXPECT_NE(ptx.find("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"),
+              std::string::npos);
     EXPECT_NE(ptx.find("mbarrier.try_wait.parity"), std::string::npos);
     EXPECT_NE(ptx.find(".f32.bf16.bf16"), std::string::npos);
     EXPECT_NE(ptx.find(".f32.f16.f16"), std::string::npos);
@@ -439,7 +441,11 @@ TEST(GroupedGemmArgs, ErrorsNameTheArgument) {
   expect_arg_error(with([](GroupedGemmArgs& a) { a.k = 68; }), "k");
   expect_arg_error(with([](GroupedGemmArgs& a) { a.num_groups = 0; }), "num_groups");
   expect_arg_error(with([](GroupedGemmArgs& a) { a.num_groups = -3; }), "num_groups");
-  expect_arg_error(with([](GroupedGemmArgs& a) { a.num_groups = 1 << 22; a.n = 1024; }), "num_groups");  // G N >= 2^31
+  expect_arg_error(with([](GroupedGemmArgs& a) {
+                     a.num_groups = 1 << 22;
+                     a.n = 1024;
+                   }),
+                   "num_groups");  // G N >= 2^31
   expect_arg_error(with([](GroupedGemmArgs& a) { a.lda = 64; }), "lda");
   expect_arg_error(with([](GroupedGemmArgs& a) { a.ldb = 76; }), "ldb");
   expect_arg_error(with([](GroupedGemmArgs& a) { a.ldd = 516; }), "ldd");
@@ -448,7 +454,8 @@ TEST(GroupedGemmArgs, ErrorsNameTheArgument) {
   expect_arg_error(with([](GroupedGemmArgs& a) { a.d = reinterpret_cast<void*>(0x30002); }), "d");
   expect_arg_error(with([](GroupedGemmArgs& a) { a.offsets = nullptr; }), "offsets");
   expect_arg_error(with([](GroupedGemmArgs& a) { a.offsets = reinterpret_cast<const void*>(0x40002); }), "offsets");
-  expect_arg_error(with([](GroupedGemmArgs& a) { a.offsets_type = tdist::IndexType::kInt64; }), "offsets");  // 4-aligned only
+  expect_arg_error(with([](GroupedGemmArgs& a) { a.offsets_type = tdist::IndexType::kInt64; }),
+                   "offsets");  // 4-aligned only
   // Schedule options.
   const GroupedGemmArgs ok = tdist::check_grouped_gemm_args(valid_grouped());
   expect_arg_error([&] { tdist::grouped_gemm_schedule(ok, GemmTile{}, {.group_m = 0}); }, "group_m");
@@ -576,7 +583,8 @@ TEST(GroupedGemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
     ++ptx_files;
     const std::string ptx = read(e.path());
     SCOPED_TRACE(e.path().filename().string());
-    EXPECT_NE(ptx.find("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"), std::string::npos);
+    EXPECT_NE(ptx.find("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"),
+              std::string::npos);
     EXPECT_NE(ptx.find("wgmma.wait_group.sync.aligned 1;"), std::string::npos);
     EXPECT_NE(ptx.find("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"), std::string::npos);
     EXPECT_EQ(ptx.find("st.local"), std::string::npos);

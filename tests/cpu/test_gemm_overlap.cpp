@@ -17,8 +17,8 @@
 #include "tdist/ops/gemm_overlap.hpp"
 
 using tdist::DType;
-using tdist::OverlapMethod;
 using tdist::OverlapComm;
+using tdist::OverlapMethod;
 using tdist::OverlapShape;
 
 using tdist::test::error_of;
@@ -107,10 +107,9 @@ TEST(OverlapChoice, NeverAutoAndDeterministic) {
     for (int world = 1; world <= 8; ++world) {
       for (const OverlapShape& s : shapes_for(op, world)) {
         const OverlapMethod m = tdist::choose_overlap_method(s);
-        EXPECT_NE(m, OverlapMethod::kAuto) << tdist::to_string(op) << " world " << world << " m " << s.m << " n "
-                                           << s.n << " k " << s.k;
-        EXPECT_TRUE(m == OverlapMethod::kFused || m == OverlapMethod::kChunked || no_overlap(m))
-            << static_cast<int>(m);
+        EXPECT_NE(m, OverlapMethod::kAuto)
+            << tdist::to_string(op) << " world " << world << " m " << s.m << " n " << s.n << " k " << s.k;
+        EXPECT_TRUE(m == OverlapMethod::kFused || m == OverlapMethod::kChunked || no_overlap(m)) << static_cast<int>(m);
         // The sequential method needs equal per-rank counts for AllGather / ReduceScatter.
         if (s.comm != OverlapComm::kAllReduceD && s.m % world != 0)
           EXPECT_NE(m, OverlapMethod::kSequential) << tdist::to_string(op) << " world " << world << " m " << s.m;
@@ -148,8 +147,12 @@ TEST(OverlapChoice, NoOverlapAtSmallM) {
                 << tdist::to_string(op) << " world " << world << " m " << m << " n = k = " << nk << ": "
                 << tdist::to_string(tdist::choose_overlap_method(s));
           }
-          OverlapShape llama{op, m, op == OverlapComm::kGatherA ? 14336 / world : 8192,
-                             op == OverlapComm::kGatherA ? 8192 : 14336 / world / 8 * 8, world, dtype};
+          OverlapShape llama{op,
+                             m,
+                             op == OverlapComm::kGatherA ? 14336 / world : 8192,
+                             op == OverlapComm::kGatherA ? 8192 : 14336 / world / 8 * 8,
+                             world,
+                             dtype};
           EXPECT_TRUE(no_overlap(tdist::choose_overlap_method(llama)))
               << tdist::to_string(op) << " world " << world << " m " << m << ": "
               << tdist::to_string(tdist::choose_overlap_method(llama));
@@ -303,8 +306,12 @@ TEST(AllGatherGemmArgs, ErrorsNameTheArgument) {
       expect_arg_error(with([](Args& a) { a.n = -8; }, none_c, world, rank), "n");
       // config.k (a multiple of 8) is the constructor's check (GPU test), not the per-call one.
       expect_arg_error(with([](Args& a) { a.n = 521; }, none_c, world, rank), "n");  // D's rows 16-byte multiples
-      expect_arg_error(with(none_a, [](Config& c) { c.dtype = DType::kFloat32; }, world, rank), "dtype");
-      expect_arg_error(with(none_a, [](Config& c) { c.dtype = static_cast<DType>(9); }, world, rank), "dtype");
+      expect_arg_error(with(
+                           none_a, [](Config& c) { c.dtype = DType::kFloat32; }, world, rank),
+                       "dtype");
+      expect_arg_error(with(
+                           none_a, [](Config& c) { c.dtype = static_cast<DType>(9); }, world, rank),
+                       "dtype");
       // Null pointers (m, n > 0; every rank owns at least one of the 1000 rows).
       expect_arg_error(with([](Args& a) { a.a_local = nullptr; }, none_c, world, rank), "a_local");
       expect_arg_error(with([](Args& a) { a.b = nullptr; }, none_c, world, rank), "b");
@@ -438,9 +445,7 @@ void reduce_checks(bool checks_d) {
 
 }  // namespace
 
-TEST(GemmReduceScatterArgs, AcceptsAndErrorsNameTheArgument) {
-  reduce_checks<tdist::GemmReduceScatterArgs>(false);
-}
+TEST(GemmReduceScatterArgs, AcceptsAndErrorsNameTheArgument) { reduce_checks<tdist::GemmReduceScatterArgs>(false); }
 
 TEST(GemmAllReduceArgs, AcceptsAndErrorsNameTheArgument) { reduce_checks<tdist::GemmAllReduceArgs>(true); }
 
@@ -467,6 +472,5 @@ TEST(OverlapHeapBytes, SumOfTheAllocations) {
   EXPECT_EQ(tdist::gemm_all_reduce_heap_bytes(rs, 2, 132), 256 * mib + 256 + coll + 16383 * 8192 * 2 + 256);
   // A small problem keeps a small workspace (twice its 1 KiB collective).
   const tdist::AllGatherGemmConfig tiny{.max_m = 8, .k = 64, .dtype = DType::kFloat16};
-  EXPECT_EQ(tdist::all_gather_gemm_heap_bytes(tiny, 2, 132),
-            1024 + 256 + 2048 + 4352 + 256 + 256 + 2 * mib + ll128);
+  EXPECT_EQ(tdist::all_gather_gemm_heap_bytes(tiny, 2, 132), 1024 + 256 + 2048 + 4352 + 256 + 256 + 2 * mib + ll128);
 }

@@ -169,7 +169,8 @@ template <typename Index>
 std::vector<Index> padded_offsets(const std::vector<u64>& counts) {
   std::vector<Index> o(counts.size() + 1, 0);
   for (size_t g = 0; g < counts.size(); ++g)
-    o[g + 1] = static_cast<Index>(o[g] + (counts[g] + kg::kGroupedAlignment - 1) / kg::kGroupedAlignment * kg::kGroupedAlignment);
+    o[g + 1] = static_cast<Index>(o[g] + (counts[g] + kg::kGroupedAlignment - 1) / kg::kGroupedAlignment *
+                                             kg::kGroupedAlignment);
   return o;
 }
 

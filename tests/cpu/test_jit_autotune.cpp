@@ -4,9 +4,9 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <filesystem>
 #include <fstream>
 #include <map>
-#include <filesystem>
 #include <string>
 
 #include "cpu/temp_dir.hpp"

@@ -8,8 +8,8 @@
 
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -79,8 +79,7 @@ TEST(JitCache, MemoryThenDiskHits) {
   EXPECT_TRUE(c->cubin == a->cubin);
   EXPECT_EQ(c->lowered_names, a->lowered_names);
   EXPECT_EQ(c->log, a->log);
-  std::printf("small kernel: cold %.1f ms, warm (memory) %.2f ms, warm (disk) %.2f ms\n", cold, warm_memory,
-              warm_disk);
+  std::printf("small kernel: cold %.1f ms, warm (memory) %.2f ms, warm (disk) %.2f ms\n", cold, warm_memory, warm_disk);
 }
 
 TEST(JitCache, FreshProcessReadsDisk) {
@@ -132,9 +131,9 @@ TEST(JitCache, CorruptEntriesAreRecompiled) {
   };
   recompile_after(bytes.substr(0, bytes.size() / 2));  // truncated
   std::string flipped = bytes;
-  flipped[bytes.size() / 2] ^= 0x40;                   // one byte changed inside the cubin
+  flipped[bytes.size() / 2] ^= 0x40;  // one byte changed inside the cubin
   recompile_after(flipped);
-  recompile_after("");                                 // empty file
+  recompile_after("");  // empty file
   std::string wrong_trailer = bytes;
   wrong_trailer.back() ^= 1;
   recompile_after(wrong_trailer);

@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include <fstream>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "cpu/temp_dir.hpp"
@@ -40,7 +40,11 @@ jit::CompileRequest base_request(const TempDir& inc) {
   return r;
 }
 
-bool is_elf(const std::string& b) { return b.size() > 4 && b.compare(0, 4, "\x7f" "ELF") == 0; }
+bool is_elf(const std::string& b) {
+  return b.size() > 4 && b.compare(0, 4,
+                                   "\x7f"
+                                   "ELF") == 0;
+}
 
 }  // namespace
 
@@ -165,9 +169,10 @@ TEST(JitCompile, SpillsDetectedAndFailWhenAsked) {
   unsetenv("TDIST_JIT_FAIL_ON_SPILLS");
 
   std::int64_t st = 0, ld = 0;
-  jit::parse_spills("ptxas . 8 bytes stack frame, 12 bytes spill stores, 20 bytes spill loads\n"
-                    "ptxas . 0 bytes stack frame, 4 bytes spill stores, 0 bytes spill loads\n",
-                    st, ld);
+  jit::parse_spills(
+      "ptxas . 8 bytes stack frame, 12 bytes spill stores, 20 bytes spill loads\n"
+      "ptxas . 0 bytes stack frame, 4 bytes spill stores, 0 bytes spill loads\n",
+      st, ld);
   EXPECT_EQ(st, 16);
   EXPECT_EQ(ld, 20);
 }

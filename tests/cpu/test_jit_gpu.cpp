@@ -154,8 +154,7 @@ TEST(JitGpu, ClusterLaunch) {
   const int blocks = 8;
   unsigned* d = nullptr;
   CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&d), blocks * sizeof(unsigned)));
-  jit::launch(m->kernel("cluster_rank"), {.grid = {blocks}, .block = {64}, .cluster = {2}},
-              (jit::make_args(d)));
+  jit::launch(m->kernel("cluster_rank"), {.grid = {blocks}, .block = {64}, .cluster = {2}}, (jit::make_args(d)));
   std::vector<unsigned> h(blocks);
   CUDA_OK(cudaMemcpy(h.data(), d, blocks * sizeof(unsigned), cudaMemcpyDeviceToHost));
   for (int b = 0; b < blocks; ++b) EXPECT_EQ(h[b], unsigned((b % 2) * 100 + 2)) << "block " << b;

@@ -4,8 +4,8 @@
 #include <stdlib.h>
 
 #include <cstdio>
-#include <fstream>
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "cpu/temp_dir.hpp"
@@ -82,8 +82,8 @@ TEST(JitTools, ManifestParses) {
   EXPECT_EQ(reqs[1].constants[0].value, "3");
   EXPECT_EQ(reqs[1].flags, std::vector<std::string>{"-maxrregcount=64"});
 
-  EXPECT_THROW(jit::parse_manifest("[kernel]\nname = x\n", "."), tdist::Error);            // no source
-  EXPECT_THROW(jit::parse_manifest("source = a.cu\n", "."), tdist::Error);                 // no section
+  EXPECT_THROW(jit::parse_manifest("[kernel]\nname = x\n", "."), tdist::Error);  // no source
+  EXPECT_THROW(jit::parse_manifest("source = a.cu\n", "."), tdist::Error);       // no section
   EXPECT_THROW(jit::parse_manifest("[kernel]\nsource = /nonexistent.cu\n", "."), tdist::Error);
   try {
     jit::parse_manifest("[kernel]\nbogus = 1\n", ".", "m.txt");
@@ -97,8 +97,8 @@ TEST(JitTools, CompileToolFillsCacheFromManifest) {
   TempDir proj, cache_dir;
   write_project(proj);
   int code = 0;
-  std::string out = run(kTool + " --arch sm_90a --cache-dir " + cache_dir.path + " " + proj.file("kernels.manifest"),
-                        code);
+  std::string out =
+      run(kTool + " --arch sm_90a --cache-dir " + cache_dir.path + " " + proj.file("kernels.manifest"), code);
   ASSERT_EQ(code, 0) << out;
   EXPECT_NE(out.find("2 ok, 0 failed"), std::string::npos) << out;
 

@@ -38,12 +38,16 @@ class ScopedEnv {
  public:
   ScopedEnv(const char* name, std::optional<std::string> value) : name_(name) {
     if (const char* old = std::getenv(name)) old_ = old;
-    if (value) ::setenv(name, value->c_str(), 1);
-    else ::unsetenv(name);
+    if (value)
+      ::setenv(name, value->c_str(), 1);
+    else
+      ::unsetenv(name);
   }
   ~ScopedEnv() {
-    if (old_) ::setenv(name_, old_->c_str(), 1);
-    else ::unsetenv(name_);
+    if (old_)
+      ::setenv(name_, old_->c_str(), 1);
+    else
+      ::unsetenv(name_);
   }
   ScopedEnv(const ScopedEnv&) = delete;
   ScopedEnv& operator=(const ScopedEnv&) = delete;
@@ -196,8 +200,7 @@ TEST(JitTrust, TmpFallbackMustBeOwnAndPrivate) {
 TEST(JitTrust, NvccEnvironmentFlagsEnterTheKey) {
   jit::CompileRequest r = small_kernel();
   r.compiler = jit::CompilerKind::kNvcc;
-  ScopedEnv a("NVCC_APPEND_FLAGS", std::nullopt), p("NVCC_PREPEND_FLAGS", std::nullopt),
-      c("NVCC_CCBIN", std::nullopt);
+  ScopedEnv a("NVCC_APPEND_FLAGS", std::nullopt), p("NVCC_PREPEND_FLAGS", std::nullopt), c("NVCC_CCBIN", std::nullopt);
   const jit::Digest base = jit::cache_key(r);
   EXPECT_EQ(jit::cache_key(r), base);
   {
@@ -276,8 +279,10 @@ TEST(JitTrust, NvrtcDigestMemoIsTrustedOnlyWhenOwn) {
     text = text.substr(0, text.size() - 64) + zeros;
     std::filesystem::remove(e.path());
     jit::write_file_atomic(e.path(), text, cache.path + "/tmp");
-    if (::geteuid() == 0) ASSERT_EQ(::chown(e.path().c_str(), kOtherUid, kOtherUid), 0);
-    else ASSERT_EQ(::chmod(e.path().c_str(), 0666), 0);
+    if (::geteuid() == 0)
+      ASSERT_EQ(::chown(e.path().c_str(), kOtherUid, kOtherUid), 0);
+    else
+      ASSERT_EQ(::chmod(e.path().c_str(), 0666), 0);
   }
   const std::string again = identity_in_fresh_process(cache.path);
   EXPECT_EQ(again, first);

@@ -35,8 +35,12 @@ void expect_error(const Vars& vars, const std::vector<std::string>& fragments) {
   }
 }
 
-const Vars kTorchrun = {{"RANK", "5"},         {"WORLD_SIZE", "8"},          {"LOCAL_RANK", "1"},
-                        {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "1234"}};
+const Vars kTorchrun = {{"RANK", "5"},
+                        {"WORLD_SIZE", "8"},
+                        {"LOCAL_RANK", "1"},
+                        {"LOCAL_WORLD_SIZE", "4"},
+                        {"MASTER_ADDR", "node7"},
+                        {"MASTER_PORT", "1234"}};
 
 Vars with(Vars base, const Vars& changes) {
   for (const auto& [k, v] : changes) base[k] = v;
@@ -120,14 +124,18 @@ TEST(LaunchEnv, OutOfRangeValues) {
 TEST(LaunchEnv, FirstMatchWins) {
   Vars all = with(kTorchrun, {{"OMPI_COMM_WORLD_RANK", "0"}, {"SLURM_PROCID", "0"}});
   EXPECT_EQ(parse(all).launcher, "torchrun");
-  Vars mpi_and_slurm = {{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
-                        {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+  Vars mpi_and_slurm = {{"OMPI_COMM_WORLD_RANK", "1"},
+                        {"OMPI_COMM_WORLD_SIZE", "2"},
+                        {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                        {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
                         {"SLURM_PROCID", "0"}};
   EXPECT_EQ(parse(mpi_and_slurm).launcher, "openmpi");
 }
 
-const Vars kOpenMpi = {{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
-                       {"OMPI_COMM_WORLD_LOCAL_RANK", "3"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
+const Vars kOpenMpi = {{"OMPI_COMM_WORLD_RANK", "3"},
+                       {"OMPI_COMM_WORLD_SIZE", "4"},
+                       {"OMPI_COMM_WORLD_LOCAL_RANK", "3"},
+                       {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
 
 TEST(LaunchEnv, OpenMpiOnOneNode) {
   LaunchEnv env = parse(kOpenMpi);
@@ -197,8 +205,11 @@ TEST(LaunchEnv, SlurmTasksPerNodeForms) {
   EXPECT_EQ(parse(with(kSlurm, {{"SLURM_TASKS_PER_NODE", "1"}})).local_world_size, 3);
 
   // One node: SLURM_NODEID may be absent.
-  Vars one_node = {{"SLURM_PROCID", "2"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "2"},
-                   {"SLURM_TASKS_PER_NODE", "4"}, {"SLURM_NODELIST", "solo"}};
+  Vars one_node = {{"SLURM_PROCID", "2"},
+                   {"SLURM_NTASKS", "4"},
+                   {"SLURM_LOCALID", "2"},
+                   {"SLURM_TASKS_PER_NODE", "4"},
+                   {"SLURM_NODELIST", "solo"}};
   LaunchEnv env = parse(one_node);
   EXPECT_EQ(env.local_world_size, 4);
   EXPECT_EQ(env.master_addr, "solo");
@@ -238,7 +249,8 @@ TEST(LaunchEnv, SlurmMasterAndPort) {
   EXPECT_EQ(parse(job_list).master_addr, "a100-07");
   // The derived port is the same on every rank of a job and differs across jobs.
   const int port = parse(kSlurm).master_port;
-  EXPECT_EQ(parse(with(kSlurm, {{"SLURM_PROCID", "0"}, {"SLURM_NODEID", "0"}, {"SLURM_LOCALID", "0"}})).master_port, port);
+  EXPECT_EQ(parse(with(kSlurm, {{"SLURM_PROCID", "0"}, {"SLURM_NODEID", "0"}, {"SLURM_LOCALID", "0"}})).master_port,
+            port);
   std::set<int> ports;
   for (int job = 1000; job < 1020; ++job) {
     const int p = parse(with(kSlurm, {{"SLURM_JOB_ID", std::to_string(job)}})).master_port;
@@ -294,9 +306,12 @@ TEST(LaunchEnv, MakeLaunchEnv) {
 }
 
 TEST(LaunchEnv, FromProcessEnvironment) {
-  const std::vector<std::pair<std::string, std::string>> vars = {
-      {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
-      {"MASTER_ADDR", "127.0.0.2"}, {"MASTER_PORT", "23456"}};
+  const std::vector<std::pair<std::string, std::string>> vars = {{"RANK", "1"},
+                                                                 {"WORLD_SIZE", "2"},
+                                                                 {"LOCAL_RANK", "1"},
+                                                                 {"LOCAL_WORLD_SIZE", "2"},
+                                                                 {"MASTER_ADDR", "127.0.0.2"},
+                                                                 {"MASTER_PORT", "23456"}};
   std::vector<std::pair<std::string, std::optional<std::string>>> saved;
   for (const auto& [name, value] : vars) {
     const char* old = std::getenv(name.c_str());
@@ -305,8 +320,10 @@ TEST(LaunchEnv, FromProcessEnvironment) {
   }
   LaunchEnv env = tdist::launch_env_from_process();
   for (const auto& [name, old] : saved) {
-    if (old) setenv(name.c_str(), old->c_str(), 1);
-    else unsetenv(name.c_str());
+    if (old)
+      setenv(name.c_str(), old->c_str(), 1);
+    else
+      unsetenv(name.c_str());
   }
   EXPECT_EQ(env.launcher, "torchrun");
   EXPECT_EQ(env.rank, 1);

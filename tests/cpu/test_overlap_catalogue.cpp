@@ -39,8 +39,10 @@ TEST(OverlapCatalogue, HoldsTheOpsSortedAndWellFormed) {
     ASSERT_LE(op->num_operands(), kMaxOverlapOperands) << op->name;
     bool seen_output = false;
     for (const OperandTraits& o : op->operands) {
-      if (o.role != OperandRole::kInput) seen_output = true;
-      else EXPECT_FALSE(seen_output) << op->name << ": input '" << o.name << "' after an output";
+      if (o.role != OperandRole::kInput)
+        seen_output = true;
+      else
+        EXPECT_FALSE(seen_output) << op->name << ": input '" << o.name << "' after an output";
       EXPECT_EQ(op->operand_index(o.name), &o - op->operands.data()) << op->name << " " << o.name;
     }
     EXPECT_TRUE(seen_output) << op->name;
@@ -105,8 +107,7 @@ TEST(OverlapCatalogue, CallChecksNameTheArgument) {
   c = call_of(ag, 1, 24, 264);  // rank 1 owns no row of M = 1
   c.operands[0] = nullptr;
   EXPECT_NO_THROW(check_overlap_call(ag, DType::kBFloat16, c, 2, 1));
-  EXPECT_NE(error_of([&] { check_overlap_call(ag, DType::kBFloat16, c, 2, 0); }).find("'a_local'"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { check_overlap_call(ag, DType::kBFloat16, c, 2, 0); }).find("'a_local'"), std::string::npos);
 }
 
 TEST(OverlapCatalogue, ContextConfigsAndServing) {

@@ -12,9 +12,9 @@
 #include "tdist/common/checked.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
-#include "tdist/runtime/wait_config.hpp"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
+#include "tdist/runtime/wait_config.hpp"
 
 namespace env = tdist::env;
 
@@ -39,12 +39,16 @@ struct ScopedEnv {
   std::optional<std::string> old;
   ScopedEnv(const char* n, const char* v) : name(n) {
     if (const char* o = std::getenv(n)) old = o;
-    if (v) setenv(n, v, 1);
-    else unsetenv(n);
+    if (v)
+      setenv(n, v, 1);
+    else
+      unsetenv(n);
   }
   ~ScopedEnv() {
-    if (old) setenv(name, old->c_str(), 1);
-    else unsetenv(name);
+    if (old)
+      setenv(name, old->c_str(), 1);
+    else
+      unsetenv(name);
   }
 };
 
@@ -55,10 +59,10 @@ TEST(Settings, IntegersAreDecimalAndBounded) {
   EXPECT_EQ(env::parse_int("TDIST_X", "10", 0, 10), 10);
   EXPECT_EQ(env::parse_int("TDIST_X", "-3", -5, 5), -3);
   EXPECT_EQ(env::parse_int("TDIST_X", "-9223372036854775808", INT64_MIN, 0), INT64_MIN);
-  for (const char* bad : {"", "11", "-1", "0x10", "010x", "1e3", "+5", " 5", "5 ", "5\n", "abc", "1.5",
-                          "99999999999999999999", "-"})
-    expect_error([&] { env::parse_int("TDIST_X", bad, 0, 10); },
-                 {"TDIST_X", "from 0 to 10"}, std::string("int '") + bad + "'");
+  for (const char* bad :
+       {"", "11", "-1", "0x10", "010x", "1e3", "+5", " 5", "5 ", "5\n", "abc", "1.5", "99999999999999999999", "-"})
+    expect_error([&] { env::parse_int("TDIST_X", bad, 0, 10); }, {"TDIST_X", "from 0 to 10"},
+                 std::string("int '") + bad + "'");
   expect_error([] { env::parse_int("TDIST_X", "-6", -5, 5); }, {"TDIST_X='-6'"}, "below min");
 }
 
@@ -66,8 +70,8 @@ TEST(Settings, DurationsAreDecimalSecondsWithinBounds) {
   EXPECT_DOUBLE_EQ(env::parse_seconds("TDIST_T", "2.5", 0.001, 86400), 2.5);
   EXPECT_DOUBLE_EQ(env::parse_seconds("TDIST_T", "0.001", 0.001, 86400), 0.001);
   EXPECT_DOUBLE_EQ(env::parse_seconds("TDIST_T", "86400", 0.001, 86400), 86400);
-  for (const char* bad : {"1e-9", "0", "0.0001", "9936000", "86400.5", "0x10", "-1", "+1", "inf", "nan",
-                          "1e3", ".5", "5.", "5s", "1,5", " 1"})
+  for (const char* bad : {"1e-9", "0", "0.0001", "9936000", "86400.5", "0x10", "-1", "+1", "inf", "nan", "1e3", ".5",
+                          "5.", "5s", "1,5", " 1"})
     expect_error([&] { env::parse_seconds("TDIST_T", bad, 0.001, 86400); },
                  {"TDIST_T", std::string("'") + bad + "'", "seconds"}, std::string("seconds '") + bad + "'");
 }
@@ -78,8 +82,8 @@ TEST(Settings, SizesCannotWrap) {
   EXPECT_EQ(env::parse_size("TDIST_S", "1048576", 1, kMax), 1048576ull);
   EXPECT_EQ(env::parse_size("TDIST_S", "16777215T", 1, kMax), 16777215ull << 40);
   // 17179869185 G is 2^64 + 1 GiB: it once wrapped to 1 GiB.
-  for (const char* bad : {"17179869185G", "16777216T", "18446744073709551616", "0", "12X", "M", "1.5G",
-                          "-1G", "0x10", "1 G", "1GB"})
+  for (const char* bad :
+       {"17179869185G", "16777216T", "18446744073709551616", "0", "12X", "M", "1.5G", "-1G", "0x10", "1 G", "1GB"})
     expect_error([&] { env::parse_size("TDIST_S", bad, 1, kMax); }, {"TDIST_S", std::string("'") + bad + "'"},
                  std::string("size '") + bad + "'");
   expect_error([] { env::parse_size("TDIST_S", "2T", 1, 1ull << 40); }, {"TDIST_S", "1099511627776"}, "above max");
@@ -99,8 +103,11 @@ TEST(Settings, BooleansAndChoices) {
   for (const char* bad : {"2", "yes please", "tru", " 1", "-1"})
     expect_error([&] { env::parse_bool("TDIST_B", bad); }, {"TDIST_B", "true"}, bad);
   EXPECT_EQ(env::parse_choice("TDIST_C", "nvcc", {"auto", "nvrtc", "nvcc"}), "nvcc");
-  expect_error([] { env::parse_choice("TDIST_C", "NVCC ", {"auto", "nvrtc", "nvcc"}); },
-               {"TDIST_C", "one of auto, nvrtc, nvcc"}, "choice");
+  expect_error(
+      [] {
+        env::parse_choice("TDIST_C", "NVCC ", {"auto", "nvrtc", "nvcc"});
+      },
+      {"TDIST_C", "one of auto, nvrtc, nvcc"}, "choice");
 }
 
 TEST(Settings, ProcessSettingsNameTheVariable) {

@@ -81,10 +81,23 @@ int connect_raw(int port) {
 
 struct Frame {
   Bytes b = Bytes(4, 0);
-  Frame& u8(uint8_t v) { b.push_back(v); return *this; }
-  Frame& u32(uint32_t v) { for (int i = 0; i < 4; ++i) b.push_back(uint8_t(v >> (8 * i))); return *this; }
-  Frame& u64(uint64_t v) { for (int i = 0; i < 8; ++i) b.push_back(uint8_t(v >> (8 * i))); return *this; }
-  Frame& str(const std::string& s) { u32(uint32_t(s.size())); b.insert(b.end(), s.begin(), s.end()); return *this; }
+  Frame& u8(uint8_t v) {
+    b.push_back(v);
+    return *this;
+  }
+  Frame& u32(uint32_t v) {
+    for (int i = 0; i < 4; ++i) b.push_back(uint8_t(v >> (8 * i)));
+    return *this;
+  }
+  Frame& u64(uint64_t v) {
+    for (int i = 0; i < 8; ++i) b.push_back(uint8_t(v >> (8 * i)));
+    return *this;
+  }
+  Frame& str(const std::string& s) {
+    u32(uint32_t(s.size()));
+    b.insert(b.end(), s.begin(), s.end());
+    return *this;
+  }
   Bytes done() {
     const uint32_t len = uint32_t(b.size() - 4);
     for (int i = 0; i < 4; ++i) b[i] = uint8_t(len >> (8 * i));
@@ -185,12 +198,16 @@ struct ScopedEnv {
   std::optional<std::string> old;
   ScopedEnv(const char* n, std::optional<std::string> v) : name(n) {
     if (const char* o = std::getenv(n)) old = o;
-    if (v) setenv(n, v->c_str(), 1);
-    else unsetenv(n);
+    if (v)
+      setenv(n, v->c_str(), 1);
+    else
+      unsetenv(n);
   }
   ~ScopedEnv() {
-    if (old) setenv(name, old->c_str(), 1);
-    else unsetenv(name);
+    if (old)
+      setenv(name, old->c_str(), 1);
+    else
+      unsetenv(name);
   }
 };
 

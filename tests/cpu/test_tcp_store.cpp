@@ -152,8 +152,7 @@ bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
-#define EXPECT_CONTAINS(haystack, needle) \
-  EXPECT_PRED2(contains, haystack, needle)
+#define EXPECT_CONTAINS(haystack, needle) EXPECT_PRED2(contains, haystack, needle)
 
 // A check inside a child: on mismatch the step throws, so the parent sees what differed.
 void require(bool ok, const std::string& what) {
@@ -182,7 +181,8 @@ TEST(TcpStore, OperationsAcrossFourRanks) {
         std::vector<Bytes> all = store.all_gather("ranks", Bytes(static_cast<size_t>(r + 1), uint8_t(r)));
         require(all.size() == n, "all_gather size");
         for (int i = 0; i < n; ++i)
-          require(all[i] == Bytes(static_cast<size_t>(i + 1), uint8_t(i)), "all_gather value of rank " + std::to_string(i));
+          require(all[i] == Bytes(static_cast<size_t>(i + 1), uint8_t(i)),
+                  "all_gather value of rank " + std::to_string(i));
         store.set("key0", bytes("overwritten"));  // set replaces
         store.barrier("end");
         require(text(store.get("key0")) == "overwritten", "overwritten value");
@@ -275,10 +275,18 @@ TEST(TcpStore, UnreachableMasterTimesOut) {
 TEST(TcpStore, LateRankIsWaitedFor) {
   // Rank 1 starts 500 ms after rank 0: rank 1 retries connecting, rank 0 waits at the join.
   const int port = free_port();
-  auto out = run_processes({[=] { return timed([&] { TcpStore s(options(port, 0, 2)); s.barrier("b"); }); },
+  auto out = run_processes({[=] {
+                              return timed([&] {
+                                TcpStore s(options(port, 0, 2));
+                                s.barrier("b");
+                              });
+                            },
                             [=] {
                               std::this_thread::sleep_for(500ms);
-                              return timed([&] { TcpStore s(options(port, 1, 2)); s.barrier("b"); });
+                              return timed([&] {
+                                TcpStore s(options(port, 1, 2));
+                                s.barrier("b");
+                              });
                             }});
   for (const Outcome& o : out) EXPECT_EQ(o.kind, "ok") << o.message;
 }
@@ -287,8 +295,7 @@ TEST(TcpStore, RanksThatNeverJoinAreNamed) {
   const int port = free_port();
   // World of 4, but rank 2 is never started.
   std::vector<std::function<Outcome()>> ranks;
-  for (int r : {0, 1, 3})
-    ranks.push_back([=] { return timed([&] { TcpStore s(options(port, r, 4, 1s)); }); });
+  for (int r : {0, 1, 3}) ranks.push_back([=] { return timed([&] { TcpStore s(options(port, r, 4, 1s)); }); });
   for (const Outcome& o : run_processes(ranks)) {
     EXPECT_EQ(o.kind, "timeout") << o.message;
     EXPECT_CONTAINS(o.message, "ranks that never joined: 2 ");
@@ -349,7 +356,7 @@ TEST(TcpStore, DeadRankMakesOthersFailFast) {
       if (r == 3) {
         new TcpStore(options(port, r, n, 10s));
         std::this_thread::sleep_for(200ms);  // the others are in the barrier by now
-        _exit(0);  // dies without a clean shutdown
+        _exit(0);                            // dies without a clean shutdown
       }
       Outcome in_barrier, later;
       Outcome whole = timed([&] {
@@ -402,24 +409,23 @@ TEST(TcpStore, RankZeroDeathMakesClientsFailFast) {
 TEST(TcpStore, CleanExitIsNotADeath) {
   // Rank 1 leaves cleanly before rank 0 finishes; rank 0 keeps working and is not told of a death.
   const int port = free_port();
-  auto out = run_processes(
-      {[=] {
-         return timed([&] {
-           TcpStore store(options(port, 0, 2));
-           store.barrier("b");
-           std::this_thread::sleep_for(300ms);
-           require(text(store.get("from1")) == "bye", "value left by rank 1");
-           store.set("x", bytes("y"));
-           require(text(store.get("x")) == "y", "rank 0 still works alone");
-         });
-       },
-       [=] {
-         return timed([&] {
-           TcpStore store(options(port, 1, 2));
-           store.set("from1", bytes("bye"));
-           store.barrier("b");
-         });
-       }});
+  auto out = run_processes({[=] {
+                              return timed([&] {
+                                TcpStore store(options(port, 0, 2));
+                                store.barrier("b");
+                                std::this_thread::sleep_for(300ms);
+                                require(text(store.get("from1")) == "bye", "value left by rank 1");
+                                store.set("x", bytes("y"));
+                                require(text(store.get("x")) == "y", "rank 0 still works alone");
+                              });
+                            },
+                            [=] {
+                              return timed([&] {
+                                TcpStore store(options(port, 1, 2));
+                                store.set("from1", bytes("bye"));
+                                store.barrier("b");
+                              });
+                            }});
   for (const Outcome& o : out) EXPECT_EQ(o.kind, "ok") << o.message;
 }
 
@@ -538,15 +544,17 @@ TEST(TcpStore, DefaultTimeoutFromEnvironment) {
   setenv("TDIST_HOST_TIMEOUT_S", "", 1);  // empty means unset, as for every TDIST_* setting
   EXPECT_EQ(TcpStoreOptions::default_timeout(), 300s);
   // Decimal only, bounded to (0.001 s, 1 day): hex, exponents, signs and 115 days are refused.
-  for (const char* bad : {"abc", "0", "-1", "5s", " 5", "nan", "inf", "1e300", "1e-9", "0x10", "+5",
-                          "0.0001", "9936000", "2.", ".5x"}) {
+  for (const char* bad :
+       {"abc", "0", "-1", "5s", " 5", "nan", "inf", "1e300", "1e-9", "0x10", "+5", "0.0001", "9936000", "2.", ".5x"}) {
     setenv("TDIST_HOST_TIMEOUT_S", bad, 1);
     Outcome o = timed([] { TcpStoreOptions::default_timeout(); });
     EXPECT_EQ(o.kind, "error") << bad;
     EXPECT_CONTAINS(o.message, std::string("TDIST_HOST_TIMEOUT_S='") + bad + "'");
   }
-  if (old) setenv("TDIST_HOST_TIMEOUT_S", saved.c_str(), 1);
-  else unsetenv("TDIST_HOST_TIMEOUT_S");
+  if (old)
+    setenv("TDIST_HOST_TIMEOUT_S", saved.c_str(), 1);
+  else
+    unsetenv("TDIST_HOST_TIMEOUT_S");
 }
 
 TEST(TcpStore, StrangerOnThePortDoesNotDisturb) {

@@ -78,8 +78,7 @@ class Tdistrun : public ::testing::Test {
 
   pid_t read_pid(const std::string& name) const {
     std::string text;
-    if (!wait_until([&] { return !(text = read_file(path(name))).empty() && text.back() == '\n'; }, 5s))
-      return -1;
+    if (!wait_until([&] { return !(text = read_file(path(name))).empty() && text.back() == '\n'; }, 5s)) return -1;
     return static_cast<pid_t>(std::stol(text));
   }
 
@@ -156,8 +155,8 @@ TEST_F(Tdistrun, SetsTheEnvironmentOfEveryRank) {
       "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
       "$NCCL_NVLS_ENABLE $NVSHMEM_DISABLE_NVLS $TORCH_SYMM_MEM_DISABLE_MULTICAST $KEPT\"";
   // Stale launch variables are replaced; the user's own variables are kept.
-  Result r = run({"-n", "3", "--master-port", "23456", "--", "sh", "-c", print},
-                 {"RANK=7", "WORLD_SIZE=9", "KEPT=yes"});
+  Result r =
+      run({"-n", "3", "--master-port", "23456", "--", "sh", "-c", print}, {"RANK=7", "WORLD_SIZE=9", "KEPT=yes"});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   for (int rank = 0; rank < 3; ++rank) {
     const std::string R = std::to_string(rank);
@@ -205,8 +204,8 @@ TEST_F(Tdistrun, SuccessExitsZeroQuietly) {
 
 TEST_F(Tdistrun, FailingRankStopsTheOthers) {
   // Rank 0 records its pid and sleeps; rank 1 fails once rank 0 is up.
-  const std::string script = "if [ $RANK = 0 ]; then echo $$ > " + path("pid0.tmp") + "; mv " + path("pid0.tmp") +
-                             " " + path("pid0") + "; exec sleep 60; fi; while [ ! -f " + path("pid0") +
+  const std::string script = "if [ $RANK = 0 ]; then echo $$ > " + path("pid0.tmp") + "; mv " + path("pid0.tmp") + " " +
+                             path("pid0") + "; exec sleep 60; fi; while [ ! -f " + path("pid0") +
                              " ]; do sleep 0.05; done; exit 3";
   Result r = run({"-n", "2", "sh", "-c", script});
   EXPECT_EQ(r.exit_code, 3) << r.err;
@@ -242,8 +241,8 @@ TEST_F(Tdistrun, ProgramThatCannotStart) {
 
 TEST_F(Tdistrun, ForwardsSigterm) {
   // Each rank handles SIGTERM by printing and exiting 0.
-  const std::string script = "trap 'echo got TERM; exit 0' TERM; touch " + path("ready") +
-                             "$RANK; while :; do sleep 0.05; done";
+  const std::string script =
+      "trap 'echo got TERM; exit 0' TERM; touch " + path("ready") + "$RANK; while :; do sleep 0.05; done";
   Result r = run({"-n", "2", "sh", "-c", script}, {}, [&](pid_t launcher) {
     ASSERT_TRUE(wait_until([&] { return fs::exists(path("ready0")) && fs::exists(path("ready1")); }, 5s));
     kill(launcher, SIGTERM);
@@ -256,12 +255,11 @@ TEST_F(Tdistrun, ForwardsSigterm) {
 }
 
 TEST_F(Tdistrun, ForwardsSigint) {
-  Result r = run({"-n", "2", "sh", "-c", "touch " + path("ready") + "$RANK; exec sleep 60"}, {},
-                 [&](pid_t launcher) {
-                   ASSERT_TRUE(wait_until([&] { return fs::exists(path("ready0")) && fs::exists(path("ready1")); }, 5s));
-                   std::this_thread::sleep_for(100ms);  // let the ranks reach exec
-                   kill(launcher, SIGINT);
-                 });
+  Result r = run({"-n", "2", "sh", "-c", "touch " + path("ready") + "$RANK; exec sleep 60"}, {}, [&](pid_t launcher) {
+    ASSERT_TRUE(wait_until([&] { return fs::exists(path("ready0")) && fs::exists(path("ready1")); }, 5s));
+    std::this_thread::sleep_for(100ms);  // let the ranks reach exec
+    kill(launcher, SIGINT);
+  });
   EXPECT_EQ(r.exit_code, 128 + SIGINT) << r.err;
   EXPECT_LT(r.seconds, 6.0);
 }
@@ -291,8 +289,8 @@ TEST_F(Tdistrun, SigkillAfterGracePeriod) {
 
 TEST_F(Tdistrun, KillsLeftoverChildrenOfARank) {
   // A rank leaves a background child in its process group and exits 0; it must not survive.
-  const std::string script = "sleep 60 & echo $! > " + path("child.tmp") + "; mv " + path("child.tmp") + " " +
-                             path("child") + "; exit 0";
+  const std::string script =
+      "sleep 60 & echo $! > " + path("child.tmp") + "; mv " + path("child.tmp") + " " + path("child") + "; exit 0";
   Result r = run({"-n", "1", "sh", "-c", script});
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_LT(r.seconds, 4.0);
@@ -303,8 +301,9 @@ TEST_F(Tdistrun, KillsLeftoverChildrenOfARank) {
 
 TEST_F(Tdistrun, RanksDieWithTheLauncher) {
   std::vector<pid_t> ranks;
-  Result r = run({"-n", "2", "sh", "-c", "echo $$ > " + path("pid") + "$RANK.tmp; mv " + path("pid") + "$RANK.tmp " +
-                                             path("pid") + "$RANK; exec sleep 60"},
+  Result r = run({"-n", "2", "sh", "-c",
+                  "echo $$ > " + path("pid") + "$RANK.tmp; mv " + path("pid") + "$RANK.tmp " + path("pid") +
+                      "$RANK; exec sleep 60"},
                  {}, [&](pid_t launcher) {
                    for (const char* name : {"pid0", "pid1"}) ranks.push_back(read_pid(name));
                    kill(launcher, SIGKILL);  // no chance to clean up: PR_SET_PDEATHSIG must
@@ -414,8 +413,8 @@ TEST(TdistrunRank, DISABLED_Rendezvous) {
   ASSERT_EQ(static_cast<int>(ranks.size()), env.world_size);
   for (int r = 0; r < env.world_size; ++r) ASSERT_EQ(ranks[r], tdist::Bytes{uint8_t(r)});
   store.barrier("done");
-  std::printf("rendezvous ok: rank %d of %d, local rank %d of %d\n", env.rank, env.world_size,
-              env.local_rank, env.local_world_size);
+  std::printf("rendezvous ok: rank %d of %d, local rank %d of %d\n", env.rank, env.world_size, env.local_rank,
+              env.local_world_size);
 }
 
 TEST_F(Tdistrun, RanksRendezvousThroughTheStore) {

@@ -6,16 +6,16 @@
 #include <cuda_runtime.h>
 
 #include <chrono>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/device.cuh"
-#include "tdist/runtime/wait_config.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
+#include "tdist/runtime/wait_config.hpp"
 #include "tdist/runtime/world.hpp"
 
 namespace tdist::test {
@@ -105,7 +105,8 @@ class MismatchCounter {
   MismatchCounter& operator=(const MismatchCounter&) = delete;
 
   // Throws naming `what`, the first bad index and the count when p differs from the pattern.
-  void expect_pattern(const void* p, size_t bytes, unsigned long long seed, size_t first_index, const std::string& what) {
+  void expect_pattern(const void* p, size_t bytes, unsigned long long seed, size_t first_index,
+                      const std::string& what) {
     reset();
     if (bytes > 0)
       check_pattern_kernel<<<1024, 256>>>(static_cast<const unsigned char*>(p), bytes, seed, first_index, counters_,
@@ -129,16 +130,15 @@ class MismatchCounter {
     TDIST_CUDA_CHECK(cudaGetLastError());
     unsigned long long host[2];
     TDIST_CUDA_CHECK(cudaMemcpy(host, counters_, sizeof(host), cudaMemcpyDeviceToHost));
-    if (host[0] != 0)
-      TDIST_FAIL(what, ": ", host[0], " of ", bytes, " bytes wrong, first at byte ", host[1]);
+    if (host[0] != 0) TDIST_FAIL(what, ": ", host[0], " of ", bytes, " bytes wrong, first at byte ", host[1]);
   }
   unsigned long long* counters_ = nullptr;
 };
 
 // A fresh seed per call, different on every rank and every run.
 inline unsigned long long fresh_seed(int rank) {
-  static unsigned long long counter = static_cast<unsigned long long>(
-      std::chrono::high_resolution_clock::now().time_since_epoch().count());
+  static unsigned long long counter =
+      static_cast<unsigned long long>(std::chrono::high_resolution_clock::now().time_since_epoch().count());
   counter = counter * 6364136223846793005ull + 1442695040888963407ull;
   return counter ^ (static_cast<unsigned long long>(rank) << 56);
 }

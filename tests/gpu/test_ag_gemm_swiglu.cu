@@ -43,12 +43,26 @@ float value(uint64_t seed, int rank, uint64_t i) {
   return static_cast<float>(static_cast<int>(x % 129) - 64) / 64.0f;
 }
 
-template <typename T> T to_t(float v);
-template <> __half to_t<__half>(float v) { return __float2half_rn(v); }
-template <> __nv_bfloat16 to_t<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <typename T> float to_f(T v);
-template <> float to_f<__half>(__half v) { return __half2float(v); }
-template <> float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+T to_t(float v);
+template <>
+__half to_t<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__nv_bfloat16 to_t<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <typename T>
+float to_f(T v);
+template <>
+float to_f<__half>(__half v) {
+  return __half2float(v);
+}
+template <>
+float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 
 template <typename T>
 std::vector<T> shard(uint64_t seed, int rank, size_t count) {
@@ -61,9 +75,9 @@ template <typename T>
 struct Case {
   Shape s;
   uint64_t seed;
-  std::vector<T> a_local, b;       // this rank's rows of A, its weight shard [gate; up]
-  std::vector<double> gathered;    // M x K, every rank's rows
-  std::vector<double> ref;         // M x N/2
+  std::vector<T> a_local, b;     // this rank's rows of A, its weight shard [gate; up]
+  std::vector<double> gathered;  // M x K, every rank's rows
+  std::vector<double> ref;       // M x N/2
   DeviceBuffer d_a, d_b, d_d, d_g;
 
   Case(World& world, const Shape& shape, uint64_t s_seed) : s(shape), seed(s_seed) {
@@ -130,8 +144,8 @@ struct Case {
       }
     }
     if (!(max_err <= 2e-2 * std::max(max_ref, 1e-3)))
-      TDIST_FAIL("d: max |err| ", max_err, " at row ", worst / half, " column ", worst % half, " (got ",
-                 to_f(d[worst]), ", want ", ref[worst], "), max |ref| ", max_ref);
+      TDIST_FAIL("d: max |err| ", max_err, " at row ", worst / half, " column ", worst % half, " (got ", to_f(d[worst]),
+                 ", want ", ref[worst], "), max |ref| ", max_ref);
     if (!with_gathered) return;
     std::vector<T> g(s.m * s.k);
     TDIST_CUDA_CHECK(cudaMemcpy(g.data(), d_g.get(), g.size() * sizeof(T), cudaMemcpyDeviceToHost));
@@ -176,8 +190,8 @@ int main() {
     for (const Shape& s : shapes) {
       for (OverlapMethod method : kMethods) {
         const bool gathered = (s.m + static_cast<int>(method)) % 2 == 0;
-        const std::string name = detail::concat("ag_gemm_swiglu ", to_string(dtype), " ", to_string(method), " m ",
-                                                s.m, " n ", s.n, " k ", s.k, gathered ? " +gathered" : "");
+        const std::string name = detail::concat("ag_gemm_swiglu ", to_string(dtype), " ", to_string(method), " m ", s.m,
+                                                " n ", s.n, " k ", s.k, gathered ? " +gathered" : "");
         suite.run(name, [&] {
           auto body = [&](auto tag) {
             using T = decltype(tag);
@@ -194,8 +208,10 @@ int main() {
             TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
             c.check(gathered);
           };
-          if (dtype == DType::kBFloat16) body(__nv_bfloat16{});
-          else body(__half{});
+          if (dtype == DType::kBFloat16)
+            body(__nv_bfloat16{});
+          else
+            body(__half{});
         });
       }
     }

@@ -36,10 +36,20 @@ __host__ __device__ inline float input_value(u64 seed, int rank, u64 i) {
 __device__ inline float load_f(const float* p, u64 i) { return p[i]; }
 __device__ inline float load_f(const __half* p, u64 i) { return __half2float(p[i]); }
 __device__ inline float load_f(const __nv_bfloat16* p, u64 i) { return __bfloat162float(p[i]); }
-template <typename T> __device__ inline T store_f(float v);
-template <> __device__ inline float store_f<float>(float v) { return v; }
-template <> __device__ inline __half store_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ inline __nv_bfloat16 store_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <typename T>
+__device__ inline T store_f(float v);
+template <>
+__device__ inline float store_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ inline __half store_f<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ inline __nv_bfloat16 store_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 enum class Op { kAllReduce, kAllGather, kReduceScatter };
 
@@ -48,7 +58,8 @@ enum class Op { kAllReduce, kAllGather, kReduceScatter };
 template <typename T>
 __global__ void fill_kernel(T* p, u64 count, u64 seed, const u64* counter, int rank, u64 first) {
   const u64 s = seed ^ (counter ? *counter * 0x2545F4914F6CDD1Dull : 0);
-  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < count; i += static_cast<u64>(gridDim.x) * blockDim.x)
+  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<u64>(gridDim.x) * blockDim.x)
     p[i] = store_f<T>(input_value(s, rank, first + i));
 }
 
@@ -58,7 +69,8 @@ template <typename T>
 __global__ void check_kernel(const T* out, u64 out_count, Op op, u64 c, int n, int me, u64 seed, const u64* counter,
                              double tol, unsigned long long* bad, unsigned long long* first_bad, double scale = 1.0) {
   const u64 s = seed ^ (counter ? *counter * 0x2545F4914F6CDD1Dull : 0);
-  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < out_count; i += static_cast<u64>(gridDim.x) * blockDim.x) {
+  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < out_count;
+       i += static_cast<u64>(gridDim.x) * blockDim.x) {
     double expect = 0;
     if (op == Op::kAllGather) {
       expect = input_value(s, static_cast<int>(i / c), i % c);
@@ -91,9 +103,12 @@ double tolerance(DType t) {
 
 template <typename F>
 void dispatch(DType t, F&& f) {
-  if (t == DType::kFloat32) f(float{});
-  else if (t == DType::kFloat16) f(__half{});
-  else f(__nv_bfloat16{});
+  if (t == DType::kFloat32)
+    f(float{});
+  else if (t == DType::kFloat16)
+    f(__half{});
+  else
+    f(__nv_bfloat16{});
 }
 
 enum class Kind { kOrdinary, kUnaligned, kInPlace, kSymmetric, kSymmetricInPlace };
@@ -125,7 +140,9 @@ struct Env {
 void agree(Env& env, unsigned long long bad, unsigned long long first, const std::string& what) {
   const auto all = tdist::test::all_gather_u64(env.world, "coll check", bad);
   for (int r = 0; r < env.n(); ++r)
-    if (all[r] != 0) TDIST_FAIL(what, ": rank ", r, " has ", all[r], " wrong elements", r == env.me() ? detail::concat(", first at ", first) : "");
+    if (all[r] != 0)
+      TDIST_FAIL(what, ": rank ", r, " has ", all[r], " wrong elements",
+                 r == env.me() ? detail::concat(", first at ", first) : "");
 }
 
 void reset_counters(Env& env, cudaStream_t s) {
@@ -135,10 +152,10 @@ void reset_counters(Env& env, cudaStream_t s) {
 
 // Buffers of one case: where the input is filled, what the op gets, where the output is checked.
 struct Layout {
-  char* fill;      // input elements go here (in_count of them)
+  char* fill;  // input elements go here (in_count of them)
   const void* in;
   void* out;
-  bool poison;     // the output is separate from the input
+  bool poison;  // the output is separate from the input
 };
 
 Layout layout(Env& env, Op op, Kind kind, size_t c, size_t sz) {
@@ -170,9 +187,10 @@ void enqueue_case(Env& env, Op op, DType dtype, size_t c, Kind kind, int method,
   fill_kernel<T><<<1024, 256, 0, s>>>(reinterpret_cast<T*>(L.fill), in_count, seed, nullptr, env.me(), 0);
   if (op == Op::kAllReduce) env.coll.all_reduce(L.in, L.out, c, dtype, s, static_cast<AllReduceMethod>(method));
   if (op == Op::kAllGather) env.coll.all_gather(L.in, L.out, c, dtype, s, static_cast<AllGatherMethod>(method));
-  if (op == Op::kReduceScatter) env.coll.reduce_scatter(L.in, L.out, c, dtype, s, static_cast<ReduceScatterMethod>(method));
+  if (op == Op::kReduceScatter)
+    env.coll.reduce_scatter(L.in, L.out, c, dtype, s, static_cast<ReduceScatterMethod>(method));
   check_kernel<T><<<1024, 256, 0, s>>>(reinterpret_cast<const T*>(L.out), out_count, op, c, env.n(), env.me(), seed,
-                                      nullptr, op == Op::kAllGather ? 0.0 : tolerance(dtype), counters, counters + 1);
+                                       nullptr, op == Op::kAllGather ? 0.0 : tolerance(dtype), counters, counters + 1);
   TDIST_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -234,7 +252,8 @@ void run_sweep(Env& env, tdist::test::Suite& suite, Op op) {
         size_t ran = 0;
         for (size_t c : counts) {
           if (c * sz * (op == Op::kAllReduce ? 1 : n) > kMaxBytes) continue;
-          for (Kind kind : {Kind::kOrdinary, Kind::kUnaligned, Kind::kInPlace, Kind::kSymmetric, Kind::kSymmetricInPlace}) {
+          for (Kind kind :
+               {Kind::kOrdinary, Kind::kUnaligned, Kind::kInPlace, Kind::kSymmetric, Kind::kSymmetricInPlace}) {
             if (c == largest && kind != Kind::kOrdinary && kind != Kind::kSymmetric) continue;  // time
             if (!runnable(env, op, dtype, c, kind, m)) continue;
             dispatch(dtype, [&](auto t) {
@@ -292,8 +311,8 @@ void run_small_sweep(Env& env, tdist::test::Suite& suite, Op op) {
                   for (size_t i = 0; i < cases; ++i) {
                     if (!ran[i] || host[2 * i] == 0) continue;
                     if (bad == 0)
-                      first = detail::concat(kind_name(kinds[i % kinds_n]), ", ", i / kinds_n + 1, " elements: ",
-                                             host[2 * i], " wrong, first at ", host[2 * i + 1]);
+                      first = detail::concat(kind_name(kinds[i % kinds_n]), ", ", i / kinds_n + 1,
+                                             " elements: ", host[2 * i], " wrong, first at ", host[2 * i + 1]);
                     bad += host[2 * i];
                   }
                   const auto all = tdist::test::all_gather_u64(env.world, "coll small sweep", bad);
@@ -324,11 +343,13 @@ void nccl_window_diagnostic(Env& env, Op op, DType dtype, ncclDataType_t nt, siz
   TDIST_CUDA_CHECK(cudaMemsetAsync(env.s_out, 0xFF, out_count * sz, s));
   fill_kernel<T><<<1024, 256, 0, s>>>(reinterpret_cast<T*>(env.s_in), in_count, seed, nullptr, env.me(), 0);
   tdist::test::sync_all(env.world, "nccl diag in");
-  if (op == Op::kAllGather) TDIST_NCCL_CHECK(ncclAllGather(env.s_in, env.s_out, c, nt, env.world.comm(), s));
-  else TDIST_NCCL_CHECK(ncclReduceScatter(env.s_in, env.s_out, c, nt, ncclSum, env.world.comm(), s));
+  if (op == Op::kAllGather)
+    TDIST_NCCL_CHECK(ncclAllGather(env.s_in, env.s_out, c, nt, env.world.comm(), s));
+  else
+    TDIST_NCCL_CHECK(ncclReduceScatter(env.s_in, env.s_out, c, nt, ncclSum, env.world.comm(), s));
   check_kernel<T><<<1024, 256, 0, s>>>(reinterpret_cast<const T*>(env.s_out), out_count, op, c, env.n(), env.me(), seed,
-                                      nullptr, op == Op::kAllGather ? 0.0 : tolerance(dtype), env.counters,
-                                      env.counters + 1);
+                                       nullptr, op == Op::kAllGather ? 0.0 : tolerance(dtype), env.counters,
+                                       env.counters + 1);
   TDIST_CUDA_CHECK(cudaGetLastError());
   unsigned long long host[2];
   TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
@@ -337,11 +358,11 @@ void nccl_window_diagnostic(Env& env, Op op, DType dtype, ncclDataType_t nt, siz
   if (env.me() == 0) {
     std::string per_rank;
     for (int r = 0; r < env.n(); ++r) per_rank += detail::concat(r ? ", " : "", all[r]);
-    std::printf("DIAG nccl %s on symmetric-window buffers, %s, %zu elements (%zu bytes per rank%s): wrong elements "
-                "per rank [%s]%s\n",
-                op_name(op), to_string(dtype), c, c * sz, (c * sz) % 16 ? ", not a multiple of 16" : "",
-                per_rank.c_str(),
-                std::count_if(all.begin(), all.end(), [](unsigned long long v) { return v != 0; }) ? "  <-- WRONG" : "");
+    std::printf(
+        "DIAG nccl %s on symmetric-window buffers, %s, %zu elements (%zu bytes per rank%s): wrong elements "
+        "per rank [%s]%s\n",
+        op_name(op), to_string(dtype), c, c * sz, (c * sz) % 16 ? ", not a multiple of 16" : "", per_rank.c_str(),
+        std::count_if(all.begin(), all.end(), [](unsigned long long v) { return v != 0; }) ? "  <-- WRONG" : "");
     std::fflush(stdout);
   }
 }
@@ -374,8 +395,10 @@ void run_rounds(Env& env, u64 seed_step, bool graph, int per_launch, int launche
   }
   tdist::test::sync_all(env.world, "rounds ready");
   for (int r = 0; r < launches; ++r) {
-    if (graph) TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    else enqueue_launch();
+    if (graph)
+      TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    else
+      enqueue_launch();
   }
   unsigned long long host[2];
   TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
@@ -398,19 +421,20 @@ void run_graph(Env& env, Op op, DType dtype, size_t c, int method, bool symmetri
   char* in = symmetric ? env.s_in : env.d_in;
   char* out = symmetric ? env.s_out : env.d_out;
   constexpr int kOpsPerGraph = 4;
-  run_rounds(env, 104729, true, kOpsPerGraph, replays / kOpsPerGraph,
-             detail::concat("graph replays, ", c, " elements"), [&](u64* counter, u64 seed) {
+  run_rounds(env, 104729, true, kOpsPerGraph, replays / kOpsPerGraph, detail::concat("graph replays, ", c, " elements"),
+             [&](u64* counter, u64 seed) {
                cudaStream_t s = env.stream;
                TDIST_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, out_count * sz, s));
                fill_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<T*>(in), in_count, seed, counter, env.me(), 0);
-               if (op == Op::kAllReduce) env.coll.all_reduce(in, out, c, dtype, s, static_cast<AllReduceMethod>(method));
-               if (op == Op::kAllGather) env.coll.all_gather(in, out, c, dtype, s, static_cast<AllGatherMethod>(method));
+               if (op == Op::kAllReduce)
+                 env.coll.all_reduce(in, out, c, dtype, s, static_cast<AllReduceMethod>(method));
+               if (op == Op::kAllGather)
+                 env.coll.all_gather(in, out, c, dtype, s, static_cast<AllGatherMethod>(method));
                if (op == Op::kReduceScatter)
                  env.coll.reduce_scatter(in, out, c, dtype, s, static_cast<ReduceScatterMethod>(method));
-               check_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<const T*>(out), out_count, op, c, env.n(),
-                                                  env.me(), seed, counter,
-                                                  op == Op::kAllGather ? 0.0 : tolerance(dtype), env.counters,
-                                                  env.counters + 1);
+               check_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<const T*>(out), out_count, op, c, env.n(), env.me(),
+                                                   seed, counter, op == Op::kAllGather ? 0.0 : tolerance(dtype),
+                                                   env.counters, env.counters + 1);
                bump_kernel<<<1, 1, 0, s>>>(counter);
              });
 }
@@ -435,24 +459,23 @@ void run_chain(Env& env, DType dtype, size_t c, bool all_reduce, const std::vect
   if (all_reduce)
     for (size_t k = 1; k < methods.size(); ++k) scale *= static_cast<double>(n);
   const double tol = (all_reduce ? methods.size() : 1) * tolerance(dtype);
-  run_rounds(env, 15485863, graph, 1, rounds, detail::concat("chained calls, ", c, " elements"),
-             [&](u64* counter, u64 seed) {
-               cudaStream_t s = env.stream;
-               char* slice = out + env.me() * c * sz;
-               TDIST_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, count * sz, s));
-               fill_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<T*>(all_reduce ? out : in), count, seed, counter,
-                                                 env.me(), 0);
-               if (all_reduce) {
-                 for (int m : methods) env.coll.all_reduce(out, out, c, dtype, s, static_cast<AllReduceMethod>(m));
-               } else {
-                 env.coll.reduce_scatter(in, slice, c, dtype, s, static_cast<ReduceScatterMethod>(methods[0]));
-                 env.coll.all_gather(slice, out, c, dtype, s, static_cast<AllGatherMethod>(methods[1]));
-               }
-               check_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<const T*>(out), count, Op::kAllReduce, count,
-                                                  env.n(), env.me(), seed, counter, tol, env.counters,
-                                                  env.counters + 1, scale);
-               bump_kernel<<<1, 1, 0, s>>>(counter);
-             });
+  run_rounds(
+      env, 15485863, graph, 1, rounds, detail::concat("chained calls, ", c, " elements"), [&](u64* counter, u64 seed) {
+        cudaStream_t s = env.stream;
+        char* slice = out + env.me() * c * sz;
+        TDIST_CUDA_CHECK(cudaMemsetAsync(out, 0xFF, count * sz, s));
+        fill_kernel<T>
+            <<<256, 256, 0, s>>>(reinterpret_cast<T*>(all_reduce ? out : in), count, seed, counter, env.me(), 0);
+        if (all_reduce) {
+          for (int m : methods) env.coll.all_reduce(out, out, c, dtype, s, static_cast<AllReduceMethod>(m));
+        } else {
+          env.coll.reduce_scatter(in, slice, c, dtype, s, static_cast<ReduceScatterMethod>(methods[0]));
+          env.coll.all_gather(slice, out, c, dtype, s, static_cast<AllGatherMethod>(methods[1]));
+        }
+        check_kernel<T><<<256, 256, 0, s>>>(reinterpret_cast<const T*>(out), count, Op::kAllReduce, count, env.n(),
+                                            env.me(), seed, counter, tol, env.counters, env.counters + 1, scale);
+        bump_kernel<<<1, 1, 0, s>>>(counter);
+      });
 }
 
 template <typename F>
@@ -505,7 +528,11 @@ int main() {
 
   // Graph replays: every tdist method, ordinary and symmetric buffers, 1000 ops each (fresh inputs
   // generated inside the graph from a device counter).
-  struct G { Op op; int method; size_t c; };
+  struct G {
+    Op op;
+    int method;
+    size_t c;
+  };
   const std::vector<G> graphs = {
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency), 4099},
       {Op::kAllReduce, static_cast<int>(AllReduceMethod::kLowLatency), 131069},  // the whole LL buffer
@@ -545,9 +572,10 @@ int main() {
     for (size_t c : {size_t{3001}, size_t{32771}}) {
       for (bool symmetric : {false, true}) {
         for (bool graph : {false, true}) {
-          suite.run(detail::concat("chained calls: all_reduce in place, ", ar_chain.size(), " methods in turn, ", c,
-                                   " bf16, ", symmetric ? "symmetric" : "ordinary", graph ? ", graph x 100" : ", 100 rounds"),
-                    [&] { run_chain<__nv_bfloat16>(env, DType::kBFloat16, c, true, ar_chain, symmetric, graph, 100); });
+          suite.run(
+              detail::concat("chained calls: all_reduce in place, ", ar_chain.size(), " methods in turn, ", c,
+                             " bf16, ", symmetric ? "symmetric" : "ordinary", graph ? ", graph x 100" : ", 100 rounds"),
+              [&] { run_chain<__nv_bfloat16>(env, DType::kBFloat16, c, true, ar_chain, symmetric, graph, 100); });
         }
       }
     }
@@ -573,13 +601,14 @@ int main() {
         {static_cast<int>(RS::kCe), static_cast<int>(AG::kCePush)},
     };
     for (bool graph : {false, true}) {
-      suite.run(detail::concat("chained calls: reduce_scatter ll then all_gather sm_push in place, 4099 bf16, symmetric",
-                               graph ? ", graph x 100" : ", 100 rounds"),
-                [&] {
-                  run_chain<__nv_bfloat16>(env, DType::kBFloat16, 4099, false,
-                                           {static_cast<int>(RS::kLowLatency), static_cast<int>(AG::kSmPush)}, true,
-                                           graph, 100);
-                });
+      suite.run(
+          detail::concat("chained calls: reduce_scatter ll then all_gather sm_push in place, 4099 bf16, symmetric",
+                         graph ? ", graph x 100" : ", 100 rounds"),
+          [&] {
+            run_chain<__nv_bfloat16>(env, DType::kBFloat16, 4099, false,
+                                     {static_cast<int>(RS::kLowLatency), static_cast<int>(AG::kSmPush)}, true, graph,
+                                     100);
+          });
     }
     for (const auto& m : rs_ag) {
       for (bool graph : {false, true}) {
@@ -629,17 +658,16 @@ int main() {
     // Auto: ll for small inputs (any team up to 8 ranks), unless the environment overrides it.
     const char* rs_env = std::getenv(kReduceScatterMethodEnv);
     if (rs_env == nullptr || *rs_env == '\0')
-      TDIST_CHECK(coll.reduce_scatter_method(env.d_in, env.d_out, 1001, DType::kBFloat16) ==
-                      ReduceScatterMethod::kLowLatency,
-                  "auto for a small reduce_scatter is not ll");
+      TDIST_CHECK(
+          coll.reduce_scatter_method(env.d_in, env.d_out, 1001, DType::kBFloat16) == ReduceScatterMethod::kLowLatency,
+          "auto for a small reduce_scatter is not ll");
     // ce_push staging an output one vector per rank larger than the workspace: 'method'. The
     // output (world x count) must still fit in d_out; a count whose output runs past d_out into
     // d_in is an overlap, and that error names 'out' (checked below).
     const size_t over = kMaxBytes / (2 * static_cast<size_t>(env.n())) + 8;  // bf16: 16 B per rank past
     TDIST_CHECK(over * 2 * env.n() <= buf && over * 2 * env.n() > coll.max_bytes(), "ce_push case does not fit");
-    expect_error("'method'", [&] {
-      coll.all_gather(env.d_in, env.d_out, over, DType::kBFloat16, s, AllGatherMethod::kCePush);
-    });
+    expect_error("'method'",
+                 [&] { coll.all_gather(env.d_in, env.d_out, over, DType::kBFloat16, s, AllGatherMethod::kCePush); });
     // Out of place with the input inside the output, not at this rank's part: an overlap naming 'out'.
     expect_error("'out'", [&] { coll.all_gather(env.d_out + 64, env.d_out, 64, DType::kFloat32, s); });
     // A symmetric buffer that runs past the heap's end.

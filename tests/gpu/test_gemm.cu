@@ -92,11 +92,13 @@ __global__ void compare(const T* d, const double* ref, int m, int n, long ldd, u
   const double got = static_cast<double>(static_cast<float>(v));
   const double err = fabs(got - ref[i * n + j]);
   if (!(err <= tol * ref_max)) {  // NaN (poison left behind) fails too
-    if (atomicAdd(bad, 1ull) == 0) *first_bad = static_cast<unsigned long long>(i) << 32 | static_cast<unsigned long long>(j);
+    if (atomicAdd(bad, 1ull) == 0)
+      *first_bad = static_cast<unsigned long long>(i) << 32 | static_cast<unsigned long long>(j);
     atomicMax(reinterpret_cast<unsigned long long*>(max_err), __double_as_longlong(isnan(err) ? 1e300 : err));
     return;
   }
-  atomicMax(reinterpret_cast<unsigned long long*>(max_err), __double_as_longlong(err));  // err >= 0: bits order as values
+  atomicMax(reinterpret_cast<unsigned long long*>(max_err),
+            __double_as_longlong(err));  // err >= 0: bits order as values
 }
 
 __global__ void abs_max(const double* ref, size_t count, double* out) {
@@ -167,7 +169,7 @@ Result run_case(tdist::Gemm& gemm, tdist::DType dtype, const tdist::GemmTile& ti
   TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
   const double tol = 1e-2;
   compare<T><<<dim3((ldd + 127) / 128, c.m), 128, 0, stream>>>(d, ref, c.m, c.n, ldd, poison, ref_max, tol, counts,
-                                                              counts + 1, stats + 1, counts + 2);
+                                                               counts + 1, stats + 1, counts + 2);
   unsigned long long host_counts[3];
   double max_err = 0;
   TDIST_CUDA_CHECK(cudaMemcpyAsync(host_counts, counts, sizeof(host_counts), cudaMemcpyDeviceToHost, stream));
@@ -182,7 +184,8 @@ Result run_case(tdist::Gemm& gemm, tdist::DType dtype, const tdist::GemmTile& ti
                 ref_max > 0 ? max_err / ref_max : max_err, ref_max, host_counts[0], host_counts[1]);
   std::string detail = buf;
   if (host_counts[0] > 0) {
-    std::snprintf(buf, sizeof(buf), ", first bad at (%llu, %llu)", host_counts[2] >> 32, host_counts[2] & 0xFFFFFFFFull);
+    std::snprintf(buf, sizeof(buf), ", first bad at (%llu, %llu)", host_counts[2] >> 32,
+                  host_counts[2] & 0xFFFFFFFFull);
     detail += buf;
   }
   return {host_counts[0] == 0 && host_counts[1] == 0 && ref_max > 0, detail};
@@ -195,7 +198,7 @@ struct GroupedCase {
   int groups, n, k;
   std::vector<int> counts;  // rows per group before padding; empty: random in [0, max_rows], a third empty
   int max_rows = 300;
-  int extra_rows = 0;       // M_total - offsets[G]: rows the kernel must not touch
+  int extra_rows = 0;  // M_total - offsets[G]: rows the kernel must not touch
   bool int64_offsets = false;
   long first_row = 0;
   int group_m = 8;
@@ -210,7 +213,8 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   unsigned long long r = seed;
   for (int g = 0; g < c.groups; ++g) {
     r = mix(r + 0x9E3779B97F4A7C15ull);
-    counts[g] = !c.counts.empty() ? c.counts[g] : (r % 3 == 0 ? 0 : static_cast<long long>((r >> 8) % (c.max_rows + 1)));
+    counts[g] =
+        !c.counts.empty() ? c.counts[g] : (r % 3 == 0 ? 0 : static_cast<long long>((r >> 8) % (c.max_rows + 1)));
   }
   std::vector<int64_t> offsets = tdist::grouped_gemm_offsets(std::vector<int64_t>(counts.begin(), counts.end()));
   tdist::check_grouped_gemm_offsets(offsets, offsets.back());
@@ -246,8 +250,8 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   fill_random<<<264, 256, 0, stream>>>(a, static_cast<size_t>(std::max(m_total, 1L)) * lda, seed);
   fill_random<<<264, 256, 0, stream>>>(b, static_cast<size_t>(c.groups) * c.n * ldb, seed + 1);
   const unsigned short poison = 0x7FC1;  // a NaN in bf16 and fp16 alike
-  fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(d), static_cast<size_t>(std::max(m_total, 1L)) * ldd,
-                                    poison);
+  fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(d),
+                                    static_cast<size_t>(std::max(m_total, 1L)) * ldd, poison);
   TDIST_CUDA_CHECK(cudaMemsetAsync(stats, 0, 2 * sizeof(double), stream));
   TDIST_CUDA_CHECK(cudaMemsetAsync(counters, 0, 6 * sizeof(unsigned long long), stream));
   // Reference per group: its rows of A times its own B_g.
@@ -289,13 +293,13 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   const double tol = 1e-2;
   if (rows > 0)
     compare<T><<<dim3((ldd + 127) / 128, rows), 128, 0, stream>>>(d, ref, static_cast<int>(rows), c.n, ldd, poison,
-                                                                 ref_max, tol, counters, counters + 1, stats + 1,
-                                                                 counters + 2);
+                                                                  ref_max, tol, counters, counters + 1, stats + 1,
+                                                                  counters + 2);
   // Rows past offsets[G]: every element still poisoned (n = 0: the whole row is "padding").
   if (c.extra_rows > 0)
     compare<T><<<dim3((ldd + 127) / 128, c.extra_rows), 128, 0, stream>>>(d + rows * ldd, ref, c.extra_rows, 0, ldd,
-                                                                         poison, 1.0, tol, counters + 3, counters + 4,
-                                                                         stats + 1, counters + 5);
+                                                                          poison, 1.0, tol, counters + 3, counters + 4,
+                                                                          stats + 1, counters + 5);
   TDIST_CUDA_CHECK(cudaGetLastError());
   unsigned long long host[6];
   double max_err = 0;
@@ -309,11 +313,12 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   int non_empty = 0;
   for (long long cnt : counts) non_empty += cnt > 0;
   char buf[320];
-  std::snprintf(buf, sizeof(buf),
-                "%d of %d groups non-empty, %ld rows + %d extra; max |err| / max |ref| = %.3g (max |ref| %.3g), %llu bad, "
-                "%llu padding overwritten, %llu rows-past-offsets overwritten",
-                non_empty, c.groups, rows, c.extra_rows, ref_max > 0 ? max_err / ref_max : max_err, ref_max, host[0],
-                host[1], host[4]);
+  std::snprintf(
+      buf, sizeof(buf),
+      "%d of %d groups non-empty, %ld rows + %d extra; max |err| / max |ref| = %.3g (max |ref| %.3g), %llu bad, "
+      "%llu padding overwritten, %llu rows-past-offsets overwritten",
+      non_empty, c.groups, rows, c.extra_rows, ref_max > 0 ? max_err / ref_max : max_err, ref_max, host[0], host[1],
+      host[4]);
   std::string detail = buf;
   if (host[0] > 0) {
     std::snprintf(buf, sizeof(buf), ", first bad at (%llu, %llu)", host[2] >> 32, host[2] & 0xFFFFFFFFull);
@@ -337,19 +342,20 @@ int main(int argc, char** argv) {
     tdist::Gemm gemm;
     std::printf("GEMM test on %d SMs\n", gemm.num_sms());
     std::vector<Case> cases = {
-        {128, 256, 64},                                   // one tile, one K block
-        {1, 8, 8},                                        // smallest: one row, K inside one block
-        {200, 136, 72},                                   // partial tiles everywhere, K = 64 + 8
-        {1000, 1000, 1000},                               // K not a multiple of 64
-        {257, 513, 8, 8, 8, 8},                           // N odd: one-element tail column; padded lds
-        {3000, 1784, 2056, 16, 8, 24, 4, 1500},           // rotated start, groups of 4
-        {2048, 2048, 4096, 0, 0, 0, 1, 0, 3},             // 3 CTAs: many tiles each, ring phases wrap
-        {4096, 4096, 4096},                               // a full-size check
-        {777, 4000, 520, 0, 0, 0, 3, 700, 7},             // rotation + few CTAs + partial tiles
+        {128, 256, 64},                          // one tile, one K block
+        {1, 8, 8},                               // smallest: one row, K inside one block
+        {200, 136, 72},                          // partial tiles everywhere, K = 64 + 8
+        {1000, 1000, 1000},                      // K not a multiple of 64
+        {257, 513, 8, 8, 8, 8},                  // N odd: one-element tail column; padded lds
+        {3000, 1784, 2056, 16, 8, 24, 4, 1500},  // rotated start, groups of 4
+        {2048, 2048, 4096, 0, 0, 0, 1, 0, 3},    // 3 CTAs: many tiles each, ring phases wrap
+        {4096, 4096, 4096},                      // a full-size check
+        {777, 4000, 520, 0, 0, 0, 3, 700, 7},    // rotation + few CTAs + partial tiles
     };
     if (quick) cases.resize(5);
     if (small) cases = {cases[0], cases[1], cases[2], cases[4]};
-    unsigned long long seed = static_cast<unsigned long long>(std::chrono::steady_clock::now().time_since_epoch().count());
+    unsigned long long seed =
+        static_cast<unsigned long long>(std::chrono::steady_clock::now().time_since_epoch().count());
     for (tdist::DType dtype : {tdist::DType::kBFloat16, tdist::DType::kFloat16}) {
       if (small && dtype != tdist::DType::kBFloat16) continue;
       for (const tdist::GemmTile& tile : tdist::gemm_tiles()) {
@@ -405,8 +411,9 @@ int main(int argc, char** argv) {
           Result r{false, ""};
           try {
             seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-            r = dtype == tdist::DType::kBFloat16 ? run_grouped_case<__nv_bfloat16>(grouped, dtype, tile, c, seed, stream)
-                                                 : run_grouped_case<__half>(grouped, dtype, tile, c, seed, stream);
+            r = dtype == tdist::DType::kBFloat16
+                    ? run_grouped_case<__nv_bfloat16>(grouped, dtype, tile, c, seed, stream)
+                    : run_grouped_case<__half>(grouped, dtype, tile, c, seed, stream);
           } catch (const std::exception& e) {
             r = {false, e.what()};
           }

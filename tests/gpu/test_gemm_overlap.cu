@@ -61,12 +61,19 @@ __host__ __device__ inline float input_value(u64 seed, int rank, u64 i) {
 
 __device__ inline float load_f(const __half* p, u64 i) { return __half2float(p[i]); }
 __device__ inline float load_f(const __nv_bfloat16* p, u64 i) { return __bfloat162float(p[i]); }
-template <typename T> __device__ inline T store_f(float v);
-template <> __device__ inline __half store_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ inline __nv_bfloat16 store_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <typename T>
+__device__ inline T store_f(float v);
+template <>
+__device__ inline __half store_f<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ inline __nv_bfloat16 store_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
-#define GRID_STRIDE(i, count)                                                                       \
-  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < (count);                \
+#define GRID_STRIDE(i, count)                                                        \
+  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < (count); \
        i += static_cast<u64>(gridDim.x) * blockDim.x)
 
 // One rank's shard: p[i] = input_value(seed, rank, i).
@@ -231,7 +238,6 @@ struct Contexts {
   std::unique_ptr<GemmAllReduce> ar;
 };
 
-
 constexpr unsigned kFillBlocks = 1024, kThreads = 256;
 
 // One op's problem on this rank: its own shards, the outputs, the reference operands and the
@@ -333,17 +339,19 @@ class Problem {
   }
 
   void run(OverlapMethod method) {
-    if (op_ == Op::kAllGather) ag().run(ag_args(), env_.stream, method);
-    else if (op_ == Op::kReduceScatter) rs().run(reduce_args<GemmReduceScatterArgs>(), env_.stream, method);
-    else ar().run(reduce_args<GemmAllReduceArgs>(), env_.stream, method);
+    if (op_ == Op::kAllGather)
+      ag().run(ag_args(), env_.stream, method);
+    else if (op_ == Op::kReduceScatter)
+      rs().run(reduce_args<GemmReduceScatterArgs>(), env_.stream, method);
+    else
+      ar().run(reduce_args<GemmAllReduceArgs>(), env_.stream, method);
   }
 
   void check(Check* c) {
     compare<T><<<kFillBlocks, kThreads, 0, env_.stream>>>(d_.get<T>(), ref_.get<double>(), d_count_, 1e-2, c);
     if (gathered_.get())
-      compare_exact<<<kFillBlocks, kThreads, 0, env_.stream>>>(gathered_.get<unsigned short>(),
-                                                               ref_a_.get<unsigned short>(),
-                                                               static_cast<u64>(s_.m) * s_.k, c);
+      compare_exact<<<kFillBlocks, kThreads, 0, env_.stream>>>(
+          gathered_.get<unsigned short>(), ref_a_.get<unsigned short>(), static_cast<u64>(s_.m) * s_.k, c);
     TDIST_CUDA_CHECK(cudaGetLastError());
   }
 
@@ -353,8 +361,8 @@ class Problem {
   void launch_reference(const T* a, const T* b, u64 m, u64 n, u64 k) {
     if (m == 0 || n == 0) return;
     const dim3 grid(static_cast<unsigned>((n + 63) / 64), static_cast<unsigned>((m + 63) / 64));
-    reference_gemm<T><<<grid, 256, 0, env_.stream>>>(a, b, ref_.get<double>(), static_cast<int>(m),
-                                                     static_cast<int>(n), static_cast<int>(k));
+    reference_gemm<T><<<grid, 256, 0, env_.stream>>>(a, b, ref_.get<double>(), static_cast<int>(m), static_cast<int>(n),
+                                                     static_cast<int>(k));
   }
   AllGatherGemm& ag() const {
     TDIST_CHECK(ctx_.ag.count(s_.k) && ctx_.ag.at(s_.k), "no AllGather-GEMM context for k = ", s_.k);
@@ -384,8 +392,8 @@ class Problem {
 // element (so that all ranks leave a case together and the next collective calls stay matched).
 void agree(Env& env, int first, int count, const std::string& what) {
   std::vector<Check> host(count);
-  TDIST_CUDA_CHECK(cudaMemcpyAsync(host.data(), env.checks + first, count * sizeof(Check), cudaMemcpyDeviceToHost,
-                                   env.stream));
+  TDIST_CUDA_CHECK(
+      cudaMemcpyAsync(host.data(), env.checks + first, count * sizeof(Check), cudaMemcpyDeviceToHost, env.stream));
   TDIST_CUDA_CHECK(cudaStreamSynchronize(env.stream));
   unsigned long long bad = 0;
   double worst = 0;
@@ -396,11 +404,13 @@ void agree(Env& env, int first, int count, const std::string& what) {
     worst = std::max(worst, ref_max > 0 ? err / ref_max : err);
     if ((c.bad || c.gathered_bad) && first_problem.empty()) {
       first_problem = detail::concat(count > 1 ? detail::concat("call ", i, ": ") : "", c.bad, " wrong elements of D");
-      if (c.bad) first_problem += detail::concat(" (first at ", c.first_bad, ", max |err| / max |ref| = ",
-                                          ref_max > 0 ? err / ref_max : err, ", max |ref| = ", ref_max, ")");
+      if (c.bad)
+        first_problem +=
+            detail::concat(" (first at ", c.first_bad, ", max |err| / max |ref| = ", ref_max > 0 ? err / ref_max : err,
+                           ", max |ref| = ", ref_max, ")");
       if (c.gathered_bad)
-        first_problem += detail::concat(", ", c.gathered_bad, " wrong elements of a_gathered (first at ",
-                                 c.gathered_first_bad, ")");
+        first_problem +=
+            detail::concat(", ", c.gathered_bad, " wrong elements of a_gathered (first at ", c.gathered_first_bad, ")");
     }
     bad += c.bad + c.gathered_bad;
   }
@@ -515,8 +525,10 @@ void run_graph(Env& env, Contexts& ctx, Op op, Shape s, OverlapMethod method, in
 
 template <typename F>
 void dispatch(DType t, F&& f) {
-  if (t == DType::kFloat16) f(__half{});
-  else f(__nv_bfloat16{});
+  if (t == DType::kFloat16)
+    f(__half{});
+  else
+    f(__nv_bfloat16{});
 }
 
 // Expects a tdist::Error whose message holds `needle`.
@@ -542,10 +554,10 @@ std::vector<Shape> sweep_shapes(Op op, int world, bool quick) {
   const int64_t n_ag = std::max<int64_t>(8, 14336 / world / 8 * 8), k_rs = std::max<int64_t>(8, 14336 / world / 8 * 8);
   std::vector<Shape> v;
   if (op == Op::kAllGather) {
-    v = {{1000, 520, 264}, {4097, 1000, 520}, {1, 520, 264},   {257, 264, 520}, {3, 136, 264},
+    v = {{1000, 520, 264},   {4097, 1000, 520}, {1, 520, 264},    {257, 264, 520},   {3, 136, 264},
          {3000, 1784, 2056}, {2048, 1024, 264}, {1000, 521, 264}, {8192, n_ag, 8192}};
   } else {
-    v = {{1000, 520, 264}, {4097, 1000, 520}, {1, 520, 264},   {257, 264, 1032}, {3, 136, 72},
+    v = {{1000, 520, 264},   {4097, 1000, 520}, {1, 520, 264},    {257, 264, 1032},  {3, 136, 72},
          {3000, 1784, 2056}, {2048, 1024, 264}, {1000, 521, 264}, {8192, 8192, k_rs}};
   }
   if (quick) v.resize(3);
@@ -574,8 +586,10 @@ void create_contexts(Env& env, Contexts& ctx, Op op, DType dtype, const std::vec
   GemmReduceScatterConfig c;
   c.dtype = dtype;
   for (const Shape& s : shapes) c.max_m = std::max(c.max_m, s.m), c.max_n = std::max(c.max_n, s.n);
-  if (op == Op::kReduceScatter) ctx.rs = std::make_unique<GemmReduceScatter>(env.world, env.heap, c);
-  else ctx.ar = std::make_unique<GemmAllReduce>(env.world, env.heap, c);
+  if (op == Op::kReduceScatter)
+    ctx.rs = std::make_unique<GemmReduceScatter>(env.world, env.heap, c);
+  else
+    ctx.ar = std::make_unique<GemmAllReduce>(env.world, env.heap, c);
 }
 
 // Argument errors of one op through its context and its pure check, then one right call.
@@ -639,7 +653,9 @@ void argument_errors(Env& env, Contexts& ctx, Op op, Shape s) {
     };
     if (op == Op::kReduceScatter)
       errors(*ctx.rs, p.template reduce_args<GemmReduceScatterArgs>(),
-             [](const GemmReduceScatterArgs& a, const GemmReduceScatterConfig& c) { check_gemm_reduce_scatter_args(a, c); });
+             [](const GemmReduceScatterArgs& a, const GemmReduceScatterConfig& c) {
+               check_gemm_reduce_scatter_args(a, c);
+             });
     else
       errors(*ctx.ar, p.template reduce_args<GemmAllReduceArgs>(),
              [](const GemmAllReduceArgs& a, const GemmAllReduceConfig& c) { check_gemm_all_reduce_args(a, c); });
@@ -710,9 +726,7 @@ int main(int argc, char** argv) {
           suite.run(detail::concat(op_name(op), " ", to_string(dtype), " ", to_string(method), " ", shape_name(op, s),
                                    gathered ? " +a_gathered" : ""),
                     [&] {
-                      dispatch(dtype, [&](auto t) {
-                        run_case<decltype(t)>(env, ctx, op, s, method, gathered, false);
-                      });
+                      dispatch(dtype, [&](auto t) { run_case<decltype(t)>(env, ctx, op, s, method, gathered, false); });
                     });
           if (context_broken()) return suite.finish();
         }
@@ -749,8 +763,9 @@ int main(int argc, char** argv) {
     const Shape s{1000, 520, 264};
     const Shape s2 = op == Op::kAllGather ? Shape{257, 136, 264} : Shape{257, 136, 72};
     Contexts ctx;
-    suite.run(detail::concat(op_name(op), " bf16 stress: create context"),
-              [&] { create_contexts(env, ctx, op, DType::kBFloat16, {s, s2}); });
+    suite.run(detail::concat(op_name(op), " bf16 stress: create context"), [&] {
+      create_contexts(env, ctx, op, DType::kBFloat16, {s, s2});
+    });
     const int calls = quick ? 50 : 200;
     for (OverlapMethod method : kMethods) {
       if (quick && (method == OverlapMethod::kBaseline || method == OverlapMethod::kAuto)) continue;
@@ -795,9 +810,8 @@ int main(int argc, char** argv) {
       suite.run(what, [&] { run_case<__nv_bfloat16>(env, ctx, op, s, OverlapMethod::kChunked, false, false); });
       if (pieces == 3) {
         const int calls = quick ? 50 : 200;
-        suite.run(detail::concat(what, ", ", calls, " calls back to back"), [&] {
-          run_back_to_back<__nv_bfloat16>(env, ctx, op, s, OverlapMethod::kChunked, calls, false);
-        });
+        suite.run(detail::concat(what, ", ", calls, " calls back to back"),
+                  [&] { run_back_to_back<__nv_bfloat16>(env, ctx, op, s, OverlapMethod::kChunked, calls, false); });
         suite.run(detail::concat(what, ", CUDA graph replays with fresh inputs"),
                   [&] { run_graph<__nv_bfloat16>(env, ctx, op, s, OverlapMethod::kChunked, quick ? 10 : 50); });
       }

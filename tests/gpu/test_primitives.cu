@@ -27,22 +27,37 @@ const char* group_name(Group g) { return g == Group::kThread ? "thread" : g == G
 template <Group G, bool kNbi, Op kOp>
 TDIST_DEVICE void one_copy(const SymmetricHeapView& heap, char* dst, const char* src, u64 bytes, int peer) {
   if constexpr (kOp == Op::kPut) {
-    if constexpr (G == Group::kThread) kNbi ? putmem_nbi_thread(heap, dst, src, bytes, peer) : putmem_thread(heap, dst, src, bytes, peer);
-    if constexpr (G == Group::kWarp) kNbi ? putmem_nbi_warp(heap, dst, src, bytes, peer) : putmem_warp(heap, dst, src, bytes, peer);
-    if constexpr (G == Group::kBlock) kNbi ? putmem_nbi_block(heap, dst, src, bytes, peer) : putmem_block(heap, dst, src, bytes, peer);
+    if constexpr (G == Group::kThread)
+      kNbi ? putmem_nbi_thread(heap, dst, src, bytes, peer) : putmem_thread(heap, dst, src, bytes, peer);
+    if constexpr (G == Group::kWarp)
+      kNbi ? putmem_nbi_warp(heap, dst, src, bytes, peer) : putmem_warp(heap, dst, src, bytes, peer);
+    if constexpr (G == Group::kBlock)
+      kNbi ? putmem_nbi_block(heap, dst, src, bytes, peer) : putmem_block(heap, dst, src, bytes, peer);
   } else {
-    if constexpr (G == Group::kThread) kNbi ? getmem_nbi_thread(heap, dst, src, bytes, peer) : getmem_thread(heap, dst, src, bytes, peer);
-    if constexpr (G == Group::kWarp) kNbi ? getmem_nbi_warp(heap, dst, src, bytes, peer) : getmem_warp(heap, dst, src, bytes, peer);
-    if constexpr (G == Group::kBlock) kNbi ? getmem_nbi_block(heap, dst, src, bytes, peer) : getmem_block(heap, dst, src, bytes, peer);
+    if constexpr (G == Group::kThread)
+      kNbi ? getmem_nbi_thread(heap, dst, src, bytes, peer) : getmem_thread(heap, dst, src, bytes, peer);
+    if constexpr (G == Group::kWarp)
+      kNbi ? getmem_nbi_warp(heap, dst, src, bytes, peer) : getmem_warp(heap, dst, src, bytes, peer);
+    if constexpr (G == Group::kBlock)
+      kNbi ? getmem_nbi_block(heap, dst, src, bytes, peer) : getmem_block(heap, dst, src, bytes, peer);
   }
 }
 
 template <Group G>
 TDIST_DEVICE void unit_of(u64& unit, u64& units) {
   const u64 tid = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x;
-  if constexpr (G == Group::kThread) { unit = tid; units = static_cast<u64>(gridDim.x) * blockDim.x; }
-  if constexpr (G == Group::kWarp) { unit = tid / 32; units = static_cast<u64>(gridDim.x) * blockDim.x / 32; }
-  if constexpr (G == Group::kBlock) { unit = blockIdx.x; units = gridDim.x; }
+  if constexpr (G == Group::kThread) {
+    unit = tid;
+    units = static_cast<u64>(gridDim.x) * blockDim.x;
+  }
+  if constexpr (G == Group::kWarp) {
+    unit = tid / 32;
+    units = static_cast<u64>(gridDim.x) * blockDim.x / 32;
+  }
+  if constexpr (G == Group::kBlock) {
+    unit = blockIdx.x;
+    units = gridDim.x;
+  }
 }
 
 // Each unit (thread, warp or block) moves chunks of `chunk` bytes; chunks are odd-sized, so most
@@ -56,15 +71,18 @@ __global__ void copy_kernel(SymmetricHeapView heap, char* dst, const char* src, 
 }
 
 template <Group G>
-__global__ void put_signal_kernel(SymmetricHeapView heap, char* dst, const char* src, u64 bytes, u64 chunk,
-                                  u64* flags, u64 epoch, int peer) {
+__global__ void put_signal_kernel(SymmetricHeapView heap, char* dst, const char* src, u64 bytes, u64 chunk, u64* flags,
+                                  u64 epoch, int peer) {
   u64 unit, units;
   unit_of<G>(unit, units);
   for (u64 c = unit; c * chunk < bytes; c += units) {
     const u64 start = c * chunk, len = bytes - start < chunk ? bytes - start : chunk;
-    if constexpr (G == Group::kThread) putmem_signal_thread(heap, dst + start, src + start, len, flags + c, epoch, SignalOp::kSet, peer);
-    if constexpr (G == Group::kWarp) putmem_signal_warp(heap, dst + start, src + start, len, flags + c, epoch, SignalOp::kSet, peer);
-    if constexpr (G == Group::kBlock) putmem_signal_block(heap, dst + start, src + start, len, flags + c, epoch, SignalOp::kSet, peer);
+    if constexpr (G == Group::kThread)
+      putmem_signal_thread(heap, dst + start, src + start, len, flags + c, epoch, SignalOp::kSet, peer);
+    if constexpr (G == Group::kWarp)
+      putmem_signal_warp(heap, dst + start, src + start, len, flags + c, epoch, SignalOp::kSet, peer);
+    if constexpr (G == Group::kBlock)
+      putmem_signal_block(heap, dst + start, src + start, len, flags + c, epoch, SignalOp::kSet, peer);
   }
 }
 
@@ -94,7 +112,9 @@ __global__ void receive_kernel(const char* data, char* out, u64 bytes, u64 chunk
 
 // The calling rank's flag is raised by the previous rank; `seen` records what the wait returned.
 template <typename T>
-__global__ void wait_cmp_kernel(const T* flag, Cmp cmp, T value, T* seen) { *seen = signal_wait_until(flag, cmp, value); }
+__global__ void wait_cmp_kernel(const T* flag, Cmp cmp, T value, T* seen) {
+  *seen = signal_wait_until(flag, cmp, value);
+}
 
 template <typename T>
 __global__ void signal_kernel(SymmetricHeapView heap, T* flag, T value, SignalOp op, int peer) {
@@ -147,12 +167,16 @@ __global__ void barrier_kernel(SymmetricHeapView heap, u64* pad, u64* cells, int
       u64* cell = heap.symm_at(cells + block * n + heap.rank, p);
       *cell = static_cast<u64>(round) * 1000 + heap.rank;
     }
-    if constexpr (kGrid) barrier_all_grid(heap, pad);
-    else barrier_all_block(heap, pad);
+    if constexpr (kGrid)
+      barrier_all_grid(heap, pad);
+    else
+      barrier_all_block(heap, pad);
     for (int p = threadIdx.x; p < n; p += blockDim.x)
       if (cells[block * n + p] != static_cast<u64>(round) * 1000 + p) atomicAdd(errors, 1ull);
-    if constexpr (kGrid) barrier_all_grid(heap, pad);
-    else barrier_all_block(heap, pad);
+    if constexpr (kGrid)
+      barrier_all_grid(heap, pad);
+    else
+      barrier_all_block(heap, pad);
   }
 }
 
@@ -183,12 +207,13 @@ void run_copy(Context& ctx, u64 bytes, u64 dst_off, u64 src_off) {
   // Put: this rank writes the next rank's dst. Get: this rank reads the next rank's src.
   const int peer = ctx.next();
   copy_kernel<G, kNbi, kOp><<<blocks, threads>>>(ctx.heap.view(), ctx.dst + dst_off, ctx.src + src_off, bytes,
-                                                  odd_chunk(bytes, units), peer);
+                                                 odd_chunk(bytes, units), peer);
   TDIST_CUDA_CHECK(cudaGetLastError());
   tdist::test::sync_all(ctx.world, "copy done");
   const int data_from = kOp == Op::kPut ? ctx.prev() : ctx.next();
-  const std::string what = tdist::detail::concat(kOp == Op::kPut ? "put" : "get", "_", group_name(G), kNbi ? "_nbi" : "",
-                                                 " of ", bytes, " bytes, dst+", dst_off, " src+", src_off);
+  const std::string what =
+      tdist::detail::concat(kOp == Op::kPut ? "put" : "get", "_", group_name(G), kNbi ? "_nbi" : "", " of ", bytes,
+                            " bytes, dst+", dst_off, " src+", src_off);
   ctx.counter.expect_pattern(ctx.dst + dst_off, bytes, seeds[data_from], src_off, what + " data");
   ctx.counter.expect_value(ctx.dst, dst_off, kPoison, what + " guard before");
   ctx.counter.expect_value(ctx.dst + dst_off + bytes, kGuard, kPoison, what + " guard after");
@@ -196,17 +221,23 @@ void run_copy(Context& ctx, u64 bytes, u64 dst_off, u64 src_off) {
 
 template <Group G>
 void run_copy_sweep(Context& ctx, tdist::test::Suite& suite) {
-  const std::vector<u64> sizes = {1, 2, 3, 15, 16, 17, 100, 4095, 65543, (1ull << 20) + 3, (16ull << 20) + 9, kMaxBytes};
+  const std::vector<u64> sizes = {1,        2, 3, 15, 16, 17, 100, 4095, 65543, (1ull << 20) + 3, (16ull << 20) + 9,
+                                  kMaxBytes};
   const std::vector<std::pair<u64, u64>> offsets = {{0, 0}, {1, 1}, {5, 13}, {8, 0}, {4, 12}, {2, 6}};
   for (bool nbi : {false, true}) {
     for (Op op : {Op::kPut, Op::kGet}) {
-      const std::string name = tdist::detail::concat(op == Op::kPut ? "putmem_" : "getmem_", nbi ? "nbi_" : "", group_name(G));
+      const std::string name =
+          tdist::detail::concat(op == Op::kPut ? "putmem_" : "getmem_", nbi ? "nbi_" : "", group_name(G));
       suite.run(name + " sizes 1 B .. 256 MB, unaligned", [&] {
         for (u64 bytes : sizes) {
           for (auto [dst_off, src_off] : offsets) {
             if (bytes == kMaxBytes && dst_off > 1) continue;  // the largest size once aligned, once not
-            if (op == Op::kPut) nbi ? run_copy<G, true, Op::kPut>(ctx, bytes, dst_off, src_off) : run_copy<G, false, Op::kPut>(ctx, bytes, dst_off, src_off);
-            else nbi ? run_copy<G, true, Op::kGet>(ctx, bytes, dst_off, src_off) : run_copy<G, false, Op::kGet>(ctx, bytes, dst_off, src_off);
+            if (op == Op::kPut)
+              nbi ? run_copy<G, true, Op::kPut>(ctx, bytes, dst_off, src_off)
+                  : run_copy<G, false, Op::kPut>(ctx, bytes, dst_off, src_off);
+            else
+              nbi ? run_copy<G, true, Op::kGet>(ctx, bytes, dst_off, src_off)
+                  : run_copy<G, false, Op::kGet>(ctx, bytes, dst_off, src_off);
           }
         }
       });
@@ -230,7 +261,8 @@ void run_put_signal(Context& ctx, u64* flags, u64& epoch, char* out, tdist::test
         TDIST_CUDA_CHECK(cudaMemset(out, kPoison, bytes));
         tdist::test::sync_all(ctx.world, "signal ready");
         receive_kernel<<<32, 256, 0, receiver>>>(ctx.dst, out, bytes, chunk, flags, epoch);
-        put_signal_kernel<G><<<66, 256, 0, sender>>>(ctx.heap.view(), ctx.dst, ctx.src, bytes, chunk, flags, epoch, ctx.next());
+        put_signal_kernel<G>
+            <<<66, 256, 0, sender>>>(ctx.heap.view(), ctx.dst, ctx.src, bytes, chunk, flags, epoch, ctx.next());
         TDIST_CUDA_CHECK(cudaGetLastError());
         tdist::test::sync_all(ctx.world, "signal done");
         ctx.counter.expect_pattern(out, bytes, seeds[ctx.prev()], 0,
@@ -251,13 +283,14 @@ void run_put_quiet(Context& ctx, u64* flags, u64& epoch, char* out, tdist::test:
     const u64 blocks = ((bytes + chunk - 1) / chunk + threads - 1) / threads;
     for (int round = 0; round < 3; ++round) {
       ++epoch;
-      const auto seeds = tdist::test::all_gather_u64(ctx.world, "quiet seeds", tdist::test::fresh_seed(ctx.world.rank()));
+      const auto seeds =
+          tdist::test::all_gather_u64(ctx.world, "quiet seeds", tdist::test::fresh_seed(ctx.world.rank()));
       tdist::test::fill_pattern(ctx.src, bytes, seeds[ctx.world.rank()]);
       TDIST_CUDA_CHECK(cudaMemset(out, kPoison, bytes));
       tdist::test::sync_all(ctx.world, "quiet ready");
       receive_kernel<<<32, 256, 0, receiver>>>(ctx.dst, out, bytes, chunk, flags, epoch);
-      put_quiet_flag_kernel<<<blocks, threads, 0, sender>>>(ctx.heap.view(), ctx.dst, ctx.src, bytes, chunk, flags, epoch,
-                                                           ctx.next());
+      put_quiet_flag_kernel<<<blocks, threads, 0, sender>>>(ctx.heap.view(), ctx.dst, ctx.src, bytes, chunk, flags,
+                                                            epoch, ctx.next());
       TDIST_CUDA_CHECK(cudaGetLastError());
       tdist::test::sync_all(ctx.world, "quiet done");
       ctx.counter.expect_pattern(out, bytes, seeds[ctx.prev()], 0, tdist::detail::concat("round ", round));
@@ -323,7 +356,8 @@ int run_all() {
                   signal_kernel<u64>, wait_threads_kernel, raise_flags_kernel, barrier_kernel<true>,
                   barrier_kernel<false>, gpu_scope_kernel, add_all_kernel, put_quiet_flag_kernel);
   SymmetricHeap heap(world, 2 * (kMaxBytes + kSlack) + (64ull << 20));
-  Context ctx{world, heap, heap.allocate_array<char>(kMaxBytes + kSlack), heap.allocate_array<char>(kMaxBytes + kSlack), {}};
+  Context ctx{
+      world, heap, heap.allocate_array<char>(kMaxBytes + kSlack), heap.allocate_array<char>(kMaxBytes + kSlack), {}};
 
   suite.run("the data checker rejects a wrong seed, a shifted index and one flipped byte", [&] {
     tdist::test::fill_pattern(ctx.dst, 4096, 1234);
@@ -429,8 +463,10 @@ int run_all() {
       TDIST_CUDA_CHECK(cudaMalloc(&errors, sizeof(unsigned long long)));
       TDIST_CUDA_CHECK(cudaMemset(errors, 0, sizeof(unsigned long long)));
       for (int launch = 0; launch < 2; ++launch) {  // a second launch reuses the pad without reset
-        if (grid) barrier_kernel<true><<<blocks, 128>>>(heap.view(), pad, cells, rounds, errors);
-        else barrier_kernel<false><<<blocks, 128>>>(heap.view(), pad, cells, rounds, errors);
+        if (grid)
+          barrier_kernel<true><<<blocks, 128>>>(heap.view(), pad, cells, rounds, errors);
+        else
+          barrier_kernel<false><<<blocks, 128>>>(heap.view(), pad, cells, rounds, errors);
         TDIST_CUDA_CHECK(cudaGetLastError());
         tdist::test::sync_all(world, "barrier rounds done");
       }

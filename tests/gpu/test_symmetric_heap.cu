@@ -92,7 +92,8 @@ int run_all(int argc, char** argv) {
         const size_t alignment = size_t{1} << (rng() % 13);
         char* p = static_cast<char*>(heap.allocate(bytes, alignment));
         TDIST_CHECK(reinterpret_cast<uintptr_t>(p) % alignment == 0, "allocation ", p, " not aligned to ", alignment);
-        const auto offsets = tdist::test::all_gather_u64(world, "offsets", p - static_cast<char*>(heap.view().local_base()));
+        const auto offsets =
+            tdist::test::all_gather_u64(world, "offsets", p - static_cast<char*>(heap.view().local_base()));
         for (int r = 0; r < n; ++r) TDIST_CHECK(offsets[r] == offsets[0], "rank ", r, " got offset ", offsets[r]);
         if (cycle % 50 == 0) {
           counter.expect_value(p, bytes, 0, "fresh allocation");
@@ -155,7 +156,8 @@ int run_all(int argc, char** argv) {
           put_async(heap, buf + off, local, bytes, next, stream);
           TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
           tdist::test::sync_all(world, "ce put done");
-          counter.expect_pattern(buf + off, bytes, seeds[prev], 0, detail::concat("put_async ", bytes, " bytes +", off));
+          counter.expect_pattern(buf + off, bytes, seeds[prev], 0,
+                                 detail::concat("put_async ", bytes, " bytes +", off));
           counter.expect_value(buf, off, 0xCD, "put_async guard");
           // Get the next rank's received data back: it holds this rank's pattern.
           TDIST_CUDA_CHECK(cudaMemset(local, 0xCD, bytes));
@@ -198,7 +200,8 @@ int run_all(int argc, char** argv) {
         TDIST_CUDA_CHECK(cudaStreamSynchronize(send));
         TDIST_CUDA_CHECK(cudaStreamSynchronize(recv));
         tdist::test::sync_all(world, "sw done");
-        counter.expect_pattern(received, bytes, seeds[prev], 0, detail::concat("data copied after the flag, epoch ", epoch));
+        counter.expect_pattern(received, bytes, seeds[prev], 0,
+                               detail::concat("data copied after the flag, epoch ", epoch));
       }
       expect_error("'address'", [&] { stream_write_value64(send, reinterpret_cast<device::u64*>(buf + 1), 1); });
       TDIST_CUDA_CHECK(cudaStreamDestroy(send));

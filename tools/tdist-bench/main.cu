@@ -36,9 +36,9 @@
 #include "tdist/common/cli.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/json.hpp"
-#include "tdist/runtime/timing.hpp"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
+#include "tdist/runtime/timing.hpp"
 #include "tdist/runtime/world.hpp"
 
 using namespace tdist;
@@ -46,7 +46,8 @@ using namespace tdist;
 namespace {
 
 __global__ void random_fill(unsigned short* p, size_t halves, unsigned long long seed, bool f32) {
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < halves; i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < halves;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     unsigned long long x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed;
     x ^= x >> 31;
     x *= 0xBF58476D1CE4E5B9ull;
@@ -104,7 +105,8 @@ struct Options {
 std::vector<size_t> parse_sizes(const std::string& v) {
   std::vector<size_t> sizes;
   if (const auto colon = v.find(':'); colon != std::string::npos) {
-    const size_t lo = cli::parse_size(v.substr(0, colon), "--sizes"), hi = cli::parse_size(v.substr(colon + 1), "--sizes");
+    const size_t lo = cli::parse_size(v.substr(0, colon), "--sizes"),
+                 hi = cli::parse_size(v.substr(colon + 1), "--sizes");
     if (lo == 0 || lo > hi) throw cli::UsageError("--sizes expects MIN:MAX with 0 < MIN <= MAX, got '" + v + "'");
     for (size_t s = lo; s <= hi && s != 0; s *= 2) sizes.push_back(s);
   } else {
@@ -120,20 +122,25 @@ std::vector<size_t> parse_sizes(const std::string& v) {
 Options parse(int argc, char** argv) {
   Options o;
   std::string sizes = "1K:1G", dtype = "bf16", pdl = "on", buffers = "symmetric", check = "on";
-  cli::Parser p("tdist-bench", "tdist's collectives beside NCCL, in the same run, alternating, over a sweep of sizes.\n"
-                               "Run under a launcher, one GPU per rank: tdistrun -n 2 tdist-bench --op all");
-  p.option("--op,--ops", "LIST", "all_gather, reduce_scatter, all_reduce, a comma list of them, or all (default)",
-           [&](const std::string& v) {
-             o.ops.clear();
-             for (const auto& item : cli::split_list(v, "--op")) {
-               if (item == "all") o.ops = {"all_gather", "reduce_scatter", "all_reduce"};
-               else if (item == "all_gather" || item == "reduce_scatter" || item == "all_reduce") o.ops.push_back(item);
-               else throw cli::UsageError("--op expects all_gather, reduce_scatter, all_reduce or all, got '" + item + "'");
-             }
-           });
+  cli::Parser p("tdist-bench",
+                "tdist's collectives beside NCCL, in the same run, alternating, over a sweep of sizes.\n"
+                "Run under a launcher, one GPU per rank: tdistrun -n 2 tdist-bench --op all");
+  p.option(
+      "--op,--ops", "LIST", "all_gather, reduce_scatter, all_reduce, a comma list of them, or all (default)",
+      [&](const std::string& v) {
+        o.ops.clear();
+        for (const auto& item : cli::split_list(v, "--op")) {
+          if (item == "all")
+            o.ops = {"all_gather", "reduce_scatter", "all_reduce"};
+          else if (item == "all_gather" || item == "reduce_scatter" || item == "all_reduce")
+            o.ops.push_back(item);
+          else
+            throw cli::UsageError("--op expects all_gather, reduce_scatter, all_reduce or all, got '" + item + "'");
+        }
+      });
   p.choice("--dtype", "element type (default bf16)", {"bf16", "f16", "fp16", "f32", "fp32"}, &dtype);
-  p.option("--sizes", "MIN:MAX|A,B,..", "bytes: powers of two from MIN to MAX, or a list; K/M/G suffixes (default 1K:1G)",
-           &sizes);
+  p.option("--sizes", "MIN:MAX|A,B,..",
+           "bytes: powers of two from MIN to MAX, or a list; K/M/G suffixes (default 1K:1G)", &sizes);
   p.option("--method,--methods", "NAME", "auto, a method name of the op, or all (default auto)", &o.method);
   p.option("--iters", "N", "timings per figure, the median is kept (default 20)", &o.iters, 3, 1000000);
   p.option("--json", "FILE", "also write the results as JSON (rank 0)", &o.json);
@@ -178,7 +185,8 @@ double bus_factor(const std::string& op, int n) {
 
 // Median per-op microseconds of `op` over `iters` timings (graph replays or single ops); the slowest
 // rank's figure.
-double time_op(World& world, cudaStream_t s, bool graph, int ops_per_graph, int iters, const std::function<void()>& op) {
+double time_op(World& world, cudaStream_t s, bool graph, int ops_per_graph, int iters,
+               const std::function<void()>& op) {
   cudaGraphExec_t exec = nullptr;
   int per = 1;
   if (graph) {
@@ -191,8 +199,10 @@ double time_op(World& world, cudaStream_t s, bool graph, int ops_per_graph, int 
     TDIST_CUDA_CHECK(cudaGraphDestroy(g));
   }
   auto run = [&] {
-    if (graph) TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    else op();
+    if (graph)
+      TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    else
+      op();
   };
   const double us = slowest_rank_median_ms(world, s, iters, run) * 1000.0 / per;
   if (exec) TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
@@ -232,13 +242,16 @@ int run(const Options& opt, int argc, char** argv) {
   }
   const bool f32 = opt.dtype == DType::kFloat32;
   // The same random data in NCCL's and tdist's inputs: their outputs must agree.
-  for (char* p : {n_in, t_in}) random_fill<<<1024, 256>>>(reinterpret_cast<unsigned short*>(p), buf / 2, 1234 + me, f32);
+  for (char* p : {n_in, t_in})
+    random_fill<<<1024, 256>>>(reinterpret_cast<unsigned short*>(p), buf / 2, 1234 + me, f32);
   TDIST_CUDA_CHECK(cudaMemcpy(n_out, n_in, buf, cudaMemcpyDeviceToDevice));
   TDIST_CUDA_CHECK(cudaMemcpy(t_out, t_in, buf, cudaMemcpyDeviceToDevice));
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());
   cudaStream_t s;
   TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  const ncclDataType_t nt = opt.dtype == DType::kFloat32 ? ncclFloat32 : opt.dtype == DType::kFloat16 ? ncclFloat16 : ncclBfloat16;
+  const ncclDataType_t nt = opt.dtype == DType::kFloat32   ? ncclFloat32
+                            : opt.dtype == DType::kFloat16 ? ncclFloat16
+                                                           : ncclBfloat16;
   const size_t sz = dtype_size(opt.dtype);
   const int kind = opt.dtype == DType::kBFloat16 ? 0 : opt.dtype == DType::kFloat16 ? 1 : 2;
   // A sum of n terms in (-1, 1) rounded in another order: a few units in the last place per term.
@@ -254,11 +267,12 @@ int run(const Options& opt, int argc, char** argv) {
   doc["statistic"] = "median per-op time of --iters timings, the slowest rank's (us)";
 
   if (me == 0) {
-    std::printf("# tdist-bench %s: %d ranks on %s, %s, %s buffers for tdist; graph-timed up to %zu bytes; median of %d\n",
-                tdist::version(), n, prop.name, to_string(opt.dtype), opt.symmetric ? "symmetric" : "ordinary",
-                opt.graph_max, opt.iters);
-    std::printf("# %-14s %12s %12s %-18s %3s | %10s %8s %8s %6s | %10s %8s %8s | %7s\n", "", "", "", "", "",
-                "tdist", "", "", "", "nccl", "", "", "");
+    std::printf(
+        "# tdist-bench %s: %d ranks on %s, %s, %s buffers for tdist; graph-timed up to %zu bytes; median of %d\n",
+        tdist::version(), n, prop.name, to_string(opt.dtype), opt.symmetric ? "symmetric" : "ordinary", opt.graph_max,
+        opt.iters);
+    std::printf("# %-14s %12s %12s %-18s %3s | %10s %8s %8s %6s | %10s %8s %8s | %7s\n", "", "", "", "", "", "tdist",
+                "", "", "", "nccl", "", "", "");
     std::printf("# %-14s %12s %12s %-18s %3s | %10s %8s %8s %6s | %10s %8s %8s | %7s\n", "op", "size (B)", "count",
                 "method", "pdl", "time (us)", "algbw", "busbw", "#wrong", "time (us)", "algbw", "busbw", "speedup");
     std::fflush(stdout);
@@ -300,9 +314,12 @@ int run(const Options& opt, int argc, char** argv) {
           throw;
         }
         auto run_nccl = [&, op, per] {
-          if (op == "all_reduce") TDIST_NCCL_CHECK(ncclAllReduce(n_in, n_out, per, nt, ncclSum, world.comm(), s));
-          else if (op == "all_gather") TDIST_NCCL_CHECK(ncclAllGather(n_in, n_out, per, nt, world.comm(), s));
-          else TDIST_NCCL_CHECK(ncclReduceScatter(n_in, n_out, per, nt, ncclSum, world.comm(), s));
+          if (op == "all_reduce")
+            TDIST_NCCL_CHECK(ncclAllReduce(n_in, n_out, per, nt, ncclSum, world.comm(), s));
+          else if (op == "all_gather")
+            TDIST_NCCL_CHECK(ncclAllGather(n_in, n_out, per, nt, world.comm(), s));
+          else
+            TDIST_NCCL_CHECK(ncclReduceScatter(n_in, n_out, per, nt, ncclSum, world.comm(), s));
         };
         // --check: each context once into a poisoned output (all ones: NaN in every type), then
         // NCCL once; #wrong is the worst rank's count.
@@ -343,10 +360,17 @@ int run(const Options& opt, int argc, char** argv) {
         const std::string method = opt.method == "auto" ? "auto:" + resolved : resolved;
         for (size_t c = 0; c < contexts.size(); ++c) {
           const double t = t_best[c];
-          json::Value row = json::Object{{"op", op}, {"bytes", bytes}, {"count", per}, {"impl", "tdist"},
-                                         {"method", method}, {"pdl", static_cast<bool>(opt.pdl[c])},
-                                         {"timing", graph ? "graph" : "events"}, {"us", t}, {"algbw_gbps", algbw / t},
-                                         {"busbw_gbps", busbw / t}, {"speedup_vs_nccl", nccl_us / t}};
+          json::Value row = json::Object{{"op", op},
+                                         {"bytes", bytes},
+                                         {"count", per},
+                                         {"impl", "tdist"},
+                                         {"method", method},
+                                         {"pdl", static_cast<bool>(opt.pdl[c])},
+                                         {"timing", graph ? "graph" : "events"},
+                                         {"us", t},
+                                         {"algbw_gbps", algbw / t},
+                                         {"busbw_gbps", busbw / t},
+                                         {"speedup_vs_nccl", nccl_us / t}};
           row["wrong"] = wrong[c] >= 0 ? json::Value(wrong[c]) : json::Value();
           doc["rows"].push_back(row);
           if (me == 0) {
@@ -358,9 +382,15 @@ int run(const Options& opt, int argc, char** argv) {
           }
         }
         if (first_nccl_row) {
-          doc["rows"].push_back(json::Object{{"op", op}, {"bytes", bytes}, {"count", per}, {"impl", "nccl"},
-                                             {"method", "nccl"}, {"timing", graph ? "graph" : "events"}, {"us", nccl_us},
-                                             {"algbw_gbps", algbw / nccl_us}, {"busbw_gbps", busbw / nccl_us}});
+          doc["rows"].push_back(json::Object{{"op", op},
+                                             {"bytes", bytes},
+                                             {"count", per},
+                                             {"impl", "nccl"},
+                                             {"method", "nccl"},
+                                             {"timing", graph ? "graph" : "events"},
+                                             {"us", nccl_us},
+                                             {"algbw_gbps", algbw / nccl_us},
+                                             {"busbw_gbps", busbw / nccl_us}});
         }
       }
     }

@@ -54,7 +54,8 @@ int main(int argc, char** argv) {
     if (all)
       for (const auto& fam : tdist::jit::registered_kernels()) {
         int k = 0;
-        for (auto& r : fam.requests()) items.push_back({"registry:" + fam.name + "#" + std::to_string(++k), std::move(r)});
+        for (auto& r : fam.requests())
+          items.push_back({"registry:" + fam.name + "#" + std::to_string(++k), std::move(r)});
       }
     for (const auto& m : manifests) {
       int k = 0;

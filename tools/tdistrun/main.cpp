@@ -70,7 +70,7 @@ const char* const kEpilog =
 
 struct Options {
   int nproc = 0;
-  int master_port = 0;                  // 0: pick a free one
+  int master_port = 0;  // 0: pick a free one
   std::optional<double> timeout_s;
   double kill_grace_s = 5.0;
   std::vector<std::string> command;
@@ -203,7 +203,7 @@ class Sink {
   std::mutex mu_;
   std::condition_variable cv_, drained_;
   std::deque<std::string> queue_;
-  size_t queued_ = 0;  // bytes queued or being written
+  size_t queued_ = 0;   // bytes queued or being written
   std::thread thread_;  // detached: at exit it may still be blocked in write()
 };
 
@@ -212,14 +212,16 @@ Sink* g_sinks[3] = {nullptr, nullptr, nullptr};  // [1] stdout, [2] stderr once 
 // The launcher's own messages, through the stderr sink (or directly before it exists).
 void note(const std::string& line) {
   const std::string text = "tdistrun: " + line + "\n";
-  if (g_sinks[2] != nullptr) g_sinks[2]->push(text);
-  else write_all(2, text);
+  if (g_sinks[2] != nullptr)
+    g_sinks[2]->push(text);
+  else
+    write_all(2, text);
 }
 
 // One output pipe of a rank; complete lines go out prefixed, a partial line waits for the rest.
 struct Stream {
-  int fd = -1;     // read end of the pipe; -1 once at EOF
-  int dest = 1;    // 1: stdout, 2: stderr
+  int fd = -1;   // read end of the pipe; -1 once at EOF
+  int dest = 1;  // 1: stdout, 2: stderr
   std::string prefix;
   std::string partial;
 
@@ -314,9 +316,7 @@ std::string seconds(double s) {
   return buf;
 }
 
-int exit_code_of(int status) {
-  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
-}
+int exit_code_of(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
 
 class Launcher {
  public:
@@ -329,8 +329,8 @@ class Launcher {
     if (std::getenv("TDIST_STORE_SECRET") == nullptr) secret_ = random_secret();
     const int port = opt_.master_port ? opt_.master_port : pick_free_port();
     if (opt_.timeout_s)
-      timeout_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double>(*opt_.timeout_s));
+      timeout_at_ =
+          Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(*opt_.timeout_s));
     ranks_.resize(static_cast<size_t>(opt_.nproc));
     for (int r = 0; r < opt_.nproc && !exit_code_; ++r) start_rank(r, port);
     supervise();
@@ -384,7 +384,8 @@ class Launcher {
   void tell_watchdog(pid_t group) {
     if (watchdog_fd_ < 0) return;
     ssize_t n;
-    do n = ::write(watchdog_fd_, &group, sizeof(group)); while (n < 0 && errno == EINTR);
+    do n = ::write(watchdog_fd_, &group, sizeof(group));
+    while (n < 0 && errno == EINTR);
   }
 
   // Every group has been signalled by now: the all-clear, then the watchdog exits.
@@ -399,9 +400,9 @@ class Launcher {
 
   std::vector<std::string> rank_environment(int rank, int port) const {
     std::vector<std::pair<std::string, std::string>> launch_vars = {
-        {"RANK", std::to_string(rank)},           {"WORLD_SIZE", std::to_string(opt_.nproc)},
-        {"LOCAL_RANK", std::to_string(rank)},     {"LOCAL_WORLD_SIZE", std::to_string(opt_.nproc)},
-        {"MASTER_ADDR", "127.0.0.1"},             {"MASTER_PORT", std::to_string(port)}};
+        {"RANK", std::to_string(rank)},       {"WORLD_SIZE", std::to_string(opt_.nproc)},
+        {"LOCAL_RANK", std::to_string(rank)}, {"LOCAL_WORLD_SIZE", std::to_string(opt_.nproc)},
+        {"MASTER_ADDR", "127.0.0.1"},         {"MASTER_PORT", std::to_string(port)}};
     // One random key per job for the rendezvous store, unless the user chose one.
     if (!secret_.empty()) launch_vars.emplace_back("TDIST_STORE_SECRET", secret_);
     // NVLink multicast stays off on shared hosts unless the user chose otherwise.
@@ -432,8 +433,7 @@ class Launcher {
     argv.push_back(nullptr);
 
     int out_pipe[2], err_pipe[2], exec_pipe[2];
-    if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0 ||
-        ::pipe2(exec_pipe, O_CLOEXEC) != 0) {
+    if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0 || ::pipe2(exec_pipe, O_CLOEXEC) != 0) {
       note(std::string("pipe2 failed: ") + std::strerror(errno));
       fail(1);
       return;
@@ -483,7 +483,8 @@ class Launcher {
     // The exec pipe closes on a successful exec; otherwise it carries exec's errno.
     int exec_errno = 0;
     ssize_t n;
-    do n = ::read(exec_pipe[0], &exec_errno, sizeof(exec_errno)); while (n < 0 && errno == EINTR);
+    do n = ::read(exec_pipe[0], &exec_errno, sizeof(exec_errno));
+    while (n < 0 && errno == EINTR);
     ::close(exec_pipe[0]);
     if (n == sizeof(exec_errno)) {
       note("rank " + std::to_string(r) + ": cannot execute '" + argv[0] + "': " + std::strerror(exec_errno));
@@ -500,8 +501,8 @@ class Launcher {
   void begin_shutdown(int sig) {
     if (kill_at_) return;
     signal_all(sig);
-    kill_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                  std::chrono::duration<double>(opt_.kill_grace_s));
+    kill_at_ =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(opt_.kill_grace_s));
   }
 
   // Signals every rank's whole process group. Finished ranks are included: children they left
@@ -533,8 +534,10 @@ class Launcher {
     if (forwarded_signals_++ == 0) {
       note("received " + sigabbrev(sig) + "; forwarding it to every rank");
       if (!exit_code_) exit_code_ = 128 + sig;
-      if (kill_at_) signal_all(sig);  // already stopping: forward it all the same
-      else begin_shutdown(sig);
+      if (kill_at_)
+        signal_all(sig);  // already stopping: forward it all the same
+      else
+        begin_shutdown(sig);
     } else {
       note("received " + sigabbrev(sig) + " again; killing every rank");
       signal_all(SIGKILL);
@@ -565,11 +568,11 @@ class Launcher {
       const bool throttled = g_sinks[1]->queued() + g_sinks[2]->queued() > kMaxQueuedOutput;
       for (Rank& r : ranks_)
         if (!throttled)
-        for (Stream* s : {&r.out, &r.err})
-          if (s->fd >= 0) {
-            fds.push_back({s->fd, POLLIN, 0});
-            streams.push_back(s);
-          }
+          for (Stream* s : {&r.out, &r.err})
+            if (s->fd >= 0) {
+              fds.push_back({s->fd, POLLIN, 0});
+              streams.push_back(s);
+            }
       std::optional<Clock::time_point> next;
       if (timeout_at_ && !timed_out_) next = timeout_at_;
       if (kill_at_ && !killed_) next = next ? std::min(*next, *kill_at_) : *kill_at_;

@@ -18,8 +18,8 @@ T checked_mul(T a, T b, const char* what) {
   static_assert(std::is_integral_v<T>, "checked_mul takes integers");
   T out{};
   if (__builtin_mul_overflow(a, b, &out))
-    TDIST_FAIL("size overflow computing ", what, ": ", +a, " * ", +b, " does not fit in ",
-               sizeof(T) * 8, "-bit ", std::is_signed_v<T> ? "signed" : "unsigned", " integers");
+    TDIST_FAIL("size overflow computing ", what, ": ", +a, " * ", +b, " does not fit in ", sizeof(T) * 8, "-bit ",
+               std::is_signed_v<T> ? "signed" : "unsigned", " integers");
   return out;
 }
 
@@ -29,8 +29,8 @@ T checked_add(T a, T b, const char* what) {
   static_assert(std::is_integral_v<T>, "checked_add takes integers");
   T out{};
   if (__builtin_add_overflow(a, b, &out))
-    TDIST_FAIL("size overflow computing ", what, ": ", +a, " + ", +b, " does not fit in ",
-               sizeof(T) * 8, "-bit ", std::is_signed_v<T> ? "signed" : "unsigned", " integers");
+    TDIST_FAIL("size overflow computing ", what, ": ", +a, " + ", +b, " does not fit in ", sizeof(T) * 8, "-bit ",
+               std::is_signed_v<T> ? "signed" : "unsigned", " integers");
   return out;
 }
 

@@ -42,9 +42,7 @@ class UsageError : public std::runtime_error {
 
 // "4096", "4K", "64M", "1G", "2GiB", "8KB": binary multiples (1K = 1024), as nccl-tests reads them.
 inline uint64_t parse_size(const std::string& text, const std::string& what) {
-  const auto bad = [&] {
-    return UsageError(what + " expects a size such as 4096, 64K, 1M or 2G, got '" + text + "'");
-  };
+  const auto bad = [&] { return UsageError(what + " expects a size such as 4096, 64K, 1M or 2G, got '" + text + "'"); };
   size_t digits = 0;
   while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
   if (digits == 0 || digits > 19) throw bad();
@@ -93,7 +91,8 @@ inline std::vector<std::string> split_list(const std::string& text, const std::s
   for (size_t start = 0;;) {
     const size_t end = text.find(',', start);
     std::string item = text.substr(start, end == std::string::npos ? std::string::npos : end - start);
-    if (item.empty()) throw UsageError(what + " expects a comma-separated list without empty items, got '" + text + "'");
+    if (item.empty())
+      throw UsageError(what + " expects a comma-separated list without empty items, got '" + text + "'");
     out.push_back(std::move(item));
     if (end == std::string::npos) return out;
     start = end + 1;
@@ -258,8 +257,10 @@ class Parser {
     width = std::min<size_t>(width, 30);
     for (const auto& [left, right] : rows) {
       h += "  " + left;
-      if (left.size() > width) h += "\n  " + std::string(width, ' ');
-      else h += std::string(width - left.size(), ' ');
+      if (left.size() > width)
+        h += "\n  " + std::string(width, ' ');
+      else
+        h += std::string(width - left.size(), ' ');
       h += "  " + right + "\n";
     }
     if (!epilog_.empty()) h += "\n" + epilog_ + (epilog_.back() == '\n' ? "" : "\n");
@@ -273,7 +274,9 @@ class Parser {
     std::function<void(const std::string&, const std::string&)> set;
   };
 
-  static bool is_negative_number(const std::string& a) { return a.size() > 1 && a[0] == '-' && std::isdigit(static_cast<unsigned char>(a[1])); }
+  static bool is_negative_number(const std::string& a) {
+    return a.size() > 1 && a[0] == '-' && std::isdigit(static_cast<unsigned char>(a[1]));
+  }
 
   using Setter = std::function<void(const std::string& used_name, const std::string& value)>;
 

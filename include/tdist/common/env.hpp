@@ -45,8 +45,8 @@ inline std::string shown(std::string_view text) {
 
 [[noreturn]] inline void invalid(const char* file, int line, const char* name, std::string_view text,
                                  const std::string& expected) {
-  ::tdist::detail::throw_at(file, line, "environment variable ", name, "=", shown(text),
-                            " is invalid: expected ", expected);
+  ::tdist::detail::throw_at(file, line, "environment variable ", name, "=", shown(text), " is invalid: expected ",
+                            expected);
 }
 
 inline bool all_digits(std::string_view s) {
@@ -82,22 +82,19 @@ inline int64_t parse_int(const char* name, std::string_view text, int64_t min, i
   constexpr uint64_t kMagnitudeLimit = uint64_t(1) << 63;  // |INT64_MIN|
   if (magnitude > (negative ? kMagnitudeLimit : kMagnitudeLimit - 1))
     detail::invalid(__FILE__, __LINE__, name, text, expected);
-  const int64_t value = !negative ? int64_t(magnitude)
-                        : magnitude == kMagnitudeLimit ? INT64_MIN
-                                                       : -int64_t(magnitude);
+  const int64_t value = !negative ? int64_t(magnitude) : magnitude == kMagnitudeLimit ? INT64_MIN : -int64_t(magnitude);
   if (value < min || value > max) detail::invalid(__FILE__, __LINE__, name, text, expected);
   return value;
 }
 
 // A duration in seconds, "300" or "2.5" (digits, an optional fraction), in [min_s, max_s].
 inline double parse_seconds(const char* name, std::string_view text, double min_s, double max_s) {
-  const std::string expected = ::tdist::detail::concat(
-      "a decimal number of seconds from ", min_s, " to ", max_s, " (e.g. 300 or 2.5)");
+  const std::string expected =
+      ::tdist::detail::concat("a decimal number of seconds from ", min_s, " to ", max_s, " (e.g. 300 or 2.5)");
   const size_t dot = text.find('.');
   const std::string_view whole = text.substr(0, dot);
   const bool ok = detail::all_digits(whole) &&
-                  (dot == std::string_view::npos || detail::all_digits(text.substr(dot + 1))) &&
-                  whole.size() <= 15;
+                  (dot == std::string_view::npos || detail::all_digits(text.substr(dot + 1))) && whole.size() <= 15;
   if (!ok) detail::invalid(__FILE__, __LINE__, name, text, expected);
   const double value = std::strtod(std::string(text).c_str(), nullptr);
   if (!std::isfinite(value) || value < min_s || value > max_s)
@@ -114,12 +111,18 @@ inline uint64_t parse_size(const char* name, std::string_view text, uint64_t min
   while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
   const std::string_view suffix = text.substr(digits);
   unsigned shift = 0;
-  if (suffix.empty()) shift = 0;
-  else if (suffix == "K" || suffix == "k") shift = 10;
-  else if (suffix == "M" || suffix == "m") shift = 20;
-  else if (suffix == "G" || suffix == "g") shift = 30;
-  else if (suffix == "T" || suffix == "t") shift = 40;
-  else detail::invalid(__FILE__, __LINE__, name, text, expected);
+  if (suffix.empty())
+    shift = 0;
+  else if (suffix == "K" || suffix == "k")
+    shift = 10;
+  else if (suffix == "M" || suffix == "m")
+    shift = 20;
+  else if (suffix == "G" || suffix == "g")
+    shift = 30;
+  else if (suffix == "T" || suffix == "t")
+    shift = 40;
+  else
+    detail::invalid(__FILE__, __LINE__, name, text, expected);
   uint64_t count = 0;
   if (!detail::parse_u64(text.substr(0, digits), count)) detail::invalid(__FILE__, __LINE__, name, text, expected);
   // Checked before shifting: 17179869185G must not wrap around to a small size.

@@ -40,13 +40,13 @@ template <typename E = Error, typename... Args>
 // Throws tdist::Error with the message parts concatenated, prefixed by file:line.
 #define TDIST_FAIL(...) ::tdist::detail::throw_at(__FILE__, __LINE__, __VA_ARGS__)
 
-#define TDIST_CHECK(cond, ...)                                                       \
-  do {                                                                               \
+#define TDIST_CHECK(cond, ...)                                                                             \
+  do {                                                                                                     \
     if (!(cond)) ::tdist::detail::throw_at(__FILE__, __LINE__, "check failed (" #cond "): ", __VA_ARGS__); \
   } while (0)
 
 // Validates a caller's argument: the message names the argument and what was expected.
-#define TDIST_CHECK_ARG(cond, arg, ...)                                              \
-  do {                                                                               \
+#define TDIST_CHECK_ARG(cond, arg, ...)                                                                      \
+  do {                                                                                                       \
     if (!(cond)) ::tdist::detail::throw_at(__FILE__, __LINE__, "invalid argument '" arg "': ", __VA_ARGS__); \
   } while (0)

@@ -9,8 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -88,8 +88,10 @@ class Value {
   }
 
   void detach() {
-    if (auto* a = std::get_if<std::shared_ptr<Array>>(&v_)) v_ = std::make_shared<Array>(**a);
-    else if (auto* o = std::get_if<std::shared_ptr<Object>>(&v_)) v_ = std::make_shared<Object>(**o);
+    if (auto* a = std::get_if<std::shared_ptr<Array>>(&v_))
+      v_ = std::make_shared<Array>(**a);
+    else if (auto* o = std::get_if<std::shared_ptr<Object>>(&v_))
+      v_ = std::make_shared<Object>(**o);
   }
 
   static void write_string(std::string& out, const std::string& s) {
@@ -140,12 +142,18 @@ class Value {
     const std::string pad = compact || indent <= 0 ? "" : std::string(static_cast<size_t>(indent) * (depth + 1), ' ');
     const std::string close_pad = compact || indent <= 0 ? "" : std::string(static_cast<size_t>(indent) * depth, ' ');
     const std::string sep = compact || indent <= 0 ? ", " : ",";
-    if (std::holds_alternative<std::nullptr_t>(v_)) out += "null";
-    else if (auto* b = std::get_if<bool>(&v_)) out += *b ? "true" : "false";
-    else if (auto* i = std::get_if<int64_t>(&v_)) out += std::to_string(*i);
-    else if (auto* u = std::get_if<uint64_t>(&v_)) out += std::to_string(*u);
-    else if (auto* d = std::get_if<double>(&v_)) write_number(out, *d);
-    else if (auto* s = std::get_if<std::string>(&v_)) write_string(out, *s);
+    if (std::holds_alternative<std::nullptr_t>(v_))
+      out += "null";
+    else if (auto* b = std::get_if<bool>(&v_))
+      out += *b ? "true" : "false";
+    else if (auto* i = std::get_if<int64_t>(&v_))
+      out += std::to_string(*i);
+    else if (auto* u = std::get_if<uint64_t>(&v_))
+      out += std::to_string(*u);
+    else if (auto* d = std::get_if<double>(&v_))
+      write_number(out, *d);
+    else if (auto* s = std::get_if<std::string>(&v_))
+      write_string(out, *s);
     else if (is_array()) {
       const Array& a = *std::get<std::shared_ptr<Array>>(v_);
       if (a.empty()) {
@@ -194,7 +202,8 @@ inline void write_file(const std::string& path, const Value& v) {
     f.close();
     if (!f) throw std::runtime_error("cannot write '" + tmp + "'");
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename '" + tmp + "' to '" + path + "'");
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    throw std::runtime_error("cannot rename '" + tmp + "' to '" + path + "'");
 }
 
 }  // namespace tdist::json

@@ -31,9 +31,9 @@ void write(Level level, const char* subsys, const std::string& message);
 }  // namespace tdist::log
 
 // TDIST_LOG(kInfo, JIT, "compiled ", name, " in ", ms, " ms"): the message is built only when printed.
-#define TDIST_LOG(LEVEL, SUBSYS, ...)                                                                \
-  do {                                                                                               \
-    if (::tdist::log::enabled(::tdist::log::Level::LEVEL, #SUBSYS))                                  \
+#define TDIST_LOG(LEVEL, SUBSYS, ...)                                                                 \
+  do {                                                                                                \
+    if (::tdist::log::enabled(::tdist::log::Level::LEVEL, #SUBSYS))                                   \
       ::tdist::log::write(::tdist::log::Level::LEVEL, #SUBSYS, ::tdist::detail::concat(__VA_ARGS__)); \
   } while (0)
 #define TDIST_WARN(SUBSYS, ...) TDIST_LOG(kWarn, SUBSYS, __VA_ARGS__)

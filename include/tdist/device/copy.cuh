@@ -66,11 +66,16 @@ TDIST_DEVICE void group_copy(void* dst_ptr, const void* src_ptr, u64 bytes) {
   const char* src = static_cast<const char*>(src_ptr);
   const u64 lane = G::index(), lanes = G::size();
   const u64 skew = reinterpret_cast<u64>(dst) ^ reinterpret_cast<u64>(src);
-  if ((skew & 15) == 0) copy_aligned<uint4>(dst, src, bytes, lane, lanes);
-  else if ((skew & 7) == 0) copy_aligned<uint2>(dst, src, bytes, lane, lanes);
-  else if ((skew & 3) == 0) copy_aligned<u32>(dst, src, bytes, lane, lanes);
-  else if ((skew & 1) == 0) copy_aligned<unsigned short>(dst, src, bytes, lane, lanes);
-  else copy_aligned<unsigned char>(dst, src, bytes, lane, lanes);
+  if ((skew & 15) == 0)
+    copy_aligned<uint4>(dst, src, bytes, lane, lanes);
+  else if ((skew & 7) == 0)
+    copy_aligned<uint2>(dst, src, bytes, lane, lanes);
+  else if ((skew & 3) == 0)
+    copy_aligned<u32>(dst, src, bytes, lane, lanes);
+  else if ((skew & 1) == 0)
+    copy_aligned<unsigned short>(dst, src, bytes, lane, lanes);
+  else
+    copy_aligned<unsigned char>(dst, src, bytes, lane, lanes);
 }
 
 template <typename G>
@@ -84,8 +89,8 @@ TDIST_DEVICE void get_nbi(const SymmetricHeapView& heap, void* dst, const void* 
 }
 
 template <typename G, typename T>
-TDIST_DEVICE void put_signal(const SymmetricHeapView& heap, void* dst, const void* src, u64 bytes, T* flag,
-                             T value, SignalOp op, int peer) {
+TDIST_DEVICE void put_signal(const SymmetricHeapView& heap, void* dst, const void* src, u64 bytes, T* flag, T value,
+                             SignalOp op, int peer) {
   put_nbi<G>(heap, dst, src, bytes, peer);
   G::sync();  // every thread's stores precede the leader's release (bar.sync is in causality order)
   if (G::index() == 0) signal_op<Scope::kSystem>(heap, flag, value, op, peer);
@@ -93,29 +98,27 @@ TDIST_DEVICE void put_signal(const SymmetricHeapView& heap, void* dst, const voi
 
 }  // namespace detail
 
-#define TDIST_DEFINE_COPY_SCOPE(scope, Group)                                                              \
-  TDIST_DEVICE void putmem_nbi_##scope(const SymmetricHeapView& heap, void* dst, const void* src, u64 bytes, \
-                                       int peer) {                                                         \
-    detail::put_nbi<Group>(heap, dst, src, bytes, peer);                                                   \
-  }                                                                                                        \
-  TDIST_DEVICE void putmem_##scope(const SymmetricHeapView& heap, void* dst, const void* src, u64 bytes,     \
-                                   int peer) {                                                             \
-    detail::put_nbi<Group>(heap, dst, src, bytes, peer);                                                   \
-    Group::sync();                                                                                         \
-  }                                                                                                        \
-  TDIST_DEVICE void getmem_nbi_##scope(const SymmetricHeapView& heap, void* dst, const void* src, u64 bytes, \
-                                       int peer) {                                                         \
-    detail::get_nbi<Group>(heap, dst, src, bytes, peer);                                                   \
-  }                                                                                                        \
-  TDIST_DEVICE void getmem_##scope(const SymmetricHeapView& heap, void* dst, const void* src, u64 bytes,     \
-                                   int peer) {                                                             \
-    detail::get_nbi<Group>(heap, dst, src, bytes, peer);                                                   \
-    Group::sync();                                                                                         \
-  }                                                                                                        \
-  template <typename T>                                                                                    \
-  TDIST_DEVICE void putmem_signal_##scope(const SymmetricHeapView& heap, void* dst, const void* src,        \
-                                          u64 bytes, T* flag, T value, SignalOp op, int peer) {            \
-    detail::put_signal<Group>(heap, dst, src, bytes, flag, value, op, peer);                               \
+#define TDIST_DEFINE_COPY_SCOPE(scope, Group)                                                                        \
+  TDIST_DEVICE void putmem_nbi_##scope(const SymmetricHeapView& heap, void* dst, const void* src, u64 bytes,         \
+                                       int peer) {                                                                   \
+    detail::put_nbi<Group>(heap, dst, src, bytes, peer);                                                             \
+  }                                                                                                                  \
+  TDIST_DEVICE void putmem_##scope(const SymmetricHeapView& heap, void* dst, const void* src, u64 bytes, int peer) { \
+    detail::put_nbi<Group>(heap, dst, src, bytes, peer);                                                             \
+    Group::sync();                                                                                                   \
+  }                                                                                                                  \
+  TDIST_DEVICE void getmem_nbi_##scope(const SymmetricHeapView& heap, void* dst, const void* src, u64 bytes,         \
+                                       int peer) {                                                                   \
+    detail::get_nbi<Group>(heap, dst, src, bytes, peer);                                                             \
+  }                                                                                                                  \
+  TDIST_DEVICE void getmem_##scope(const SymmetricHeapView& heap, void* dst, const void* src, u64 bytes, int peer) { \
+    detail::get_nbi<Group>(heap, dst, src, bytes, peer);                                                             \
+    Group::sync();                                                                                                   \
+  }                                                                                                                  \
+  template <typename T>                                                                                              \
+  TDIST_DEVICE void putmem_signal_##scope(const SymmetricHeapView& heap, void* dst, const void* src, u64 bytes,      \
+                                          T* flag, T value, SignalOp op, int peer) {                                 \
+    detail::put_signal<Group>(heap, dst, src, bytes, flag, value, op, peer);                                         \
   }
 
 TDIST_DEFINE_COPY_SCOPE(thread, ThreadGroup)

@@ -64,8 +64,10 @@ TDIST_DEVICE Token wait_block(const T* flags, int n, T value, Cmp cmp = Cmp::kGe
 // Raises the flag at `flag` (a local or an already translated peer address) with release at S.
 template <Scope S = Scope::kSystem, typename T>
 TDIST_DEVICE void notify(T* flag, T value, SignalOp op = SignalOp::kSet) {
-  if (op == SignalOp::kSet) st_release<S>(flag, value);
-  else red_add<S>(flag, value);
+  if (op == SignalOp::kSet)
+    st_release<S>(flag, value);
+  else
+    red_add<S>(flag, value);
 }
 
 // notify on `peer`'s copy of the symmetric flag `flag` (a pointer into this rank's heap).
@@ -74,8 +76,8 @@ template <Scope S = Scope::kSystem, typename T>
 TDIST_DEVICE void signal_op(const SymmetricHeapView& heap, T* flag, T value, SignalOp op, int peer) {
   T* remote = heap.symm_at(flag, peer);
   if (remote == nullptr) {
-    printf("tdist: signal_op on rank %d: peer %d is not load/store reachable (LSA team of %d)\n",
-           heap.rank, peer, heap.lsa_size);
+    printf("tdist: signal_op on rank %d: peer %d is not load/store reachable (LSA team of %d)\n", heap.rank, peer,
+           heap.lsa_size);
     __trap();
   }
   notify<S>(remote, value, op);

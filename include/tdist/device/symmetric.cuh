@@ -14,11 +14,11 @@
 namespace tdist::device {
 
 struct SymmetricHeapView {
-  int rank;        // this process's rank in the world
-  int num_ranks;   // world size
-  int lsa_rank;    // this process's index in its LSA team
-  int lsa_size;    // ranks in the LSA team (<= kMaxLsaRanks)
-  u64 size;        // bytes of the heap on each rank
+  int rank;                       // this process's rank in the world
+  int num_ranks;                  // world size
+  int lsa_rank;                   // this process's index in its LSA team
+  int lsa_size;                   // ranks in the LSA team (<= kMaxLsaRanks)
+  u64 size;                       // bytes of the heap on each rank
   char* lsa_bases[kMaxLsaRanks];  // heap base of LSA member i, mapped here; [lsa_rank] is local
 
   TDIST_HOST_DEVICE char* local_base() const { return lsa_bases[lsa_rank]; }
@@ -54,8 +54,8 @@ template <typename T>
 TDIST_DEVICE T* peer_address_or_trap(const SymmetricHeapView& heap, T* symmetric, int peer, const char* op) {
   T* p = heap.symm_at(symmetric, peer);
   if (p == nullptr) {
-    printf("tdist: %s on rank %d: peer %d is not load/store reachable (LSA team of %d ranks)\n", op, heap.rank,
-           peer, heap.lsa_size);
+    printf("tdist: %s on rank %d: peer %d is not load/store reachable (LSA team of %d ranks)\n", op, heap.rank, peer,
+           heap.lsa_size);
     __trap();
   }
   return p;

@@ -68,13 +68,13 @@ class SpinDeadline {
 
 // Prints the diagnostic of a timed-out wait and traps (the kernel ends with an error the host sees
 // as cudaErrorLaunchFailure / illegal instruction).
-__device__ __noinline__ inline void wait_timed_out(const char* what, const void* address, Cmp cmp,
-                                                   u64 expected, u64 seen) {
-  printf("tdist: %s timed out after %.1f s: rank %d, block (%d,%d,%d), thread (%d,%d,%d), "
-         "address %p, waiting for value %s %llu, seen %llu\n",
-         what, static_cast<double>(tdist_device_config.timeout_ns) * 1e-9, tdist_device_config.rank,
-         blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z, address,
-         cmp_name(cmp), expected, seen);
+__device__ __noinline__ inline void wait_timed_out(const char* what, const void* address, Cmp cmp, u64 expected,
+                                                   u64 seen) {
+  printf(
+      "tdist: %s timed out after %.1f s: rank %d, block (%d,%d,%d), thread (%d,%d,%d), "
+      "address %p, waiting for value %s %llu, seen %llu\n",
+      what, static_cast<double>(tdist_device_config.timeout_ns) * 1e-9, tdist_device_config.rank, blockIdx.x,
+      blockIdx.y, blockIdx.z, threadIdx.x, threadIdx.y, threadIdx.z, address, cmp_name(cmp), expected, seen);
   __trap();
 }
 

@@ -29,13 +29,13 @@
 namespace tdist::jit {
 
 struct TuneConfig {
-  std::string name;                             // unique within a request
+  std::string name;  // unique within a request
   std::map<std::string, std::int64_t> params;
 };
 
 struct TuneRequest {
-  std::string kernel;        // what is tuned (include a version if its code changes)
-  std::string shape_class;   // the problem class the winner holds for
+  std::string kernel;       // what is tuned (include a version if its code changes)
+  std::string shape_class;  // the problem class the winner holds for
   std::vector<TuneConfig> configs;
   // Launches candidate `config` once on `stream`; `iteration` counts every launch of a candidate.
   std::function<void(const TuneConfig& config, int iteration, cudaStream_t stream)> launch;

@@ -24,7 +24,7 @@ namespace tdist::jit {
 class KernelCache;
 
 enum class CompilerKind {
-  kAuto,   // NVRTC, or nvcc when the source includes NCCL's headers (or TDIST_JIT_COMPILER says so)
+  kAuto,  // NVRTC, or nvcc when the source includes NCCL's headers (or TDIST_JIT_COMPILER says so)
   kNvrtc,
   kNvcc,
 };
@@ -40,9 +40,9 @@ struct Constant {
 };
 
 struct CompileRequest {
-  std::string source;                 // CUDA C++ source text
-  std::string file_name = "kernel.cu";  // names the source in compiler messages; only its base name is
-                                        // given to the compiler and enters the key
+  std::string source;                         // CUDA C++ source text
+  std::string file_name = "kernel.cu";        // names the source in compiler messages; only its base name is
+                                              // given to the compiler and enters the key
   std::vector<std::string> name_expressions;  // kernels to instantiate and look up, e.g. "k<128, float>"
   std::vector<Constant> constants;            // prepended before the source (line numbers kept)
   std::vector<std::string> defines;           // "NAME" or "NAME=VALUE" (-D)
@@ -57,14 +57,14 @@ struct CompileRequest {
 };
 
 struct CompiledKernel {
-  Digest key{};                 // cache key (docs/jit.md)
-  std::string arch;             // "sm_90a"
-  std::string compiler;         // compiler identity, e.g. "nvrtc 13.0 ..."
-  std::string file_name;        // base name of the source
-  std::string cubin;            // ELF bytes
+  Digest key{};                                                    // cache key (docs/jit.md)
+  std::string arch;                                                // "sm_90a"
+  std::string compiler;                                            // compiler identity, e.g. "nvrtc 13.0 ..."
+  std::string file_name;                                           // base name of the source
+  std::string cubin;                                               // ELF bytes
   std::vector<std::pair<std::string, std::string>> lowered_names;  // name expression -> symbol
-  std::string log;              // compiler and ptxas info (-v) log
-  std::int64_t spill_stores = 0;  // bytes, summed over the functions in the cubin
+  std::string log;                                                 // compiler and ptxas info (-v) log
+  std::int64_t spill_stores = 0;                                   // bytes, summed over the functions in the cubin
   std::int64_t spill_loads = 0;
 
   // Symbol of a name expression given at compile time; throws tdist::Error if it was not given.

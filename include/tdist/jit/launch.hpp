@@ -73,8 +73,8 @@ struct Dim3 {
 struct LaunchConfig {
   Dim3 grid{};
   Dim3 block{};
-  std::size_t shared_bytes = 0;       // dynamic shared memory; > 48 KiB raises the kernel's limit
-  Dim3 cluster{};                     // thread block cluster (1,1,1: none)
+  std::size_t shared_bytes = 0;                // dynamic shared memory; > 48 KiB raises the kernel's limit
+  Dim3 cluster{};                              // thread block cluster (1,1,1: none)
   bool programmatic_dependent_launch = false;  // may start before the previous kernel on the stream ends
   cudaStream_t stream = nullptr;
 };

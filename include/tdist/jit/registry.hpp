@@ -30,6 +30,5 @@ std::vector<RegisteredKernels> registered_kernels();
 
 }  // namespace tdist::jit
 
-#define TDIST_JIT_REGISTER_KERNELS(ident, ...)                                                 \
-  [[maybe_unused]] static const bool tdist_jit_registered_##ident =                             \
-      ::tdist::jit::register_kernels(#ident, __VA_ARGS__)
+#define TDIST_JIT_REGISTER_KERNELS(ident, ...) \
+  [[maybe_unused]] static const bool tdist_jit_registered_##ident = ::tdist::jit::register_kernels(#ident, __VA_ARGS__)

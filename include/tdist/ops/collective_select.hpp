@@ -34,7 +34,7 @@ constexpr const char* kReduceScatterMethodEnv = "TDIST_REDUCESCATTER_METHOD";
 
 // What the choice depends on.
 struct CollectiveShape {
-  size_t bytes = 0;            // nccl-tests size (see above)
+  size_t bytes = 0;  // nccl-tests size (see above)
   DType dtype = DType::kBFloat16;
   int world_size = 2;
   bool aligned16 = true;       // every pointer (and per-rank stride) 16-byte aligned

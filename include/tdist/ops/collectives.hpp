@@ -95,8 +95,8 @@ class Collectives {
 
  private:
   struct Kernels;
-  CollectiveShape shape(size_t bytes, DType dtype, const void* in, size_t in_bytes, const void* out,
-                        size_t out_bytes, size_t stride_bytes) const;
+  CollectiveShape shape(size_t bytes, DType dtype, const void* in, size_t in_bytes, const void* out, size_t out_bytes,
+                        size_t stride_bytes) const;
   kernels::coll::CollParams params(const void* in, void* out, size_t count, bool zero_copy, bool vec) const;
   void launch(const jit::Kernel& k, unsigned blocks, const kernels::coll::CollParams& p, cudaStream_t stream,
               unsigned threads = kernels::coll::kThreads);
@@ -122,8 +122,8 @@ class Collectives {
   static constexpr size_t kCePieceBytes = size_t{4} << 20;
   static constexpr size_t kCePieces = 16;
   device::u64* ce_flags_ = nullptr;
-  char* ll_ = nullptr;                   // 2 x world_size x ll_words
-  char* ll128_ = nullptr;                // 2 x world_size x ll128 lines (ll128.cuh)
+  char* ll_ = nullptr;                          // 2 x world_size x ll_words
+  char* ll128_ = nullptr;                       // 2 x world_size x ll128 lines (ll128.cuh)
   kernels::coll::EpochState* epoch_ = nullptr;  // ordinary device memory
   // Copies that run beside the caller's stream (forked from it and joined back within one call).
   SideStream side_;

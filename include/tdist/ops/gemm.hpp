@@ -88,10 +88,10 @@ GemmArgs check_gemm_args(const GemmArgs& args);
 // promotion, the given swizzle (the inner box is exactly that many bytes).
 struct GemmTensorMapSpec {
   const void* base = nullptr;
-  uint64_t dims[2] = {0, 0};       // A, B: {K, rows}; D: {N, M}
-  uint64_t row_stride_bytes = 0;   // leading dimension x element size
-  uint32_t box[2] = {0, 0};        // A, B: {BLOCK_K, BLOCK_M or BLOCK_N}; D: {EPI_N, 64}
-  uint32_t swizzle_bytes = 128;    // 128, 64 or 32
+  uint64_t dims[2] = {0, 0};      // A, B: {K, rows}; D: {N, M}
+  uint64_t row_stride_bytes = 0;  // leading dimension x element size
+  uint32_t box[2] = {0, 0};       // A, B: {BLOCK_K, BLOCK_M or BLOCK_N}; D: {EPI_N, 64}
+  uint32_t swizzle_bytes = 128;   // 128, 64 or 32
 };
 // Specs of A, B (TMA loads) and D (TMA stores of one consumer warpgroup's 64 x EPI_N chunk,
 // kernels::gemm::gemm_epi_cols) for checked args and a tile.
@@ -119,8 +119,7 @@ struct GemmRunOptions {
 // The launch of one instance: grid, block, shared memory, cluster (pure; used by Gemm and tests).
 jit::LaunchConfig gemm_launch_config(const GemmArgs& args, const GemmTile& tile, int num_sms, int max_ctas,
                                      cudaStream_t stream);
-kernels::gemm::TileScheduler gemm_schedule(const GemmArgs& args, const GemmTile& tile, int group_m,
-                                           int64_t first_row);
+kernels::gemm::TileScheduler gemm_schedule(const GemmArgs& args, const GemmTile& tile, int group_m, int64_t first_row);
 // The parameters of sm90_gemm_tn in declaration order, all but the last (the Hooks value):
 // tmap_a, tmap_b, tmap_d (encoded here: needs a GPU driver), d, ldd, m, n, k, sched. A launcher appends its
 // hooks (kernels::gemm::NoTileHooks{} for the plain GEMM) with add().

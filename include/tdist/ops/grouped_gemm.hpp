@@ -46,23 +46,23 @@ struct GroupedGemmArgs {
   const void* a = nullptr;
   const void* b = nullptr;
   void* d = nullptr;
-  const void* offsets = nullptr;              // device memory, num_groups + 1 entries
+  const void* offsets = nullptr;  // device memory, num_groups + 1 entries
   IndexType offsets_type = IndexType::kInt32;
-  int64_t m = 0;                              // M_total: rows of A and D
+  int64_t m = 0;  // M_total: rows of A and D
   int64_t n = 0, k = 0;
-  int num_groups = 0;                         // G >= 1
+  int num_groups = 0;  // G >= 1
   DType dtype = DType::kBFloat16;
-  int64_t lda = 0, ldb = 0, ldd = 0;          // 0: dense (K, K, N)
+  int64_t lda = 0, ldb = 0, ldd = 0;  // 0: dense (K, K, N)
 };
 
 struct GroupedGemmRunOptions {
-  std::optional<GemmTile> tile;              // empty: choose_gemm_tile(M_total, N, K)
-  int group_m = 8;                           // m-tiles per raster group (L2 reuse of B_g)
-  int64_t first_row = 0;                     // the walk starts at the m-tile holding this row and wraps
-  const uint32_t* m_tile_order = nullptr;    // device, optional: the m-tiles (of the tile's BLOCK_M) in
-                                             // visit order, a permutation of [0, ceil(offsets[G] / BLOCK_M));
-                                             // replaces first_row
-  int max_ctas = 0;                          // persistent CTAs at most; 0: the SM count
+  std::optional<GemmTile> tile;            // empty: choose_gemm_tile(M_total, N, K)
+  int group_m = 8;                         // m-tiles per raster group (L2 reuse of B_g)
+  int64_t first_row = 0;                   // the walk starts at the m-tile holding this row and wraps
+  const uint32_t* m_tile_order = nullptr;  // device, optional: the m-tiles (of the tile's BLOCK_M) in
+                                           // visit order, a permutation of [0, ceil(offsets[G] / BLOCK_M));
+                                           // replaces first_row
+  int max_ctas = 0;                        // persistent CTAs at most; 0: the SM count
 };
 
 // Checks the arguments and returns them with the leading dimensions filled in. Throws tdist::Error

@@ -84,13 +84,13 @@ class OverlapContext {
 };
 
 struct OverlapOpTraits {
-  const char* name;     // catalogue name: "ag_gemm"
-  const char* summary;  // one line, for help texts and docstrings
+  const char* name;                     // catalogue name: "ag_gemm"
+  const char* summary;                  // one line, for help texts and docstrings
   std::vector<OperandTraits> operands;  // inputs first, then outputs
   OverlapComm comm;
-  int n_multiple;        // N must be a multiple of this (8: 16-byte rows of D)
-  bool context_by_k;     // a context serves one K (its buffers hold rows of A)
-  bool context_by_n;     // a context serves N up to its max_n (its buffers hold rows of D)
+  int n_multiple;     // N must be a multiple of this (8: 16-byte rows of D)
+  bool context_by_k;  // a context serves one K (its buffers hold rows of A)
+  bool context_by_n;  // a context serves N up to its max_n (its buffers hold rows of D)
   // Symmetric-heap bytes a context of `config` allocates on world_size ranks of GPUs with num_sms
   // SMs (pure: the same layout the constructor allocates).
   size_t (*heap_bytes)(const OverlapContextConfig& config, int world_size, int num_sms);
@@ -148,8 +148,7 @@ class OverlapContextCache {
   // The config a context re-created for `need` gets when it replaces `old` (null: none) and the heap
   // has `room` bytes for it (pure, CPU-tested).
   static OverlapContextConfig grown_config(const OverlapOpTraits& op, const OverlapContextConfig* old,
-                                           const OverlapContextConfig& need, size_t room, int world_size,
-                                           int num_sms);
+                                           const OverlapContextConfig& need, size_t room, int world_size, int num_sms);
 
  private:
   World& world_;

@@ -36,8 +36,8 @@ LaunchEnv parse_launch_env(const EnvLookup& lookup);
 LaunchEnv launch_env_from_process();
 
 // Validates explicit values (the "explicit" launcher) with the same checks.
-LaunchEnv make_launch_env(int rank, int world_size, int local_rank, int local_world_size,
-                          std::string master_addr, int master_port);
+LaunchEnv make_launch_env(int rank, int world_size, int local_rank, int local_world_size, std::string master_addr,
+                          int master_port);
 
 // Expands the first host of a Slurm host list: "node[03-05,07],gpu1" -> "node03".
 std::string first_slurm_host(const std::string& nodelist);

@@ -73,8 +73,7 @@ class SymmetricHeap {
   // The offset first-fit allocation would choose for `bytes` aligned to `alignment` (a power of
   // two) among `free_blocks` (offset -> bytes), or nullopt when none has room. Pure: the heap
   // changes only after every rank agreed on this offset.
-  static std::optional<size_t> first_fit(const std::map<size_t, size_t>& free_blocks, size_t bytes,
-                                         size_t alignment);
+  static std::optional<size_t> first_fit(const std::map<size_t, size_t>& free_blocks, size_t bytes, size_t alignment);
 
  private:
   void zero_and_meet(void* ptr, size_t bytes, const char* tag);

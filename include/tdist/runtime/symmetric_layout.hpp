@@ -41,8 +41,8 @@ class SymmetricLayout {
   template <typename T>
   Region<T> add(size_t count, const char* what = "buffer", size_t alignment = SymmetricHeap::kDefaultAlignment) {
     TDIST_CHECK(alignment > 0 && (alignment & (alignment - 1)) == 0 && alignment % alignof(T) == 0,
-                "SymmetricLayout: the alignment of '", what, "' must be a power of two and a multiple of ",
-                alignof(T), ", got ", alignment);
+                "SymmetricLayout: the alignment of '", what, "' must be a power of two and a multiple of ", alignof(T),
+                ", got ", alignment);
     TDIST_CHECK(count <= (SIZE_MAX - alignment) / sizeof(T), "SymmetricLayout: '", what, "' of ", count,
                 " elements of ", sizeof(T), " bytes does not fit in a size_t");
     const size_t bytes = count * sizeof(T);

@@ -61,10 +61,10 @@ class TcpStore {
   int world_size() const;
 
   void set(const std::string& key, const Bytes& value);
-  Bytes get(const std::string& key);                     // waits for the key
-  void wait(const std::vector<std::string>& keys);       // waits for all keys
-  bool check(const std::vector<std::string>& keys);      // true when all exist, never waits
-  int64_t add(const std::string& key, int64_t delta);    // atomic; returns the new value
+  Bytes get(const std::string& key);                   // waits for the key
+  void wait(const std::vector<std::string>& keys);     // waits for all keys
+  bool check(const std::vector<std::string>& keys);    // true when all exist, never waits
+  int64_t add(const std::string& key, int64_t delta);  // atomic; returns the new value
 
   // Every rank contributes one value under `tag`; returns all, indexed by rank. Each tag may be
   // used once per job, so callers pass a unique tag (a counter suffix).

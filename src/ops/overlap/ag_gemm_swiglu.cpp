@@ -75,11 +75,12 @@ class AllGatherGemmSwiGlu final : public OverlapContext {
   AllGatherGemmSwiGlu(World& world, SymmetricHeap& heap, const OverlapContextConfig& c)
       : config_(c),
         gemm_(world, heap, inner_config(c)),
-        swiglu_(c.dtype, [&] {
-          int n = 0;
-          TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, world.device()));
-          return n;
-        }()),
+        swiglu_(c.dtype,
+                [&] {
+                  int n = 0;
+                  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, world.device()));
+                  return n;
+                }()),
         h_(static_cast<size_t>(c.max_m) * c.max_n * dtype_size(c.dtype)) {
     TDIST_CHECK_ARG(c.max_n > 0 && c.max_n % 16 == 0, "config.max_n", "expected a positive multiple of 16, got ",
                     c.max_n);
@@ -126,13 +127,12 @@ const OverlapOpTraits& ag_gemm_swiglu_traits() {
       .n_multiple = 16,
       .context_by_k = true,
       .context_by_n = true,
-      .heap_bytes = [](const OverlapContextConfig& c, int world_size, int num_sms) {
-        return all_gather_gemm_heap_bytes(inner_config(c), world_size, num_sms);  // h is ordinary memory
-      },
-      .create = [](World& world, SymmetricHeap& heap,
-                   const OverlapContextConfig& c) -> std::unique_ptr<OverlapContext> {
-        return std::make_unique<AllGatherGemmSwiGlu>(world, heap, c);
-      }};
+      .heap_bytes =
+          [](const OverlapContextConfig& c, int world_size, int num_sms) {
+            return all_gather_gemm_heap_bytes(inner_config(c), world_size, num_sms);  // h is ordinary memory
+          },
+      .create = [](World& world, SymmetricHeap& heap, const OverlapContextConfig& c)
+          -> std::unique_ptr<OverlapContext> { return std::make_unique<AllGatherGemmSwiGlu>(world, heap, c); }};
   return traits;
 }
 

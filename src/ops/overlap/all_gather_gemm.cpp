@@ -170,8 +170,8 @@ OverlapMethod AllGatherGemm::method(const AllGatherGemmArgs& args, OverlapMethod
   return impl_->method(args, method);
 }
 void* AllGatherGemm::local_rows(int64_t m) const {
-  TDIST_CHECK_ARG(m >= 0 && m <= impl_->config.max_m, "m", "expected 0 <= m <= max_m (", impl_->config.max_m,
-                  "), got ", m);
+  TDIST_CHECK_ARG(m >= 0 && m <= impl_->config.max_m, "m", "expected 0 <= m <= max_m (", impl_->config.max_m, "), got ",
+                  m);
   return impl_->gathered + impl_->split(m).begin(impl_->rt.rank()) * impl_->row_bytes();
 }
 const AllGatherGemmConfig& AllGatherGemm::config() const { return impl_->config; }
@@ -205,9 +205,10 @@ const OverlapOpTraits& ag_gemm_traits() {
       .n_multiple = 8,
       .context_by_k = true,
       .context_by_n = false,
-      .heap_bytes = [](const OverlapContextConfig& c, int world_size, int num_sms) {
-        return all_gather_gemm_heap_bytes({.max_m = c.max_m, .k = c.k, .dtype = c.dtype}, world_size, num_sms);
-      },
+      .heap_bytes =
+          [](const OverlapContextConfig& c, int world_size, int num_sms) {
+            return all_gather_gemm_heap_bytes({.max_m = c.max_m, .k = c.k, .dtype = c.dtype}, world_size, num_sms);
+          },
       .create = [](World& world, SymmetricHeap& heap,
                    const OverlapContextConfig& c) -> std::unique_ptr<OverlapContext> {
         return std::make_unique<AllGatherGemm>(world, heap, AllGatherGemmConfig{c.max_m, c.k, c.dtype});

@@ -1,8 +1,8 @@
 #include "src/ops/overlap/baselines.hpp"
 
+#include "src/ops/nccl_dtype.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
-#include "src/ops/nccl_dtype.hpp"
 
 namespace tdist::overlap {
 
@@ -17,8 +17,9 @@ void nccl_all_gather_rows(const void* local, void* gathered, const kernels::gemm
   }
   TDIST_NCCL_CHECK(ncclGroupStart());
   for (int r = 0; r < world; ++r)
-    TDIST_NCCL_CHECK(ncclBroadcast(r == rank ? local : nullptr, static_cast<char*>(gathered) + rows.begin(r) * row_bytes,
-                                   rows.rows(r) * row_elems, t, r, comm, stream));
+    TDIST_NCCL_CHECK(ncclBroadcast(r == rank ? local : nullptr,
+                                   static_cast<char*>(gathered) + rows.begin(r) * row_bytes, rows.rows(r) * row_elems,
+                                   t, r, comm, stream));
   TDIST_NCCL_CHECK(ncclGroupEnd());
 }
 
@@ -33,8 +34,8 @@ void nccl_reduce_scatter_rows(const void* partial, void* out, const kernels::gem
   }
   TDIST_NCCL_CHECK(ncclGroupStart());
   for (int r = 0; r < world; ++r)
-    TDIST_NCCL_CHECK(ncclReduce(static_cast<const char*>(partial) + rows.begin(r) * row_bytes, r == rank ? out : nullptr,
-                                rows.rows(r) * row_elems, t, ncclSum, r, comm, stream));
+    TDIST_NCCL_CHECK(ncclReduce(static_cast<const char*>(partial) + rows.begin(r) * row_bytes,
+                                r == rank ? out : nullptr, rows.rows(r) * row_elems, t, ncclSum, r, comm, stream));
   TDIST_NCCL_CHECK(ncclGroupEnd());
 }
 

@@ -160,10 +160,11 @@ const OverlapOpTraits& gemm_ar_traits() {
       .n_multiple = 8,
       .context_by_k = false,
       .context_by_n = true,
-      .heap_bytes = [](const OverlapContextConfig& c, int world_size, int num_sms) {
-        return gemm_all_reduce_heap_bytes({.max_m = c.max_m, .max_n = c.max_n, .dtype = c.dtype}, world_size,
-                                          num_sms);
-      },
+      .heap_bytes =
+          [](const OverlapContextConfig& c, int world_size, int num_sms) {
+            return gemm_all_reduce_heap_bytes({.max_m = c.max_m, .max_n = c.max_n, .dtype = c.dtype}, world_size,
+                                              num_sms);
+          },
       .create = [](World& world, SymmetricHeap& heap,
                    const OverlapContextConfig& c) -> std::unique_ptr<OverlapContext> {
         return std::make_unique<GemmAllReduce>(world, heap, GemmAllReduceConfig{c.max_m, c.max_n, c.dtype});

@@ -59,8 +59,9 @@ struct GemmReduceScatter::Impl {
         break;
       case OverlapMethod::kFused:
       case OverlapMethod::kChunked:
-        core.run(a.a, a.b, a.m, a.n, a.k, method, core.pieces_of(OverlapComm::kScatterD, method, a.m, a.n, a.k), a.d,
-                 nullptr, 0, [](int, u64, u64) {}, stream);
+        core.run(
+            a.a, a.b, a.m, a.n, a.k, method, core.pieces_of(OverlapComm::kScatterD, method, a.m, a.n, a.k), a.d,
+            nullptr, 0, [](int, u64, u64) {}, stream);
         break;
       case OverlapMethod::kAuto: TDIST_FAIL("unresolved method");
     }
@@ -108,10 +109,11 @@ const OverlapOpTraits& gemm_rs_traits() {
       .n_multiple = 8,
       .context_by_k = false,
       .context_by_n = true,
-      .heap_bytes = [](const OverlapContextConfig& c, int world_size, int num_sms) {
-        return gemm_reduce_scatter_heap_bytes({.max_m = c.max_m, .max_n = c.max_n, .dtype = c.dtype}, world_size,
-                                              num_sms);
-      },
+      .heap_bytes =
+          [](const OverlapContextConfig& c, int world_size, int num_sms) {
+            return gemm_reduce_scatter_heap_bytes({.max_m = c.max_m, .max_n = c.max_n, .dtype = c.dtype}, world_size,
+                                                  num_sms);
+          },
       .create = [](World& world, SymmetricHeap& heap,
                    const OverlapContextConfig& c) -> std::unique_ptr<OverlapContext> {
         return std::make_unique<GemmReduceScatter>(world, heap, GemmReduceScatterConfig{c.max_m, c.max_n, c.dtype});

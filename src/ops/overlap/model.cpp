@@ -27,8 +27,7 @@ OverlapMethod parse_overlap_method(const std::string& text, const char* what) {
   for (OverlapMethod m : {OverlapMethod::kAuto, OverlapMethod::kFused, OverlapMethod::kChunked,
                           OverlapMethod::kSequential, OverlapMethod::kBaseline})
     if (text == to_string(m)) return m;
-  TDIST_FAIL("invalid argument '", what, "': expected auto, fused, chunked, sequential or baseline, got '", text,
-             "'");
+  TDIST_FAIL("invalid argument '", what, "': expected auto, fused, chunked, sequential or baseline, got '", text, "'");
 }
 
 const char* to_string(OverlapComm comm) {
@@ -91,7 +90,7 @@ OverlapMethod choose_overlap_method(const OverlapShape& s) {
 int overlap_row_pieces(const OverlapShape& s) {
   check_overlap_shape(s);
   const int w = s.world_size;
-  if (w == 1) return 1;  // nothing to exchange
+  if (w == 1) return 1;          // nothing to exchange
   const int64_t rows = s.m / w;  // the shortest chunk
   if (const int64_t v = env::integer("TDIST_OVERLAP_PIECES", 0, 1, kMaxOverlapPieces); v > 0) {
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(v, rows)));  // a row per piece and rank

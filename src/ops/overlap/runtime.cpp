@@ -115,8 +115,8 @@ OverlapRuntime::OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, s
   TDIST_CHECK(world.world_size() <= kg::kMaxOverlapRanks, "the overlap ops support up to ", kg::kMaxOverlapRanks,
               " ranks, the world has ", world.world_size());
   TDIST_CHECK(world.lsa_size() == world.world_size(),
-              "the overlap ops need every rank in one NVLink (LSA) domain; the LSA team has ", world.lsa_size(),
-              " of ", world.world_size(), " ranks");
+              "the overlap ops need every rank in one NVLink (LSA) domain; the LSA team has ", world.lsa_size(), " of ",
+              world.world_size(), " ranks");
   coll_ = std::make_unique<Collectives>(world, heap, collectives_bytes(sequential_bytes));
   // cuBLAS now, not at the first chunked or baseline call: creating a handle inside a CUDA-graph
   // capture would fail.

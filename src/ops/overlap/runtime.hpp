@@ -103,8 +103,8 @@ class OverlapRuntime {
   // tdist's persistent GEMM with the tile hooks of Params (AllGatherWaitParams, ChunkPublishParams),
   // its walk starting at the m-tile of `first_row`, on at most `max_ctas` CTAs (0: one per SM).
   template <typename Params>
-  void hooked_gemm(const GemmArgs& args, const GemmTile& tile, const Params& params, int64_t first_row,
-                   int max_ctas, cudaStream_t stream) {
+  void hooked_gemm(const GemmArgs& args, const GemmTile& tile, const Params& params, int64_t first_row, int max_ctas,
+                   cudaStream_t stream) {
     const GemmRunOptions options{.first_row = first_row, .max_ctas = max_ctas};
     if constexpr (std::is_same_v<Params, kg::AllGatherWaitParams>)
       gather_gemm_.run(args, tile, params, options, stream);

@@ -7,8 +7,8 @@
 
 #include "tdist/device.cuh"  // barrier.cuh needs copy.cuh (BlockGroup) before it
 
-extern "C" __global__ void __launch_bounds__(128) tdist_coll_barrier(tdist::device::SymmetricHeapView heap,
-                                                                     tdist::device::u64* pad) {
+extern "C" __global__ void __launch_bounds__(128)
+    tdist_coll_barrier(tdist::device::SymmetricHeapView heap, tdist::device::u64* pad) {
   tdist::device::fence_sc<tdist::device::Scope::kSystem>();
   tdist::device::barrier_all_block(heap, pad);
 }

@@ -28,11 +28,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "tdist/device/barrier.cuh"
+#include "tdist/device/copy.cuh"
+#include "tdist/device/grid_dependency.cuh"
 #include "tdist/device/memory_order.cuh"
 #include "tdist/device/signal.cuh"
-#include "tdist/device/copy.cuh"
-#include "tdist/device/barrier.cuh"
-#include "tdist/device/grid_dependency.cuh"
 #endif
 
 namespace tdist::kernels::coll {
@@ -53,20 +53,20 @@ struct EpochState {
 
 struct CollParams {
   tdist::device::SymmetricHeapView heap;
-  void* out;            // local output (ordinary or symmetric memory)
-  const void* in;       // local input; symmetric when zero_copy
-  char* ws;             // workspace base (this rank's address; 2 slots)
-  u64 slot_bytes;       // stride between the two slots
-  u64 count;            // elements: see each kernel
-  u64* flags;           // symmetric flag array
-  u64 max_blocks;       // flag array's block dimension
-  EpochState* epoch;    // this rank's epoch (ordinary device memory)
-  char* ll;             // low-latency buffer base (symmetric; 2 parities x num_ranks x ll_words u64)
-  u64 ll_words;         // 8-byte LL lines per (parity, source rank)
-  char* ll128;          // LL128 buffer base (symmetric; 2 parities x num_ranks x ll128_lines x 128 B)
-  u64 ll128_lines;      // 128-byte LL128 lines per (parity, source rank)
-  int zero_copy;        // `in` is the caller's symmetric buffer: peers read it directly
-  int vec;              // all pointers and per-rank strides are 16-byte aligned
+  void* out;          // local output (ordinary or symmetric memory)
+  const void* in;     // local input; symmetric when zero_copy
+  char* ws;           // workspace base (this rank's address; 2 slots)
+  u64 slot_bytes;     // stride between the two slots
+  u64 count;          // elements: see each kernel
+  u64* flags;         // symmetric flag array
+  u64 max_blocks;     // flag array's block dimension
+  EpochState* epoch;  // this rank's epoch (ordinary device memory)
+  char* ll;           // low-latency buffer base (symmetric; 2 parities x num_ranks x ll_words u64)
+  u64 ll_words;       // 8-byte LL lines per (parity, source rank)
+  char* ll128;        // LL128 buffer base (symmetric; 2 parities x num_ranks x ll128_lines x 128 B)
+  u64 ll128_lines;    // 128-byte LL128 lines per (parity, source rank)
+  int zero_copy;      // `in` is the caller's symmetric buffer: peers read it directly
+  int vec;            // all pointers and per-rank strides are 16-byte aligned
 };
 
 // Slice length of the two-shot AllReduce split: ceil(count / n) rounded up to 8 elements.
@@ -86,10 +86,20 @@ using namespace tdist::device;
 TDIST_DEVICE float to_f32(float v) { return v; }
 TDIST_DEVICE float to_f32(__half v) { return __half2float(v); }
 TDIST_DEVICE float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> TDIST_DEVICE T from_f32(float v);
-template <> TDIST_DEVICE float from_f32<float>(float v) { return v; }
-template <> TDIST_DEVICE __half from_f32<__half>(float v) { return __float2half_rn(v); }
-template <> TDIST_DEVICE __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <typename T>
+TDIST_DEVICE T from_f32(float v);
+template <>
+TDIST_DEVICE float from_f32<float>(float v) {
+  return v;
+}
+template <>
+TDIST_DEVICE __half from_f32<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+TDIST_DEVICE __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 TDIST_DEVICE u32 thread_index() { return threadIdx.x; }
 

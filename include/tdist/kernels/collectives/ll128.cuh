@@ -64,8 +64,10 @@ TDIST_DEVICE void load_part(const char* base, u64 bytes, u64 off, u64 len, u64& 
   }
   for (u64 i = 0; i < len && off + i < bytes; ++i) {
     const u64 byte = static_cast<unsigned char>(p[i]);
-    if (i < 8) a |= byte << (8 * i);
-    else b |= byte << (8 * (i - 8));
+    if (i < 8)
+      a |= byte << (8 * i);
+    else
+      b |= byte << (8 * (i - 8));
   }
 }
 

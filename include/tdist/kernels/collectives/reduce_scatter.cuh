@@ -57,8 +57,7 @@ __global__ void __launch_bounds__(kThreads, 1) rs_fused(CollParams p) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1)
-    rs_ce_pipelined(CollParams p, const u64* ce_flags, int pieces) {
+__global__ void __launch_bounds__(kThreads, 1) rs_ce_pipelined(CollParams p, const u64* ce_flags, int pieces) {
   const int n = p.heap.num_ranks, me = p.heap.rank;
   const u64 C = p.count, sz = sizeof(T);
   __shared__ const char* srcs[kMaxLsaRanks];

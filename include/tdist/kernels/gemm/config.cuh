@@ -45,8 +45,7 @@ TDIST_HOST_DEVICE constexpr unsigned gemm_stage_bytes(unsigned block_m, unsigned
   return (block_m + block_n) * block_k * elem_bytes;
 }
 TDIST_HOST_DEVICE constexpr unsigned gemm_smem_bytes_with(unsigned block_m, unsigned block_n, unsigned block_k,
-                                                          unsigned stages, unsigned elem_bytes,
-                                                          unsigned epi_buffers) {
+                                                          unsigned stages, unsigned elem_bytes, unsigned epi_buffers) {
   return kSmemAlign + stages * gemm_stage_bytes(block_m, block_n, block_k, elem_bytes) +
          gemm_math_warpgroups(block_m) * epi_buffers * gemm_epi_chunk_bytes(block_n, elem_bytes) + 2 * stages * 8;
 }

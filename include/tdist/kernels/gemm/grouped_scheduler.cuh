@@ -32,16 +32,16 @@ namespace tdist::kernels::gemm {
 constexpr u32 kGroupedAlignment = 128;
 
 struct GroupedScheduler {
-  const void* offsets = nullptr;       // device: G + 1 row offsets (layout above)
-  const u32* m_tile_order = nullptr;   // device, optional: u32[tiles_m], the m-tile at each position
-  u32 num_groups = 0;                  // G >= 1
-  u32 offset_bytes = 4;                // 4 (int32 offsets) or 8 (int64)
-  u32 block_m = 128;                   // the kernel's BLOCK_M
-  u32 max_tiles_m = 0;                 // ceil(M_total / BLOCK_M)
-  u32 tiles_n = 1;                     // ceil(N / BLOCK_N)
-  u32 group_m = 1;                     // m-tiles per raster group, >= 1
-  u32 first_tile_m = 0;                // rotation without an order table (prepare() reduces it mod tiles_m)
-  u32 tiles_m = 0;                     // set by prepare(): m-tiles of rows [0, offsets[G])
+  const void* offsets = nullptr;      // device: G + 1 row offsets (layout above)
+  const u32* m_tile_order = nullptr;  // device, optional: u32[tiles_m], the m-tile at each position
+  u32 num_groups = 0;                 // G >= 1
+  u32 offset_bytes = 4;               // 4 (int32 offsets) or 8 (int64)
+  u32 block_m = 128;                  // the kernel's BLOCK_M
+  u32 max_tiles_m = 0;                // ceil(M_total / BLOCK_M)
+  u32 tiles_n = 1;                    // ceil(N / BLOCK_N)
+  u32 group_m = 1;                    // m-tiles per raster group, >= 1
+  u32 first_tile_m = 0;               // rotation without an order table (prepare() reduces it mod tiles_m)
+  u32 tiles_m = 0;                    // set by prepare(): m-tiles of rows [0, offsets[G])
 
   // Offset `g` (<= num_groups), negative values read as 0.
   TDIST_HOST_DEVICE u64 offset(u32 g) const {
@@ -103,8 +103,8 @@ struct GroupedScheduler {
   // A schedule of `num_groups` groups over M_total rows (a launch bound) and N columns. `group_m` 0 is
   // taken as 1.
   TDIST_HOST_DEVICE static GroupedScheduler make(const void* offsets, u32 offset_bytes, u32 num_groups, u64 m_total,
-                                                 u64 n, u32 block_m, u32 block_n, u32 group_m = 8,
-                                                 u32 first_tile_m = 0, const u32* m_tile_order = nullptr) {
+                                                 u64 n, u32 block_m, u32 block_n, u32 group_m = 8, u32 first_tile_m = 0,
+                                                 const u32* m_tile_order = nullptr) {
     GroupedScheduler s;
     s.offsets = offsets;
     s.m_tile_order = m_tile_order;

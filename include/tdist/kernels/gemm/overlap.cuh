@@ -52,7 +52,6 @@ struct AllGatherWaitHooks : AllGatherWaitParams {
 // GEMM-ReduceScatter (fused): counts finished tiles per row chunk; the last tile of a chunk raises
 // chunk_ready[chunk], on which the copy engine's stream waits before sending the chunk to its owner.
 struct ChunkPublishHooks : ChunkPublishParams {
-
   template <typename Info>
   TDIST_DEVICE void before_loads(const Info&) const {}
   template <typename Info>

@@ -11,7 +11,9 @@
 extern "C" __global__ void tdist_overlap_wait_flags(const tdist::device::u64* flags, int first, int count, int skip) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   for (int i = first; i < first + count; ++i)
-    if (i != skip) tdist::device::signal_wait_until<tdist::device::Scope::kSystem>(flags + i, tdist::device::Cmp::kGe, tdist::device::u64{1});
+    if (i != skip)
+      tdist::device::signal_wait_until<tdist::device::Scope::kSystem>(flags + i, tdist::device::Cmp::kGe,
+                                                                      tdist::device::u64{1});
 }
 
 namespace tdist::kernels::gemm {
@@ -21,12 +23,15 @@ namespace tdist::kernels::gemm {
 template <typename T>
 __global__ void __launch_bounds__(512) overlap_reduce(ReduceParams p) {
   using namespace tdist::kernels::coll;
-  if (p.flags != nullptr && threadIdx.x < static_cast<unsigned>(p.num_sources) && static_cast<int>(threadIdx.x) != p.skip_wait)
-    tdist::device::signal_wait_until<tdist::device::Scope::kSystem>(p.flags + threadIdx.x, tdist::device::Cmp::kGe, u64{1});
+  if (p.flags != nullptr && threadIdx.x < static_cast<unsigned>(p.num_sources) &&
+      static_cast<int>(threadIdx.x) != p.skip_wait)
+    tdist::device::signal_wait_until<tdist::device::Scope::kSystem>(p.flags + threadIdx.x, tdist::device::Cmp::kGe,
+                                                                    u64{1});
   __shared__ const char* srcs[kMaxOverlapRanks];
   bool vec = reinterpret_cast<u64>(p.out) % 16 == 0;
   for (int s = 0; s < p.num_sources; ++s) vec = vec && reinterpret_cast<u64>(p.src[s]) % 16 == 0;
-  if (threadIdx.x < static_cast<unsigned>(p.num_sources)) srcs[threadIdx.x] = static_cast<const char*>(p.src[threadIdx.x]);
+  if (threadIdx.x < static_cast<unsigned>(p.num_sources))
+    srcs[threadIdx.x] = static_cast<const char*>(p.src[threadIdx.x]);
   __syncthreads();
   u64 lo, hi;
   block_range(p.rows * p.n, blockIdx.x, gridDim.x, 8, lo, hi);

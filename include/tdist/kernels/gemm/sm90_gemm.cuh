@@ -98,8 +98,8 @@ template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, int
           typename Hooks = NoTileHooks, typename Scheduler = TileScheduler>
 __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     sm90_gemm_tn(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
-                 const __grid_constant__ CUtensorMap tmap_d, T* d, u64 ldd, u32 m, u32 n, u32 k,
-                 Scheduler sched, Hooks hooks) {
+                 const __grid_constant__ CUtensorMap tmap_d, T* d, u64 ldd, u32 m, u32 n, u32 k, Scheduler sched,
+                 Hooks hooks) {
   static_assert(sizeof(T) == 2, "bf16 or fp16 inputs");
   static_assert(BLOCK_K * sizeof(T) == 128, "BLOCK_K spans one 128-byte swizzle row (64 elements)");
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M: 64 or 128 (one consumer warpgroup per 64 rows)");
@@ -131,11 +131,11 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
 
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (ptx::smem_addr(smem_raw) + kSmemAlign - 1) & ~(kSmemAlign - 1);
-  const u32 smem_a = base;                                          // + stage * kTileABytes
-  const u32 smem_b = base + kNumStages * kTileABytes;               // + stage * kTileBBytes
-  const u32 smem_d = smem_b + kNumStages * kTileBBytes;             // + (wg * kEpiBuffers + buf) * kEpiChunkBytes
+  const u32 smem_a = base;                               // + stage * kTileABytes
+  const u32 smem_b = base + kNumStages * kTileABytes;    // + stage * kTileBBytes
+  const u32 smem_d = smem_b + kNumStages * kTileBBytes;  // + (wg * kEpiBuffers + buf) * kEpiChunkBytes
   const u32 full_bar = smem_d + kNumMathWarpgroups * kEpiBuffers * kEpiChunkBytes;  // + stage * 8
-  const u32 empty_bar = full_bar + kNumStages * 8;                  // + stage * 8
+  const u32 empty_bar = full_bar + kNumStages * 8;                                  // + stage * 8
   using Pipeline = TmaPipeline<kNumStages>;
   using PipeState = PipelineState<kNumStages>;
   const Pipeline pipe{full_bar, empty_bar};
@@ -180,12 +180,12 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
 
   // ---------------- consumers ----------------
   if constexpr (Regs::kEnabled) ptx::setmaxnreg_inc<Regs::kConsumer>();
-  const u32 math_wg = warpgroup - 1;                       // rows [64 * math_wg, +64) of the tile
+  const u32 math_wg = warpgroup - 1;                        // rows [64 * math_wg, +64) of the tile
   const u32 math_thread = threadIdx.x - kWarpgroupThreads;  // 0 .. kNumMathThreads
   const u32 warp_in_wg = (threadIdx.x / 32) % 4;
   const bool store_issuer = threadIdx.x % kWarpgroupThreads == 0;  // issues this warpgroup's D stores
-  const u32 n_tma = n & ~7u;  // columns the D tensor map covers (whole 16-byte units)
-  const u32 wg_barrier = 2 + math_wg;                      // named barrier of this warpgroup (1: all consumers)
+  const u32 n_tma = n & ~7u;           // columns the D tensor map covers (whole 16-byte units)
+  const u32 wg_barrier = 2 + math_wg;  // named barrier of this warpgroup (1: all consumers)
   const u32 my_chunks = smem_d + math_wg * kEpiBuffers * kEpiChunkBytes;
   float acc[kAccum];
 

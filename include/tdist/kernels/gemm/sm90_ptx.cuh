@@ -37,11 +37,10 @@ TDIST_DEVICE void mbar_arrive(u32 bar) {
 }
 TDIST_DEVICE bool mbar_try_wait(u32 bar, u32 parity) {
   u32 done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done)
+               : "r"(bar), "r"(parity)
+               : "memory");
   return done != 0;
 }
 
@@ -88,10 +87,10 @@ TDIST_DEVICE void tma_load_2d(u32 dst, const void* map, u32 bar, int c0, int c1)
 // swizzled as the map says). Elements outside the tensor are not written. Completes as part of the
 // issuing thread's current bulk async-group (bulk_commit_group / bulk_wait_group*).
 TDIST_DEVICE void tma_store_2d(const void* map, u32 src, int c0, int c1) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
-                   reinterpret_cast<u64>(map)),
-               "r"(src), "r"(c0), "r"(c1)
-               : "memory");
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(reinterpret_cast<u64>(map)),
+      "r"(src), "r"(c0), "r"(c1)
+      : "memory");
 }
 TDIST_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Waits until at most N of this thread's bulk async-groups are pending in reading their shared-memory
@@ -141,9 +140,9 @@ TDIST_DEVICE void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory")
 TDIST_DEVICE u64 smem_desc_k_major_sw128(u32 addr) {
   u64 desc = 0;
   desc |= static_cast<u64>((addr & 0x3FFFF) >> 4);  // start address, bits [0, 14)
-  desc |= static_cast<u64>(1) << 16;                  // leading byte offset (16 B), ignored here
-  desc |= static_cast<u64>(1024 >> 4) << 32;          // stride byte offset, bits [32, 46)
-  desc |= static_cast<u64>(1) << 62;                  // layout type 1: 128-byte swizzle
+  desc |= static_cast<u64>(1) << 16;                // leading byte offset (16 B), ignored here
+  desc |= static_cast<u64>(1024 >> 4) << 32;        // stride byte offset, bits [32, 46)
+  desc |= static_cast<u64>(1) << 62;                // layout type 1: 128-byte swizzle
   return desc;
 }
 

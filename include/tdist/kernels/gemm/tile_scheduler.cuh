@@ -44,11 +44,11 @@ struct TileCoord {
 // What the kernel hands the hooks for each tile.
 struct TileInfo {
   TileCoord coord;
-  u32 m0, n0;        // first row and column of the tile
-  u32 rows, cols;    // rows and columns inside M x N (the tile clipped)
-  u32 linear;        // linear index in the schedule
-  u32 group;         // the group of the grouped GEMM whose rows the tile holds (0 for the plain GEMM)
-  u32 b_row;         // first row of B the tile loads: n0 + group * N
+  u32 m0, n0;      // first row and column of the tile
+  u32 rows, cols;  // rows and columns inside M x N (the tile clipped)
+  u32 linear;      // linear index in the schedule
+  u32 group;       // the group of the grouped GEMM whose rows the tile holds (0 for the plain GEMM)
+  u32 b_row;       // first row of B the tile loads: n0 + group * N
 };
 
 struct TileScheduler {

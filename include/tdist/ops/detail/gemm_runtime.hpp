@@ -115,13 +115,15 @@ class GemmRuntime {
   explicit GemmRuntime(int num_sms) : num_sms_(num_sms) {}
 
   static std::string kernel_name(DType dtype, const GemmTile& tile) {
-    return gemm_instance_name(dtype, tile, HooksTraits::kDeviceType,
-                              std::is_same_v<Scheduler, kernels::gemm::TileScheduler> ? nullptr : SchedTraits::kDeviceType);
+    return gemm_instance_name(
+        dtype, tile, HooksTraits::kDeviceType,
+        std::is_same_v<Scheduler, kernels::gemm::TileScheduler> ? nullptr : SchedTraits::kDeviceType);
   }
   static jit::CompileRequest compile_request(const GemmTile& tile) {
-    return gemm_instance_request(tile, HooksTraits::kDeviceType, HooksTraits::kHeader, HooksTraits::kTag,
-                                 std::is_same_v<Scheduler, kernels::gemm::TileScheduler> ? nullptr : SchedTraits::kDeviceType,
-                                 SchedTraits::kTag);
+    return gemm_instance_request(
+        tile, HooksTraits::kDeviceType, HooksTraits::kHeader, HooksTraits::kTag,
+        std::is_same_v<Scheduler, kernels::gemm::TileScheduler> ? nullptr : SchedTraits::kDeviceType,
+        SchedTraits::kTag);
   }
   static std::vector<jit::CompileRequest> compile_requests() {
     std::vector<jit::CompileRequest> v;

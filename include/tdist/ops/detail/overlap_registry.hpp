@@ -18,4 +18,4 @@ struct OverlapOpRegistrar {
 }  // namespace tdist::detail
 
 #define TDIST_REGISTER_OVERLAP_OP(id, traits_fn) \
-  static const ::tdist::detail::OverlapOpRegistrar tdist_overlap_op_registrar_##id{&traits_fn}
+  static const ::tdist::detail::OverlapOpRegistrar tdist_overlap_op_registrar_##id { &traits_fn }
