@@ -75,11 +75,11 @@ World::World(const WorldOptions& options) : timeout_(options.timeout) {
   // Every rank is known to be alive right before the collective init (a missing rank times out in
   // this barrier, naming it).
   store_->barrier("tdist/before_nccl_init");
-  if (env::flag("TDIST_NCCL_BOUNDED_INIT", false)) {
+  if (env::flag("TDIST_NCCL_BOUNDED_INIT", true)) {
     init_comm_bounded(id);
   } else {
-    // Unbounded: a rank dying during the init blocks the others. The default while the bounded
-    // path is unproven: on 2 x H200 with NCCL 2.28.9 its split returned no communicator.
+    // Unbounded: a rank dying during the init blocks the others (kept to rule the bounded path
+    // out when diagnosing an init problem).
     TDIST_NCCL_CHECK(ncclCommInitRank(&comm_, world_size_, id, rank_));
   }
   owns_comm_ = true;
@@ -210,7 +210,7 @@ World::World(const ncclUniqueId& id, int rank, int world_size, int device, std::
   world_size_ = world_size;
   device_ = device;
   TDIST_CUDA_CHECK(cudaSetDevice(device_));
-  if (env::flag("TDIST_NCCL_BOUNDED_INIT", false)) {
+  if (env::flag("TDIST_NCCL_BOUNDED_INIT", true)) {
     init_comm_bounded(id);
   } else {
     ncclUniqueId unique = id;

@@ -3,12 +3,12 @@
 // Built from the launcher's environment (torchrun, tdistrun, Open MPI, Slurm; launch_env.hpp),
 // from explicit values, or around a communicator the caller already has. Every host wait is
 // bounded by `timeout`: rendezvous through the TCP store names the ranks that did not arrive;
-// With TDIST_NCCL_BOUNDED_INIT=1, NCCL's initialisation runs non-blocking under a watchdog
-// (deadline, dead ranks in the store, other ranks' init failures) and is aborted on any of them, so
-// a rank that fails or dies makes the others throw a tdist::Error naming the stage and the rank
-// instead of hanging; the job's communicator itself is blocking (split off the non-blocking one).
-// The default is still a plain blocking ncclCommInitRank: the bounded path's split returned no
-// communicator on 2 x H200 (NCCL 2.28.9) and is not yet proven. A host all-gather through NCCL that times out
+// NCCL's initialisation runs non-blocking under a watchdog (deadline, dead ranks in the store,
+// other ranks' init failures) and is aborted on any of them, so a rank that fails or dies makes
+// the others throw a tdist::Error naming the stage and the rank instead of hanging; the job's
+// communicator itself is blocking, split off the non-blocking one (the split completes through
+// the parent, which is waited for first). TDIST_NCCL_BOUNDED_INIT=0 falls back to a plain
+// blocking ncclCommInitRank. A host all-gather through NCCL that times out
 // aborts the communicator, after which the destructor does not finalize (it would block).
 #pragma once
 
