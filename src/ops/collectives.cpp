@@ -12,6 +12,7 @@
 #include "tdist/common/checked.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/device/barrier_pad.cuh"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/registry.hpp"
 #include "tdist/kernels/collectives/ll128.cuh"
@@ -27,88 +28,145 @@ using detail::nccl_type;
 
 namespace {
 
-constexpr const char* kNs = "tdist::kernels::coll::";
 constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
-
-std::string instance(const char* kernel, DType t) { return detail::concat(kNs, kernel, "<", kernel_type_name(t), ">"); }
-
-jit::CompileRequest family(const char* header, const char* file_name, std::vector<std::string> names) {
-  jit::CompileRequest r;
-  r.source = detail::concat("#include \"tdist/kernels/collectives/", header, "\"\n");
-  r.file_name = file_name;
-  r.name_expressions = std::move(names);
-  return r;
-}
-
-// barrier_pad_words(n) of tdist/device/barrier.cuh, which only CUDA code can include.
-size_t barrier_pad_words(int n) { return static_cast<size_t>(n) + 2; }
 
 size_t round_up(size_t v, size_t a) { return checked_align_up(v, a, "a collectives buffer size rounded up"); }
 
 bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
-// What a Collectives takes from the symmetric heap, one size per allocation (bytes), for `n` ranks,
-// the workspace slot size and LL payload (both already rounded) and `max_blocks` blocks.
-struct HeapSizes {
-  size_t workspace, flags, barrier_pads, ce_flags, ll, ll128;
+// ---------------------------------------------------------------------------------------------
+// The symmetric buffers of one context, for n ranks (one allocation; the same layout gives
+// heap_bytes() and the constructor's addresses):
+//   workspace     char[2][max_bytes]               two slots, calls alternate between them
+//   flags         u64[kPhases][max_blocks][n]      the SM kernels' per-block phase flags
+//   barrier_pads  u64[2][barrier_pad_words(n)]     [0]: barrier(), [1]: copy-engine phases
+//   ce_flags      u64[ce_pieces][n]                ce_flags[piece * n + src] = 1 once src's piece landed
+//   ll            u64[2][n][ll_words]              LL lines: parity x source, one 8-byte line per 4
+//                                                  payload bytes (ll.cuh)
+//   ll128         char[2][n][ll128_lines][128]     LL128 lines: parity x source (ll128.cuh)
+struct CollectivesLayout {
+  static size_t ll_words(size_t ll_bytes) { return ll_bytes / 4; }
+  static size_t ll128_lines(size_t ll128_bytes) { return kernels::coll::ll128_lines(ll128_bytes); }
+
+  SymmetricLayout layout;
+  SymmetricLayout::Region<char> workspace;
+  SymmetricLayout::Region<device::u64> flags, barrier_pads, ce_flags, ll;
+  SymmetricLayout::Region<char> ll128;
+
+  // max_bytes and ll_bytes as the context rounds them (round_up 256 and 16).
+  CollectivesLayout(int n, size_t max_bytes, size_t ll_bytes, size_t ll128_bytes, int max_blocks, size_t ce_pieces) {
+    const size_t ranks = static_cast<size_t>(n);
+    workspace = layout.add<char>(checked_mul<size_t>(2, max_bytes, "the collectives workspace (2 * max_bytes)"),
+                                 "collectives workspace");
+    flags =
+        layout.add<device::u64>(checked_mul<size_t>(static_cast<size_t>(kernels::coll::kPhases) * ranks,
+                                                    static_cast<size_t>(max_blocks), "the collectives' phase flags"),
+                                "collectives phase flags");
+    barrier_pads = layout.add<device::u64>(2 * device::barrier_pad_words(n), "collectives barrier pads");
+    ce_flags = layout.add<device::u64>(ce_pieces * ranks, "collectives copy-engine flags");
+    ll = layout.add<device::u64>(checked_mul<size_t>(2 * ranks, ll_words(ll_bytes), "the LL buffer"),
+                                 "collectives LL lines");
+    ll128 = layout.add<char>(
+        checked_mul<size_t>(2 * ranks * ll128_lines(ll128_bytes), kernels::coll::kLl128LineBytes, "the LL128 buffer"),
+        "collectives LL128 lines");
+  }
 };
-HeapSizes heap_sizes(int n, size_t max_bytes, size_t ll_bytes, size_t ll128_bytes, int max_blocks, size_t ce_pieces) {
-  const size_t u64_bytes = sizeof(device::u64), ranks = static_cast<size_t>(n);
-  return {checked_mul<size_t>(2, max_bytes, "the collectives workspace (2 * max_bytes)"),
-          static_cast<size_t>(kernels::coll::kPhases) * static_cast<size_t>(max_blocks) * ranks * u64_bytes,
-          2 * barrier_pad_words(n) * u64_bytes,
-          ce_pieces * ranks * u64_bytes,
-          2 * ranks * (ll_bytes / 4) * 8,
-          2 * ranks * kernels::coll::ll128_lines(ll128_bytes) * kernels::coll::kLl128LineBytes};
+
+// ---------------------------------------------------------------------------------------------
+// The kernels, each named once here: its header, its symbol (kernels::coll), whether it has an
+// instance per element type. Compile requests group them by header; the loaded kernels are found
+// by (CollKernel, DType), never by a name assembled at the call site or a module's position.
+enum class CollKernel {
+  kAgSm,
+  kAgPush,
+  kLlAllGather,
+  kBarrier,
+  kRsFused,
+  kRsCePipelined,
+  kArOneShot,
+  kArTwoShot,
+  kLlAllReduce,
+  kLlReduceScatter,
+  kLl128AllReduce,
+  kCount
+};
+
+struct KernelInfo {
+  CollKernel id;
+  const char* header;  // under tdist/kernels/collectives/
+  const char* symbol;  // a function template (per_dtype) or an extern "C" / plain kernel
+  bool per_dtype;
+};
+
+constexpr KernelInfo kKernels[] = {
+    {CollKernel::kAgSm, "all_gather.cuh", "tdist::kernels::coll::tdist_ag_sm", false},
+    {CollKernel::kAgPush, "all_gather.cuh", "tdist::kernels::coll::tdist_ag_push", false},
+    {CollKernel::kRsFused, "reduce_scatter.cuh", "tdist::kernels::coll::rs_fused", true},
+    {CollKernel::kRsCePipelined, "reduce_scatter.cuh", "tdist::kernels::coll::rs_ce_pipelined", true},
+    {CollKernel::kArOneShot, "all_reduce.cuh", "tdist::kernels::coll::ar_one_shot", true},
+    {CollKernel::kArTwoShot, "all_reduce.cuh", "tdist::kernels::coll::ar_two_shot", true},
+    {CollKernel::kLlAllGather, "ll.cuh", "tdist::kernels::coll::tdist_ll_all_gather", false},
+    {CollKernel::kLlAllReduce, "ll.cuh", "tdist::kernels::coll::ll_all_reduce", true},
+    {CollKernel::kLlReduceScatter, "ll.cuh", "tdist::kernels::coll::ll_reduce_scatter", true},
+    {CollKernel::kBarrier, "barrier.cuh", "tdist_coll_barrier", false},
+    {CollKernel::kLl128AllReduce, "ll128.cuh", "tdist::kernels::coll::ll128_all_reduce", true},
+};
+
+// The name expression of one instance: "symbol<T>" for a template, the symbol otherwise.
+std::string instance_name(const KernelInfo& k, DType t) {
+  return k.per_dtype ? detail::concat(k.symbol, "<", kernel_type_name(t), ">") : std::string(k.symbol);
+}
+
+// The headers in kKernels' order of first appearance: one module each.
+std::vector<std::string> kernel_headers() {
+  std::vector<std::string> headers;
+  for (const KernelInfo& k : kKernels)
+    if (std::find(headers.begin(), headers.end(), k.header) == headers.end()) headers.push_back(k.header);
+  return headers;
+}
+
+jit::CompileRequest header_request(const std::string& header) {
+  jit::CompileRequest r;
+  r.source = detail::concat("#include \"tdist/kernels/collectives/", header, "\"\n");
+  r.file_name = detail::concat("collectives_", header.substr(0, header.find('.')), ".cu");
+  for (const KernelInfo& k : kKernels) {
+    if (header != k.header) continue;
+    if (!k.per_dtype)
+      r.name_expressions.push_back(k.symbol);
+    else
+      for (DType t : kDTypes) r.name_expressions.push_back(instance_name(k, t));
+  }
+  return r;
 }
 
 }  // namespace
 
 std::vector<jit::CompileRequest> collective_compile_requests() {
-  std::vector<std::string> rs, ar, ll128, ll = {std::string(kNs) + "tdist_ll_all_gather"};
-  for (DType t : kDTypes) {
-    rs.push_back(instance("rs_fused", t));
-    rs.push_back(instance("rs_ce_pipelined", t));
-    ar.push_back(instance("ar_one_shot", t));
-    ar.push_back(instance("ar_two_shot", t));
-    ll.push_back(instance("ll_all_reduce", t));
-    ll.push_back(instance("ll_reduce_scatter", t));
-    ll128.push_back(instance("ll128_all_reduce", t));
-  }
-  return {family("all_gather.cuh", "collectives_all_gather.cu",
-                 {std::string(kNs) + "tdist_ag_sm", std::string(kNs) + "tdist_ag_push"}),
-          family("reduce_scatter.cuh", "collectives_reduce_scatter.cu", rs),
-          family("all_reduce.cuh", "collectives_all_reduce.cu", ar),
-          family("ll.cuh", "collectives_ll.cu", ll),
-          family("barrier.cuh", "collectives_barrier.cu", {"tdist_coll_barrier"}),
-          family("ll128.cuh", "collectives_ll128.cu", ll128)};
+  std::vector<jit::CompileRequest> v;
+  for (const std::string& h : kernel_headers()) v.push_back(header_request(h));
+  return v;
 }
 
 TDIST_JIT_REGISTER_KERNELS(collectives, collective_compile_requests);
 
 struct Collectives::Kernels {
-  std::vector<std::shared_ptr<jit::Module>> modules;
-  jit::Kernel ag_sm, ag_push, ll_all_gather, barrier;
-  std::array<jit::Kernel, 3> rs_fused, rs_ce_pipelined, ar_one_shot, ar_two_shot, ll_all_reduce, ll_reduce_scatter,
-      ll128_all_reduce;  // by DType
+  std::vector<std::shared_ptr<jit::Module>> modules;  // keep the kernels' modules loaded
+  std::array<std::array<jit::Kernel, std::size(kDTypes)>, static_cast<size_t>(CollKernel::kCount)> table{};
 
   Kernels() {
-    auto reqs = collective_compile_requests();
-    for (auto& r : reqs) modules.push_back(jit::Module::load(jit::compile(r)));
-    ag_sm = modules[0]->kernel(std::string(kNs) + "tdist_ag_sm");
-    ag_push = modules[0]->kernel(std::string(kNs) + "tdist_ag_push");
-    barrier = modules[4]->kernel("tdist_coll_barrier");
-    ll_all_gather = modules[3]->kernel(std::string(kNs) + "tdist_ll_all_gather");
-    for (DType t : kDTypes) {
-      const int i = static_cast<int>(t);
-      rs_fused[i] = modules[1]->kernel(instance("rs_fused", t));
-      rs_ce_pipelined[i] = modules[1]->kernel(instance("rs_ce_pipelined", t));
-      ar_one_shot[i] = modules[2]->kernel(instance("ar_one_shot", t));
-      ar_two_shot[i] = modules[2]->kernel(instance("ar_two_shot", t));
-      ll_all_reduce[i] = modules[3]->kernel(instance("ll_all_reduce", t));
-      ll_reduce_scatter[i] = modules[3]->kernel(instance("ll_reduce_scatter", t));
-      ll128_all_reduce[i] = modules[5]->kernel(instance("ll128_all_reduce", t));
+    for (const std::string& h : kernel_headers()) {
+      auto module = jit::Module::load(jit::compile(header_request(h)));
+      for (const KernelInfo& k : kKernels) {
+        if (h != k.header) continue;
+        for (DType t : kDTypes)
+          table[static_cast<size_t>(k.id)][static_cast<size_t>(t)] = module->kernel(instance_name(k, t));
+      }
+      modules.push_back(std::move(module));
     }
+  }
+  // The instance of `k` for `t` (kernels without per-type instances: any t).
+  const jit::Kernel& get(CollKernel k, DType t = DType::kFloat32) const {
+    return table[static_cast<size_t>(k)][static_cast<size_t>(t)];
   }
 };
 
@@ -128,13 +186,14 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   max_bytes_ = round_up(max_bytes, 256);
   ll_bytes_ = round_up(options.ll_bytes, 16);
   ll128_bytes_ = kernels::coll::ll128_lines(options.ll128_bytes) * kernels::coll::kLl128Payload;
-  const HeapSizes sizes = heap_sizes(n, max_bytes_, ll_bytes_, ll128_bytes_, max_blocks_, kCePieces);
-  workspace_ = static_cast<char*>(heap.allocate(sizes.workspace));
-  flags_ = static_cast<device::u64*>(heap.allocate(sizes.flags));
-  barrier_pads_ = static_cast<device::u64*>(heap.allocate(sizes.barrier_pads));
-  ce_flags_ = static_cast<device::u64*>(heap.allocate(sizes.ce_flags));
-  ll_ = static_cast<char*>(heap.allocate(sizes.ll));
-  ll128_ = static_cast<char*>(heap.allocate(sizes.ll128));
+  const CollectivesLayout layout(n, max_bytes_, ll_bytes_, ll128_bytes_, max_blocks_, kCePieces);
+  block_ = SymmetricBlock(heap, layout.layout);
+  workspace_ = block_[layout.workspace];
+  flags_ = block_[layout.flags];
+  barrier_pads_ = block_[layout.barrier_pads];
+  ce_flags_ = block_[layout.ce_flags];
+  ll_ = reinterpret_cast<char*>(block_[layout.ll]);
+  ll128_ = block_[layout.ll128];
   TDIST_CUDA_CHECK(cudaMalloc(&epoch_, sizeof(EpochState)));
   TDIST_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(EpochState)));
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());
@@ -143,27 +202,15 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
 }
 
 Collectives::~Collectives() {
-  cudaDeviceSynchronize();
-  try {
-    heap_.free(ll128_);
-    heap_.free(ll_);
-    heap_.free(ce_flags_);
-    heap_.free(barrier_pads_);
-    heap_.free(flags_);
-    heap_.free(workspace_);
-  } catch (...) {
-  }
+  cudaDeviceSynchronize();  // the symmetric block goes back to the heap after this
   cudaFree(epoch_);
 }
 
 size_t Collectives::heap_bytes(int world_size, size_t max_bytes, int max_blocks, const CollectivesOptions& options) {
-  const HeapSizes s = heap_sizes(
+  const CollectivesLayout layout(
       world_size, round_up(std::max<size_t>(max_bytes, 1), 256), round_up(std::max<size_t>(options.ll_bytes, 1), 16),
       std::max<size_t>(options.ll128_bytes, 1), options.max_blocks > 0 ? options.max_blocks : max_blocks, kCePieces);
-  size_t total = 0;
-  for (size_t bytes : {s.workspace, s.flags, s.barrier_pads, s.ce_flags, s.ll, s.ll128})
-    total = checked_add(total, round_up(bytes, SymmetricHeap::kDefaultAlignment), "the collectives' heap bytes");
-  return total;
+  return layout.layout.bytes();
 }
 
 unsigned Collectives::blocks_for(size_t bytes, size_t per_block, int blocks_per_sm) const {
@@ -196,9 +243,9 @@ CollParams Collectives::params(const void* in, void* out, size_t count, bool zer
   p.max_blocks = static_cast<device::u64>(max_blocks_);
   p.epoch = epoch_;
   p.ll = ll_;
-  p.ll_words = ll_bytes_ / 4;
+  p.ll_words = CollectivesLayout::ll_words(ll_bytes_);
   p.ll128 = ll128_;
-  p.ll128_lines = kernels::coll::ll128_lines(ll128_bytes_);
+  p.ll128_lines = CollectivesLayout::ll128_lines(ll128_bytes_);
   p.zero_copy = zero_copy ? 1 : 0;
   p.vec = vec ? 1 : 0;
   return p;
@@ -219,8 +266,8 @@ void Collectives::ce_barrier(cudaStream_t stream) {
   cfg.grid = {1};
   cfg.block = {128};
   cfg.stream = stream;
-  jit::launch(kernels_->barrier, cfg,
-              jit::make_args(heap_.view(), barrier_pads_ + barrier_pad_words(world_.world_size())));
+  jit::launch(kernels_->get(CollKernel::kBarrier), cfg,
+              jit::make_args(heap_.view(), barrier_pads_ + device::barrier_pad_words(world_.world_size())));
 }
 
 void Collectives::copy_beside(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
@@ -233,7 +280,7 @@ void Collectives::barrier(cudaStream_t stream) {
   cfg.grid = {1};
   cfg.block = {128};
   cfg.stream = stream;
-  jit::launch(kernels_->barrier, cfg, jit::make_args(heap_.view(), barrier_pads_));
+  jit::launch(kernels_->get(CollKernel::kBarrier), cfg, jit::make_args(heap_.view(), barrier_pads_));
 }
 
 AllReduceMethod Collectives::all_reduce_method(const void* in, void* out, size_t count, DType dtype,
@@ -272,13 +319,12 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
   const AllReduceMethod m = all_reduce_method(in, out, count, dtype, method);
   const size_t bytes = count * dtype_size(dtype);
   const CollectiveShape s = shape(bytes, dtype, in, bytes, out, bytes, 16);
-  const int t = static_cast<int>(dtype);
   switch (m) {
     case AllReduceMethod::kNccl:
       TDIST_NCCL_CHECK(ncclAllReduce(in, out, count, nccl_type(dtype), ncclSum, world_.comm(), stream));
       return;
     case AllReduceMethod::kLowLatency:
-      launch(kernels_->ll_all_reduce[t], blocks_for((bytes + 3) / 4, kernels::coll::kThreads),
+      launch(kernels_->get(CollKernel::kLlAllReduce, dtype), blocks_for((bytes + 3) / 4, kernels::coll::kThreads),
              params(in, out, count, false, false), stream);
       return;
     case AllReduceMethod::kLowLatency128: {
@@ -287,7 +333,7 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
       // 16-warp blocks need more than one per SM (bench/results/h200x2/ll128_blocks/). At most
       // kLl128BlocksPerSm for each of max_blocks_ SMs, all resident at once; more lines loop.
       using namespace kernels::coll;
-      launch(kernels_->ll128_all_reduce[t],
+      launch(kernels_->get(CollKernel::kLl128AllReduce, dtype),
              blocks_for(ll128_lines(bytes), kLl128LinesPerWarp * (kLl128Threads / 32), kLl128BlocksPerSm),
              params(in, out, count, false, false), stream, kLl128Threads);
       return;
@@ -295,13 +341,14 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
     case AllReduceMethod::kOneShot: {
       // Zero copy needs out != in: peers read `in` until the closing exchange.
       const bool zc = s.in_symmetric && in != out;
-      launch(kernels_->ar_one_shot[t], blocks_for(bytes, 16 << 10), params(in, out, count, zc, s.aligned16), stream);
+      launch(kernels_->get(CollKernel::kArOneShot, dtype), blocks_for(bytes, 16 << 10),
+             params(in, out, count, zc, s.aligned16), stream);
       return;
     }
     case AllReduceMethod::kTwoShot: {
       const size_t slice = kernels::coll::two_shot_slice(count, world_.world_size()) * dtype_size(dtype);
-      launch(kernels_->ar_two_shot[t], blocks_for(slice, 16 << 10), params(in, out, count, s.in_symmetric, s.aligned16),
-             stream);
+      launch(kernels_->get(CollKernel::kArTwoShot, dtype), blocks_for(slice, 16 << 10),
+             params(in, out, count, s.in_symmetric, s.aligned16), stream);
       return;
     }
     case AllReduceMethod::kCe: {
@@ -341,14 +388,16 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
       TDIST_NCCL_CHECK(ncclAllGather(in, out, count, nccl_type(dtype), world_.comm(), stream));
       return;
     case AllGatherMethod::kLowLatency:
-      launch(kernels_->ll_all_gather, blocks_for((b + 3) / 4, kernels::coll::kThreads),
+      launch(kernels_->get(CollKernel::kLlAllGather), blocks_for((b + 3) / 4, kernels::coll::kThreads),
              params(in, out, b, false, false), stream);
       return;
     case AllGatherMethod::kSm:
-      launch(kernels_->ag_sm, blocks_for(b, 32 << 10), params(in, out, b, s.in_symmetric, s.aligned16), stream);
+      launch(kernels_->get(CollKernel::kAgSm), blocks_for(b, 32 << 10), params(in, out, b, s.in_symmetric, s.aligned16),
+             stream);
       return;
     case AllGatherMethod::kSmPush:
-      launch(kernels_->ag_push, blocks_for(b, 32 << 10), params(in, out, b, false, s.aligned16), stream);
+      launch(kernels_->get(CollKernel::kAgPush), blocks_for(b, 32 << 10), params(in, out, b, false, s.aligned16),
+             stream);
       return;
     case AllGatherMethod::kCePush: {
       // Push this rank's input into every peer's output (zero copy) or workspace slot 0, then, in the
@@ -411,7 +460,6 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
   const int n = world_.world_size(), me = world_.rank();
   const size_t b = count * dtype_size(dtype), total = b * n;
   const CollectiveShape s = shape(total, dtype, in, total, out, b, b);
-  const int t = static_cast<int>(dtype);
   switch (m) {
     case ReduceScatterMethod::kNccl:
       if (nccl_avoid_symmetric_kernels(s)) {
@@ -427,12 +475,12 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
       return;
     case ReduceScatterMethod::kLowLatency:
       // One thread per 4-byte word of the per-rank slice (ll.cuh); no staging, no alignment needed.
-      launch(kernels_->ll_reduce_scatter[t], blocks_for((b + 3) / 4, kernels::coll::kThreads),
+      launch(kernels_->get(CollKernel::kLlReduceScatter, dtype), blocks_for((b + 3) / 4, kernels::coll::kThreads),
              params(in, out, count, false, false), stream);
       return;
     case ReduceScatterMethod::kFused:
-      launch(kernels_->rs_fused[t], blocks_for(b, 16 << 10), params(in, out, count, s.in_symmetric, s.aligned16),
-             stream);
+      launch(kernels_->get(CollKernel::kRsFused, dtype), blocks_for(b, 16 << 10),
+             params(in, out, count, s.in_symmetric, s.aligned16), stream);
       return;
     case ReduceScatterMethod::kCe: {
       // Scatter by copy engine, reduce on the SMs behind it: slice p of this rank's input goes to peer
@@ -464,7 +512,7 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
       cfg.grid = {blocks_for(b, 32 << 10)};
       cfg.block = {static_cast<unsigned>(kernels::coll::kThreads)};
       cfg.stream = stream;
-      jit::launch(kernels_->rs_ce_pipelined[t], cfg,
+      jit::launch(kernels_->get(CollKernel::kRsCePipelined, dtype), cfg,
                   jit::make_args(params(in, out, count, false, s.aligned16), static_cast<const device::u64*>(ce_flags_),
                                  pieces));
       side_.join(stream);

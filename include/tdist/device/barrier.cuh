@@ -1,7 +1,7 @@
 // Barriers across ranks, inside kernels: one block per rank (barrier_all_block) or a whole grid per
 // rank (barrier_all_grid). Both are CUDA-graph safe: counters only grow, nothing is reset.
 //
-// Barrier pad: a symmetric array of u64, zeroed at allocation, kBarrierPadWords(num_ranks) words per
+// Barrier pad: a symmetric array of u64, zeroed at allocation, barrier_pad_words(num_ranks) words per
 // slot. Concurrent barriers (different blocks, different streams) need different slots.
 //   slot[r]              arrivals from rank r; rank r adds 1 per barrier (a remote red.release.sys)
 //   slot[num_ranks]      barriers this rank has passed on this slot (the epoch), touched only locally
@@ -10,14 +10,13 @@
 // of every rank after it (release by the arriving rank, acquire by the waiting one, bar.sync around).
 #pragma once
 
+#include "tdist/device/barrier_pad.cuh"
 #include "tdist/device/groups.cuh"
 #include "tdist/device/memory_order.cuh"
 #include "tdist/device/signal.cuh"
 #include "tdist/device/symmetric.cuh"
 
 namespace tdist::device {
-
-TDIST_HOST_DEVICE constexpr u64 barrier_pad_words(int num_ranks) { return static_cast<u64>(num_ranks) + 2; }
 
 namespace detail {
 

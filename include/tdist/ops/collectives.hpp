@@ -31,6 +31,7 @@
 #include "tdist/ops/collective_select.hpp"
 #include "tdist/runtime/stream.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
+#include "tdist/runtime/symmetric_layout.hpp"
 #include "tdist/runtime/world.hpp"
 
 namespace tdist {
@@ -114,6 +115,7 @@ class Collectives {
   size_t ll128_bytes_;
   int max_blocks_;
   bool programmatic_launch_;
+  SymmetricBlock block_;                 // every symmetric buffer below (CollectivesLayout, collectives.cpp)
   char* workspace_ = nullptr;            // 2 slots of max_bytes_
   device::u64* flags_ = nullptr;         // kPhases x max_blocks x world_size
   device::u64* barrier_pads_ = nullptr;  // [0]: barrier(), [1]: copy-engine phases

@@ -21,6 +21,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 
 #include "tdist/common/error.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
@@ -96,8 +98,13 @@ class SymmetricBlock {
   void* base() const { return base_; }
 
  private:
-  void reset() {
-    if (base_) heap_->free(base_);
+  void reset() noexcept {
+    if (!base_) return;
+    try {
+      heap_->free(base_);
+    } catch (const std::exception& e) {  // a destructor must not throw: say it and leak the block
+      std::fprintf(stderr, "tdist: returning a symmetric block to the heap failed: %s\n", e.what());
+    }
     base_ = nullptr;
   }
   SymmetricHeap* heap_ = nullptr;
