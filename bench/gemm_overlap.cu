@@ -51,7 +51,7 @@
 #include "tdist/common/error.hpp"
 #include "tdist/common/json.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
-#include "tdist/ops/cublas.hpp"
+#include "tdist/ops/detail/cublas.hpp"
 #include "tdist/ops/gemm.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"

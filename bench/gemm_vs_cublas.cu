@@ -38,7 +38,7 @@
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/json.hpp"
-#include "tdist/ops/cublas.hpp"
+#include "tdist/ops/detail/cublas.hpp"
 #include "tdist/ops/gemm.hpp"
 #include "tdist/ops/grouped_gemm.hpp"
 

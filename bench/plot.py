@@ -97,8 +97,23 @@ def _from_old_python(d):
     return rows
 
 
+def _from_layer_rows(rows):
+    """python -m tdist.bench_layers: one row per (model, layer, tokens, pass) with a time per method."""
+    out = []
+    for r in rows:
+        for key, us in r.items():
+            if key.endswith("_us"):
+                out.append({"op": f"{r['model']} {r['layer']} {r['pass']}", "m": r["tokens"], "n": "-", "k": "-",
+                            "impl": key[:-3], "method": key[:-3], "us": us})
+    return out
+
+
 def normalise(d):
     """(meta, rows) of a result file of any layout, rows in schema tdist.bench/1."""
+    if isinstance(d, list):  # a summary: rows alone
+        d = {"rows": d}
+    if d.get("rows") and "layer" in d["rows"][0]:
+        return {k: v for k, v in d.items() if k != "rows"} | {"bench": "layers"}, _from_layer_rows(d["rows"])
     if d.get("schema") == SCHEMA:
         return d, list(d["rows"])
     meta = {k: v for k, v in d.items() if k not in ("rows", "collectives", "gemm")}

@@ -29,7 +29,7 @@
 #include "tdist/common/error.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/launch.hpp"
-#include "tdist/ops/collective_select.hpp"
+#include "tdist/ops/detail/collective_select.hpp"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/ops/overlap_ops.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"

@@ -1,5 +1,5 @@
 // Method choice and argument checks of the collectives (pure host code; docs/collectives.md).
-#include "tdist/ops/collective_select.hpp"
+#include "tdist/ops/detail/collective_select.hpp"
 
 #include <algorithm>
 #include <cctype>

@@ -1,6 +1,6 @@
 // tdist::CublasGemm: cuBLAS's cublasGemmEx, and cuBLASLt's matmul for the addend form, through dlopen
-// (include/tdist/ops/cublas.hpp).
-#include "tdist/ops/cublas.hpp"
+// (include/tdist/ops/detail/cublas.hpp).
+#include "tdist/ops/detail/cublas.hpp"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>

@@ -3,7 +3,7 @@
 
 #include <nccl.h>
 
-#include "tdist/ops/collective_select.hpp"
+#include "tdist/ops/detail/collective_select.hpp"
 
 namespace tdist::detail {
 

@@ -10,7 +10,7 @@
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/registry.hpp"
-#include "tdist/ops/collective_select.hpp"
+#include "tdist/ops/detail/collective_select.hpp"
 #include "tdist/ops/collectives.hpp"
 
 using namespace tdist;

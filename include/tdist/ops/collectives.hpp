@@ -28,7 +28,8 @@
 
 #include "tdist/jit/launch.hpp"
 #include "tdist/kernels/collectives/common.cuh"
-#include "tdist/ops/collective_select.hpp"
+#include "tdist/ops/collective_methods.hpp"
+#include "tdist/ops/detail/collective_select.hpp"  // CollectiveShape, CollectiveLimits
 #include "tdist/runtime/stream.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/symmetric_layout.hpp"

@@ -26,10 +26,10 @@
 #include <string>
 #include <vector>
 
+#include "tdist/common/dtype.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/launch.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
-#include "tdist/ops/collective_select.hpp"  // DType
 
 namespace tdist {
 
@@ -61,15 +61,6 @@ const std::vector<GemmTile>& gemm_tiles();
 // by wave efficiency weighted by the tile's own efficiency.
 GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms);
 
-// The kernel's name expression: tdist::kernels::gemm::sm90_gemm_tn<T, BM, BN, BK, S, C, Hooks> (the
-// TileScheduler instance). Typed alternative: detail::GemmRuntime (include/tdist/ops/detail/gemm_runtime.hpp).
-std::string gemm_kernel_name(DType dtype, const GemmTile& tile,
-                             const std::string& hook = "tdist::kernels::gemm::NoTileHooks");
-// One JIT request per tile (both dtypes as name expressions), as registered for tdist-compile.
-jit::CompileRequest gemm_compile_request(const GemmTile& tile,
-                                         const std::string& hook = "tdist::kernels::gemm::NoTileHooks");
-std::vector<jit::CompileRequest> gemm_compile_requests();
-
 struct GemmArgs {
   const void* a = nullptr;
   const void* b = nullptr;
@@ -83,48 +74,12 @@ struct GemmArgs {
 // and returns them with the leading dimensions filled in. Throws tdist::Error naming the argument.
 GemmArgs check_gemm_args(const GemmArgs& args);
 
-// The parameters of a 2-D tensor map, as cuTensorMapEncodeTiled takes them: dims[0] is the
-// contiguous one. Zero fill out of range (loads; stores skip out-of-range elements), 256-byte L2
-// promotion, the given swizzle (the inner box is exactly that many bytes).
-struct GemmTensorMapSpec {
-  const void* base = nullptr;
-  uint64_t dims[2] = {0, 0};      // A, B: {K, rows}; D: {N, M}
-  uint64_t row_stride_bytes = 0;  // leading dimension x element size
-  uint32_t box[2] = {0, 0};       // A, B: {BLOCK_K, BLOCK_M or BLOCK_N}; D: {EPI_N, 64}
-  uint32_t swizzle_bytes = 128;   // 128, 64 or 32
-};
-// Specs of A, B (TMA loads) and D (TMA stores of one consumer warpgroup's 64 x EPI_N chunk,
-// kernels::gemm::gemm_epi_cols) for checked args and a tile.
-GemmTensorMapSpec gemm_tensor_map_a(const GemmArgs& args, const GemmTile& tile);
-GemmTensorMapSpec gemm_tensor_map_b(const GemmArgs& args, const GemmTile& tile);
-// B over `b_rows` rows instead of N (the grouped GEMM's G x N rows).
-GemmTensorMapSpec gemm_tensor_map_b_rows(const GemmArgs& args, const GemmTile& tile, int64_t b_rows);
-GemmTensorMapSpec gemm_tensor_map_d(const GemmArgs& args, const GemmTile& tile);
-
-// 128 bytes, as CUtensorMap (kept opaque here so this header needs no <cuda.h>).
-struct alignas(128) GemmTensorMap {
-  unsigned long long opaque[16];
-};
-// Encodes through cuTensorMapEncodeTiled, found with cudaGetDriverEntryPointByVersion (no libcuda
-// link). Needs a GPU driver.
-GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype);
-
 struct GemmRunOptions {
   std::optional<GemmTile> tile;  // empty: choose_gemm_tile (or the tuned one, after tune()); read by Gemm only
   int group_m = 8;               // m-tiles per raster group (L2 reuse)
   int64_t first_row = 0;         // the walk starts at the m-tile holding this row and wraps
   int max_ctas = 0;              // persistent CTAs at most; 0: the SM count
 };
-
-// The launch of one instance: grid, block, shared memory, cluster (pure; used by Gemm and tests).
-jit::LaunchConfig gemm_launch_config(const GemmArgs& args, const GemmTile& tile, int num_sms, int max_ctas,
-                                     cudaStream_t stream);
-kernels::gemm::TileScheduler gemm_schedule(const GemmArgs& args, const GemmTile& tile, int group_m, int64_t first_row);
-// The parameters of sm90_gemm_tn in declaration order, all but the last (the Hooks value):
-// tmap_a, tmap_b, tmap_d (encoded here: needs a GPU driver), d, ldd, m, n, k, sched. A launcher appends its
-// hooks (kernels::gemm::NoTileHooks{} for the plain GEMM) with add().
-jit::KernelArgs gemm_kernel_args(const GemmArgs& checked_args, const GemmTile& tile,
-                                 const kernels::gemm::TileScheduler& sched);
 
 // Compute capability of `device` as 10 x major + minor. tdist's GEMM runs on kGemmComputeCapability
 // only (sm_90a: its wgmma and TMA code is arch-specific).

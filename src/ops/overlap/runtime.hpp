@@ -25,7 +25,7 @@
 #include "tdist/jit/launch.hpp"
 #include "tdist/kernels/gemm/overlap_params.cuh"
 #include "tdist/ops/collectives.hpp"
-#include "tdist/ops/cublas.hpp"
+#include "tdist/ops/detail/cublas.hpp"
 #include "tdist/ops/detail/gemm_runtime.hpp"
 #include "tdist/ops/gemm.hpp"
 #include "tdist/ops/overlap_ops.hpp"

@@ -47,6 +47,7 @@
 #include "tdist/kernels/gemm/grouped_scheduler.cuh"
 #include "tdist/kernels/gemm/overlap_params.cuh"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
+#include "tdist/ops/detail/gemm_instance.hpp"
 #include "tdist/ops/gemm.hpp"
 
 namespace tdist::detail {

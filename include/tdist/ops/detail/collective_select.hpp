@@ -1,5 +1,6 @@
-// Pure host-side pieces of the collectives (no GPU needed, unit-tested on the CPU): element types,
-// method names, the automatic method choice, per-call / environment overrides, and argument checks.
+// Pure host-side pieces of the collectives (no GPU needed, unit-tested on the CPU): the automatic
+// method choice, per-call / environment overrides, and argument checks. Internal: the user API is
+// ops/collectives.hpp and ops/collective_methods.hpp.
 //
 // Sizes are those of nccl-tests: `bytes` is the whole buffer of an AllReduce, the gathered output of
 // an AllGather (world_size x the per-rank input) and the input of a ReduceScatter (world_size x the
@@ -10,27 +11,9 @@
 #include <string>
 
 #include "tdist/common/dtype.hpp"
+#include "tdist/ops/collective_methods.hpp"
 
 namespace tdist {
-
-enum class AllReduceMethod { kAuto, kOneShot, kTwoShot, kLowLatency, kLowLatency128, kNccl, kCe };
-enum class AllGatherMethod { kAuto, kSm, kCePush, kCePull, kLowLatency, kNccl, kSmPush };
-enum class ReduceScatterMethod { kAuto, kFused, kCe, kLowLatency, kNccl };
-
-// Names: auto, one_shot, two_shot, ll, ll128, nccl, ce | auto, sm, sm_push, ce_push, ce_pull, ll, nccl |
-// auto, fused, ce, ll, nccl.
-const char* to_string(AllReduceMethod m);
-const char* to_string(AllGatherMethod m);
-const char* to_string(ReduceScatterMethod m);
-// Throw tdist::Error naming `what` (an argument or an environment variable) and the accepted names.
-AllReduceMethod parse_all_reduce_method(const std::string& s, const std::string& what = "method");
-AllGatherMethod parse_all_gather_method(const std::string& s, const std::string& what = "method");
-ReduceScatterMethod parse_reduce_scatter_method(const std::string& s, const std::string& what = "method");
-
-// Environment variables that override the automatic choice (a per-call method other than auto wins).
-constexpr const char* kAllReduceMethodEnv = "TDIST_ALLREDUCE_METHOD";
-constexpr const char* kAllGatherMethodEnv = "TDIST_ALLGATHER_METHOD";
-constexpr const char* kReduceScatterMethodEnv = "TDIST_REDUCESCATTER_METHOD";
 
 // What the choice depends on.
 struct CollectiveShape {
