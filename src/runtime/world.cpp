@@ -64,7 +64,7 @@ World::World(const WorldOptions& options) : timeout_(options.timeout) {
 
   ncclUniqueId id;
   if (rank_ == 0) {
-    TDIST_NCCL_CHECK(ncclGetUniqueId(&id));
+    id = new_unique_id();
     store_->set("tdist/nccl_unique_id", to_bytes(&id, sizeof(id)));
   }
   const Bytes id_bytes = store_->get("tdist/nccl_unique_id");
@@ -195,6 +195,12 @@ void World::fail_init(const char* stage, const std::string& why, bool timed_out)
   }
   if (timed_out) throw TimeoutError(detail::concat(__FILE__, ":", __LINE__, ": ", message));
   TDIST_FAIL(message);
+}
+
+ncclUniqueId World::new_unique_id() {
+  ncclUniqueId id;
+  TDIST_NCCL_CHECK(ncclGetUniqueId(&id));
+  return id;
 }
 
 World::World(const ncclUniqueId& id, int rank, int world_size, int device, std::chrono::milliseconds timeout)

@@ -43,6 +43,8 @@ class World {
   // above, without a store to learn of dead ranks) and owns it.
   World(const ncclUniqueId& id, int rank, int world_size, int device,
         std::chrono::milliseconds timeout = TcpStoreOptions::default_timeout());
+  // A new NCCL unique id, made once (on one rank) and passed to the others by that bootstrap.
+  static ncclUniqueId new_unique_id();
   // Wraps a communicator the caller created and keeps owning (not destroyed with the World).
   // Host collectives then run through NCCL on a private stream.
   World(ncclComm_t existing, std::chrono::milliseconds timeout = TcpStoreOptions::default_timeout());
