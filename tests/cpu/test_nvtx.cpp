@@ -115,9 +115,9 @@ int main() {
   return (evaluated == 0 && !range.recorded() && !tdist::nvtx_recording()) ? 0 : 3;
 }
 )");
-  const std::string cmd = std::string("'") + TDIST_CXX_COMPILER + "' -std=c++20 -Wall -Wextra -Werror -DTDIST_NVTX=0 -I'" +
-                          TDIST_SOURCE_DIR + "/include' '" + dir.file("off.cpp") + "' -o '" + dir.file("off") +
-                          "' 2>'" + dir.file("log") + "'";
+  const std::string cmd = std::string("'") + TDIST_CXX_COMPILER +
+                          "' -std=c++20 -Wall -Wextra -Werror -DTDIST_NVTX=0 -I'" + TDIST_SOURCE_DIR + "/include' '" +
+                          dir.file("off.cpp") + "' -o '" + dir.file("off") + "' 2>'" + dir.file("log") + "'";
   const int rc = std::system(cmd.c_str());
   ASSERT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 0) << cmd << " failed:\n"
                                                      << [&] {

@@ -140,8 +140,8 @@ namespace {
 // TDIST_DEBUG=INFO (subsystem TUNE): one line per method that `auto` picks for a new shape class of
 // a process: the comm, N, K, dtype, world size and M's power-of-two bucket, and the method picked,
 // so that a varying M prints a line per bucket and per change of method, not per call.
-void log_auto_choice(OverlapComm comm, int64_t m, int64_t n, int64_t k, DType dtype, int world,
-                     OverlapMethod method, const char* source) {
+void log_auto_choice(OverlapComm comm, int64_t m, int64_t n, int64_t k, DType dtype, int world, OverlapMethod method,
+                     const char* source) {
   if (!log::enabled(log::Level::kInfo, "TUNE")) return;
   int m_bucket = 0;
   while (m_bucket < 63 && (int64_t{1} << m_bucket) < m) ++m_bucket;
