@@ -15,6 +15,7 @@
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/nvtx.hpp"
 #include "tdist/jit/autotune.hpp"
 #include "tdist/jit/registry.hpp"
 #include "tdist/kernels/gemm/config.cuh"
@@ -326,6 +327,7 @@ Gemm::~Gemm() = default;
 const jit::Kernel& Gemm::kernel(DType dtype, const GemmTile& tile) { return runtime_->kernel(dtype, tile); }
 
 void Gemm::run(const GemmArgs& raw, cudaStream_t stream, const GemmRunOptions& options) {
+  TDIST_NVTX_RANGE("tdist::Gemm::run", "m=", raw.m, " n=", raw.n, " k=", raw.k, " ", to_string(raw.dtype));
   const GemmArgs args = check_gemm_args(raw);
   if (args.m == 0 || args.n == 0) return;
   GemmTile tile;

@@ -7,6 +7,7 @@
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/nvtx.hpp"
 #include "tdist/jit/registry.hpp"
 #include "tdist/ops/detail/gemm_runtime.hpp"
 
@@ -142,6 +143,8 @@ GemmTile GroupedGemm::tile_for(const GroupedGemmArgs& args, const GroupedGemmRun
 }
 
 void GroupedGemm::run(const GroupedGemmArgs& raw, cudaStream_t stream, const GroupedGemmRunOptions& options) {
+  TDIST_NVTX_RANGE("tdist::GroupedGemm::run", "m=", raw.m, " n=", raw.n, " k=", raw.k, " groups=", raw.num_groups, " ",
+                   to_string(raw.dtype));
   const GroupedGemmArgs args = check_grouped_gemm_args(raw);
   if (args.m == 0 || args.n == 0) return;
   const GemmTile tile = tile_for(args, options);

@@ -14,6 +14,7 @@
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/nvtx.hpp"
 #include "tdist/jit/registry.hpp"
 #include "tdist/ops/detail/overlap_registry.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
@@ -94,6 +95,8 @@ class AllGatherGemmSwiGlu final : public OverlapContext {
   }
 
   void run(const OverlapCall& call, cudaStream_t stream, OverlapMethod method) override {
+    TDIST_NVTX_RANGE("tdist::ag_gemm_swiglu", "m=", call.m, " n=", call.n, " k=", call.k, " ", to_string(config_.dtype),
+                     " requested ", to_string(method));
     TDIST_CHECK_ARG(call.n <= config_.max_n && call.n % 16 == 0, "n", "expected N <= max_n (", config_.max_n,
                     ") and a multiple of 16 (the gate and up halves of 16-byte rows), got ", call.n);
     check_operand(call.operands[2], "d", call.m > 0);

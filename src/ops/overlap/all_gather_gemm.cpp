@@ -7,6 +7,7 @@
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/nvtx.hpp"
 #include "tdist/ops/detail/overlap_model.hpp"
 #include "tdist/ops/detail/overlap_registry.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
@@ -94,6 +95,8 @@ struct AllGatherGemm::Impl {
 
   void run(const AllGatherGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
     const OverlapMethod method = this->method(a, requested);
+    TDIST_NVTX_RANGE("tdist::AllGatherGemm::run", "m=", a.m, " n=", a.n, " k=", config.k, " ", to_string(config.dtype),
+                     " ", to_string(method));
     if (a.m == 0 || a.n == 0) return;
     const int rank = rt.rank(), world = rt.size();
     const kg::RowChunks rows = split(a.m);

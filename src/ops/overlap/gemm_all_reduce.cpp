@@ -6,6 +6,7 @@
 #include "src/ops/overlap/reduce_scatter_core.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/nvtx.hpp"
 #include "tdist/ops/detail/overlap_model.hpp"
 #include "tdist/ops/detail/overlap_registry.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
@@ -66,6 +67,8 @@ struct GemmAllReduce::Impl {
 
   void run(const GemmAllReduceArgs& a, cudaStream_t stream, OverlapMethod requested) {
     const OverlapMethod method = this->method(a, requested);
+    TDIST_NVTX_RANGE("tdist::GemmAllReduce::run", "m=", a.m, " n=", a.n, " k=", a.k, " ", to_string(core.config.dtype),
+                     " ", to_string(method));
     if (a.m == 0 || a.n == 0) return;
     OverlapRuntime& rt = core.rt;
     const int rank = rt.rank(), world = rt.size();

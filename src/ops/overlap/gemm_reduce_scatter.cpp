@@ -3,6 +3,7 @@
 #include "src/ops/overlap/baselines.hpp"
 #include "src/ops/overlap/reduce_scatter_core.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/nvtx.hpp"
 #include "tdist/ops/detail/overlap_model.hpp"
 #include "tdist/ops/detail/overlap_registry.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
@@ -42,6 +43,8 @@ struct GemmReduceScatter::Impl {
 
   void run(const GemmReduceScatterArgs& a, cudaStream_t stream, OverlapMethod requested) {
     const OverlapMethod method = this->method(a, requested);
+    TDIST_NVTX_RANGE("tdist::GemmReduceScatter::run", "m=", a.m, " n=", a.n, " k=", a.k, " ",
+                     to_string(core.config.dtype), " ", to_string(method));
     if (a.m == 0 || a.n == 0) return;
     OverlapRuntime& rt = core.rt;
     const int rank = rt.rank();

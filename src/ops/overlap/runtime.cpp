@@ -2,10 +2,14 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
+#include <string>
+#include <unordered_set>
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/log.hpp"
 #include "tdist/jit/registry.hpp"
 #include "tdist/ops/detail/overlap_model.hpp"
 
@@ -131,16 +135,49 @@ void OverlapRuntime::begin_call(std::initializer_list<std::pair<void*, size_t>> 
   coll_->barrier(stream);
 }
 
+namespace {
+
+// TDIST_DEBUG=INFO (subsystem TUNE): one line per method that `auto` picks for a new shape class of
+// a process: the comm, N, K, dtype, world size and M's power-of-two bucket, and the method picked,
+// so that a varying M prints a line per bucket and per change of method, not per call.
+void log_auto_choice(OverlapComm comm, int64_t m, int64_t n, int64_t k, DType dtype, int world, OverlapMethod method,
+                     const char* source) {
+  if (!log::enabled(log::Level::kInfo, "TUNE")) return;
+  int m_bucket = 0;
+  while (m_bucket < 63 && (int64_t{1} << m_bucket) < m) ++m_bucket;
+  const std::string key = detail::concat(to_string(comm), ",", n, ",", k, ",", to_string(dtype), ",", world, ",",
+                                         m_bucket, ",", to_string(method), ",", source);
+  static std::mutex mu;
+  static std::unordered_set<std::string> seen;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!seen.insert(key).second) return;
+  }
+  TDIST_INFO(TUNE, "overlap ", to_string(comm), " m=", m, " n=", n, " k=", k, " ", to_string(dtype), " ranks=", world,
+             ": method ", to_string(method), " (auto, from ", source, ")");
+}
+
+}  // namespace
+
 OverlapMethod OverlapRuntime::resolve(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k,
                                       bool sequential_ok) const {
   OverlapMethod method = requested;
   if (method == OverlapMethod::kAuto) {
     if (auto v = env::get("TDIST_OVERLAP_METHOD")) method = parse_overlap_method(*v, "TDIST_OVERLAP_METHOD");
+    if (method != OverlapMethod::kAuto) log_auto_choice(comm, m, n, k, dtype_, size(), method, "TDIST_OVERLAP_METHOD");
   }
   if (method == OverlapMethod::kAuto) {
     method = choose_overlap_method({comm, m, n, k, size(), dtype_});
-    if (method == OverlapMethod::kSequential && !sequential_ok) method = OverlapMethod::kBaseline;
-    if (method == OverlapMethod::kFused && !fused_ok_) method = OverlapMethod::kChunked;
+    const char* source = "the performance model";
+    if (method == OverlapMethod::kSequential && !sequential_ok) {
+      method = OverlapMethod::kBaseline;
+      source = "the performance model; sequential does not fit here";
+    }
+    if (method == OverlapMethod::kFused && !fused_ok_) {
+      method = OverlapMethod::kChunked;
+      source = "the performance model; fused needs sm_90a";
+    }
+    log_auto_choice(comm, m, n, k, dtype_, size(), method, source);
     return method;
   }
   TDIST_CHECK_ARG(method != OverlapMethod::kSequential || sequential_ok, "method",
