@@ -12,6 +12,7 @@
 #include "tdist/common/checked.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/nvtx.hpp"
 #include "tdist/device/barrier_pad.cuh"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/registry.hpp"
@@ -276,6 +277,7 @@ void Collectives::copy_beside(void* dst, const void* src, size_t bytes, cudaStre
 }
 
 void Collectives::barrier(cudaStream_t stream) {
+  TDIST_NVTX_RANGE("tdist::Collectives::barrier");
   jit::LaunchConfig cfg;
   cfg.grid = {1};
   cfg.block = {128};
@@ -317,6 +319,7 @@ ReduceScatterMethod Collectives::reduce_scatter_method(const void* in, void* out
 void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                              AllReduceMethod method) {
   const AllReduceMethod m = all_reduce_method(in, out, count, dtype, method);
+  TDIST_NVTX_RANGE("tdist::Collectives::all_reduce", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const size_t bytes = count * dtype_size(dtype);
   const CollectiveShape s = shape(bytes, dtype, in, bytes, out, bytes, 16);
   switch (m) {
@@ -369,6 +372,7 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
 void Collectives::all_gather(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                              AllGatherMethod method) {
   const AllGatherMethod m = all_gather_method(in, out, count, dtype, method);
+  TDIST_NVTX_RANGE("tdist::Collectives::all_gather", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const int n = world_.world_size(), me = world_.rank();
   const size_t b = count * dtype_size(dtype), total = b * n;
   const CollectiveShape s = shape(total, dtype, in, b, out, total, b);
@@ -457,6 +461,7 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
 void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                                  ReduceScatterMethod method) {
   const ReduceScatterMethod m = reduce_scatter_method(in, out, count, dtype, method);
+  TDIST_NVTX_RANGE("tdist::Collectives::reduce_scatter", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const int n = world_.world_size(), me = world_.rank();
   const size_t b = count * dtype_size(dtype), total = b * n;
   const CollectiveShape s = shape(total, dtype, in, total, out, b, b);
