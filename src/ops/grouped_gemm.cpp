@@ -27,36 +27,20 @@ bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p
 
 GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
   GroupedGemmArgs a = in;
-  TDIST_CHECK_ARG(a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat16, "dtype",
-                  "the grouped GEMM takes bf16 or fp16 inputs, got ", to_string(a.dtype));
-  TDIST_CHECK_ARG(a.m >= 0 && a.m <= kMaxDim, "m", "expected 0 <= m (M_total) < 2^31, got ", a.m);
-  TDIST_CHECK_ARG(a.n >= 0 && a.n <= kMaxDim, "n", "expected 0 <= n < 2^31, got ", a.n);
-  TDIST_CHECK_ARG(a.k > 0 && a.k <= kMaxDim, "k", "expected 0 < k < 2^31, got ", a.k);
-  TDIST_CHECK_ARG(a.k % 8 == 0, "k", "must be a multiple of 8 (16-byte TMA rows), got ", a.k);
+  // The dense GEMM's checks of the fields both share (M is M_total), leading dimensions filled in.
+  const GemmArgs dense = check_gemm_args(grouped_gemm_problem(a));
+  a.lda = dense.lda;
+  a.ldb = dense.ldb;
+  a.ldd = dense.ldd;
   TDIST_CHECK_ARG(a.num_groups >= 1, "num_groups", "expected at least one group, got ", a.num_groups);
   // B is a (G N) x K matrix addressed with 32-bit row coordinates.
   TDIST_CHECK_ARG(static_cast<int64_t>(a.num_groups) * std::max<int64_t>(a.n, 1) <= kMaxDim, "num_groups",
                   "num_groups x n must be < 2^31 (rows of B), got ", a.num_groups, " x ", a.n);
   TDIST_CHECK_ARG(a.offsets_type == IndexType::kInt32 || a.offsets_type == IndexType::kInt64, "offsets_type",
                   "expected kInt32 or kInt64");
-  if (a.lda == 0) a.lda = a.k;
-  if (a.ldb == 0) a.ldb = a.k;
-  if (a.ldd == 0) a.ldd = a.n;
-  TDIST_CHECK_ARG(a.lda >= a.k && a.lda % 8 == 0, "lda", "must be >= k (", a.k,
-                  ") and a multiple of 8 elements (16 bytes), got ", a.lda);
-  TDIST_CHECK_ARG(a.ldb >= a.k && a.ldb % 8 == 0, "ldb", "must be >= k (", a.k,
-                  ") and a multiple of 8 elements (16 bytes), got ", a.ldb);
-  TDIST_CHECK_ARG(a.ldd >= a.n && a.ldd % 8 == 0, "ldd", "must be >= n (", a.n,
-                  ") and a multiple of 8 elements (16 bytes), got ", a.ldd);
   if (a.m == 0 || a.n == 0) return a;  // nothing to compute; pointers may be anything
-  TDIST_CHECK_ARG(a.a != nullptr, "a", "null pointer");
-  TDIST_CHECK_ARG(a.b != nullptr, "b", "null pointer");
-  TDIST_CHECK_ARG(a.d != nullptr, "d", "null pointer");
   TDIST_CHECK_ARG(a.offsets != nullptr, "offsets",
                   "null pointer (expected num_groups + 1 row offsets in device memory)");
-  TDIST_CHECK_ARG(aligned(a.a, 16), "a", "must be 16-byte aligned, got ", a.a);
-  TDIST_CHECK_ARG(aligned(a.b, 16), "b", "must be 16-byte aligned, got ", a.b);
-  TDIST_CHECK_ARG(aligned(a.d, 16), "d", "must be 16-byte aligned, got ", a.d);
   const size_t offset_bytes = a.offsets_type == IndexType::kInt64 ? 8 : 4;
   TDIST_CHECK_ARG(aligned(a.offsets, offset_bytes), "offsets", "must be aligned to its ", offset_bytes,
                   "-byte elements, got ", a.offsets);

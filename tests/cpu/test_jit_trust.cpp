@@ -12,6 +12,7 @@
 #include <string>
 
 #include "cpu/temp_dir.hpp"
+#include "cpu/test_env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"
@@ -33,29 +34,7 @@ jit::CompileRequest small_kernel(const std::string& flavour = "") {
   return r;
 }
 
-// Sets (or unsets, with nullopt) an environment variable for one scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, std::optional<std::string> value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value)
-      ::setenv(name, value->c_str(), 1);
-    else
-      ::unsetenv(name);
-  }
-  ~ScopedEnv() {
-    if (old_)
-      ::setenv(name_, old_->c_str(), 1);
-    else
-      ::unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using tdist::test::ScopedEnv;
 
 // A kernel compiled into `dir`, then a planted entry under its key: valid, intact, but not the
 // compiler's output (its log says so).

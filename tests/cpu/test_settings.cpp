@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "cpu/test_env.hpp"
 #include "tdist/common/checked.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
@@ -19,6 +20,9 @@
 namespace env = tdist::env;
 
 namespace {
+
+using tdist::test::free_port;
+using tdist::test::ScopedEnv;
 
 constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
 
@@ -33,24 +37,6 @@ void expect_error(F&& fn, std::initializer_list<std::string> parts, const std::s
       EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << label << ": '" << p << "' not in: " << e.what();
   }
 }
-
-struct ScopedEnv {
-  const char* name;
-  std::optional<std::string> old;
-  ScopedEnv(const char* n, const char* v) : name(n) {
-    if (const char* o = std::getenv(n)) old = o;
-    if (v)
-      setenv(n, v, 1);
-    else
-      unsetenv(n);
-  }
-  ~ScopedEnv() {
-    if (old)
-      setenv(name, old->c_str(), 1);
-    else
-      unsetenv(name);
-  }
-};
 
 }  // namespace
 

@@ -22,28 +22,20 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/test_env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/runtime/tcp_store.hpp"
 
 namespace {
+
+using tdist::test::free_port;
+using tdist::test::ScopedEnv;
 
 using namespace std::chrono_literals;
 using tdist::Bytes;
 using tdist::TcpStore;
 using tdist::TcpStoreOptions;
 using Clock = std::chrono::steady_clock;
-
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 TcpStoreOptions options(int port, int rank, int world_size, const std::string& secret,
                         std::chrono::milliseconds timeout = 5s) {
@@ -193,23 +185,6 @@ struct RankZero {
 };
 
 // Sets (or unsets) an environment variable for one scope.
-struct ScopedEnv {
-  const char* name;
-  std::optional<std::string> old;
-  ScopedEnv(const char* n, std::optional<std::string> v) : name(n) {
-    if (const char* o = std::getenv(n)) old = o;
-    if (v)
-      setenv(n, v->c_str(), 1);
-    else
-      unsetenv(n);
-  }
-  ~ScopedEnv() {
-    if (old)
-      setenv(name, old->c_str(), 1);
-    else
-      unsetenv(name);
-  }
-};
 
 }  // namespace
 

@@ -16,29 +16,20 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/test_env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/runtime/tcp_store.hpp"
 
 namespace {
+
+using tdist::test::free_port;
+using tdist::test::ScopedEnv;
 
 using namespace std::chrono_literals;
 using tdist::Bytes;
 using tdist::TcpStore;
 using tdist::TcpStoreOptions;
 using Clock = std::chrono::steady_clock;
-
-// A port that was free a moment ago (bound to port 0, then released).
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 TcpStoreOptions options(int port, int rank, int world_size, std::chrono::milliseconds timeout = 2s) {
   TcpStoreOptions o;

@@ -16,47 +16,22 @@ Both ways end with a line "N passed, M failed".
 """
 
 import copy
-import os
 import sys
-import traceback
 
 import tdist  # before torch: tdist's libnccl (>= 2.28) is then the one the process loads
 import tdist.nn
 
 import torch
 import torch.distributed as dist
+
+from gpu_harness import pytest_session, rank, run_tests, world
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-HEAP = "8G"
 DTYPES = (torch.bfloat16, torch.float16)
 METHODS = ("auto", "fused", "chunked", "baseline")
 OP_TOL = 1e-2      # single ops: max |got - want| / max |want|
 MODEL_TOL = 2e-2   # bf16 models (intermediate activations rounded to bf16)
-
-
-def setup():
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    if not tdist.is_initialized():
-        tdist.init(process_group=dist.group.WORLD, heap_size=HEAP)
-
-
-def teardown():
-    if tdist.is_initialized():
-        tdist.finalize()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def rank():
-    return dist.get_rank()
-
-
-def world():
-    return dist.get_world_size()
 
 
 def chunk(m):
@@ -502,34 +477,11 @@ TESTS = [test_ag_gemm_backward, test_gemm_rs_backward, test_gemm_ar_backward, te
 
 
 # pytest: one init for the module
-try:
-    import pytest
-
-    @pytest.fixture(scope="module", autouse=True)
-    def _tdist_session():
-        setup()
-        yield
-        teardown()
-except ImportError:  # plain-script use does not need pytest
-    pass
+_tdist_session = pytest_session()
 
 
 def main():
-    setup()
-    passed = failed = 0
-    for t in TESTS:
-        try:
-            t()
-            passed += 1
-            print(f"[rank {rank()}] PASS {t.__name__}", flush=True)
-        except Exception:
-            failed += 1
-            print(f"[rank {rank()}] FAIL {t.__name__}\n{traceback.format_exc()}", flush=True)
-        torch.cuda.synchronize()
-        dist.barrier()
-    teardown()
-    print(f"{passed} passed, {failed} failed", flush=True)
-    return 1 if failed else 0
+    return run_tests(TESTS)
 
 
 if __name__ == "__main__":

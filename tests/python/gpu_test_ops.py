@@ -13,14 +13,14 @@ filled with NaN before each eager call (graph outputs are filled directly before
 Both ways end with a line "N passed, M failed".
 """
 
-import os
 import sys
-import traceback
 
 import tdist  # before torch: tdist's libnccl (>= 2.28) is then the one the process loads
 
 import torch
 import torch.distributed as dist
+
+from gpu_harness import HEAP, pytest_session, rank, run_tests, world
 from tdist import _torch_ops  # gemm_method: the method a call resolves to
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -31,35 +31,9 @@ AR_METHODS = ("auto", "one_shot", "two_shot", "ll", "ce", "nccl")
 AG_METHODS = ("auto", "sm", "ce_push", "ce_pull", "ll", "nccl")
 RS_METHODS = ("auto", "fused", "ce", "ll", "nccl")
 LL_BYTES = 256 * 1024
-HEAP = "8G"
 GEMM_DTYPES = (torch.bfloat16, torch.float16)
 GEMM_METHODS = ("auto", "fused", "chunked", "sequential", "baseline")
 GEMM_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
-
-
-def setup():
-    """init_process_group (NCCL) + tdist.init over it. Idempotent."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    if not tdist.is_initialized():
-        tdist.init(process_group=dist.group.WORLD, heap_size=HEAP)
-
-
-def teardown():
-    if tdist.is_initialized():
-        tdist.finalize()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def rank():
-    return dist.get_rank()
-
-
-def world():
-    return dist.get_world_size()
 
 
 def rand(count, dtype, seed):
@@ -668,34 +642,11 @@ TESTS = [test_all_reduce_eager, test_all_gather_eager, test_reduce_scatter_eager
 
 
 # pytest: one init for the module
-try:
-    import pytest
-
-    @pytest.fixture(scope="module", autouse=True)
-    def _tdist_session():
-        setup()
-        yield
-        teardown()
-except ImportError:  # plain-script use does not need pytest
-    pass
+_tdist_session = pytest_session()
 
 
 def main():
-    setup()
-    passed = failed = 0
-    for t in TESTS:
-        try:
-            t()
-            passed += 1
-            print(f"[rank {rank()}] PASS {t.__name__}", flush=True)
-        except Exception:
-            failed += 1
-            print(f"[rank {rank()}] FAIL {t.__name__}\n{traceback.format_exc()}", flush=True)
-        torch.cuda.synchronize()
-        dist.barrier()
-    teardown()
-    print(f"{passed} passed, {failed} failed", flush=True)
-    return 1 if failed else 0
+    return run_tests(TESTS)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+// What several CPU tests set up around the code under test: an environment variable set (or unset)
+// for one scope, and a loopback port that was free a moment ago.
+#pragma once
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+namespace tdist::test {
+
+// Sets `name` to `value` (unsets it for nullopt) until the end of the scope, then restores it.
+struct ScopedEnv {
+  const char* name;
+  std::optional<std::string> old;
+  ScopedEnv(const char* n, std::optional<std::string> value) : name(n) {
+    if (const char* o = std::getenv(n)) old = o;
+    if (value)
+      setenv(n, value->c_str(), 1);
+    else
+      unsetenv(n);
+  }
+  ScopedEnv(const char* n, const char* value)
+      : ScopedEnv(n, value ? std::optional<std::string>(value) : std::nullopt) {}
+  ~ScopedEnv() {
+    if (old)
+      setenv(name, old->c_str(), 1);
+    else
+      unsetenv(name);
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+};
+
+// A loopback port that was free a moment ago (bound to port 0, then released).
+inline int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+}  // namespace tdist::test

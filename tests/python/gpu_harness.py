@@ -1,0 +1,75 @@
+"""What the Python GPU tests share (run under torchrun, one process per GPU): the session (NCCL
+process group, then tdist.init over it), the rank and world, and the runner that prints one line per
+test and "N passed, M failed" last. The tests run in the same order on every rank (they are
+collective), with a barrier after each."""
+
+import os
+import traceback
+
+import tdist  # before torch: tdist's libnccl (>= 2.28) is then the one the process loads
+
+import torch
+import torch.distributed as dist
+
+HEAP = "8G"
+
+
+def setup():
+    """init_process_group (NCCL) + tdist.init over it. Idempotent."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    if not tdist.is_initialized():
+        tdist.init(process_group=dist.group.WORLD, heap_size=HEAP)
+
+
+def teardown():
+    if tdist.is_initialized():
+        tdist.finalize()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank():
+    return dist.get_rank()
+
+
+def world():
+    return dist.get_world_size()
+
+
+def run_tests(tests) -> int:
+    """Runs every test on every rank in order; returns the exit status."""
+    setup()
+    passed = failed = 0
+    for t in tests:
+        try:
+            t()
+            passed += 1
+            print(f"[rank {rank()}] PASS {t.__name__}", flush=True)
+        except Exception:
+            failed += 1
+            print(f"[rank {rank()}] FAIL {t.__name__}\n{traceback.format_exc()}", flush=True)
+        torch.cuda.synchronize()
+        dist.barrier()
+    teardown()
+    print(f"{passed} passed, {failed} failed", flush=True)
+    return 1 if failed else 0
+
+
+def pytest_session():
+    """A module-scoped autouse fixture with one session for a test module under pytest (None
+    without pytest): `_tdist_session = gpu_harness.pytest_session()`."""
+    try:
+        import pytest
+    except ImportError:  # plain-script use does not need pytest
+        return None
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _tdist_session():
+        setup()
+        yield
+        teardown()
+
+    return _tdist_session
