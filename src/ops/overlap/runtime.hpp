@@ -16,10 +16,8 @@
 #include <cuda_runtime_api.h>
 
 #include <initializer_list>
-#include <map>
 #include <memory>
-#include <mutex>
-#include <string>
+#include <type_traits>
 #include <utility>
 
 #include "tdist/jit/launch.hpp"
@@ -106,6 +104,8 @@ class OverlapRuntime {
   void hooked_gemm(const GemmArgs& args, const GemmTile& tile, const Params& params, int64_t first_row, int max_ctas,
                    cudaStream_t stream) {
     const GemmRunOptions options{.first_row = first_row, .max_ctas = max_ctas};
+    static_assert(std::is_same_v<Params, kg::AllGatherWaitParams> || std::is_same_v<Params, kg::ChunkPublishParams>,
+                  "the overlap runtime holds GEMMs with the AllGather-wait and chunk-publish hooks");
     if constexpr (std::is_same_v<Params, kg::AllGatherWaitParams>)
       gather_gemm_.run(args, tile, params, options, stream);
     else
