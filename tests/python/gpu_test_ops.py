@@ -492,6 +492,30 @@ def test_gemm_eager():
                         assert chosen == method, f"{what}: resolved to {chosen}"
 
 
+
+def test_catalogue_op_swiglu():
+    """ag_gemm_swiglu, registered from the C++ catalogue's description (no Python of its own):
+    silu(gate) * up of the gathered A times [W_gate; W_up]^T, every method, against float64; the
+    optional gathered output; the fake implementation under torch.compile."""
+    dtype = torch.bfloat16
+    for m, half, k in ((7 * world() + 3, 24, 72), (256 * world(), 264, 136)):
+        x, w = gemm_inputs("ag_gemm", m, 2 * half, k, dtype, 900 + m)
+        h, a = gemm_reference("ag_gemm", x, w, m)
+        want = torch.nn.functional.silu(h[:, :half]) * h[:, half:]
+        for method in ("auto", "fused", "chunked", "baseline"):
+            what = f"ag_gemm_swiglu m={m} n/2={half} k={k} {method}"
+            d = tdist.ag_gemm_swiglu(x, w, m=m, method=method)
+            assert d.shape == (m, half), f"{what}: shape {tuple(d.shape)}"
+            torch.testing.assert_close(d.double(), want, rtol=GEMM_TOL[dtype], atol=GEMM_TOL[dtype],
+                                       msg=lambda msg_: f"{what}: {msg_}")
+        d, g = tdist.overlap("ag_gemm_swiglu", x, w, m=m, optional_outputs=("gathered",))
+        assert torch.equal(g.double(), a), "ag_gemm_swiglu: the gathered A differs from every rank's rows"
+        if m % world() == 0:
+            compiled = torch.compile(lambda x_, w_: tdist.ag_gemm_swiglu(x_, w_), fullgraph=True)
+            torch.testing.assert_close(compiled(x, w).double(), want, rtol=GEMM_TOL[dtype], atol=GEMM_TOL[dtype])
+    x, w = gemm_inputs("ag_gemm", 8 * world(), 24, 72, dtype, 7)  # N = 24: a multiple of 8, not of 16
+    expect_error(lambda: tdist.ag_gemm_swiglu(x, w), "tdist.ag_gemm_swiglu", "multiple of 16")
+
 def test_gemm_contexts_grow():
     """A context is created on the first call for exactly that M and re-created larger when a call
     exceeds it, taking at least twice the old M (the heap has room here); rs / ar contexts serve any
@@ -638,7 +662,7 @@ TESTS = [test_all_reduce_eager, test_all_gather_eager, test_reduce_scatter_eager
          test_other_stream, test_torch_compile_fullgraph, test_cuda_graph_capture, test_empty_and_peer,
          test_jit_launch_on_tensors, test_argument_errors_on_gpu, test_gemm_eager, test_gemm_contexts_grow,
          test_gemm_torch_compile, test_gemm_cuda_graph, test_gemm_capture_without_warmup_is_refused,
-         test_gemm_argument_errors, test_finalize_and_reinit_as_context_manager]
+         test_gemm_argument_errors, test_catalogue_op_swiglu, test_finalize_and_reinit_as_context_manager]
 
 
 # pytest: one init for the module
