@@ -6,37 +6,46 @@
 
 namespace tdist::overlap {
 
-void nccl_all_gather_rows(const void* local, void* gathered, const kernels::gemm::RowChunks& rows, size_t row_elems,
-                          DType dtype, int rank, ncclComm_t comm, cudaStream_t stream) {
-  const ncclDataType_t t = detail::nccl_type(dtype);
-  const int world = rows.num_ranks;
-  const size_t row_bytes = row_elems * dtype_size(dtype);
-  if (rows.m % world == 0) {
-    TDIST_NCCL_CHECK(ncclAllGather(local, gathered, rows.rows(rank) * row_elems, t, comm, stream));
+namespace {
+
+// `even()` when every rank owns as many rows, else `per_root(r)` for every rank r in one NCCL group.
+template <typename Even, typename PerRoot>
+void by_rows(const kernels::gemm::RowChunks& rows, Even even, PerRoot per_root) {
+  if (rows.m % rows.num_ranks == 0) {
+    TDIST_NCCL_CHECK(even());
     return;
   }
   TDIST_NCCL_CHECK(ncclGroupStart());
-  for (int r = 0; r < world; ++r)
-    TDIST_NCCL_CHECK(ncclBroadcast(r == rank ? local : nullptr,
-                                   static_cast<char*>(gathered) + rows.begin(r) * row_bytes, rows.rows(r) * row_elems,
-                                   t, r, comm, stream));
+  for (int r = 0; r < rows.num_ranks; ++r) TDIST_NCCL_CHECK(per_root(r));
   TDIST_NCCL_CHECK(ncclGroupEnd());
+}
+
+}  // namespace
+
+void nccl_all_gather_rows(const void* local, void* gathered, const kernels::gemm::RowChunks& rows, size_t row_elems,
+                          DType dtype, int rank, ncclComm_t comm, cudaStream_t stream) {
+  const ncclDataType_t t = detail::nccl_type(dtype);
+  auto* out = static_cast<char*>(gathered);
+  const size_t row_bytes = row_elems * dtype_size(dtype);
+  by_rows(
+      rows, [&] { return ncclAllGather(local, gathered, rows.rows(rank) * row_elems, t, comm, stream); },
+      [&](int r) {
+        return ncclBroadcast(r == rank ? local : nullptr, out + rows.begin(r) * row_bytes, rows.rows(r) * row_elems, t,
+                             r, comm, stream);
+      });
 }
 
 void nccl_reduce_scatter_rows(const void* partial, void* out, const kernels::gemm::RowChunks& rows, size_t row_elems,
                               DType dtype, int rank, ncclComm_t comm, cudaStream_t stream) {
   const ncclDataType_t t = detail::nccl_type(dtype);
-  const int world = rows.num_ranks;
+  const auto* in = static_cast<const char*>(partial);
   const size_t row_bytes = row_elems * dtype_size(dtype);
-  if (rows.m % world == 0) {
-    TDIST_NCCL_CHECK(ncclReduceScatter(partial, out, rows.rows(rank) * row_elems, t, ncclSum, comm, stream));
-    return;
-  }
-  TDIST_NCCL_CHECK(ncclGroupStart());
-  for (int r = 0; r < world; ++r)
-    TDIST_NCCL_CHECK(ncclReduce(static_cast<const char*>(partial) + rows.begin(r) * row_bytes,
-                                r == rank ? out : nullptr, rows.rows(r) * row_elems, t, ncclSum, r, comm, stream));
-  TDIST_NCCL_CHECK(ncclGroupEnd());
+  by_rows(
+      rows, [&] { return ncclReduceScatter(partial, out, rows.rows(rank) * row_elems, t, ncclSum, comm, stream); },
+      [&](int r) {
+        return ncclReduce(in + rows.begin(r) * row_bytes, r == rank ? out : nullptr, rows.rows(r) * row_elems, t,
+                          ncclSum, r, comm, stream);
+      });
 }
 
 }  // namespace tdist::overlap
