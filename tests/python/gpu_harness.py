@@ -39,6 +39,18 @@ def world():
     return dist.get_world_size()
 
 
+def expect_error(fn, *fragments, cls=None):
+    """`fn()` raises `cls` (default tdist.Error) whose message holds every fragment."""
+    cls = cls or tdist.Error
+    try:
+        fn()
+    except cls as e:
+        for f in fragments:
+            assert f in str(e), f"'{f}' not in '{e}'"
+    else:
+        raise AssertionError(f"no {cls.__name__} raised; expected {fragments}")
+
+
 def run_tests(tests) -> int:
     """Runs every test on every rank in order; returns the exit status."""
     setup()

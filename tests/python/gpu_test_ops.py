@@ -20,7 +20,7 @@ import tdist  # before torch: tdist's libnccl (>= 2.28) is then the one the proc
 import torch
 import torch.distributed as dist
 
-from gpu_harness import HEAP, pytest_session, rank, run_tests, world
+from gpu_harness import HEAP, expect_error, pytest_session, rank, run_tests, world
 from tdist import _torch_ops  # gemm_method: the method a call resolves to
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -320,17 +320,6 @@ def test_jit_launch_on_tensors():
 
 
 # --- errors -----------------------------------------------------------------------------------------
-
-def expect_error(fn, *fragments, cls=None):
-    cls = cls or tdist.Error
-    try:
-        fn()
-    except cls as e:
-        for f in fragments:
-            assert f in str(e), f"'{f}' not in '{e}'"
-    else:
-        raise AssertionError(f"no {cls.__name__} raised; expected {fragments}")
-
 
 def test_argument_errors_on_gpu():
     x = torch.zeros(64, device="cuda", dtype=torch.bfloat16)

@@ -91,7 +91,22 @@ def _unflatten(y, x):
     return y.reshape((y.shape[0] // count,) + inner + (y.shape[-1],))
 
 
-class ColumnParallelLinear(torch.nn.Module):
+class _ParallelLinear(torch.nn.Module):
+    """What both tensor-parallel linear layers share: torch.nn.Linear's initialisation over the full
+    layer's fan-in, and whether a call can take tdist's overlapped ops (else the torch fallback)."""
+
+    def reset_parameters(self) -> None:
+        """Uniform in +-1/sqrt(in_features) (the full layer's fan-in), as torch.nn.Linear."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        torch.nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            torch.nn.init.uniform_(self.bias, -bound, bound)
+
+    def _fused(self, x) -> bool:
+        return self._shapes_fit and x.dtype in _FUSED_DTYPES and x.dtype == self.weight.dtype and x.is_cuda
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """y = x @ W.T + b with W's output features split over the ranks (module docstring: layouts).
 
     Args:
@@ -133,16 +148,6 @@ class ColumnParallelLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty((self.local_out_features,), **kw)) if bias else None
         self._shapes_fit = in_features % 8 == 0 and self.local_out_features % 8 == 0
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Uniform in +-1/sqrt(in_features), the distribution of torch.nn.Linear's initialisation."""
-        bound = 1.0 / math.sqrt(self.in_features)
-        torch.nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            torch.nn.init.uniform_(self.bias, -bound, bound)
-
-    def _fused(self, x) -> bool:
-        return self._shapes_fit and x.dtype in _FUSED_DTYPES and x.dtype == self.weight.dtype and x.is_cuda
 
     def forward(self, x, m: Optional[int] = None):
         """x: (rows, ..., in_features), this rank's rows (sequence_parallel) or all rows. ``m``:
@@ -186,7 +191,7 @@ class ColumnParallelLinear(torch.nn.Module):
                 f"sequence_parallel={self.sequence_parallel}, method={self.method!r}")
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """y = x @ W.T + b with W's input features split over the ranks (module docstring: layouts).
 
     Args:
@@ -221,16 +226,6 @@ class RowParallelLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty((out_features,), **kw)) if bias else None
         self._shapes_fit = self.local_in_features % 8 == 0 and out_features % 8 == 0
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Uniform in +-1/sqrt(in_features) (the full layer's fan-in), as torch.nn.Linear."""
-        bound = 1.0 / math.sqrt(self.in_features)
-        torch.nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            torch.nn.init.uniform_(self.bias, -bound, bound)
-
-    def _fused(self, x) -> bool:
-        return self._shapes_fit and x.dtype in _FUSED_DTYPES and x.dtype == self.weight.dtype and x.is_cuda
 
     def forward(self, x):
         """x: (M, ..., in_features / world_size), every row, this rank's feature slice. Returns this
