@@ -7,8 +7,8 @@
 // from 1 KB to 1 GB drawn from --seed, odd element counts among them, include/tdist/common/
 // random_sweep.hpp; --print-sweep lists them and exits), as `python -m tdist.bench` does. Rows are
 // printed as they are measured, in the manner of nccl-tests: time, algorithm and bus bandwidth of
-// tdist and of NCCL, and #wrong: with --check on (the default)
-// each size is first run once by both on the same random inputs into poisoned outputs, and #wrong
+// tdist and of NCCL, and #wrong: with --check on (the default) each size is first run once by both
+// on the same random inputs into poisoned outputs, and #wrong
 // counts tdist's output elements that differ from NCCL's (exactly for AllGather, within the
 // rounding of a sum of world-size terms for the reductions). The JSON file has the schema of
 // tools/common/bench_report.hpp.
