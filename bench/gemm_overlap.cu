@@ -22,7 +22,11 @@
 //
 //   build-gpu/tools/tdistrun -n 2 -- build-gpu/bench/bench_gemm_overlap [--ops ag_gemm,gemm_rs,gemm_ar]
 //       [--m 1024,4096] [--methods auto,fused,chunked,sequential,baseline] [--dtype bf16|fp16] [--iters 20]
-//       [--heap 8G] [--no-align] [--json FILE] [--quick]
+//       [--heap 8G] [--no-align] [--json FILE] [--quick] [--shapes random:N|MxNxK,.. [--seed S]]
+// --shapes replaces the default shapes and --m with whole layers (M x N x K, N and K split as above):
+// a list, or random:N drawn from --seed (include/tdist/common/random_sweep.hpp: M 128..16384 with
+// non-multiples of 128, N and K multiples of 8 in 1024..28672; the same list as
+// `python -m tdist.bench --shapes random:N`); --print-sweep prints it and exits.
 // (--rows is another name of --m and --heap-size of --heap, the names `python -m tdist.bench` uses;
 // the JSON file has the schema of tools/common/bench_report.hpp, one row per op, M and variant.)
 // Prints (rank 0 only) a table per op: M, method, tdist us, gemm-alone us, baseline us, nccl us,
@@ -37,6 +41,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -50,6 +55,7 @@
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/json.hpp"
+#include "tdist/common/random_sweep.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/detail/cublas.hpp"
 #include "tdist/ops/gemm.hpp"
@@ -164,9 +170,46 @@ struct Options {
   size_t heap = 8ull << 30;
   bool align = true, quick = false;
   std::string json;
+  // --shapes: whole-layer (M, N, K), replacing the default shapes and --m; random:N draws them from
+  // --seed (tdist/common/random_sweep.hpp).
+  std::vector<sweep::GemmShape> layers;
+  std::string shapes_spec;
+  uint64_t seed = 1;
+  bool print_sweep = false;
 };
 
+// "random:N" (drawn from `seed`) or "MxNxK,..."; N and K positive multiples of 8.
+std::vector<sweep::GemmShape> parse_shapes(const std::string& v, uint64_t seed) {
+  if (sweep::is_random(v)) return sweep::random_gemm_shapes(sweep::parse_random_count(v, "--shapes"), seed);
+  std::vector<sweep::GemmShape> out;
+  for (const auto& item : cli::split_list(v, "--shapes")) {
+    const auto bad = [&] {
+      return cli::UsageError("--shapes expects random:N or MxNxK,... with M >= 1 and N, K positive multiples of 8, "
+                             "got '" + item + "'");
+    };
+    const size_t x1 = item.find_first_of("xX"), x2 = x1 == std::string::npos ? x1 : item.find_first_of("xX", x1 + 1);
+    if (x2 == std::string::npos) throw bad();
+    sweep::GemmShape sh{};
+    try {
+      sh.m = cli::parse_int(item.substr(0, x1), "--shapes", 1, int64_t{1} << 40);
+      sh.n = cli::parse_int(item.substr(x1 + 1, x2 - x1 - 1), "--shapes", 8, int64_t{1} << 40);
+      sh.k = cli::parse_int(item.substr(x2 + 1), "--shapes", 8, int64_t{1} << 40);
+    } catch (const cli::UsageError&) {
+      throw bad();
+    }
+    if (sh.n % 8 || sh.k % 8) throw bad();
+    out.push_back(sh);
+  }
+  return out;
+}
+
 std::vector<Shape> shapes_of(Op op, const Options& o) {
+  if (!o.layers.empty()) {
+    std::vector<Shape> v;
+    for (const sweep::GemmShape& l : o.layers)
+      v.push_back({l.m, l.n, l.k, detail::concat("--shapes: N=", l.n, " total, K=", l.k, " total")});
+    return v;
+  }
   std::vector<int64_t> ms = o.ms;
   if (o.quick && !o.ms_given) ms = {1024, 8192};
   std::vector<Shape> v;
@@ -245,19 +288,16 @@ struct Bench {
       max_m = std::max(max_m, s.m);
       max_n = std::max(max_n, op == Op::kAllGather ? per_rank(s.n_total, w) : s.n_total);
     }
-    std::map<int64_t, std::unique_ptr<AllGatherGemm>> ag;  // by K
+    // AllGather-GEMM: one context per K, the largest M of that K; built when a shape needs it and
+    // dropped (its heap block returned) when the next shape has another K, so that many K (--shapes)
+    // need the heap of one.
+    std::map<int64_t, int64_t> ag_max_m;
+    std::unique_ptr<AllGatherGemm> ag;
+    int64_t ag_k = -1;
     std::unique_ptr<GemmReduceScatter> rs;
     std::unique_ptr<GemmAllReduce> ar;
     if (op == Op::kAllGather) {
-      std::map<int64_t, int64_t> ag_max_m;
       for (const Shape& s : shapes) ag_max_m[s.k_total] = std::max(ag_max_m[s.k_total], s.m);
-      for (const auto& [k, m] : ag_max_m) {
-        AllGatherGemmConfig c;
-        c.max_m = m;
-        c.k = k;
-        c.dtype = o.dtype;
-        ag[k] = std::make_unique<AllGatherGemm>(world, heap, c);
-      }
     } else {
       GemmReduceScatterConfig c;
       c.max_m = max_m;
@@ -273,6 +313,15 @@ struct Bench {
       const int64_t m = sh.m;
       const int64_t n = op == Op::kAllGather ? per_rank(sh.n_total, w) : sh.n_total;
       const int64_t k = op == Op::kAllGather ? sh.k_total : per_rank(sh.k_total, w);
+      if (op == Op::kAllGather && ag_k != k) {
+        ag.reset();
+        AllGatherGemmConfig c;
+        c.max_m = ag_max_m.at(k);
+        c.k = k;
+        c.dtype = o.dtype;
+        ag = std::make_unique<AllGatherGemm>(world, heap, c);
+        ag_k = k;
+      }
       const kernels::gemm::RowChunks split{static_cast<uint64_t>(m), w};
       const int64_t my_rows = static_cast<int64_t>(split.rows(me));
       const int64_t padded_rows = (m + w - 1) / w;  // NCCL's equal per-rank counts
@@ -325,14 +374,14 @@ struct Bench {
       };
       auto run = [&](OverlapMethod method, int s, void* out) {
         if (op == Op::kAllGather)
-          ag.at(k)->run(ag_args(s, out), stream, method);
+          ag->run(ag_args(s, out), stream, method);
         else if (op == Op::kReduceScatter)
           rs->run(reduce_args(GemmReduceScatterArgs{}, s, out), stream, method);
         else
           ar->run(reduce_args(GemmAllReduceArgs{}, s, out), stream, method);
       };
       auto resolve = [&](OverlapMethod method) {
-        if (op == Op::kAllGather) return ag.at(k)->method(ag_args(0, d.get()), method);
+        if (op == Op::kAllGather) return ag->method(ag_args(0, d.get()), method);
         if (op == Op::kReduceScatter) return rs->method(reduce_args(GemmReduceScatterArgs{}, 0, d.get()), method);
         return ar->method(reduce_args(GemmAllReduceArgs{}, 0, d.get()), method);
       };
@@ -423,6 +472,7 @@ void write_json(const std::string& path, const std::vector<Row>& rows, int world
                 const std::string& gpu, int argc, char** argv) {
   json::Value doc = bench::document("gemm_overlap", gpu, world, to_string(o.dtype), argc, argv);
   doc["iters"] = o.iters;
+  doc["seed"] = o.seed;
   doc["statistic"] = "median of per-call CUDA-event times, max over ranks (us)";
   std::string last;  // op and M of the previous row: the baselines are written once per shape
   for (const Row& r : rows) {
@@ -475,6 +525,13 @@ int main(int argc, char** argv) {
       }
     }
   });
+  p.option("--shapes", "random:N|MxNxK,..",
+           "whole layers instead of the default shapes and --m: N random ones (M 128..16384, N and K multiples of 8 "
+           "in 1024..28672; see --seed) or a list; ag_gemm splits N over the ranks, gemm_rs / gemm_ar split K",
+           &o.shapes_spec);
+  p.option("--seed", "S", "seed of --shapes random:N: the same S gives the same shapes (default 1)", &o.seed, 0,
+           std::numeric_limits<int64_t>::max());
+  p.flag("--print-sweep", "print the --shapes list as MxNxK, one per line, and exit", &o.print_sweep);
   p.option("--m,--rows", "LIST", "M (all ranks' rows), e.g. 1024,4096 (default 1024,4096,8192,16384)",
            [&](const std::string& v) {
              o.ms.clear();
@@ -501,6 +558,21 @@ int main(int argc, char** argv) {
   p.flag("--no-align", "no one-element NCCL AllReduce before each timed launch", &no_align);
   p.flag("--quick", "M in {1024, 8192} unless --m is given", &o.quick);
   p.parse(argc, argv);
+  if (!o.shapes_spec.empty()) {
+    if (o.ms_given) p.fail("--shapes and --m are exclusive: --shapes gives M too");
+    try {
+      o.layers = parse_shapes(o.shapes_spec, o.seed);
+    } catch (const cli::UsageError& e) {
+      p.fail(e.what());
+    }
+  }
+  if (o.print_sweep) {
+    if (o.layers.empty()) p.fail("--print-sweep lists --shapes: give --shapes");
+    for (const sweep::GemmShape& l : o.layers)
+      std::printf("%lldx%lldx%lld\n", static_cast<long long>(l.m), static_cast<long long>(l.n),
+                  static_cast<long long>(l.k));
+    return 0;
+  }
   o.align = !no_align;
   o.dtype = dtype == "bf16" ? DType::kBFloat16 : DType::kFloat16;
   return cli::run_main("bench_gemm_overlap", [&]() -> int {

@@ -6,6 +6,8 @@ them.
         [--sizes 4K,64K,1M,16M,64M] [--dtype bf16] [--json FILE]
     torchrun --nproc-per-node 2 -m tdist.bench --ops ag_gemm,gemm_rs,gemm_ar [--rows 1024,4096,8192,16384]
         [--methods auto,chunked] [--json FILE]
+    torchrun --nproc-per-node 2 -m tdist.bench --sizes random:40 --seed 7          (random sweeps: sizes
+    torchrun --nproc-per-node 2 -m tdist.bench --ops gemm_rs --shapes random:12    and shapes nobody tuned on)
 
 Collectives: sizes follow nccl-tests (the AllReduce buffer, the AllGather output, the ReduceScatter
 input); bus bandwidth as nccl-tests: AllReduce 2(n-1)/n x size / time, AllGather and ReduceScatter
@@ -20,8 +22,10 @@ fused_matmul_reduce_scatter; none for AllReduce). Outputs are compared with nccl
 |x - ref| / max |ref|, the worst rank).
 
 Flags, defaults and the JSON file are shared with the C++ benchmarks (tdist-bench, bench_gemm_overlap):
---op/--ops, --method/--methods, --sizes MIN:MAX or a list, --iters 20, --json FILE of schema
-"tdist.bench/1" (one row per op, size or shape, and implementation; bench/plot.py draws it).
+--op/--ops, --method/--methods, --sizes MIN:MAX or a list or random:N, --shapes random:N or
+MxNxK,..., --seed 1 (the same random lists as the C++ benches for the same seed), --iters 20, --json
+FILE of schema "tdist.bench/1" (one row per op, size or shape, and implementation; the header records
+the seed; bench/plot.py draws it).
 
 Each cell is the median over --iters launches of one call timed with CUDA events (after --warmup
 calls), the slowest rank's median. Collectives up to --graph-max bytes are timed as CUDA-graph
@@ -54,8 +58,116 @@ def _size(text: str) -> int:
     return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[m.group(2)]
 
 
+# --- random sweeps: a port of include/tdist/common/random_sweep.hpp, the same lists for the same seed
+# (integer arithmetic only; tests/cpu/test_random_sweep.cpp compares the two) ----------------------
+
+_MASK64 = (1 << 64) - 1
+RANDOM_MAX_COUNT = 100000
+
+
+class SplitMix64:
+    """splitmix64, as tdist::sweep::SplitMix64."""
+
+    def __init__(self, seed: int):
+        self.state = seed & _MASK64
+
+    def next(self) -> int:
+        self.state = (self.state + 0x9E3779B97F4A7C15) & _MASK64
+        z = self.state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return z ^ (z >> 31)
+
+    def below(self, n: int) -> int:
+        return self.next() % n
+
+
+def _check_count(count: int) -> None:
+    if not 1 <= count <= RANDOM_MAX_COUNT:
+        raise ValueError(f"random sweep: count expects [1, {RANDOM_MAX_COUNT}], got {count}")
+
+
+def random_sizes(count: int, seed: int, elem_size: int):
+    """`count` collective sizes in bytes in [1 KB, 1 GB], log-uniform by octave, multiples of
+    `elem_size`: a third with an odd element count (not a multiple of 16 bytes), a third multiples of
+    16 bytes, a third any multiple of `elem_size`; sorted. The same list as tdist-bench's
+    --sizes random:N --seed S."""
+    _check_count(count)
+    if elem_size <= 0 or 16 % elem_size:
+        raise ValueError(f"random sweep: elem_size expects 1, 2, 4, 8 or 16, got {elem_size}")
+    r = SplitMix64(seed)
+    out = []
+    for _ in range(count):
+        lo = (1 << 10) << r.below(20)
+        size = lo + r.below(lo)
+        kind = r.below(3)
+        if kind == 0:
+            size = (size // elem_size | 1) * elem_size
+        elif kind == 1:
+            size = size // elem_size * elem_size
+        else:
+            size = size // 16 * 16
+        out.append(size)
+    return sorted(out)
+
+
+def _random_nk(r: SplitMix64) -> int:
+    lo = 1024 << r.below(5)
+    hi = min(2 * lo, 28672 + 8)
+    return lo + 8 * r.below((hi - lo) // 8)
+
+
+def random_gemm_shapes(count: int, seed: int):
+    """`count` (M, N, K) of whole layers: M in [128, 16384) log-uniform by octave (a quarter rounded
+    down to a multiple of 128), N and K multiples of 8 in [1024, 28672]; sorted. The same list as
+    bench_gemm_overlap's --shapes random:N --seed S."""
+    _check_count(count)
+    r = SplitMix64(seed)
+    out = []
+    for _ in range(count):
+        lo = 128 << r.below(7)
+        m = lo + r.below(lo)
+        if r.below(4) == 0:
+            m = m // 128 * 128
+        n = _random_nk(r)
+        k = _random_nk(r)
+        out.append((m, n, k))
+    return sorted(out)
+
+
+class _Random:
+    """A parsed 'random:N', drawn once the seed and the element size are known."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+
+def _random_count(text: str, what: str) -> _Random:
+    body = text[len("random:"):]
+    if not re.fullmatch(r"\d+", body) or not 1 <= int(body) <= RANDOM_MAX_COUNT:
+        raise argparse.ArgumentTypeError(
+            f"{what} expects random:N with N an integer in [1, {RANDOM_MAX_COUNT}], got '{text}'")
+    return _Random(int(body))
+
+
+def _shapes(text: str):
+    """'random:N' or 'MxNxK,...' (whole-layer N and K, as bench_gemm_overlap reads --shapes)."""
+    if text.startswith("random:"):
+        return _random_count(text, "--shapes")
+    out = []
+    for item in text.split(","):
+        m = re.fullmatch(r"(\d+)[xX](\d+)[xX](\d+)", item.strip())
+        if m is None or int(m.group(1)) < 1 or any(int(g) < 8 or int(g) % 8 for g in m.groups()[1:]):
+            raise argparse.ArgumentTypeError(
+                f"--shapes expects random:N or MxNxK,... with M >= 1 and N, K positive multiples of 8, got '{text}'")
+        out.append(tuple(int(g) for g in m.groups()))
+    return out
+
+
 def _sizes(text: str):
-    """'MIN:MAX' (every power of two from MIN) or 'A,B,C', as tdist-bench reads --sizes."""
+    """'MIN:MAX' (every power of two from MIN), 'A,B,C' or 'random:N', as tdist-bench reads --sizes."""
+    if text.startswith("random:"):
+        return _random_count(text, "--sizes")
     if ":" in text:
         lo, hi = (_size(x) for x in text.split(":", 1))
         if lo <= 0 or lo > hi:
@@ -84,9 +196,15 @@ def _parse(argv):
     p.add_argument("--ops", "--op", default="all_reduce,all_gather,reduce_scatter",
                    help="comma-separated ops: " + ", ".join(COLLECTIVES + GEMMS))
     p.add_argument("--sizes", default="4K,64K,256K,1M,4M,16M,64M", type=_sizes,
-                   help="collectives: bytes, MIN:MAX (powers of two) or a comma list, K/M/G suffixes")
-    p.add_argument("--rows", default="1024,4096,8192,16384",
-                   help="overlapped GEMMs: comma-separated M (all ranks' rows; not --m, which torchrun would take)")
+                   help="collectives: bytes, MIN:MAX (powers of two), a comma list (K/M/G suffixes) or random:N "
+                   "(1K..1G, odd element counts among them; see --seed)")
+    p.add_argument("--rows", default=None,
+                   help="overlapped GEMMs: comma-separated M (all ranks' rows; not --m, which torchrun would take); "
+                   "default 1024,4096,8192,16384")
+    p.add_argument("--shapes", default=None, type=_shapes,
+                   help="overlapped GEMMs instead of --rows: random:N (M 128..16384, N and K multiples of 8 in "
+                   "1024..28672) or MxNxK,... (whole-layer N and K)")
+    p.add_argument("--seed", type=int, default=1, help="seed of --sizes random:N and --shapes random:N")
     p.add_argument("--methods", "--method", default="auto",
                    help="overlapped GEMMs: tdist methods to time (auto, fused, chunked, sequential, baseline)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "f16", "fp32", "f32"),
@@ -113,6 +231,16 @@ def _parse(argv):
         p.error(f"--graph-max: {e}")
     if args.ops_per_graph < 1:
         p.error("--ops-per-graph must be at least 1")
+    if not 0 <= args.seed < 1 << 63:
+        p.error(f"--seed expects an integer in [0, {(1 << 63) - 1}], got {args.seed}")
+    if args.shapes is not None and args.rows is not None:
+        p.error("--shapes and --rows are exclusive: --shapes gives M too")
+    if args.rows is None:
+        args.rows = "1024,4096,8192,16384"
+    if isinstance(args.sizes, _Random):
+        args.sizes = random_sizes(args.sizes.count, args.seed, 4 if args.dtype == "fp32" else 2)
+    if isinstance(args.shapes, _Random):
+        args.shapes = random_gemm_shapes(args.shapes.count, args.seed)
     if args.heap_size is None:
         args.heap_size = "8G" if any(op in GEMMS for op in args.ops) else "2G"
     return args
@@ -212,7 +340,9 @@ def main(argv=None) -> int:
                 gemm_rows += _bench_gemm(op, args, dtype, tdist, torch, dist)
                 continue
             for size in args.sizes:
-                count = max(n, size // elem // n * n)  # divisible by the world size
+                # AllReduce: every element (odd counts stay odd, as tdist-bench); AllGather and
+                # ReduceScatter: divisible by the world size.
+                count = max(1, size // elem) if op == "all_reduce" else max(n, size // elem // n * n)
                 bytes_ = count * elem
                 cells = {}
 
@@ -273,13 +403,22 @@ def main(argv=None) -> int:
 
 # --- overlapped GEMMs -------------------------------------------------------------------------------
 
-def _gemm_shapes(op: str, ms, world: int):
+def _gemm_shapes(op: str, ms, world: int, layers=None):
     """(M, N, K of this rank's GEMM, note) as bench/gemm_overlap.cu: ag_gemm splits N over the ranks,
-    gemm_rs / gemm_ar split K (per rank rounded down to a multiple of 8)."""
+    gemm_rs / gemm_ar split K (per rank rounded down to a multiple of 8). `layers`: (M, N, K) of
+    whole layers (--shapes) instead of the default shapes at each M of `ms`."""
     def per_rank(total):
         return max(8, total // world // 8 * 8)
 
     shapes = []
+    if layers is not None:
+        for m, n, k in layers:
+            note = f"--shapes: N={n}, K={k} total"
+            if op == "ag_gemm":
+                shapes.append((m, per_rank(n), k, note))
+            else:
+                shapes.append((m, n, per_rank(k), note))
+        return shapes
     for m in ms:
         if op == "ag_gemm":
             shapes.append((m, per_rank(14336), 8192, "LLaMA-3-70B MLP up: N=14336 total, K=8192"))
@@ -312,7 +451,7 @@ def _bench_gemm(op: str, args, dtype, tdist, torch, dist):
     group = dist.group.WORLD
     symm = _symm_mem(torch, dist, "fused_all_gather_matmul" if op == "ag_gemm" else "fused_matmul_reduce_scatter")
     out = []
-    for m, n, k, note in _gemm_shapes(op, ms, world):
+    for m, n, k, note in _gemm_shapes(op, ms, world, args.shapes):
         gen = torch.Generator(device="cuda").manual_seed(1234 + me)
         rows = m // world + (me < m % world)  # RowChunks
         a_rows = rows if op == "ag_gemm" else m
@@ -429,7 +568,7 @@ def result_document(args, n, rows, gemm_rows, gpu="", command=None):
     doc = {
         "schema": SCHEMA, "bench": "python", "tdist_version": version, "gpu": gpu, "world_size": n,
         "dtype": args.dtype, "command": command if command is not None else " ".join(sys.argv),
-        "iters": args.iters, "warmup": args.warmup,
+        "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
         "statistic": "median of per-call CUDA-event times, max over ranks (us)",
         "graph_max_bytes": args.graph_max, "ops_per_graph": args.ops_per_graph,
         "graph_statistic": "up to graph_max_bytes: median per-replay time / ops_per_graph, max over ranks (us)",

@@ -689,3 +689,76 @@ def test_overlap_without_torch_says_so():
             "    raise SystemExit('ran without torch')\n"
             "print('ok')\n")
     _prints_ok(code)
+
+
+# --- random benchmark sweeps (the port of include/tdist/common/random_sweep.hpp) ---------------------
+
+def test_bench_random_sizes():
+    from tdist import bench
+    for elem in (2, 4):
+        sizes = bench.random_sizes(600, 5, elem)
+        assert len(sizes) == 600 and sizes == sorted(sizes)
+        assert all(1 << 10 <= s <= 1 << 30 and s % elem == 0 for s in sizes)
+        odd = [s for s in sizes if (s // elem) % 2]
+        assert len(odd) > 600 // 4 and all(s % 16 for s in odd)  # odd element counts, never 16-byte multiples
+        assert any(s % 16 == 0 for s in sizes)
+        assert {s.bit_length() - 1 for s in sizes} == set(range(10, 30))  # log-uniform: every octave
+    assert bench.random_sizes(40, 9, 2) == bench.random_sizes(40, 9, 2)
+    assert bench.random_sizes(40, 9, 2) != bench.random_sizes(40, 10, 2)
+
+
+def test_bench_random_gemm_shapes():
+    from tdist import bench
+    shapes = bench.random_gemm_shapes(600, 5)
+    assert len(shapes) == 600 and shapes == sorted(shapes)
+    assert all(128 <= m < 16384 for m, _, _ in shapes)
+    assert sum(m % 128 != 0 for m, _, _ in shapes) > 600 // 2  # M no tile divides
+    assert any(m % 128 == 0 for m, _, _ in shapes)
+    assert all(1024 <= v <= 28672 and v % 8 == 0 for _, n, k in shapes for v in (n, k))
+    assert max(max(n, k) for _, n, k in shapes) > 24576
+    assert bench.random_gemm_shapes(20, 3) == bench.random_gemm_shapes(20, 3)
+
+
+def test_bench_random_flags():
+    from tdist import bench
+    a = bench._parse(["--sizes", "random:30", "--seed", "7"])
+    assert a.seed == 7 and a.sizes == bench.random_sizes(30, 7, 2)
+    assert bench._parse(["--sizes", "random:30", "--seed", "7", "--dtype", "fp32"]).sizes == bench.random_sizes(30, 7, 4)
+    assert bench._parse(["--sizes", "random:3"]).seed == 1
+    g = bench._parse(["--ops", "ag_gemm,gemm_rs", "--shapes", "random:4", "--seed", "2"])
+    assert g.shapes == bench.random_gemm_shapes(4, 2)
+    assert bench._parse(["--ops", "gemm_rs", "--shapes", "100x1024x2048"]).shapes == [(100, 1024, 2048)]
+    # ag_gemm splits N over the ranks, gemm_rs / gemm_ar K, as bench_gemm_overlap does.
+    layers = [(100, 1024, 2048)]
+    assert bench._gemm_shapes("ag_gemm", [], 2, layers)[0][:3] == (100, 512, 2048)
+    assert bench._gemm_shapes("gemm_ar", [], 2, layers)[0][:3] == (100, 1024, 1024)
+    args = bench._parse(["--sizes", "random:2", "--seed", "11"])
+    assert bench.result_document(args, 2, [], [], command="x")["seed"] == 11
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["--sizes", "random:0"], "--sizes"), (["--sizes", "random:x"], "--sizes"), (["--sizes", "random:-3"], "--sizes"),
+    (["--shapes", "random:0"], "--shapes"), (["--shapes", "random:x"], "--shapes"),
+    (["--shapes", "random:-3"], "--shapes"), (["--shapes", "128x1004x1024"], "--shapes"),
+    (["--shapes", "random:2", "--rows", "128"], "--shapes"), (["--seed", "-1"], "--seed")])
+def test_bench_random_bad_specs(argv, option, capsys):
+    from tdist import bench
+    with pytest.raises(SystemExit) as e:
+        bench._parse(argv)
+    assert e.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+def test_bench_random_sizes_match_tdist_bench():
+    bindir = os.path.dirname(sys.executable)
+    for seed, dtype, elem in ((1, "bf16", 2), (42, "f32", 4), ((1 << 63) - 1, "bf16", 2)):
+        out = subprocess.run([os.path.join(bindir, "tdist-bench"), "--sizes", "random:50", "--seed", str(seed),
+                              "--dtype", dtype, "--print-sweep"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        from tdist import bench
+        assert [int(x) for x in out.stdout.split()] == bench.random_sizes(50, seed, elem)
+    for bad in ("random:0", "random:x", "random:-3"):
+        out = subprocess.run([os.path.join(bindir, "tdist-bench"), "--sizes", bad], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2
+        assert "tdist-bench: error: --sizes expects random:N" in out.stderr

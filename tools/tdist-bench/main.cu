@@ -3,10 +3,12 @@
 //
 //   tdistrun -n 2 build/tools/tdist-bench --op all --dtype bf16 --sizes 1K:1G --method auto --json out.json
 //
-// --sizes takes MIN:MAX (every power of two between) or a comma list (4K,64K,1M), as
-// `python -m tdist.bench` does. Rows are printed as they are measured, in the manner of nccl-tests:
-// time, algorithm and bus bandwidth of tdist and of NCCL, and #wrong: with --check on (the default)
-// each size is first run once by both on the same random inputs into poisoned outputs, and #wrong
+// --sizes takes MIN:MAX (every power of two between), a comma list (4K,64K,1M) or random:N (N sizes
+// from 1 KB to 1 GB drawn from --seed, odd element counts among them, include/tdist/common/
+// random_sweep.hpp; --print-sweep lists them and exits), as `python -m tdist.bench` does. Rows are
+// printed as they are measured, in the manner of nccl-tests: time, algorithm and bus bandwidth of
+// tdist and of NCCL, and #wrong: with --check on (the default) each size is first run once by both
+// on the same random inputs into poisoned outputs, and #wrong
 // counts tdist's output elements that differ from NCCL's (exactly for AllGather, within the
 // rounding of a sum of world-size terms for the reductions). The JSON file has the schema of
 // tools/common/bench_report.hpp.
@@ -24,10 +26,12 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,6 +40,7 @@
 #include "tdist/common/cli.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/json.hpp"
+#include "tdist/common/random_sweep.hpp"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/timing.hpp"
@@ -99,12 +104,18 @@ struct Options {
   bool symmetric = true;
   std::vector<bool> pdl = {true};  // programmatic launch settings to time
   std::vector<size_t> sizes;
+  uint64_t seed = 1;  // of --sizes random:N
+  bool print_sweep = false;
 };
 
-// "MIN:MAX" (powers of two from MIN) or "A,B,C".
-std::vector<size_t> parse_sizes(const std::string& v) {
+// "MIN:MAX" (powers of two from MIN), "A,B,C" or "random:N" (tdist/common/random_sweep.hpp:
+// multiples of the element size, odd element counts among them).
+std::vector<size_t> parse_sizes(const std::string& v, size_t elem_size, uint64_t seed) {
   std::vector<size_t> sizes;
-  if (const auto colon = v.find(':'); colon != std::string::npos) {
+  if (sweep::is_random(v)) {
+    for (uint64_t s : sweep::random_sizes(sweep::parse_random_count(v, "--sizes"), seed, elem_size))
+      sizes.push_back(static_cast<size_t>(s));
+  } else if (const auto colon = v.find(':'); colon != std::string::npos) {
     const size_t lo = cli::parse_size(v.substr(0, colon), "--sizes"),
                  hi = cli::parse_size(v.substr(colon + 1), "--sizes");
     if (lo == 0 || lo > hi) throw cli::UsageError("--sizes expects MIN:MAX with 0 < MIN <= MAX, got '" + v + "'");
@@ -139,8 +150,13 @@ Options parse(int argc, char** argv) {
         }
       });
   p.choice("--dtype", "element type (default bf16)", {"bf16", "f16", "fp16", "f32", "fp32"}, &dtype);
-  p.option("--sizes", "MIN:MAX|A,B,..",
-           "bytes: powers of two from MIN to MAX, or a list; K/M/G suffixes (default 1K:1G)", &sizes);
+  p.option("--sizes", "MIN:MAX|A,B,..|random:N",
+           "bytes: powers of two from MIN to MAX, a list (K/M/G suffixes), or N random sizes from 1K to 1G, "
+           "odd element counts among them (default 1K:1G)",
+           &sizes);
+  p.option("--seed", "S", "seed of --sizes random:N: the same S gives the same sizes (default 1)", &o.seed, 0,
+           std::numeric_limits<int64_t>::max());
+  p.flag("--print-sweep", "print the sizes, one per line, and exit", &o.print_sweep);
   p.option("--method,--methods", "NAME", "auto, a method name of the op, or all (default auto)", &o.method);
   p.option("--iters", "N", "timings per figure, the median is kept (default 20)", &o.iters, 3, 1000000);
   p.option("--json", "FILE", "also write the results as JSON (rank 0)", &o.json);
@@ -156,12 +172,12 @@ Options parse(int argc, char** argv) {
            [&](const std::string& v) { o.ll128_bytes = cli::parse_size(v, "--ll128-bytes"); });
   p.choice("--pdl", "programmatic dependent launch of tdist's kernels (default on)", {"on", "off", "both"}, &pdl);
   p.parse(argc, argv);
+  o.dtype = parse_dtype(dtype == "fp16" ? "f16" : dtype == "fp32" ? "f32" : dtype);
   try {
-    o.sizes = parse_sizes(sizes);
+    o.sizes = parse_sizes(sizes, dtype_size(o.dtype), o.seed);
   } catch (const cli::UsageError& e) {
     p.fail(e.what());
   }
-  o.dtype = parse_dtype(dtype == "fp16" ? "f16" : dtype == "fp32" ? "f32" : dtype);
   o.check = check == "on";
   o.symmetric = buffers == "symmetric";
   o.pdl = pdl == "both" ? std::vector<bool>{true, false} : std::vector<bool>{pdl == "on"};
@@ -264,6 +280,7 @@ int run(const Options& opt, int argc, char** argv) {
   doc["iters"] = opt.iters;
   doc["graph_max_bytes"] = opt.graph_max;
   doc["check"] = opt.check;
+  doc["seed"] = opt.seed;
   doc["statistic"] = "median per-op time of --iters timings, the slowest rank's (us)";
 
   if (me == 0) {
@@ -419,5 +436,9 @@ int run(const Options& opt, int argc, char** argv) {
 
 int main(int argc, char** argv) {
   const Options opt = parse(argc, argv);
+  if (opt.print_sweep) {
+    for (size_t s : opt.sizes) std::printf("%zu\n", s);
+    return 0;
+  }
   return cli::run_main("tdist-bench", [&] { return run(opt, argc, argv); });
 }
