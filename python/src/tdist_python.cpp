@@ -32,6 +32,7 @@
 #include "tdist/ops/detail/collective_select.hpp"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/ops/overlap_ops.hpp"
+#include "tdist/runtime/device_fault.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/tcp_store.hpp"
 #include "tdist/runtime/world.hpp"
@@ -43,7 +44,8 @@ using namespace nb::literals;
 namespace {
 
 PyObject* g_error = nullptr;          // tdist.Error
-PyObject* g_timeout_error = nullptr;  // tdist.TimeoutError
+PyObject* g_timeout_error = nullptr;         // tdist.TimeoutError
+PyObject* g_device_timeout_error = nullptr;  // tdist.DeviceTimeoutError
 
 template <typename... Args>
 std::string msg(Args&&... args) {
@@ -747,15 +749,26 @@ NB_MODULE(_C, m) {
   nb::object timeout_bases = nb::make_tuple(nb::handle(g_error), nb::handle(PyExc_TimeoutError));
   g_timeout_error =
       PyErr_NewExceptionWithDoc("tdist.TimeoutError",
-                                "A host-side wait (rendezvous, barrier, NCCL initialisation) ran past its deadline "
-                                "(tdist::TimeoutError). A subclass of tdist.Error and of the built-in TimeoutError.",
+                                "A wait (rendezvous, barrier, NCCL initialisation, a device wait) ran past its "
+                                "deadline (tdist::TimeoutError). A subclass of tdist.Error and of the built-in "
+                                "TimeoutError.",
                                 timeout_bases.ptr(), nullptr);
-  if (!g_error || !g_timeout_error) throw nb::python_error();
+  if (g_timeout_error)
+    g_device_timeout_error = PyErr_NewExceptionWithDoc(
+        "tdist.DeviceTimeoutError",
+        "A device wait timed out (a peer never signalled) and every wait of the process was aborted "
+        "(tdist::DeviceTimeoutError). The CUDA context is still usable: tensors can be copied out. The "
+        "world's flags are out of step: rebuild the world before communicating again.",
+        g_timeout_error, nullptr);
+  if (!g_error || !g_timeout_error || !g_device_timeout_error) throw nb::python_error();
   m.attr("Error") = nb::handle(g_error);
   m.attr("TimeoutError") = nb::handle(g_timeout_error);
+  m.attr("DeviceTimeoutError") = nb::handle(g_device_timeout_error);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
+    } catch (const tdist::DeviceTimeoutError& e) {
+      PyErr_SetString(g_device_timeout_error, e.what());
     } catch (const tdist::TimeoutError& e) {
       PyErr_SetString(g_timeout_error, e.what());
     } catch (const tdist::Error& e) {
@@ -769,6 +782,24 @@ NB_MODULE(_C, m) {
   m.def(
       "_raise_timeout", [](const std::string& what) { throw tdist::TimeoutError(what); },
       "Throws tdist::TimeoutError(what) from C++ (tests the exception translation).");
+
+  m.def("check_device_faults", &tdist::check_device_faults,
+        "Raises tdist.DeviceTimeoutError when a device wait of this process has timed out (and aborted).");
+  m.def(
+      "device_fault_message", [] { return tdist::device_fault_message(); },
+      "The message of this process's aborted device wait, or None.");
+  m.def("clear_device_fault", &tdist::clear_device_fault,
+        "Forgets an aborted device wait so that waits wait again (after the world has been rebuilt).");
+  m.def(
+      "_describe_device_fault",
+      [](int rank, unsigned site, unsigned long long address, unsigned long long expected, unsigned long long seen) {
+        tdist::device::FaultRecord r{};
+        r.state = tdist::device::kFaultRecorded;
+        r.site = site, r.rank = rank, r.cmp = static_cast<unsigned>(tdist::device::Cmp::kGe);
+        r.address = address, r.expected = expected, r.seen = seen, r.timeout_ns = 2000000000ull;
+        return tdist::describe_device_fault(r);
+      },
+      "rank"_a, "site"_a, "address"_a, "expected"_a, "seen"_a, "The message of a made-up record (tests).");
 
   m.def("dlpack_describe", &dlpack_describe, "array"_a,
         "(ptr, numel, dtype, device_type, device_index, contiguous) of an object exporting DLPack.");

@@ -34,6 +34,7 @@ except ImportError as _e:
         "NCCL and set CUDA_HOME or LD_LIBRARY_PATH; `python -m tdist.collect_env` shows what was found."
     ) from _e
 from ._C import Error, TimeoutError  # noqa: A004 (tdist.TimeoutError also subclasses the built-in)
+from ._C import DeviceTimeoutError, check_device_faults
 from ._runtime import (
     Session,
     empty,
@@ -59,6 +60,8 @@ globals().update(_catalogue_functions)
 __all__ = [
     "Error",
     "TimeoutError",
+    "DeviceTimeoutError",
+    "check_device_faults",
     "Session",
     "init",
     "finalize",

@@ -193,6 +193,7 @@ Kernel Module::kernel(const std::string& name) const {
 
 void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args) {
   TDIST_CHECK_ARG(kernel.handle_ != nullptr, "kernel", "empty kernel handle");
+  check_device_faults();  // after an aborted wait, nothing more is launched on out-of-step flags
   const Driver& d = drv();
   CUdevice dev = current_device();
   auto k = static_cast<CUkernel>(kernel.handle_);

@@ -96,6 +96,19 @@ def test_cpp_errors_become_python_exceptions_with_the_same_message():
         _C._raise_timeout("x")
 
 
+def test_device_faults_without_a_gpu():
+    # An aborted device wait surfaces as tdist.DeviceTimeoutError, a tdist.TimeoutError; without a
+    # record (no GPU here) checking raises nothing.
+    assert issubclass(tdist.DeviceTimeoutError, tdist.TimeoutError)
+    assert issubclass(tdist.DeviceTimeoutError, builtins.TimeoutError)
+    tdist.check_device_faults()
+    assert _C.device_fault_message() is None
+    site_gemm_chunk = 4
+    message = _C._describe_device_fault(rank=3, site=site_gemm_chunk, address=0xABC0, expected=7, seen=6)
+    for part in ("on rank 3", "chunk of rows", "0xabc0", ">= 7", "saw 6", "rebuild the world"):
+        assert part in message, (part, message)
+
+
 def test_library_errors_keep_their_message():
     with pytest.raises(tdist.Error, match="TDIST_SYMMETRIC_HEAP_SIZE|heap_size"):
         _C.parse_size("12Q")

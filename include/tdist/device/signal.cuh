@@ -26,7 +26,8 @@ struct Token {
 };
 
 // Spins (calling thread only) until `cmp(*flag, value)` holds, reading with acquire at scope S.
-// Returns the value seen. Times out with a diagnostic (timeout.cuh).
+// Returns the value seen. Times out with a diagnostic (timeout.cuh); after an abort it returns
+// the last value seen, which need not satisfy `cmp`.
 template <Scope S = Scope::kSystem, typename T>
 TDIST_DEVICE T signal_wait_until(const T* flag, Cmp cmp, T value) {
   T seen = ld_acquire<S>(flag);
@@ -37,7 +38,7 @@ TDIST_DEVICE T signal_wait_until(const T* flag, Cmp cmp, T value) {
     seen = ld_relaxed<S>(flag);
     if (compare(seen, cmp, value)) return ld_acquire<S>(flag);
   } while (!deadline.expired());
-  wait_timed_out("signal_wait_until", flag, cmp, static_cast<u64>(value), static_cast<u64>(seen));
+  wait_timed_out("signal_wait_until", WaitSite::kSignalWaitUntil, flag, cmp, static_cast<u64>(value), static_cast<u64>(seen));
   return seen;
 }
 

@@ -59,7 +59,7 @@ TDIST_DEVICE u32 ll_read(const u64* line, u32 flag) {
       v = ld_relaxed<Scope::kSystem>(line);
       if (static_cast<u32>(v >> 32) == flag) return static_cast<u32>(v);
     } while (!deadline.expired());
-    wait_timed_out("ll_read", line, Cmp::kEq, flag, static_cast<u64>(v >> 32));
+    wait_timed_out("ll_read", WaitSite::kLlRead, line, Cmp::kEq, flag, static_cast<u64>(v >> 32));
   }
   return static_cast<u32>(v);
 }

@@ -91,8 +91,10 @@ TDIST_DEVICE void ll128_read(const u64* part, bool valid, bool flag_lane, u64 fl
   if (!__any_sync(0xFFFFFFFFu, waiting)) return;
   SpinDeadline deadline;
   do {
-    if (__any_sync(0xFFFFFFFFu, deadline.expired()) && waiting)
-      wait_timed_out("ll128_read", part + 1, Cmp::kEq, flag, b);
+    if (__any_sync(0xFFFFFFFFu, deadline.expired())) {
+      if (waiting) wait_timed_out("ll128_read", WaitSite::kLl128Read, part + 1, Cmp::kEq, flag, b);
+      return;  // aborted: the whole warp leaves with what it read
+    }
     if (valid) ld_line_part(part, a, b);
     waiting = valid && flag_lane && b != flag;
   } while (__any_sync(0xFFFFFFFFu, waiting));

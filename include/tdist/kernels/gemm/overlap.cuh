@@ -15,8 +15,10 @@
 namespace tdist::kernels::gemm {
 
 // Waits until *flag >= 1 (acquire, system scope) inside the GEMM kernel. No function call: a call
-// anywhere in the kernel makes ptxas serialise wgmma, so the timeout traps without the device API's
-// printed diagnostic (compile with TDIST_GEMM_DEBUG=1 to get one); the host sees the launch fail.
+// anywhere in the kernel makes ptxas serialise wgmma, so a timeout records the fault without the
+// device API's printed diagnostic (the host raises it from the record; compile with
+// TDIST_GEMM_DEBUG=1 for a printed line too). Under the trap action it traps and the host sees the
+// launch fail; after an abort it returns, and the tile computes on stale rows.
 TDIST_DEVICE void gemm_wait_flag(const u64* flag, int chunk) {
   using namespace tdist::device;
   if (ld_acquire<Scope::kSystem>(flag) >= 1) return;
@@ -28,7 +30,9 @@ TDIST_DEVICE void gemm_wait_flag(const u64* flag, int chunk) {
 #else
       (void)chunk;
 #endif
-      __trap();
+      if (waits_trap()) __trap();
+      record_fault(WaitSite::kGemmChunk, flag, Cmp::kGe, 1, ld_relaxed<Scope::kSystem>(flag));
+      return;
     }
   }
   (void)ld_acquire<Scope::kSystem>(flag);

@@ -1,0 +1,46 @@
+// The host side of an aborted device wait (device/timeout.cuh): the process's fault record in
+// host-mapped memory, and the error the host raises from it.
+//
+// Under the abort action (the default), the first device wait of the process to time out fills
+// the record and every other wait gives up, so kernels return and the CUDA context stays usable.
+// Nothing synchronises to look: every JIT launch checks the record first (a plain read of pinned
+// memory) and throws tdist::DeviceTimeoutError, and check_device_faults() does the same on demand
+// (after a stream synchronise, it sees every fault of the work synchronised).
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "tdist/common/error.hpp"
+#include "tdist/device/timeout.cuh"
+
+namespace tdist {
+
+// A device wait timed out (a peer never signalled). The world's flags are out of step after it:
+// save what is needed, then rebuild the world (or end the process).
+class DeviceTimeoutError : public TimeoutError {
+ public:
+  explicit DeviceTimeoutError(const std::string& what) : TimeoutError(what) {}
+};
+
+// The process's record, allocated on first use (cudaHostAlloc, mapped and portable: one record
+// serves every device of the process). Its address is the same on the host and the devices.
+device::FaultRecord* device_fault_record();
+
+// The action that TDIST_WAIT_TIMEOUT_ACTION asks for ("abort", the default, or "trap").
+device::TimeoutAction wait_timeout_action_from_env();
+
+// The message of a recorded fault, or nothing while no wait has given up.
+std::optional<std::string> device_fault_message();
+
+// The message for a given record (a complete one); separate for tests.
+std::string describe_device_fault(const device::FaultRecord& record);
+
+// Throws DeviceTimeoutError when a device wait of this process has given up.
+void check_device_faults();
+
+// Forgets a recorded fault, so waits wait again. Only for a process that has rebuilt its world
+// (or a test): the flags of the old world are still out of step.
+void clear_device_fault();
+
+}  // namespace tdist

@@ -1,0 +1,84 @@
+#include "tdist/runtime/device_fault.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/env.hpp"
+
+namespace tdist {
+namespace {
+
+const char* site_name(device::u32 site) {
+  switch (static_cast<device::WaitSite>(site)) {
+    case device::WaitSite::kSignalWaitUntil: return "signal_wait_until";
+    case device::WaitSite::kLlRead: return "a low-latency (LL) collective's read";
+    case device::WaitSite::kLl128Read: return "an LL128 collective's read";
+    case device::WaitSite::kGemmChunk: return "an overlapped GEMM's wait for a chunk of rows";
+    case device::WaitSite::kUser: return "a user kernel's wait";
+  }
+  return "a device wait";
+}
+
+std::atomic<device::FaultRecord*> g_record{nullptr};
+
+}  // namespace
+
+device::FaultRecord* device_fault_record() {
+  if (device::FaultRecord* r = g_record.load(std::memory_order_acquire)) return r;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if (device::FaultRecord* r = g_record.load(std::memory_order_relaxed)) return r;
+  void* host = nullptr;
+  TDIST_CUDA_CHECK(cudaHostAlloc(&host, sizeof(device::FaultRecord), cudaHostAllocMapped | cudaHostAllocPortable));
+  void* dev = nullptr;
+  TDIST_CUDA_CHECK(cudaHostGetDevicePointer(&dev, host, 0));
+  TDIST_CHECK(dev == host, "the device address of the fault record differs from its host address (no unified addressing)");
+  auto* r = static_cast<device::FaultRecord*>(host);
+  *r = device::FaultRecord{};
+  g_record.store(r, std::memory_order_release);
+  return r;  // kept for the life of the process: kernels may hold its address
+}
+
+device::TimeoutAction wait_timeout_action_from_env() {
+  return env::choice("TDIST_WAIT_TIMEOUT_ACTION", "abort", {"abort", "trap"}) == "trap" ? device::TimeoutAction::kTrap
+                                                                                        : device::TimeoutAction::kAbort;
+}
+
+std::string describe_device_fault(const device::FaultRecord& f) {
+  char address[32];
+  std::snprintf(address, sizeof(address), "0x%llx", f.address);
+  return detail::concat("a device wait timed out after ", static_cast<double>(f.timeout_ns) * 1e-9, " s on rank ",
+                        f.rank, ": ", site_name(f.site), " in block (", f.block[0], ",", f.block[1], ",", f.block[2],
+                        "), thread (", f.thread[0], ",", f.thread[1], ",", f.thread[2], ") waited at address ", address,
+                        " for a value ", device::cmp_name(static_cast<device::Cmp>(f.cmp)), " ", f.expected,
+                        " and saw ", f.seen,
+                        ". A peer never signalled (it died, hung, or called a different operation). Every wait of "
+                        "this process has been aborted and its kernels returned; the CUDA context is still usable "
+                        "(tensors can be copied out), but the world's flags are out of step: rebuild the world "
+                        "before communicating again. TDIST_WAIT_TIMEOUT_S sets the timeout.");
+}
+
+std::optional<std::string> device_fault_message() {
+  const device::FaultRecord* r = g_record.load(std::memory_order_acquire);
+  if (r == nullptr) return std::nullopt;
+  if (reinterpret_cast<const volatile device::u32&>(r->state) != device::kFaultRecorded) return std::nullopt;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return describe_device_fault(*r);
+}
+
+void check_device_faults() {
+  if (auto message = device_fault_message()) throw DeviceTimeoutError(*message);
+}
+
+void clear_device_fault() {
+  if (device::FaultRecord* r = g_record.load(std::memory_order_acquire)) {
+    *r = device::FaultRecord{};
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
+}
+
+}  // namespace tdist

@@ -1,0 +1,138 @@
+// Faults injected into a running job: the last rank skips an operation the others call. The others'
+// device waits must time out (2 s here), abort and return; each of them must then see
+// DeviceTimeoutError naming its rank, keep a usable CUDA context (its data copies out), and have
+// tdist refuse further launches until the fault is cleared. The skipping rank sees no fault.
+// Every case builds its own op objects: after an abort the flags of the old ones are out of step.
+#include <cuda_bf16.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "harness.cuh"
+#include "tdist/ops/collectives.hpp"
+#include "tdist/ops/gemm_overlap.hpp"
+#include "tdist/runtime/device_fault.hpp"
+
+using namespace tdist;
+
+namespace {
+
+constexpr double kTimeoutSeconds = 2.0;
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// On a rank that took part: the stream's work ends without a CUDA error within a few timeouts, the
+// fault names this rank, the data still copies out, and the next launch of `again` throws at once.
+void expect_aborted(World& world, cudaStream_t stream, std::chrono::steady_clock::time_point start,
+                    const void* data, size_t bytes, const std::function<void()>& again) {
+  const cudaError_t result = cudaStreamSynchronize(stream);
+  const double seconds = seconds_since(start);
+  TDIST_CHECK(result == cudaSuccess, "the aborted op's kernels ended with ", cudaGetErrorName(result),
+              " (the context should survive)");
+  TDIST_CHECK(seconds >= 0.9 * kTimeoutSeconds && seconds < 15 * kTimeoutSeconds, "the op returned after ", seconds,
+              " s, expected about one ", kTimeoutSeconds, " s timeout");
+  std::string message;
+  try {
+    check_device_faults();
+  } catch (const DeviceTimeoutError& e) {
+    message = e.what();
+  }
+  TDIST_CHECK(!message.empty(), "no DeviceTimeoutError after the peer skipped the op");
+  const std::string rank_text = "on rank " + std::to_string(world.rank());
+  TDIST_CHECK(message.find(rank_text) != std::string::npos, "the error does not name '", rank_text, "': ", message);
+  std::vector<char> host(bytes);
+  TDIST_CUDA_CHECK(cudaMemcpy(host.data(), data, bytes, cudaMemcpyDeviceToHost));  // a checkpoint still saves
+  bool refused = false;
+  try {
+    again();
+  } catch (const DeviceTimeoutError&) {
+    refused = true;
+  }
+  TDIST_CHECK(refused, "a launch after the fault was not refused");
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+// Runs `call` on every rank but the last, checks the outcome on each, clears the fault, and meets.
+void skip_on_last_rank(World& world, cudaStream_t stream, const std::string& tag, const void* data, size_t bytes,
+                       const std::function<void()>& call) {
+  const bool skips = world.rank() == world.world_size() - 1;
+  std::string failure;
+  try {
+    if (!skips) {
+      const auto start = std::chrono::steady_clock::now();
+      call();
+      expect_aborted(world, stream, start, data, bytes, call);
+    } else {
+      TDIST_CHECK(!device_fault_message(), "the rank that skipped the op has a fault: ", *device_fault_message());
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  clear_device_fault();
+  world.barrier(tag);
+  if (!failure.empty()) TDIST_FAIL(failure);
+}
+
+}  // namespace
+
+int main() {
+  setenv("TDIST_WAIT_TIMEOUT_S", "2", 1);  // read when the op's kernels load
+  unsetenv("TDIST_WAIT_TIMEOUT_ACTION");   // the default: abort
+  World world;
+  test::Suite suite(world);
+  if (world.world_size() < 2) {
+    std::printf("test_device_faults needs at least 2 ranks (tdistrun -n 2)\n");
+    return 2;
+  }
+  SymmetricHeap heap(world, size_t{1} << 30);
+  cudaStream_t stream;
+  TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int n = world.world_size();
+
+  // Collectives: every kernel method, each with objects of its own.
+  std::vector<std::unique_ptr<Collectives>> retired;  // kept: peers may still write into their buffers
+  const size_t count = 1 << 16;
+  for (AllReduceMethod method : {AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot, AllReduceMethod::kLowLatency,
+                                 AllReduceMethod::kLowLatency128}) {
+    const std::string name = std::string("all_reduce ") + to_string(method) + " with rank " + std::to_string(n - 1) +
+                             " absent: the others abort, raise and keep their context";
+    suite.run(name, [&] {
+      auto coll = std::make_unique<Collectives>(world, heap, count * sizeof(float));
+      auto* in = heap.allocate_array<float>(count);
+      auto* out = heap.allocate_array<float>(count);
+      test::fill_pattern(in, count * sizeof(float), test::fresh_seed(world.rank()), stream);
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+      world.barrier("faults: collectives ready");
+      skip_on_last_rank(world, stream, name, in, count * sizeof(float),
+                        [&] { coll->all_reduce(in, out, count, DType::kFloat32, stream, method); });
+      retired.push_back(std::move(coll));
+    });
+  }
+
+  // The fused AllGather-GEMM (its waits sit inside the GEMM kernel).
+  std::vector<std::unique_ptr<AllGatherGemm>> retired_gemms;
+  suite.run("fused AllGather-GEMM with rank " + std::to_string(n - 1) + " absent: the others abort and raise", [&] {
+    const int64_t m = 256 * n, k = 512, nn = 384;
+    auto op = std::make_unique<AllGatherGemm>(world, heap, AllGatherGemmConfig{m, k, DType::kBFloat16});
+    __nv_bfloat16 *a = nullptr, *b = nullptr, *d = nullptr;
+    TDIST_CUDA_CHECK(cudaMalloc(&a, m / n * k * sizeof(*a)));
+    TDIST_CUDA_CHECK(cudaMalloc(&b, nn * k * sizeof(*b)));
+    TDIST_CUDA_CHECK(cudaMalloc(&d, m * nn * sizeof(*d)));
+    test::fill_pattern(a, m / n * k * sizeof(*a), 1, stream);
+    test::fill_pattern(b, nn * k * sizeof(*b), 2, stream);
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    world.barrier("faults: ag_gemm ready");
+    const AllGatherGemmArgs args{a, b, d, nullptr, m, nn};
+    skip_on_last_rank(world, stream, "faults: ag_gemm", a, m / n * k * sizeof(*a),
+                      [&] { op->run(args, stream, OverlapMethod::kFused); });
+    retired_gemms.push_back(std::move(op));
+  });
+
+  world.barrier("faults: done");
+  return suite.finish();
+}
