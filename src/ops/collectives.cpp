@@ -11,6 +11,7 @@
 #include "src/ops/nccl_dtype.hpp"
 #include "tdist/common/checked.hpp"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/nvtx.hpp"
 #include "tdist/device/barrier_pad.cuh"
@@ -199,7 +200,13 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   TDIST_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(EpochState)));
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());
   kernels_ = std::make_unique<Kernels>();
-  world.barrier("tdist collectives ready");
+  // Settings that pick the kernels must agree, or ranks run different protocols and time out.
+  world.check_same_on_all_ranks(
+      "the method settings (TDIST_ALLREDUCE_METHOD, TDIST_ALLGATHER_METHOD, TDIST_REDUCESCATTER_METHOD, "
+      "TDIST_OVERLAP_METHOD, TDIST_OVERLAP_PIECES, TDIST_CHECK_CALLS)",
+      detail::concat(env::text(kAllReduceMethodEnv), "|", env::text(kAllGatherMethodEnv), "|",
+                     env::text(kReduceScatterMethodEnv), "|", env::text("TDIST_OVERLAP_METHOD"), "|",
+                     env::text("TDIST_OVERLAP_PIECES"), "|", world.check_calls()));
 }
 
 Collectives::~Collectives() {
@@ -319,6 +326,9 @@ ReduceScatterMethod Collectives::reduce_scatter_method(const void* in, void* out
 void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                              AllReduceMethod method) {
   const AllReduceMethod m = all_reduce_method(in, out, count, dtype, method);
+  if (world_.check_calls())
+    world_.check_same_call(detail::concat("all_reduce(count=", count, ", ", to_string(dtype), ", method ", to_string(m),
+                                          in == out ? ", in place)" : ")"));
   TDIST_NVTX_RANGE("tdist::Collectives::all_reduce", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const size_t bytes = count * dtype_size(dtype);
   const CollectiveShape s = shape(bytes, dtype, in, bytes, out, bytes, 16);
@@ -372,6 +382,9 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
 void Collectives::all_gather(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                              AllGatherMethod method) {
   const AllGatherMethod m = all_gather_method(in, out, count, dtype, method);
+  if (world_.check_calls())
+    world_.check_same_call(detail::concat("all_gather(count=", count, " per rank, ", to_string(dtype), ", method ",
+                                          to_string(m), ")"));
   TDIST_NVTX_RANGE("tdist::Collectives::all_gather", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const int n = world_.world_size(), me = world_.rank();
   const size_t b = count * dtype_size(dtype), total = b * n;
@@ -461,6 +474,9 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
 void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                                  ReduceScatterMethod method) {
   const ReduceScatterMethod m = reduce_scatter_method(in, out, count, dtype, method);
+  if (world_.check_calls())
+    world_.check_same_call(detail::concat("reduce_scatter(count=", count, " per rank, ", to_string(dtype),
+                                          ", method ", to_string(m), ")"));
   TDIST_NVTX_RANGE("tdist::Collectives::reduce_scatter", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const int n = world_.world_size(), me = world_.rank();
   const size_t b = count * dtype_size(dtype), total = b * n;

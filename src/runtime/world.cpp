@@ -46,7 +46,7 @@ int select_device(int requested, int local_rank) {
 
 }  // namespace
 
-World::World(const WorldOptions& options) : timeout_(options.timeout) {
+World::World(const WorldOptions& options) : timeout_(options.timeout), check_calls_(env::flag("TDIST_CHECK_CALLS")) {
   const LaunchEnv env = options.env ? *options.env : launch_env_from_process();
   rank_ = env.rank;
   world_size_ = env.world_size;
@@ -204,7 +204,7 @@ ncclUniqueId World::new_unique_id() {
 }
 
 World::World(const ncclUniqueId& id, int rank, int world_size, int device, std::chrono::milliseconds timeout)
-    : timeout_(timeout) {
+    : timeout_(timeout), check_calls_(env::flag("TDIST_CHECK_CALLS")) {
   TDIST_CHECK_ARG(world_size >= 1 && rank >= 0 && rank < world_size, "rank", "expected 0 <= rank < world_size (",
                   world_size, "), got ", rank);
   TDIST_CHECK_ARG(device >= 0, "device", "expected a CUDA device index, got ", device);
@@ -228,7 +228,8 @@ World::World(const ncclUniqueId& id, int rank, int world_size, int device, std::
   local_world_size_ = lsa_size_;
 }
 
-World::World(ncclComm_t existing, std::chrono::milliseconds timeout) : timeout_(timeout), comm_(existing) {
+World::World(ncclComm_t existing, std::chrono::milliseconds timeout)
+    : timeout_(timeout), comm_(existing), check_calls_(env::flag("TDIST_CHECK_CALLS")) {
   TDIST_CHECK_ARG(existing != nullptr, "existing", "expected an initialised ncclComm_t, got nullptr");
   TDIST_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
   TDIST_NCCL_CHECK(ncclCommCount(comm_, &world_size_));
@@ -316,6 +317,11 @@ void World::check_same_on_all_ranks(const std::string& what, const std::string& 
   for (size_t r = 0; r < values.size(); ++r)
     os << " rank " << r << "=" << std::string(values[r].begin(), values[r].end()) << (r + 1 < values.size() ? "," : "");
   TDIST_FAIL(os.str());
+}
+
+void World::check_same_call(const std::string& call) {
+  // One tag for every op, so that ranks calling different ops meet here and see each other's call.
+  if (check_calls_) check_same_on_all_ranks("the op called (TDIST_CHECK_CALLS)", call);
 }
 
 // Two NCCL all-gathers (lengths, then padded payloads) on a private stream, polled with a deadline.

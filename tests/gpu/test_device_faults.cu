@@ -22,6 +22,25 @@ namespace {
 
 constexpr double kTimeoutSeconds = 2.0;
 
+}  // namespace
+
+namespace tdist::test {
+// Sets an environment variable for one scope.
+struct ScopedEnvValue {
+  std::string name, old;
+  bool had;
+  ScopedEnvValue(const char* n, const char* value) : name(n) {
+    const char* o = std::getenv(n);
+    had = o != nullptr;
+    if (had) old = o;
+    setenv(n, value, 1);
+  }
+  ~ScopedEnvValue() { had ? setenv(name.c_str(), old.c_str(), 1) : unsetenv(name.c_str()); }
+};
+}  // namespace tdist::test
+
+namespace {
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -131,6 +150,78 @@ int main() {
     skip_on_last_rank(world, stream, "faults: ag_gemm", a, m / n * k * sizeof(*a),
                       [&] { op->run(args, stream, OverlapMethod::kFused); });
     retired_gemms.push_back(std::move(op));
+  });
+
+  // Call checking: mismatched calls raise tdist::Error on every rank, naming each rank's call,
+  // before anything is launched.
+  const int last = n - 1;
+  auto expect_mismatch = [&](const std::function<void()>& call, const std::vector<std::string>& parts) {
+    std::string error;
+    try {
+      call();
+    } catch (const DeviceTimeoutError& e) {
+      TDIST_FAIL("a device timeout instead of the call check's error: ", e.what());
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    TDIST_CHECK(!error.empty(), "mismatched calls ran without an error");
+    for (const std::string& part : parts)
+      TDIST_CHECK(error.find(part) != std::string::npos, "the error lacks '", part, "': ", error);
+  };
+  {
+    auto coll = std::make_unique<Collectives>(world, heap, count * sizeof(float));
+    auto* in = heap.allocate_array<float>(count);
+    auto* out = heap.allocate_array<float>(count);
+    world.set_check_calls(true);
+    suite.run("call checking: all_reduce with a different count on rank " + std::to_string(last) +
+                  " raises on every rank, naming both counts",
+              [&] {
+                const size_t mine = world.rank() == last ? 1008 : 1000;
+                expect_mismatch([&] { coll->all_reduce(in, out, mine, DType::kFloat32, stream); },
+                                {"rank 0=all_reduce(count=1000", "rank " + std::to_string(last) + "=all_reduce(count=1008",
+                                 "TDIST_CHECK_CALLS"});
+                TDIST_CHECK(!device_fault_message(), "a device fault after the call check refused the call");
+              });
+    suite.run("call checking: all_reduce on some ranks, all_gather on rank " + std::to_string(last) +
+                  " raises on every rank",
+              [&] {
+                expect_mismatch(
+                    [&] {
+                      if (world.rank() == last)
+                        coll->all_gather(in, out, count / n, DType::kFloat32, stream);
+                      else
+                        coll->all_reduce(in, out, count, DType::kFloat32, stream);
+                    },
+                    {"=all_reduce(", "=all_gather("});
+              });
+    suite.run("call checking: matching calls run and are correct", [&] {
+      std::vector<float> host(count);
+      for (size_t i = 0; i < count; ++i) host[i] = static_cast<float>((i % 97) + world.rank());
+      TDIST_CUDA_CHECK(cudaMemcpy(in, host.data(), count * sizeof(float), cudaMemcpyHostToDevice));
+      coll->all_reduce(in, out, count, DType::kFloat32, stream);
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+      TDIST_CUDA_CHECK(cudaMemcpy(host.data(), out, count * sizeof(float), cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < count; ++i) {
+        const float want = static_cast<float>(n * (i % 97) + n * (n - 1) / 2);
+        TDIST_CHECK(host[i] == want, "all_reduce under call checking: element ", i, " is ", host[i], ", expected ", want);
+      }
+    });
+    world.set_check_calls(false);
+    test::sync_all(world, "faults: call checks done");
+  }
+
+  suite.run("a method setting that differs on rank " + std::to_string(last) + " fails every rank at construction", [&] {
+    test::ScopedEnvValue env(kAllReduceMethodEnv, world.rank() == last ? "ll" : "one_shot");
+    std::string error;
+    try {
+      Collectives coll(world, heap, 4096);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    TDIST_CHECK(error.find("TDIST_ALLREDUCE_METHOD") != std::string::npos && error.find("one_shot") != std::string::npos &&
+                    error.find("ll|") != std::string::npos,
+                "expected an error naming the differing settings, got: '", error, "'");
+    world.barrier("faults: settings checked");
   });
 
   world.barrier("faults: done");

@@ -95,6 +95,7 @@ struct AllGatherGemm::Impl {
 
   void run(const AllGatherGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
     const OverlapMethod method = this->method(a, requested);
+    rt.check_call(OverlapComm::kGatherA, a.m, a.n, config.k, method);
     TDIST_NVTX_RANGE("tdist::AllGatherGemm::run", "m=", a.m, " n=", a.n, " k=", config.k, " ", to_string(config.dtype),
                      " ", to_string(method));
     if (a.m == 0 || a.n == 0) return;

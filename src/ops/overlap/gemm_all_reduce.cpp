@@ -67,6 +67,7 @@ struct GemmAllReduce::Impl {
 
   void run(const GemmAllReduceArgs& a, cudaStream_t stream, OverlapMethod requested) {
     const OverlapMethod method = this->method(a, requested);
+    core.rt.check_call(OverlapComm::kAllReduceD, a.m, a.n, a.k, method);
     TDIST_NVTX_RANGE("tdist::GemmAllReduce::run", "m=", a.m, " n=", a.n, " k=", a.k, " ", to_string(core.config.dtype),
                      " ", to_string(method));
     if (a.m == 0 || a.n == 0) return;

@@ -43,6 +43,7 @@ struct GemmReduceScatter::Impl {
 
   void run(const GemmReduceScatterArgs& a, cudaStream_t stream, OverlapMethod requested) {
     const OverlapMethod method = this->method(a, requested);
+    core.rt.check_call(OverlapComm::kScatterD, a.m, a.n, a.k, method);
     TDIST_NVTX_RANGE("tdist::GemmReduceScatter::run", "m=", a.m, " n=", a.n, " k=", a.k, " ",
                      to_string(core.config.dtype), " ", to_string(method));
     if (a.m == 0 || a.n == 0) return;

@@ -159,6 +159,12 @@ void log_auto_choice(OverlapComm comm, int64_t m, int64_t n, int64_t k, DType dt
 
 }  // namespace
 
+void OverlapRuntime::check_call(OverlapComm comm, int64_t m, int64_t n, int64_t k, OverlapMethod method) const {
+  if (world_.check_calls())
+    world_.check_same_call(detail::concat("overlap ", to_string(comm), "(m=", m, ", n=", n, ", k=", k, ", ",
+                                          to_string(dtype_), ", method ", to_string(method), ")"));
+}
+
 OverlapMethod OverlapRuntime::resolve(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k,
                                       bool sequential_ok) const {
   OverlapMethod method = requested;

@@ -119,6 +119,9 @@ class OverlapRuntime {
   OverlapMethod resolve(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k,
                         bool sequential_ok) const;
 
+  // Under call checking (World::check_same_call), compares this call with the other ranks'.
+  void check_call(OverlapComm comm, int64_t m, int64_t n, int64_t k, OverlapMethod method) const;
+
  private:
   World& world_;
   SymmetricHeap& heap_;
