@@ -191,6 +191,9 @@ def init(process_group=None, *, device=None, heap_size=None, max_bytes=None, tim
         rt = _C.Runtime.from_unique_id(uid, rank, world, dev, heap_bytes, max_b, timeout_s)
     else:
         rt = _C.Runtime.from_env(-1 if device is None else dev, heap_bytes, max_b, timeout_s)
+    # A fault of an earlier world (tdist.DeviceTimeoutError) concerned that world's flags; this one
+    # starts in step.
+    _C.clear_device_fault()
     _state.inits += 1
     _state.runtime = rt
     _state.process_group = group
