@@ -203,10 +203,11 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   // Settings that pick the kernels must agree, or ranks run different protocols and time out.
   world.check_same_on_all_ranks(
       "the method settings (TDIST_ALLREDUCE_METHOD, TDIST_ALLGATHER_METHOD, TDIST_REDUCESCATTER_METHOD, "
-      "TDIST_OVERLAP_METHOD, TDIST_OVERLAP_PIECES, TDIST_CHECK_CALLS)",
+      "TDIST_OVERLAP_METHOD, TDIST_OVERLAP_PIECES, TDIST_OVERLAP_TUNE, TDIST_CHECK_CALLS)",
       detail::concat(env::text(kAllReduceMethodEnv), "|", env::text(kAllGatherMethodEnv), "|",
                      env::text(kReduceScatterMethodEnv), "|", env::text("TDIST_OVERLAP_METHOD"), "|",
-                     env::text("TDIST_OVERLAP_PIECES"), "|", world.check_calls()));
+                     env::text("TDIST_OVERLAP_PIECES"), "|", env::text("TDIST_OVERLAP_TUNE"), "|",
+                     world.check_calls()));
 }
 
 Collectives::~Collectives() {

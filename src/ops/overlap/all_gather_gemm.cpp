@@ -87,15 +87,25 @@ struct AllGatherGemm::Impl {
   kg::RowChunks split(int64_t m) const { return {static_cast<u64>(m), rt.size()}; }
   size_t row_bytes() const { return static_cast<size_t>(config.k) * dtype_size(config.dtype); }
 
+  bool sequential_ok(const AllGatherGemmArgs& a) const {
+    return a.m % rt.size() == 0 && static_cast<size_t>(a.m) * row_bytes() <= rt.sequential_max_bytes();
+  }
+
   OverlapMethod method(const AllGatherGemmArgs& a, OverlapMethod requested) const {
     check_all_gather_gemm_args(a, config, rt.size(), rt.rank());
-    const bool seq_ok = a.m % rt.size() == 0 && static_cast<size_t>(a.m) * row_bytes() <= rt.sequential_max_bytes();
-    return rt.resolve(requested, OverlapComm::kGatherA, a.m, a.n, config.k, seq_ok);
+    return rt.resolve(requested, OverlapComm::kGatherA, a.m, a.n, config.k, sequential_ok(a));
   }
 
   void run(const AllGatherGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
-    const OverlapMethod method = this->method(a, requested);
+    check_all_gather_gemm_args(a, config, rt.size(), rt.rank());
+    const OverlapMethod method =
+        rt.choose(requested, OverlapComm::kGatherA, a.m, a.n, config.k, sequential_ok(a), stream,
+                  [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
     rt.check_call(OverlapComm::kGatherA, a.m, a.n, config.k, method);
+    execute(a, stream, method);
+  }
+
+  void execute(const AllGatherGemmArgs& a, cudaStream_t stream, OverlapMethod method) {
     TDIST_NVTX_RANGE("tdist::AllGatherGemm::run", "m=", a.m, " n=", a.n, " k=", config.k, " ", to_string(config.dtype),
                      " ", to_string(method));
     if (a.m == 0 || a.n == 0) return;

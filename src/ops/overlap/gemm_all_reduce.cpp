@@ -58,16 +58,25 @@ struct GemmAllReduce::Impl {
         ar_flags(block[layout.ar_flags]) {}
   ~Impl() { cudaDeviceSynchronize(); }
 
+  bool sequential_ok(const GemmAllReduceArgs& a) const {
+    return static_cast<size_t>(a.m) * a.n * core.elem() <= core.rt.sequential_max_bytes();
+  }
+
   OverlapMethod method(const GemmAllReduceArgs& a, OverlapMethod requested) const {
     check_gemm_all_reduce_args(a, core.config);
-    const OverlapRuntime& rt = core.rt;
-    const bool seq_ok = static_cast<size_t>(a.m) * a.n * core.elem() <= rt.sequential_max_bytes();
-    return rt.resolve(requested, OverlapComm::kAllReduceD, a.m, a.n, a.k, seq_ok);
+    return core.rt.resolve(requested, OverlapComm::kAllReduceD, a.m, a.n, a.k, sequential_ok(a));
   }
 
   void run(const GemmAllReduceArgs& a, cudaStream_t stream, OverlapMethod requested) {
-    const OverlapMethod method = this->method(a, requested);
+    check_gemm_all_reduce_args(a, core.config);
+    const OverlapMethod method =
+        core.rt.choose(requested, OverlapComm::kAllReduceD, a.m, a.n, a.k, sequential_ok(a), stream,
+                       [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
     core.rt.check_call(OverlapComm::kAllReduceD, a.m, a.n, a.k, method);
+    execute(a, stream, method);
+  }
+
+  void execute(const GemmAllReduceArgs& a, cudaStream_t stream, OverlapMethod method) {
     TDIST_NVTX_RANGE("tdist::GemmAllReduce::run", "m=", a.m, " n=", a.n, " k=", a.k, " ", to_string(core.config.dtype),
                      " ", to_string(method));
     if (a.m == 0 || a.n == 0) return;

@@ -33,17 +33,26 @@ struct GemmReduceScatter::Impl {
   ReduceScatterCore core;
   Impl(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c) : core(world, heap, c) {}
 
+  bool sequential_ok(const GemmReduceScatterArgs& a) const {
+    const OverlapRuntime& rt = core.rt;
+    return a.m % rt.size() == 0 && static_cast<size_t>(a.m) * a.n * core.elem() <= rt.sequential_max_bytes();
+  }
+
   OverlapMethod method(const GemmReduceScatterArgs& a, OverlapMethod requested) const {
     check_gemm_reduce_scatter_args(a, core.config);
-    const OverlapRuntime& rt = core.rt;
-    const bool seq_ok =
-        a.m % rt.size() == 0 && static_cast<size_t>(a.m) * a.n * core.elem() <= rt.sequential_max_bytes();
-    return rt.resolve(requested, OverlapComm::kScatterD, a.m, a.n, a.k, seq_ok);
+    return core.rt.resolve(requested, OverlapComm::kScatterD, a.m, a.n, a.k, sequential_ok(a));
   }
 
   void run(const GemmReduceScatterArgs& a, cudaStream_t stream, OverlapMethod requested) {
-    const OverlapMethod method = this->method(a, requested);
+    check_gemm_reduce_scatter_args(a, core.config);
+    const OverlapMethod method =
+        core.rt.choose(requested, OverlapComm::kScatterD, a.m, a.n, a.k, sequential_ok(a), stream,
+                       [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
     core.rt.check_call(OverlapComm::kScatterD, a.m, a.n, a.k, method);
+    execute(a, stream, method);
+  }
+
+  void execute(const GemmReduceScatterArgs& a, cudaStream_t stream, OverlapMethod method) {
     TDIST_NVTX_RANGE("tdist::GemmReduceScatter::run", "m=", a.m, " n=", a.n, " k=", a.k, " ",
                      to_string(core.config.dtype), " ", to_string(method));
     if (a.m == 0 || a.n == 0) return;

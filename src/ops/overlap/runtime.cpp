@@ -115,7 +115,8 @@ OverlapRuntime::OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, s
       fused_ok_(compute_capability(world.device()) == kGemmComputeCapability),
       kernels_(dtype),
       gather_gemm_(num_sms_),
-      publish_gemm_(num_sms_) {
+      publish_gemm_(num_sms_),
+      tune_(env::flag("TDIST_OVERLAP_TUNE", true)) {
   TDIST_CHECK(world.world_size() <= kg::kMaxOverlapRanks, "the overlap ops support up to ", kg::kMaxOverlapRanks,
               " ranks, the world has ", world.world_size());
   TDIST_CHECK(world.lsa_size() == world.world_size(),
@@ -159,6 +160,74 @@ void log_auto_choice(OverlapComm comm, int64_t m, int64_t n, int64_t k, DType dt
 
 }  // namespace
 
+// M's bucket: the first of 1, 2, 3, 4, 6, 8, 12, 16, ... (2^i and 3 * 2^(i-1)) at or above m, so
+// the calls that reuse a winner have an M within 1.5x of the one it was timed at.
+static int64_t m_bucket(int64_t m) {
+  int64_t b = 1;
+  while (b < m) {
+    const bool power_of_two = (b & (b - 1)) == 0;
+    if (b == 1)
+      b = 2;
+    else if (power_of_two)
+      b = b / 2 * 3;  // 2^i -> 3 * 2^(i-1)
+    else
+      b = b / 3 * 4;  // 3 * 2^(i-1) -> 2^(i+1)
+  }
+  return b;
+}
+
+std::string OverlapRuntime::shape_class(OverlapComm comm, int64_t m, int64_t n, int64_t k) const {
+  return detail::concat(to_string(comm), ",m<=", m_bucket(m), ",n=", n, ",k=", k, ",", to_string(dtype_),
+                        ",ranks=", size());
+}
+
+bool OverlapRuntime::tuned_winner(const std::string& shape, OverlapMethod& method) const {
+  std::lock_guard<std::mutex> lock(tuned_mu_);
+  auto it = tuned_.find(shape);
+  if (it == tuned_.end()) return false;
+  method = it->second;
+  return true;
+}
+
+OverlapMethod OverlapRuntime::choose(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k,
+                                     bool sequential_ok, cudaStream_t stream, const MethodRunner& run) {
+  const OverlapMethod resolved = resolve(requested, comm, m, n, k, sequential_ok);
+  if (requested != OverlapMethod::kAuto || !tune_ || m == 0 || n == 0 || env::get("TDIST_OVERLAP_METHOD"))
+    return resolved;
+  const std::string shape = shape_class(comm, m, n, k);
+  OverlapMethod winner;
+  if (tuned_winner(shape, winner)) return winner;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return resolved;
+
+  jit::TuneRequest req;
+  req.kernel = detail::concat("tdist.overlap_method.v1");
+  req.shape_class = shape;
+  std::vector<OverlapMethod> candidates;
+  if (fused_ok_) candidates.push_back(OverlapMethod::kFused);
+  candidates.push_back(OverlapMethod::kChunked);
+  if (sequential_ok) candidates.push_back(OverlapMethod::kSequential);
+  candidates.push_back(OverlapMethod::kBaseline);
+  for (OverlapMethod c : candidates) req.configs.push_back({to_string(c), {{"method", static_cast<int64_t>(c)}}});
+  req.launch = [&](const jit::TuneConfig& c, int, cudaStream_t s) {
+    run(static_cast<OverlapMethod>(c.params.at("method")), s);
+  };
+  req.stream = stream;
+  req.warmup = 2;
+  req.repeat = 7;
+  if (!tuner_)
+    tuner_ = std::make_unique<jit::Autotuner>(
+        "", jit::Autotuner::Timer{},
+        [this](const std::vector<double>& v) { return world_.max_across_ranks("tdist overlap method tuning", v); });
+  winner = static_cast<OverlapMethod>(tuner_->tune(req).params.at("method"));
+  TDIST_INFO(TUNE, "overlap ", shape, ": method ", to_string(winner), " (auto, timed on this machine; the model said ",
+             to_string(resolved), ")");
+  std::lock_guard<std::mutex> lock(tuned_mu_);
+  tuned_[shape] = winner;
+  return winner;
+}
+
 void OverlapRuntime::check_call(OverlapComm comm, int64_t m, int64_t n, int64_t k, OverlapMethod method) const {
   if (world_.check_calls())
     world_.check_same_call(detail::concat("overlap ", to_string(comm), "(m=", m, ", n=", n, ", k=", k, ", ",
@@ -172,6 +241,7 @@ OverlapMethod OverlapRuntime::resolve(OverlapMethod requested, OverlapComm comm,
     if (auto v = env::get("TDIST_OVERLAP_METHOD")) method = parse_overlap_method(*v, "TDIST_OVERLAP_METHOD");
     if (method != OverlapMethod::kAuto) log_auto_choice(comm, m, n, k, dtype_, size(), method, "TDIST_OVERLAP_METHOD");
   }
+  if (method == OverlapMethod::kAuto && tune_ && tuned_winner(shape_class(comm, m, n, k), method)) return method;
   if (method == OverlapMethod::kAuto) {
     method = choose_overlap_method({comm, m, n, k, size(), dtype_});
     const char* source = "the performance model";

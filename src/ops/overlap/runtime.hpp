@@ -15,11 +15,16 @@
 
 #include <cuda_runtime_api.h>
 
+#include <functional>
 #include <initializer_list>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <type_traits>
 #include <utility>
 
+#include "tdist/jit/autotune.hpp"
 #include "tdist/jit/launch.hpp"
 #include "tdist/kernels/gemm/overlap_params.cuh"
 #include "tdist/ops/collectives.hpp"
@@ -119,10 +124,25 @@ class OverlapRuntime {
   OverlapMethod resolve(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k,
                         bool sequential_ok) const;
 
+  // The method a call runs: resolve()'s, except where `auto` would take the model's choice and
+  // tuning is on (TDIST_OVERLAP_TUNE, default 1): then the fastest of the methods possible here,
+  // timed by running the call itself (`run(method, stream)`, a few times each) at the first call
+  // of its shape class (M's bucket, N, K, dtype, world size) outside a graph capture. Every rank
+  // times the same candidates in the same order and takes the same winner (the slowest rank's
+  // time counts); winners persist in the autotuner's cache, so later processes only read them. A
+  // capture uses a known winner, else the model's choice. Collective, like the call.
+  using MethodRunner = std::function<void(OverlapMethod method, cudaStream_t stream)>;
+  OverlapMethod choose(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k, bool sequential_ok,
+                       cudaStream_t stream, const MethodRunner& run);
+
   // Under call checking (World::check_same_call), compares this call with the other ranks'.
   void check_call(OverlapComm comm, int64_t m, int64_t n, int64_t k, OverlapMethod method) const;
 
  private:
+  std::string shape_class(OverlapComm comm, int64_t m, int64_t n, int64_t k) const;
+  // A winner timed earlier for this call's shape class, if any.
+  bool tuned_winner(const std::string& shape, OverlapMethod& method) const;
+
   World& world_;
   SymmetricHeap& heap_;
   DType dtype_;
@@ -134,6 +154,10 @@ class OverlapRuntime {
   OverlapKernels kernels_;
   detail::HookedGemm<kg::AllGatherWaitParams> gather_gemm_;
   detail::HookedGemm<kg::ChunkPublishParams> publish_gemm_;
+  bool tune_ = true;
+  std::unique_ptr<jit::Autotuner> tuner_;  // created at the first tuning
+  mutable std::mutex tuned_mu_;
+  std::map<std::string, OverlapMethod> tuned_;  // shape class -> winner
 };
 
 }  // namespace tdist::overlap
