@@ -69,10 +69,10 @@ struct GemmAllReduce::Impl {
 
   void run(const GemmAllReduceArgs& a, cudaStream_t stream, OverlapMethod requested) {
     check_gemm_all_reduce_args(a, core.config);
+    core.rt.check_call(OverlapComm::kAllReduceD, a.m, a.n, a.k, requested);  // before any launch
     const OverlapMethod method =
         core.rt.choose(requested, OverlapComm::kAllReduceD, a.m, a.n, a.k, sequential_ok(a), stream,
                        [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
-    core.rt.check_call(OverlapComm::kAllReduceD, a.m, a.n, a.k, method);
     execute(a, stream, method);
   }
 
