@@ -1,0 +1,134 @@
+// tdist::EpBuffer: expert-parallel all-to-all for MoE layers (dispatch tokens to the ranks that hold
+// their top-k experts, combine the experts' outputs back into one weighted sum per token), over the
+// ranks of one NVLink domain. docs/ep.md has the protocol, the layouts and how inter-node would work.
+//
+//   tdist::EpConfig cfg{.max_tokens = 128, .hidden = 7168, .num_experts = 256, .topk = 8};
+//   tdist::EpBuffer ep(world, heap, cfg);                 // collective; owns its symmetric buffers
+//   tdist::EpLlHandle h = ep.ll_dispatch({.x = x, .topk_idx = idx, .num_tokens = t, .fp8 = true}, stream);
+//   // expert GEMMs on h.recv_x [L][W * M][H] (e4m3) with h.recv_scales, h.recv_count[L] rows each
+//   ep.ll_combine({.y = y, .topk_idx = idx, .topk_weights = w, .out = out}, h, stream);
+//
+// Low-latency mode: every call is stream-ordered, does no host synchronisation and can be captured
+// in a CUDA graph and replayed with fresh routing (the call counts that order the flags live in
+// device memory). Every rank makes the same sequence of calls. At most two dispatches (and two
+// combines) may be in flight between a send and its receive (the receive hook); a dispatch's outputs
+// stay valid until the dispatch two calls later.
+//
+// Errors: host checks (sizes, dtypes, alignment, counts) throw tdist::Error naming the argument
+// before anything is launched. Expert ids outside [-1, num_experts) and repeats of an expert within
+// one token are skipped by dispatch and combine alike and recorded on the device; check_errors()
+// (synchronising) reports the first one.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "tdist/common/device_buffer.hpp"
+#include "tdist/common/dtype.hpp"
+#include "tdist/jit/launch.hpp"
+#include "tdist/runtime/symmetric_heap.hpp"
+#include "tdist/runtime/symmetric_layout.hpp"
+#include "tdist/runtime/world.hpp"
+
+namespace tdist {
+
+struct EpConfig {
+  int64_t max_tokens = 128;  // tokens per rank and call, at most
+  int64_t hidden = 7168;     // channels per token (a multiple of 8; of 128 for FP8 dispatch)
+  int num_experts = 256;     // a multiple of the world size
+  int topk = 8;              // 1 .. 32
+  int num_sms = 0;           // blocks of the send kernels; 0: every SM
+};
+
+// Throws naming the field when `config` cannot serve `world_size` ranks.
+void check_ep_config(const EpConfig& config, int world_size);
+
+// The symmetric bytes per rank that an EpBuffer of `config` takes on `world_size` ranks.
+size_t ep_heap_bytes(const EpConfig& config, int world_size);
+
+struct EpLlDispatchArgs {
+  const void* x = nullptr;               // [num_tokens][hidden], 16-byte aligned
+  const int64_t* topk_idx = nullptr;     // [num_tokens][topk]; -1 masks a slot
+  int64_t num_tokens = 0;                // 0 .. max_tokens
+  int64_t hidden = -1;                   // -1: the config's; else must equal it
+  int topk = -1;                         // -1: the config's; else must equal it
+  DType x_dtype = DType::kBFloat16;      // only bf16
+  bool fp8 = false;                      // send e4m3 with one fp32 scale per 128 channels
+  bool ue8m0 = false;                    // FP8 scales rounded up to powers of two
+  bool return_hook = false;              // launch only the sends; the handle's hook receives
+};
+
+// What a dispatch returns and its combine takes. The pointers are the buffer's own memory for the
+// handle's slot, valid until the dispatch two calls later.
+struct EpLlHandle {
+  int slot = 0;
+  int64_t num_tokens = 0;
+  bool fp8 = false;
+  void* recv_x = nullptr;        // [L][W * max_tokens][hidden] bf16, or e4m3 bytes when fp8
+  float* recv_scales = nullptr;  // [L][W * max_tokens][hidden / 128] when fp8
+  int* recv_count = nullptr;     // [L] rows received per local expert (rows of an expert: 0 .. count)
+  int* recv_route = nullptr;     // [L][W * max_tokens] (src_rank * max_tokens + token) * topk + slot
+  // Set when the dispatch was called with return_hook: launches the receive on `stream`; after it
+  // (in stream order) the outputs above hold this dispatch's rows.
+  std::function<void(cudaStream_t)> hook;
+};
+
+struct EpLlCombineArgs {
+  const void* y = nullptr;             // [L][W * max_tokens][hidden] bf16 expert outputs, rows as recv_x
+  const int64_t* topk_idx = nullptr;   // the dispatch's [num_tokens][topk]
+  const float* topk_weights = nullptr;  // [num_tokens][topk]
+  void* out = nullptr;                 // [num_tokens][hidden] bf16: sum over valid j of w[t][j] * y(t, j)
+  DType y_dtype = DType::kBFloat16;    // only bf16
+  bool return_hook = false;            // launch only the sends; the returned hook sums into out
+};
+
+// Fields of the device error word: code (0: none, 1: expert id out of range, 2: repeated expert in a
+// token), token, top-k slot, the offending id.
+struct EpDeviceError {
+  int code = 0, token = 0, slot = 0, value = 0;
+};
+
+class EpBuffer {
+ public:
+  static constexpr int kSlots = 2;
+
+  // Collective over `world`; every rank in one NVLink (LSA) domain.
+  EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config);
+  ~EpBuffer();
+  EpBuffer(const EpBuffer&) = delete;
+  EpBuffer& operator=(const EpBuffer&) = delete;
+
+  const EpConfig& config() const { return config_; }
+  int num_local_experts() const { return config_.num_experts / world_size_; }
+  int64_t recv_rows_per_expert() const { return config_.max_tokens * world_size_; }
+
+  EpLlHandle ll_dispatch(const EpLlDispatchArgs& args, cudaStream_t stream);
+  // Returns the receive hook when args.return_hook, else an empty function.
+  std::function<void(cudaStream_t)> ll_combine(const EpLlCombineArgs& args, const EpLlHandle& handle,
+                                               cudaStream_t stream);
+
+  // Host-side argument checks of the calls above (what they run first); throw naming the argument.
+  void check_dispatch(const EpLlDispatchArgs& args) const;
+  void check_combine(const EpLlCombineArgs& args, const EpLlHandle& handle) const;
+
+  // Synchronises `stream`, reads the device error word and clears it.
+  EpDeviceError device_error(cudaStream_t stream);
+  // Throws tdist::Error naming topk_idx when the device error word is set (and clears it).
+  void check_errors(cudaStream_t stream);
+
+ private:
+  struct Kernels;
+  struct Impl;
+  World& world_;
+  SymmetricHeap& heap_;
+  EpConfig config_;
+  int world_size_ = 0;
+  int sms_ = 0;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tdist
