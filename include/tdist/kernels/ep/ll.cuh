@@ -37,8 +37,7 @@
 // hang on it) and reported through the error word (EpError), which the host reads.
 #pragma once
 
-#include "tdist/device/common.cuh"
-#include "tdist/device/symmetric.cuh"
+#include "tdist/kernels/ep/common.cuh"
 
 namespace tdist::kernels::ep {
 
@@ -47,21 +46,6 @@ using tdist::device::u64;
 
 constexpr int kLlThreads = 512;
 constexpr int kLlWarps = kLlThreads / 32;
-constexpr int kMaxTopk = 32;        // one lane per top-k slot
-constexpr int kFp8GroupSize = 128;  // channels per FP8 scale
-constexpr float kFp8Max = 448.0f;   // largest finite e4m3
-
-// Device error word (first error wins): code, token, slot, value.
-enum EpErrorCode : int { kEpOk = 0, kEpExpertOutOfRange = 1, kEpDuplicateExpert = 2 };
-
-struct EpState {
-  u64 dispatch_epoch;  // dispatch calls completed on this rank
-  u64 combine_epoch;   // combine calls completed
-  u32 dispatch_done;   // blocks of the running dispatch send that have finished
-  u32 combine_done;    // blocks of the running combine receive that have finished
-  u32 combine_send_done;
-  u32 pad;
-};
 
 struct EpLlParams {
   tdist::device::SymmetricHeapView heap;
@@ -103,39 +87,12 @@ TDIST_HOST_DEVICE int scale_groups(int hidden) { return (hidden + kFp8GroupSize 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
-#include "tdist/kernels/ep/transport.cuh"
 
 namespace tdist::kernels::ep {
 
-TDIST_DEVICE void report_error(int* error, int code, int token, int slot, long long value) {
-  if (atomicCAS(error, 0, code) == 0) {
-    error[1] = token;
-    error[2] = slot;
-    error[3] = static_cast<int>(value);
-  }
-}
-
-// Lane j < K: the expert of slot j if it is to be sent (valid and not repeated in the token), else -1.
-// Every lane of the warp calls it; dispatch and combine apply the same rule.
+// Lane j < K: the expert of slot j if it is to be sent, else -1 (warp-wide; ep/common.cuh's rule).
 TDIST_DEVICE int slot_expert(const EpLlParams& p, int t, int lane, bool report) {
-  long long g = -1;
-  if (lane < p.topk) g = p.topk_idx[static_cast<long long>(t) * p.topk + lane];
-  const bool in_range = g >= -1 && g < p.num_experts;
-  if (!in_range) {
-    if (report) report_error(p.error, kEpExpertOutOfRange, t, lane, g);
-    g = -1;
-  }
-  int e = static_cast<int>(g);
-  bool repeated = false;
-  for (int k = 0; k < p.topk; ++k) {
-    const int other = __shfl_sync(0xffffffffu, e, k);
-    if (k < lane && e >= 0 && other == e) repeated = true;
-  }
-  if (repeated) {
-    if (report) report_error(p.error, kEpDuplicateExpert, t, lane, g);
-    e = -1;
-  }
-  return e;
+  return warp_slot_expert(p.topk_idx, p.topk, p.num_experts, t, lane, report ? p.error : nullptr);
 }
 
 TDIST_DEVICE float warp_max16(float v) {
@@ -149,21 +106,6 @@ TDIST_DEVICE float fp8_scale(float amax, bool ue8m0) {
   float s = amax > 0.f ? amax / kFp8Max : 1.f;
   if (ue8m0) s = exp2f(ceilf(log2f(s)));
   return s;
-}
-
-// The last block of a grid to call it (every thread of every block calls it) gets true, after
-// every other block's earlier writes (to this GPU or, through the system fence, to peers).
-TDIST_DEVICE bool last_block(u32* done) {
-  __shared__ int is_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    fence<Scope::kSystem>();
-    const u32 before = atomic_add<Scope::kGpu>(done, 1u);
-    is_last = before == gridDim.x - 1;
-    if (is_last) fence<Scope::kSystem>();
-  }
-  __syncthreads();
-  return is_last != 0;
 }
 
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams p) {
