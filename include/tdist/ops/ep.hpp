@@ -8,6 +8,13 @@
 //   // expert GEMMs on h.recv_x [L][W * M][H] (e4m3) with h.recv_scales, h.recv_count[L] rows each
 //   ep.ll_combine({.y = y, .topk_idx = idx, .topk_weights = w, .out = out}, h, stream);
 //
+// High-throughput mode (EpConfig::mode = kHighThroughput, thousands of tokens): a layout step on the
+// GPU counts tokens per rank and expert and exchanges the counts, the dispatch sends each token once
+// per destination rank, the receiver lays the rows out both compact and expert-major (padded per
+// expert); the combine reduces locally with the weights, then sends one row per token and rank:
+//   tdist::EpHtHandle h = ep.ht_dispatch({.x = x, .topk_idx = idx, .topk_weights = w, .num_tokens = t}, s);
+//   ep.ht_combine({.y = expert_out, .topk_idx = idx, .out = out}, h, s);
+//
 // Low-latency mode: every call is stream-ordered, does no host synchronisation and can be captured
 // in a CUDA graph and replayed with fresh routing (the call counts that order the flags live in
 // device memory). Every rank makes the same sequence of calls. At most two dispatches (and two
@@ -26,6 +33,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/common/dtype.hpp"
@@ -36,12 +44,17 @@
 
 namespace tdist {
 
+// Which buffers an EpBuffer holds (each mode's are sized for its own batches; see docs/ep.md).
+enum class EpMode { kLowLatency, kHighThroughput };
+
 struct EpConfig {
   int64_t max_tokens = 128;  // tokens per rank and call, at most
   int64_t hidden = 7168;     // channels per token (a multiple of 8; of 128 for FP8 dispatch)
   int num_experts = 256;     // a multiple of the world size
   int topk = 8;              // 1 .. 32
-  int num_sms = 0;           // blocks of the send kernels; 0: every SM
+  int num_sms = 0;           // blocks of the send kernels; 0: every SM (low latency), 24 (high throughput)
+  EpMode mode = EpMode::kLowLatency;
+  int expert_alignment = 128;  // high throughput: rows of each expert in the expert-major output padded to it
 };
 
 // Throws naming the field when `config` cannot serve `world_size` ranks.
@@ -92,6 +105,56 @@ struct EpDeviceError {
   int code = 0, token = 0, slot = 0, value = 0;
 };
 
+struct EpHtDispatchArgs {
+  const void* x = nullptr;                // [num_tokens][hidden] bf16, 16-byte aligned
+  const int64_t* topk_idx = nullptr;      // [num_tokens][topk]; -1 masks a slot
+  const float* topk_weights = nullptr;    // [num_tokens][topk]
+  int64_t num_tokens = 0;                 // 0 .. max_tokens
+  int64_t hidden = -1;                    // -1: the config's; else must equal it
+  int topk = -1;                          // -1: the config's; else must equal it
+  DType x_dtype = DType::kBFloat16;       // only bf16
+  // Synchronise the stream and copy the counts into the handle's host fields. Off (the
+  // worst-case-bound mode): no host synchronisation, the counts stay on the device (`info`) and the
+  // call can be captured in a CUDA graph.
+  bool sync_counts = false;
+};
+
+// What a high-throughput dispatch returns and its combine takes; valid until the next HT dispatch.
+// Buffers are sized for the worst case: R = W * max_tokens compact rows, and
+// X = W * max_tokens * min(topk, L) + L * (expert_alignment - 1) expert-major rows.
+struct EpHtHandle {
+  uint64_t call = 0;  // the dispatch's number on this buffer
+  int64_t num_tokens = 0;
+  // Compact output: one row per received token, source rank after source rank.
+  void* recv_x = nullptr;                // [R][hidden] bf16
+  int* recv_src = nullptr;               // [R] src_rank * max_tokens + token
+  int* recv_topk_idx = nullptr;          // [R][topk] local expert, -1 when the slot's expert is elsewhere
+  float* recv_topk_weights = nullptr;    // [R][topk]
+  int* recv_expert_row = nullptr;        // [R][topk] the slot's expert-major row, -1 elsewhere
+  // Expert-major output: local expert le's rows at [offset[le], offset[le] + count[le]), then padding
+  // to expert_alignment (expert_src = -1 there).
+  void* expert_x = nullptr;              // [X][hidden] bf16
+  int* expert_src = nullptr;             // [X] compact row of each expert-major row, -1 for padding
+  // Device counts: [0] compact rows received, [1] expert-major rows (padded), [2, 2 + L) rows of each
+  // local expert, [2 + L, 3 + 2L) first expert-major row of each local expert, then the end.
+  int* info = nullptr;
+  int64_t max_recv_rows = 0, max_expert_rows = 0;
+  // With sync_counts: the counts on the host; else -1 and empty.
+  int64_t num_recv = -1, num_expert_rows = -1;
+  std::vector<int> expert_counts, expert_offsets;
+};
+
+struct EpHtCombineArgs {
+  // Either the expert outputs in the dispatch's expert-major layout (each compact row's local slots
+  // summed with their weights on this rank first), or compact rows [R][hidden] sent as they are
+  // (dispatch's backward: the gradient of a token is the sum of its copies' gradients).
+  const void* y = nullptr;
+  const void* y_compact = nullptr;
+  const int64_t* topk_idx = nullptr;  // the dispatch's [num_tokens][topk]
+  void* out = nullptr;                // [num_tokens][hidden] bf16: the sum over the ranks the token went to
+  DType y_dtype = DType::kBFloat16;   // only bf16
+};
+
 class EpBuffer {
  public:
   static constexpr int kSlots = 2;
@@ -111,9 +174,15 @@ class EpBuffer {
   std::function<void(cudaStream_t)> ll_combine(const EpLlCombineArgs& args, const EpLlHandle& handle,
                                                cudaStream_t stream);
 
+  // High throughput (config.mode == kHighThroughput): layout step, dispatch and its receive.
+  EpHtHandle ht_dispatch(const EpHtDispatchArgs& args, cudaStream_t stream);
+  void ht_combine(const EpHtCombineArgs& args, const EpHtHandle& handle, cudaStream_t stream);
+
   // Host-side argument checks of the calls above (what they run first); throw naming the argument.
   void check_dispatch(const EpLlDispatchArgs& args) const;
   void check_combine(const EpLlCombineArgs& args, const EpLlHandle& handle) const;
+  void check_ht_dispatch(const EpHtDispatchArgs& args) const;
+  void check_ht_combine(const EpHtCombineArgs& args, const EpHtHandle& handle) const;
 
   // Synchronises `stream`, reads the device error word and clears it.
   EpDeviceError device_error(cudaStream_t stream);
@@ -127,7 +196,8 @@ class EpBuffer {
   SymmetricHeap& heap_;
   EpConfig config_;
   int world_size_ = 0;
-  int sms_ = 0;
+  int sms_ = 0;     // blocks of the send kernels
+  int all_sms_ = 0;  // the GPU's SMs
   std::unique_ptr<Impl> impl_;
 };
 
