@@ -174,6 +174,44 @@ size_t ep_heap_bytes(const EpConfig& config, int world_size) {
   return EpLlLayout(config, world_size).layout.bytes();
 }
 
+EpTokenCounts ep_count_tokens(const int64_t* topk_idx, int64_t num_tokens, int topk, int num_experts,
+                              int world_size) {
+  TDIST_CHECK_ARG(num_tokens >= 0 && (num_tokens == 0 || topk_idx != nullptr), "topk_idx",
+                  "a host array of num_tokens x topk ids");
+  TDIST_CHECK_ARG(topk >= 1, "topk", "at least 1, got ", topk);
+  TDIST_CHECK_ARG(world_size >= 1 && num_experts >= world_size && num_experts % world_size == 0, "num_experts",
+                  "a positive multiple of world_size ", world_size, ", got ", num_experts);
+  const int L = num_experts / world_size;
+  EpTokenCounts c{std::vector<int>(static_cast<size_t>(world_size)), std::vector<int>(static_cast<size_t>(num_experts))};
+  auto sent = [&](const int64_t* row, int j) {
+    if (row[j] < 0 || row[j] >= num_experts) return false;
+    for (int k = 0; k < j; ++k)
+      if (row[k] == row[j]) return false;
+    return true;
+  };
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t* row = topk_idx + t * topk;
+    std::vector<bool> to_rank(static_cast<size_t>(world_size), false);
+    for (int j = 0; j < topk; ++j) {
+      if (!sent(row, j)) continue;
+      ++c.rows_per_expert[static_cast<size_t>(row[j])];
+      to_rank[static_cast<size_t>(row[j] / L)] = true;
+    }
+    for (int r = 0; r < world_size; ++r) c.tokens_per_rank[static_cast<size_t>(r)] += to_rank[static_cast<size_t>(r)];
+  }
+  return c;
+}
+
+std::vector<int> ep_expert_offsets(const std::vector<int>& rows, int alignment) {
+  TDIST_CHECK_ARG(alignment >= 1, "alignment", "at least 1, got ", alignment);
+  std::vector<int> off(rows.size() + 1, 0);
+  for (size_t e = 0; e < rows.size(); ++e) {
+    TDIST_CHECK_ARG(rows[e] >= 0, "rows", "non-negative counts, got ", rows[e], " at ", e);
+    off[e + 1] = off[e] + (rows[e] + alignment - 1) / alignment * alignment;
+  }
+  return off;
+}
+
 struct EpBuffer::Impl {
   SymmetricBlock block;
   DeviceBuffer state, error;

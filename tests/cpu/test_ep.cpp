@@ -87,6 +87,47 @@ TEST(Ep, HeapBytesFollowTheLayout) {
               2.0 * 128 * 2 * 128 * (2 * 7168 + 4 * 56 + 4) + 2.0 * 128 * 8 * 2 * 7168, 1.0e6);
 }
 
+TEST(Ep, TokenCountsFollowTheSlotRule) {
+  // 2 ranks, 8 experts (4 per rank), top-3.
+  const std::vector<int64_t> idx = {
+      0, 1, 5,    // rank 0 twice, rank 1 once
+      7, -1, 6,   // a masked slot; rank 1 twice
+      2, 2, 3,    // a repeat (skipped); rank 0
+      -1, -1, -1, // all masked: no rank
+      9, -5, 4,   // out of range twice (skipped); rank 1
+  };
+  const tdist::EpTokenCounts c = tdist::ep_count_tokens(idx.data(), 5, 3, 8, 2);
+  EXPECT_EQ(c.tokens_per_rank, (std::vector<int>{2, 3}));
+  EXPECT_EQ(c.rows_per_expert, (std::vector<int>{1, 1, 1, 1, 1, 1, 1, 1}));
+  const tdist::EpTokenCounts none = tdist::ep_count_tokens(nullptr, 0, 3, 8, 2);
+  EXPECT_EQ(none.tokens_per_rank, (std::vector<int>{0, 0}));
+  expect_arg_error([&] { tdist::ep_count_tokens(idx.data(), 5, 3, 7, 2); }, "num_experts");
+  expect_arg_error([&] { tdist::ep_count_tokens(nullptr, 5, 3, 8, 2); }, "topk_idx");
+  // Padding to the alignment.
+  EXPECT_EQ(tdist::ep_expert_offsets({3, 0, 5, 1}, 4), (std::vector<int>{0, 4, 4, 12, 16}));
+  EXPECT_EQ(tdist::ep_expert_offsets({3, 0, 5}, 1), (std::vector<int>{0, 3, 3, 8}));
+  expect_arg_error([&] { tdist::ep_expert_offsets({1}, 0); }, "alignment");
+}
+
+TEST(Ep, HighThroughputLayout) {
+  EpConfig c = deepseek();
+  c.mode = tdist::EpMode::kHighThroughput;
+  c.max_tokens = 4096;
+  // counts, then for R = W M rows: 2H (compact) + 4 (source) + 12 K (ids, weights, rows) + 2H (combine)
+  const size_t W = 2, R = W * 4096;
+  const size_t want = 2 * W * (W + 256) * 8 + R * (2 * 7168 + 4 + 12 * 8 + 2 * 7168) + 3 * W * 8;
+  const size_t bytes = tdist::ep_heap_bytes(c, 2);
+  EXPECT_GE(bytes, want);
+  EXPECT_LE(bytes, want + 12 * 256);
+  expect_arg_error(
+      [&] {
+        EpConfig b = c;
+        b.expert_alignment = 0;
+        tdist::check_ep_config(b, 2);
+      },
+      "config.expert_alignment");
+}
+
 TEST(Ep, ScaleGroups) {
   EXPECT_EQ(tdist::kernels::ep::scale_groups(128), 1);
   EXPECT_EQ(tdist::kernels::ep::scale_groups(7168), 56);

@@ -63,6 +63,19 @@ void check_ep_config(const EpConfig& config, int world_size);
 // The symmetric bytes per rank that an EpBuffer of `config` takes on `world_size` ranks.
 size_t ep_heap_bytes(const EpConfig& config, int world_size);
 
+// The layout step's counts computed on the host, by the rule the kernels apply (a slot is sent
+// when its id is in [0, num_experts) and no earlier slot of its token holds the same id): tokens
+// this rank sends to each rank (a token counts once per rank) and rows it sends to each expert.
+struct EpTokenCounts {
+  std::vector<int> tokens_per_rank;   // [world_size]
+  std::vector<int> rows_per_expert;   // [num_experts]
+};
+EpTokenCounts ep_count_tokens(const int64_t* topk_idx, int64_t num_tokens, int topk, int num_experts,
+                              int world_size);
+// The first expert-major row of each expert when expert e holds rows[e] rows padded to `alignment`,
+// and the end: [rows.size() + 1].
+std::vector<int> ep_expert_offsets(const std::vector<int>& rows, int alignment);
+
 struct EpLlDispatchArgs {
   const void* x = nullptr;               // [num_tokens][hidden], 16-byte aligned
   const int64_t* topk_idx = nullptr;     // [num_tokens][topk]; -1 masks a slot
