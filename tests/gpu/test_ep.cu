@@ -15,7 +15,11 @@
 //   * the receive hooks, two dispatches in flight, many calls back to back, a CUDA graph replayed
 //     with fresh routing and tokens each time;
 //   * errors: host checks naming the argument; out-of-range and repeated expert ids skipped by both
-//     sides and reported by check_errors().
+//     sides and reported by check_errors();
+//   * high-throughput mode: counts against the host mirror of the layout step (ep_count_tokens),
+//     compact rows (each token once per rank, in its source's block, routing and weights), the
+//     padded expert-major rows and their sources, the weighted combine and the compact (backward)
+//     combine, sync_counts on and off, graph replays, calls back to back, SM count set low.
 //
 //   build-gpu/tools/tdistrun -n 2 -- build-gpu/tests/gpu_test_ep
 // Prints "rank R: N passed, M failed" last.
@@ -341,6 +345,310 @@ void round_trip(const Fixture& f, uint64_t seed, Routing r, Tokens tk, bool fp8,
   f.ep.check_errors(f.stream);
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// High-throughput mode.
+
+struct HtOperands {
+  DeviceBuffer x, idx, weights, out;
+  HtOperands(const RankInput& in, int64_t H)
+      : x(upload(in.x)), idx(upload(in.idx)), weights(upload(in.weights)),
+        out(static_cast<size_t>(in.tokens * H) * sizeof(bf16)) {
+    TDIST_CUDA_CHECK(cudaMemset(out.get(), 0xFF, static_cast<size_t>(in.tokens * H) * sizeof(bf16)));
+    TDIST_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  EpHtDispatchArgs args(const RankInput& in, bool sync_counts) const {
+    return EpHtDispatchArgs{.x = x.get(), .topk_idx = idx.get<int64_t>(), .topk_weights = weights.get<float>(),
+                            .num_tokens = in.tokens, .sync_counts = sync_counts};
+  }
+};
+
+// Checks a high-throughput dispatch against every rank's inputs; returns the device counts (info).
+std::vector<int> check_ht_dispatch(const EpBuffer& ep, const EpHtHandle& h, const std::vector<RankInput>& all, int me,
+                                   cudaStream_t stream) {
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const EpConfig& c = ep.config();
+  const int W = static_cast<int>(all.size()), L = ep.num_local_experts(), K = c.topk, E = c.num_experts;
+  const int64_t M = c.max_tokens, H = c.hidden;
+  const std::vector<int> info = download<int>(h.info, static_cast<size_t>(3 + 2 * L));
+  // Reference counts, from the host mirror of the layout step.
+  std::vector<int> from(static_cast<size_t>(W)), expert_rows(static_cast<size_t>(L), 0);
+  for (int s = 0; s < W; ++s) {
+    const EpTokenCounts tc = ep_count_tokens(all[s].idx.data(), all[s].tokens, K, E, W);
+    from[s] = tc.tokens_per_rank[me];
+    for (int le = 0; le < L; ++le) expert_rows[le] += tc.rows_per_expert[me * L + le];
+  }
+  const std::vector<int> offsets = ep_expert_offsets(expert_rows, c.expert_alignment);
+  int received = 0;
+  for (int v : from) received += v;
+  if (info[0] != received) TDIST_FAIL("received ", info[0], " tokens, expected ", received);
+  if (info[1] != offsets[L]) TDIST_FAIL("expert-major rows ", info[1], ", expected ", offsets[L]);
+  for (int le = 0; le < L; ++le)
+    if (info[2 + le] != expert_rows[le] || info[2 + L + le] != offsets[le])
+      TDIST_FAIL("local expert ", le, ": ", info[2 + le], " rows at ", info[2 + L + le], ", expected ",
+                 expert_rows[le], " at ", offsets[le]);
+  if (h.num_recv >= 0 && (h.num_recv != received || h.expert_counts != expert_rows))
+    TDIST_FAIL("the host counts of sync_counts differ from the device's");
+  const size_t R = static_cast<size_t>(received), X = static_cast<size_t>(offsets[L]);
+  const std::vector<bf16> rows = download<bf16>(h.recv_x, R * H);
+  const std::vector<int> src = download<int>(h.recv_src, R);
+  const std::vector<int> ridx = download<int>(h.recv_topk_idx, R * K);
+  const std::vector<float> rw = download<float>(h.recv_topk_weights, R * K);
+  const std::vector<int> rpos = download<int>(h.recv_expert_row, R * K);
+  const std::vector<bf16> ex = download<bf16>(h.expert_x, X * H);
+  const std::vector<int> esrc = download<int>(h.expert_src, X);
+  std::set<int64_t> seen;
+  std::vector<int> pos_used(X, 0);
+  std::vector<int> begin  // compact rows of source s: [begin[s], begin[s + 1])
+     (static_cast<size_t>(W) + 1, 0);
+  for (int s = 0; s < W; ++s) begin[s + 1] = begin[s] + from[s];
+  for (size_t i = 0; i < R; ++i) {
+    const int s = src[i] / static_cast<int>(M);
+    const int64_t t = src[i] % M;
+    if (s < 0 || s >= W || t >= all[s].tokens || !seen.insert(src[i]).second)
+      TDIST_FAIL("compact row ", i, ": bad or repeated source ", src[i]);
+    if (static_cast<int>(i) < begin[s] || static_cast<int>(i) >= begin[s + 1])
+      TDIST_FAIL("compact row ", i, " from rank ", s, " outside its block [", begin[s], ", ", begin[s + 1], ")");
+    if (std::memcmp(rows.data() + i * H, all[s].x.data() + t * H, H * sizeof(bf16)) != 0)
+      TDIST_FAIL("compact row ", i, " (rank ", s, " token ", t, ") differs");
+    bool any = false;
+    for (int j = 0; j < K; ++j) {
+      const int g = sent_expert(all[s].idx.data() + t * K, K, j, E);
+      const bool here = g >= 0 && g / L == me;
+      any |= here;
+      const int want_idx = here ? g % L : -1;
+      if (ridx[i * K + j] != want_idx) TDIST_FAIL("compact row ", i, " slot ", j, ": id ", ridx[i * K + j], " for ", want_idx);
+      if (rw[i * K + j] != all[s].weights[static_cast<size_t>(t * K + j)])
+        TDIST_FAIL("compact row ", i, " slot ", j, ": weight differs");
+      const int pos = rpos[i * K + j];
+      if (!here) {
+        if (pos != -1) TDIST_FAIL("compact row ", i, " slot ", j, ": expert row ", pos, " for a remote slot");
+        continue;
+      }
+      const int le = g % L;
+      if (pos < offsets[le] || pos >= offsets[le] + expert_rows[le] || pos_used[pos]++)
+        TDIST_FAIL("compact row ", i, " slot ", j, ": expert row ", pos, " outside expert ", le, "'s rows or repeated");
+      if (esrc[pos] != static_cast<int>(i)) TDIST_FAIL("expert row ", pos, ": source ", esrc[pos], ", expected ", i);
+      if (std::memcmp(ex.data() + static_cast<size_t>(pos) * H, rows.data() + i * H, H * sizeof(bf16)) != 0)
+        TDIST_FAIL("expert row ", pos, " differs from compact row ", i);
+    }
+    if (!any) TDIST_FAIL("compact row ", i, " has no slot on this rank");
+  }
+  for (int le = 0; le < L; ++le)
+    for (int q = offsets[le] + expert_rows[le]; q < offsets[le + 1]; ++q)
+      if (esrc[q] != -1) TDIST_FAIL("padding row ", q, " of expert ", le, ": source ", esrc[q]);
+  return info;
+}
+
+// y in the expert-major layout: bf16(x * f(expert)) for every row, NaN for the padding.
+DeviceBuffer ht_expert_outputs(const EpBuffer& ep, const EpHtHandle& h, const std::vector<int>& info, int me) {
+  const int L = ep.num_local_experts();
+  const int64_t H = ep.config().hidden;
+  const size_t X = static_cast<size_t>(info[1]);
+  const std::vector<bf16> ex = download<bf16>(h.expert_x, X * H);
+  std::vector<bf16> y(X * H, __ushort_as_bfloat16(0xFFFF));
+  for (int le = 0; le < L; ++le) {
+    const float f = expert_factor(me * L + le);
+    for (int q = info[2 + L + le]; q < info[2 + L + le] + info[2 + le]; ++q)
+      for (int64_t c = 0; c < H; ++c)
+        y[q * H + c] = __float2bfloat16_rn(__bfloat162float(ex[q * H + c]) * f);
+  }
+  DeviceBuffer d(y.size() * sizeof(bf16));
+  if (!y.empty()) TDIST_CUDA_CHECK(cudaMemcpy(d.get(), y.data(), y.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+  TDIST_CUDA_CHECK(cudaDeviceSynchronize());
+  return d;
+}
+
+// out[t] against the sum over sent slots of w * y(t, j) (weighted), or x[t] times the number of
+// ranks the token went to (compact: dispatch's backward).
+void check_ht_combine(const EpBuffer& ep, const void* out_dev, const RankInput& mine, int W, bool compact,
+                      cudaStream_t stream) {
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const EpConfig& c = ep.config();
+  const int K = c.topk, E = c.num_experts, L = E / W;
+  const int64_t H = c.hidden;
+  const std::vector<bf16> out = download<bf16>(out_dev, static_cast<size_t>(mine.tokens * H));
+  for (int64_t t = 0; t < mine.tokens; ++t) {
+    const int64_t* row = mine.idx.data() + t * K;
+    std::vector<bool> ranks(static_cast<size_t>(W), false);
+    for (int j = 0; j < K; ++j) {
+      const int g = sent_expert(row, K, j, E);
+      if (g >= 0) ranks[g / L] = true;
+    }
+    int n = 0;
+    for (bool b : ranks) n += b;
+    for (int64_t ch = 0; ch < H; ++ch) {
+      const float xv = __bfloat162float(mine.x[static_cast<size_t>(t * H + ch)]);
+      double ref = 0, mag = 0;
+      if (compact) {
+        ref = static_cast<double>(xv) * n;
+        mag = std::fabs(ref);
+      } else {
+        for (int j = 0; j < K; ++j) {
+          const int g = sent_expert(row, K, j, E);
+          if (g < 0) continue;
+          const double term = static_cast<double>(mine.weights[static_cast<size_t>(t * K + j)]) *
+                              __bfloat162float(__float2bfloat16_rn(xv * expert_factor(g)));
+          ref += term;
+          mag += std::fabs(term);
+        }
+      }
+      const double got = __bfloat162float(out[static_cast<size_t>(t * H + ch)]);
+      if (!(std::fabs(got - ref) <= mag / 128 + 1e-6))
+        TDIST_FAIL("token ", t, " channel ", ch, ": combined ", got, ", reference ", ref);
+    }
+  }
+}
+
+void ht_round_trip(World& world, EpBuffer& ep, cudaStream_t stream, uint64_t seed, Routing r, Tokens tk,
+                   bool sync_counts, bool compact) {
+  const int W = world.world_size(), me = world.rank();
+  std::vector<RankInput> all;
+  for (int s = 0; s < W; ++s) all.push_back(make_input(ep.config(), W, seed, s, r, tk));
+  HtOperands ops(all[me], ep.config().hidden);
+  const EpHtHandle h = ep.ht_dispatch(ops.args(all[me], sync_counts), stream);
+  const std::vector<int> info = check_ht_dispatch(ep, h, all, me, stream);
+  if (compact) {
+    ep.ht_combine({.y_compact = h.recv_x, .topk_idx = ops.idx.get<int64_t>(), .out = ops.out.get()}, h, stream);
+  } else {
+    DeviceBuffer y = ht_expert_outputs(ep, h, info, me);
+    ep.ht_combine({.y = y.get(), .topk_idx = ops.idx.get<int64_t>(), .out = ops.out.get()}, h, stream);
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));  // y lives until here
+  }
+  check_ht_combine(ep, ops.out.get(), all[me], W, compact, stream);
+  ep.check_errors(stream);
+}
+
+void ht_suite(test::Suite& suite, World& world, SymmetricHeap& heap, cudaStream_t stream, uint64_t& seed) {
+  const int W = world.world_size(), me = world.rank();
+  const EpConfig configs[] = {
+      {.max_tokens = 1024, .hidden = 7168, .num_experts = 256, .topk = 8, .mode = EpMode::kHighThroughput,
+       .expert_alignment = 64},
+      {.max_tokens = 300, .hidden = 200, .num_experts = 6 * W, .topk = 5, .num_sms = 3,
+       .mode = EpMode::kHighThroughput, .expert_alignment = 7},
+      {.max_tokens = 33, .hidden = 384, .num_experts = 3 * W, .topk = 3, .mode = EpMode::kHighThroughput,
+       .expert_alignment = 1},
+  };
+  const Routing routings[] = {Routing::kUniform, Routing::kSkewed, Routing::kOneExpert, Routing::kOneRank,
+                              Routing::kMasked};
+  const Tokens token_kinds[] = {Tokens::kFull, Tokens::kZeroOnLast, Tokens::kOne, Tokens::kOdd};
+  int case_index = 0;
+  for (const EpConfig& cfg : configs) {
+    EpBuffer ep(world, heap, cfg);
+    const std::string shape = detail::concat("M ", cfg.max_tokens, " H ", cfg.hidden, " E ", cfg.num_experts, " K ",
+                                             cfg.topk, " align ", cfg.expert_alignment);
+    for (Routing r : routings) {
+      for (Tokens tk : token_kinds) {
+        if (cfg.hidden == 7168 && tk != Tokens::kFull && r != Routing::kUniform) continue;
+        ++case_index;
+        const bool sync_counts = case_index % 2 == 0, compact = case_index % 3 == 0;
+        const uint64_t s = ++seed;
+        suite.run(detail::concat("ht ", shape, " ", name(r), " ", name(tk), sync_counts ? " sync-counts" : "",
+                                 compact ? " compact-combine" : ""),
+                  [&] { ht_round_trip(world, ep, stream, s, r, tk, sync_counts, compact); });
+      }
+    }
+
+    // Dispatch + combine (dispatch's backward form, y = the compact rows) captured once, replayed with
+    // fresh tokens and routing, and back to back without host synchronisation between replays' calls.
+    suite.run(detail::concat("ht graph replays ", shape), [&] {
+      const int64_t T = cfg.max_tokens;
+      RankInput shape_in = make_input(cfg, W, seed, me, Routing::kUniform, Tokens::kFull);
+      HtOperands ops(shape_in, cfg.hidden);
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const EpHtHandle h = ep.ht_dispatch(ops.args(shape_in, false), stream);
+      ep.ht_combine({.y_compact = h.recv_x, .topk_idx = ops.idx.get<int64_t>(), .out = ops.out.get()}, h, stream);
+      TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int replay = 0; replay < 6; ++replay) {
+        std::vector<RankInput> all;
+        for (int s = 0; s < W; ++s)
+          all.push_back(make_input(cfg, W, seed + 1000 + replay, s, replay % 2 ? Routing::kSkewed : Routing::kMasked,
+                                   Tokens::kFull));
+        TDIST_CUDA_CHECK(cudaMemcpy(ops.x.get(), all[me].x.data(), all[me].x.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+        TDIST_CUDA_CHECK(cudaMemcpy(ops.idx.get(), all[me].idx.data(), all[me].idx.size() * 8, cudaMemcpyHostToDevice));
+        TDIST_CUDA_CHECK(cudaMemcpy(ops.weights.get(), all[me].weights.data(), all[me].weights.size() * 4,
+                                    cudaMemcpyHostToDevice));
+        TDIST_CUDA_CHECK(cudaMemset(ops.out.get(), 0xFF, static_cast<size_t>(T * cfg.hidden) * sizeof(bf16)));
+        test::sync_all(world, "ep ht graph inputs");
+        TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        check_ht_dispatch(ep, h, all, me, stream);
+        check_ht_combine(ep, ops.out.get(), all[me], W, true, stream);
+      }
+      seed += 1000;
+      TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
+    });
+
+    suite.run(detail::concat("ht back to back ", shape), [&] {
+      // Several dispatch + combine pairs queued without host synchronisation; the last is checked.
+      std::vector<std::vector<RankInput>> ins;
+      std::vector<HtOperands> ops;
+      constexpr int kCalls = 5;
+      ins.reserve(kCalls);
+      ops.reserve(kCalls);
+      for (int i = 0; i < kCalls; ++i) {
+        std::vector<RankInput> all;
+        for (int s = 0; s < W; ++s) all.push_back(make_input(cfg, W, seed + i, s, Routing::kMasked, Tokens::kOdd));
+        ins.push_back(std::move(all));
+        ops.emplace_back(ins.back()[me], cfg.hidden);
+      }
+      seed += kCalls;
+      for (int i = 0; i < kCalls; ++i) {
+        const EpHtHandle h = ep.ht_dispatch(ops[i].args(ins[i][me], false), stream);
+        ep.ht_combine({.y_compact = h.recv_x, .topk_idx = ops[i].idx.get<int64_t>(), .out = ops[i].out.get()}, h,
+                      stream);
+      }
+      for (int i = 0; i < kCalls; ++i) check_ht_combine(ep, ops[i].out.get(), ins[i][me], W, true, stream);
+    });
+
+    suite.run(detail::concat("ht device errors ", shape), [&] {
+      std::vector<RankInput> all;
+      for (int s = 0; s < W; ++s) all.push_back(make_input(cfg, W, ++seed, s, Routing::kUniform, Tokens::kFull, true));
+      HtOperands ops(all[me], cfg.hidden);
+      const EpHtHandle h = ep.ht_dispatch(ops.args(all[me], false), stream);
+      check_ht_dispatch(ep, h, all, me, stream);
+      ep.ht_combine({.y_compact = h.recv_x, .topk_idx = ops.idx.get<int64_t>(), .out = ops.out.get()}, h, stream);
+      check_ht_combine(ep, ops.out.get(), all[me], W, true, stream);
+      expect_error("topk_idx", [&] { ep.check_errors(stream); });
+    });
+
+    suite.run(detail::concat("ht argument errors ", shape), [&] {
+      RankInput in = make_input(cfg, W, ++seed, me, Routing::kUniform, Tokens::kOne);
+      HtOperands ops(in, cfg.hidden);
+      const EpHtDispatchArgs a = ops.args(in, false);
+      auto with = [&](auto change) {
+        EpHtDispatchArgs b = a;
+        change(b);
+        return b;
+      };
+      expect_error("num_tokens", [&] { ep.check_ht_dispatch(with([&](auto& b) { b.num_tokens = cfg.max_tokens + 1; })); });
+      expect_error("hidden", [&] { ep.check_ht_dispatch(with([&](auto& b) { b.hidden = cfg.hidden - 8; })); });
+      expect_error("x_dtype", [&] { ep.check_ht_dispatch(with([&](auto& b) { b.x_dtype = DType::kFloat32; })); });
+      expect_error("topk_weights", [&] { ep.check_ht_dispatch(with([&](auto& b) { b.topk_weights = nullptr; })); });
+      expect_error("x", [&] { ep.check_ht_dispatch(with([&](auto& b) { b.x = ops.x.get<char>() + 8; })); });
+      expect_error("config.mode", [&] { ep.check_dispatch(EpLlDispatchArgs{}); });
+      const EpHtHandle h = ep.ht_dispatch(a, stream);
+      expect_error("y", [&] { ep.check_ht_combine({.topk_idx = ops.idx.get<int64_t>(), .out = ops.out.get()}, h); });
+      expect_error("y", [&] {
+        ep.check_ht_combine({.y = h.expert_x, .y_compact = h.recv_x, .topk_idx = ops.idx.get<int64_t>(),
+                             .out = ops.out.get()},
+                            h);
+      });
+      EpHtHandle stale = h;
+      stale.call -= 1;
+      expect_error("handle", [&] {
+        ep.check_ht_combine({.y_compact = h.recv_x, .topk_idx = ops.idx.get<int64_t>(), .out = ops.out.get()}, stale);
+      });
+      ep.ht_combine({.y_compact = h.recv_x, .topk_idx = ops.idx.get<int64_t>(), .out = ops.out.get()}, h, stream);
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    });
+    test::sync_all(world, "ep ht config done");
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -512,6 +820,7 @@ int main() {
     });
     test::sync_all(world, "ep config done");
   }
+  ht_suite(suite, world, heap, stream, seed);
   TDIST_CUDA_CHECK(cudaStreamDestroy(stream));
   return suite.finish();
 }
