@@ -399,8 +399,7 @@ std::vector<int> check_ht_dispatch(const EpBuffer& ep, const EpHtHandle& h, cons
   const std::vector<int> esrc = download<int>(h.expert_src, X);
   std::set<int64_t> seen;
   std::vector<int> pos_used(X, 0);
-  std::vector<int> begin  // compact rows of source s: [begin[s], begin[s + 1])
-     (static_cast<size_t>(W) + 1, 0);
+  std::vector<int> begin(static_cast<size_t>(W) + 1, 0);  // compact rows of source s: [begin[s], begin[s + 1])
   for (int s = 0; s < W; ++s) begin[s + 1] = begin[s] + from[s];
   for (size_t i = 0; i < R; ++i) {
     const int s = src[i] / static_cast<int>(M);
