@@ -417,7 +417,9 @@ EpLlHandle EpBuffer::ll_dispatch(const EpLlDispatchArgs& a, cudaStream_t stream)
   h.recv_scales = p.recv_scales;
   h.recv_count = p.recv_count;
   h.recv_route = p.recv_route;
-  launch_ll(m.get(LlKernel::kDispatchSend), warp_blocks(a.num_tokens, sms_), p, stream);
+  // A block per token: every SM (or num_sms) busy even for a few hundred tokens.
+  launch_ll(m.get(LlKernel::kDispatchSend), static_cast<unsigned>(std::clamp<int64_t>(a.num_tokens, 1, sms_)), p,
+            stream);
   const unsigned recv_blocks = static_cast<unsigned>(std::min(num_local_experts(), all_sms_));
   auto receive = [this, p, recv_blocks](cudaStream_t s) {
     launch_ll(impl_->get(LlKernel::kDispatchRecv), recv_blocks, p, s);
@@ -445,7 +447,7 @@ std::function<void(cudaStream_t)> EpBuffer::ll_combine(const EpLlCombineArgs& a,
   p.recv_route = h.recv_route;
   p.recv_count = h.recv_count;
   launch_ll(m.get(LlKernel::kCombineSend), static_cast<unsigned>(sms_), p, stream);
-  const unsigned recv_blocks = warp_blocks(h.num_tokens, sms_);
+  const unsigned recv_blocks = static_cast<unsigned>(std::clamp<int64_t>(h.num_tokens, 1, all_sms_));
   auto receive = [this, p, recv_blocks](cudaStream_t s) {
     launch_ll(impl_->get(LlKernel::kCombineRecv), recv_blocks, p, s);
   };

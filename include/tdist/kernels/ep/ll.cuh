@@ -23,14 +23,14 @@
 // stores e into the call's epoch slot, from which the receive kernel (the hook) reads it, so a graph
 // replays with fresh epochs and two dispatches may be in flight (two slots).
 //
-// Dispatch: send (a warp per token: lane j claims slot j's row with a local atomic per expert, then
-// the warp reads the token once in 16-byte pieces, converts it to e4m3 when asked, and stores each
-// piece into every destination row), the last block raises the count flags; receive (a block per
-// local expert) waits for its W count flags, packs the rows source after source into the
-// expert-major output recv_x[L][W * M][...] and counts them in recv_count[L], and acknowledges.
-// Combine: send (a warp per received row) writes the expert output row back into its source's
-// c_rows[(t, j)] and raises that row's flag; receive (a warp per token) waits for its rows' flags and
-// sums w[t][j] * row in fp32, then the last block acknowledges to every rank.
+// Dispatch: send (a block per token: lane j of warp 0 claims slot j's row with a local atomic per
+// expert, then the block's warps read the token once in 16-byte pieces, convert them to e4m3 when
+// asked, and store each piece into every destination row); its last block raises the count flags.
+// Receive (a block per local expert) waits for its W count flags, packs the rows source after
+// source into the expert-major output recv_x[L][W * M][...], counts them in recv_count[L], and
+// acknowledges. Combine: send (a warp per received row) writes the expert output row back into its
+// source's c_rows[(t, j)] and raises that row's flag; receive (a block per token) waits for its
+// rows' flags and sums w[t][j] * row in fp32; its last block acknowledges to every rank.
 //
 // Invalid top-k entries: -1 is a masked slot (skipped). An id outside [-1, E) or a repeat of an
 // earlier slot's expert in the same token is skipped by dispatch and combine alike (so no wait can
@@ -115,31 +115,41 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const int K = p.topk, G = scale_groups(H);
   const u64 row_stride = 2ull * H;
-  const int lane = threadIdx.x & 31;
-  const int warp = blockIdx.x * kLlWarps + threadIdx.x / 32, warps = gridDim.x * kLlWarps;
+  // A block per token (grid-stride): warp 0 claims the rows, then every warp sends its share of the
+  // 256-channel pieces (a piece holds whole FP8 scale groups, so the warps need not meet again).
+  __shared__ char* dst_rows[kMaxTopk];
+  __shared__ float* dst_scales[kMaxTopk];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x);
-  for (int t = warp; t < p.num_tokens; t += warps) {
-    const int g = slot_expert(p, t, lane, true);
-    char* dst = nullptr;
-    float* dst_scales = nullptr;
-    if (g >= 0) {
-      const int r = g / L, le = g % L;
-      if (e > 2) wait_epoch(p.d_ack + g, e - 2);  // parity `par` of expert g is free again
-      const u32 slot = atomicAdd(p.send_counts + g, 1u);  // < M: one row per token and expert
-      const u64 row = ((par * L + le) * W + me) * static_cast<u64>(M) + slot;
-      dst = peer_ptr(p.heap, p.d_rows + row * row_stride, r);
-      if (p.fp8) dst_scales = peer_ptr(p.heap, p.d_scales + row * G, r);
-      *peer_ptr(p.heap, p.d_route + row, r) = t * K + lane;
+  for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    if (warp == 0) {
+      const int g = slot_expert(p, t, lane, true);
+      char* dst = nullptr;
+      float* dst_s = nullptr;
+      if (g >= 0) {
+        const int r = g / L, le = g % L;
+        if (e > 2) wait_epoch(p.d_ack + g, e - 2);  // parity `par` of expert g is free again
+        const u32 slot = atomicAdd(p.send_counts + g, 1u);  // < M: one row per token and expert
+        const u64 row = ((par * L + le) * W + me) * static_cast<u64>(M) + slot;
+        dst = peer_ptr(p.heap, p.d_rows + row * row_stride, r);
+        if (p.fp8) dst_s = peer_ptr(p.heap, p.d_scales + row * G, r);
+        *peer_ptr(p.heap, p.d_route + row, r) = t * K + lane;
+      }
+      if (lane < K) {
+        dst_rows[lane] = dst;
+        dst_scales[lane] = dst_s;
+      }
     }
+    __syncthreads();
     const __nv_bfloat16* src = x + static_cast<u64>(t) * H;
-    for (int c0 = 0; c0 < H; c0 += 256) {
+    for (int c0 = warp * 256; c0 < H; c0 += kLlWarps * 256) {  // warp-uniform
       const int c = c0 + lane * 8;  // this lane's 8 channels
       const bool active = c < H;
       uint4 v = make_uint4(0, 0, 0, 0);
       if (active) v = *reinterpret_cast<const uint4*>(src + c);
       if (!p.fp8) {
         for (int k = 0; k < K; ++k) {
-          char* d = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<u64>(dst), k));
+          char* d = dst_rows[k];
           if (d != nullptr && active) *reinterpret_cast<uint4*>(d + 2ull * c) = v;
         }
       } else {
@@ -158,15 +168,15 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
         for (int i = 0; i < 4; ++i)
           qs[i] = __nv_cvt_float2_to_fp8x2(make_float2(f[2 * i] * inv, f[2 * i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
         for (int k = 0; k < K; ++k) {
-          char* d = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<u64>(dst), k));
-          float* ds = reinterpret_cast<float*>(__shfl_sync(0xffffffffu, reinterpret_cast<u64>(dst_scales), k));
+          char* d = dst_rows[k];
           if (d != nullptr && active) {
             *reinterpret_cast<uint2*>(d + c) = q;
-            if ((lane & 15) == 0) ds[c / kFp8GroupSize] = scale;
+            if ((lane & 15) == 0) dst_scales[k][c / kFp8GroupSize] = scale;
           }
         }
       }
     }
+    __syncthreads();  // the next token's rows replace dst_rows
   }
   if (!last_block(&p.state->dispatch_done)) return;
   // Every row of this call has been stored: raise the count flag of every (expert, this rank).
@@ -252,24 +262,25 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
   }
 }
 
-// A warp per token: out[t] = sum over valid slots j of w[t][j] * c_rows[(t, j)], in fp32.
+// A block per token (grid-stride): warp 0 waits for the token's rows, then every warp sums its
+// share of the 256-channel pieces: out[t] = sum over valid slots j of w[t][j] * c_rows[(t, j)], fp32.
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p) {
   const u64 e = *p.epoch_slot, par = e & 1;
   const int M = p.max_tokens, H = p.hidden, K = p.topk;
   const u64 slots = static_cast<u64>(M) * K, row_bytes = 2ull * H;
-  const int lane = threadIdx.x & 31;
-  const int warp = blockIdx.x * kLlWarps + threadIdx.x / 32, warps = gridDim.x * kLlWarps;
-  for (int t = warp; t < p.num_tokens; t += warps) {
-    const int g = slot_expert(p, t, lane, false);
-    if (g >= 0) {
-      wait_epoch(p.c_flags + par * slots + static_cast<u64>(t) * K + lane, e);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  __shared__ unsigned valid_slots;
+  for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    if (warp == 0) {
+      const int g = slot_expert(p, t, lane, false);
+      if (g >= 0) wait_epoch(p.c_flags + par * slots + static_cast<u64>(t) * K + lane, e);
+      const unsigned valid = __ballot_sync(0xffffffffu, g >= 0);
+      if (lane == 0) valid_slots = valid;
     }
-    __syncwarp();
-    const unsigned valid = __ballot_sync(0xffffffffu, g >= 0);
+    __syncthreads();  // the rows the waits saw are visible to the whole block
+    const unsigned valid = valid_slots;
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<u64>(t) * H;
-    for (int c0 = 0; c0 < H; c0 += 256) {
-      const int c = c0 + lane * 8;
-      if (c >= H) continue;  // no warp-wide operation below
+    for (int c = warp * 256 + lane * 8; c < H; c += kLlWarps * 256) {
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.f;
@@ -288,6 +299,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p
       for (int i = 0; i < 8; ++i) rh[i] = __float2bfloat16_rn(acc[i]);
       *reinterpret_cast<uint4*>(out + c) = r;
     }
+    __syncthreads();  // valid_slots is rewritten for the next token
   }
   if (!last_block(&p.state->combine_done)) return;
   // Every rank's rows of this call have been read: the parity is free for call e + 2.
