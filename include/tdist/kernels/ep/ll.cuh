@@ -248,7 +248,8 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
     const int route = p.recv_route[f];
     const int s = static_cast<int>(route / slots);
     const u64 tk = route % slots;
-    if (e > 2) wait_epoch(p.c_ack + s, e - 2);
+    if (e > 2 && lane == 0) wait_epoch(p.c_ack + s, e - 2);  // parity `par` of rank s is free again
+    __syncwarp();
     const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.y) + f * row_bytes);
     uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.c_rows + (par * slots + tk) * row_bytes), s);
     for (u64 v = lane; v < row_bytes / 16; v += 32) to[v] = from[v];
