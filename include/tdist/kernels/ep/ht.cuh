@@ -1,0 +1,334 @@
+// High-throughput expert-parallel all-to-all (MoE dispatch and combine for prefill and training
+// batches), over NVLink: each token crosses to a rank once, whatever the number of its experts
+// there, and the combine reduces on the expert side before sending one row per token and rank back.
+//
+// Notation as in ll.cuh: W ranks, E experts, L = E / W local experts, K top-k slots, T <= M tokens
+// per rank, H hidden channels; A = the expert-major alignment (rows per expert padded to it).
+// Compact row: one received token; expert-major row: one (token, local expert) pair.
+//
+// Symmetric buffers (per rank; layout in src/ops/ep.cpp, EpHtLayout):
+//   counts   u64[2][W][W + E]  counts[par][s] = rank s's row: tokens it sends to each rank, then rows
+//                              it sends to each expert; (epoch << 32) | count, written by s
+//   recv_x   bf16[W M][H]      compact rows, source after source (source s's rows start at the sum of
+//                              the earlier sources' counts to this rank), in any order within a source
+//   recv_src i32[W M]          s * M + t of each compact row
+//   recv_idx i32[W M][K]       local expert of each slot, -1 when the slot's expert lives elsewhere
+//   recv_w   f32[W M][K]       the slot's weight
+//   recv_pos i32[W M][K]       the expert-major row of each local slot, -1 elsewhere
+//   done     u64[W]            done[s] = the dispatch epoch whose compact rows from s have all landed
+//   comb     bf16[W][M][H]     combine: rank r's partial sum for this rank's token t at [r][t]
+//   c_ready  u64[W]            c_ready[r] = the combine epoch rank r has begun (its previous combine
+//                              has read comb, so peers may write it again)
+//   c_done   u64[W]            c_done[r] = the combine epoch whose partial rows from r have landed
+// Local: send_base i32[W] (this rank's first compact row on each rank), exp_base i32[E] (its first
+// expert-major row of each expert, at the expert's rank), rank_ctr u32[W], exp_ctr u32[E] (slots
+// claimed in the running dispatch), info i32[2 + 2L + 1]: rows received, expert-major rows (padded),
+// rows of each local expert, first expert-major row of each local expert and the end;
+// expert_x bf16[cap][H] and expert_src i32[cap] (the compact row of each expert-major row, -1 for
+// padding).
+//
+// Steps of a dispatch (epoch e = HT dispatch count, device side):
+//   layout (one block): per-rank and per-expert counts of this rank's tokens, the row broadcast to
+//     every rank, then every rank's row awaited; from the full count matrix, where this rank's rows
+//     go on each rank and what this rank receives. A peer's row of epoch e also says the peer has
+//     begun call e, so it is done with the compact buffers of call e - 1: the exchange is the
+//     buffers' reuse handshake, and no host synchronisation is needed anywhere.
+//   dispatch (num_sms blocks, a warp per token): a row slot per destination rank and an
+//     expert-major slot per expert claimed with local atomics; the token's row goes once to each
+//     rank with its routing; the last block raises done[this rank] on every rank.
+//   receive (every SM): waits for done from every rank, copies each compact row to its expert-major
+//     rows, marks the padding.
+// Combine (epoch c): send (a warp per compact row) sums the row's local slots w * y[pos] in fp32
+// (or takes y_compact's row as it is: dispatch's backward) and writes one bf16 row into its source's
+// comb[this rank][t]; receive (a warp per token) sums comb[r][t] over the ranks the token went to.
+// The outputs of a dispatch stay valid until the next HT dispatch; combine it before then.
+#pragma once
+
+#include "tdist/kernels/ep/common.cuh"
+
+namespace tdist::kernels::ep {
+
+constexpr int kHtThreads = 512;
+constexpr int kHtWarps = kHtThreads / 32;
+constexpr int kHtLayoutThreads = 1024;
+
+struct EpHtParams {
+  tdist::device::SymmetricHeapView heap;
+  int num_tokens, max_tokens, hidden, num_experts, num_local_experts, topk, alignment;
+  const void* x;               // bf16 [T][H]
+  const long long* topk_idx;   // [T][K]
+  const float* topk_weights;   // [T][K]
+  const void* y;               // combine: bf16 expert-major [rows][H], or null
+  const void* y_compact;       // combine: bf16 [W M][H] compact rows taken as they are, or null
+  void* out;                   // combine: bf16 [T][H]
+  // symmetric
+  u64* counts;
+  char* recv_x;
+  int* recv_src;
+  int* recv_idx;
+  float* recv_w;
+  int* recv_pos;
+  u64* done;
+  char* comb;
+  u64* c_ready;
+  u64* c_done;
+  // local
+  EpState* state;
+  int* send_base;
+  int* exp_base;
+  u32* rank_ctr;
+  u32* exp_ctr;
+  int* info;
+  char* expert_x;
+  int* expert_src;
+  int* error;
+};
+
+}  // namespace tdist::kernels::ep
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+
+namespace tdist::kernels::ep {
+
+TDIST_DEVICE int align_up(int v, int a) { return (v + a - 1) / a * a; }
+
+// Count `c` of rank s's row in the matrix of call e (after the wait, plain loads suffice).
+TDIST_DEVICE int matrix_at(const EpHtParams& p, u64 par, int s, int c) {
+  const int row = p.heap.num_ranks + p.num_experts;
+  return static_cast<int>(static_cast<u32>(p.counts[(par * p.heap.num_ranks + s) * row + c]));
+}
+
+// One block. Dynamic shared memory: int[W + E].
+__global__ void __launch_bounds__(kHtLayoutThreads, 1) ep_ht_layout(EpHtParams p) {
+  extern __shared__ int cnt[];
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->ht_epoch) + 1, par = e & 1;
+  const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, E = p.num_experts, K = p.topk;
+  const int row = W + E;
+  for (int i = threadIdx.x; i < row; i += blockDim.x) cnt[i] = 0;
+  for (int i = threadIdx.x; i < W; i += blockDim.x) p.rank_ctr[i] = 0;
+  for (int i = threadIdx.x; i < E; i += blockDim.x) p.exp_ctr[i] = 0;
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  for (int t = threadIdx.x / 32; t < p.num_tokens; t += blockDim.x / 32) {
+    const int g = warp_slot_expert(p.topk_idx, K, E, t, lane, p.error);
+    const int r = g >= 0 ? g / L : -1;
+    bool first = r >= 0;
+    for (int k = 0; k < K; ++k) {
+      const int other = __shfl_sync(0xffffffffu, r, k);
+      if (k < lane && other == r) first = false;
+    }
+    if (g >= 0) atomicAdd(cnt + W + g, 1);
+    if (first) atomicAdd(cnt + r, 1);
+  }
+  __syncthreads();
+  // This rank's row to every rank (itself included), then every rank's row.
+  for (int i = threadIdx.x; i < W * row; i += blockDim.x) {
+    const int r = i / row, c = i % row;
+    put_signal(p.heap, p.counts + (par * W + me) * row + c, (e << 32) | static_cast<u32>(cnt[c]), r);
+  }
+  for (int i = threadIdx.x; i < W * row; i += blockDim.x) wait_count_flag(p.counts + par * W * row + i, e);
+  __syncthreads();
+  // Where this rank's rows go: after the earlier sources' rows at each rank and expert.
+  for (int r = threadIdx.x; r < W; r += blockDim.x) {
+    int base = 0;
+    for (int s = 0; s < me; ++s) base += matrix_at(p, par, s, r);
+    p.send_base[r] = base;
+  }
+  for (int g = threadIdx.x; g < E; g += blockDim.x) {
+    const int r = g / L, le = g % L;
+    int first_row = 0;
+    for (int l = 0; l < le; ++l) {
+      int total = 0;
+      for (int s = 0; s < W; ++s) total += matrix_at(p, par, s, W + r * L + l);
+      first_row += align_up(total, p.alignment);
+    }
+    for (int s = 0; s < me; ++s) first_row += matrix_at(p, par, s, W + g);
+    p.exp_base[g] = first_row;
+  }
+  // What this rank receives.
+  for (int le = threadIdx.x; le < L; le += blockDim.x) {
+    int total = 0;
+    for (int s = 0; s < W; ++s) total += matrix_at(p, par, s, W + me * L + le);
+    p.info[2 + le] = total;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int received = 0;
+    for (int s = 0; s < W; ++s) received += matrix_at(p, par, s, me);
+    int rows = 0;
+    for (int le = 0; le < L; ++le) {
+      p.info[2 + L + le] = rows;
+      rows += align_up(p.info[2 + le], p.alignment);
+    }
+    p.info[2 + 2 * L] = rows;
+    p.info[0] = received;
+    p.info[1] = rows;
+    st_relaxed<Scope::kGpu>(&p.state->ht_epoch, e);
+  }
+}
+
+__global__ void __launch_bounds__(kHtThreads, 1) ep_ht_dispatch(EpHtParams p) {
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->ht_epoch);
+  const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, E = p.num_experts, K = p.topk;
+  const int M = p.max_tokens, H = p.hidden;
+  const u64 row_bytes = 2ull * H;
+  const int lane = threadIdx.x & 31;
+  const int warp = blockIdx.x * kHtWarps + threadIdx.x / 32, warps = gridDim.x * kHtWarps;
+  for (int t = warp; t < p.num_tokens; t += warps) {
+    const int g = warp_slot_expert(p.topk_idx, K, E, t, lane, nullptr);
+    const int r = g >= 0 ? g / L : -1;
+    bool first = r >= 0;
+    for (int k = 0; k < K; ++k) {
+      const int other = __shfl_sync(0xffffffffu, r, k);
+      if (k < lane && other == r) first = false;
+    }
+    int compact = -1, pos = -1;
+    if (first) compact = p.send_base[r] + static_cast<int>(atomicAdd(p.rank_ctr + r, 1u));
+    if (g >= 0) pos = p.exp_base[g] + static_cast<int>(atomicAdd(p.exp_ctr + g, 1u));
+    const float w = lane < K ? p.topk_weights[static_cast<u64>(t) * K + lane] : 0.f;
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(p.x) + t * row_bytes);
+    for (int k = 0; k < K; ++k) {
+      const int dest = __shfl_sync(0xffffffffu, r, k);
+      const int dest_row = __shfl_sync(0xffffffffu, compact, k);
+      if (dest_row < 0) continue;  // not the first slot of its rank (warp-uniform)
+      uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.recv_x + dest_row * row_bytes), dest);
+      for (u64 v = lane; v < row_bytes / 16; v += 32) to[v] = src[v];
+      if (lane < K) {
+        const u64 slot = static_cast<u64>(dest_row) * K + lane;
+        const bool here = r == dest;
+        *peer_ptr(p.heap, p.recv_idx + slot, dest) = here ? g % L : -1;
+        *peer_ptr(p.heap, p.recv_w + slot, dest) = w;
+        *peer_ptr(p.heap, p.recv_pos + slot, dest) = here ? pos : -1;
+      }
+      if (lane == 0) *peer_ptr(p.heap, p.recv_src + dest_row, dest) = me * M + t;
+    }
+  }
+  if (!last_block(&p.state->ht_dispatch_done)) return;
+  if (static_cast<int>(threadIdx.x) < W) put_signal(p.heap, p.done + me, e, static_cast<int>(threadIdx.x));
+  if (threadIdx.x == 0) p.state->ht_dispatch_done = 0;
+}
+
+// Copies the compact rows to their expert-major rows; marks the padding rows.
+__global__ void __launch_bounds__(kHtThreads, 1) ep_ht_dispatch_recv(EpHtParams p) {
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->ht_epoch);
+  const int W = p.heap.num_ranks, L = p.num_local_experts, K = p.topk, H = p.hidden;
+  const u64 row_bytes = 2ull * H;
+  if (static_cast<int>(threadIdx.x) < W) wait_epoch(p.done + threadIdx.x, e);
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int warp = blockIdx.x * kHtWarps + threadIdx.x / 32, warps = gridDim.x * kHtWarps;
+  const int received = p.info[0];
+  for (int i = warp; i < received; i += warps) {
+    const uint4* from = reinterpret_cast<const uint4*>(p.recv_x + i * row_bytes);
+    for (int k = 0; k < K; ++k) {
+      const int pos = p.recv_pos[static_cast<u64>(i) * K + k];
+      if (pos < 0) continue;
+      uint4* to = reinterpret_cast<uint4*>(p.expert_x + pos * row_bytes);
+      for (u64 v = lane; v < row_bytes / 16; v += 32) to[v] = from[v];
+      if (lane == 0) p.expert_src[pos] = i;
+    }
+  }
+  const int thread = blockIdx.x * blockDim.x + threadIdx.x, threads = gridDim.x * blockDim.x;
+  for (int le = 0; le < L; ++le) {
+    const int begin = p.info[2 + L + le] + p.info[2 + le], end = p.info[2 + L + le + 1];
+    for (int q = begin + thread; q < end; q += threads) p.expert_src[q] = -1;
+  }
+}
+
+// A warp per compact row: its partial sum to its source's comb[this rank][t].
+__global__ void __launch_bounds__(kHtThreads, 1) ep_ht_combine_send(EpHtParams p) {
+  const u64 c = ld_relaxed<Scope::kGpu>(&p.state->ht_combine_epoch) + 1;
+  const int W = p.heap.num_ranks, me = p.heap.rank, K = p.topk, M = p.max_tokens, H = p.hidden;
+  const u64 row_bytes = 2ull * H;
+  // Every block raises it (the same value), so no block waits on another block of this grid.
+  if (static_cast<int>(threadIdx.x) < W) put_signal(p.heap, p.c_ready + me, c, static_cast<int>(threadIdx.x));
+  const int lane = threadIdx.x & 31;
+  const int warp = blockIdx.x * kHtWarps + threadIdx.x / 32, warps = gridDim.x * kHtWarps;
+  const int received = p.info[0];
+  const __nv_bfloat16* y = static_cast<const __nv_bfloat16*>(p.y);
+  const __nv_bfloat16* yc = static_cast<const __nv_bfloat16*>(p.y_compact);
+  for (int i = warp; i < received; i += warps) {
+    const int src = p.recv_src[i], s = src / M, t = src % M;
+    if (lane == 0) wait_epoch(p.c_ready + s, c);
+    __syncwarp();
+    __nv_bfloat16* to = peer_ptr(p.heap, reinterpret_cast<__nv_bfloat16*>(p.comb + (static_cast<u64>(me) * M + t) * row_bytes), s);
+    for (int ch = lane * 8; ch < H; ch += 256) {
+      uint4 r;
+      if (yc != nullptr) {
+        r = *reinterpret_cast<const uint4*>(yc + static_cast<u64>(i) * H + ch);
+      } else {
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+        for (int k = 0; k < K; ++k) {
+          const int pos = p.recv_pos[static_cast<u64>(i) * K + k];
+          if (pos < 0) continue;
+          const float w = p.recv_w[static_cast<u64>(i) * K + k];
+          const uint4 v = *reinterpret_cast<const uint4*>(y + static_cast<u64>(pos) * H + ch);
+          const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[j] += w * __bfloat162float(h[j]);
+        }
+        __nv_bfloat16* rh = reinterpret_cast<__nv_bfloat16*>(&r);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) rh[j] = __float2bfloat16_rn(acc[j]);
+      }
+      *reinterpret_cast<uint4*>(to + ch) = r;
+    }
+  }
+  if (!last_block(&p.state->ht_combine_done)) return;
+  if (static_cast<int>(threadIdx.x) < W) put_signal(p.heap, p.c_done + me, c, static_cast<int>(threadIdx.x));
+  if (threadIdx.x == 0) {
+    p.state->ht_combine_done = 0;
+    st_relaxed<Scope::kGpu>(&p.state->ht_combine_epoch, c);
+  }
+}
+
+// A warp per token: out[t] = sum of comb[r][t] over the ranks its slots were sent to, in fp32.
+__global__ void __launch_bounds__(kHtThreads, 1) ep_ht_combine_recv(EpHtParams p) {
+  const u64 c = ld_relaxed<Scope::kGpu>(&p.state->ht_combine_epoch);
+  const int W = p.heap.num_ranks, L = p.num_local_experts, E = p.num_experts, K = p.topk, M = p.max_tokens;
+  const int H = p.hidden;
+  const u64 row_bytes = 2ull * H;
+  if (static_cast<int>(threadIdx.x) < W) wait_epoch(p.c_done + threadIdx.x, c);
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int warp = blockIdx.x * kHtWarps + threadIdx.x / 32, warps = gridDim.x * kHtWarps;
+  for (int t = warp; t < p.num_tokens; t += warps) {
+    const int g = warp_slot_expert(p.topk_idx, K, E, t, lane, nullptr);
+    const int r = g >= 0 ? g / L : -1;
+    bool first = r >= 0;
+    for (int k = 0; k < K; ++k) {
+      const int other = __shfl_sync(0xffffffffu, r, k);
+      if (k < lane && other == r) first = false;
+    }
+    const unsigned firsts = __ballot_sync(0xffffffffu, first);
+    int ranks[kMaxTopk];
+    int n = 0;
+    for (int k = 0; k < K; ++k) {
+      const int rk = __shfl_sync(0xffffffffu, r, k);
+      if (firsts >> k & 1u) ranks[n++] = rk;
+    }
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<u64>(t) * H;
+    for (int ch = lane * 8; ch < H; ch += 256) {
+      float acc[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+      for (int q = 0; q < n; ++q) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p.comb + (static_cast<u64>(ranks[q]) * M + t) * row_bytes + 2ull * ch);
+        const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] += __bfloat162float(h[j]);
+      }
+      uint4 o;
+      __nv_bfloat16* oh = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) oh[j] = __float2bfloat16_rn(acc[j]);
+      *reinterpret_cast<uint4*>(out + ch) = o;
+    }
+  }
+}
+
+}  // namespace tdist::kernels::ep
+#endif  // __CUDACC__

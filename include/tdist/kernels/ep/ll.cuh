@@ -1,0 +1,313 @@
+// Low-latency expert-parallel all-to-all (MoE dispatch and combine for decode batches), over NVLink.
+//
+// Notation: W ranks, E experts, L = E / W local experts (expert g lives on rank g / L as local
+// expert g % L), K top-k slots, T <= M tokens on this rank (M = max_tokens), H hidden channels,
+// G = ceil(H / 128) FP8 scale groups. Row (t, j) is token t sent to its j-th expert topk_idx[t][j].
+//
+// Symmetric buffers (per rank; layout in src/ops/ep.cpp, EpLlLayout, the one place it is sized):
+//   d_rows   char[2][L][W][M][2H]  parity x local expert x source rank x slot: the received row
+//                                  (bf16, or H bytes of e4m3 at the start of the row)
+//   d_scales f32[2][L][W][M][G]    the row's scales (FP8 only): channel c = q[c] * scale[c / 128]
+//   d_route  i32[2][L][W][M]       t * K + j of the row on its source rank
+//   d_count  u64[2][L][W]          (epoch << 32) | rows, raised by the source once its rows landed
+//   d_ack    u64[E]                d_ack[g] = the last dispatch epoch whose rows of expert g the
+//                                  owner of g has consumed (written by that owner)
+//   c_rows   char[2][M][K][2H]     combine: expert output (bf16) of this rank's row (t, j)
+//   c_flags  u64[2][M][K]          = combine epoch once row (t, j) has landed
+//   c_ack    u64[W]                c_ack[r] = the last combine epoch whose rows rank r has consumed
+// Parity = epoch & 1. A sender writes parity p at call e only after the receiver acknowledged call
+// e - 2 (the previous user of p), so calls may run back to back without host synchronisation.
+//
+// Epochs (CUDA-graph safety): EpState.dispatch_epoch / combine_epoch count the calls in device
+// memory; a send kernel uses e = count + 1 and its last block stores e back. The send kernel also
+// stores e into the call's epoch slot, from which the receive kernel (the hook) reads it, so a graph
+// replays with fresh epochs and two dispatches may be in flight (two slots).
+//
+// Dispatch: send (a block per token: lane j of warp 0 claims slot j's row with a local atomic per
+// expert, then the block's warps read the token once in 16-byte pieces, convert them to e4m3 when
+// asked, and store each piece into every destination row); its last block raises the count flags.
+// Receive (a block per local expert) waits for its W count flags, packs the rows source after
+// source into the expert-major output recv_x[L][W * M][...], counts them in recv_count[L], and
+// acknowledges. Combine: send (a warp per received row) writes the expert output row back into its
+// source's c_rows[(t, j)] and raises that row's flag; receive (a block per token) waits for its
+// rows' flags and sums w[t][j] * row in fp32; its last block acknowledges to every rank.
+//
+// Invalid top-k entries: -1 is a masked slot (skipped). An id outside [-1, E) or a repeat of an
+// earlier slot's expert in the same token is skipped by dispatch and combine alike (so no wait can
+// hang on it) and reported through the error word (EpError), which the host reads.
+#pragma once
+
+#include "tdist/kernels/ep/common.cuh"
+
+namespace tdist::kernels::ep {
+
+using tdist::device::u32;
+using tdist::device::u64;
+
+constexpr int kLlThreads = 512;
+constexpr int kLlWarps = kLlThreads / 32;
+
+struct EpLlParams {
+  tdist::device::SymmetricHeapView heap;
+  int num_tokens, max_tokens, hidden, num_experts, num_local_experts, topk;
+  int fp8, ue8m0;
+  // caller's operands
+  const void* x;                  // bf16 [T][H] (dispatch)
+  const long long* topk_idx;      // i64 [T][K]
+  const float* topk_weights;      // f32 [T][K] (combine)
+  const void* y;                  // bf16 [L][W * M][H] expert outputs (combine)
+  void* out;                      // bf16 [T][H] combined (combine)
+  // symmetric (this rank's addresses)
+  char* d_rows;
+  float* d_scales;
+  int* d_route;
+  u64* d_count;
+  u64* d_ack;
+  char* c_rows;
+  u64* c_flags;
+  u64* c_ack;
+  // local device memory
+  EpState* state;
+  u32* send_counts;  // [E], zero between calls
+  u64* epoch_slot;   // this call's slot
+  int* error;        // [4]
+  // dispatch outputs (local): recv_x [L][W * M][H] (bf16, or e4m3 bytes), recv_scales [L][W * M][G],
+  // recv_route [L][W * M] = (src * M + t) * K + j, recv_count [L]
+  char* recv_x;
+  float* recv_scales;
+  int* recv_route;
+  int* recv_count;
+};
+
+TDIST_HOST_DEVICE int scale_groups(int hidden) { return (hidden + kFp8GroupSize - 1) / kFp8GroupSize; }
+
+}  // namespace tdist::kernels::ep
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+
+namespace tdist::kernels::ep {
+
+// Lane j < K: the expert of slot j if it is to be sent, else -1 (warp-wide; ep/common.cuh's rule).
+TDIST_DEVICE int slot_expert(const EpLlParams& p, int t, int lane, bool report) {
+  return warp_slot_expert(p.topk_idx, p.topk, p.num_experts, t, lane, report ? p.error : nullptr);
+}
+
+TDIST_DEVICE float warp_max16(float v) {
+#pragma unroll
+  for (int m = 8; m >= 1; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+
+// The scale of a group whose largest magnitude is `amax`; UE8M0: the next power of two up.
+TDIST_DEVICE float fp8_scale(float amax, bool ue8m0) {
+  float s = amax > 0.f ? amax / kFp8Max : 1.f;
+  if (ue8m0) s = exp2f(ceilf(log2f(s)));
+  return s;
+}
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams p) {
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  const u64 par = e & 1;
+  const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
+  const int K = p.topk, G = scale_groups(H);
+  const u64 row_stride = 2ull * H;
+  // A block per token (grid-stride): warp 0 claims the rows, then every warp sends its share of the
+  // 256-channel pieces (a piece holds whole FP8 scale groups, so the warps need not meet again).
+  __shared__ char* dst_rows[kMaxTopk];
+  __shared__ float* dst_scales[kMaxTopk];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x);
+  for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    if (warp == 0) {
+      const int g = slot_expert(p, t, lane, true);
+      char* dst = nullptr;
+      float* dst_s = nullptr;
+      if (g >= 0) {
+        const int r = g / L, le = g % L;
+        if (e > 2) wait_epoch(p.d_ack + g, e - 2);  // parity `par` of expert g is free again
+        const u32 slot = atomicAdd(p.send_counts + g, 1u);  // < M: one row per token and expert
+        const u64 row = ((par * L + le) * W + me) * static_cast<u64>(M) + slot;
+        dst = peer_ptr(p.heap, p.d_rows + row * row_stride, r);
+        if (p.fp8) dst_s = peer_ptr(p.heap, p.d_scales + row * G, r);
+        *peer_ptr(p.heap, p.d_route + row, r) = t * K + lane;
+      }
+      if (lane < K) {
+        dst_rows[lane] = dst;
+        dst_scales[lane] = dst_s;
+      }
+    }
+    __syncthreads();
+    const __nv_bfloat16* src = x + static_cast<u64>(t) * H;
+    for (int c0 = warp * 256; c0 < H; c0 += kLlWarps * 256) {  // warp-uniform
+      const int c = c0 + lane * 8;  // this lane's 8 channels
+      const bool active = c < H;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (active) v = *reinterpret_cast<const uint4*>(src + c);
+      if (!p.fp8) {
+        for (int k = 0; k < K; ++k) {
+          char* d = dst_rows[k];
+          if (d != nullptr && active) *reinterpret_cast<uint4*>(d + 2ull * c) = v;
+        }
+      } else {
+        const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+        float f[8], amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          f[i] = __bfloat162float(h[i]);
+          amax = fmaxf(amax, fabsf(f[i]));
+        }
+        amax = warp_max16(amax);  // lanes 0-15 and 16-31 each cover one group of 128 channels
+        const float scale = fp8_scale(amax, p.ue8m0 != 0), inv = 1.f / scale;
+        uint2 q;
+        unsigned short* qs = reinterpret_cast<unsigned short*>(&q);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          qs[i] = __nv_cvt_float2_to_fp8x2(make_float2(f[2 * i] * inv, f[2 * i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
+        for (int k = 0; k < K; ++k) {
+          char* d = dst_rows[k];
+          if (d != nullptr && active) {
+            *reinterpret_cast<uint2*>(d + c) = q;
+            if ((lane & 15) == 0) dst_scales[k][c / kFp8GroupSize] = scale;
+          }
+        }
+      }
+    }
+    __syncthreads();  // the next token's rows replace dst_rows
+  }
+  if (!last_block(&p.state->dispatch_done)) return;
+  // Every row of this call has been stored: raise the count flag of every (expert, this rank).
+  for (int g = threadIdx.x; g < p.num_experts; g += blockDim.x) {
+    const int r = g / L, le = g % L;
+    const u32 n = ld_relaxed<Scope::kGpu>(p.send_counts + g);
+    if (e > 2) wait_epoch(p.d_ack + g, e - 2);
+    put_signal(p.heap, p.d_count + (par * L + le) * W + me, (e << 32) | n, r);
+    p.send_counts[g] = 0;
+  }
+  if (threadIdx.x == 0) {
+    p.state->dispatch_done = 0;
+    st_relaxed<Scope::kGpu>(&p.state->dispatch_epoch, e);
+  }
+}
+
+// One block per local expert (grid-stride): packs its rows source after source.
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams p) {
+  __shared__ int counts[kMaxLsaRanks], offsets[kMaxLsaRanks + 1];
+  const u64 e = *p.epoch_slot, par = e & 1;
+  const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
+  const int K = p.topk, G = scale_groups(H);
+  const u64 row_stride = 2ull * H, rows_per_expert = static_cast<u64>(W) * M;
+  const u64 row_bytes = p.fp8 ? static_cast<u64>(H) : 2ull * H;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  for (int le = blockIdx.x; le < L; le += gridDim.x) {
+    if (threadIdx.x < W) counts[threadIdx.x] = static_cast<int>(wait_count_flag(p.d_count + (par * L + le) * W + threadIdx.x, e));
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      offsets[0] = 0;
+      for (int s = 0; s < W; ++s) offsets[s + 1] = offsets[s] + counts[s];
+      p.recv_count[le] = offsets[W];
+    }
+    __syncthreads();
+    const int total = offsets[W];
+    for (int i = warp; i < total; i += kLlWarps) {
+      int s = 0;
+      while (offsets[s + 1] <= i) ++s;
+      const u64 src_row = ((par * L + le) * W + s) * static_cast<u64>(M) + (i - offsets[s]);
+      const u64 dst_row = le * rows_per_expert + i;
+      const uint4* from = reinterpret_cast<const uint4*>(p.d_rows + src_row * row_stride);
+      uint4* to = reinterpret_cast<uint4*>(p.recv_x + dst_row * row_bytes);  // packed rows
+      for (u64 v = lane; v < row_bytes / 16; v += 32) to[v] = from[v];
+      if (row_bytes % 16 != 0 && lane == 0) {  // FP8 rows of H = 8 (mod 16) bytes
+        reinterpret_cast<uint2*>(to)[row_bytes / 8 - 1] = reinterpret_cast<const uint2*>(from)[row_bytes / 8 - 1];
+      }
+      if (p.fp8)
+        for (int q = lane; q < G; q += 32) p.recv_scales[dst_row * G + q] = p.d_scales[src_row * G + q];
+      if (lane == 0) p.recv_route[dst_row] = (s * M) * K + p.d_route[src_row];
+    }
+    __syncthreads();  // every read of this expert's parity-`par` rows is done
+    if (threadIdx.x < W) put_signal(p.heap, p.d_ack + (me * L + le), e, threadIdx.x);
+  }
+}
+
+// A warp per received row: the expert output goes back to its source's c_rows[(t, j)].
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p) {
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  const u64 par = e & 1;
+  const int W = p.heap.num_ranks, L = p.num_local_experts, M = p.max_tokens, H = p.hidden, K = p.topk;
+  const u64 rows_per_expert = static_cast<u64>(W) * M, row_bytes = 2ull * H;
+  const int lane = threadIdx.x & 31;
+  const int warp = blockIdx.x * kLlWarps + threadIdx.x / 32, warps = gridDim.x * kLlWarps;
+  const u64 slots = static_cast<u64>(M) * K;
+  for (u64 f = warp; f < L * rows_per_expert; f += warps) {
+    const int le = static_cast<int>(f / rows_per_expert);
+    if (static_cast<int>(f % rows_per_expert) >= p.recv_count[le]) continue;
+    const int route = p.recv_route[f];
+    const int s = static_cast<int>(route / slots);
+    const u64 tk = route % slots;
+    if (e > 2 && lane == 0) wait_epoch(p.c_ack + s, e - 2);  // parity `par` of rank s is free again
+    __syncwarp();
+    const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.y) + f * row_bytes);
+    uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.c_rows + (par * slots + tk) * row_bytes), s);
+    for (u64 v = lane; v < row_bytes / 16; v += 32) to[v] = from[v];
+    __syncwarp();
+    if (lane == 0) put_signal(p.heap, p.c_flags + par * slots + tk, e, s);
+  }
+  if (!last_block(&p.state->combine_send_done)) return;
+  if (threadIdx.x == 0) {
+    p.state->combine_send_done = 0;
+    st_relaxed<Scope::kGpu>(&p.state->combine_epoch, e);
+  }
+}
+
+// A block per token (grid-stride): warp 0 waits for the token's rows, then every warp sums its
+// share of the 256-channel pieces: out[t] = sum over valid slots j of w[t][j] * c_rows[(t, j)], fp32.
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p) {
+  const u64 e = *p.epoch_slot, par = e & 1;
+  const int M = p.max_tokens, H = p.hidden, K = p.topk;
+  const u64 slots = static_cast<u64>(M) * K, row_bytes = 2ull * H;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  __shared__ unsigned valid_slots;
+  for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    if (warp == 0) {
+      const int g = slot_expert(p, t, lane, false);
+      if (g >= 0) wait_epoch(p.c_flags + par * slots + static_cast<u64>(t) * K + lane, e);
+      const unsigned valid = __ballot_sync(0xffffffffu, g >= 0);
+      if (lane == 0) valid_slots = valid;
+    }
+    __syncthreads();  // the rows the waits saw are visible to the whole block
+    const unsigned valid = valid_slots;
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<u64>(t) * H;
+    for (int c = warp * 256 + lane * 8; c < H; c += kLlWarps * 256) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+      for (int k = 0; k < K; ++k) {
+        if (!(valid >> k & 1u)) continue;
+        const float wk = p.topk_weights[static_cast<u64>(t) * K + k];
+        const uint4 v =
+            *reinterpret_cast<const uint4*>(p.c_rows + (par * slots + static_cast<u64>(t) * K + k) * row_bytes + 2ull * c);
+        const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += wk * __bfloat162float(h[i]);
+      }
+      uint4 r;
+      __nv_bfloat16* rh = reinterpret_cast<__nv_bfloat16*>(&r);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) rh[i] = __float2bfloat16_rn(acc[i]);
+      *reinterpret_cast<uint4*>(out + c) = r;
+    }
+    __syncthreads();  // valid_slots is rewritten for the next token
+  }
+  if (!last_block(&p.state->combine_done)) return;
+  // Every rank's rows of this call have been read: the parity is free for call e + 2.
+  if (static_cast<int>(threadIdx.x) < p.heap.num_ranks)
+    put_signal(p.heap, p.c_ack + p.heap.rank, e, static_cast<int>(threadIdx.x));
+  if (threadIdx.x == 0) p.state->combine_done = 0;
+}
+
+}  // namespace tdist::kernels::ep
+#endif  // __CUDACC__
