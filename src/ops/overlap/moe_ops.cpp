@@ -249,7 +249,7 @@ struct MoeGroupGemmRs::Impl {
   GroupedGemm gemm;
   DeviceBuffer d_rows;   // T[moe_capacity(max_m)][max_n]: the GEMM's products, expert order
   DeviceBuffer staging;  // T[max_m][max_n]: reduced rows of the peers' tokens (chunked: at their
-                         // RowChunks place; baseline: every token, NCCL's input)
+                         // RowChunks place; baseline and run_all_reduce: every token, the collective's input)
 
   Impl(World& world, SymmetricHeap& heap, const MoeConfig& c)
       : config((check_moe_config(c, false, world.world_size()), c)),
@@ -373,14 +373,17 @@ struct MoeGroupGemmRs::Impl {
     if (a.m == 0 || a.n == 0) return;
     const MoeRouting& r = *a.routing;
     gemm.run(gemm_args(a), stream, GroupedGemmRunOptions{.tile = moe_tile(r.capacity, a.n, a.k, rt.num_sms())});
-    kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
-    if (rt.size() == 1) return;
+    if (rt.size() == 1) {
+      kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
+      return;
+    }
+    kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), staging.get()), stream);
     const size_t count = static_cast<size_t>(a.m) * a.n;
     if (count * elem() <= rt.sequential_max_bytes())
-      rt.coll().all_reduce(a.d, a.d, count, config.dtype, stream);
+      rt.coll().all_reduce(staging.get(), a.d, count, config.dtype, stream);
     else
       TDIST_NCCL_CHECK(
-          ncclAllReduce(a.d, a.d, count, detail::nccl_type(config.dtype), ncclSum, rt.world().comm(), stream));
+          ncclAllReduce(staging.get(), a.d, count, detail::nccl_type(config.dtype), ncclSum, rt.world().comm(), stream));
   }
 };
 
