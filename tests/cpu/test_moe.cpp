@@ -190,6 +190,14 @@ TEST(MoeRouting, ArgumentErrors) {
   expect_arg_error([&] { tdist::moe_group_gemm_rs_heap_bytes(bad, 2, 132); }, "topk");
 }
 
+TEST(MoeMethod, AutoOverlapsOnlyWhereAChunkCanHideATransfer) {
+  EXPECT_EQ(tdist::choose_moe_method(16384, 1), tdist::OverlapMethod::kBaseline);
+  EXPECT_EQ(tdist::choose_moe_method(511, 2), tdist::OverlapMethod::kBaseline);
+  EXPECT_EQ(tdist::choose_moe_method(512, 2), tdist::OverlapMethod::kChunked);
+  EXPECT_EQ(tdist::choose_moe_method(4096, 8), tdist::OverlapMethod::kChunked);
+  EXPECT_EQ(tdist::choose_moe_method(1024, 8), tdist::OverlapMethod::kBaseline);
+}
+
 TEST(MoeKernels, CompileForSm90aWithoutSpills) {
   tdist::test::TempDir cache;
   tdist::jit::KernelCache kernels(cache.path);

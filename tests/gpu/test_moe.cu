@@ -349,8 +349,8 @@ int main() {
             cases.back()->poison(stream);
           }
           for (auto& c : cases) {
-            ops.up.run(c->ag_args(), stream);
-            ops.down.run(c->rs_args(&ops.up.routing(), false), stream);
+            ops.up.run(c->ag_args(), stream, OverlapMethod::kChunked);
+            ops.down.run(c->rs_args(&ops.up.routing(), false), stream, OverlapMethod::kChunked);
           }
           TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
           for (auto& c : cases) {
@@ -375,15 +375,15 @@ int main() {
     Ops ops(world, heap, {.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk},
             {.max_m = s.m, .max_n = s.hidden, .experts = s.experts, .topk = s.topk});
     Case<T> c(world, s, ++case_seed);
-    ops.up.run(c.ag_args(), stream);  // warm-up: kernels loaded
-    ops.down.run(c.rs_args(&ops.up.routing(), false), stream);
+    ops.up.run(c.ag_args(), stream, OverlapMethod::kChunked);  // warm-up: kernels loaded
+    ops.down.run(c.rs_args(&ops.up.routing(), false), stream, OverlapMethod::kChunked);
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
     world.barrier("moe graph warm-up");
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    ops.up.run(c.ag_args(), stream);
-    ops.down.run(c.rs_args(&ops.up.routing(), false), stream);
+    ops.up.run(c.ag_args(), stream, OverlapMethod::kChunked);
+    ops.down.run(c.rs_args(&ops.up.routing(), false), stream, OverlapMethod::kChunked);
     TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     for (int i = 0; i < 3; ++i) {

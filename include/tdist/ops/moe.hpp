@@ -84,6 +84,11 @@ class MoeRouter {
   std::unique_ptr<Impl> impl_;
 };
 
+// The method `auto` runs (pure): the unfused sequence (kBaseline) on one rank or below 256 tokens per
+// rank, where a chunk's GEMM is too short to hide a transfer behind (the dense ops' bound,
+// docs/gemm_overlap.md); kChunked otherwise. Not yet tuned on MoE shapes.
+OverlapMethod choose_moe_method(int64_t m, int world_size);
+
 struct MoeConfig {
   int64_t max_m = 0;  // tokens (all ranks)
   int64_t k = 0;      // MoeAgGroupGemm: the hidden size (columns of a_local)
@@ -107,7 +112,7 @@ struct MoeAgGroupGemmArgs {
 
 // AllGather + grouped GEMM. Methods: chunked (copy-engine puts with one flag per source chunk; the
 // tiles whose rows are all this rank's run first, then each chunk's tiles once its flag is up),
-// baseline (NCCL AllGather, then the grouped GEMM), auto (chunked).
+// baseline (NCCL AllGather, then the grouped GEMM), auto (choose_moe_method).
 class MoeAgGroupGemm {
  public:
   MoeAgGroupGemm(World& world, SymmetricHeap& heap, const MoeConfig& config);
@@ -135,7 +140,7 @@ struct MoeGroupGemmRsArgs {
 // Grouped GEMM + top-k weighted reduce + ReduceScatter (or AllReduce). Methods of run: chunked (the
 // tiles of the peers' tokens first, each peer's reduced rows sent by copy engine as soon as they are
 // done, own tokens last, summed with what arrived), baseline (grouped GEMM, reduce, NCCL
-// ReduceScatter), auto (chunked). run_all_reduce: grouped GEMM, reduce, then tdist's AllReduce (NCCL
+// ReduceScatter), auto (choose_moe_method). run_all_reduce: grouped GEMM, reduce, then tdist's AllReduce (NCCL
 // past its capacity), for decode.
 class MoeGroupGemmRs {
  public:

@@ -84,6 +84,11 @@ constexpr size_t kMoeCollectiveBytes = size_t{8} << 20;  // run_all_reduce's tdi
 
 }  // namespace
 
+OverlapMethod choose_moe_method(int64_t m, int world_size) {
+  constexpr int64_t kMinRowsPerRank = 256;
+  return world_size > 1 && m / world_size >= kMinRowsPerRank ? OverlapMethod::kChunked : OverlapMethod::kBaseline;
+}
+
 size_t moe_ag_group_gemm_heap_bytes(const MoeConfig& c, int world_size, int num_sms) {
   check_moe_config(c, true, world_size);
   return MoeAgLayout(c, world_size).layout.bytes() + OverlapRuntime::collectives_heap_bytes(1, world_size, num_sms);
@@ -142,7 +147,7 @@ struct MoeAgGroupGemm::Impl {
 
   OverlapMethod method(const MoeAgGroupGemmArgs& a, OverlapMethod requested) const {
     check(a);
-    if (requested == OverlapMethod::kAuto) return OverlapMethod::kChunked;
+    if (requested == OverlapMethod::kAuto) return choose_moe_method(a.m, rt.size());
     TDIST_CHECK_ARG(requested == OverlapMethod::kChunked || requested == OverlapMethod::kBaseline, "method",
                     "MoE AllGather + grouped GEMM runs auto, chunked or baseline, got ", to_string(requested));
     return requested;
@@ -289,7 +294,7 @@ struct MoeGroupGemmRs::Impl {
 
   OverlapMethod method(const MoeGroupGemmRsArgs& a, OverlapMethod requested) const {
     check(a, false);
-    if (requested == OverlapMethod::kAuto) return OverlapMethod::kChunked;
+    if (requested == OverlapMethod::kAuto) return choose_moe_method(a.m, rt.size());
     TDIST_CHECK_ARG(requested == OverlapMethod::kChunked || requested == OverlapMethod::kBaseline, "method",
                     "MoE grouped GEMM + ReduceScatter runs auto, chunked or baseline, got ", to_string(requested));
     return requested;
