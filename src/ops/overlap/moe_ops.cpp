@@ -178,7 +178,6 @@ struct MoeAgGroupGemm::Impl {
     }
     const GemmTile tile = moe_tile(moe_capacity(a.m, config.topk, config.experts), a.n, config.k, rt.num_sms());
     km::GatherRowsParams g{};
-    g.token_of_row = nullptr;
     g.out = a_rows.get();
     g.k = static_cast<u32>(config.k);
     g.local = a.a_local;
@@ -191,9 +190,7 @@ struct MoeAgGroupGemm::Impl {
       g.gathered = plain.get();
       g.local_rows = 0;
       g.token_of_row = r.token_of_row;
-      g.order = nullptr;
-      g.count = r.ag_count;  // unused without an order: every tile, see below
-      // Every tile in index order: list counts summed would need the device, so gather per list.
+      // Every tile, list by list (the lists' total is known on the device only).
       for (int j = 0; j < world; ++j) {
         g.order = r.ag_order + static_cast<size_t>(j) * r.max_tiles;
         g.count = r.ag_count + j;
