@@ -14,6 +14,7 @@
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/registry.hpp"
+#include "tdist/kernels/moe/routing.cuh"
 #include "tdist/ops/moe.hpp"
 
 namespace {
@@ -127,6 +128,15 @@ TEST(MoeRouting, ReferenceMatchesBruteForce) {
                                           << static_cast<int>(kind));
           const MoeRoutingHost ref = tdist::moe_routing_reference(ids, c.m, c.topk, c.experts, world, rank);
           expect_same(ref, brute_force(ids, c.m, c.topk, c.experts, world, rank));
+          // The kernel's binary-search keys of every tile against the lists.
+          const tdist::kernels::moe::RotatedPairs pairs{{static_cast<uint64_t>(c.m), world},
+                                                        static_cast<uint32_t>(c.topk), rank};
+          for (int key = 0; key < world; ++key) {
+            for (uint32_t tile : ref.ag_order[key])
+              EXPECT_EQ(tdist::kernels::moe::tile_keys(&ref.token_of_row[tile * kTile], pairs).ag, key) << tile;
+            for (uint32_t tile : ref.rs_order[key])
+              EXPECT_EQ(tdist::kernels::moe::tile_keys(&ref.token_of_row[tile * kTile], pairs).rs, key) << tile;
+          }
           EXPECT_LE(ref.offsets.back(), tdist::moe_capacity(c.m, c.topk, c.experts));
           // Own-token tiles run first and need no wait; every tile is listed once per order.
           size_t ag = 0, rs = 0;

@@ -74,6 +74,37 @@ struct RotatedPairs {
 // ReduceScatter step of a relative source: peers first (rel 1 at step 0), own tokens last.
 TDIST_HOST_DEVICE int rs_step(int rel, int world) { return (rel + world - 1) % world; }
 
+// The two list keys of a tile (layout above) from its kMoeTile entries of token_of_row. A tile's
+// real rows come first (its first row is real) and their rel is non-decreasing, so two binary
+// searches replace a scan of the tile.
+struct TileKeys {
+  int ag, rs;
+};
+TDIST_HOST_DEVICE TileKeys tile_keys(const int* rows, const RotatedPairs& pairs) {
+  const int world = pairs.split.num_ranks;
+  int lo = 1, hi = static_cast<int>(kMoeTile);  // real rows: the largest n with rows[n - 1] >= 0
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (rows[mid - 1] >= 0)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int real = lo;
+  const int rel_first = pairs.rel(static_cast<u64>(rows[0]));
+  const int rel_last = pairs.rel(static_cast<u64>(rows[real - 1]));
+  if (rel_first > 0 || rel_last == 0) return {rel_last, rs_step(rel_first, world)};  // every rel > 0, or all 0
+  lo = 1, hi = real - 1;  // own rows, then others': the first other row has the earliest step
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (pairs.rel(static_cast<u64>(rows[mid])) > 0)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return {rel_last, rs_step(pairs.rel(static_cast<u64>(rows[lo])), world)};
+}
+
 struct RouteParams {
   const int* topk_ids;  // int32[M][topk]
   RotatedPairs pairs;
@@ -269,15 +300,9 @@ __global__ void __launch_bounds__(1024) moe_route_tiles(RouteParams p) {
     const bool valid = tile < tiles;
     int ag_key = 0, rs_key = world - 1;
     if (valid) {
-      const int row0 = static_cast<int>(tile * kMoeTile);
-      for (int r = row0; r < row0 + static_cast<int>(kMoeTile); ++r) {
-        const int t = p.token_of_row[r];
-        if (t < 0) break;  // padding comes after the expert's real rows
-        const int rel = p.pairs.rel(static_cast<u64>(t));
-        ag_key = rel > ag_key ? rel : ag_key;
-        const int s = rs_step(rel, world);
-        rs_key = s < rs_key ? s : rs_key;
-      }
+      const TileKeys keys = tile_keys(p.token_of_row + static_cast<u64>(tile) * kMoeTile, p.pairs);
+      ag_key = keys.ag;
+      rs_key = keys.rs;
     }
     append_stable(valid, ag_key, tile, world, ag_run, warp_total, p.ag_order, p.max_tiles);
     append_stable(valid, rs_key, tile, world, rs_run, warp_total, p.rs_order, p.max_tiles);
