@@ -200,6 +200,27 @@ TEST(MoeRouting, ArgumentErrors) {
   expect_arg_error([&] { tdist::moe_group_gemm_rs_heap_bytes(bad, 2, 132); }, "topk");
 }
 
+TEST(MoeRouting, GroupedScheduleVisitsACountedPrefixOfTheOrder) {
+  // Three experts of 2, 0 and 3 tiles; the order lists tiles 4, 0, 2 first, then the others; a count
+  // of 3 visits exactly those (every n-tile once), a count of 0 nothing.
+  const std::vector<int> offsets = {0, 2 * kTile, 2 * kTile, 5 * kTile};
+  const std::vector<uint32_t> order = {4, 0, 2, 1, 3};
+  for (uint32_t count : {3u, 0u, 5u}) {
+    const auto sched = tdist::kernels::gemm::GroupedScheduler::make(offsets.data(), 4, 3, 5 * kTile, 300, kTile, 128, 8,
+                                                                    0, order.data(), &count)
+                           .prepare();
+    ASSERT_EQ(sched.num_tiles(), count * 3);
+    std::vector<int> seen(5 * 3, 0);
+    for (uint32_t i = 0; i < sched.num_tiles(); ++i) {
+      const auto info = sched.tile_info(i, kTile, 128, 5 * kTile, 300);
+      ++seen[info.coord.tile_m * 3 + info.coord.tile_n];
+      EXPECT_EQ(info.group, info.coord.tile_m < 2 ? 0u : 2u);
+    }
+    for (uint32_t p = 0; p < 5; ++p)
+      for (int j = 0; j < 3; ++j) EXPECT_EQ(seen[order[p] * 3 + j], p < count ? 1 : 0) << p << " " << j;
+  }
+}
+
 TEST(MoeMethod, AutoOverlapsOnlyWhereAChunkCanHideATransfer) {
   EXPECT_EQ(tdist::choose_moe_method(16384, 1), tdist::OverlapMethod::kBaseline);
   EXPECT_EQ(tdist::choose_moe_method(511, 2), tdist::OverlapMethod::kBaseline);
