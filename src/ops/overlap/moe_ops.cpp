@@ -24,6 +24,7 @@
 #include "src/ops/overlap/runtime.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/nvtx.hpp"
 #include "tdist/ops/grouped_gemm.hpp"
@@ -89,6 +90,25 @@ OverlapMethod choose_moe_method(int64_t m, int world_size) {
   return world_size > 1 && m / world_size >= kMinRowsPerRank ? OverlapMethod::kChunked : OverlapMethod::kBaseline;
 }
 
+namespace {
+
+// `requested`, or for kAuto TDIST_OVERLAP_METHOD where it names a method the MoE ops run (chunked or
+// baseline; the dense ops' fused and sequential are theirs only), else choose_moe_method.
+OverlapMethod resolve_moe_method(OverlapMethod requested, int64_t m, int world_size, const char* op) {
+  if (requested == OverlapMethod::kAuto) {
+    if (auto v = env::get("TDIST_OVERLAP_METHOD")) {
+      const OverlapMethod e = parse_overlap_method(*v, "TDIST_OVERLAP_METHOD");
+      if (e == OverlapMethod::kChunked || e == OverlapMethod::kBaseline) return e;
+    }
+    return choose_moe_method(m, world_size);
+  }
+  TDIST_CHECK_ARG(requested == OverlapMethod::kChunked || requested == OverlapMethod::kBaseline, "method", op,
+                  " runs auto, chunked or baseline, got ", to_string(requested));
+  return requested;
+}
+
+}  // namespace
+
 size_t moe_ag_group_gemm_heap_bytes(const MoeConfig& c, int world_size, int num_sms) {
   check_moe_config(c, true, world_size);
   return MoeAgLayout(c, world_size).layout.bytes() + OverlapRuntime::collectives_heap_bytes(1, world_size, num_sms);
@@ -147,10 +167,7 @@ struct MoeAgGroupGemm::Impl {
 
   OverlapMethod method(const MoeAgGroupGemmArgs& a, OverlapMethod requested) const {
     check(a);
-    if (requested == OverlapMethod::kAuto) return choose_moe_method(a.m, rt.size());
-    TDIST_CHECK_ARG(requested == OverlapMethod::kChunked || requested == OverlapMethod::kBaseline, "method",
-                    "MoE AllGather + grouped GEMM runs auto, chunked or baseline, got ", to_string(requested));
-    return requested;
+    return resolve_moe_method(requested, a.m, rt.size(), "MoE AllGather + grouped GEMM");
   }
 
   GroupedGemmArgs gemm_args(const MoeAgGroupGemmArgs& a, const MoeRouting& r) const {
@@ -291,10 +308,7 @@ struct MoeGroupGemmRs::Impl {
 
   OverlapMethod method(const MoeGroupGemmRsArgs& a, OverlapMethod requested) const {
     check(a, false);
-    if (requested == OverlapMethod::kAuto) return choose_moe_method(a.m, rt.size());
-    TDIST_CHECK_ARG(requested == OverlapMethod::kChunked || requested == OverlapMethod::kBaseline, "method",
-                    "MoE grouped GEMM + ReduceScatter runs auto, chunked or baseline, got ", to_string(requested));
-    return requested;
+    return resolve_moe_method(requested, a.m, rt.size(), "MoE grouped GEMM + ReduceScatter");
   }
 
   GroupedGemmArgs gemm_args(const MoeGroupGemmRsArgs& a) const {
