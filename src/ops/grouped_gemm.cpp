@@ -75,7 +75,8 @@ kg::GroupedScheduler grouped_gemm_schedule(const GroupedGemmArgs& a, const GemmT
                                     static_cast<unsigned>(a.num_groups), static_cast<uint64_t>(a.m),
                                     static_cast<uint64_t>(a.n), static_cast<unsigned>(tile.block_m),
                                     static_cast<unsigned>(tile.block_n), static_cast<unsigned>(options.group_m),
-                                    static_cast<unsigned>(options.first_row / tile.block_m), options.m_tile_order);
+                                    static_cast<unsigned>(options.first_row / tile.block_m), options.m_tile_order,
+                                    options.m_tile_count);
 }
 
 std::vector<int64_t> grouped_gemm_offsets(const std::vector<int64_t>& counts) {

@@ -62,6 +62,8 @@ struct GroupedGemmRunOptions {
   const uint32_t* m_tile_order = nullptr;  // device, optional: the m-tiles (of the tile's BLOCK_M) in
                                            // visit order, a permutation of [0, ceil(offsets[G] / BLOCK_M));
                                            // replaces first_row
+  const uint32_t* m_tile_count = nullptr;  // device, optional with m_tile_order: visit only its first
+                                           // *m_tile_count entries (tiles of the listed m-tiles only)
   int max_ctas = 0;                        // persistent CTAs at most; 0: the SM count
 };
 

@@ -34,6 +34,9 @@ constexpr u32 kGroupedAlignment = 128;
 struct GroupedScheduler {
   const void* offsets = nullptr;      // device: G + 1 row offsets (layout above)
   const u32* m_tile_order = nullptr;  // device, optional: u32[tiles_m], the m-tile at each position
+  const u32* m_tile_count = nullptr;  // device, optional with an order table: visit its first
+                                      // *m_tile_count entries only (a subset of the m-tiles, as an
+                                      // overlapped MoE op runs the tiles of one source chunk)
   u32 num_groups = 0;                 // G >= 1
   u32 offset_bytes = 4;               // 4 (int32 offsets) or 8 (int64)
   u32 block_m = 128;                  // the kernel's BLOCK_M
@@ -53,7 +56,8 @@ struct GroupedScheduler {
   // Reads offsets[G] once: the m-tiles of the walk.
   TDIST_HOST_DEVICE GroupedScheduler prepare() const {
     GroupedScheduler s = *this;
-    const u64 tm = (offset(num_groups) + block_m - 1) / block_m;
+    const u64 tm = m_tile_order != nullptr && m_tile_count != nullptr ? *m_tile_count
+                                                                       : (offset(num_groups) + block_m - 1) / block_m;
     s.tiles_m = tm < max_tiles_m ? static_cast<u32>(tm) : max_tiles_m;
     if (s.tiles_m > 0) s.first_tile_m = first_tile_m % s.tiles_m;
     return s;
@@ -104,10 +108,12 @@ struct GroupedScheduler {
   // taken as 1.
   TDIST_HOST_DEVICE static GroupedScheduler make(const void* offsets, u32 offset_bytes, u32 num_groups, u64 m_total,
                                                  u64 n, u32 block_m, u32 block_n, u32 group_m = 8, u32 first_tile_m = 0,
-                                                 const u32* m_tile_order = nullptr) {
+                                                 const u32* m_tile_order = nullptr,
+                                                 const u32* m_tile_count = nullptr) {
     GroupedScheduler s;
     s.offsets = offsets;
     s.m_tile_order = m_tile_order;
+    s.m_tile_count = m_tile_count;
     s.num_groups = num_groups;
     s.offset_bytes = offset_bytes;
     s.block_m = block_m;

@@ -1,0 +1,42 @@
+// The typed launcher of kernels/moe/routing.cuh (routing, row gather, top-k weighted reduce): the
+// kernels' names live here only. Shared by MoeRouter (moe_routing.cpp) and the MoE ops (moe_ops.cpp).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <string>
+
+#include "tdist/common/dtype.hpp"
+#include "tdist/jit/launch.hpp"
+#include "tdist/jit/jit.hpp"
+#include "tdist/kernels/moe/routing.cuh"
+
+namespace tdist::moe {
+
+class MoeKernels {
+ public:
+  static jit::CompileRequest compile_request();
+  // Compiles (or loads) the module; gather_rows and combine take `dtype` (bf16 or fp16).
+  explicit MoeKernels(DType dtype);
+
+  // The four routing kernels (count, scan, place, tiles) on `stream`.
+  void route(const kernels::moe::RouteParams& p, cudaStream_t stream) const;
+  // Rows of the listed tiles; max_rows bounds the rows (the grid's size).
+  void gather_rows(const kernels::moe::GatherRowsParams& p, int64_t max_rows, cudaStream_t stream) const;
+  void combine(const kernels::moe::CombineParams& p, cudaStream_t stream) const;
+
+ private:
+  static constexpr const char* kCount = "tdist::kernels::moe::moe_route_count";
+  static constexpr const char* kScan = "tdist::kernels::moe::moe_route_scan";
+  static constexpr const char* kPlace = "tdist::kernels::moe::moe_route_place";
+  static constexpr const char* kTiles = "tdist::kernels::moe::moe_route_tiles";
+  static std::string gather_instance(DType dtype);
+  static std::string combine_instance(DType dtype);
+
+  std::shared_ptr<jit::Module> module_;
+  jit::Kernel count_, scan_, place_, tiles_, gather_, combine_;
+  int num_sms_ = 0;
+};
+
+}  // namespace tdist::moe

@@ -1,0 +1,422 @@
+// The MoE tensor-parallel ops of ops/moe.hpp: AllGather + grouped GEMM (MoeAgGroupGemm) and grouped
+// GEMM + top-k weighted reduce + ReduceScatter / AllReduce (MoeGroupGemmRs). docs/moe.md.
+//
+// Chunked AllGather + grouped GEMM, per call:
+//   1. begin_call (flags reset, barrier); the copy engine pushes this rank's tokens to every peer's
+//      `gathered`, nearest rank first, each push followed by flags[rank] = 1 on the receiver;
+//   2. meanwhile, on the caller's stream, the routing (MoeRouter) sorts the pairs by expert and lists
+//      the tiles per source chunk (ag order);
+//   3. for j = 0 .. world - 1: wait for chunk (rank + j) (j > 0), gather the rows of list j's tiles
+//      into the expert-ordered A (zeros for padding), grouped GEMM over list j's tiles only.
+// List j's tiles need chunks rank .. rank + j only, so list 0 (this rank's tokens) runs while the
+// first transfer is under way.
+//
+// Chunked grouped GEMM + ReduceScatter, per call: begin_call; for step s = 0 .. world - 1 (owner
+// rank + s + 1, own tokens last): grouped GEMM over rs list s, then the owner's tokens reduced over
+// top-k (weights in fp32) into `staging` and pushed to the owner's `recv` slot by copy engine with a
+// flag, beside the next step's GEMM; the last step waits for every peer's flag and sums the
+// received partials into its own tokens' reduction (fp32, one pass).
+#include <algorithm>
+
+#include "src/ops/nccl_dtype.hpp"
+#include "src/ops/overlap/baselines.hpp"
+#include "src/ops/overlap/moe_kernels.hpp"
+#include "src/ops/overlap/runtime.hpp"
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_buffer.hpp"
+#include "tdist/common/env.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/common/nvtx.hpp"
+#include "tdist/ops/grouped_gemm.hpp"
+#include "tdist/ops/moe.hpp"
+#include "tdist/runtime/symmetric_layout.hpp"
+
+namespace tdist {
+
+using namespace overlap;
+namespace km = kernels::moe;
+
+namespace {
+
+void check_moe_config(const MoeConfig& c, bool by_k, int world_size) {
+  check_overlap_dtype(c.dtype);
+  TDIST_CHECK_ARG(c.max_m > 0 && c.max_m < (int64_t{1} << 31), "config.max_m", "expected 0 < max_m < 2^31, got ",
+                  c.max_m);
+  if (by_k)
+    TDIST_CHECK_ARG(c.k > 0 && c.k % 8 == 0 && c.k < (int64_t{1} << 31), "config.k",
+                    "expected 0 < k < 2^31 and a multiple of 8, got ", c.k);
+  else
+    TDIST_CHECK_ARG(c.max_n > 0 && c.max_n % 8 == 0 && c.max_n < (int64_t{1} << 31), "config.max_n",
+                    "expected 0 < max_n < 2^31 and a multiple of 8, got ", c.max_n);
+  check_moe_routing_args(c.max_m, c.topk, c.experts, world_size, 0);
+}
+
+// The grouped GEMM's tile: the routing's tiles are kMoeTile rows, so BLOCK_M is 128.
+GemmTile moe_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
+  const GemmTile t = choose_gemm_tile(m, n, k, num_sms);
+  return t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 64, 6, 1};
+}
+
+// AllGather + grouped GEMM's symmetric buffers.
+struct MoeAgLayout {
+  SymmetricLayout layout;
+  SymmetricLayout::Region<char> gathered;  // T[max_m][k]: rank r's tokens at RowChunks{m, world}.begin(r)
+  SymmetricLayout::Region<u64> flags;      // u64[world]: flags[r] = 1 once rank r's tokens have landed
+  MoeAgLayout(const MoeConfig& c, int world_size)
+      : gathered(layout.add<char>(static_cast<size_t>(c.max_m) * c.k * dtype_size(c.dtype), "moe gathered tokens")),
+        flags(layout.add<u64>(static_cast<size_t>(world_size), "moe gather flags")) {}
+};
+
+// Grouped GEMM + ReduceScatter's symmetric buffers.
+struct MoeRsLayout {
+  SymmetricLayout layout;
+  SymmetricLayout::Region<char> recv;  // T[world][ceil(max_m / world)][max_n]: slot s = rank s's partial
+                                       // of this rank's tokens
+  SymmetricLayout::Region<u64> flags;  // u64[world]: flags[s] = 1 once slot s has landed
+  static int64_t slot_rows(const MoeConfig& c, int world_size) { return (c.max_m + world_size - 1) / world_size; }
+  MoeRsLayout(const MoeConfig& c, int world_size)
+      : recv(layout.add<char>(static_cast<size_t>(world_size) * slot_rows(c, world_size) * c.max_n *
+                                  dtype_size(c.dtype),
+                              "moe reduce-scatter slots")),
+        flags(layout.add<u64>(static_cast<size_t>(world_size), "moe reduce-scatter flags")) {}
+};
+
+constexpr size_t kMoeCollectiveBytes = size_t{8} << 20;  // run_all_reduce's tdist AllReduce, NCCL past it
+
+}  // namespace
+
+OverlapMethod choose_moe_method(int64_t m, int world_size) {
+  constexpr int64_t kMinRowsPerRank = 256;
+  return world_size > 1 && m / world_size >= kMinRowsPerRank ? OverlapMethod::kChunked : OverlapMethod::kBaseline;
+}
+
+namespace {
+
+// `requested`, or for kAuto TDIST_OVERLAP_METHOD where it names a method the MoE ops run (chunked or
+// baseline; the dense ops' fused and sequential are theirs only), else choose_moe_method.
+OverlapMethod resolve_moe_method(OverlapMethod requested, int64_t m, int world_size, const char* op) {
+  if (requested == OverlapMethod::kAuto) {
+    if (auto v = env::get("TDIST_OVERLAP_METHOD")) {
+      const OverlapMethod e = parse_overlap_method(*v, "TDIST_OVERLAP_METHOD");
+      if (e == OverlapMethod::kChunked || e == OverlapMethod::kBaseline) return e;
+    }
+    return choose_moe_method(m, world_size);
+  }
+  TDIST_CHECK_ARG(requested == OverlapMethod::kChunked || requested == OverlapMethod::kBaseline, "method", op,
+                  " runs auto, chunked or baseline, got ", to_string(requested));
+  return requested;
+}
+
+}  // namespace
+
+size_t moe_ag_group_gemm_heap_bytes(const MoeConfig& c, int world_size, int num_sms) {
+  check_moe_config(c, true, world_size);
+  return MoeAgLayout(c, world_size).layout.bytes() + OverlapRuntime::collectives_heap_bytes(1, world_size, num_sms);
+}
+
+size_t moe_group_gemm_rs_heap_bytes(const MoeConfig& c, int world_size, int num_sms) {
+  check_moe_config(c, false, world_size);
+  return MoeRsLayout(c, world_size).layout.bytes() +
+         OverlapRuntime::collectives_heap_bytes(kMoeCollectiveBytes, world_size, num_sms);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AllGather + grouped GEMM
+
+struct MoeAgGroupGemm::Impl {
+  MoeConfig config;
+  MoeAgLayout layout;
+  OverlapRuntime rt;
+  SymmetricBlock block;
+  char* gathered = nullptr;
+  u64* flags = nullptr;
+  moe::MoeKernels kernels;
+  MoeRouter router;
+  GroupedGemm gemm;
+  DeviceBuffer a_rows;  // T[moe_capacity(max_m)][k]: the tokens in expert order, the GEMM's A
+  DeviceBuffer plain;   // T[max_m][k]: the baseline's NCCL AllGather output
+
+  Impl(World& world, SymmetricHeap& heap, const MoeConfig& c)
+      : config((check_moe_config(c, true, world.world_size()), c)),
+        layout(c, world.world_size()),
+        rt(world, heap, c.dtype, 1, /*with_addend=*/false),
+        block(heap, layout.layout),
+        gathered(block[layout.gathered]),
+        flags(block[layout.flags]),
+        kernels(c.dtype),
+        router(c.max_m, c.topk, c.experts, world.world_size(), world.rank()),
+        a_rows(static_cast<size_t>(moe_capacity(c.max_m, c.topk, c.experts)) * c.k * dtype_size(c.dtype)),
+        plain(layout.gathered.bytes()) {}
+  ~Impl() { cudaDeviceSynchronize(); }
+
+  size_t row_bytes() const { return static_cast<size_t>(config.k) * dtype_size(config.dtype); }
+
+  void check(const MoeAgGroupGemmArgs& a) const {
+    TDIST_CHECK_ARG(a.m >= 0 && a.m <= config.max_m, "m", "expected 0 <= m <= max_m (", config.max_m, "), got ", a.m);
+    TDIST_CHECK_ARG(a.n >= 0 && a.n % 8 == 0 && static_cast<int64_t>(config.experts) * a.n < (int64_t{1} << 31), "n",
+                    "expected 0 <= n, a multiple of 8 (16-byte rows of d), experts x n < 2^31, got ", a.n);
+    if (a.m == 0 || a.n == 0) return;
+    const int64_t rows = static_cast<int64_t>(kg::RowChunks{static_cast<u64>(a.m), rt.size()}.rows(rt.rank()));
+    check_operand(a.a_local, "a_local", rows > 0);
+    TDIST_CHECK_ARG(a.topk_ids != nullptr && reinterpret_cast<uintptr_t>(a.topk_ids) % 4 == 0, "topk_ids",
+                    "expected a 4-byte aligned device pointer to int32 [m][topk], got ",
+                    static_cast<const void*>(a.topk_ids));
+    check_operand(a.b, "b", true);
+    check_operand(a.d, "d", true);
+  }
+
+  OverlapMethod method(const MoeAgGroupGemmArgs& a, OverlapMethod requested) const {
+    check(a);
+    return resolve_moe_method(requested, a.m, rt.size(), "MoE AllGather + grouped GEMM");
+  }
+
+  GroupedGemmArgs gemm_args(const MoeAgGroupGemmArgs& a, const MoeRouting& r) const {
+    return GroupedGemmArgs{.a = a_rows.get(),
+                           .b = a.b,
+                           .d = a.d,
+                           .offsets = r.offsets,
+                           .offsets_type = IndexType::kInt32,
+                           .m = r.capacity,
+                           .n = a.n,
+                           .k = config.k,
+                           .num_groups = config.experts,
+                           .dtype = config.dtype};
+  }
+
+  void run(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
+    const OverlapMethod method = this->method(a, requested);
+    TDIST_NVTX_RANGE("tdist::MoeAgGroupGemm::run", "m=", a.m, " n=", a.n, " k=", config.k, " experts=", config.experts,
+                     " topk=", config.topk, " ", to_string(method));
+    const int rank = rt.rank(), world = rt.size();
+    const kg::RowChunks rows{static_cast<u64>(a.m), world};
+    if (a.m == 0 || a.n == 0) {
+      router.route(a.topk_ids, a.m, stream);  // the routing of these (no) tokens, for the second projection
+      return;
+    }
+    const GemmTile tile = moe_tile(moe_capacity(a.m, config.topk, config.experts), a.n, config.k, rt.num_sms());
+    km::GatherRowsParams g{};
+    g.out = a_rows.get();
+    g.k = static_cast<u32>(config.k);
+    g.local = a.a_local;
+    g.local_begin = rows.begin(rank);
+    g.local_rows = rows.rows(rank);
+
+    if (method == OverlapMethod::kBaseline) {
+      nccl_all_gather_rows(a.a_local, plain.get(), rows, config.k, config.dtype, rank, rt.world().comm(), stream);
+      const MoeRouting& r = router.route(a.topk_ids, a.m, stream);
+      g.gathered = plain.get();
+      g.local_rows = 0;
+      g.token_of_row = r.token_of_row;
+      // Every tile, list by list (the lists' total is known on the device only).
+      for (int j = 0; j < world; ++j) {
+        g.order = r.ag_order + static_cast<size_t>(j) * r.max_tiles;
+        g.count = r.ag_count + j;
+        kernels.gather_rows(g, r.capacity, stream);
+      }
+      gemm.run(gemm_args(a, r), stream, GroupedGemmRunOptions{.tile = tile});
+      return;
+    }
+
+    // Chunked.
+    const size_t local_bytes = rows.rows(rank) * row_bytes();
+    char* local = gathered + rows.begin(rank) * row_bytes();
+    rt.begin_call({{flags, layout.flags.bytes()}}, stream);
+    rt.side().fork(stream);
+    for (int i = 1; i < world; ++i)
+      put_signal_async(rt.heap(), local, a.a_local, local_bytes, flags + rank, 1, (rank + i) % world, rt.side().get());
+    const MoeRouting& r = router.route(a.topk_ids, a.m, stream);
+    g.gathered = gathered;
+    g.token_of_row = r.token_of_row;
+    for (int j = 0; j < world; ++j) {
+      const int source = (rank + j) % world;
+      if (j > 0) rt.wait_flags(flags, source, 1, -1, stream);
+      g.order = r.ag_order + static_cast<size_t>(j) * r.max_tiles;
+      g.count = r.ag_count + j;
+      kernels.gather_rows(g, r.capacity, stream);
+      gemm.run(gemm_args(a, r), stream,
+               GroupedGemmRunOptions{.tile = tile, .m_tile_order = g.order, .m_tile_count = g.count});
+    }
+    rt.side().join(stream);
+  }
+};
+
+MoeAgGroupGemm::MoeAgGroupGemm(World& world, SymmetricHeap& heap, const MoeConfig& config)
+    : impl_(std::make_unique<Impl>(world, heap, config)) {
+  world.barrier("tdist MoeAgGroupGemm ready");
+}
+MoeAgGroupGemm::~MoeAgGroupGemm() = default;
+OverlapMethod MoeAgGroupGemm::method(const MoeAgGroupGemmArgs& args, OverlapMethod requested) const {
+  return impl_->method(args, requested);
+}
+void MoeAgGroupGemm::run(const MoeAgGroupGemmArgs& args, cudaStream_t stream, OverlapMethod method) {
+  impl_->run(args, stream, method);
+}
+const MoeRouting& MoeAgGroupGemm::routing() const { return impl_->router.routing(); }
+const MoeConfig& MoeAgGroupGemm::config() const { return impl_->config; }
+
+// ---------------------------------------------------------------------------------------------
+// Grouped GEMM + ReduceScatter / AllReduce
+
+struct MoeGroupGemmRs::Impl {
+  MoeConfig config;
+  MoeRsLayout layout;
+  OverlapRuntime rt;
+  SymmetricBlock block;
+  char* recv = nullptr;
+  u64* flags = nullptr;
+  moe::MoeKernels kernels;
+  GroupedGemm gemm;
+  DeviceBuffer d_rows;   // T[moe_capacity(max_m)][max_n]: the GEMM's products, expert order
+  DeviceBuffer staging;  // T[max_m][max_n]: reduced rows of the peers' tokens (chunked: at their
+                         // RowChunks place; baseline and run_all_reduce: every token, the collective's input)
+
+  Impl(World& world, SymmetricHeap& heap, const MoeConfig& c)
+      : config((check_moe_config(c, false, world.world_size()), c)),
+        layout(c, world.world_size()),
+        rt(world, heap, c.dtype, kMoeCollectiveBytes, /*with_addend=*/false),
+        block(heap, layout.layout),
+        recv(block[layout.recv]),
+        flags(block[layout.flags]),
+        kernels(c.dtype),
+        d_rows(static_cast<size_t>(moe_capacity(c.max_m, c.topk, c.experts)) * c.max_n * dtype_size(c.dtype)),
+        staging(static_cast<size_t>(c.max_m) * c.max_n * dtype_size(c.dtype)) {}
+  ~Impl() { cudaDeviceSynchronize(); }
+
+  void check(const MoeGroupGemmRsArgs& a, bool all_rows) const {
+    TDIST_CHECK_ARG(a.m >= 0 && a.m <= config.max_m, "m", "expected 0 <= m <= max_m (", config.max_m, "), got ", a.m);
+    TDIST_CHECK_ARG(a.n >= 0 && a.n % 8 == 0 && a.n <= config.max_n, "n",
+                    "expected 0 <= n <= max_n (", config.max_n, ") and a multiple of 8, got ", a.n);
+    TDIST_CHECK_ARG(a.k > 0 && a.k % 8 == 0 && a.k < (int64_t{1} << 31), "k",
+                    "expected 0 < k < 2^31 and a multiple of 8, got ", a.k);
+    TDIST_CHECK_ARG(a.routing != nullptr, "routing", "null (expected the routing of these tokens, e.g. "
+                                                     "MoeAgGroupGemm::routing())");
+    const MoeRouting& r = *a.routing;
+    TDIST_CHECK_ARG(r.m == a.m && r.topk == config.topk && r.experts == config.experts && r.world_size == rt.size() &&
+                        r.rank == rt.rank(),
+                    "routing", "routes m = ", r.m, ", topk = ", r.topk, ", experts = ", r.experts, " on rank ", r.rank,
+                    " of ", r.world_size, "; expected m = ", a.m, ", topk = ", config.topk, ", experts = ",
+                    config.experts, " on rank ", rt.rank(), " of ", rt.size());
+    if (a.m == 0 || a.n == 0) return;
+    const int64_t rows = static_cast<int64_t>(kg::RowChunks{static_cast<u64>(a.m), rt.size()}.rows(rt.rank()));
+    check_operand(a.h, "h", true);
+    check_operand(a.b, "b", true);
+    TDIST_CHECK_ARG(a.topk_weights != nullptr && reinterpret_cast<uintptr_t>(a.topk_weights) % 4 == 0,
+                    "topk_weights", "expected a 4-byte aligned device pointer to fp32 [m][topk], got ",
+                    static_cast<const void*>(a.topk_weights));
+    check_operand(a.d, "d", all_rows || rows > 0);
+  }
+
+  OverlapMethod method(const MoeGroupGemmRsArgs& a, OverlapMethod requested) const {
+    check(a, false);
+    return resolve_moe_method(requested, a.m, rt.size(), "MoE grouped GEMM + ReduceScatter");
+  }
+
+  GroupedGemmArgs gemm_args(const MoeGroupGemmRsArgs& a) const {
+    return GroupedGemmArgs{.a = a.h,
+                           .b = a.b,
+                           .d = d_rows.get(),
+                           .offsets = a.routing->offsets,
+                           .offsets_type = IndexType::kInt32,
+                           .m = a.routing->capacity,
+                           .n = a.n,
+                           .k = a.k,
+                           .num_groups = config.experts,
+                           .dtype = config.dtype};
+  }
+
+  km::CombineParams combine_params(const MoeGroupGemmRsArgs& a, u64 first_token, u64 tokens, void* out) const {
+    km::CombineParams p{};
+    p.d_rows = d_rows.get();
+    p.row_of_pair = a.routing->row_of_pair;
+    p.weights = a.topk_weights;
+    p.num_extra = 0;
+    p.out = out;
+    p.first_token = first_token;
+    p.tokens = tokens;
+    p.topk = static_cast<u32>(config.topk);
+    p.n = static_cast<u32>(a.n);
+    return p;
+  }
+
+  size_t elem() const { return dtype_size(config.dtype); }
+
+  void run(const MoeGroupGemmRsArgs& a, cudaStream_t stream, OverlapMethod requested) {
+    const OverlapMethod method = this->method(a, requested);
+    TDIST_NVTX_RANGE("tdist::MoeGroupGemmRs::run", "m=", a.m, " n=", a.n, " k=", a.k, " experts=", config.experts,
+                     " topk=", config.topk, " ", to_string(method));
+    if (a.m == 0 || a.n == 0) return;
+    const int rank = rt.rank(), world = rt.size();
+    const MoeRouting& r = *a.routing;
+    const kg::RowChunks rows{static_cast<u64>(a.m), world};
+    const GemmTile tile = moe_tile(r.capacity, a.n, a.k, rt.num_sms());
+
+    if (method == OverlapMethod::kBaseline) {
+      gemm.run(gemm_args(a), stream, GroupedGemmRunOptions{.tile = tile});
+      kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), staging.get()), stream);
+      nccl_reduce_scatter_rows(staging.get(), a.d, rows, a.n, config.dtype, rank, rt.world().comm(), stream);
+      return;
+    }
+
+    // Chunked.
+    const size_t slot_bytes = static_cast<size_t>(MoeRsLayout::slot_rows(config, world)) * a.n * elem();
+    rt.begin_call({{flags, layout.flags.bytes()}}, stream);
+    for (int s = 0; s < world; ++s) {
+      const int owner = (rank + s + 1) % world;
+      gemm.run(gemm_args(a), stream,
+               GroupedGemmRunOptions{.tile = tile,
+                                     .m_tile_order = r.rs_order + static_cast<size_t>(s) * r.max_tiles,
+                                     .m_tile_count = r.rs_count + s});
+      if (owner != rank) {
+        void* out = byte_at(staging.get(), rows.begin(owner) * a.n * elem());
+        kernels.combine(combine_params(a, rows.begin(owner), rows.rows(owner), out), stream);
+        rt.side().fork(stream);  // the send waits for this owner's reduction only
+        put_signal_async(rt.heap(), recv + static_cast<size_t>(rank) * slot_bytes, out,
+                         rows.rows(owner) * a.n * elem(), flags + rank, 1, owner, rt.side().get());
+      } else {
+        if (world > 1) rt.wait_flags(flags, 0, world, rank, stream);
+        km::CombineParams p = combine_params(a, rows.begin(rank), rows.rows(rank), a.d);
+        for (int src = 0; src < world; ++src)
+          if (src != rank) p.extra[p.num_extra++] = recv + static_cast<size_t>(src) * slot_bytes;
+        kernels.combine(p, stream);
+      }
+    }
+    if (world > 1) rt.side().join(stream);
+  }
+
+  void run_all_reduce(const MoeGroupGemmRsArgs& a, cudaStream_t stream) {
+    check(a, true);
+    TDIST_NVTX_RANGE("tdist::MoeGroupGemmRs::run_all_reduce", "m=", a.m, " n=", a.n, " k=", a.k);
+    if (a.m == 0 || a.n == 0) return;
+    const MoeRouting& r = *a.routing;
+    gemm.run(gemm_args(a), stream, GroupedGemmRunOptions{.tile = moe_tile(r.capacity, a.n, a.k, rt.num_sms())});
+    if (rt.size() == 1) {
+      kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
+      return;
+    }
+    kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), staging.get()), stream);
+    const size_t count = static_cast<size_t>(a.m) * a.n;
+    if (count * elem() <= rt.sequential_max_bytes())
+      rt.coll().all_reduce(staging.get(), a.d, count, config.dtype, stream);
+    else
+      TDIST_NCCL_CHECK(
+          ncclAllReduce(staging.get(), a.d, count, detail::nccl_type(config.dtype), ncclSum, rt.world().comm(), stream));
+  }
+};
+
+MoeGroupGemmRs::MoeGroupGemmRs(World& world, SymmetricHeap& heap, const MoeConfig& config)
+    : impl_(std::make_unique<Impl>(world, heap, config)) {
+  world.barrier("tdist MoeGroupGemmRs ready");
+}
+MoeGroupGemmRs::~MoeGroupGemmRs() = default;
+OverlapMethod MoeGroupGemmRs::method(const MoeGroupGemmRsArgs& args, OverlapMethod requested) const {
+  return impl_->method(args, requested);
+}
+void MoeGroupGemmRs::run(const MoeGroupGemmRsArgs& args, cudaStream_t stream, OverlapMethod method) {
+  impl_->run(args, stream, method);
+}
+void MoeGroupGemmRs::run_all_reduce(const MoeGroupGemmRsArgs& args, cudaStream_t stream) {
+  impl_->run_all_reduce(args, stream);
+}
+const MoeConfig& MoeGroupGemmRs::config() const { return impl_->config; }
+
+}  // namespace tdist

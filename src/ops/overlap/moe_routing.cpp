@@ -1,0 +1,247 @@
+// MoE routing: the host reference and checks (ops/moe.hpp), and MoeRouter, which runs the routing
+// kernels of kernels/moe/routing.cuh on the GPU. The kernels' module also holds the row gather and
+// the top-k weighted reduce the MoE ops launch (MoeKernels, src/ops/overlap/moe_kernels.hpp).
+#include <algorithm>
+
+#include "src/ops/overlap/moe_kernels.hpp"
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_buffer.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/jit/registry.hpp"
+#include "tdist/ops/moe.hpp"
+
+namespace tdist {
+
+namespace km = kernels::moe;
+
+int64_t moe_capacity(int64_t m, int topk, int experts) {
+  return static_cast<int64_t>(km::moe_capacity(static_cast<uint64_t>(std::max<int64_t>(m, 0)),
+                                               static_cast<uint32_t>(std::max(topk, 0)),
+                                               static_cast<uint32_t>(std::max(experts, 0))));
+}
+int64_t moe_max_tiles(int64_t m, int topk, int experts) { return moe_capacity(m, topk, experts) / km::kMoeTile; }
+
+void check_moe_routing_args(int64_t m, int topk, int experts, int world_size, int rank) {
+  TDIST_CHECK_ARG(experts >= 1 && experts <= static_cast<int>(km::kMaxMoeExperts), "experts", "expected 1 .. ",
+                  km::kMaxMoeExperts, " experts, got ", experts);
+  TDIST_CHECK_ARG(topk >= 1 && topk <= experts, "topk", "expected 1 <= topk <= experts (", experts, "), got ", topk);
+  TDIST_CHECK_ARG(world_size >= 1 && world_size <= static_cast<int>(km::kMaxMoeRanks), "world_size",
+                  "expected 1 .. ", km::kMaxMoeRanks, " ranks, got ", world_size);
+  TDIST_CHECK_ARG(rank >= 0 && rank < world_size, "rank", "expected 0 <= rank < ", world_size, ", got ", rank);
+  // Rows and pairs are int32 in the routing buffers.
+  TDIST_CHECK_ARG(m >= 0 && moe_capacity(m, topk, experts) < (int64_t{1} << 31), "m",
+                  "expected 0 <= m with m x topk + padding < 2^31 rows, got m = ", m);
+}
+
+MoeRoutingHost moe_routing_reference(const std::vector<int>& ids, int64_t m, int topk, int experts, int world,
+                                     int rank) {
+  check_moe_routing_args(m, topk, experts, world, rank);
+  TDIST_CHECK_ARG(ids.size() == static_cast<size_t>(m) * topk, "topk_ids", "expected m x topk = ", m * topk,
+                  " ids, got ", ids.size());
+  const km::RotatedPairs pairs{{static_cast<uint64_t>(m), world}, static_cast<uint32_t>(topk), rank};
+  const uint64_t num_pairs = static_cast<uint64_t>(m) * topk;
+  MoeRoutingHost r;
+  r.counts.assign(experts, 0);
+  for (uint64_t i = 0; i < num_pairs; ++i) {
+    TDIST_CHECK_ARG(ids[i] >= 0 && ids[i] < experts, "topk_ids", "topk_ids[", i / topk, "][", i % topk, "] = ", ids[i],
+                    " is outside [0, ", experts, ") (the number of experts)");
+    ++r.counts[ids[i]];
+  }
+  r.offsets.assign(experts + 1, 0);
+  for (int e = 0; e < experts; ++e)
+    r.offsets[e + 1] = r.offsets[e] + (r.counts[e] + km::kMoeTile - 1) / km::kMoeTile * km::kMoeTile;
+  r.token_of_row.assign(r.offsets[experts], -1);
+  r.row_of_pair.assign(num_pairs, -1);
+  std::vector<int> next(r.offsets.begin(), r.offsets.end() - 1);
+  for (uint64_t q = 0; q < num_pairs; ++q) {  // stable in the rotated order
+    const uint64_t t = pairs.token(q);
+    const uint32_t k = pairs.slot(q);
+    const int row = next[ids[t * topk + k]]++;
+    r.token_of_row[row] = static_cast<int>(t);
+    r.row_of_pair[t * topk + k] = row;
+  }
+  r.ag_order.assign(world, {});
+  r.rs_order.assign(world, {});
+  const uint32_t tiles = static_cast<uint32_t>(r.offsets[experts]) / km::kMoeTile;
+  for (uint32_t tile = 0; tile < tiles; ++tile) {
+    int ag_key = 0, rs_key = world - 1;
+    for (uint32_t i = 0; i < km::kMoeTile; ++i) {
+      const int t = r.token_of_row[tile * km::kMoeTile + i];
+      if (t < 0) break;
+      const int rel = pairs.rel(static_cast<uint64_t>(t));
+      ag_key = std::max(ag_key, rel);
+      rs_key = std::min(rs_key, km::rs_step(rel, world));
+    }
+    r.ag_order[ag_key].push_back(tile);
+    r.rs_order[rs_key].push_back(tile);
+  }
+  return r;
+}
+
+namespace moe {
+
+std::string MoeKernels::gather_instance(DType dtype) {
+  return detail::concat("tdist::kernels::moe::moe_gather_rows<", kernel_type_name(dtype), ">");
+}
+std::string MoeKernels::combine_instance(DType dtype) {
+  return detail::concat("tdist::kernels::moe::moe_combine<", kernel_type_name(dtype), ">");
+}
+
+jit::CompileRequest MoeKernels::compile_request() {
+  jit::CompileRequest r;
+  r.source = "#include \"tdist/kernels/moe/routing.cuh\"\n";
+  r.file_name = "moe_routing.cu";
+  r.name_expressions = {kCount, kScan, kPlace, kTiles};
+  for (DType t : {DType::kBFloat16, DType::kFloat16}) {
+    r.name_expressions.push_back(gather_instance(t));
+    r.name_expressions.push_back(combine_instance(t));
+  }
+  return r;
+}
+
+MoeKernels::MoeKernels(DType dtype) : module_(jit::Module::load(jit::compile(compile_request()))) {
+  int device = 0;
+  TDIST_CUDA_CHECK(cudaGetDevice(&device));
+  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
+  count_ = module_->kernel(kCount);
+  scan_ = module_->kernel(kScan);
+  place_ = module_->kernel(kPlace);
+  tiles_ = module_->kernel(kTiles);
+  if (dtype == DType::kBFloat16 || dtype == DType::kFloat16) {
+    gather_ = module_->kernel(gather_instance(dtype));
+    combine_ = module_->kernel(combine_instance(dtype));
+  }
+}
+
+void MoeKernels::route(const km::RouteParams& p, cudaStream_t stream) const {
+  if (p.num_segments == 0) {  // no tokens: empty experts, empty lists
+    TDIST_CUDA_CHECK(cudaMemsetAsync(p.counts, 0, p.experts * sizeof(int), stream));
+    TDIST_CUDA_CHECK(cudaMemsetAsync(p.offsets, 0, (p.experts + 1) * sizeof(int), stream));
+  }
+  jit::LaunchConfig cfg;
+  cfg.stream = stream;
+  cfg.block = {km::kRouteThreads};
+  cfg.grid = {p.num_segments};
+  if (p.num_segments > 0) jit::launch(count_, cfg, jit::make_args(p));
+  cfg.grid = {1};
+  cfg.block = {1024};
+  if (p.num_segments > 0) jit::launch(scan_, cfg, jit::make_args(p));
+  cfg.grid = {p.num_segments};
+  cfg.block = {km::kRouteThreads};
+  if (p.num_segments > 0) jit::launch(place_, cfg, jit::make_args(p));
+  cfg.grid = {1};
+  cfg.block = {1024};
+  jit::launch(tiles_, cfg, jit::make_args(p));
+}
+
+void MoeKernels::gather_rows(const km::GatherRowsParams& p, int64_t max_rows, cudaStream_t stream) const {
+  if (max_rows <= 0) return;
+  jit::LaunchConfig cfg;
+  cfg.stream = stream;
+  cfg.block = {128};
+  cfg.grid = {static_cast<unsigned>(std::min<int64_t>(max_rows, static_cast<int64_t>(num_sms_) * 8))};
+  jit::launch(gather_, cfg, jit::make_args(p));
+}
+
+void MoeKernels::combine(const km::CombineParams& p, cudaStream_t stream) const {
+  const uint64_t vectors = p.tokens * (p.n / 8);
+  if (vectors == 0) return;
+  jit::LaunchConfig cfg;
+  cfg.stream = stream;
+  cfg.block = {256};
+  cfg.grid = {static_cast<unsigned>(std::min<uint64_t>((vectors + 255) / 256, static_cast<uint64_t>(num_sms_) * 8))};
+  jit::launch(combine_, cfg, jit::make_args(p));
+}
+
+namespace {
+std::vector<jit::CompileRequest> moe_compile_requests() {
+  auto r = MoeKernels::compile_request();
+  r.arch.clear();  // tdist-compile sets it
+  return {r};
+}
+}  // namespace
+TDIST_JIT_REGISTER_KERNELS(moe, moe_compile_requests);
+
+}  // namespace moe
+
+// Buffers of one router, ordinary device memory, sized for max_m tokens (layouts in routing.cuh).
+struct MoeRouter::Impl {
+  int64_t max_m;
+  int topk, experts, world, rank;
+  int64_t capacity, max_tiles;
+  uint32_t max_segments;
+  moe::MoeKernels kernels;
+  DeviceBuffer segment_base;  // u32[E][segments]
+  DeviceBuffer offsets, counts, token_of_row, row_of_pair;
+  DeviceBuffer ag_order, ag_count, rs_order, rs_count;
+  MoeRouting view;
+
+  Impl(int64_t m, int k, int e, int w, int r)
+      : max_m(m),
+        topk(k),
+        experts(e),
+        world(w),
+        rank(r),
+        capacity((check_moe_routing_args(m, k, e, w, r), moe_capacity(m, k, e))),
+        max_tiles(std::max<int64_t>(moe_max_tiles(m, k, e), 1)),
+        max_segments(static_cast<uint32_t>((m * k + km::kRouteSegment - 1) / km::kRouteSegment)),
+        kernels(DType::kBFloat16),
+        segment_base(static_cast<size_t>(e) * std::max<uint32_t>(max_segments, 1) * 4),
+        offsets((e + 1) * sizeof(int)),
+        counts(e * sizeof(int)),
+        token_of_row(std::max<int64_t>(capacity, 1) * sizeof(int)),
+        row_of_pair(std::max<int64_t>(m * k, 1) * sizeof(int)),
+        ag_order(static_cast<size_t>(w) * max_tiles * 4),
+        ag_count(static_cast<size_t>(w) * 4),
+        rs_order(static_cast<size_t>(w) * max_tiles * 4),
+        rs_count(static_cast<size_t>(w) * 4) {}
+};
+
+MoeRouter::MoeRouter(int64_t max_m, int topk, int experts, int world_size, int rank)
+    : impl_(std::make_unique<Impl>(max_m, topk, experts, world_size, rank)) {}
+MoeRouter::~MoeRouter() = default;
+
+const MoeRouting& MoeRouter::routing() const { return impl_->view; }
+
+const MoeRouting& MoeRouter::route(const int* topk_ids, int64_t m, cudaStream_t stream) {
+  Impl& s = *impl_;
+  TDIST_CHECK_ARG(m >= 0 && m <= s.max_m, "m", "expected 0 <= m <= max_m (", s.max_m, "), got ", m);
+  TDIST_CHECK_ARG(m == 0 || (topk_ids != nullptr && reinterpret_cast<uintptr_t>(topk_ids) % 4 == 0), "topk_ids",
+                  "expected a 4-byte aligned device pointer to int32 [m][topk], got ",
+                  static_cast<const void*>(topk_ids));
+  km::RouteParams p{};
+  p.topk_ids = topk_ids;
+  p.pairs = km::RotatedPairs{{static_cast<uint64_t>(m), s.world}, static_cast<uint32_t>(s.topk), s.rank};
+  p.experts = static_cast<uint32_t>(s.experts);
+  p.num_segments = static_cast<uint32_t>((m * s.topk + km::kRouteSegment - 1) / km::kRouteSegment);
+  p.segment_base = s.segment_base.get<uint32_t>();
+  p.offsets = s.offsets.get<int>();
+  p.counts = s.counts.get<int>();
+  p.token_of_row = s.token_of_row.get<int>();
+  p.row_of_pair = s.row_of_pair.get<int>();
+  p.ag_order = s.ag_order.get<uint32_t>();
+  p.ag_count = s.ag_count.get<uint32_t>();
+  p.rs_order = s.rs_order.get<uint32_t>();
+  p.rs_count = s.rs_count.get<uint32_t>();
+  p.max_tiles = static_cast<uint32_t>(s.max_tiles);
+  s.kernels.route(p, stream);
+  MoeRouting& v = s.view;
+  v.offsets = p.offsets;
+  v.counts = p.counts;
+  v.token_of_row = p.token_of_row;
+  v.row_of_pair = p.row_of_pair;
+  v.ag_order = p.ag_order;
+  v.ag_count = p.ag_count;
+  v.rs_order = p.rs_order;
+  v.rs_count = p.rs_count;
+  v.m = m;
+  v.capacity = moe_capacity(m, s.topk, s.experts);
+  v.max_tiles = s.max_tiles;
+  v.topk = s.topk;
+  v.experts = s.experts;
+  v.world_size = s.world;
+  v.rank = s.rank;
+  return v;
+}
+
+}  // namespace tdist

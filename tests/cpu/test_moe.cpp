@@ -1,0 +1,251 @@
+// MoE routing without a GPU: the host reference of the routing (ops/moe.hpp, the rules of
+// kernels/moe/routing.cuh) against a brute-force construction on random, skewed and degenerate
+// routings for world sizes 1 to 8; the capacity bound; argument errors naming the argument; and the
+// routing kernels compiled for sm_90a through NVRTC without spills.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "cpu/errors.hpp"
+#include "cpu/temp_dir.hpp"
+#include "tdist/jit/cache.hpp"
+#include "tdist/jit/compiler.hpp"
+#include "tdist/jit/registry.hpp"
+#include "tdist/kernels/moe/routing.cuh"
+#include "tdist/ops/moe.hpp"
+
+namespace {
+
+using tdist::MoeRoutingHost;
+using tdist::test::expect_arg_error;
+
+constexpr int kTile = 128;
+
+// Owner of token t under the row split: rank r owns [begin(r), +rows(r)), the first m % world one more.
+int owner_of(int64_t t, int64_t m, int world) {
+  for (int r = 0; r < world; ++r) {
+    const int64_t begin = r * (m / world) + std::min<int64_t>(r, m % world);
+    const int64_t rows = m / world + (r < m % world ? 1 : 0);
+    if (t >= begin && t < begin + rows) return r;
+  }
+  return -1;
+}
+
+// Brute force: each expert's pairs sorted by (tokens from this rank onwards, wrapping; k), padded to
+// whole tiles; tiles keyed by their sources' latest rank (gather) and first-needed rank (scatter).
+MoeRoutingHost brute_force(const std::vector<int>& ids, int64_t m, int topk, int experts, int world, int rank) {
+  MoeRoutingHost r;
+  const int64_t first = rank * (m / world) + std::min<int64_t>(rank, m % world);
+  r.offsets.push_back(0);
+  r.row_of_pair.assign(m * topk, -1);
+  for (int e = 0; e < experts; ++e) {
+    std::vector<std::tuple<int64_t, int, int64_t>> pairs;  // (rotated token, k, token)
+    for (int64_t t = 0; t < m; ++t)
+      for (int k = 0; k < topk; ++k)
+        if (ids[t * topk + k] == e) pairs.emplace_back((t - first + m) % m, k, t);
+    std::sort(pairs.begin(), pairs.end());
+    r.counts.push_back(static_cast<int>(pairs.size()));
+    for (const auto& [rotated, k, t] : pairs) {
+      r.row_of_pair[t * topk + k] = static_cast<int>(r.token_of_row.size());
+      r.token_of_row.push_back(static_cast<int>(t));
+    }
+    while (r.token_of_row.size() % kTile != 0) r.token_of_row.push_back(-1);
+    r.offsets.push_back(static_cast<int>(r.token_of_row.size()));
+  }
+  std::vector<int> scatter_position(world);  // ReduceScatter visits ranks rank+1, ..., rank+world-1, rank
+  for (int s = 0; s < world; ++s) scatter_position[(rank + s + 1) % world] = s;
+  r.ag_order.assign(world, {});
+  r.rs_order.assign(world, {});
+  for (size_t tile = 0; tile * kTile < r.token_of_row.size(); ++tile) {
+    int latest = 0, needed = world;  // latest: in arrival order from this rank
+    for (int i = 0; i < kTile; ++i) {
+      const int t = r.token_of_row[tile * kTile + i];
+      if (t < 0) continue;
+      const int o = owner_of(t, m, world);
+      latest = std::max(latest, (o - rank + world) % world);
+      needed = std::min(needed, scatter_position[o]);
+    }
+    r.ag_order[latest].push_back(static_cast<uint32_t>(tile));
+    r.rs_order[needed].push_back(static_cast<uint32_t>(tile));
+  }
+  return r;
+}
+
+void expect_same(const MoeRoutingHost& a, const MoeRoutingHost& b) {
+  EXPECT_EQ(a.offsets, b.offsets);
+  EXPECT_EQ(a.counts, b.counts);
+  EXPECT_EQ(a.token_of_row, b.token_of_row);
+  EXPECT_EQ(a.row_of_pair, b.row_of_pair);
+  EXPECT_EQ(a.ag_order, b.ag_order);
+  EXPECT_EQ(a.rs_order, b.rs_order);
+}
+
+enum class Routing { kRandom, kSkewed, kOneExpert, kHalfEmpty };
+
+std::vector<int> make_ids(Routing kind, int64_t m, int topk, int experts, std::mt19937_64& rng) {
+  std::vector<int> ids(m * topk);
+  for (int64_t t = 0; t < m; ++t) {
+    std::vector<int> pool(experts);
+    for (int e = 0; e < experts; ++e) pool[e] = e;
+    if (kind == Routing::kSkewed && experts > 2)  // experts 0 and 1 far more often: first most of the time
+      std::shuffle(pool.begin() + 2, pool.end(), rng);
+    else
+      std::shuffle(pool.begin(), pool.end(), rng);
+    if (kind == Routing::kSkewed && rng() % 8 == 0) std::shuffle(pool.begin(), pool.end(), rng);
+    if (kind == Routing::kHalfEmpty) {  // only the even experts get tokens (needs topk <= experts / 2)
+      std::vector<int> even;
+      for (int e = 0; e < experts; e += 2) even.push_back(e);
+      std::shuffle(even.begin(), even.end(), rng);
+      pool = even;
+    }
+    for (int k = 0; k < topk; ++k) ids[t * topk + k] = kind == Routing::kOneExpert ? (k == 0 ? 3 : k - 1 + (k >= 4))
+                                                                                  : pool[k];
+  }
+  return ids;
+}
+
+TEST(MoeRouting, ReferenceMatchesBruteForce) {
+  std::mt19937_64 rng(20261201);
+  struct Case {
+    int64_t m;
+    int topk, experts;
+  };
+  const std::vector<Case> cases = {{1, 1, 1},    {3, 2, 8},     {257, 2, 8},   {1000, 6, 64},
+                                   {1031, 8, 128}, {4097, 2, 8}, {130, 1, 3},   {64, 4, 16}};
+  int checked = 0;
+  for (const Case& c : cases)
+    for (int world : {1, 2, 3, 4, 8})
+      for (Routing kind : {Routing::kRandom, Routing::kSkewed, Routing::kOneExpert, Routing::kHalfEmpty}) {
+        if (kind == Routing::kHalfEmpty && 2 * c.topk > c.experts) continue;
+        if (kind == Routing::kOneExpert && (c.experts < 5 || c.topk > c.experts - 1)) continue;
+        const std::vector<int> ids = make_ids(kind, c.m, c.topk, c.experts, rng);
+        for (int rank = 0; rank < world; rank += std::max(1, world / 3)) {
+          SCOPED_TRACE(testing::Message() << "m=" << c.m << " topk=" << c.topk << " experts=" << c.experts
+                                          << " world=" << world << " rank=" << rank << " kind="
+                                          << static_cast<int>(kind));
+          const MoeRoutingHost ref = tdist::moe_routing_reference(ids, c.m, c.topk, c.experts, world, rank);
+          expect_same(ref, brute_force(ids, c.m, c.topk, c.experts, world, rank));
+          // The kernel's binary-search keys of every tile against the lists.
+          const tdist::kernels::moe::RotatedPairs pairs{{static_cast<uint64_t>(c.m), world},
+                                                        static_cast<uint32_t>(c.topk), rank};
+          for (int key = 0; key < world; ++key) {
+            for (uint32_t tile : ref.ag_order[key])
+              EXPECT_EQ(tdist::kernels::moe::tile_keys(&ref.token_of_row[tile * kTile], pairs).ag, key) << tile;
+            for (uint32_t tile : ref.rs_order[key])
+              EXPECT_EQ(tdist::kernels::moe::tile_keys(&ref.token_of_row[tile * kTile], pairs).rs, key) << tile;
+          }
+          EXPECT_LE(ref.offsets.back(), tdist::moe_capacity(c.m, c.topk, c.experts));
+          // Own-token tiles run first and need no wait; every tile is listed once per order.
+          size_t ag = 0, rs = 0;
+          for (const auto& l : ref.ag_order) ag += l.size();
+          for (const auto& l : ref.rs_order) rs += l.size();
+          EXPECT_EQ(ag, ref.token_of_row.size() / kTile);
+          EXPECT_EQ(rs, ag);
+          ++checked;
+        }
+      }
+  EXPECT_GT(checked, 100);
+}
+
+TEST(MoeRouting, ZeroTokens) {
+  const MoeRoutingHost r = tdist::moe_routing_reference({}, 0, 2, 8, 2, 1);
+  EXPECT_EQ(r.offsets, std::vector<int>(9, 0));
+  EXPECT_TRUE(r.token_of_row.empty());
+  EXPECT_EQ(r.ag_order.size(), 2u);
+  EXPECT_TRUE(r.ag_order[0].empty() && r.ag_order[1].empty());
+}
+
+TEST(MoeRouting, CapacityIsTheWorstCase) {
+  // Every expert one pair more than a multiple of the tile: the most padding a routing can need.
+  const int experts = 8, topk = 1;
+  const int64_t m = experts * (kTile + 1);
+  std::vector<int> ids(m);
+  for (int64_t t = 0; t < m; ++t) ids[t] = static_cast<int>(t % experts);
+  const MoeRoutingHost r = tdist::moe_routing_reference(ids, m, topk, experts, 1, 0);
+  EXPECT_EQ(r.offsets.back(), experts * 2 * kTile);
+  EXPECT_EQ(tdist::moe_capacity(m, topk, experts), experts * 2 * kTile);
+  EXPECT_EQ(tdist::moe_capacity(1, 1, 128), kTile);  // one pair: one tile, however many experts
+  EXPECT_EQ(tdist::moe_max_tiles(4096, 2, 8), (8192 + 8 * 127) / kTile);
+}
+
+TEST(MoeRouting, ArgumentErrors) {
+  expect_arg_error([] { tdist::moe_routing_reference({0, 9}, 1, 2, 8, 2, 0); }, "topk_ids");
+  expect_arg_error([] { tdist::moe_routing_reference({0, -1}, 1, 2, 8, 2, 0); }, "topk_ids");
+  expect_arg_error([] { tdist::moe_routing_reference({0, 1, 2}, 1, 2, 8, 2, 0); }, "topk_ids");
+  expect_arg_error([] { tdist::moe_routing_reference({0, 1, 2}, 1, 3, 2, 2, 0); }, "topk");
+  expect_arg_error([] { tdist::moe_routing_reference({}, 0, 0, 2, 2, 0); }, "topk");
+  expect_arg_error([] { tdist::moe_routing_reference({}, 0, 1, 0, 2, 0); }, "experts");
+  expect_arg_error([] { tdist::moe_routing_reference({}, 0, 1, 2000, 2, 0); }, "experts");
+  expect_arg_error([] { tdist::moe_routing_reference({}, 0, 1, 2, 9, 0); }, "world_size");
+  expect_arg_error([] { tdist::moe_routing_reference({}, 0, 1, 2, 2, 2); }, "rank");
+  expect_arg_error([] { tdist::moe_routing_reference({}, -1, 1, 2, 2, 0); }, "m");
+  expect_arg_error([] { tdist::check_moe_routing_args(int64_t{1} << 30, 8, 8, 2, 0); }, "m");
+  const tdist::MoeConfig good{.max_m = 4096, .k = 4096, .max_n = 4096, .experts = 8, .topk = 2};
+  EXPECT_GT(tdist::moe_ag_group_gemm_heap_bytes(good, 2, 132), size_t{4096} * 4096 * 2);
+  EXPECT_GT(tdist::moe_group_gemm_rs_heap_bytes(good, 2, 132), size_t{4096} * 4096 * 2);
+  auto bad = good;
+  bad.dtype = tdist::DType::kFloat32;
+  expect_arg_error([&] { tdist::moe_ag_group_gemm_heap_bytes(bad, 2, 132); }, "dtype");
+  bad = good;
+  bad.k = 4100;
+  expect_arg_error([&] { tdist::moe_ag_group_gemm_heap_bytes(bad, 2, 132); }, "config.k");
+  bad = good;
+  bad.max_n = 0;
+  expect_arg_error([&] { tdist::moe_group_gemm_rs_heap_bytes(bad, 2, 132); }, "config.max_n");
+  bad = good;
+  bad.topk = 9;
+  expect_arg_error([&] { tdist::moe_group_gemm_rs_heap_bytes(bad, 2, 132); }, "topk");
+}
+
+TEST(MoeRouting, GroupedScheduleVisitsACountedPrefixOfTheOrder) {
+  // Three experts of 2, 0 and 3 tiles; the order lists tiles 4, 0, 2 first, then the others; a count
+  // of 3 visits exactly those (every n-tile once), a count of 0 nothing.
+  const std::vector<int> offsets = {0, 2 * kTile, 2 * kTile, 5 * kTile};
+  const std::vector<uint32_t> order = {4, 0, 2, 1, 3};
+  for (uint32_t count : {3u, 0u, 5u}) {
+    const auto sched = tdist::kernels::gemm::GroupedScheduler::make(offsets.data(), 4, 3, 5 * kTile, 300, kTile, 128, 8,
+                                                                    0, order.data(), &count)
+                           .prepare();
+    ASSERT_EQ(sched.num_tiles(), count * 3);
+    std::vector<int> seen(5 * 3, 0);
+    for (uint32_t i = 0; i < sched.num_tiles(); ++i) {
+      const auto info = sched.tile_info(i, kTile, 128, 5 * kTile, 300);
+      ++seen[info.coord.tile_m * 3 + info.coord.tile_n];
+      EXPECT_EQ(info.group, info.coord.tile_m < 2 ? 0u : 2u);
+    }
+    for (uint32_t p = 0; p < 5; ++p)
+      for (int j = 0; j < 3; ++j) EXPECT_EQ(seen[order[p] * 3 + j], p < count ? 1 : 0) << p << " " << j;
+  }
+}
+
+TEST(MoeMethod, AutoOverlapsOnlyWhereAChunkCanHideATransfer) {
+  EXPECT_EQ(tdist::choose_moe_method(16384, 1), tdist::OverlapMethod::kBaseline);
+  EXPECT_EQ(tdist::choose_moe_method(511, 2), tdist::OverlapMethod::kBaseline);
+  EXPECT_EQ(tdist::choose_moe_method(512, 2), tdist::OverlapMethod::kChunked);
+  EXPECT_EQ(tdist::choose_moe_method(4096, 8), tdist::OverlapMethod::kChunked);
+  EXPECT_EQ(tdist::choose_moe_method(1024, 8), tdist::OverlapMethod::kBaseline);
+}
+
+TEST(MoeKernels, CompileForSm90aWithoutSpills) {
+  tdist::test::TempDir cache;
+  tdist::jit::KernelCache kernels(cache.path);
+  int programs = 0;
+  for (const auto& family : tdist::jit::registered_kernels()) {
+    if (family.name != "moe") continue;
+    for (tdist::jit::CompileRequest r : family.requests()) {
+      ++programs;
+      r.arch = "sm_90a";
+      r.compiler = tdist::jit::CompilerKind::kNvrtc;
+      const auto compiled = tdist::jit::compile(r, kernels);
+      ASSERT_FALSE(compiled->cubin.empty());
+      for (const auto& name : r.name_expressions) EXPECT_FALSE(compiled->lowered_name(name).empty()) << name;
+      EXPECT_EQ(compiled->spill_stores + compiled->spill_loads, 0) << compiled->log;
+    }
+  }
+  EXPECT_EQ(programs, 1);
+}
+
+}  // namespace

@@ -1,0 +1,466 @@
+// The MoE tensor-parallel ops across ranks (ops/moe.hpp) against float64 host references:
+//
+//   * the GPU routing equal to moe_routing_reference (offsets, counts, rows, pairs, both tile lists);
+//   * MoeAgGroupGemm: d[row] = X[token of row] B1_e^T for every real row, padding rows exactly 0;
+//   * MoeGroupGemmRs: y[t] = sum over ranks r and k of w[t][k] h_r[(t, k)] B2_{r,e}^T, this rank's
+//     tokens (run) or all (run_all_reduce); padding rows of h hold garbage that must not leak;
+//   * every method (auto, chunked, baseline), bf16 and fp16, random and skewed routing, experts with
+//     zero tokens, all tokens on one expert, fewer tokens than ranks, M not a multiple of world x 128,
+//     hidden and intermediate sizes odd multiples of 8; outputs poisoned (NaN) first; error
+//     max |err| < 1e-2 max |ref|;
+//   * four calls back to back with fresh routing and inputs, checked after one synchronisation;
+//   * a CUDA graph of both ops captured after warm-up and replayed with fresh ids, weights and
+//     inputs;
+//   * argument errors naming the argument.
+// Every rank draws the same ids and weights (a shared seed) and can redraw every rank's shards.
+//
+//   build/tools/tdistrun -n 2 -- build/tests/gpu_test_moe
+// Prints "rank R: N passed, M failed" last.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu/harness.cuh"
+#include "tdist/common/device_buffer.hpp"
+#include "tdist/kernels/gemm/tile_scheduler.cuh"
+#include "tdist/ops/moe.hpp"
+
+using namespace tdist;
+using tdist::kernels::gemm::RowChunks;
+
+namespace {
+
+enum class Routing { kRandom, kSkewed, kOneExpert, kHalfEmpty };
+const char* name_of(Routing r) {
+  switch (r) {
+    case Routing::kRandom: return "random";
+    case Routing::kSkewed: return "skewed";
+    case Routing::kOneExpert: return "one-expert";
+    case Routing::kHalfEmpty: return "half-empty";
+  }
+  return "?";
+}
+
+struct Shape {
+  int64_t m, hidden, inter;  // inter: this rank's intermediate features (N of the first GEMM, K of the second)
+  int experts, topk;
+  Routing routing;
+};
+
+// Element i of a (seed, rank) array: a multiple of 1/64 in [-1, 1], exact in bf16 and fp16.
+float value(uint64_t seed, int rank, uint64_t i) {
+  uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed ^ (static_cast<uint64_t>(rank + 1) * 0xD1B54A32D192ED03ull);
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return static_cast<float>(static_cast<int>(x % 129) - 64) / 64.0f;
+}
+
+template <typename T>
+T to_t(float v);
+template <>
+__half to_t<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__nv_bfloat16 to_t<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+float to_f(__half v) { return __half2float(v); }
+float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+constexpr DType dtype_of() {
+  return std::is_same_v<T, __half> ? DType::kFloat16 : DType::kBFloat16;
+}
+
+// The same ids and weights on every rank (from the shared seed). Weights: positive, summing to 1.
+void draw_routing(const Shape& s, uint64_t seed, std::vector<int>& ids, std::vector<float>& weights) {
+  std::mt19937_64 rng(seed);
+  ids.assign(s.m * s.topk, 0);
+  weights.assign(s.m * s.topk, 0.0f);
+  for (int64_t t = 0; t < s.m; ++t) {
+    std::vector<int> pool(s.experts);
+    for (int e = 0; e < s.experts; ++e) pool[e] = e;
+    std::shuffle(pool.begin(), pool.end(), rng);
+    if (s.routing == Routing::kSkewed && rng() % 4 != 0) {  // experts 0 and 1 take most tokens
+      std::iter_swap(pool.begin(), std::find(pool.begin(), pool.end(), 0));
+      if (s.topk > 1 && s.experts > 1) std::iter_swap(pool.begin() + 1, std::find(pool.begin(), pool.end(), 1));
+    }
+    if (s.routing == Routing::kOneExpert) {  // expert experts - 1 first for every token
+      std::iter_swap(pool.begin(), std::find(pool.begin(), pool.end(), s.experts - 1));
+    }
+    if (s.routing == Routing::kHalfEmpty) {  // odd experts get nothing
+      std::vector<int> even;
+      for (int e : pool)
+        if (e % 2 == 0) even.push_back(e);
+      pool = even;
+    }
+    float sum = 0;
+    for (int k = 0; k < s.topk; ++k) {
+      ids[t * s.topk + k] = pool[k];
+      weights[t * s.topk + k] = 0.25f + static_cast<float>(rng() % 1024) / 1024.0f;
+      sum += weights[t * s.topk + k];
+    }
+    for (int k = 0; k < s.topk; ++k) weights[t * s.topk + k] /= sum;
+  }
+}
+
+template <typename T>
+DeviceBuffer upload(const std::vector<T>& v) {
+  DeviceBuffer b(std::max<size_t>(v.size(), 1) * sizeof(T));
+  if (!v.empty()) TDIST_CUDA_CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return b;
+}
+template <typename T>
+std::vector<T> download(const void* p, size_t count) {
+  std::vector<T> v(count);
+  if (count) TDIST_CUDA_CHECK(cudaMemcpy(v.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+void expect_close(double max_err, double max_ref, const std::string& what) {
+  if (!(max_err <= 1e-2 * std::max(max_ref, 1e-3)))
+    TDIST_FAIL(what, ": max |err| ", max_err, " vs max |ref| ", max_ref);
+}
+
+// One call's inputs and references on this rank.
+template <typename T>
+struct Case {
+  Shape s;
+  int world, rank;
+  RowChunks split;
+  uint64_t seed;  // shared
+  std::vector<int> ids;
+  std::vector<float> weights;
+  MoeRoutingHost ref;
+  int64_t capacity;
+  DeviceBuffer d_ids, d_weights, d_x, d_b1, d_b2, d_h, d_up, d_y, d_y_all;
+
+  // X[t][c] (tokens, shared); B1_r[e][j][c]; B2_r[e][c][j]; h_r[(t, k)][j]: drawn from (seed, r).
+  float x(int64_t t, int64_t c) const { return value(seed ^ 0x11, 0, t * s.hidden + c); }
+  float b1(int r, int e, int64_t j, int64_t c) const { return value(seed ^ 0x22, r, (e * s.inter + j) * s.hidden + c); }
+  float b2(int r, int e, int64_t c, int64_t j) const { return value(seed ^ 0x33, r, (e * s.hidden + c) * s.inter + j); }
+  float h(int r, int64_t pair, int64_t j) const { return value(seed ^ 0x44, r, pair * s.inter + j); }
+
+  Case(World& w, const Shape& shape, uint64_t case_seed)
+      : s(shape),
+        world(w.world_size()),
+        rank(w.rank()),
+        split{static_cast<uint64_t>(shape.m), w.world_size()},
+        seed(case_seed),
+        capacity(moe_capacity(shape.m, shape.topk, shape.experts)) {
+    draw_routing(s, seed, ids, weights);
+    ref = moe_routing_reference(ids, s.m, s.topk, s.experts, world, rank);
+    d_ids = upload(ids);
+    d_weights = upload(weights);
+    std::vector<T> xs(split.rows(rank) * s.hidden);
+    for (uint64_t i = 0; i < split.rows(rank); ++i)
+      for (int64_t c = 0; c < s.hidden; ++c) xs[i * s.hidden + c] = to_t<T>(x(split.begin(rank) + i, c));
+    d_x = upload(xs);
+    std::vector<T> b1s(static_cast<size_t>(s.experts) * s.inter * s.hidden), b2s(b1s.size());
+    for (int e = 0; e < s.experts; ++e)
+      for (int64_t j = 0; j < s.inter; ++j)
+        for (int64_t c = 0; c < s.hidden; ++c) {
+          b1s[(e * s.inter + j) * s.hidden + c] = to_t<T>(b1(rank, e, j, c));
+          b2s[(e * s.hidden + c) * s.inter + j] = to_t<T>(b2(rank, e, c, j));
+        }
+    d_b1 = upload(b1s);
+    d_b2 = upload(b2s);
+    // h in this rank's expert order; padding rows (and rows past offsets[E]) hold garbage.
+    std::vector<T> hs(std::max<int64_t>(capacity, 1) * s.inter, to_t<T>(3.0f));
+    for (int64_t p = 0; p < s.m * s.topk; ++p)
+      for (int64_t j = 0; j < s.inter; ++j) hs[ref.row_of_pair[p] * s.inter + j] = to_t<T>(h(rank, p, j));
+    d_h = upload(hs);
+    d_up = DeviceBuffer(std::max<int64_t>(capacity, 1) * s.inter * sizeof(T));
+    d_y = DeviceBuffer(std::max<uint64_t>(split.rows(rank), 1) * s.hidden * sizeof(T));
+    d_y_all = DeviceBuffer(std::max<int64_t>(s.m, 1) * s.hidden * sizeof(T));
+  }
+
+  void poison(cudaStream_t stream) const {
+    TDIST_CUDA_CHECK(cudaMemsetAsync(d_up.get(), 0xFF, capacity * s.inter * sizeof(T), stream));  // NaN
+    TDIST_CUDA_CHECK(cudaMemsetAsync(d_y.get(), 0xFF, split.rows(rank) * s.hidden * sizeof(T), stream));
+    TDIST_CUDA_CHECK(cudaMemsetAsync(d_y_all.get(), 0xFF, s.m * s.hidden * sizeof(T), stream));
+  }
+
+  MoeAgGroupGemmArgs ag_args() const {
+    return {.a_local = d_x.get(), .topk_ids = d_ids.get<int>(), .b = d_b1.get(), .d = d_up.get(), .m = s.m,
+            .n = s.inter};
+  }
+  MoeGroupGemmRsArgs rs_args(const MoeRouting* routing, bool all) const {
+    return {.h = d_h.get(), .b = d_b2.get(), .topk_weights = d_weights.get<float>(), .routing = routing,
+            .d = all ? d_y_all.get() : d_y.get(), .m = s.m, .n = s.hidden, .k = s.inter};
+  }
+
+  // The device routing equals the host reference.
+  void check_routing(const MoeRouting& r) const {
+    const int e = s.experts;
+    if (download<int>(r.offsets, e + 1) != ref.offsets) TDIST_FAIL("routing offsets differ from the reference");
+    if (download<int>(r.counts, e) != ref.counts) TDIST_FAIL("routing counts differ from the reference");
+    if (download<int>(r.token_of_row, ref.offsets[e]) != ref.token_of_row) TDIST_FAIL("routing token_of_row differs");
+    if (download<int>(r.row_of_pair, s.m * s.topk) != ref.row_of_pair) TDIST_FAIL("routing row_of_pair differs");
+    const auto ag_count = download<uint32_t>(r.ag_count, world), rs_count = download<uint32_t>(r.rs_count, world);
+    for (int j = 0; j < world; ++j) {
+      if (download<uint32_t>(r.ag_order + j * r.max_tiles, ag_count[j]) != ref.ag_order[j])
+        TDIST_FAIL("routing ag list ", j, " differs (", ag_count[j], " tiles vs ", ref.ag_order[j].size(), ")");
+      if (download<uint32_t>(r.rs_order + j * r.max_tiles, rs_count[j]) != ref.rs_order[j])
+        TDIST_FAIL("routing rs list ", j, " differs (", rs_count[j], " tiles vs ", ref.rs_order[j].size(), ")");
+    }
+  }
+
+  void check_up() const {
+    const auto d = download<T>(d_up.get(), ref.offsets[s.experts] * s.inter);
+    double max_err = 0, max_ref = 0;
+    for (int e = 0; e < s.experts; ++e)
+      for (int row = ref.offsets[e]; row < ref.offsets[e + 1]; ++row) {
+        const int t = ref.token_of_row[row];
+        for (int64_t j = 0; j < s.inter; ++j) {
+          double want = 0;
+          if (t >= 0)
+            for (int64_t c = 0; c < s.hidden; ++c) want += static_cast<double>(x(t, c)) * b1(rank, e, j, c);
+          const double got = to_f(d[row * s.inter + j]);
+          if (t < 0 && got != 0.0) TDIST_FAIL("padding row ", row, " column ", j, " is ", got, ", expected 0");
+          max_err = std::max(max_err, std::abs(got - want));  // NaN fails below
+          if (std::isnan(got)) TDIST_FAIL("row ", row, " column ", j, " is NaN (not written)");
+          max_ref = std::max(max_ref, std::abs(want));
+        }
+      }
+    expect_close(max_err, max_ref, "AllGather + grouped GEMM");
+  }
+
+  // y for tokens [first, first + count) against what the device wrote there.
+  void check_down(const void* out, uint64_t first, uint64_t count, const char* what) const {
+    const auto y = download<T>(out, count * s.hidden);
+    double max_err = 0, max_ref = 0;
+    std::vector<double> acc(s.hidden);
+    for (uint64_t i = 0; i < count; ++i) {
+      const int64_t t = static_cast<int64_t>(first + i);
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int r = 0; r < world; ++r)
+        for (int k = 0; k < s.topk; ++k) {
+          const int e = ids[t * s.topk + k];
+          const double w = weights[t * s.topk + k];
+          for (int64_t c = 0; c < s.hidden; ++c) {
+            double dot = 0;
+            for (int64_t j = 0; j < s.inter; ++j)
+              dot += static_cast<double>(h(r, t * s.topk + k, j)) * b2(r, e, c, j);
+            acc[c] += w * dot;
+          }
+        }
+      for (int64_t c = 0; c < s.hidden; ++c) {
+        const double got = to_f(y[i * s.hidden + c]);
+        if (std::isnan(got)) TDIST_FAIL(what, ": token ", t, " column ", c, " is NaN (not written)");
+        max_err = std::max(max_err, std::abs(got - acc[c]));
+        max_ref = std::max(max_ref, std::abs(acc[c]));
+      }
+    }
+    expect_close(max_err, max_ref, what);
+  }
+  void check_rs() const { check_down(d_y.get(), split.begin(rank), split.rows(rank), "grouped GEMM + ReduceScatter"); }
+  void check_ar() const { check_down(d_y_all.get(), 0, s.m, "grouped GEMM + AllReduce"); }
+};
+
+template <typename Fn>
+void expect_error(const char* arg, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    if (std::string(e.what()).find(detail::concat("'", arg, "'")) == std::string::npos)
+      TDIST_FAIL("the error does not name '", arg, "': ", e.what());
+    return;
+  }
+  TDIST_FAIL("expected an error naming '", arg, "'");
+}
+
+// The ops of one dtype for every shape of the test (contexts sized for the largest).
+struct Ops {
+  MoeAgGroupGemm up;
+  MoeGroupGemmRs down;
+  Ops(World& w, SymmetricHeap& heap, const MoeConfig& up_config, const MoeConfig& down_config)
+      : up(w, heap, up_config), down(w, heap, down_config) {}
+};
+
+}  // namespace
+
+int main() {
+  World world;
+  test::Suite suite(world);
+  SymmetricHeap heap(world, size_t{2} << 30);
+  const int w = world.world_size();
+  const uint64_t seed = test::all_gather_u64(world, "seed", test::fresh_seed(0))[0];
+  if (world.rank() == 0) std::printf("moe test: %d ranks, seed %llx\n", w, static_cast<unsigned long long>(seed));
+  cudaStream_t stream;
+  TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  // hidden, inter: odd multiples of 8; M: not multiples of world x 128, one below the world size.
+  const Shape shapes[] = {
+      {257, 264, 136, 8, 2, Routing::kRandom},      {1000, 136, 88, 64, 6, Routing::kSkewed},
+      {300, 264, 72, 8, 1, Routing::kOneExpert},    {517, 200, 104, 16, 4, Routing::kHalfEmpty},
+      {3, 72, 40, 128, 8, Routing::kRandom},        {1031, 72, 56, 128, 8, Routing::kSkewed},
+      {130, 56, 24, 4, 4, Routing::kOneExpert},
+  };
+  int64_t max_m = 0, max_hidden = 0;
+  for (const Shape& s : shapes) max_m = std::max(max_m, s.m), max_hidden = std::max(max_hidden, s.hidden);
+  uint64_t case_seed = seed;
+
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    auto per_type = [&](auto tag) {
+      using T = decltype(tag);
+      for (const Shape& s : shapes) {
+        const MoeConfig up_cfg{.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk, .dtype = dtype};
+        const MoeConfig down_cfg{
+            .max_m = s.m, .max_n = s.hidden, .experts = s.experts, .topk = s.topk, .dtype = dtype};
+        Ops ops(world, heap, up_cfg, down_cfg);
+        for (OverlapMethod method : {OverlapMethod::kAuto, OverlapMethod::kChunked, OverlapMethod::kBaseline}) {
+          const std::string name =
+              detail::concat("moe ", to_string(dtype), " ", to_string(method), " m ", s.m, " hidden ", s.hidden,
+                             " inter ", s.inter, " experts ", s.experts, " top-", s.topk, " ", name_of(s.routing));
+          suite.run(name, [&] {
+            Case<T> c(world, s, ++case_seed);
+            c.poison(stream);
+            ops.up.run(c.ag_args(), stream, method);
+            const MoeRouting& r = ops.up.routing();
+            ops.down.run(c.rs_args(&r, false), stream, method);
+            ops.down.run_all_reduce(c.rs_args(&r, true), stream);
+            TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+            c.check_routing(r);
+            c.check_up();
+            c.check_rs();
+            c.check_ar();
+          });
+          test::sync_all(world, "moe case");
+        }
+        if (dtype != DType::kBFloat16) continue;
+        // Back to back: four calls with fresh routing, one synchronisation.
+        suite.run(detail::concat("moe back-to-back m ", s.m, " experts ", s.experts, " ", name_of(s.routing)), [&] {
+          std::vector<std::unique_ptr<Case<T>>> cases;
+          for (int i = 0; i < 4; ++i) {
+            Shape si = s;
+            si.routing = static_cast<Routing>((static_cast<int>(s.routing) + i) % 4);
+            if (si.routing == Routing::kHalfEmpty && 2 * si.topk > si.experts) si.routing = Routing::kRandom;
+            cases.push_back(std::make_unique<Case<T>>(world, si, ++case_seed));
+            cases.back()->poison(stream);
+          }
+          for (auto& c : cases) {
+            ops.up.run(c->ag_args(), stream, OverlapMethod::kChunked);
+            ops.down.run(c->rs_args(&ops.up.routing(), false), stream, OverlapMethod::kChunked);
+          }
+          TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+          for (auto& c : cases) {
+            c->check_up();
+            c->check_rs();
+          }
+        });
+        test::sync_all(world, "moe back-to-back");
+      }
+    };
+    if (dtype == DType::kBFloat16)
+      per_type(__nv_bfloat16{});
+    else
+      per_type(__half{});
+  }
+
+  // A CUDA graph of both ops, captured after a warm-up call, replayed with fresh routing and inputs
+  // copied into the captured buffers.
+  suite.run("moe CUDA graph replays", [&] {
+    using T = __nv_bfloat16;
+    const Shape s{1000, 136, 88, 16, 4, Routing::kRandom};
+    Ops ops(world, heap, {.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk},
+            {.max_m = s.m, .max_n = s.hidden, .experts = s.experts, .topk = s.topk});
+    Case<T> c(world, s, ++case_seed);
+    ops.up.run(c.ag_args(), stream, OverlapMethod::kChunked);  // warm-up: kernels loaded
+    ops.down.run(c.rs_args(&ops.up.routing(), false), stream, OverlapMethod::kChunked);
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    world.barrier("moe graph warm-up");
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    ops.up.run(c.ag_args(), stream, OverlapMethod::kChunked);
+    ops.down.run(c.rs_args(&ops.up.routing(), false), stream, OverlapMethod::kChunked);
+    TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 3; ++i) {
+      Shape si = s;
+      si.routing = i == 1 ? Routing::kSkewed : i == 2 ? Routing::kOneExpert : Routing::kRandom;
+      Case<T> fresh(world, si, ++case_seed);
+      const size_t pairs = s.m * s.topk;
+      TDIST_CUDA_CHECK(cudaMemcpy(c.d_ids.get(), fresh.d_ids.get(), pairs * 4, cudaMemcpyDeviceToDevice));
+      TDIST_CUDA_CHECK(cudaMemcpy(c.d_weights.get(), fresh.d_weights.get(), pairs * 4, cudaMemcpyDeviceToDevice));
+      TDIST_CUDA_CHECK(cudaMemcpy(c.d_x.get(), fresh.d_x.get(), c.split.rows(c.rank) * s.hidden * sizeof(T),
+                                  cudaMemcpyDeviceToDevice));
+      TDIST_CUDA_CHECK(cudaMemcpy(c.d_b1.get(), fresh.d_b1.get(), s.experts * s.inter * s.hidden * sizeof(T),
+                                  cudaMemcpyDeviceToDevice));
+      TDIST_CUDA_CHECK(cudaMemcpy(c.d_b2.get(), fresh.d_b2.get(), s.experts * s.inter * s.hidden * sizeof(T),
+                                  cudaMemcpyDeviceToDevice));
+      TDIST_CUDA_CHECK(cudaMemcpy(c.d_h.get(), fresh.d_h.get(), fresh.capacity * s.inter * sizeof(T),
+                                  cudaMemcpyDeviceToDevice));
+      fresh.poison(stream);
+      c.poison(stream);
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+      world.barrier("moe graph inputs");
+      TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+      // The replay wrote c's outputs from fresh's inputs: check them as fresh's.
+      TDIST_CUDA_CHECK(cudaMemcpy(fresh.d_up.get(), c.d_up.get(), fresh.capacity * s.inter * sizeof(T),
+                                  cudaMemcpyDeviceToDevice));
+      TDIST_CUDA_CHECK(cudaMemcpy(fresh.d_y.get(), c.d_y.get(), c.split.rows(c.rank) * s.hidden * sizeof(T),
+                                  cudaMemcpyDeviceToDevice));
+      fresh.check_routing(ops.up.routing());
+      fresh.check_up();
+      fresh.check_rs();
+    }
+    TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
+  });
+  test::sync_all(world, "moe graph");
+
+  suite.run("moe argument errors", [&] {
+    using T = __nv_bfloat16;
+    const Shape s{257, 264, 136, 8, 2, Routing::kRandom};
+    Ops ops(world, heap, {.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk},
+            {.max_m = s.m, .max_n = s.hidden, .experts = s.experts, .topk = s.topk});
+    Case<T> c(world, s, ++case_seed);
+    auto a = c.ag_args();
+    a.n = 140;
+    expect_error("n", [&] { ops.up.run(a, stream); });
+    a = c.ag_args();
+    a.m = s.m + 1;
+    expect_error("m", [&] { ops.up.run(a, stream); });
+    a = c.ag_args();
+    a.topk_ids = nullptr;
+    expect_error("topk_ids", [&] { ops.up.run(a, stream); });
+    a = c.ag_args();
+    a.b = static_cast<const char*>(a.b) + 2;
+    expect_error("b", [&] { ops.up.run(a, stream); });
+    expect_error("method", [&] { ops.up.run(c.ag_args(), stream, OverlapMethod::kFused); });
+    ops.up.run(c.ag_args(), stream);
+    auto d = c.rs_args(&ops.up.routing(), false);
+    d.m = s.m - 1;  // a routing of other tokens
+    expect_error("routing", [&] { ops.down.run(d, stream); });
+    d = c.rs_args(nullptr, false);
+    expect_error("routing", [&] { ops.down.run(d, stream); });
+    d = c.rs_args(&ops.up.routing(), false);
+    d.n = s.hidden + 8;  // past max_n
+    expect_error("n", [&] { ops.down.run(d, stream); });
+    d = c.rs_args(&ops.up.routing(), false);
+    d.topk_weights = nullptr;
+    expect_error("topk_weights", [&] { ops.down.run(d, stream); });
+    expect_error("topk", [&] { MoeAgGroupGemm bad(world, heap, {.max_m = 16, .k = 64, .experts = 4, .topk = 5}); });
+    expect_error("experts", [&] { MoeAgGroupGemm bad(world, heap, {.max_m = 16, .k = 64, .experts = 0, .topk = 1}); });
+    expect_error("dtype", [&] {
+      MoeGroupGemmRs bad(world, heap, {.max_m = 16, .max_n = 64, .experts = 4, .topk = 1, .dtype = DType::kFloat32});
+    });
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  });
+  test::sync_all(world, "moe errors");
+
+  TDIST_CUDA_CHECK(cudaStreamDestroy(stream));
+  return suite.finish();
+}
