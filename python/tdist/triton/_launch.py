@@ -132,16 +132,14 @@ class _Launcher:
 
     def _fill(self, args, kwargs):
         # Filled parameters are never passed positionally: positional arguments bind, in order, to the
-        # kernel's other parameters, so `k[grid](buf, flag)` works whatever the position of `heap`.
+        # kernel's parameters that are neither filled nor passed by keyword, so `k[grid](buf, flag)` works
+        # whatever the position of `heap`.
         filled = [n for n in (kHeapArg, kRankArg, kWorldArg) if n in self.arg_names and n not in kwargs]
-        others = [n for n in self.arg_names if n not in filled]
+        others = [n for n in self.arg_names if n not in filled and n not in kwargs]
         if len(args) > len(others):
             raise TypeError(f"{self.__name__}: takes {len(others)} positional arguments besides "
                             f"{', '.join(filled) or 'none'}, got {len(args)}")
         bound = dict(zip(others, args))
-        for n in bound:
-            if n in kwargs:
-                raise TypeError(f"{self.__name__}: argument '{n}' given twice")
         bound.update(kwargs)
         if filled:
             view = heap_view()
