@@ -30,6 +30,7 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
     ) from _e
 
 from . import language
+from .gemm import ag_gemm, gemm_rs
 from ._launch import (
     HeapView,
     barrier_pad,
@@ -38,4 +39,4 @@ from ._launch import (
     wait_timeout_seconds,
 )
 
-__all__ = ["language", "HeapView", "heap_view", "kernel", "barrier_pad", "wait_timeout_seconds"]
+__all__ = ["language", "ag_gemm", "gemm_rs", "HeapView", "heap_view", "kernel", "barrier_pad", "wait_timeout_seconds"]
