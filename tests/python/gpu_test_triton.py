@@ -411,9 +411,57 @@ def test_triton_and_cpp_kernels_share_flags():
         tdist.free(t)
 
 
+def _gathered(t):
+    parts = [torch.empty_like(t) for _ in range(world())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def test_ag_gemm_against_float64():
+    # Odd shapes (rows not a multiple of the tile or the chunk, K not a multiple of BLOCK_K) and one large
+    # shape that takes the 128 x 256 tiles.
+    for m_local, n, k in ((1, 33, 64), (77, 333, 200), (300, 1000, 1024), (1027, 2053, 520)):
+        x = (fresh((m_local, k), seed=m_local) / k ** 0.5).to(torch.bfloat16)
+        w = fresh((n, k), seed=n + 1).to(torch.bfloat16)
+        out = tdist.triton.ag_gemm(x, w)
+        torch.cuda.synchronize()
+        ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
+        assert out.shape == (world() * m_local, n) and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    h.expect_error(lambda: tdist.triton.ag_gemm(x, w[:, :-1]), "'w' must be (N, K)")
+    h.expect_error(lambda: tdist.triton.ag_gemm(x.float(), w), "'x' must be bfloat16 or float16")
+
+
+def test_ag_gemm_back_to_back():
+    m_local, n, k, calls = 130, 257, 256, 20
+    xs = [(fresh((m_local, k), seed=100 + i) / k ** 0.5).to(torch.bfloat16) for i in range(calls)]
+    w = fresh((n, k), seed=99).to(torch.bfloat16)
+    outs = [tdist.triton.ag_gemm(x, w) for x in xs]  # no host synchronisation between calls
+    torch.cuda.synchronize()
+    for x, out in zip(xs, outs):
+        ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_gemm_rs_against_float64():
+    for m_local, n, k in ((1, 40, 64), (65, 333, 136), (512, 1000, 520), (1100, 2048, 512)):
+        m = m_local * world()
+        a = (fresh((m, k), seed=m + 3) / k ** 0.5).to(torch.bfloat16)
+        b = fresh((n, k), seed=n + 7).to(torch.bfloat16)
+        outs = [tdist.triton.gemm_rs(a, b) for _ in range(3)]  # back to back: the counters only grow
+        torch.cuda.synchronize()
+        full = sum(pa.double() @ pb.double().T for pa, pb in zip(_gathered(a), _gathered(b)))
+        ref = full[rank() * m_local:(rank() + 1) * m_local]
+        for out in outs:
+            assert out.shape == (m_local, n) and out.dtype == torch.bfloat16
+            torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+    h.expect_error(lambda: tdist.triton.gemm_rs(a[:m - 1], b), "must be a positive multiple of the world size")
+
+
 TESTS = [test_rank_world_symm_at, test_ring_put_signal_wait_sys, test_signal_add_and_put, test_wait_on_many_flags,
          test_notify_wait_both_scopes_on_one_gpu, test_get, test_barriers, test_200_back_to_back_calls,
-         test_wait_times_out_with_the_diagnostic, test_triton_and_cpp_kernels_share_flags]
+         test_wait_times_out_with_the_diagnostic, test_triton_and_cpp_kernels_share_flags,
+         test_ag_gemm_against_float64, test_ag_gemm_back_to_back, test_gemm_rs_against_float64]
 
 
 if __name__ == "__main__":

@@ -270,12 +270,12 @@ def gemm_rs(a, b):
     _check_matrix("gemm_rs", "b", b, torch)
     _check("gemm_rs", a.dtype == b.dtype, f"'a' and 'b' must have one dtype, got {a.dtype} and {b.dtype}")
     _check("gemm_rs", a.shape[1] == b.shape[1], f"'b' must be (N, K) with K = {a.shape[1]} (a's), got {tuple(b.shape)}")
-    view = _start_call(_rs, torch)
-    world = view.world_size
+    world = heap_view().world_size
     m, k = a.shape
     n = b.shape[0]
     _check("gemm_rs", m > 0 and n > 0 and m % world == 0,
            f"M (a's rows, {m}) must be a positive multiple of the world size {world}")
+    view = _start_call(_rs, torch)
     m_local = m // world
     # recv: [world (source rank), m_local, N]; counters[0]: tile arrivals, growing over calls.
     recv = _rs.get("recv", (world, m_local, n), a.dtype)
