@@ -458,10 +458,42 @@ def test_gemm_rs_against_float64():
     h.expect_error(lambda: tdist.triton.gemm_rs(a[:m - 1], b), "must be a positive multiple of the world size")
 
 
+def _tutorial(name):
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "triton")
+    if folder not in sys.path:
+        sys.path.insert(0, os.path.abspath(folder))
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def _check_tutorial(name):
+    results = _tutorial(name).run()
+    failed = [case for case, ok in results if not ok]
+    assert results and not failed, f"{name}: failed cases {failed}"
+
+
+def test_tutorial_notify_wait():
+    _check_tutorial("notify_wait")
+
+
+def test_tutorial_allgather():
+    _check_tutorial("allgather")
+
+
+def test_tutorial_all_to_all():
+    _check_tutorial("all_to_all")
+
+
+def test_tutorial_ag_gemm():
+    _check_tutorial("ag_gemm")
+
+
 TESTS = [test_rank_world_symm_at, test_ring_put_signal_wait_sys, test_signal_add_and_put, test_wait_on_many_flags,
          test_notify_wait_both_scopes_on_one_gpu, test_get, test_barriers, test_200_back_to_back_calls,
          test_wait_times_out_with_the_diagnostic, test_triton_and_cpp_kernels_share_flags,
-         test_ag_gemm_against_float64, test_ag_gemm_back_to_back, test_gemm_rs_against_float64]
+         test_ag_gemm_against_float64, test_ag_gemm_back_to_back, test_gemm_rs_against_float64,
+         test_tutorial_notify_wait, test_tutorial_allgather, test_tutorial_all_to_all, test_tutorial_ag_gemm]
 
 
 if __name__ == "__main__":
