@@ -196,6 +196,26 @@ def test_every_primitive_compiles(scope):
     assert re.search(r"@%tdist_p st\.release\.", ptx)
 
 
+@triton.jit
+def copy_through_peer(heap, src, dst, flags, n, epoch):
+    offs = tl.arange(0, 1024)
+    seen = tdl.wait(heap, flags + offs % 4, epoch)  # a block of flags, the token of the same shape
+    vals = tl.load(tdl.consume_token(src + offs, seen))
+    tdl.put_tile(heap, dst + offs, vals, 1)
+    seen1 = tdl.wait(heap, flags, epoch)  # one flag: a scalar token
+    tl.store(dst + offs, tl.load(tdl.consume_token(src, seen1) + offs))
+
+
+def test_translated_and_token_accesses_stay_vectorised():
+    # symm_at's offset and consume_token's zero are marked multiples of 16 bytes: 16-byte accesses remain.
+    sig = {"heap": "*i64", "src": "*fp32", "dst": "*fp32", "flags": "*i64", "n": "i32", "epoch": "i64"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
+    ptx = triton.compile(triton.compiler.ASTSource(copy_through_peer, sig, {}, attrs), target=SM90).asm["ptx"]
+    assert re.search(r"st\.global\.v4\.b32", ptx), "stores through symm_at are not vectorised"
+    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) >= 2, "loads through consume_token are not vectorised"
+    assert not re.search(r"ld\.global\.b32 ", ptx)
+
+
 # --- bad arguments ---------------------------------------------------------------------------------
 
 def _compile_error(fn, sig):

@@ -132,6 +132,34 @@ def _token_zero(token, _semantic=None):
 
 
 @_core.builtin
+def _known_zero(zero, _semantic=None):
+    # It is 0: a multiple of anything and, in a block, constant throughout. Saying so keeps the accesses
+    # through consume_token contiguous and vectorised.
+    zero = tl.multiple_of(zero, [tl.constexpr(16)] * max(len(zero.shape), 1), _semantic=_semantic)
+    if zero.type.is_block():
+        zero = tl.max_constancy(zero, [tl.constexpr(d) for d in zero.shape], _semantic=_semantic)
+    return zero
+
+
+@_core.builtin
+def _element_offset(ptr, delta, _semantic=None):
+    # The byte distance between two heaps in elements of ptr's type, marked a multiple of 16 bytes (heap
+    # bases are page aligned), so that accesses through the translated pointer stay vectorised.
+    ty = ptr.type.scalar if hasattr(ptr.type, "scalar") else ptr.type
+    if not isinstance(ty, tl.pointer_type):
+        raise ValueError(f"tdist.triton: symm_at needs a pointer or a block of pointers, got {ptr.type}")
+    size = max(ty.element_ty.primitive_bitwidth // 8, 1)
+    offset = delta.__floordiv__(size, _semantic=_semantic) if size > 1 else delta
+    values = [tl.constexpr(max(16 // size, 1))] * max(len(offset.shape), 1)
+    return tl.multiple_of(offset, values, _semantic=_semantic)
+
+
+@_core.builtin
+def _same_shape(x, y, _semantic=None):
+    return tl.constexpr(x.type.is_block() and y.type.is_block() and list(x.shape) == list(y.shape))
+
+
+@_core.builtin
 def _is_block(x, _semantic=None):
     return tl.constexpr(x.type.is_block())
 
@@ -158,7 +186,7 @@ def symm_at(heap, ptr, peer):
     me = tl.load(heap).to(tl.int32)
     local = tl.load(heap + HEAP_HEADER_WORDS + me)
     remote = tl.load(heap + HEAP_HEADER_WORDS + peer)
-    return (ptr.to(tl.pointer_type(tl.int8), bitcast=True) + (remote - local)).to(ptr.dtype, bitcast=True)
+    return ptr + _element_offset(ptr, remote - local)
 
 
 # --- flags -----------------------------------------------------------------------------------------------
@@ -223,9 +251,9 @@ def consume_token(ptr, token):
     Triton nor LLVM can issue them before the wait, whatever they assume about the memory (the Triton form
     of consume_token in signal.cuh)."""
     zero = _token_zero(token)
-    if _is_block(zero):
-        zero = tl.max(zero)
-    return ptr + zero
+    if _is_block(zero) and not _same_shape(zero, ptr):
+        zero = _token_zero(tl.max(zero))  # through the asm once more: a reduction's result loses multiple_of
+    return ptr + _known_zero(zero)
 
 
 @triton.jit
