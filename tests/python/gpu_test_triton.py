@@ -8,6 +8,7 @@ data and flags on one symmetric buffer.
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -333,6 +334,12 @@ print("the wait returned", flush=True)
 """
 
 
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def test_wait_times_out_with_the_diagnostic():
     if rank() != 0:
         return
@@ -342,7 +349,7 @@ def test_wait_times_out_with_the_diagnostic():
     device = torch.cuda.current_device()
     device = visible.split(",")[device] if visible else str(device)
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TDIST_WAIT_TIMEOUT_S="0.5",
-               CUDA_VISIBLE_DEVICES=device, MASTER_ADDR="127.0.0.1", MASTER_PORT="29731")
+               CUDA_VISIBLE_DEVICES=device, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_triton_timeout_child.py")
     with open(path, "w") as f:  # triton.jit needs its kernels in a file
         f.write(_TIMEOUT_CHILD)
