@@ -317,7 +317,7 @@ def test_200_back_to_back_calls():
 
 
 _TIMEOUT_CHILD = r"""
-import os, sys
+import ctypes, os, sys
 import tdist, torch, triton, triton.language as tl
 import tdist.triton, tdist.triton.language as tdl
 
@@ -336,6 +336,7 @@ try:
 except Exception as e:
     print("kernel failed:", type(e).__name__, e, flush=True)
     sys.stdout.flush()
+    ctypes.CDLL(None).fflush(None)  # the device printf went through C stdio, buffered on a pipe
     os._exit(3)  # the context is unusable: skip every teardown
 """
 
