@@ -25,7 +25,8 @@ try:
     import triton.language as _tl  # noqa: F401
 except ImportError as _e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        f"tdist.triton needs Triton >= 3.6 (pip install 'triton>=3.6'), which could not be imported ({_e}). "
+        f"tdist.triton needs Triton >= 3.6 (pip install 'triton>=3.6', or 'tdist[triton]'), which could not be "
+        f"imported ({_e}). "
         "The rest of tdist works without it."
     ) from _e
 
