@@ -23,6 +23,8 @@ rm -rf "$venv"
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 "${pip[@]}" install -q ${TDIST_PIP_ARGS:-} "scikit-build-core>=0.10" "nanobind>=2.0" pytest matplotlib
+# Triton compiles tdist.triton's kernels to PTX without a GPU; test_triton_*.py skip, saying so, without it.
+"${pip[@]}" install -q ${TDIST_PIP_ARGS:-} "triton>=3.6" || echo "run_cpu_tests.sh: triton not installed; test_triton_*.py will skip"
 # Build isolation off: the build uses the packages above (and the system's CMake and Ninja), so the
 # same command works on a machine without a package index once they are installed.
 CMAKE_BUILD_PARALLEL_LEVEL=${TDIST_BUILD_JOBS:-$(nproc)} \

@@ -1,0 +1,166 @@
+"""Benchmark of the Triton AG-GEMM and GEMM-RS (tdist.triton) beside tdist's C++ ops, NCCL + cuBLAS and
+PyTorch's fused_all_gather_matmul / fused_matmul_reduce_scatter, from one run (torchrun, one process
+per GPU). Default shapes: LLaMA-3-70B MLP, AG: K = 8192, N = 28672 / world; RS: N = 8192,
+K = 28672 / world; M (all rows) = 1024 ... 8192.
+
+    python -m torch.distributed.run --nproc-per-node 2 -m tdist.bench_triton --json out.json
+
+Rank 0 prints one line per (op, M, method): median ms over --iters timed calls (CUDA events, after
+--warmup calls), TFLOP/s and the time relative to the Triton op; --json writes the same rows with the
+GPU, world size and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import tdist  # before torch: tdist's NCCL is the one the process loads
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m tdist.bench_triton", description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", choices=("ag_gemm", "gemm_rs", "all"), default="all")
+    p.add_argument("--m", default="1024,2048,4096,8192", help="total rows M, comma-separated (default %(default)s)")
+    p.add_argument("--k", type=int, default=8192, help="AG K (default %(default)s)")
+    p.add_argument("--n-total", type=int, default=28672, help="AG N before the split over ranks (default %(default)s)")
+    p.add_argument("--rs-n", type=int, default=8192, help="RS N (default %(default)s)")
+    p.add_argument("--rs-k-total", type=int, default=28672, help="RS K before the split (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", default=None, help="write the rows to this file (rank 0)")
+    args = p.parse_args(argv)
+    try:
+        args.m = [int(v) for v in args.m.split(",")]
+    except ValueError:
+        p.error(f"--m must be comma-separated integers, got {args.m!r}")
+    if any(v <= 0 for v in args.m) or args.warmup < 0 or args.iters < 1:
+        p.error("--m values and --iters must be positive, --warmup >= 0")
+    return args
+
+
+def _time(fn, torch, dist, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    # Every rank's median, then the slowest rank: a collective op is as fast as its slowest member.
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _methods(op, torch, dist, world, group_name):
+    import tdist.triton
+
+    if op == "ag_gemm":
+        def nccl_cublas(x, w):
+            full = torch.empty((x.shape[0] * world, x.shape[1]), device=x.device, dtype=x.dtype)
+            dist.all_gather_into_tensor(full, x)
+            return full @ w.T
+
+        def torch_fused(x, w):
+            return torch.ops.symm_mem.fused_all_gather_matmul(x, [w.T], 0, group_name)[1][0]
+
+        return {"triton": tdist.triton.ag_gemm, "tdist_cpp": tdist.ag_gemm, "nccl_cublas": nccl_cublas,
+                "torch_fused": torch_fused}
+
+    def nccl_cublas_rs(a, b):
+        full = a @ b.T
+        out = torch.empty((a.shape[0] // world, b.shape[0]), device=a.device, dtype=a.dtype)
+        dist.reduce_scatter_tensor(out, full)
+        return out
+
+    def torch_fused_rs(a, b):
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b.T, "sum", 0, group_name)
+
+    return {"triton": tdist.triton.gemm_rs, "tdist_cpp": tdist.gemm_rs, "nccl_cublas": nccl_cublas_rs,
+            "torch_fused": torch_fused_rs}
+
+
+def main(argv=None) -> int:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    import torch
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    tdist.init(process_group=dist.group.WORLD, heap_size=os.environ.get("TDIST_SYMMETRIC_HEAP_SIZE", "16G"))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group_name = dist.group.WORLD.group_name
+    try:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(group_name)
+        fused_error = None
+    except Exception as e:  # noqa: BLE001 - reported, the other methods still run
+        fused_error = f"{type(e).__name__}: {e}"
+    rows = []
+    ops = ("ag_gemm", "gemm_rs") if args.op == "all" else (args.op,)
+    g = torch.Generator(device="cuda").manual_seed(1 + rank)
+    for op in ops:
+        for m in args.m:
+            if m % world:
+                continue
+            if op == "ag_gemm":
+                k, n = args.k, args.n_total // world
+                a = torch.randn((m // world, k), generator=g, device="cuda").to(torch.bfloat16)
+            else:
+                k, n = args.rs_k_total // world, args.rs_n
+                a = torch.randn((m, k), generator=g, device="cuda").to(torch.bfloat16)
+            b = (torch.randn((n, k), generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
+            flops = 2.0 * m * n * k  # per rank (AG: all rows x this rank's N; RS: all rows x this rank's K)
+            results = {}
+            for name, fn in _methods(op, torch, dist, world, group_name).items():
+                if name == "torch_fused" and fused_error:
+                    results[name] = (None, fused_error)
+                    continue
+                try:
+                    results[name] = (_time(lambda: fn(a, b), torch, dist, args.warmup, args.iters), None)
+                except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+                    results[name] = (None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                    torch.cuda.synchronize()
+                    dist.barrier()
+            base = results["triton"][0]
+            for name, (ms, err) in results.items():
+                row = {"op": op, "m": m, "n": n, "k": k, "world": world, "method": name, "ms": ms,
+                       "tflops": flops / (ms * 1e-3) / 1e12 if ms else None,
+                       "vs_triton": ms / base if ms and base else None, "error": err}
+                rows.append(row)
+                if rank == 0:
+                    if ms is None:
+                        print(f"{op:8s} M={m:6d} N={n:6d} K={k:6d} {name:12s} unavailable: {err}", flush=True)
+                    else:
+                        ratio = f"{row['vs_triton']:.3f}x" if row["vs_triton"] else "-"
+                        print(f"{op:8s} M={m:6d} N={n:6d} K={k:6d} {name:12s} {ms:8.3f} ms {row['tflops']:7.1f} "
+                              f"TFLOP/s  time vs triton {ratio}", flush=True)
+    if rank == 0 and args.json:
+        header = {"gpu": torch.cuda.get_device_name(), "world": world, "command": " ".join(sys.argv),
+                  "torch": torch.__version__}
+        try:
+            import triton
+
+            header["triton"] = triton.__version__
+        except ImportError:
+            pass
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "rows": rows}, f, indent=1)
+    tdist.finalize()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,514 @@
+"""GPU tests of tdist.triton (torchrun, 2 or more ranks): every primitive against expected data at both
+scopes, a wait that must time out with the diagnostic (in a subprocess: the trap kills the context),
+200 back-to-back calls without host work, and a Triton kernel and a C++ (tdist.jit) kernel exchanging
+data and flags on one symmetric buffer.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/python/gpu_test_triton.py
+"""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import gpu_harness as h
+from gpu_harness import rank, world
+
+import tdist
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+import tdist.triton
+import tdist.triton.language as tdl
+
+kPoison = -7777.0
+
+
+def fresh(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(1234 + 97 * seed + rank())
+    return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def expected_from(r, shape, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(1234 + 97 * seed + r)
+    return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32)
+
+
+# --- kernels ---------------------------------------------------------------------------------------
+
+@tdist.triton.kernel
+@triton.jit
+def k_identity(heap, out, buf, n, BLOCK: tl.constexpr):
+    # out[0] = rank, out[1] = world, out[2 + i] = next rank's buf[i], through symm_at.
+    me = tdl.rank(heap)
+    world = tdl.num_ranks(heap)
+    tl.store(out, me.to(tl.float32))
+    tl.store(out + 1, world.to(tl.float32))
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    vals = tdl.get_tile(heap, buf + offs, (me + 1) % world, mask=mask, other=0.0)
+    tl.store(out + 2 + offs, vals, mask=mask)
+
+
+@tdist.triton.kernel
+@triton.jit
+def k_ring_put_signal(heap, send, recv, out, flag, n, epoch, BLOCK: tl.constexpr):
+    # Puts `send` into the next rank's `recv`, raises its flag to `epoch`, waits for the previous rank's
+    # data, copies it to `out` through a load that depends on the wait.
+    me = tdl.rank(heap)
+    world = tdl.num_ranks(heap)
+    tdl.put_signal(heap, recv, send, n, flag, epoch, (me + 1) % world, BLOCK)
+    seen = tdl.wait(heap, flag, epoch)
+    src = tdl.consume_token(recv, seen)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(out + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@tdist.triton.kernel
+@triton.jit
+def k_all_add(heap, recv, send, out, counter, n, expected, BLOCK: tl.constexpr):
+    # Every rank puts its row into recv[me] of every peer, then adds 1 to each peer's counter; waits until
+    # all world ranks have added (counter >= expected), then copies recv to out.
+    me = tdl.rank(heap)
+    world = tdl.num_ranks(heap)
+    for p in range(0, world):
+        tdl.put(heap, recv + me * n, send, n, p, BLOCK)
+        tdl.signal_op(heap, counter, 1, p, "add")
+    seen = tdl.wait(heap, counter, expected)
+    src = tdl.consume_token(recv, seen)
+    for start in range(0, world * n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < world * n
+        tl.store(out + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@tdist.triton.kernel
+@triton.jit
+def k_many_flags(heap, recv, send, out, flags, n, epoch, MAX_WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    # Rank r puts its row into recv[r] of every peer and sets flags[r] there; the receiver waits for all
+    # flags at once (a block of flags: `wait` on many).
+    me = tdl.rank(heap)
+    world = tdl.num_ranks(heap)
+    for p in range(0, world):
+        tdl.put_signal(heap, recv + me * n, send, n, flags + me, epoch, p, BLOCK)
+    idx = tl.arange(0, MAX_WORLD)
+    seen = tdl.wait(heap, flags + tl.where(idx < world, idx, 0), epoch)
+    src = tdl.consume_token(recv, seen)
+    for start in range(0, world * n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < world * n
+        tl.store(out + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@tdist.triton.kernel
+@triton.jit
+def k_local_scope(heap, data, out, flag, n, epoch, SCOPE: tl.constexpr, BLOCK: tl.constexpr):
+    # Two programs of one GPU: program 1 writes data and raises the flag (release at SCOPE); program 0
+    # waits for it (acquire at SCOPE) and copies the data. Both programs are resident (grid of 2).
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    if tl.program_id(0) == 1:
+        tl.store(data + offs, offs.to(tl.float32) * 0.5 + epoch, mask=mask)
+        tdl.fence(SCOPE)
+        tdl.notify(flag, epoch, SCOPE)
+    else:
+        seen = tdl.wait(heap, flag, epoch, SCOPE)
+        tl.store(out + offs, tl.load(tdl.consume_token(data + offs, seen), mask=mask), mask=mask)
+
+
+@tdist.triton.kernel
+@triton.jit
+def k_get(heap, dst, src, n, BLOCK: tl.constexpr):
+    me = tdl.rank(heap)
+    tdl.get(heap, dst, src, n, (me + 1) % tdl.num_ranks(heap), BLOCK)
+
+
+@tdist.triton.kernel
+@triton.jit
+def k_grid_barrier(heap, recv, send, out, pad, n, BLOCK: tl.constexpr):
+    # Each program puts its chunk of `send` into the next rank's `recv` with plain stores, then quiet and
+    # a grid barrier across ranks; after it, each program reads its chunk of its own `recv`.
+    me = tdl.rank(heap)
+    world = tdl.num_ranks(heap)
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tdl.put_tile(heap, recv + offs, tl.load(send + offs, mask=mask), (me + 1) % world, mask=mask)
+    tdl.quiet()
+    tdl.barrier_all_grid(heap, pad)
+    tl.store(out + offs, tl.load(recv + offs, mask=mask), mask=mask)
+
+
+@tdist.triton.kernel
+@triton.jit
+def k_block_barrier(heap, counter, pad, out):
+    # One program per rank: increments its own counter, barrier, then reads the next rank's counter.
+    me = tdl.rank(heap)
+    world = tdl.num_ranks(heap)
+    tl.store(counter, tl.load(counter) + 1)
+    tdl.barrier_all(heap, pad)
+    tl.store(out, tdl.get_tile(heap, counter, (me + 1) % world))
+
+
+@tdist.triton.kernel
+@triton.jit
+def k_wait_forever(heap, flag):
+    tdl.wait(heap, flag, 1)
+
+
+# --- tests -----------------------------------------------------------------------------------------
+
+def test_rank_world_symm_at():
+    tdist.triton.heap_view()  # collective on first use: every rank makes the anchor now
+    n = 1000
+    buf = tdist.empty((n,), torch.float32)
+    buf.copy_(fresh(n, seed=1))
+    out = torch.full((n + 2,), kPoison, device="cuda")
+    dist.barrier()
+    torch.cuda.synchronize()
+    dist.barrier()
+    k_identity[(1,)](out, buf, n, BLOCK=1024)
+    torch.cuda.synchronize()
+    assert out[0].item() == rank() and out[1].item() == world()
+    torch.testing.assert_close(out[2:], expected_from((rank() + 1) % world(), n, seed=1), rtol=0, atol=0)
+    dist.barrier()
+    tdist.free(buf)
+
+
+def test_ring_put_signal_wait_sys():
+    for n in (1, 777, 4096 + 3):
+        send = tdist.empty((n,), torch.float32)
+        recv = tdist.empty((n,), torch.float32)
+        flag = tdist.empty((1,), torch.int64)
+        send.copy_(fresh(n, seed=n))
+        recv.fill_(kPoison)
+        out = torch.full((n,), kPoison, device="cuda")
+        torch.cuda.synchronize()
+        dist.barrier()
+        k_ring_put_signal[(1,)](send, recv, out, flag, n, 1, BLOCK=512)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, expected_from((rank() - 1) % world(), n, seed=n), rtol=0, atol=0)
+        assert flag.item() == 1
+        dist.barrier()
+        for t in (send, recv, flag):
+            tdist.free(t)
+
+
+def test_signal_add_and_put():
+    n = 333
+    send = tdist.empty((n,), torch.float32)
+    recv = tdist.empty((world(), n), torch.float32)
+    counter = tdist.empty((1,), torch.int64)
+    send.copy_(fresh(n, seed=5))
+    recv.fill_(kPoison)
+    torch.cuda.synchronize()
+    dist.barrier()
+    for call in range(1, 4):  # the counter grows by world per call: epochs, never reset
+        out = torch.full((world(), n), kPoison, device="cuda")
+        k_all_add[(1,)](recv, send, out, counter, n, call * world(), BLOCK=256)
+        torch.cuda.synchronize()
+        for r in range(world()):
+            torch.testing.assert_close(out[r], expected_from(r, n, seed=5), rtol=0, atol=0)
+        dist.barrier()  # the next call's puts must not overwrite rows a peer still copies
+    assert counter.item() == 3 * world()
+    for t in (send, recv, counter):
+        tdist.free(t)
+
+
+def test_wait_on_many_flags():
+    n = 129
+    send = tdist.empty((n,), torch.float32)
+    recv = tdist.empty((world(), n), torch.float32)
+    flags = tdist.empty((world(),), torch.int64)
+    send.copy_(fresh(n, seed=9))
+    recv.fill_(kPoison)
+    out = torch.full((world(), n), kPoison, device="cuda")
+    torch.cuda.synchronize()
+    dist.barrier()
+    k_many_flags[(1,)](recv, send, out, flags, n, 7, MAX_WORLD=triton.next_power_of_2(world()), BLOCK=128)
+    torch.cuda.synchronize()
+    for r in range(world()):
+        torch.testing.assert_close(out[r], expected_from(r, n, seed=9), rtol=0, atol=0)
+    assert flags.tolist() == [7] * world()
+    dist.barrier()
+    for t in (send, recv, flags):
+        tdist.free(t)
+
+
+def test_notify_wait_both_scopes_on_one_gpu():
+    n = 100
+    for scope in ("gpu", "sys"):
+        data = torch.full((n,), kPoison, device="cuda")
+        flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+        for epoch in (1, 2, 3):
+            out = torch.full((n,), kPoison, device="cuda")
+            k_local_scope[(2,)](data, out, flag, n, epoch, SCOPE=scope, BLOCK=128)
+            torch.cuda.synchronize()
+            ref = torch.arange(n, device="cuda", dtype=torch.float32) * 0.5 + epoch
+            torch.testing.assert_close(out, ref, rtol=0, atol=0)
+            assert flag.item() == epoch
+
+
+def test_get():
+    n = 5000 + 11
+    src = tdist.empty((n,), torch.float32)
+    src.copy_(fresh(n, seed=11))
+    dst = torch.full((n,), kPoison, device="cuda")
+    torch.cuda.synchronize()
+    dist.barrier()
+    k_get[(1,)](dst, src, n, BLOCK=1024)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(dst, expected_from((rank() + 1) % world(), n, seed=11), rtol=0, atol=0)
+    dist.barrier()
+    tdist.free(src)
+
+
+def test_barriers():
+    n = 8 * 1024 + 5
+    block = 1024
+    programs = triton.cdiv(n, block)  # 9 programs: all resident on any GPU
+    send = tdist.empty((n,), torch.float32)
+    recv = tdist.empty((n,), torch.float32)
+    pad = tdist.triton.barrier_pad(2)
+    counter = tdist.empty((1,), torch.int64)
+    torch.cuda.synchronize()
+    dist.barrier()
+    for call in range(3):  # the pads are reused: epochs, nothing reset
+        send.copy_(fresh(n, seed=20 + call))
+        recv.fill_(kPoison)
+        out = torch.full((n,), kPoison, device="cuda")
+        torch.cuda.synchronize()
+        dist.barrier()
+        k_grid_barrier[(programs,)](recv, send, out, pad[0], n, BLOCK=block)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, expected_from((rank() - 1) % world(), n, seed=20 + call), rtol=0, atol=0)
+        one = torch.full((1,), -1, dtype=torch.int64, device="cuda")
+        k_block_barrier[(1,)](counter, pad[1], one)
+        torch.cuda.synchronize()
+        assert one.item() == call + 1, (one.item(), call + 1)
+        dist.barrier()
+    for t in (send, recv, pad, counter):
+        tdist.free(t)
+
+
+def test_200_back_to_back_calls():
+    n, calls = 1023, 200
+    send = tdist.empty((calls, n), torch.float32)
+    recv = tdist.empty((calls, n), torch.float32)
+    flag = tdist.empty((calls,), torch.int64)
+    send.copy_(fresh((calls, n), seed=30))
+    recv.fill_(kPoison)
+    out = torch.full((calls, n), kPoison, device="cuda")
+    torch.cuda.synchronize()
+    dist.barrier()
+    for i in range(calls):  # no host synchronisation between calls: flags carry the order
+        k_ring_put_signal[(1,)](send[i], recv[i], out[i], flag[i:], n, i + 1, BLOCK=512)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected_from((rank() - 1) % world(), (calls, n), seed=30), rtol=0, atol=0)
+    assert flag.tolist() == list(range(1, calls + 1))
+    dist.barrier()
+    for t in (send, recv, flag):
+        tdist.free(t)
+
+
+_TIMEOUT_CHILD = r"""
+import ctypes, os, sys
+import tdist, torch, triton, triton.language as tl
+import tdist.triton, tdist.triton.language as tdl
+
+@tdist.triton.kernel
+@triton.jit
+def k_wait_forever(heap, flag):
+    tdl.wait(heap, flag, 1)
+
+tdist.init(heap_size="64M")
+flag = tdist.empty((1,), torch.int64)
+print("flag address", hex(flag.data_ptr()), flush=True)
+try:
+    k_wait_forever[(1,)](flag)
+    torch.cuda.synchronize()
+    print("the wait returned", flush=True)
+except Exception as e:
+    print("kernel failed:", type(e).__name__, e, flush=True)
+    sys.stdout.flush()
+    ctypes.CDLL(None).fflush(None)  # the device printf went through C stdio, buffered on a pipe
+    os._exit(3)  # the context is unusable: skip every teardown
+"""
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_wait_times_out_with_the_diagnostic():
+    if rank() != 0:
+        return
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCHELASTIC", "MASTER_", "GROUP_", "ROLE_", "LOCAL_WORLD", "TORCH_NCCL"))}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    device = torch.cuda.current_device()
+    device = visible.split(",")[device] if visible else str(device)
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TDIST_WAIT_TIMEOUT_S="0.5",
+               CUDA_VISIBLE_DEVICES=device, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_triton_timeout_child.py")
+    with open(path, "w") as f:  # triton.jit needs its kernels in a file
+        f.write(_TIMEOUT_CHILD)
+    try:
+        proc = subprocess.run([sys.executable, path], capture_output=True, text=True, env=env, timeout=240)
+    finally:
+        os.unlink(path)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 3, text
+    assert "the wait returned" not in text, text
+    addr = next(int(line.split()[-1], 16) for line in text.splitlines() if line.startswith("flag address"))
+    m = re.search(r"tdist: wait timed out after 0\.5 s: rank 0, block \(0,0,0\), thread \(0,0,0\), "
+                  r"address (?:0x)?([0-9a-fA-F]+), waiting for value >= 1, seen 0", text)
+    assert m, text
+    assert int(m.group(1), 16) == addr, (hex(addr), m.group(0))
+
+
+_CPP_PONG = r"""
+#include <tdist/device.cuh>
+using namespace tdist::device;
+// Waits for `flag` >= epoch (Triton's signal), adds 1 to each of n floats of `in`, puts them into the
+// peer's `out` (peer_out, a translated address) and raises the peer's flag (peer_flag) to epoch.
+extern "C" __global__ void cpp_pong(const u64* flag, const float* in, float* peer_out, u64* peer_flag, u64 epoch,
+                                    int n) {
+  wait_block(flag, 1, epoch);
+  for (int i = threadIdx.x; i < n; i += blockDim.x) peer_out[i] = in[i] + 1.0f;
+  __syncthreads();
+  if (threadIdx.x == 0) notify(peer_flag, epoch);
+}
+"""
+
+
+@tdist.triton.kernel
+@triton.jit
+def k_ping(heap, send, recv_peer, flag, n, epoch, BLOCK: tl.constexpr):
+    # Triton side: put `send` into rank 1's recv buffer, raise rank 1's flag, wait for the C++ reply.
+    tdl.put_signal(heap, recv_peer, send, n, flag, epoch, 1, BLOCK)
+    tdl.wait(heap, flag, epoch)
+
+
+def test_triton_and_cpp_kernels_share_flags():
+    n = 2049
+    send = tdist.empty((n,), torch.float32)
+    recv = tdist.empty((n,), torch.float32)  # rank 1 receives here; rank 0 gets the reply here
+    flag = tdist.empty((1,), torch.int64)
+    send.copy_(fresh(n, seed=40))
+    recv.fill_(kPoison)
+    torch.cuda.synchronize()
+    dist.barrier()
+    for epoch in (1, 2):
+        if rank() == 0:
+            k_ping[(1,)](send, recv, flag, n, epoch, BLOCK=512)
+        elif rank() == 1:
+            mod = tdist.jit.compile(_CPP_PONG, file_name="cpp_pong.cu")
+            k = mod.kernel("cpp_pong", signature="const u64*, const float*, float*, u64*, u64, int")
+            k(flag, recv, tdist.peer(recv, 0), tdist.peer(flag, 0), epoch, n, grid=1, block=256)
+        torch.cuda.synchronize()
+        if rank() == 0:
+            torch.testing.assert_close(recv, expected_from(0, n, seed=40) + 1.0, rtol=0, atol=0)
+            assert flag.item() == epoch
+        dist.barrier()
+        recv.fill_(kPoison)
+        torch.cuda.synchronize()
+        dist.barrier()
+    for t in (send, recv, flag):
+        tdist.free(t)
+
+
+def _gathered(t):
+    parts = [torch.empty_like(t) for _ in range(world())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def test_ag_gemm_against_float64():
+    # Odd shapes (rows not a multiple of the tile or the chunk, K not a multiple of BLOCK_K) and one large
+    # shape that takes the 128 x 256 tiles.
+    for m_local, n, k in ((1, 33, 64), (77, 333, 200), (300, 1000, 1024), (1027, 2053, 520)):
+        x = (fresh((m_local, k), seed=m_local) / k ** 0.5).to(torch.bfloat16)
+        w = fresh((n, k), seed=n + 1).to(torch.bfloat16)
+        out = tdist.triton.ag_gemm(x, w)
+        torch.cuda.synchronize()
+        ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
+        assert out.shape == (world() * m_local, n) and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    h.expect_error(lambda: tdist.triton.ag_gemm(x, w[:, :-1]), "'w' must be (N, K)")
+    h.expect_error(lambda: tdist.triton.ag_gemm(x.float(), w), "'x' must be bfloat16 or float16")
+
+
+def test_ag_gemm_back_to_back():
+    m_local, n, k, calls = 130, 257, 256, 20
+    xs = [(fresh((m_local, k), seed=100 + i) / k ** 0.5).to(torch.bfloat16) for i in range(calls)]
+    w = fresh((n, k), seed=99).to(torch.bfloat16)
+    outs = [tdist.triton.ag_gemm(x, w) for x in xs]  # no host synchronisation between calls
+    torch.cuda.synchronize()
+    for x, out in zip(xs, outs):
+        ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_gemm_rs_against_float64():
+    for m_local, n, k in ((1, 40, 64), (65, 333, 136), (512, 1000, 520), (1100, 2048, 512)):
+        m = m_local * world()
+        a = (fresh((m, k), seed=m + 3) / k ** 0.5).to(torch.bfloat16)
+        b = fresh((n, k), seed=n + 7).to(torch.bfloat16)
+        outs = [tdist.triton.gemm_rs(a, b) for _ in range(3)]  # back to back: the counters only grow
+        torch.cuda.synchronize()
+        full = sum(pa.double() @ pb.double().T for pa, pb in zip(_gathered(a), _gathered(b)))
+        ref = full[rank() * m_local:(rank() + 1) * m_local]
+        for out in outs:
+            assert out.shape == (m_local, n) and out.dtype == torch.bfloat16
+            torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+    h.expect_error(lambda: tdist.triton.gemm_rs(a[:m - 1], b), "must be a positive multiple of the world size")
+
+
+def _tutorial(name):
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "triton")
+    if folder not in sys.path:
+        sys.path.insert(0, os.path.abspath(folder))
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def _check_tutorial(name):
+    results = _tutorial(name).run()
+    failed = [case for case, ok in results if not ok]
+    assert results and not failed, f"{name}: failed cases {failed}"
+
+
+def test_tutorial_notify_wait():
+    _check_tutorial("notify_wait")
+
+
+def test_tutorial_allgather():
+    _check_tutorial("allgather")
+
+
+def test_tutorial_all_to_all():
+    _check_tutorial("all_to_all")
+
+
+def test_tutorial_ag_gemm():
+    _check_tutorial("ag_gemm")
+
+
+TESTS = [test_rank_world_symm_at, test_ring_put_signal_wait_sys, test_signal_add_and_put, test_wait_on_many_flags,
+         test_notify_wait_both_scopes_on_one_gpu, test_get, test_barriers, test_200_back_to_back_calls,
+         test_wait_times_out_with_the_diagnostic, test_triton_and_cpp_kernels_share_flags,
+         test_ag_gemm_against_float64, test_ag_gemm_back_to_back, test_gemm_rs_against_float64,
+         test_tutorial_notify_wait, test_tutorial_allgather, test_tutorial_all_to_all, test_tutorial_ag_gemm]
+
+
+if __name__ == "__main__":
+    sys.exit(h.run_tests(TESTS))
