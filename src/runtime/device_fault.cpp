@@ -18,6 +18,7 @@ const char* site_name(device::u32 site) {
     case device::WaitSite::kLlRead: return "a low-latency (LL) collective's read";
     case device::WaitSite::kLl128Read: return "an LL128 collective's read";
     case device::WaitSite::kGemmChunk: return "an overlapped GEMM's wait for a chunk of rows";
+    case device::WaitSite::kEpCountFlag: return "an expert-parallel token count's wait";
     case device::WaitSite::kUser: return "a user kernel's wait";
   }
   return "a device wait";

@@ -121,7 +121,9 @@ int main() {
     const std::string name = std::string("all_reduce ") + to_string(method) + " with rank " + std::to_string(n - 1) +
                              " absent: the others abort, raise and keep their context";
     suite.run(name, [&] {
-      auto coll = std::make_unique<Collectives>(world, heap, count * sizeof(float));
+      // Kept to the end whatever happens: destroying it is collective, and the ranks part ways here.
+      retired.push_back(std::make_unique<Collectives>(world, heap, count * sizeof(float)));
+      Collectives* coll = retired.back().get();
       auto* in = heap.allocate_array<float>(count);
       auto* out = heap.allocate_array<float>(count);
       test::fill_pattern(in, count * sizeof(float), test::fresh_seed(world.rank()), stream);
@@ -129,7 +131,6 @@ int main() {
       world.barrier("faults: collectives ready");
       skip_on_last_rank(world, stream, name, in, count * sizeof(float),
                         [&] { coll->all_reduce(in, out, count, DType::kFloat32, stream, method); });
-      retired.push_back(std::move(coll));
     });
   }
 
@@ -137,7 +138,8 @@ int main() {
   std::vector<std::unique_ptr<AllGatherGemm>> retired_gemms;
   suite.run("fused AllGather-GEMM with rank " + std::to_string(n - 1) + " absent: the others abort and raise", [&] {
     const int64_t m = 256 * n, k = 512, nn = 384;
-    auto op = std::make_unique<AllGatherGemm>(world, heap, AllGatherGemmConfig{m, k, DType::kBFloat16});
+    retired_gemms.push_back(std::make_unique<AllGatherGemm>(world, heap, AllGatherGemmConfig{m, k, DType::kBFloat16}));
+    AllGatherGemm* op = retired_gemms.back().get();
     __nv_bfloat16 *a = nullptr, *b = nullptr, *d = nullptr;
     TDIST_CUDA_CHECK(cudaMalloc(&a, m / n * k * sizeof(*a)));
     TDIST_CUDA_CHECK(cudaMalloc(&b, nn * k * sizeof(*b)));
@@ -149,7 +151,6 @@ int main() {
     const AllGatherGemmArgs args{a, b, d, nullptr, m, nn};
     skip_on_last_rank(world, stream, "faults: ag_gemm", a, m / n * k * sizeof(*a),
                       [&] { op->run(args, stream, OverlapMethod::kFused); });
-    retired_gemms.push_back(std::move(op));
   });
 
   // Call checking: mismatched calls raise tdist::Error on every rank, naming each rank's call,

@@ -30,7 +30,7 @@
 namespace tdist::device {
 
 // Which wait gave up; the host names it in its message (runtime/device_fault.hpp).
-enum class WaitSite : u32 { kSignalWaitUntil = 1, kLlRead, kLl128Read, kGemmChunk, kUser };
+enum class WaitSite : u32 { kSignalWaitUntil = 1, kLlRead, kLl128Read, kGemmChunk, kEpCountFlag, kUser };
 
 // What a timed-out wait does (see the top of this file).
 enum class TimeoutAction : u32 { kAbort = 0, kTrap = 1 };

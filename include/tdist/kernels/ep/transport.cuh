@@ -36,7 +36,8 @@ TDIST_DEVICE void put_signal(const SymmetricHeapView& heap, u64* flag, u64 value
 }
 
 // Spins until the high 32 bits of *flag equal the low 32 bits of `epoch` (a count flag: epoch in the
-// high half, payload in the low half); returns the payload.
+// high half, payload in the low half); returns the payload, or 0 after an aborted wait (timeout.cuh:
+// a count read then is not trusted).
 TDIST_DEVICE u32 wait_count_flag(const u64* flag, u64 epoch) {
   const u32 want = static_cast<u32>(epoch);
   u64 v = ld_acquire<Scope::kSystem>(flag);
@@ -48,7 +49,10 @@ TDIST_DEVICE u32 wait_count_flag(const u64* flag, u64 epoch) {
         v = ld_acquire<Scope::kSystem>(flag);
         break;
       }
-      if (deadline.expired()) wait_timed_out("ep count flag", flag, Cmp::kEq, want, v >> 32);
+      if (deadline.expired()) {
+        wait_timed_out("ep count flag", WaitSite::kEpCountFlag, flag, Cmp::kEq, want, v >> 32);
+        return 0;
+      }
     }
   }
   return static_cast<u32>(v);
