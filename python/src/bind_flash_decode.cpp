@@ -17,6 +17,21 @@ using namespace nb::literals;
 
 namespace {
 
+// Makes `device` current for a scope and gives the caller's back (torch keeps its own current device).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    TDIST_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (device != previous_) TDIST_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 // One op per device (its split workspace and error record), made on the first call there.
 tdist::FlashDecode& decode_for_current_device() {
   static std::mutex mu;
@@ -54,7 +69,7 @@ void flash_decode(uint64_t q, uint64_t k_cache, uint64_t v_cache, uint64_t block
   a.max_seq_len = max_seq_len;
   tdist::check_flash_decode_args(a);  // before touching the device: a bad call fails the same way anywhere
   nb::gil_scoped_release release;
-  TDIST_CUDA_CHECK(cudaSetDevice(device));
+  DeviceScope scope(device);
   decode_for_current_device().run(a, reinterpret_cast<cudaStream_t>(stream));
 }
 
@@ -69,7 +84,7 @@ void bind_flash_decode(nb::module_& m) {
       "flash_decode_check_errors",
       [](int device) {
         nb::gil_scoped_release release;
-        TDIST_CUDA_CHECK(cudaSetDevice(device));
+        DeviceScope scope(device);
         decode_for_current_device().check_errors();
       },
       "device"_a,
