@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <regex>
 #include <utility>
 
 #include "tdist/common/cuda_check.hpp"
@@ -78,29 +79,43 @@ void check_flash_decode_args(const FlashDecodeArgs& a) {
                   capacity, " (the capacity), got ", a.max_seq_len);
 }
 
+int flash_decode_heads_per_cta(int64_t group) {
+  for (int g : {8, 4, 2}) {
+    if (group % g == 0) return g;
+  }
+  return 1;
+}
+
 FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t max_seq_len,
-                                       int num_sms) {
+                                       int num_sms, int ctas_per_sm) {
   TDIST_CHECK_ARG(batch > 0 && kv_heads > 0 && q_heads > 0 && q_heads % kv_heads == 0, "q_heads",
                   "expected positive batch and heads with q_heads a multiple of kv_heads, got batch ", batch,
                   ", q_heads ", q_heads, ", kv_heads ", kv_heads);
   TDIST_CHECK_ARG(num_sms > 0, "num_sms", "expected a positive SM count, got ", num_sms);
+  TDIST_CHECK_ARG(ctas_per_sm > 0, "ctas_per_sm", "expected a positive count, got ", ctas_per_sm);
   TDIST_CHECK_ARG(max_seq_len >= 0, "max_seq_len", "expected >= 0, got ", max_seq_len);
   using M = FlashDecodeSplitModel;
   FlashDecodeSplitPlan plan;
   const int64_t group = q_heads / kv_heads;
-  // The widest chunk of query heads that divides the group: K and V rows are read once per chunk.
-  for (int g : {8, 4, 2, 1}) {
-    if (group % g == 0) {
-      plan.heads_per_cta = g;
-      break;
-    }
-  }
+  plan.heads_per_cta = flash_decode_heads_per_cta(group);
   plan.head_chunks = static_cast<int>(group / plan.heads_per_cta);
   const int64_t ctas = batch * kv_heads * plan.head_chunks;
-  const int64_t want = (static_cast<int64_t>(num_sms) * M::kCtasPerSm + ctas - 1) / ctas;
+  const int64_t wave = static_cast<int64_t>(num_sms) * ctas_per_sm;
+  const int64_t want = (wave + ctas - 1) / ctas;
   const int64_t by_length = std::max<int64_t>(1, (max_seq_len + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit);
   plan.num_splits = static_cast<int>(std::clamp<int64_t>(std::min(want, by_length), 1, M::kMaxSplits));
   return plan;
+}
+
+int resident_ctas_per_sm(int regs_per_thread, int threads, size_t smem_bytes, const SmLimits& sm) {
+  TDIST_CHECK_ARG(regs_per_thread > 0 && threads > 0, "regs_per_thread", "expected positive registers and threads, got ",
+                  regs_per_thread, " and ", threads);
+  const int warps = (threads + 31) / 32;
+  const int regs_per_warp = (regs_per_thread * 32 + 255) / 256 * 256;
+  int n = std::min(sm.max_ctas, sm.max_threads / (warps * 32));
+  n = std::min(n, sm.regs / (regs_per_warp * warps));
+  if (smem_bytes > 0) n = std::min<int64_t>(n, static_cast<int64_t>(sm.smem / (smem_bytes + sm.smem_reserved_per_cta)));
+  return std::max(n, 1);
 }
 
 // The kernels of one (dtype, head dim): the split kernel per heads-per-CTA and the combine kernel.
@@ -124,15 +139,22 @@ class FlashDecodeKernels {
     return r;
   }
 
-  FlashDecodeKernels(DType dtype, int head_dim) : module_(jit::Module::load(jit::compile(compile_request(dtype, head_dim)))) {
-    for (int i = 0; i < 4; ++i) split_[i] = module_->kernel(split_instance(dtype, head_dim, 1 << i));
+  FlashDecodeKernels(DType dtype, int head_dim) {
+    const auto compiled = jit::compile(compile_request(dtype, head_dim));
+    module_ = jit::Module::load(compiled);
+    const SmLimits sm = current_sm_limits();
+    for (int i = 0; i < 4; ++i) {
+      const std::string name = split_instance(dtype, head_dim, 1 << i);
+      split_[i] = module_->kernel(name);
+      resident_[i] = resident_from_log(compiled->log, compiled->lowered_name(name), sm);
+    }
     combine_ = module_->kernel(combine_instance(dtype, head_dim));
   }
 
-  const jit::Kernel& split(int heads_per_cta) const {
-    const int i = heads_per_cta == 1 ? 0 : heads_per_cta == 2 ? 1 : heads_per_cta == 4 ? 2 : 3;
-    return split_[i];
-  }
+  // Split CTAs one SM holds at once, from the registers and shared memory ptxas reported.
+  int resident(int heads_per_cta) const { return resident_[index(heads_per_cta)]; }
+
+  const jit::Kernel& split(int heads_per_cta) const { return split_[index(heads_per_cta)]; }
   const jit::Kernel& combine() const { return combine_; }
 
   // Compiled once per process for each (dtype, head dim).
@@ -146,9 +168,40 @@ class FlashDecodeKernels {
   }
 
  private:
+  static int index(int heads_per_cta) {
+    return heads_per_cta == 1 ? 0 : heads_per_cta == 2 ? 1 : heads_per_cta == 4 ? 2 : 3;
+  }
+
+  static SmLimits current_sm_limits() {
+    int dev = 0;
+    TDIST_CUDA_CHECK(cudaGetDevice(&dev));
+    cudaDeviceProp prop;
+    TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    SmLimits sm;
+    sm.regs = prop.regsPerMultiprocessor;
+    sm.max_threads = prop.maxThreadsPerMultiProcessor;
+    sm.max_ctas = prop.maxBlocksPerMultiProcessor;
+    sm.smem = prop.sharedMemPerMultiprocessor;
+    sm.smem_reserved_per_cta = prop.reservedSharedMemPerBlock;
+    return sm;
+  }
+
+  // ptxas -v: "Compiling entry function '<symbol>' ... Used <R> registers, ... <S> bytes smem".
+  static int resident_from_log(const std::string& log, const std::string& symbol, const SmLimits& sm) {
+    const size_t at = log.find("entry function '" + symbol + "'");
+    if (at == std::string::npos) return FlashDecodeSplitModel::kCtasPerSm;
+    std::smatch m;
+    const std::string rest = log.substr(at, 2000);
+    if (!std::regex_search(rest, m, std::regex(R"(Used (\d+) registers[^\n]*?(?:(\d+) bytes smem)?\n)")))
+      return FlashDecodeSplitModel::kCtasPerSm;
+    const size_t smem = m[2].matched ? std::stoul(m[2].str()) : 0;
+    return resident_ctas_per_sm(std::stoi(m[1].str()), attn::kDecodeThreads, smem, sm);
+  }
+
   std::shared_ptr<jit::Module> module_;
   jit::Kernel split_[4];
   jit::Kernel combine_;
+  int resident_[4] = {};
 };
 
 namespace {
@@ -196,8 +249,10 @@ struct FlashDecode::Impl {
     check_flash_decode_args(a);
     const int64_t capacity = flash_decode_capacity(a);
     const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : capacity;
-    const FlashDecodeSplitPlan plan = plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms);
     const int d = static_cast<int>(a.head_dim);
+    kernels = &FlashDecodeKernels::get(a.dtype, d);
+    const int ctas_per_sm = kernels->resident(flash_decode_heads_per_cta(a.q_heads / a.kv_heads));
+    const FlashDecodeSplitPlan plan = plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, ctas_per_sm);
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
     const size_t need = items * plan.num_splits * (d + 1) * sizeof(float);
     if (need > partial_bytes) {
@@ -210,7 +265,6 @@ struct FlashDecode::Impl {
       partials = DeviceBuffer(need);
       partial_bytes = need;
     }
-    kernels = &FlashDecodeKernels::get(a.dtype, d);
 
     attn::DecodeParams p{};
     p.q = a.q;

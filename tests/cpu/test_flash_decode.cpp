@@ -127,6 +127,31 @@ TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
   EXPECT_THROW(plan_flash_decode(1, 32, 8, 100, 0), Error);
 }
 
+TEST(FlashDecodeSplitPlan, OneWaveOfWhatFitsOnTheGpu) {
+  // 3 CTAs per SM resident (the G = 4 kernel at 158 registers): 8 KV heads x 50 splits >= 396.
+  FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 131072, 132, 3);
+  EXPECT_EQ(p.num_splits, (132 * 3 + 7) / 8);
+  EXPECT_EQ(plan_flash_decode(4, 64, 8, 131072, 132, 2).num_splits, (132 * 2 + 31) / 32);
+  EXPECT_THROW(plan_flash_decode(1, 32, 8, 100, 132, 0), Error);
+  EXPECT_EQ(flash_decode_heads_per_cta(4), 4);
+  EXPECT_EQ(flash_decode_heads_per_cta(6), 2);
+  EXPECT_EQ(flash_decode_heads_per_cta(24), 8);
+  EXPECT_EQ(flash_decode_heads_per_cta(7), 1);
+}
+
+TEST(FlashDecodeSplitPlan, ResidentCtasFromRegistersAndSharedMemory) {
+  const SmLimits h100;  // Hopper: 64K registers, 2048 threads, 32 CTAs, 228 KB shared, 1 KB reserved per CTA
+  EXPECT_EQ(resident_ctas_per_sm(158, 128, 8320, h100), 3);   // 160 x 32 x 4 = 20480 registers per CTA
+  EXPECT_EQ(resident_ctas_per_sm(211, 128, 16640, h100), 2);  // 216 x 32 x 4 = 27648
+  EXPECT_EQ(resident_ctas_per_sm(101, 128, 4160, h100), 4);   // 104 x 32 x 4 = 13312
+  EXPECT_EQ(resident_ctas_per_sm(72, 128, 2080, h100), 7);    // 72 x 32 x 4 = 9216
+  EXPECT_EQ(resident_ctas_per_sm(32, 128, 100000, h100), 2);  // shared memory bound
+  EXPECT_EQ(resident_ctas_per_sm(16, 1024, 0, h100), 2);      // thread bound
+  EXPECT_EQ(resident_ctas_per_sm(8, 32, 0, h100), 32);        // CTA bound
+  EXPECT_EQ(resident_ctas_per_sm(255, 1024, 0, h100), 1);     // never below one
+  EXPECT_THROW(resident_ctas_per_sm(0, 128, 0, h100), Error);
+}
+
 TEST(FlashDecodeKernels, CompileForSm90aWithoutSpills) {
   bool found = false;
   for (const auto& family : jit::registered_kernels()) {

@@ -70,15 +70,31 @@ struct FlashDecodeSplitPlan {
   int num_splits = 1;     // pieces of each sequence
 };
 
-// The split model: enough CTAs for kCtasPerSm waves over num_sms, but no piece shorter than
-// kMinTokensPerSplit tokens of max_seq_len, and at most kMaxSplits.
+// The split model: one wave of the CTAs that fit on the GPU at once (ctas_per_sm x num_sms, from the
+// kernel's registers and shared memory), but no piece shorter than kMinTokensPerSplit tokens of
+// max_seq_len, and at most kMaxSplits.
 struct FlashDecodeSplitModel {
-  static constexpr int kCtasPerSm = 2;
+  static constexpr int kCtasPerSm = 2;  // when the kernel's occupancy is not known
   static constexpr int64_t kMinTokensPerSplit = 256;
   static constexpr int kMaxSplits = 256;
 };
+// Query heads of one KV head that a CTA computes: the widest of 8, 4, 2, 1 dividing the group.
+int flash_decode_heads_per_cta(int64_t group);
 FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t max_seq_len,
-                                       int num_sms);
+                                       int num_sms, int ctas_per_sm = FlashDecodeSplitModel::kCtasPerSm);
+
+// An SM's limits (cudaDeviceProp: regsPerMultiprocessor, maxThreadsPerMultiProcessor,
+// maxBlocksPerMultiProcessor, sharedMemPerMultiprocessor, reservedSharedMemPerBlock); Hopper's here.
+struct SmLimits {
+  int regs = 65536;
+  int max_threads = 2048;
+  int max_ctas = 32;
+  size_t smem = 233472;
+  size_t smem_reserved_per_cta = 1024;
+};
+// CTAs of `threads` threads, `regs_per_thread` registers (allocated per warp in units of 256) and
+// `smem_bytes` of shared memory that one SM holds at once (>= 1).
+int resident_ctas_per_sm(int regs_per_thread, int threads, size_t smem_bytes, const SmLimits& sm);
 
 class FlashDecodeKernels;
 
