@@ -101,7 +101,7 @@ FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t k
   plan.head_chunks = static_cast<int>(group / plan.heads_per_cta);
   const int64_t ctas = batch * kv_heads * plan.head_chunks;
   const int64_t wave = static_cast<int64_t>(num_sms) * ctas_per_sm;
-  const int64_t want = (wave + ctas - 1) / ctas;
+  const int64_t want = wave / ctas;  // rounded down: a CTA past the wave would run alone in a second one
   const int64_t by_length = std::max<int64_t>(1, (max_seq_len + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit);
   plan.num_splits = static_cast<int>(std::clamp<int64_t>(std::min(want, by_length), 1, M::kMaxSplits));
   return plan;

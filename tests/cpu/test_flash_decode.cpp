@@ -93,21 +93,21 @@ TEST(FlashDecodeArgs, ErrorsNameTheArgument) {
 
 TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
   using M = FlashDecodeSplitModel;
-  // Llama-3-8B (32 / 8 heads), batch 1, 128K tokens, 132 SMs: GQA 4 in one CTA, 8 KV heads x S >=
-  // 2 waves of 132.
+  // Llama-3-8B (32 / 8 heads), batch 1, 128K tokens, 132 SMs, 2 CTAs per SM: GQA 4 in one CTA,
+  // 8 KV heads x S CTAs filling one wave of 264.
   FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 131072, 132);
   EXPECT_EQ(p.heads_per_cta, 4);
   EXPECT_EQ(p.head_chunks, 1);
-  EXPECT_EQ(p.num_splits, (132 * M::kCtasPerSm + 7) / 8);
-  EXPECT_GE(8 * p.num_splits, 132 * M::kCtasPerSm);
+  EXPECT_EQ(p.num_splits, 132 * M::kCtasPerSm / 8);
+  EXPECT_LE(8 * p.num_splits, 132 * M::kCtasPerSm);  // one wave, no straggler
   // Another SM count scales the splits: no table, a model.
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 131072, 78).num_splits, (78 * M::kCtasPerSm + 7) / 8);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 131072, 78).num_splits, 78 * M::kCtasPerSm / 8);
   // Short sequences: no split below kMinTokensPerSplit tokens.
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 1000, 132).num_splits, 4);
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 1, 132).num_splits, 1);
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 0, 132).num_splits, 1);
   // A big batch fills the GPU by itself.
-  EXPECT_EQ(plan_flash_decode(32, 64, 8, 131072, 132).num_splits, 2);
+  EXPECT_EQ(plan_flash_decode(32, 64, 8, 131072, 132).num_splits, 1);
   EXPECT_EQ(plan_flash_decode(64, 64, 8, 131072, 132).num_splits, 1);
   // GQA ratios: the widest of 8, 4, 2, 1 that divides, the rest as chunks.
   p = plan_flash_decode(2, 64, 8, 4096, 132);
@@ -128,10 +128,10 @@ TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
 }
 
 TEST(FlashDecodeSplitPlan, OneWaveOfWhatFitsOnTheGpu) {
-  // 3 CTAs per SM resident (the G = 4 kernel at 158 registers): 8 KV heads x 50 splits >= 396.
+  // 3 CTAs per SM resident (the G = 4 kernel at 158 registers): 8 KV heads x 49 splits <= 396.
   FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 131072, 132, 3);
-  EXPECT_EQ(p.num_splits, (132 * 3 + 7) / 8);
-  EXPECT_EQ(plan_flash_decode(4, 64, 8, 131072, 132, 2).num_splits, (132 * 2 + 31) / 32);
+  EXPECT_EQ(p.num_splits, 49);
+  EXPECT_EQ(plan_flash_decode(4, 64, 8, 131072, 132, 2).num_splits, 8);  // 32 CTAs x 8 <= 264
   EXPECT_THROW(plan_flash_decode(1, 32, 8, 100, 132, 0), Error);
   EXPECT_EQ(flash_decode_heads_per_cta(4), 4);
   EXPECT_EQ(flash_decode_heads_per_cta(6), 2);
