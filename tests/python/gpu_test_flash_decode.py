@@ -34,9 +34,10 @@ def poison_allocator():
     del junk
 
 
-def make_cache(batch, q_heads, kv_heads, d, page, lens, dtype, seed, capacity=None):
+def make_cache(batch, q_heads, kv_heads, d, page, lens, dtype, seed, capacity=None, fill_all=False):
     """(q, k_cache, v_cache, seq_lens, block_table, k_whole, v_whole): the whole sequences as
-    [batch][max_len][kv_heads][d] for the reference; pages shuffled; unused rows NaN."""
+    [batch][max_len][kv_heads][d] for the reference; pages shuffled; rows past each length NaN
+    (fill_all: every row up to the capacity holds its token, for lengths that change later)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     max_len = max(max(lens), 1) if capacity is None else capacity
     q = torch.randn((batch, q_heads, d), generator=g, device="cuda").to(dtype)
@@ -46,8 +47,9 @@ def make_cache(batch, q_heads, kv_heads, d, page, lens, dtype, seed, capacity=No
     if page == 0:  # contiguous: the whole tensor, NaN past each length
         k, v = k_whole.clone(), v_whole.clone()
         for b, n in enumerate(lens):
-            k[b, n:] = float("nan")
-            v[b, n:] = float("nan")
+            if not fill_all:
+                k[b, n:] = float("nan")
+                v[b, n:] = float("nan")
         return q, k, v, seq_lens, None, k_whole, v_whole
     max_pages = (max_len + page - 1) // page
     num_pages = batch * max_pages + 2
@@ -56,6 +58,7 @@ def make_cache(batch, q_heads, kv_heads, d, page, lens, dtype, seed, capacity=No
     k = torch.full((num_pages, page, kv_heads, d), float("nan"), dtype=dtype, device="cuda")
     v = torch.full_like(k, float("nan"))
     for b, n in enumerate(lens):
+        n = max_len if fill_all else n
         for t0 in range(0, n, page):
             t1 = min(n, t0 + page)
             p = int(table[b, t0 // page])
@@ -154,7 +157,8 @@ def test_torch_compile_fullgraph():
 def test_cuda_graph_new_lengths():
     capacity = 800
     lens = [800, 17, 0, 400]
-    q, k, v, sl, table, kw, vw = make_cache(4, 16, 4, 128, 16, lens, torch.bfloat16, 11, capacity=capacity)
+    q, k, v, sl, table, kw, vw = make_cache(4, 16, 4, 128, 16, lens, torch.bfloat16, 11, capacity=capacity,
+                                                  fill_all=True)
     fd(q, k, v, sl, table)  # sizes the workspace before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
