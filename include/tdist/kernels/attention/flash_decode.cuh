@@ -341,6 +341,9 @@ TDIST_DEVICE u32 line_read(const u64* line, u32 flag) {
   return static_cast<u32>(v);
 }
 
+// The data word of a line already seen with this call's epoch.
+TDIST_DEVICE float line_value(const u64* line) { return __uint_as_float(static_cast<u32>(ld_relaxed<Scope::kSystem>(line))); }
+
 // Line w of `item` from rank src, parity `par`, in this rank's buffer.
 TDIST_DEVICE u64* ll_line(const CombineParams& p, u64 par, int src, u32 item, u32 w, int d) {
   return p.ll + ((par * p.heap.num_ranks + src) * p.max_items + item) * (d + 1) + w;
@@ -386,21 +389,26 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine(CombineP
   }
   __syncwarp();
   for (u32 item = first; item < p.items; item += stride) {
+    // First wait until every line this lane reads carries the call's epoch (nothing else live across
+    // the waits), then read them: a line keeps its value until this rank has finished the call.
+    for (int k = 0; k < n * (kPer + 1); ++k) {  // one call site of the wait: no registers saved around others
+      const int r = k / (kPer + 1), j = k % (kPer + 1);
+      line_read(ll_line(p, par, r, item, j == kPer ? D : lane * kPer + j, D), flag);
+    }
     float mx = -kInf;
-    for (int r = 0; r < n; ++r) mx = fmaxf(mx, __uint_as_float(line_read(ll_line(p, par, r, item, D, D), flag)));
+    for (int r = 0; r < n; ++r) mx = fmaxf(mx, line_value(ll_line(p, par, r, item, D, D)));
     float acc[kPer];
 #pragma unroll
     for (int j = 0; j < kPer; ++j) acc[j] = 0.f;
     float sum = 0.f;
     if (mx != -kInf) {
       for (int r = 0; r < n; ++r) {
-        const float ls = __uint_as_float(line_read(ll_line(p, par, r, item, D, D), flag));
+        const float ls = line_value(ll_line(p, par, r, item, D, D));
         if (ls == -kInf) continue;
         const float w = exp2f(ls - mx);
         sum += w;
 #pragma unroll
-        for (int j = 0; j < kPer; ++j)
-          acc[j] = fmaf(w, __uint_as_float(line_read(ll_line(p, par, r, item, lane * kPer + j, D), flag)), acc[j]);
+        for (int j = 0; j < kPer; ++j) acc[j] = fmaf(w, line_value(ll_line(p, par, r, item, lane * kPer + j, D)), acc[j]);
       }
 #pragma unroll
       for (int j = 0; j < kPer; ++j) acc[j] /= sum;
