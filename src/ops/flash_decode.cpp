@@ -293,6 +293,7 @@ struct FlashDecode::Impl {
                 static_cast<unsigned>(a.batch)};
     cfg.block = {static_cast<unsigned>(attn::kDecodeThreads)};
     cfg.stream = stream;
+    cfg.programmatic_dependent_launch = true;  // the kernel waits for the one before it on the device
     jit::launch(kernels->split(plan.heads_per_cta), cfg, jit::make_args(p));
 
     attn::CombineParams c{};
@@ -313,6 +314,7 @@ struct FlashDecode::Impl {
     cfg.grid = {static_cast<unsigned>(std::min<u64>((items + kWarps - 1) / kWarps, static_cast<u64>(num_sms) * 4))};
     cfg.block = {static_cast<unsigned>(attn::kCombineThreads)};
     cfg.stream = stream;
+    cfg.programmatic_dependent_launch = true;  // scheduled as the split kernel ends; waits for it on the device
     return cfg;
   }
 };

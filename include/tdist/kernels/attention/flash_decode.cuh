@@ -149,6 +149,9 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   const u32 kv_head = blockIdx.y / p.head_chunks;
   const u32 h0 = kv_head * p.group + (blockIdx.y % p.head_chunks) * G;  // first query head
 
+  // Launched with programmatic dependent launch: start once the kernel before it (which may write
+  // q, the cache or the lengths) has completed.
+  wait_for_prior_grid();
   int len = p.seq_lens[b];
   if (len < 0 || static_cast<u32>(len) > p.capacity) {
     if (threadIdx.x == 0 && split == 0 && blockIdx.y == 0) atomicOr(p.errors, kErrSeqLen);
@@ -363,6 +366,7 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine(CombineP
   const u32 first = blockIdx.x * kWarps + warp, stride = gridDim.x * kWarps;
   float o[kPer];
   if (p.ll == nullptr) {
+    wait_for_prior_grid();  // the split kernel's partials (programmatic launch: it may still run)
     for (u32 item = first; item < p.items; item += stride) {
       const float lse2 = merge_splits<D>(p, item, lane, o);
       store_item<T, D>(p, item, lane, o, lse2);
