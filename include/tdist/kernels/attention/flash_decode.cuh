@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   constexpr int kLanes = D / 8;            // lanes per token
   constexpr int kTokPerWarp = 32 / kLanes;
   constexpr int kWarps = kDecodeThreads / 32;
-  constexpr int kUnroll = G >= 8 ? 2 : 4;  // keeps registers under the launch bound at G = 8
+  constexpr int kUnroll = 4;  // steps loaded before use: 8 16-byte loads in flight per lane
   constexpr int kTokPerStep = kWarps * kTokPerWarp * kUnroll;
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
