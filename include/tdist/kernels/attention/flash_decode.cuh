@@ -85,6 +85,8 @@ struct CombineParams {
 }  // namespace tdist::kernels::attention
 
 #if defined(__CUDACC__)
+#include "tdist/kernels/collectives/ll.cuh"  // ll_read: the LL protocol's timed wait for a line
+
 namespace tdist::kernels::attention {
 
 using namespace tdist::device;
@@ -330,20 +332,6 @@ TDIST_DEVICE void store_item(const CombineParams& p, u32 item, int lane, const f
   if (lane == 0 && p.lse) p.lse[item] = lse2 == -kInf ? -kInf : lse2 * kLn2;
 }
 
-// Spins until the LL line carries `flag`; returns its data word (one 8-byte load sees both).
-TDIST_DEVICE u32 line_read(const u64* line, u32 flag) {
-  u64 v = ld_relaxed<Scope::kSystem>(line);
-  if (static_cast<u32>(v >> 32) != flag) {
-    SpinDeadline deadline;
-    do {
-      v = ld_relaxed<Scope::kSystem>(line);
-      if (static_cast<u32>(v >> 32) == flag) return static_cast<u32>(v);
-    } while (!deadline.expired());
-    wait_timed_out("flash_decode merge", line, Cmp::kEq, flag, static_cast<u64>(v >> 32));
-  }
-  return static_cast<u32>(v);
-}
-
 // The data word of a line already seen with this call's epoch.
 TDIST_DEVICE float line_value(const u64* line) { return __uint_as_float(static_cast<u32>(ld_relaxed<Scope::kSystem>(line))); }
 
@@ -397,7 +385,7 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine(CombineP
     // the waits), then read them: a line keeps its value until this rank has finished the call.
     for (int k = 0; k < n * (kPer + 1); ++k) {  // one call site of the wait: no registers saved around others
       const int r = k / (kPer + 1), j = k % (kPer + 1);
-      line_read(ll_line(p, par, r, item, j == kPer ? D : lane * kPer + j, D), flag);
+      coll::ll_read(ll_line(p, par, r, item, j == kPer ? D : lane * kPer + j, D), flag);
     }
     float mx = -kInf;
     for (int r = 0; r < n; ++r) mx = fmaxf(mx, line_value(ll_line(p, par, r, item, D, D)));
