@@ -37,9 +37,9 @@ constexpr int kDim = 128;
 
 // The simple baseline: one CTA of kDim threads per (sequence, query head), thread j owning dim j,
 // scores through a block reduction, online softmax over the whole sequence. No split, no vectors.
-__global__ void simple_decode(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
-                              const int* table, const int* lens, __nv_bfloat16* out, int q_heads, int kv_heads,
-                              int max_pages, float scale) {
+__global__ void simple_decode(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, const int* table,
+                              const int* lens, __nv_bfloat16* out, int q_heads, int kv_heads, int max_pages,
+                              float scale) {
   __shared__ float red[kDim / 32];
   const int b = blockIdx.y, h = blockIdx.x, j = threadIdx.x, kh = h / (q_heads / kv_heads);
   const float qj = __bfloat162float(q[(static_cast<size_t>(b) * q_heads + h) * kDim + j]) * scale;
@@ -109,8 +109,9 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
         const int64_t max_pages = (tokens + kPage - 1) / kPage, num_pages = batch * max_pages;
         const size_t kv_elems = static_cast<size_t>(num_pages) * kPage * model.kv_heads * kDim;
         const double kv_bytes = 2.0 * batch * tokens * model.kv_heads * kDim * sizeof(__nv_bfloat16);
-        DeviceBuffer q(batch * model.q_heads * kDim * 2), k(kv_elems * 2), v(kv_elems * 2), out(batch * model.q_heads * kDim * 2),
-            lse(batch * model.q_heads * 4), table(num_pages * 4), lens(batch * 4), local_lens(batch * 4);
+        DeviceBuffer q(batch * model.q_heads * kDim * 2), k(kv_elems * 2), v(kv_elems * 2),
+            out(batch * model.q_heads * kDim * 2), lse(batch * model.q_heads * 4), table(num_pages * 4),
+            lens(batch * 4), local_lens(batch * 4);
         fill_random<<<1024, 256, 0, stream>>>(q.get<unsigned short>(), batch * model.q_heads * kDim, 1, true);
         fill_random<<<4096, 256, 0, stream>>>(k.get<unsigned short>(), kv_elems, 2, true);
         fill_random<<<4096, 256, 0, stream>>>(v.get<unsigned short>(), kv_elems, 3, true);
@@ -149,13 +150,15 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
         const double t_floor = kv_bytes / (copy_gbps * 1e3);
         double t_simple = 0;
         if (tokens <= 32768 || batch == 1) {  // minutes otherwise
-          t_simple = slowest_rank_median_ms(world, stream, std::min(iters, 5), [&] {
-                       simple_decode<<<dim3(model.q_heads, batch), kDim, 0, stream>>>(
-                           q.get<__nv_bfloat16>(), k.get<__nv_bfloat16>(), v.get<__nv_bfloat16>(), table.get<int>(),
-                           lens.get<int>(), out.get<__nv_bfloat16>(), model.q_heads, model.kv_heads,
-                           static_cast<int>(max_pages), a.softmax_scale);
-                     }) *
-                     1e3;
+          t_simple =
+              slowest_rank_median_ms(world, stream, std::min(iters, 5),
+                                     [&] {
+                                       simple_decode<<<dim3(model.q_heads, batch), kDim, 0, stream>>>(
+                                           q.get<__nv_bfloat16>(), k.get<__nv_bfloat16>(), v.get<__nv_bfloat16>(),
+                                           table.get<int>(), lens.get<int>(), out.get<__nv_bfloat16>(), model.q_heads,
+                                           model.kv_heads, static_cast<int>(max_pages), a.softmax_scale);
+                                     }) *
+              1e3;
         }
         double t_dist = 0;
         if (n > 1) {
@@ -173,12 +176,19 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
                       t_dist > 0 ? t_dist / t_single : 0.0);
           std::fflush(stdout);
           auto row = [&](const char* impl, const char* method, double us, int ranks) {
-            json::Value r = json::Object{{"op", "flash_decode"}, {"model", model.name}, {"batch", batch},
-                                         {"tokens", tokens},     {"q_heads", model.q_heads},
-                                         {"kv_heads", model.kv_heads}, {"head_dim", kDim},
-                                         {"impl", impl},         {"method", method},
-                                         {"ranks", ranks},       {"us", us},
-                                         {"bytes", kv_bytes},    {"algbw_gbps", kv_bytes / (us * 1e3)}};
+            json::Value r = json::Object{{"op", "flash_decode"},
+                                         {"model", model.name},
+                                         {"batch", batch},
+                                         {"tokens", tokens},
+                                         {"q_heads", model.q_heads},
+                                         {"kv_heads", model.kv_heads},
+                                         {"head_dim", kDim},
+                                         {"impl", impl},
+                                         {"method", method},
+                                         {"ranks", ranks},
+                                         {"us", us},
+                                         {"bytes", kv_bytes},
+                                         {"algbw_gbps", kv_bytes / (us * 1e3)}};
             doc["rows"].push_back(r);
           };
           row("tdist", "single", t_single, 1);

@@ -76,9 +76,9 @@ void flash_decode(uint64_t q, uint64_t k_cache, uint64_t v_cache, uint64_t block
 }  // namespace
 
 void bind_flash_decode(nb::module_& m) {
-  m.def("flash_decode", &flash_decode, "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "out"_a,
-        "lse"_a, "dtype"_a, "batch"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "num_pages"_a, "page_size"_a,
-        "max_pages"_a, "softmax_scale"_a, "softcap"_a, "max_seq_len"_a, "device"_a, "stream"_a,
+  m.def("flash_decode", &flash_decode, "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "out"_a, "lse"_a,
+        "dtype"_a, "batch"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "num_pages"_a, "page_size"_a, "max_pages"_a,
+        "softmax_scale"_a, "softcap"_a, "max_seq_len"_a, "device"_a, "stream"_a,
         "Decode attention on raw device pointers (block_table 0: contiguous cache); use tdist.flash_decode.");
   m.def(
       "flash_decode_check_errors",

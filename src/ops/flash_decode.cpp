@@ -40,8 +40,8 @@ void check_flash_decode_args(const FlashDecodeArgs& a) {
                   "expected bf16 or f16 for q, the KV cache and out, got ", to_string(a.dtype));
   TDIST_CHECK_ARG(a.batch > 0 && a.batch <= 65535, "batch", "expected 1..65535 sequences, got ", a.batch);
   TDIST_CHECK_ARG(a.kv_heads > 0, "kv_heads", "expected a positive count, got ", a.kv_heads);
-  TDIST_CHECK_ARG(a.q_heads > 0 && a.q_heads % a.kv_heads == 0, "q_heads",
-                  "expected a positive multiple of kv_heads (", a.kv_heads, "), got ", a.q_heads);
+  TDIST_CHECK_ARG(a.q_heads > 0 && a.q_heads % a.kv_heads == 0, "q_heads", "expected a positive multiple of kv_heads (",
+                  a.kv_heads, "), got ", a.q_heads);
   TDIST_CHECK_ARG(a.q_heads <= 65535, "q_heads", "expected at most 65535, got ", a.q_heads);
   TDIST_CHECK_ARG(a.head_dim == 64 || a.head_dim == 128 || a.head_dim == 256, "head_dim",
                   "expected 64, 128 or 256, got ", a.head_dim);
@@ -55,8 +55,8 @@ void check_flash_decode_args(const FlashDecodeArgs& a) {
   } tensors[] = {{a.q, "q"}, {a.k_cache, "k_cache"}, {a.v_cache, "v_cache"}, {a.out, "out"}};
   for (const auto& t : tensors) {
     if (t.p == nullptr || !aligned16(t.p))
-      detail::throw_at(__FILE__, __LINE__, "invalid argument '", t.name, "': expected a 16-byte aligned device pointer, got ",
-                       t.p);
+      detail::throw_at(__FILE__, __LINE__, "invalid argument '", t.name,
+                       "': expected a 16-byte aligned device pointer, got ", t.p);
   }
   TDIST_CHECK_ARG(a.seq_lens != nullptr, "seq_lens", "expected device int32[batch], got nullptr");
   TDIST_CHECK_ARG(a.num_pages > 0, "num_pages", "expected a positive page count, got ", a.num_pages);
@@ -67,8 +67,9 @@ void check_flash_decode_args(const FlashDecodeArgs& a) {
   } else {
     TDIST_CHECK_ARG(a.page_size >= 1, "page_size", "expected the contiguous cache's capacity per sequence (>= 1), got ",
                     a.page_size);
-    TDIST_CHECK_ARG(a.num_pages == a.batch, "num_pages", "a contiguous cache holds one row of pages per sequence: expected ",
-                    a.batch, ", got ", a.num_pages);
+    TDIST_CHECK_ARG(a.num_pages == a.batch, "num_pages",
+                    "a contiguous cache holds one row of pages per sequence: expected ", a.batch, ", got ",
+                    a.num_pages);
   }
   const int64_t capacity = flash_decode_capacity(a);
   TDIST_CHECK_ARG(capacity <= (int64_t{1} << 30), "max_pages",
@@ -108,8 +109,8 @@ FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t k
 }
 
 int resident_ctas_per_sm(int regs_per_thread, int threads, size_t smem_bytes, const SmLimits& sm) {
-  TDIST_CHECK_ARG(regs_per_thread > 0 && threads > 0, "regs_per_thread", "expected positive registers and threads, got ",
-                  regs_per_thread, " and ", threads);
+  TDIST_CHECK_ARG(regs_per_thread > 0 && threads > 0, "regs_per_thread",
+                  "expected positive registers and threads, got ", regs_per_thread, " and ", threads);
   const int warps = (threads + 31) / 32;
   const int regs_per_warp = (regs_per_thread * 32 + 255) / 256 * 256;
   int n = std::min(sm.max_ctas, sm.max_threads / (warps * 32));
@@ -239,7 +240,7 @@ void report_errors(u32* errors) {
 struct FlashDecode::Impl {
   int num_sms = current_sm_count();
   DeviceBuffer errors{sizeof(u32)};
-  DeviceBuffer partials;    // o_part f32[items][splits][D], then lse_part f32[items][splits]
+  DeviceBuffer partials;  // o_part f32[items][splits][D], then lse_part f32[items][splits]
   size_t partial_bytes = 0;
 
   Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
@@ -258,8 +259,8 @@ struct FlashDecode::Impl {
     if (need > partial_bytes) {
       cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
       TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-      TDIST_CHECK_ARG(capturing == cudaStreamCaptureStatusNone, "batch",
-                      "the split workspace must grow to ", need, " bytes for this shape, which cannot happen during "
+      TDIST_CHECK_ARG(capturing == cudaStreamCaptureStatusNone, "batch", "the split workspace must grow to ", need,
+                      " bytes for this shape, which cannot happen during "
                       "stream capture: run the largest shape once before capturing");
       TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be read
       partials = DeviceBuffer(need);

@@ -83,9 +83,9 @@ TEST(FlashDecodeArgs, ErrorsNameTheArgument) {
   expect_names("max_pages", with([](FlashDecodeArgs& a) { a.max_pages = 0; }));
   expect_names("num_pages", with([](FlashDecodeArgs& a) { a.num_pages = 0; }));
   expect_names("num_pages", with([](FlashDecodeArgs& a) {  // contiguous: one row per sequence
-    a.block_table = nullptr;
-    a.num_pages = 4;
-  }));
+                 a.block_table = nullptr;
+                 a.num_pages = 4;
+               }));
   expect_names("max_seq_len", with([](FlashDecodeArgs& a) { a.max_seq_len = 161; }));  // beyond 10 x 16
   expect_names("softmax_scale", with([](FlashDecodeArgs& a) { a.softmax_scale = 0.f; }));
   expect_names("softcap", with([](FlashDecodeArgs& a) { a.softcap = -1.f; }));
@@ -165,7 +165,8 @@ TEST(FlashDecodeKernels, CompileForSm90aWithoutSpills) {
       // The split kernels (the bandwidth-bound loop) spill nothing; the combine kernel's few bytes are
       // the registers saved around the merge wait's timeout diagnostic (a call).
       const std::string& log = compiled->log;
-      const std::regex entry(R"(Compiling entry function '([^']+)'[^\n]*\n[^\n]*\n[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads)");
+      const std::regex entry(
+          R"(Compiling entry function '([^']+)'[^\n]*\n[^\n]*\n[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads)");
       int splits = 0;
       for (auto it = std::sregex_iterator(log.begin(), log.end(), entry); it != std::sregex_iterator(); ++it) {
         if ((*it)[1].str().find("flash_decode_split") == std::string::npos) continue;

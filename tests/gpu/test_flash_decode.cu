@@ -95,8 +95,8 @@ std::string describe(const Geometry& g, DType dtype) {
 int owner(uint64_t seed, int64_t b, int64_t t, int n) {
   if (n == 1) return 0;
   if (b % 4 == 1) return static_cast<int>((b / 4 + seed) % n);
-  return static_cast<int>(mix(seed ^ (static_cast<uint64_t>(b) << 40) ^ static_cast<uint64_t>(t) * 0x2545F4914F6CDD1Dull) %
-                          n);
+  return static_cast<int>(
+      mix(seed ^ (static_cast<uint64_t>(b) << 40) ^ static_cast<uint64_t>(t) * 0x2545F4914F6CDD1Dull) % n);
 }
 
 template <typename T>
@@ -259,7 +259,8 @@ struct Case {
     }
     for (size_t i = 0; i < lse.size(); ++i) {
       const double want = ref_lse[i], got = lse[i];
-      const bool ok = std::isinf(want) ? (std::isinf(got) && got < 0) : std::fabs(got - want) <= 1e-3 + 1e-5 * std::fabs(want);
+      const bool ok =
+          std::isinf(want) ? (std::isinf(got) && got < 0) : std::fabs(got - want) <= 1e-3 + 1e-5 * std::fabs(want);
       if (!ok)
         TDIST_FAIL("lse: sequence ", i / g.q_heads, " (length ", lens_global[i / g.q_heads], ") head ", i % g.q_heads,
                    ": got ", got, ", want ", want);
@@ -275,7 +276,11 @@ struct Case {
 std::vector<int32_t> mixed_lengths(uint64_t seed, const Geometry& g) {
   std::mt19937_64 rng(seed);
   const int64_t page = g.page_size > 0 ? g.page_size : 64;
-  const int64_t picks[] = {g.capacity, 1, 0, std::min(g.capacity, page + 1), std::max<int64_t>(1, std::min(g.capacity, 3 * page - 1)),
+  const int64_t picks[] = {g.capacity,
+                           1,
+                           0,
+                           std::min(g.capacity, page + 1),
+                           std::max<int64_t>(1, std::min(g.capacity, 3 * page - 1)),
                            static_cast<int64_t>(rng() % (g.capacity + 1))};
   std::vector<int32_t> lens(g.batch);
   for (int64_t b = 0; b < g.batch; ++b)
@@ -337,14 +342,14 @@ int main() {
   uint64_t case_seed = seed;
 
   const Geometry shapes[] = {
-      {7, 8, 8, 64, 16, 700, 1.0f, 0.f},      // MHA, d 64
-      {6, 32, 8, 128, 16, 1100, 2.0f, 0.f},   // Llama-3-8B heads
-      {6, 16, 2, 256, 64, 900, 1.5f, 0.f},    // GQA 8, d 256
-      {6, 12, 2, 128, 1, 300, 1.0f, 0.f},     // GQA 6 (chunks of 2), page 1
-      {6, 16, 1, 64, 256, 1300, 3.0f, 0.f},   // GQA 16 (two chunks of 8), page 256
-      {6, 8, 4, 128, 0, 777, 1.0f, 0.f},      // contiguous
-      {6, 8, 1, 256, 0, 500, 2.0f, 0.f},      // contiguous, GQA 8, d 256
-      {6, 16, 4, 128, 16, 600, 8.0f, 30.f},   // softcap (large logits, capped)
+      {7, 8, 8, 64, 16, 700, 1.0f, 0.f},     // MHA, d 64
+      {6, 32, 8, 128, 16, 1100, 2.0f, 0.f},  // Llama-3-8B heads
+      {6, 16, 2, 256, 64, 900, 1.5f, 0.f},   // GQA 8, d 256
+      {6, 12, 2, 128, 1, 300, 1.0f, 0.f},    // GQA 6 (chunks of 2), page 1
+      {6, 16, 1, 64, 256, 1300, 3.0f, 0.f},  // GQA 16 (two chunks of 8), page 256
+      {6, 8, 4, 128, 0, 777, 1.0f, 0.f},     // contiguous
+      {6, 8, 1, 256, 0, 500, 2.0f, 0.f},     // contiguous, GQA 8, d 256
+      {6, 16, 4, 128, 16, 600, 8.0f, 30.f},  // softcap (large logits, capped)
   };
 
   // Single GPU: every rank runs these alone.
@@ -465,7 +470,8 @@ int main() {
     for (const Geometry& g : shapes) {
       const DType dtype = which == 0 ? DType::kBFloat16 : DType::kFloat16;
       suite.run(detail::concat("distributed flash_decode over ", n, " ranks, ", describe(g, dtype)), [&] {
-        DistributedFlashDecode dist(world, heap, {.max_batch = g.batch + 2, .q_heads = g.q_heads, .head_dim = g.head_dim});
+        DistributedFlashDecode dist(world, heap,
+                                    {.max_batch = g.batch + 2, .q_heads = g.q_heads, .head_dim = g.head_dim});
         auto body = [&](auto tag) {
           using T = decltype(tag);
           Case<T> c(g);
@@ -485,7 +491,8 @@ int main() {
             const auto all = test::all_gather_u64(world, "flash_decode digest", digest);
             checks.run([&] {
               for (int r = 0; r < n; ++r)
-                if (all[r] != digest) TDIST_FAIL("out differs between rank ", me, " and rank ", r, " (step ", step, ")");
+                if (all[r] != digest)
+                  TDIST_FAIL("out differs between rank ", me, " and rank ", r, " (step ", step, ")");
             });
           }
           checks.finish("flash_decode distributed case");
@@ -498,56 +505,59 @@ int main() {
     }
   }
 
-  suite.run(detail::concat("distributed flash_decode bf16 over ", n, " ranks, long sequences (64/8 heads, 24000 tokens)"), [&] {
-    const Geometry g{2, 64, 8, 128, 64, 24000, 1.0f, 0.f};
-    DistributedFlashDecode dist(world, heap, {.max_batch = 2, .q_heads = 64, .head_dim = 128});
-    Case<__nv_bfloat16> c(g);
-    c.fill(++case_seed, {24000, 17001}, n, me);
-    c.poison();
-    dist.run(c.args(DType::kBFloat16), stream);
-    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-    CollectiveCheck checks(world);
-    checks.run([&] {
-      dist.check_errors();
-      c.check(DType::kBFloat16);
-    });
-    checks.finish("flash_decode distributed long");
-  });
+  suite.run(
+      detail::concat("distributed flash_decode bf16 over ", n, " ranks, long sequences (64/8 heads, 24000 tokens)"),
+      [&] {
+        const Geometry g{2, 64, 8, 128, 64, 24000, 1.0f, 0.f};
+        DistributedFlashDecode dist(world, heap, {.max_batch = 2, .q_heads = 64, .head_dim = 128});
+        Case<__nv_bfloat16> c(g);
+        c.fill(++case_seed, {24000, 17001}, n, me);
+        c.poison();
+        dist.run(c.args(DType::kBFloat16), stream);
+        TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+        CollectiveCheck checks(world);
+        checks.run([&] {
+          dist.check_errors();
+          c.check(DType::kBFloat16);
+        });
+        checks.finish("flash_decode distributed long");
+      });
 
-  suite.run(detail::concat("distributed flash_decode bf16 over ", n, " ranks, CUDA graph, 8 replays with new lengths"), [&] {
-    const Geometry g{4, 32, 8, 128, 16, 1000, 1.0f, 0.f};
-    DistributedFlashDecode dist(world, heap, {.max_batch = 4, .q_heads = 32, .head_dim = 128});
-    Case<__nv_bfloat16> c(g);
-    const uint64_t s0 = ++case_seed;
-    c.fill(s0, mixed_lengths(s0, g), n, me);
-    const FlashDecodeArgs a = c.args(DType::kBFloat16);
-    dist.run(a, stream);  // sizes the workspace before the capture
-    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-    test::sync_all(world, "flash_decode graph warm-up");
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    dist.run(a, stream);
-    TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    CollectiveCheck checks(world);
-    for (int replay = 0; replay < 8; ++replay) {
-      const uint64_t s = ++case_seed;  // the same on every rank
-      std::mt19937_64 rng(s);
-      std::vector<int32_t> lens(g.batch);
-      for (auto& l : lens) l = static_cast<int32_t>(rng() % (g.capacity + 1));
-      c.fill(s, lens, n, me);
-      c.poison();
-      test::sync_all(world, "flash_decode graph replay");  // no rank's kernel reads a peer's old inputs
-      TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-      checks.run([&] { c.check(DType::kBFloat16); });
-    }
-    checks.run([&] { dist.check_errors(); });
-    TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
-    checks.finish("flash_decode graph end");
-  });
+  suite.run(detail::concat("distributed flash_decode bf16 over ", n, " ranks, CUDA graph, 8 replays with new lengths"),
+            [&] {
+              const Geometry g{4, 32, 8, 128, 16, 1000, 1.0f, 0.f};
+              DistributedFlashDecode dist(world, heap, {.max_batch = 4, .q_heads = 32, .head_dim = 128});
+              Case<__nv_bfloat16> c(g);
+              const uint64_t s0 = ++case_seed;
+              c.fill(s0, mixed_lengths(s0, g), n, me);
+              const FlashDecodeArgs a = c.args(DType::kBFloat16);
+              dist.run(a, stream);  // sizes the workspace before the capture
+              TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+              test::sync_all(world, "flash_decode graph warm-up");
+              cudaGraph_t graph;
+              cudaGraphExec_t exec;
+              TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+              dist.run(a, stream);
+              TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+              TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+              CollectiveCheck checks(world);
+              for (int replay = 0; replay < 8; ++replay) {
+                const uint64_t s = ++case_seed;  // the same on every rank
+                std::mt19937_64 rng(s);
+                std::vector<int32_t> lens(g.batch);
+                for (auto& l : lens) l = static_cast<int32_t>(rng() % (g.capacity + 1));
+                c.fill(s, lens, n, me);
+                c.poison();
+                test::sync_all(world, "flash_decode graph replay");  // no rank's kernel reads a peer's old inputs
+                TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+                TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+                checks.run([&] { c.check(DType::kBFloat16); });
+              }
+              checks.run([&] { dist.check_errors(); });
+              TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
+              TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
+              checks.finish("flash_decode graph end");
+            });
 
   suite.run("distributed flash_decode errors name the argument", [&] {
     expect_error("config.head_dim",

@@ -45,15 +45,15 @@ struct FlashDecodeArgs {
   const void* k_cache = nullptr;
   const void* v_cache = nullptr;
   int64_t num_pages = 0;
-  int64_t page_size = 0;               // paged: 1..256
+  int64_t page_size = 0;  // paged: 1..256
   const int32_t* block_table = nullptr;
-  int64_t max_pages = 0;               // block_table's row length (paged)
+  int64_t max_pages = 0;  // block_table's row length (paged)
   const int32_t* seq_lens = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
-  float softmax_scale = 0.f;           // logits = softmax_scale * q.k (e.g. 1 / sqrt(head_dim))
-  float softcap = 0.f;                 // > 0: logits = softcap * tanh(logits / softcap)
-  int64_t max_seq_len = 0;             // the longest length seq_lens may hold; 0: the capacity
+  float softmax_scale = 0.f;  // logits = softmax_scale * q.k (e.g. 1 / sqrt(head_dim))
+  float softcap = 0.f;        // > 0: logits = softcap * tanh(logits / softcap)
+  int64_t max_seq_len = 0;    // the longest length seq_lens may hold; 0: the capacity
 };
 
 // Tokens a sequence can hold: max_pages x page_size (paged) or page_size (contiguous).

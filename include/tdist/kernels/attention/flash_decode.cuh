@@ -39,10 +39,10 @@ namespace tdist::kernels::attention {
 using device::u32;
 using device::u64;
 
-constexpr int kDecodeThreads = 128;        // threads of a split CTA (4 warps)
-constexpr int kCombineThreads = 128;       // threads of a combine CTA (a warp per item)
-constexpr u32 kErrBlockTable = 1u;         // *errors bit: a block-table entry outside the cache
-constexpr u32 kErrSeqLen = 2u;             // *errors bit: a length outside [0, capacity]
+constexpr int kDecodeThreads = 128;   // threads of a split CTA (4 warps)
+constexpr int kCombineThreads = 128;  // threads of a combine CTA (a warp per item)
+constexpr u32 kErrBlockTable = 1u;    // *errors bit: a block-table entry outside the cache
+constexpr u32 kErrSeqLen = 2u;        // *errors bit: a length outside [0, capacity]
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -57,12 +57,12 @@ struct DecodeParams {
   u32* errors;
   u64 num_pages;
   u32 page_size;
-  u32 max_pages;     // block_table row stride
-  u32 capacity;      // tokens a sequence can hold: max_pages * page_size (contiguous: page_size)
+  u32 max_pages;  // block_table row stride
+  u32 capacity;   // tokens a sequence can hold: max_pages * page_size (contiguous: page_size)
   u32 q_heads;
   u32 kv_heads;
-  u32 group;         // q_heads / kv_heads
-  u32 head_chunks;   // group / G: CTAs per KV head
+  u32 group;        // q_heads / kv_heads
+  u32 head_chunks;  // group / G: CTAs per KV head
   u32 num_splits;
   float scale_log2;  // softmax_scale * log2(e), used when softcap == 0
   float softmax_scale;
@@ -139,7 +139,7 @@ TDIST_DEVICE void merge_state(float& m, float& l, float* acc, float m2, float l2
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParams p) {
   static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
-  constexpr int kLanes = D / 8;            // lanes per token
+  constexpr int kLanes = D / 8;  // lanes per token
   constexpr int kTokPerWarp = 32 / kLanes;
   constexpr int kWarps = kDecodeThreads / 32;
   constexpr int kUnroll = 4;  // steps loaded before use: 8 16-byte loads in flight per lane
@@ -333,7 +333,9 @@ TDIST_DEVICE void store_item(const CombineParams& p, u32 item, int lane, const f
 }
 
 // The data word of a line already seen with this call's epoch.
-TDIST_DEVICE float line_value(const u64* line) { return __uint_as_float(static_cast<u32>(ld_relaxed<Scope::kSystem>(line))); }
+TDIST_DEVICE float line_value(const u64* line) {
+  return __uint_as_float(static_cast<u32>(ld_relaxed<Scope::kSystem>(line)));
+}
 
 // Line w of `item` from rank src, parity `par`, in this rank's buffer.
 TDIST_DEVICE u64* ll_line(const CombineParams& p, u64 par, int src, u32 item, u32 w, int d) {
@@ -400,7 +402,8 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine(CombineP
         const float w = exp2f(ls - mx);
         sum += w;
 #pragma unroll
-        for (int j = 0; j < kPer; ++j) acc[j] = fmaf(w, line_value(ll_line(p, par, r, item, lane * kPer + j, D)), acc[j]);
+        for (int j = 0; j < kPer; ++j)
+          acc[j] = fmaf(w, line_value(ll_line(p, par, r, item, lane * kPer + j, D)), acc[j]);
       }
 #pragma unroll
       for (int j = 0; j < kPer; ++j) acc[j] /= sum;
