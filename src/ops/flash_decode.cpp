@@ -348,17 +348,43 @@ struct DecodeExchangeLayout {
 
 }  // namespace
 
+namespace {
+
+void check_config(const DistributedFlashDecodeConfig& c) {
+  TDIST_CHECK_ARG(c.max_batch > 0 && c.max_batch <= 65535, "config.max_batch", "expected 1..65535, got ", c.max_batch);
+  TDIST_CHECK_ARG(c.q_heads > 0 && c.q_heads <= 65535, "config.q_heads", "expected 1..65535, got ", c.q_heads);
+  TDIST_CHECK_ARG(c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256, "config.head_dim",
+                  "expected 64, 128 or 256, got ", c.head_dim);
+}
+
+// Every rank must be a load/store peer: the merge stores into, and reads from, peers' buffers.
+void check_view(const device::SymmetricHeapView& v) {
+  TDIST_CHECK_ARG(v.num_ranks >= 1 && v.rank >= 0 && v.rank < v.num_ranks, "heap",
+                  "expected a rank in [0, world), got rank ", v.rank, " of ", v.num_ranks);
+  TDIST_CHECK_ARG(v.lsa_size == v.num_ranks && v.lsa_rank == v.rank && v.num_ranks <= device::kMaxLsaRanks, "world",
+                  "the merge exchanges through load/store peers: every rank must be in one LSA team (", v.lsa_size,
+                  " of ", v.num_ranks, ")");
+  for (int r = 0; r < v.num_ranks; ++r)
+    TDIST_CHECK_ARG(v.lsa_bases[r] != nullptr, "heap", "rank ", r, "'s buffer is not mapped here");
+}
+
+}  // namespace
+
 struct DistributedFlashDecode::Impl {
-  World& world;
-  SymmetricHeap& heap;
+  device::SymmetricHeapView view;
   DistributedFlashDecodeConfig config;
   DecodeExchangeLayout layout;
-  SymmetricBlock block;
+  SymmetricBlock block;  // empty over a caller's buffer
+  u64* ll = nullptr;
   FlashDecode::Impl local;
   DeviceBuffer epoch{sizeof(kernels::coll::EpochState)};  // this rank's call count, device memory
 
   Impl(World& w, SymmetricHeap& h, const DistributedFlashDecodeConfig& c)
-      : world(w), heap(h), config(c), layout(c, w.world_size()), block(h, layout.layout) {
+      : view(h.view()), config(c), layout(c, w.world_size()), block(h, layout.layout), ll(block[layout.ll]) {
+    TDIST_CUDA_CHECK(cudaMemset(epoch.get(), 0, sizeof(kernels::coll::EpochState)));
+  }
+  Impl(const device::SymmetricHeapView& v, void* buffer, const DistributedFlashDecodeConfig& c)
+      : view(v), config(c), layout(c, v.num_ranks), ll(layout.ll.at(buffer)) {
     TDIST_CUDA_CHECK(cudaMemset(epoch.get(), 0, sizeof(kernels::coll::EpochState)));
   }
 };
@@ -367,32 +393,29 @@ size_t DistributedFlashDecode::heap_bytes(const DistributedFlashDecodeConfig& co
   return DecodeExchangeLayout(config, world_size).layout.bytes();
 }
 
-namespace {
-
-const DistributedFlashDecodeConfig& checked(const DistributedFlashDecodeConfig& c, const World& world) {
-  TDIST_CHECK_ARG(c.max_batch > 0 && c.max_batch <= 65535, "config.max_batch", "expected 1..65535, got ", c.max_batch);
-  TDIST_CHECK_ARG(c.q_heads > 0 && c.q_heads <= 65535, "config.q_heads", "expected 1..65535, got ", c.q_heads);
-  TDIST_CHECK_ARG(c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256, "config.head_dim",
-                  "expected 64, 128 or 256, got ", c.head_dim);
-  TDIST_CHECK_ARG(world.lsa_size() == world.world_size(), "world",
-                  "the merge exchanges through load/store peers: every rank must be in one LSA team (",
-                  world.lsa_size(), " of ", world.world_size(), ")");
-  return c;
+DistributedFlashDecode::DistributedFlashDecode(World& world, SymmetricHeap& heap,
+                                               const DistributedFlashDecodeConfig& config) {
+  check_config(config);
+  check_view(heap.view());
+  impl_ = std::make_unique<Impl>(world, heap, config);
 }
 
-}  // namespace
-
-DistributedFlashDecode::DistributedFlashDecode(World& world, SymmetricHeap& heap,
-                                               const DistributedFlashDecodeConfig& config)
-    : impl_(std::make_unique<Impl>(world, heap, checked(config, world))) {}
+DistributedFlashDecode::DistributedFlashDecode(const device::SymmetricHeapView& heap, void* buffer,
+                                               const DistributedFlashDecodeConfig& config) {
+  check_config(config);
+  check_view(heap);
+  TDIST_CHECK_ARG(buffer != nullptr && heap.local_base() == static_cast<char*>(buffer), "buffer",
+                  "expected the local buffer, mapped at heap.lsa_bases[rank]");
+  impl_ = std::make_unique<Impl>(heap, buffer, config);
+}
 
 DistributedFlashDecode::~DistributedFlashDecode() {
-  cudaDeviceSynchronize();  // peers' lines may still be landing in the block
+  cudaDeviceSynchronize();  // peers' lines may still be landing in the buffer
 }
 
 void DistributedFlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) {
   TDIST_NVTX_RANGE("tdist::distributed_flash_decode", "batch=", a.batch, " heads=", a.q_heads, "/", a.kv_heads,
-                   " d=", a.head_dim, " ranks=", impl_->world.world_size());
+                   " d=", a.head_dim, " ranks=", impl_->view.num_ranks);
   const auto& cfg = impl_->config;
   TDIST_CHECK_ARG(a.batch > 0 && a.batch <= cfg.max_batch, "batch", "expected 1..", cfg.max_batch,
                   " (config.max_batch), got ", a.batch);
@@ -401,8 +424,8 @@ void DistributedFlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) 
                   a.head_dim);
   const FlashDecodeKernels* kernels = nullptr;
   attn::CombineParams c = impl_->local.launch_split(a, stream, kernels);
-  c.heap = impl_->heap.view();
-  c.ll = impl_->block[impl_->layout.ll];
+  c.heap = impl_->view;
+  c.ll = impl_->ll;
   c.epoch = impl_->epoch.get<kernels::coll::EpochState>();
   c.max_items = static_cast<u32>(cfg.max_batch * cfg.q_heads);
   jit::launch(kernels->combine(), impl_->local.combine_config(c.items, stream), jit::make_args(c));

@@ -559,6 +559,40 @@ int main() {
               checks.finish("flash_decode graph end");
             });
 
+  suite.run(detail::concat("distributed flash_decode fp16 over ", n, " ranks on a caller's symmetric buffer"), [&] {
+    const Geometry g{5, 16, 2, 64, 64, 900, 1.0f, 0.f};
+    const DistributedFlashDecodeConfig config{.max_batch = 5, .q_heads = 16, .head_dim = 64};
+    const size_t bytes = DistributedFlashDecode::heap_bytes(config, n);
+    void* buffer = heap.allocate(bytes);           // collective, zeroed
+    device::SymmetricHeapView view = heap.view();  // the buffer as a heap of its own
+    view.size = bytes;
+    for (int r = 0; r < n; ++r) view.lsa_bases[r] = static_cast<char*>(heap.peer_ptr(buffer, r));
+    CollectiveCheck checks(world);
+    {
+      DistributedFlashDecode dist(view, buffer, config);
+      Case<__half> c(g);
+      for (int step = 0; step < 3; ++step) {
+        const uint64_t s = ++case_seed;
+        c.fill(s, mixed_lengths(s, g), n, me);
+        c.poison();
+        dist.run(c.args(DType::kFloat16), stream);
+        TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+        checks.run([&] {
+          dist.check_errors();
+          c.check(DType::kFloat16);
+        });
+      }
+      checks.run([&] {
+        device::SymmetricHeapView bad = view;
+        bad.lsa_size = n + 1;
+        expect_error("world", [&] { DistributedFlashDecode d(bad, buffer, config); });
+        expect_error("buffer", [&] { DistributedFlashDecode d(view, static_cast<char*>(buffer) + 256, config); });
+      });
+    }
+    heap.free(buffer);  // collective
+    checks.finish("flash_decode caller buffer");
+  });
+
   suite.run("distributed flash_decode errors name the argument", [&] {
     expect_error("config.head_dim",
                  [&] { DistributedFlashDecode bad(world, heap, {.max_batch = 1, .q_heads = 8, .head_dim = 96}); });

@@ -136,6 +136,11 @@ class DistributedFlashDecode {
  public:
   // Collective: allocates 2 x world x max_batch x q_heads x (head_dim + 1) x 8 bytes from `heap`.
   DistributedFlashDecode(World& world, SymmetricHeap& heap, const DistributedFlashDecodeConfig& config);
+  // Over a caller's buffer of heap_bytes(config, world) bytes, zeroed, allocated collectively:
+  // `heap` describes it as a heap of its own (rank, world, every rank's mapping of it in
+  // lsa_bases, which must hold every rank), and `buffer` is this rank's (lsa_bases[rank]).
+  DistributedFlashDecode(const device::SymmetricHeapView& heap, void* buffer,
+                         const DistributedFlashDecodeConfig& config);
   ~DistributedFlashDecode();
   DistributedFlashDecode(const DistributedFlashDecode&) = delete;
   DistributedFlashDecode& operator=(const DistributedFlashDecode&) = delete;
