@@ -15,8 +15,14 @@ max_seq_len (0: the capacity) bounds seq_lens and fixes how many pieces each seq
 the lengths themselves are read on the GPU, so a CUDA graph replays with new ones. q_heads must be a
 multiple of kv_heads (query head h reads KV head h // (q_heads // kv_heads)).
 
-Registered as torch.ops.tdist.flash_decode (with a fake implementation for torch.compile) when torch
-is installed. check_errors() synchronises and raises tdist.Error naming block_table or seq_lens when
+distributed=True (after tdist.init, collective): sequence-parallel decode. Each rank passes its own
+part of every sequence (its cache, block table and lengths; a rank may hold none of a sequence) and
+the same q; out and lse are the attention over the whole sequences on every rank, the ranks'
+partials merged inside the call (low-latency exchange on tdist's symmetric heap, allocated when a
+batch first needs it: run the largest batch once before capturing a CUDA graph).
+
+Registered as torch.ops.tdist.flash_decode and torch.ops.tdist.flash_decode_distributed (with fake
+implementations for torch.compile) when torch is installed. check_errors() synchronises and raises tdist.Error naming block_table or seq_lens when
 a call met an entry outside the cache or a length beyond the capacity (checked on the GPU).
 """
 
@@ -83,18 +89,66 @@ def check_args(q, k_cache, v_cache, seq_lens, block_table=None) -> dict:
                 page_size=page_size, max_pages=max_pages, dtype=_DTYPES[name])
 
 
-def _run(q, k_cache, v_cache, seq_lens, block_table, softmax_scale, softcap, max_seq_len):
+class _Exchange:
+    """The sequence-parallel op of one (device, q_heads, head_dim) on the runtime's symmetric heap:
+    its buffer (collective allocation) and the C++ op over it."""
+
+    def __init__(self, rt, device: int, max_batch: int, q_heads: int, head_dim: int):
+        self.rt, self.max_batch = rt, max_batch
+        nbytes = _C.distributed_flash_decode_bytes(max_batch, q_heads, head_dim, rt.world_size)
+        self.ptr = rt.allocate(nbytes)  # collective, zeroed
+        bases = [rt.peer_ptr(self.ptr, r) for r in range(rt.world_size)]
+        self.op = _C.DistributedFlashDecode(rt.rank, rt.world_size, bases, nbytes, max_batch, q_heads, head_dim,
+                                            device)
+
+    def close(self) -> None:  # collective
+        self.op.close()
+        if not self.rt.closed:
+            self.rt.free(self.ptr)
+
+
+_exchanges = {}  # (device, q_heads, head_dim) -> _Exchange of the live runtime
+
+
+def _exchange(device: int, batch: int, q_heads: int, head_dim: int) -> _Exchange:
+    """The live runtime's exchange for this size, made or grown (collectively: every rank makes the
+    same calls) when the batch outgrows it; never during a CUDA graph capture."""
+    from ._runtime import runtime
+
+    rt = runtime("flash_decode(distributed=True)")
+    for key in [k for k, x in _exchanges.items() if x.rt is not rt]:  # a finalised runtime's: its heap is gone
+        _exchanges.pop(key).op.close()
+    key = (device, q_heads, head_dim)
+    x = _exchanges.get(key)
+    if x is not None and batch <= x.max_batch:
+        return x
+    torch = torch_module()
+    if torch.cuda.is_current_stream_capturing():
+        raise Error(f"tdist.flash_decode(distributed=True): a batch of {batch} needs a new exchange buffer, which "
+                    "cannot be allocated during CUDA graph capture: run the largest batch once before capturing")
+    if x is not None:
+        _exchanges.pop(key).close()
+    x = _Exchange(rt, device, max(batch, 2 * x.max_batch if x is not None else batch), q_heads, head_dim)
+    _exchanges[key] = x
+    return x
+
+
+def _run(q, k_cache, v_cache, seq_lens, block_table, softmax_scale, softcap, max_seq_len, distributed=False):
     torch = torch_module()
     s = check_args(q, k_cache, v_cache, seq_lens, block_table)
     out = torch.empty_like(q)
     lse = torch.empty((s["batch"], s["q_heads"]), dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(s["head_dim"]) if softmax_scale is None or softmax_scale <= 0 else softmax_scale
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    _C.flash_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                    0 if block_table is None else block_table.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-                    lse.data_ptr(), s["dtype"], s["batch"], s["q_heads"], s["kv_heads"], s["head_dim"],
-                    s["num_pages"], s["page_size"], s["max_pages"], float(scale), float(softcap), int(max_seq_len),
-                    device, torch.cuda.current_stream(q.device).cuda_stream)
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), 0 if block_table is None else block_table.data_ptr(),
+            seq_lens.data_ptr(), out.data_ptr(), lse.data_ptr(), s["dtype"], s["batch"], s["q_heads"], s["kv_heads"],
+            s["head_dim"], s["num_pages"], s["page_size"], s["max_pages"], float(scale), float(softcap),
+            int(max_seq_len))
+    stream = torch.cuda.current_stream(q.device).cuda_stream
+    if distributed:
+        _exchange(device, s["batch"], s["q_heads"], s["head_dim"]).op.run(*args, stream)
+    else:
+        _C.flash_decode(*args, device, stream)
     return out, lse
 
 
@@ -108,32 +162,39 @@ def _register(torch):
              softmax_scale: float = 0.0, softcap: float = 0.0, max_seq_len: int = 0) -> Tuple[Tensor, Tensor]:
         return _run(q, k_cache, v_cache, seq_lens, block_table, softmax_scale, softcap, max_seq_len)
 
-    op = torch.library.custom_op("tdist::flash_decode", mutates_args=())(impl)
+    def impl_distributed(q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor,
+                         block_table: Optional[Tensor] = None, softmax_scale: float = 0.0, softcap: float = 0.0,
+                         max_seq_len: int = 0) -> Tuple[Tensor, Tensor]:
+        return _run(q, k_cache, v_cache, seq_lens, block_table, softmax_scale, softcap, max_seq_len, True)
 
-    @op.register_fake
-    def _(q, k_cache, v_cache, seq_lens, block_table=None, softmax_scale=0.0, softcap=0.0, max_seq_len=0):
+    def fake(q, k_cache, v_cache, seq_lens, block_table=None, softmax_scale=0.0, softcap=0.0, max_seq_len=0):
         check_args(q, k_cache, v_cache, seq_lens, block_table)
         return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
-    return op
+    ops = []
+    for name, fn in (("tdist::flash_decode", impl), ("tdist::flash_decode_distributed", impl_distributed)):
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+        op.register_fake(fake)
+        ops.append(op)
+    return ops
 
 
-_op = None
-
-
-if torch_module() is not None:
-    _op = _register(torch_module())
+_ops = _register(torch_module()) if torch_module() is not None else None
 
 
 def flash_decode(q, k_cache, v_cache, seq_lens, block_table=None, *, softmax_scale: Optional[float] = None,
-                 softcap: float = 0.0, max_seq_len: int = 0):
-    """Decode attention; returns (out, lse). See the module's docstring for shapes and layouts."""
+                 softcap: float = 0.0, max_seq_len: int = 0, distributed: bool = False):
+    """Decode attention; returns (out, lse). See the module's docstring for shapes and layouts.
+
+    distributed=True (after tdist.init; collective): the cache, block table and lengths are this
+    rank's part of every sequence (possibly none of one), q is the same on every rank, and out / lse
+    are the attention over the whole sequences, merged across the ranks inside the call."""
     torch = torch_module()
     if torch is None:
         raise Error("tdist.flash_decode needs PyTorch, which is not installed")
-    return torch.ops.tdist.flash_decode(q, k_cache, v_cache, seq_lens, block_table,
-                                        0.0 if softmax_scale is None else float(softmax_scale), float(softcap),
-                                        int(max_seq_len))
+    op = torch.ops.tdist.flash_decode_distributed if distributed else torch.ops.tdist.flash_decode
+    return op(q, k_cache, v_cache, seq_lens, block_table, 0.0 if softmax_scale is None else float(softmax_scale),
+              float(softcap), int(max_seq_len))
 
 
 def check_errors(device=None) -> None:
@@ -144,6 +205,9 @@ def check_errors(device=None) -> None:
     elif not isinstance(device, int):
         device = device.index if device.index is not None else torch.cuda.current_device()
     _C.flash_decode_check_errors(device)
+    for (dev, _, _), x in list(_exchanges.items()):
+        if dev == device:
+            x.op.check_errors()
 
 
 def plan(batch: int, q_heads: int, kv_heads: int, max_seq_len: int, num_sms: int) -> tuple:

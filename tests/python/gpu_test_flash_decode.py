@@ -2,18 +2,21 @@
 
     python tests/python/gpu_test_flash_decode.py          # plain script, "N passed, M failed" last
     python -m pytest -q tests/python/gpu_test_flash_decode.py
+    torchrun --nproc-per-node 2 tests/python/gpu_test_flash_decode.py   # also the sequence-parallel op
 
 Against torch's scaled_dot_product_attention in float64 on the whole cache (gathered through the
 block table): bf16 / fp16, head dim 64 / 128 / 256, GQA 1 / 4 / 6 / 8, page sizes 1, 16, 64, 256 and
 the contiguous cache, mixed lengths (0, 1, not a multiple of the page); the lse against float64
 logsumexp; the sequence-parallel step of docs/flash_decode.md (two halves of each sequence decoded
 apart, merged by their lse); torch.compile(fullgraph=True); a CUDA graph replayed with new lengths;
+under torchrun, tdist.flash_decode(distributed=True) with tokens dealt to ranks, eagerly and in a graph;
 argument errors naming the argument; a bad block table reported by check_errors. Outputs come back
 from the op as new tensors, so the allocator's blocks are filled with NaN before each call.
 """
 
 import importlib
 import math
+import os
 import sys
 import traceback
 
@@ -208,13 +211,55 @@ def test_bad_block_table_is_reported():
     expect_error(fd_module.check_errors, "'seq_lens'")
 
 
+def test_distributed_against_sdpa():
+    """Under torchrun: each rank holds a part of every sequence (sequence 1 wholly on rank 0, the others
+    hold none of it; the rest dealt in runs of 7 tokens); every rank's out is the whole attention."""
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    lens = [0, 300, 1, 17, 2049]
+    q, _, _, _, _, kw, vw = make_cache(5, 32, 8, 128, 0, lens, torch.bfloat16, 21)  # the same on every rank
+    own = [[t for t in range(n) if (rank == 0 if b == 1 else (t // 7 + b) % world == rank)] for b, n in enumerate(lens)]
+    cap = max(1, max(len(o) for o in own))
+    k = torch.zeros((5, cap, 8, 128), dtype=torch.bfloat16, device="cuda")
+    v = torch.zeros_like(k)
+    for b, o in enumerate(own):
+        if o:
+            idx = torch.tensor(o, device="cuda")
+            k[b, : len(o)] = kw[b, idx]
+            v[b, : len(o)] = vw[b, idx]
+    local = torch.tensor([len(o) for o in own], dtype=torch.int32, device="cuda")
+    ref_out, ref_lse = reference(q, kw, vw, lens, 1 / math.sqrt(128))
+    for step in range(3):  # both buffer parities, one reused
+        poison_allocator()
+        out, lse = fd(q, k, v, local, distributed=True)
+        fd_module.check_errors()
+        check(out, lse, ref_out, ref_lse, torch.bfloat16, f"distributed step {step}")
+    # A CUDA graph of the distributed call, replayed: the epoch advances on the device.
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fd(q, k, v, local, distributed=True)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, lse, ref_out, ref_lse, torch.bfloat16, "distributed graph replay")
+
+
 TESTS = [test_against_sdpa, test_softcap_and_scale, test_sequence_parallel_step, test_torch_compile_fullgraph,
          test_cuda_graph_new_lengths, test_argument_errors, test_bad_block_table_is_reported]
 
 
 def main():
+    tests = list(TESTS)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: the sequence-parallel op too
+        import torch.distributed as dist
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        tdist.init(process_group=dist.group.WORLD)
+        tests.append(test_distributed_against_sdpa)
     passed = failed = 0
-    for t in TESTS:
+    for t in tests:
         try:
             t()
             passed += 1
@@ -222,6 +267,9 @@ def main():
         except Exception:
             failed += 1
             print(f"FAIL {t.__name__}\n{traceback.format_exc()}", flush=True)
+    if tdist.is_initialized():
+        tdist.finalize()
+        torch.distributed.destroy_process_group()
     print(f"{passed} passed, {failed} failed", flush=True)
     return 1 if failed else 0
 
