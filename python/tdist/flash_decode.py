@@ -116,6 +116,8 @@ def _exchange(device: int, batch: int, q_heads: int, head_dim: int) -> _Exchange
     from ._runtime import runtime
 
     rt = runtime("flash_decode(distributed=True)")
+    if device != rt.device:
+        _fail("q", f"a tensor on tdist's device (cuda:{rt.device}) for distributed=True", f"cuda:{device}")
     for key in [k for k, x in _exchanges.items() if x.rt is not rt]:  # a finalised runtime's: its heap is gone
         _exchanges.pop(key).op.close()
     key = (device, q_heads, head_dim)
