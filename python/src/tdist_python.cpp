@@ -737,6 +737,8 @@ std::shared_ptr<PyModule> jit_compile(const std::string& source, const std::vect
 
 }  // namespace
 
+void bind_flash_decode(nb::module_& m);  // bind_flash_decode.cpp
+
 NB_MODULE(_C, m) {
   nb::set_leak_warnings(false);
   m.doc() = "tdist's C++ core (libtdist) for Python; use the tdist package rather than this module.";
@@ -937,4 +939,5 @@ NB_MODULE(_C, m) {
   m.def(
       "version", [] { return std::string(tdist::version()); }, "libtdist's version");
   m.def("version_report", &tdist::version_report, "device"_a = -1, "versions tdist runs with, one per line");
+  bind_flash_decode(m);
 }

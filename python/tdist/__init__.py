@@ -52,6 +52,7 @@ from ._runtime import (
 from .ops import ag_gemm, all_gather, all_reduce, barrier, gemm_ar, gemm_rs, overlap, overlap_ops, reduce_scatter
 from .ops import catalogue_functions as _catalogue_functions
 from . import jit
+from .flash_decode import flash_decode
 
 # Every other op of the C++ catalogue of overlapped ops, as tdist.<name> (e.g. tdist.ag_gemm_swiglu).
 globals().update(_catalogue_functions)
@@ -85,4 +86,5 @@ __all__ = [
     "overlap_ops",
     *_catalogue_functions,
     "jit",
+    "flash_decode",
 ]

@@ -1,0 +1,436 @@
+// Decode attention, single GPU and sequence-parallel: argument checks, the split model, the typed
+// launcher of the kernels in kernels/attention/flash_decode.cuh, and the symmetric LL buffer of the
+// distributed merge.
+#include "tdist/ops/flash_decode.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <regex>
+#include <utility>
+
+#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_buffer.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/common/nvtx.hpp"
+#include "tdist/jit/jit.hpp"
+#include "tdist/jit/registry.hpp"
+#include "tdist/kernels/attention/flash_decode.cuh"
+#include "tdist/runtime/symmetric_layout.hpp"
+
+namespace tdist {
+
+namespace attn = kernels::attention;
+using device::u32;
+using device::u64;
+
+int64_t flash_decode_capacity(const FlashDecodeArgs& a) {
+  return a.block_table ? a.max_pages * a.page_size : a.page_size;
+}
+
+namespace {
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+void check_flash_decode_args(const FlashDecodeArgs& a) {
+  TDIST_CHECK_ARG(a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat16, "dtype",
+                  "expected bf16 or f16 for q, the KV cache and out, got ", to_string(a.dtype));
+  TDIST_CHECK_ARG(a.batch > 0 && a.batch <= 65535, "batch", "expected 1..65535 sequences, got ", a.batch);
+  TDIST_CHECK_ARG(a.kv_heads > 0, "kv_heads", "expected a positive count, got ", a.kv_heads);
+  TDIST_CHECK_ARG(a.q_heads > 0 && a.q_heads % a.kv_heads == 0, "q_heads", "expected a positive multiple of kv_heads (",
+                  a.kv_heads, "), got ", a.q_heads);
+  TDIST_CHECK_ARG(a.q_heads <= 65535, "q_heads", "expected at most 65535, got ", a.q_heads);
+  TDIST_CHECK_ARG(a.head_dim == 64 || a.head_dim == 128 || a.head_dim == 256, "head_dim",
+                  "expected 64, 128 or 256, got ", a.head_dim);
+  TDIST_CHECK_ARG(std::isfinite(a.softmax_scale) && a.softmax_scale > 0.f, "softmax_scale",
+                  "expected a positive finite scale, got ", a.softmax_scale);
+  TDIST_CHECK_ARG(std::isfinite(a.softcap) && a.softcap >= 0.f, "softcap",
+                  "expected 0 (no cap) or a positive finite cap, got ", a.softcap);
+  const struct {
+    const void* p;
+    const char* name;
+  } tensors[] = {{a.q, "q"}, {a.k_cache, "k_cache"}, {a.v_cache, "v_cache"}, {a.out, "out"}};
+  for (const auto& t : tensors) {
+    if (t.p == nullptr || !aligned16(t.p))
+      detail::throw_at(__FILE__, __LINE__, "invalid argument '", t.name,
+                       "': expected a 16-byte aligned device pointer, got ", t.p);
+  }
+  TDIST_CHECK_ARG(a.seq_lens != nullptr, "seq_lens", "expected device int32[batch], got nullptr");
+  TDIST_CHECK_ARG(a.num_pages > 0, "num_pages", "expected a positive page count, got ", a.num_pages);
+  if (a.block_table) {
+    TDIST_CHECK_ARG(a.page_size >= 1 && a.page_size <= 256, "page_size", "expected 1..256 tokens per page, got ",
+                    a.page_size);
+    TDIST_CHECK_ARG(a.max_pages > 0, "max_pages", "expected the block table's positive row length, got ", a.max_pages);
+  } else {
+    TDIST_CHECK_ARG(a.page_size >= 1, "page_size", "expected the contiguous cache's capacity per sequence (>= 1), got ",
+                    a.page_size);
+    TDIST_CHECK_ARG(a.num_pages == a.batch, "num_pages",
+                    "a contiguous cache holds one row of pages per sequence: expected ", a.batch, ", got ",
+                    a.num_pages);
+  }
+  const int64_t capacity = flash_decode_capacity(a);
+  TDIST_CHECK_ARG(capacity <= (int64_t{1} << 30), "max_pages",
+                  "expected at most 2^30 tokens per sequence (max_pages x page_size), got ", capacity);
+  TDIST_CHECK_ARG(a.num_pages * a.page_size <= (int64_t{1} << 40) / a.kv_heads, "num_pages",
+                  "the cache is too large to index (", a.num_pages, " pages of ", a.page_size, " tokens)");
+  TDIST_CHECK_ARG(a.max_seq_len >= 0 && a.max_seq_len <= capacity, "max_seq_len", "expected 0 (the capacity) to ",
+                  capacity, " (the capacity), got ", a.max_seq_len);
+}
+
+int flash_decode_heads_per_cta(int64_t group) {
+  for (int g : {8, 4, 2}) {
+    if (group % g == 0) return g;
+  }
+  return 1;
+}
+
+FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t max_seq_len,
+                                       int num_sms, int ctas_per_sm) {
+  TDIST_CHECK_ARG(batch > 0 && kv_heads > 0 && q_heads > 0 && q_heads % kv_heads == 0, "q_heads",
+                  "expected positive batch and heads with q_heads a multiple of kv_heads, got batch ", batch,
+                  ", q_heads ", q_heads, ", kv_heads ", kv_heads);
+  TDIST_CHECK_ARG(num_sms > 0, "num_sms", "expected a positive SM count, got ", num_sms);
+  TDIST_CHECK_ARG(ctas_per_sm > 0, "ctas_per_sm", "expected a positive count, got ", ctas_per_sm);
+  TDIST_CHECK_ARG(max_seq_len >= 0, "max_seq_len", "expected >= 0, got ", max_seq_len);
+  using M = FlashDecodeSplitModel;
+  FlashDecodeSplitPlan plan;
+  const int64_t group = q_heads / kv_heads;
+  plan.heads_per_cta = flash_decode_heads_per_cta(group);
+  plan.head_chunks = static_cast<int>(group / plan.heads_per_cta);
+  const int64_t ctas = batch * kv_heads * plan.head_chunks;
+  const int64_t wave = static_cast<int64_t>(num_sms) * ctas_per_sm;
+  const int64_t want = wave / ctas;  // rounded down: a CTA past the wave would run alone in a second one
+  const int64_t by_length = std::max<int64_t>(1, (max_seq_len + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit);
+  plan.num_splits = static_cast<int>(std::clamp<int64_t>(std::min(want, by_length), 1, M::kMaxSplits));
+  return plan;
+}
+
+int resident_ctas_per_sm(int regs_per_thread, int threads, size_t smem_bytes, const SmLimits& sm) {
+  TDIST_CHECK_ARG(regs_per_thread > 0 && threads > 0, "regs_per_thread",
+                  "expected positive registers and threads, got ", regs_per_thread, " and ", threads);
+  const int warps = (threads + 31) / 32;
+  const int regs_per_warp = (regs_per_thread * 32 + 255) / 256 * 256;
+  int n = std::min(sm.max_ctas, sm.max_threads / (warps * 32));
+  n = std::min(n, sm.regs / (regs_per_warp * warps));
+  if (smem_bytes > 0) n = std::min<int64_t>(n, static_cast<int64_t>(sm.smem / (smem_bytes + sm.smem_reserved_per_cta)));
+  return std::max(n, 1);
+}
+
+// The kernels of one (dtype, head dim): the split kernel per heads-per-CTA and the combine kernel.
+// Instance names are spelled here only.
+class FlashDecodeKernels {
+ public:
+  static std::string split_instance(DType dtype, int head_dim, int heads_per_cta) {
+    return detail::concat("tdist::kernels::attention::flash_decode_split<", kernel_type_name(dtype), ", ", head_dim,
+                          ", ", heads_per_cta, ">");
+  }
+  static std::string combine_instance(DType dtype, int head_dim) {
+    return detail::concat("tdist::kernels::attention::flash_decode_combine<", kernel_type_name(dtype), ", ", head_dim,
+                          ">");
+  }
+  static jit::CompileRequest compile_request(DType dtype, int head_dim) {
+    jit::CompileRequest r;
+    r.source = "#include \"tdist/kernels/attention/flash_decode.cuh\"\n";
+    r.file_name = "flash_decode.cu";
+    for (int g : {1, 2, 4, 8}) r.name_expressions.push_back(split_instance(dtype, head_dim, g));
+    r.name_expressions.push_back(combine_instance(dtype, head_dim));
+    return r;
+  }
+
+  FlashDecodeKernels(DType dtype, int head_dim) {
+    const auto compiled = jit::compile(compile_request(dtype, head_dim));
+    module_ = jit::Module::load(compiled);
+    const SmLimits sm = current_sm_limits();
+    for (int i = 0; i < 4; ++i) {
+      const std::string name = split_instance(dtype, head_dim, 1 << i);
+      split_[i] = module_->kernel(name);
+      resident_[i] = resident_from_log(compiled->log, compiled->lowered_name(name), sm);
+    }
+    combine_ = module_->kernel(combine_instance(dtype, head_dim));
+  }
+
+  // Split CTAs one SM holds at once, from the registers and shared memory ptxas reported.
+  int resident(int heads_per_cta) const { return resident_[index(heads_per_cta)]; }
+
+  const jit::Kernel& split(int heads_per_cta) const { return split_[index(heads_per_cta)]; }
+  const jit::Kernel& combine() const { return combine_; }
+
+  // Compiled once per process for each (dtype, head dim).
+  static const FlashDecodeKernels& get(DType dtype, int head_dim) {
+    static std::mutex mu;
+    static std::map<std::pair<int, int>, std::unique_ptr<FlashDecodeKernels>> cache;
+    std::lock_guard<std::mutex> lock(mu);
+    auto& slot = cache[{static_cast<int>(dtype), head_dim}];
+    if (!slot) slot = std::make_unique<FlashDecodeKernels>(dtype, head_dim);
+    return *slot;
+  }
+
+ private:
+  static int index(int heads_per_cta) {
+    return heads_per_cta == 1 ? 0 : heads_per_cta == 2 ? 1 : heads_per_cta == 4 ? 2 : 3;
+  }
+
+  static SmLimits current_sm_limits() {
+    int dev = 0;
+    TDIST_CUDA_CHECK(cudaGetDevice(&dev));
+    cudaDeviceProp prop;
+    TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    SmLimits sm;
+    sm.regs = prop.regsPerMultiprocessor;
+    sm.max_threads = prop.maxThreadsPerMultiProcessor;
+    sm.max_ctas = prop.maxBlocksPerMultiProcessor;
+    sm.smem = prop.sharedMemPerMultiprocessor;
+    sm.smem_reserved_per_cta = prop.reservedSharedMemPerBlock;
+    return sm;
+  }
+
+  // ptxas -v: "Compiling entry function '<symbol>' ... Used <R> registers, ... <S> bytes smem".
+  static int resident_from_log(const std::string& log, const std::string& symbol, const SmLimits& sm) {
+    const size_t at = log.find("entry function '" + symbol + "'");
+    if (at == std::string::npos) return FlashDecodeSplitModel::kCtasPerSm;
+    std::smatch m;
+    const std::string rest = log.substr(at, 2000);
+    if (!std::regex_search(rest, m, std::regex(R"(Used (\d+) registers[^\n]*?(?:(\d+) bytes smem)?\n)")))
+      return FlashDecodeSplitModel::kCtasPerSm;
+    const size_t smem = m[2].matched ? std::stoul(m[2].str()) : 0;
+    return resident_ctas_per_sm(std::stoi(m[1].str()), attn::kDecodeThreads, smem, sm);
+  }
+
+  std::shared_ptr<jit::Module> module_;
+  jit::Kernel split_[4];
+  jit::Kernel combine_;
+  int resident_[4] = {};
+};
+
+namespace {
+
+std::vector<jit::CompileRequest> flash_decode_compile_requests() {
+  std::vector<jit::CompileRequest> v;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16})
+    for (int d : {64, 128, 256}) v.push_back(FlashDecodeKernels::compile_request(dtype, d));
+  return v;
+}
+TDIST_JIT_REGISTER_KERNELS(flash_decode, flash_decode_compile_requests);
+
+int current_sm_count() {
+  int dev = 0, n = 0;
+  TDIST_CUDA_CHECK(cudaGetDevice(&dev));
+  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+void report_errors(u32* errors) {
+  TDIST_CUDA_CHECK(cudaDeviceSynchronize());
+  u32 bits = 0;
+  TDIST_CUDA_CHECK(cudaMemcpy(&bits, errors, sizeof(bits), cudaMemcpyDeviceToHost));
+  if (bits == 0) return;
+  TDIST_CUDA_CHECK(cudaMemset(errors, 0, sizeof(u32)));
+  TDIST_CHECK_ARG(!(bits & attn::kErrBlockTable), "block_table",
+                  "an entry outside [0, num_pages) was met on the device (its page was skipped)");
+  TDIST_CHECK_ARG(!(bits & attn::kErrSeqLen), "seq_lens",
+                  "a length outside [0, capacity] was met on the device (it was clamped)");
+}
+
+}  // namespace
+
+// State shared by both ops: the split workspace (ordinary memory, grown on demand) and the error bits.
+struct FlashDecode::Impl {
+  int num_sms = current_sm_count();
+  DeviceBuffer errors{sizeof(u32)};
+  DeviceBuffer partials;  // o_part f32[items][splits][D], then lse_part f32[items][splits]
+  size_t partial_bytes = 0;
+
+  Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
+
+  // Launches the split kernel and fills the combine parameters (all but the exchange's).
+  attn::CombineParams launch_split(const FlashDecodeArgs& a, cudaStream_t stream, const FlashDecodeKernels*& kernels) {
+    check_flash_decode_args(a);
+    const int64_t capacity = flash_decode_capacity(a);
+    const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : capacity;
+    const int d = static_cast<int>(a.head_dim);
+    kernels = &FlashDecodeKernels::get(a.dtype, d);
+    const int ctas_per_sm = kernels->resident(flash_decode_heads_per_cta(a.q_heads / a.kv_heads));
+    const FlashDecodeSplitPlan plan = plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, ctas_per_sm);
+    const u64 items = static_cast<u64>(a.batch) * a.q_heads;
+    const size_t need = items * plan.num_splits * (d + 1) * sizeof(float);
+    if (need > partial_bytes) {
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+      TDIST_CHECK_ARG(capturing == cudaStreamCaptureStatusNone, "batch", "the split workspace must grow to ", need,
+                      " bytes for this shape, which cannot happen during "
+                      "stream capture: run the largest shape once before capturing");
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be read
+      partials = DeviceBuffer(need);
+      partial_bytes = need;
+    }
+
+    attn::DecodeParams p{};
+    p.q = a.q;
+    p.k_cache = a.k_cache;
+    p.v_cache = a.v_cache;
+    p.block_table = a.block_table;
+    p.seq_lens = a.seq_lens;
+    p.o_part = partials.get<float>();
+    p.lse_part = p.o_part + items * plan.num_splits * d;
+    p.errors = errors.get<u32>();
+    p.num_pages = static_cast<u64>(a.block_table ? a.num_pages : a.batch);
+    p.page_size = static_cast<u32>(a.page_size);
+    p.max_pages = static_cast<u32>(a.block_table ? a.max_pages : 1);
+    p.capacity = static_cast<u32>(capacity);
+    p.q_heads = static_cast<u32>(a.q_heads);
+    p.kv_heads = static_cast<u32>(a.kv_heads);
+    p.group = static_cast<u32>(a.q_heads / a.kv_heads);
+    p.head_chunks = static_cast<u32>(plan.head_chunks);
+    p.num_splits = static_cast<u32>(plan.num_splits);
+    p.softmax_scale = a.softmax_scale;
+    p.scale_log2 = a.softmax_scale * attn::kLog2e;
+    p.softcap = a.softcap;
+
+    jit::LaunchConfig cfg;
+    cfg.grid = {static_cast<unsigned>(plan.num_splits), static_cast<unsigned>(a.kv_heads * plan.head_chunks),
+                static_cast<unsigned>(a.batch)};
+    cfg.block = {static_cast<unsigned>(attn::kDecodeThreads)};
+    cfg.stream = stream;
+    cfg.programmatic_dependent_launch = true;  // the kernel waits for the one before it on the device
+    jit::launch(kernels->split(plan.heads_per_cta), cfg, jit::make_args(p));
+
+    attn::CombineParams c{};
+    c.o_part = p.o_part;
+    c.lse_part = p.lse_part;
+    c.out = a.out;
+    c.lse = a.lse;
+    c.items = static_cast<u32>(items);
+    c.max_items = static_cast<u32>(items);
+    c.num_splits = p.num_splits;
+    return c;
+  }
+
+  // Warps of the combine kernel: one per item, at most what stays resident (4 CTAs per SM).
+  jit::LaunchConfig combine_config(u64 items, cudaStream_t stream) const {
+    constexpr u64 kWarps = attn::kCombineThreads / 32;
+    jit::LaunchConfig cfg;
+    cfg.grid = {static_cast<unsigned>(std::min<u64>((items + kWarps - 1) / kWarps, static_cast<u64>(num_sms) * 4))};
+    cfg.block = {static_cast<unsigned>(attn::kCombineThreads)};
+    cfg.stream = stream;
+    cfg.programmatic_dependent_launch = true;  // scheduled as the split kernel ends; waits for it on the device
+    return cfg;
+  }
+};
+
+FlashDecode::FlashDecode() : impl_(std::make_unique<Impl>()) {}
+FlashDecode::~FlashDecode() = default;
+
+void FlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) {
+  TDIST_NVTX_RANGE("tdist::flash_decode", "batch=", a.batch, " heads=", a.q_heads, "/", a.kv_heads, " d=", a.head_dim);
+  const FlashDecodeKernels* kernels = nullptr;
+  attn::CombineParams c = impl_->launch_split(a, stream, kernels);
+  jit::launch(kernels->combine(), impl_->combine_config(c.items, stream), jit::make_args(c));
+}
+
+void FlashDecode::check_errors() { report_errors(impl_->errors.get<u32>()); }
+
+namespace {
+
+// The distributed merge's symmetric buffer.
+struct DecodeExchangeLayout {
+  SymmetricLayout layout;
+  // u64[2][world][max_items][head_dim + 1]: LL lines {f32 bits, epoch} of each rank's merged item
+  // (its output, then its log2-sum), parity = epoch & 1.
+  SymmetricLayout::Region<u64> ll;
+  DecodeExchangeLayout(const DistributedFlashDecodeConfig& c, int world)
+      : ll(layout.add<u64>(2 * static_cast<size_t>(world) * static_cast<size_t>(c.max_batch * c.q_heads) *
+                               static_cast<size_t>(c.head_dim + 1),
+                           "flash_decode ll")) {}
+};
+
+}  // namespace
+
+namespace {
+
+void check_config(const DistributedFlashDecodeConfig& c) {
+  TDIST_CHECK_ARG(c.max_batch > 0 && c.max_batch <= 65535, "config.max_batch", "expected 1..65535, got ", c.max_batch);
+  TDIST_CHECK_ARG(c.q_heads > 0 && c.q_heads <= 65535, "config.q_heads", "expected 1..65535, got ", c.q_heads);
+  TDIST_CHECK_ARG(c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256, "config.head_dim",
+                  "expected 64, 128 or 256, got ", c.head_dim);
+}
+
+// Every rank must be a load/store peer: the merge stores into, and reads from, peers' buffers.
+void check_view(const device::SymmetricHeapView& v) {
+  TDIST_CHECK_ARG(v.num_ranks >= 1 && v.rank >= 0 && v.rank < v.num_ranks, "heap",
+                  "expected a rank in [0, world), got rank ", v.rank, " of ", v.num_ranks);
+  TDIST_CHECK_ARG(v.lsa_size == v.num_ranks && v.lsa_rank == v.rank && v.num_ranks <= device::kMaxLsaRanks, "world",
+                  "the merge exchanges through load/store peers: every rank must be in one LSA team (", v.lsa_size,
+                  " of ", v.num_ranks, ")");
+  for (int r = 0; r < v.num_ranks; ++r)
+    TDIST_CHECK_ARG(v.lsa_bases[r] != nullptr, "heap", "rank ", r, "'s buffer is not mapped here");
+}
+
+}  // namespace
+
+struct DistributedFlashDecode::Impl {
+  device::SymmetricHeapView view;
+  DistributedFlashDecodeConfig config;
+  DecodeExchangeLayout layout;
+  SymmetricBlock block;  // empty over a caller's buffer
+  u64* ll = nullptr;
+  FlashDecode::Impl local;
+  DeviceBuffer epoch{sizeof(kernels::coll::EpochState)};  // this rank's call count, device memory
+
+  Impl(World& w, SymmetricHeap& h, const DistributedFlashDecodeConfig& c)
+      : view(h.view()), config(c), layout(c, w.world_size()), block(h, layout.layout), ll(block[layout.ll]) {
+    TDIST_CUDA_CHECK(cudaMemset(epoch.get(), 0, sizeof(kernels::coll::EpochState)));
+  }
+  Impl(const device::SymmetricHeapView& v, void* buffer, const DistributedFlashDecodeConfig& c)
+      : view(v), config(c), layout(c, v.num_ranks), ll(layout.ll.at(buffer)) {
+    TDIST_CUDA_CHECK(cudaMemset(epoch.get(), 0, sizeof(kernels::coll::EpochState)));
+  }
+};
+
+size_t DistributedFlashDecode::heap_bytes(const DistributedFlashDecodeConfig& config, int world_size) {
+  return DecodeExchangeLayout(config, world_size).layout.bytes();
+}
+
+DistributedFlashDecode::DistributedFlashDecode(World& world, SymmetricHeap& heap,
+                                               const DistributedFlashDecodeConfig& config) {
+  check_config(config);
+  check_view(heap.view());
+  impl_ = std::make_unique<Impl>(world, heap, config);
+}
+
+DistributedFlashDecode::DistributedFlashDecode(const device::SymmetricHeapView& heap, void* buffer,
+                                               const DistributedFlashDecodeConfig& config) {
+  check_config(config);
+  check_view(heap);
+  TDIST_CHECK_ARG(buffer != nullptr && heap.local_base() == static_cast<char*>(buffer), "buffer",
+                  "expected the local buffer, mapped at heap.lsa_bases[rank]");
+  impl_ = std::make_unique<Impl>(heap, buffer, config);
+}
+
+DistributedFlashDecode::~DistributedFlashDecode() {
+  cudaDeviceSynchronize();  // peers' lines may still be landing in the buffer
+}
+
+void DistributedFlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) {
+  TDIST_NVTX_RANGE("tdist::distributed_flash_decode", "batch=", a.batch, " heads=", a.q_heads, "/", a.kv_heads,
+                   " d=", a.head_dim, " ranks=", impl_->view.num_ranks);
+  const auto& cfg = impl_->config;
+  TDIST_CHECK_ARG(a.batch > 0 && a.batch <= cfg.max_batch, "batch", "expected 1..", cfg.max_batch,
+                  " (config.max_batch), got ", a.batch);
+  TDIST_CHECK_ARG(a.q_heads == cfg.q_heads, "q_heads", "expected config.q_heads = ", cfg.q_heads, ", got ", a.q_heads);
+  TDIST_CHECK_ARG(a.head_dim == cfg.head_dim, "head_dim", "expected config.head_dim = ", cfg.head_dim, ", got ",
+                  a.head_dim);
+  const FlashDecodeKernels* kernels = nullptr;
+  attn::CombineParams c = impl_->local.launch_split(a, stream, kernels);
+  c.heap = impl_->view;
+  c.ll = impl_->ll;
+  c.epoch = impl_->epoch.get<kernels::coll::EpochState>();
+  c.max_items = static_cast<u32>(cfg.max_batch * cfg.q_heads);
+  jit::launch(kernels->combine(), impl_->local.combine_config(c.items, stream), jit::make_args(c));
+}
+
+void DistributedFlashDecode::check_errors() { report_errors(impl_->local.errors.get<u32>()); }
+
+}  // namespace tdist

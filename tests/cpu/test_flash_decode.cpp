@@ -1,0 +1,181 @@
+// Decode attention without a GPU: the host argument checks (each error names its argument), the
+// split model, and the kernels compiling through NVRTC for sm_90a without spills.
+#include <gtest/gtest.h>
+
+#include <regex>
+#include <string>
+
+#include "tdist/common/error.hpp"
+#include "tdist/jit/jit.hpp"
+#include "tdist/jit/registry.hpp"
+#include "tdist/ops/flash_decode.hpp"
+
+using namespace tdist;
+
+namespace {
+
+// Fake, aligned device addresses: the checks never dereference them.
+void* fake(uintptr_t a) { return reinterpret_cast<void*>(a); }
+
+FlashDecodeArgs valid_paged() {
+  FlashDecodeArgs a;
+  a.dtype = DType::kBFloat16;
+  a.batch = 3;
+  a.q_heads = 32;
+  a.kv_heads = 8;
+  a.head_dim = 128;
+  a.q = fake(0x10000);
+  a.k_cache = fake(0x20000);
+  a.v_cache = fake(0x30000);
+  a.num_pages = 100;
+  a.page_size = 16;
+  a.block_table = static_cast<const int32_t*>(fake(0x40000));
+  a.max_pages = 10;
+  a.seq_lens = static_cast<const int32_t*>(fake(0x50000));
+  a.out = fake(0x60000);
+  a.softmax_scale = 0.0883883f;
+  return a;
+}
+
+void expect_names(const char* arg, const FlashDecodeArgs& a) {
+  try {
+    check_flash_decode_args(a);
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(std::string("'") + arg + "'"), std::string::npos)
+        << "the error does not name '" << arg << "': " << e.what();
+    return;
+  }
+  ADD_FAILURE() << "expected an error naming '" << arg << "'";
+}
+
+}  // namespace
+
+TEST(FlashDecodeArgs, ValidPagedAndContiguousPass) {
+  EXPECT_NO_THROW(check_flash_decode_args(valid_paged()));
+  FlashDecodeArgs c = valid_paged();
+  c.block_table = nullptr;
+  c.max_pages = 0;
+  c.num_pages = c.batch;
+  c.page_size = 100000;  // contiguous: the capacity, not limited to 256
+  EXPECT_NO_THROW(check_flash_decode_args(c));
+  EXPECT_EQ(flash_decode_capacity(c), 100000);
+  EXPECT_EQ(flash_decode_capacity(valid_paged()), 160);
+}
+
+TEST(FlashDecodeArgs, ErrorsNameTheArgument) {
+  auto with = [](auto change) {
+    FlashDecodeArgs a = valid_paged();
+    change(a);
+    return a;
+  };
+  expect_names("dtype", with([](FlashDecodeArgs& a) { a.dtype = DType::kFloat32; }));
+  expect_names("q_heads", with([](FlashDecodeArgs& a) { a.q_heads = 30; }));  // not a multiple of 8 KV heads
+  expect_names("kv_heads", with([](FlashDecodeArgs& a) { a.kv_heads = 0; }));
+  expect_names("head_dim", with([](FlashDecodeArgs& a) { a.head_dim = 96; }));
+  expect_names("batch", with([](FlashDecodeArgs& a) { a.batch = 0; }));
+  expect_names("q", with([](FlashDecodeArgs& a) { a.q = fake(0x10008); }));  // 8-byte aligned only
+  expect_names("k_cache", with([](FlashDecodeArgs& a) { a.k_cache = nullptr; }));
+  expect_names("v_cache", with([](FlashDecodeArgs& a) { a.v_cache = fake(0x30002); }));
+  expect_names("out", with([](FlashDecodeArgs& a) { a.out = nullptr; }));
+  expect_names("seq_lens", with([](FlashDecodeArgs& a) { a.seq_lens = nullptr; }));
+  expect_names("page_size", with([](FlashDecodeArgs& a) { a.page_size = 257; }));
+  expect_names("page_size", with([](FlashDecodeArgs& a) { a.page_size = 0; }));
+  expect_names("max_pages", with([](FlashDecodeArgs& a) { a.max_pages = 0; }));
+  expect_names("num_pages", with([](FlashDecodeArgs& a) { a.num_pages = 0; }));
+  expect_names("num_pages", with([](FlashDecodeArgs& a) {  // contiguous: one row per sequence
+                 a.block_table = nullptr;
+                 a.num_pages = 4;
+               }));
+  expect_names("max_seq_len", with([](FlashDecodeArgs& a) { a.max_seq_len = 161; }));  // beyond 10 x 16
+  expect_names("softmax_scale", with([](FlashDecodeArgs& a) { a.softmax_scale = 0.f; }));
+  expect_names("softcap", with([](FlashDecodeArgs& a) { a.softcap = -1.f; }));
+}
+
+TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
+  using M = FlashDecodeSplitModel;
+  // Llama-3-8B (32 / 8 heads), batch 1, 128K tokens, 132 SMs, 2 CTAs per SM: GQA 4 in one CTA,
+  // 8 KV heads x S CTAs filling one wave of 264.
+  FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 131072, 132);
+  EXPECT_EQ(p.heads_per_cta, 4);
+  EXPECT_EQ(p.head_chunks, 1);
+  EXPECT_EQ(p.num_splits, 132 * M::kCtasPerSm / 8);
+  EXPECT_LE(8 * p.num_splits, 132 * M::kCtasPerSm);  // one wave, no straggler
+  // Another SM count scales the splits: no table, a model.
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 131072, 78).num_splits, 78 * M::kCtasPerSm / 8);
+  // Short sequences: no split below kMinTokensPerSplit tokens.
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 1000, 132).num_splits, 4);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 1, 132).num_splits, 1);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 0, 132).num_splits, 1);
+  // A big batch fills the GPU by itself.
+  EXPECT_EQ(plan_flash_decode(32, 64, 8, 131072, 132).num_splits, 1);
+  EXPECT_EQ(plan_flash_decode(64, 64, 8, 131072, 132).num_splits, 1);
+  // GQA ratios: the widest of 8, 4, 2, 1 that divides, the rest as chunks.
+  p = plan_flash_decode(2, 64, 8, 4096, 132);
+  EXPECT_EQ(p.heads_per_cta, 8);
+  EXPECT_EQ(p.head_chunks, 1);
+  p = plan_flash_decode(2, 48, 8, 4096, 132);  // group 6
+  EXPECT_EQ(p.heads_per_cta, 2);
+  EXPECT_EQ(p.head_chunks, 3);
+  p = plan_flash_decode(2, 128, 8, 4096, 132);  // group 16
+  EXPECT_EQ(p.heads_per_cta, 8);
+  EXPECT_EQ(p.head_chunks, 2);
+  p = plan_flash_decode(2, 7, 7, 4096, 132);  // MHA
+  EXPECT_EQ(p.heads_per_cta, 1);
+  // Never more than kMaxSplits.
+  EXPECT_EQ(plan_flash_decode(1, 1, 1, int64_t{1} << 30, 100000).num_splits, M::kMaxSplits);
+  EXPECT_THROW(plan_flash_decode(1, 30, 8, 100, 132), Error);
+  EXPECT_THROW(plan_flash_decode(1, 32, 8, 100, 0), Error);
+}
+
+TEST(FlashDecodeSplitPlan, OneWaveOfWhatFitsOnTheGpu) {
+  // 3 CTAs per SM resident (the G = 4 kernel at 158 registers): 8 KV heads x 49 splits <= 396.
+  FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 131072, 132, 3);
+  EXPECT_EQ(p.num_splits, 49);
+  EXPECT_EQ(plan_flash_decode(4, 64, 8, 131072, 132, 2).num_splits, 8);  // 32 CTAs x 8 <= 264
+  EXPECT_THROW(plan_flash_decode(1, 32, 8, 100, 132, 0), Error);
+  EXPECT_EQ(flash_decode_heads_per_cta(4), 4);
+  EXPECT_EQ(flash_decode_heads_per_cta(6), 2);
+  EXPECT_EQ(flash_decode_heads_per_cta(24), 8);
+  EXPECT_EQ(flash_decode_heads_per_cta(7), 1);
+}
+
+TEST(FlashDecodeSplitPlan, ResidentCtasFromRegistersAndSharedMemory) {
+  const SmLimits h100;  // Hopper: 64K registers, 2048 threads, 32 CTAs, 228 KB shared, 1 KB reserved per CTA
+  EXPECT_EQ(resident_ctas_per_sm(158, 128, 8320, h100), 3);   // 160 x 32 x 4 = 20480 registers per CTA
+  EXPECT_EQ(resident_ctas_per_sm(211, 128, 16640, h100), 2);  // 216 x 32 x 4 = 27648
+  EXPECT_EQ(resident_ctas_per_sm(101, 128, 4160, h100), 4);   // 104 x 32 x 4 = 13312
+  EXPECT_EQ(resident_ctas_per_sm(72, 128, 2080, h100), 7);    // 72 x 32 x 4 = 9216
+  EXPECT_EQ(resident_ctas_per_sm(32, 128, 100000, h100), 2);  // shared memory bound
+  EXPECT_EQ(resident_ctas_per_sm(16, 1024, 0, h100), 2);      // thread bound
+  EXPECT_EQ(resident_ctas_per_sm(8, 32, 0, h100), 32);        // CTA bound
+  EXPECT_EQ(resident_ctas_per_sm(255, 1024, 0, h100), 1);     // never below one
+  EXPECT_THROW(resident_ctas_per_sm(0, 128, 0, h100), Error);
+}
+
+TEST(FlashDecodeKernels, CompileForSm90aWithoutSpills) {
+  bool found = false;
+  for (const auto& family : jit::registered_kernels()) {
+    if (family.name != "flash_decode") continue;
+    found = true;
+    const auto requests = family.requests();
+    EXPECT_EQ(requests.size(), 6u);  // bf16 / fp16 x head dim 64, 128, 256
+    for (auto r : requests) {
+      r.arch = "sm_90a";
+      auto compiled = jit::compile(r);
+      // The split kernels (the bandwidth-bound loop) spill nothing; the combine kernel's few bytes are
+      // the registers saved around the merge wait's timeout diagnostic (a call).
+      const std::string& log = compiled->log;
+      const std::regex entry(
+          R"(Compiling entry function '([^']+)'[^\n]*\n[^\n]*\n[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads)");
+      int splits = 0;
+      for (auto it = std::sregex_iterator(log.begin(), log.end(), entry); it != std::sregex_iterator(); ++it) {
+        if ((*it)[1].str().find("flash_decode_split") == std::string::npos) continue;
+        ++splits;
+        EXPECT_EQ((*it)[2].str() + (*it)[3].str(), "00") << (*it)[1].str() << "\n" << log;
+      }
+      EXPECT_EQ(splits, 4) << log;
+      for (const auto& name : r.name_expressions) EXPECT_NO_THROW(compiled->lowered_name(name)) << name;
+    }
+  }
+  EXPECT_TRUE(found) << "flash_decode kernels are not registered";
+}
