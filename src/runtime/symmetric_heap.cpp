@@ -96,7 +96,9 @@ SymmetricHeap::SymmetricHeap(World& world, size_t capacity) : world_(world) {
   view_.lsa_rank = world_.lsa_rank();
   view_.lsa_size = world_.lsa_size();
   view_.size = capacity_;
-  detail::fetch_lsa_bases(window_, view_.lsa_size, view_.lsa_bases);
+  // A team of one has no peer to look up, and NCCL's single-rank window is not for device use
+  // (ncclGetLsaPointer on it faults): the local entry below is the whole table.
+  if (view_.lsa_size > 1) detail::fetch_lsa_bases(window_, view_.lsa_size, view_.lsa_bases);
   // NCCL maps the window again, this rank's own memory included, in a range of its own; the local
   // entry stays the caller-visible allocation, so that symm_at(ptr, rank) == ptr.
   view_.lsa_bases[view_.lsa_rank] = static_cast<char*>(base_);
