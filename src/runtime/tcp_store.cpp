@@ -484,10 +484,40 @@ std::vector<std::string> per_rank_keys(const std::string& kind, const std::strin
   return keys;
 }
 
+// Where a rank last entered a store collective: "__tdist/at/<rank>" holds that call's name, so that
+// a timeout can tell ranks that are elsewhere (another barrier, another call count) from ranks
+// that never came.
+std::string position_key(int rank) { return kInternalPrefix + "at/" + std::to_string(rank); }
+
+// "; rank 2 last entered barrier('x'), rank 3 has entered none" for the ranks a collective misses.
+std::string positions_of(TcpStore& store, const std::vector<uint32_t>& ranks) {
+  std::string out;
+  try {
+    for (uint32_t r : ranks) {
+      const std::string key = position_key(static_cast<int>(r));
+      out += out.empty() ? "; " : ", ";
+      if (store.check({key})) {
+        const Bytes at = store.get(key);
+        out += "rank " + std::to_string(r) + " last entered " + std::string(at.begin(), at.end());
+      } else {
+        out += "rank " + std::to_string(r) + " has entered no store collective";
+      }
+    }
+  } catch (const std::exception&) {
+    // The store is failing too: the missing ranks alone must do.
+  }
+  return out;
+}
+
 }  // namespace
+
+void TcpStore::note_position(const std::string& what) {
+  impl_->set(position_key(impl_->opt.rank), Bytes(what.begin(), what.end()), /*exclusive=*/false, "note position");
+}
 
 std::vector<Bytes> TcpStore::all_gather(const std::string& tag, const Bytes& mine) {
   const std::string what = "all_gather('" + tag + "')";
+  note_position(what);
   const auto keys = per_rank_keys("all_gather", tag, impl_->opt.world_size);
   if (!impl_->set(keys[impl_->opt.rank], mine, /*exclusive=*/true, what))
     TDIST_FAIL(impl_->who, ": ", what,
@@ -495,14 +525,15 @@ std::vector<Bytes> TcpStore::all_gather(const std::string& tag, const Bytes& min
                "used once per job, so make it unique (e.g. add a counter suffix)");
   return impl_->wait_for(
       keys, true, what,
-      [](const std::vector<uint32_t>& missing) {
-        return "ranks that never arrived: " + format_rank_list(as_ranks(missing));
+      [&](const std::vector<uint32_t>& missing) {
+        return "ranks that never arrived: " + format_rank_list(as_ranks(missing)) + positions_of(*this, missing);
       },
       impl_->opt.timeout);
 }
 
 void TcpStore::barrier(const std::string& tag) {
   const std::string what = "barrier('" + tag + "')";
+  note_position(what);
   const auto keys = per_rank_keys("barrier", tag, impl_->opt.world_size);
   if (!impl_->set(keys[impl_->opt.rank], Bytes{}, /*exclusive=*/true, what))
     TDIST_FAIL(impl_->who, ": ", what,
@@ -510,8 +541,8 @@ void TcpStore::barrier(const std::string& tag) {
                "once per job, so make it unique (e.g. add a counter suffix)");
   impl_->wait_for(
       keys, false, what,
-      [](const std::vector<uint32_t>& missing) {
-        return "ranks that never arrived: " + format_rank_list(as_ranks(missing));
+      [&](const std::vector<uint32_t>& missing) {
+        return "ranks that never arrived: " + format_rank_list(as_ranks(missing)) + positions_of(*this, missing);
       },
       impl_->opt.timeout);
 }

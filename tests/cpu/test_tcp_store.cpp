@@ -318,6 +318,27 @@ TEST(TcpStore, MissingRankInBarrierIsNamed) {
   }
 }
 
+TEST(TcpStore, RanksAtAnotherBarrierAreNamedWithTheirBarrier) {
+  const int port = free_port();
+  const int n = 3;
+  std::vector<std::function<Outcome()>> ranks;
+  for (int r = 0; r < n; ++r) {
+    ranks.push_back([=] {
+      TcpStore store(options(port, r, n, 1500ms));
+      if (r == 2) return timed([&] { store.barrier("step2"); });  // one step ahead of the others
+      return timed([&] { store.barrier("step1"); });
+    });
+  }
+  auto out = run_processes(ranks);
+  for (int r : {0, 1}) {
+    EXPECT_EQ(out[r].kind, "timeout") << out[r].message;
+    EXPECT_CONTAINS(out[r].message, "ranks that never arrived: 2; rank 2 last entered barrier('step2')");
+  }
+  EXPECT_EQ(out[2].kind, "timeout") << out[2].message;
+  EXPECT_CONTAINS(out[2].message, "ranks that never arrived: 0-1; rank 0 last entered barrier('step1'), "
+                                  "rank 1 last entered barrier('step1')");
+}
+
 TEST(TcpStore, AllGatherTimeoutNamesMissingRanks) {
   const int port = free_port();
   std::vector<std::function<Outcome()>> ranks;

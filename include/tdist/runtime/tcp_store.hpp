@@ -71,12 +71,15 @@ class TcpStore {
   std::vector<Bytes> all_gather(const std::string& tag, const Bytes& mine);
   // All ranks meet; the timeout error lists the ranks that never reached it.
   void barrier(const std::string& tag);
+  // (Both timeout errors also say which collective each missing rank last entered, e.g. another
+  // barrier, so that ranks at different calls are told apart from ranks that are gone.)
 
   // Returns at once when no rank has died; throws tdist::Error naming the dead ranks otherwise.
   // For watchdogs that wait on something other than the store (NCCL's initialisation, say).
   void check_alive();
 
  private:
+  void note_position(const std::string& what);  // where this rank waits, for the others' errors
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

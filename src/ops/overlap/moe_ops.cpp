@@ -107,6 +107,18 @@ OverlapMethod resolve_moe_method(OverlapMethod requested, int64_t m, int world_s
   return requested;
 }
 
+// What `auto` times (OverlapRuntime::tune_methods): chunked only where there are peers to overlap.
+std::vector<OverlapMethod> moe_candidates(int world_size) {
+  if (world_size < 2) return {OverlapMethod::kBaseline};
+  return {OverlapMethod::kChunked, OverlapMethod::kBaseline};
+}
+
+// The sizes that set a MoE call's speed; the routing's skew is left out (it varies call to call).
+std::string moe_shape_class(const char* op, int64_t m, int64_t n, int64_t k, const MoeConfig& c, int world_size) {
+  return detail::concat(op, ",m<=", OverlapRuntime::m_bucket(m), ",n=", n, ",k=", k, ",experts=", c.experts,
+                        ",topk=", c.topk, ",", to_string(c.dtype), ",ranks=", world_size);
+}
+
 }  // namespace
 
 size_t moe_ag_group_gemm_heap_bytes(const MoeConfig& c, int world_size, int num_sms) {
@@ -184,7 +196,15 @@ struct MoeAgGroupGemm::Impl {
   }
 
   void run(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
-    const OverlapMethod method = this->method(a, requested);
+    OverlapMethod method = this->method(a, requested);
+    if (requested == OverlapMethod::kAuto && a.m > 0 && a.n > 0)
+      method = rt.tune_methods(moe_shape_class("moe_ag_group_gemm", a.m, a.n, config.k, config, rt.size()),
+                               moe_candidates(rt.size()), method, stream,
+                               [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
+    execute(a, stream, method);
+  }
+
+  void execute(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod method) {
     TDIST_NVTX_RANGE("tdist::MoeAgGroupGemm::run", "m=", a.m, " n=", a.n, " k=", config.k, " experts=", config.experts,
                      " topk=", config.topk, " ", to_string(method));
     const int rank = rt.rank(), world = rt.size();
@@ -341,7 +361,15 @@ struct MoeGroupGemmRs::Impl {
   size_t elem() const { return dtype_size(config.dtype); }
 
   void run(const MoeGroupGemmRsArgs& a, cudaStream_t stream, OverlapMethod requested) {
-    const OverlapMethod method = this->method(a, requested);
+    OverlapMethod method = this->method(a, requested);
+    if (requested == OverlapMethod::kAuto && a.m > 0 && a.n > 0)
+      method = rt.tune_methods(moe_shape_class("moe_group_gemm_rs", a.m, a.n, a.k, config, rt.size()),
+                               moe_candidates(rt.size()), method, stream,
+                               [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
+    execute(a, stream, method);
+  }
+
+  void execute(const MoeGroupGemmRsArgs& a, cudaStream_t stream, OverlapMethod method) {
     TDIST_NVTX_RANGE("tdist::MoeGroupGemmRs::run", "m=", a.m, " n=", a.n, " k=", a.k, " experts=", config.experts,
                      " topk=", config.topk, " ", to_string(method));
     if (a.m == 0 || a.n == 0) return;

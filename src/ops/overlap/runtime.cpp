@@ -160,9 +160,7 @@ void log_auto_choice(OverlapComm comm, int64_t m, int64_t n, int64_t k, DType dt
 
 }  // namespace
 
-// M's bucket: the first of 1, 2, 3, 4, 6, 8, 12, 16, ... (2^i and 3 * 2^(i-1)) at or above m, so
-// the calls that reuse a winner have an M within 1.5x of the one it was timed at.
-static int64_t m_bucket(int64_t m) {
+int64_t OverlapRuntime::m_bucket(int64_t m) {
   int64_t b = 1;
   while (b < m) {
     const bool power_of_two = (b & (b - 1)) == 0;
@@ -192,23 +190,27 @@ bool OverlapRuntime::tuned_winner(const std::string& shape, OverlapMethod& metho
 OverlapMethod OverlapRuntime::choose(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k,
                                      bool sequential_ok, cudaStream_t stream, const MethodRunner& run) {
   const OverlapMethod resolved = resolve(requested, comm, m, n, k, sequential_ok);
-  if (requested != OverlapMethod::kAuto || !tune_ || m == 0 || n == 0 || env::get("TDIST_OVERLAP_METHOD"))
-    return resolved;
-  const std::string shape = shape_class(comm, m, n, k);
-  OverlapMethod winner;
-  if (tuned_winner(shape, winner)) return winner;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return resolved;
-
-  jit::TuneRequest req;
-  req.kernel = detail::concat("tdist.overlap_method.v1");
-  req.shape_class = shape;
+  if (requested != OverlapMethod::kAuto || m == 0 || n == 0) return resolved;
   std::vector<OverlapMethod> candidates;
   if (fused_ok_) candidates.push_back(OverlapMethod::kFused);
   candidates.push_back(OverlapMethod::kChunked);
   if (sequential_ok) candidates.push_back(OverlapMethod::kSequential);
   candidates.push_back(OverlapMethod::kBaseline);
+  return tune_methods(shape_class(comm, m, n, k), candidates, resolved, stream, run);
+}
+
+OverlapMethod OverlapRuntime::tune_methods(const std::string& shape, const std::vector<OverlapMethod>& candidates,
+                                           OverlapMethod fallback, cudaStream_t stream, const MethodRunner& run) {
+  if (!tune_ || candidates.size() < 2 || env::get("TDIST_OVERLAP_METHOD")) return fallback;
+  OverlapMethod winner;
+  if (tuned_winner(shape, winner)) return winner;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return fallback;
+
+  jit::TuneRequest req;
+  req.kernel = "tdist.overlap_method.v1";
+  req.shape_class = shape;
   for (OverlapMethod c : candidates) req.configs.push_back({to_string(c), {{"method", static_cast<int64_t>(c)}}});
   req.launch = [&](const jit::TuneConfig& c, int, cudaStream_t s) {
     run(static_cast<OverlapMethod>(c.params.at("method")), s);
@@ -221,8 +223,8 @@ OverlapMethod OverlapRuntime::choose(OverlapMethod requested, OverlapComm comm, 
         "", jit::Autotuner::Timer{},
         [this](const std::vector<double>& v) { return world_.max_across_ranks("tdist overlap method tuning", v); });
   winner = static_cast<OverlapMethod>(tuner_->tune(req).params.at("method"));
-  TDIST_INFO(TUNE, "overlap ", shape, ": method ", to_string(winner), " (auto, timed on this machine; the model said ",
-             to_string(resolved), ")");
+  TDIST_INFO(TUNE, "overlap ", shape, ": method ", to_string(winner), " (auto, timed on this machine; untimed it is ",
+             to_string(fallback), ")");
   std::lock_guard<std::mutex> lock(tuned_mu_);
   tuned_[shape] = winner;
   return winner;
