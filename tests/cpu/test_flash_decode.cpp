@@ -103,7 +103,8 @@ TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
   // Another SM count scales the splits: no table, a model.
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 131072, 78).num_splits, 78 * M::kCtasPerSm / 8);
   // Short sequences: no split below kMinTokensPerSplit tokens.
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 1000, 132).num_splits, 4);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 1000, 132).num_splits, (1000 + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 1000, 132).num_splits, 8);
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 1, 132).num_splits, 1);
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 0, 132).num_splits, 1);
   // A big batch fills the GPU by itself.

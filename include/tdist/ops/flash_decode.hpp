@@ -75,7 +75,8 @@ struct FlashDecodeSplitPlan {
 // max_seq_len, and at most kMaxSplits.
 struct FlashDecodeSplitModel {
   static constexpr int kCtasPerSm = 2;  // when the kernel's occupancy is not known
-  static constexpr int64_t kMinTokensPerSplit = 256;
+  // Two 16-token tiles per warp of a 4-warp CTA: a short split's loads are all in flight at once.
+  static constexpr int64_t kMinTokensPerSplit = 128;
   static constexpr int kMaxSplits = 256;
 };
 // Query heads of one KV head that a CTA computes: the largest divisor of the group up to 16 (the
