@@ -412,7 +412,9 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
 }
 
 // The merge of a warp's item: every split of this rank, weighted by exp2(lse_s - max). o[kPer]
-// receives the lane's dims (lane * kPer ...); returns the log2-sum (-inf when no token).
+// receives the lane's dims (lane * kPer ...); returns the log2-sum (-inf when no token). Lane i
+// computes the weight of split s0 + i, broadcast to the warp, so the partials' loads of several
+// splits are in flight at once (the loop is unrolled; an empty split weighs exp2(-inf) = 0).
 template <int D>
 TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, float* o) {
   constexpr int kPer = D / 32;
@@ -426,14 +428,20 @@ TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, floa
   if (mx == -kInf) return -kInf;
   float sum = 0.f;
   const float* op = p.o_part + static_cast<u64>(item) * p.num_splits * D + lane * kPer;
-  for (u32 s = 0; s < p.num_splits; ++s) {
-    const float ls = lse[s];
-    if (ls == -kInf) continue;
-    const float w = exp2f(ls - mx);
-    sum += w;
+  for (u32 s0 = 0; s0 < p.num_splits; s0 += 32) {
+    const u32 n = min(32u, p.num_splits - s0);
+    const float w_lane = static_cast<u32>(lane) < n ? exp2f(lse[s0 + lane] - mx) : 0.f;
+    sum += w_lane;
+#pragma unroll 8
+    for (u32 i = 0; i < n; ++i) {
+      const float w = __shfl_sync(0xffffffffu, w_lane, static_cast<int>(i));
+      const float* src = op + static_cast<u64>(s0 + i) * D;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) o[j] = fmaf(w, op[static_cast<u64>(s) * D + j], o[j]);
+      for (int j = 0; j < kPer; ++j) o[j] = fmaf(w, src[j], o[j]);
+    }
   }
+#pragma unroll
+  for (int o2 = 16; o2 > 0; o2 /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
 #pragma unroll
   for (int j = 0; j < kPer; ++j) o[j] /= sum;
   return mx + log2f(sum);
