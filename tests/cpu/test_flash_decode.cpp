@@ -135,7 +135,7 @@ TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
 }
 
 TEST(FlashDecodeSplitPlan, OneWaveOfWhatFitsOnTheGpu) {
-  // 3 CTAs per SM resident (the G = 4 kernel at 158 registers): 8 KV heads x 49 splits <= 396.
+  // 3 CTAs per SM resident: 8 KV heads x 49 splits <= 396.
   FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 131072, 132, 3);
   EXPECT_EQ(p.num_splits, 49);
   EXPECT_EQ(plan_flash_decode(4, 64, 8, 131072, 132, 2).num_splits, 8);  // 32 CTAs x 8 <= 264
