@@ -8,6 +8,7 @@
 #include "tdist/common/error.hpp"
 #include "tdist/jit/jit.hpp"
 #include "tdist/jit/registry.hpp"
+#include "tdist/kernels/attention/flash_decode.cuh"
 #include "tdist/ops/flash_decode.hpp"
 
 using namespace tdist;
@@ -174,12 +175,24 @@ TEST(FlashDecodeKernels, CompileForSm90aWithoutSpills) {
       // the registers saved around the merge wait's timeout diagnostic (a call).
       const std::string& log = compiled->log;
       const std::regex entry(
-          R"(Compiling entry function '([^']+)'[^\n]*\n[^\n]*\n[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads)");
+          R"(Compiling entry function '([^']+)'[^\n]*\n[^\n]*\n[^\n]*?(\d+) bytes spill stores, (\d+) bytes spill loads\n[^\n]*?Used (\d+) registers)");
+      // The occupancy the split model counts on: the pipelines' shared memory and the registers let
+      // an SM hold 3 CTAs at head dim 64, 2 at 128 and 1 at 256.
+      const std::string& split_name = r.name_expressions[0];
+      const int d = split_name.find(", 64>") != std::string::npos    ? 64
+                    : split_name.find(", 128>") != std::string::npos ? 128
+                                                                      : 256;
+      const int want_resident = d == 64 ? 3 : d == 128 ? 2 : 1;
       int splits = 0;
       for (auto it = std::sregex_iterator(log.begin(), log.end(), entry); it != std::sregex_iterator(); ++it) {
         if ((*it)[1].str().find("flash_decode_split") == std::string::npos) continue;
         ++splits;
         EXPECT_EQ((*it)[2].str() + (*it)[3].str(), "00") << (*it)[1].str() << "\n" << log;
+        const int regs = std::stoi((*it)[4].str());
+        EXPECT_GE(resident_ctas_per_sm(regs, kernels::attention::kDecodeThreads,
+                                       kernels::attention::decode_smem_bytes(d, 2), SmLimits{}),
+                  want_resident)
+            << split_name << ": " << regs << " registers";
       }
       EXPECT_EQ(splits, 1) << log;
       for (const auto& name : r.name_expressions) EXPECT_NO_THROW(compiled->lowered_name(name)) << name;
