@@ -52,9 +52,10 @@ constexpr u32 kErrSeqLen = 2u;        // *errors bit: a length outside [0, capac
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Pipeline depth of a warp's K/V tiles: about 100 KB of shared memory per CTA at D = 64 and 128
-// (two CTAs per SM, each warp with 2-3 tiles in flight); D = 256 keeps two (one CTA per SM).
-TDIST_HOST_DEVICE constexpr int decode_stages(int head_dim) { return head_dim == 64 ? 4 : head_dim == 128 ? 3 : 2; }
+// Pipeline depth of a warp's K/V tiles: 67 KiB of shared memory per CTA at D = 64 (3 CTAs per SM),
+// 101 KiB at 128 (2 per SM), 201 KiB at 256 (1 per SM, its registers allow no more), so that every
+// warp keeps 2-3 tiles in flight.
+TDIST_HOST_DEVICE constexpr int decode_stages(int head_dim) { return head_dim == 64 ? 4 : 3; }
 // Dynamic shared memory of the split kernel (bytes), laid out as
 //   kv    T[kDecodeWarps][stages][2][kDecodeTile][D]   each warp's ring of K, V tiles
 //   q     T[kMaxHeadsPerCta][D]                        the CTA's query rows, zero past `heads`
