@@ -230,17 +230,6 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   per = (per + kStep - 1) / kStep * kStep;
   const u32 t0 = min(split * per, static_cast<u32>(len)), t1 = min(t0 + per, static_cast<u32>(len));
 
-  // The query rows, zero past `heads` (their logits are 0 and their outputs unused).
-  for (int i = threadIdx.x; i < kMaxHeadsPerCta * kChunks; i += kDecodeThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < heads)
-      v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) +
-                                          (static_cast<u64>(b) * p.q_heads + h0 + r) * D + c * 8);
-    *reinterpret_cast<uint4*>(sm_q + swz<D>(r, c)) = v;
-  }
-  __syncthreads();
-
   const u64 row_stride = static_cast<u64>(p.kv_heads) * D;  // elements between token rows
   const T* kbase = static_cast<const T*>(p.k_cache) + static_cast<u64>(kv_head) * D;
   const T* vbase = static_cast<const T*>(p.v_cache) + static_cast<u64>(kv_head) * D;
@@ -300,11 +289,23 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   float m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};
   const bool capped = p.softcap > 0.f;
 
+  // The first tiles are on their way before the query rows are loaded.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < my_tiles) issue(s);
     cp_async_commit();
   }
+  // The query rows, zero past `heads` (their logits are 0 and their outputs unused).
+  for (int i = threadIdx.x; i < kMaxHeadsPerCta * kChunks; i += kDecodeThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < heads)
+      v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) +
+                                          (static_cast<u64>(b) * p.q_heads + h0 + r) * D + c * 8);
+    *reinterpret_cast<uint4*>(sm_q + swz<D>(r, c)) = v;
+  }
+  __syncthreads();
+
   for (int i = 0; i < my_tiles; ++i) {
     __syncwarp();  // every lane is done with the stage refilled next (tile i - 1's)
     if (i + kStages - 1 < my_tiles) issue(i + kStages - 1);
