@@ -81,7 +81,7 @@ void check_flash_decode_args(const FlashDecodeArgs& a) {
 }
 
 int flash_decode_heads_per_cta(int64_t group) {
-  for (int g : {8, 4, 2}) {
+  for (int g = attn::kMaxHeadsPerCta; g > 1; --g) {
     if (group % g == 0) return g;
   }
   return 1;
@@ -119,13 +119,13 @@ int resident_ctas_per_sm(int regs_per_thread, int threads, size_t smem_bytes, co
   return std::max(n, 1);
 }
 
-// The kernels of one (dtype, head dim): the split kernel per heads-per-CTA and the combine kernel.
+// The kernels of one (dtype, head dim): the split kernel (any heads per CTA) and the combine kernel.
 // Instance names are spelled here only.
 class FlashDecodeKernels {
  public:
-  static std::string split_instance(DType dtype, int head_dim, int heads_per_cta) {
+  static std::string split_instance(DType dtype, int head_dim) {
     return detail::concat("tdist::kernels::attention::flash_decode_split<", kernel_type_name(dtype), ", ", head_dim,
-                          ", ", heads_per_cta, ">");
+                          ">");
   }
   static std::string combine_instance(DType dtype, int head_dim) {
     return detail::concat("tdist::kernels::attention::flash_decode_combine<", kernel_type_name(dtype), ", ", head_dim,
@@ -135,27 +135,27 @@ class FlashDecodeKernels {
     jit::CompileRequest r;
     r.source = "#include \"tdist/kernels/attention/flash_decode.cuh\"\n";
     r.file_name = "flash_decode.cu";
-    for (int g : {1, 2, 4, 8}) r.name_expressions.push_back(split_instance(dtype, head_dim, g));
+    r.name_expressions.push_back(split_instance(dtype, head_dim));
     r.name_expressions.push_back(combine_instance(dtype, head_dim));
     return r;
   }
 
-  FlashDecodeKernels(DType dtype, int head_dim) {
+  FlashDecodeKernels(DType dtype, int head_dim)
+      : split_smem_(attn::decode_smem_bytes(head_dim, static_cast<int>(dtype_size(dtype)))) {
     const auto compiled = jit::compile(compile_request(dtype, head_dim));
     module_ = jit::Module::load(compiled);
-    const SmLimits sm = current_sm_limits();
-    for (int i = 0; i < 4; ++i) {
-      const std::string name = split_instance(dtype, head_dim, 1 << i);
-      split_[i] = module_->kernel(name);
-      resident_[i] = resident_from_log(compiled->log, compiled->lowered_name(name), sm);
-    }
+    const std::string name = split_instance(dtype, head_dim);
+    split_ = module_->kernel(name);
+    resident_ = resident_from_log(compiled->log, compiled->lowered_name(name), split_smem_, current_sm_limits());
     combine_ = module_->kernel(combine_instance(dtype, head_dim));
   }
 
-  // Split CTAs one SM holds at once, from the registers and shared memory ptxas reported.
-  int resident(int heads_per_cta) const { return resident_[index(heads_per_cta)]; }
+  // Split CTAs one SM holds at once, from the registers ptxas reported and the shared memory.
+  int resident() const { return resident_; }
+  // The split kernel's dynamic shared memory (its pipelines).
+  size_t split_smem() const { return split_smem_; }
 
-  const jit::Kernel& split(int heads_per_cta) const { return split_[index(heads_per_cta)]; }
+  const jit::Kernel& split() const { return split_; }
   const jit::Kernel& combine() const { return combine_; }
 
   // Compiled once per process for each (dtype, head dim).
@@ -169,9 +169,6 @@ class FlashDecodeKernels {
   }
 
  private:
-  static int index(int heads_per_cta) {
-    return heads_per_cta == 1 ? 0 : heads_per_cta == 2 ? 1 : heads_per_cta == 4 ? 2 : 3;
-  }
 
   static SmLimits current_sm_limits() {
     int dev = 0;
@@ -187,22 +184,25 @@ class FlashDecodeKernels {
     return sm;
   }
 
-  // ptxas -v: "Compiling entry function '<symbol>' ... Used <R> registers, ... <S> bytes smem".
-  static int resident_from_log(const std::string& log, const std::string& symbol, const SmLimits& sm) {
+  // ptxas -v: "Compiling entry function '<symbol>' ... Used <R> registers, ... <S> bytes smem" (static
+  // shared memory, added to the dynamic).
+  static int resident_from_log(const std::string& log, const std::string& symbol, size_t dynamic_smem,
+                               const SmLimits& sm) {
     const size_t at = log.find("entry function '" + symbol + "'");
     if (at == std::string::npos) return FlashDecodeSplitModel::kCtasPerSm;
     std::smatch m;
     const std::string rest = log.substr(at, 2000);
     if (!std::regex_search(rest, m, std::regex(R"(Used (\d+) registers[^\n]*?(?:(\d+) bytes smem)?\n)")))
       return FlashDecodeSplitModel::kCtasPerSm;
-    const size_t smem = m[2].matched ? std::stoul(m[2].str()) : 0;
+    const size_t smem = (m[2].matched ? std::stoul(m[2].str()) : 0) + dynamic_smem;
     return resident_ctas_per_sm(std::stoi(m[1].str()), attn::kDecodeThreads, smem, sm);
   }
 
+  size_t split_smem_;
   std::shared_ptr<jit::Module> module_;
-  jit::Kernel split_[4];
+  jit::Kernel split_;
   jit::Kernel combine_;
-  int resident_[4] = {};
+  int resident_ = 0;
 };
 
 namespace {
@@ -252,8 +252,8 @@ struct FlashDecode::Impl {
     const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : capacity;
     const int d = static_cast<int>(a.head_dim);
     kernels = &FlashDecodeKernels::get(a.dtype, d);
-    const int ctas_per_sm = kernels->resident(flash_decode_heads_per_cta(a.q_heads / a.kv_heads));
-    const FlashDecodeSplitPlan plan = plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, ctas_per_sm);
+    const FlashDecodeSplitPlan plan =
+        plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, kernels->resident());
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
     const size_t need = items * plan.num_splits * (d + 1) * sizeof(float);
     if (need > partial_bytes) {
@@ -283,19 +283,23 @@ struct FlashDecode::Impl {
     p.q_heads = static_cast<u32>(a.q_heads);
     p.kv_heads = static_cast<u32>(a.kv_heads);
     p.group = static_cast<u32>(a.q_heads / a.kv_heads);
+    p.heads = static_cast<u32>(plan.heads_per_cta);
     p.head_chunks = static_cast<u32>(plan.head_chunks);
     p.num_splits = static_cast<u32>(plan.num_splits);
     p.softmax_scale = a.softmax_scale;
     p.scale_log2 = a.softmax_scale * attn::kLog2e;
     p.softcap = a.softcap;
+    p.cap_in = a.softcap > 0.f ? a.softmax_scale / a.softcap : 0.f;
+    p.cap_out = a.softcap * attn::kLog2e;
 
     jit::LaunchConfig cfg;
     cfg.grid = {static_cast<unsigned>(plan.num_splits), static_cast<unsigned>(a.kv_heads * plan.head_chunks),
                 static_cast<unsigned>(a.batch)};
     cfg.block = {static_cast<unsigned>(attn::kDecodeThreads)};
+    cfg.shared_bytes = kernels->split_smem();
     cfg.stream = stream;
     cfg.programmatic_dependent_launch = true;  // the kernel waits for the one before it on the device
-    jit::launch(kernels->split(plan.heads_per_cta), cfg, jit::make_args(p));
+    jit::launch(kernels->split(), cfg, jit::make_args(p));
 
     attn::CombineParams c{};
     c.o_part = p.o_part;

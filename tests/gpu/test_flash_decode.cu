@@ -1,7 +1,7 @@
 // Decode attention against a float64 host reference of softmax attention, on fresh random inputs
 // (every rank draws the same whole sequences from a shared seed and can rebuild any rank's part):
 //
-//   * single GPU: bf16 / fp16, head dim 64, 128, 256, GQA 1, 4, 6 (heads in chunks), 8, 16, page size
+//   * single GPU: bf16 / fp16, head dim 64, 128, 256, GQA 1, 4, 6, 8, 16, 17 and 32 (heads in chunks), page size
 //     1, 16, 64, 256 and the contiguous cache, lengths 0, 1, not a multiple of the page, mixed in one
 //     batch, a long sequence cut in many splits, softcap; pages in random order, the unused rows of
 //     the cache and the unused block-table entries poisoned (NaN rows, entries far outside), outputs
@@ -345,8 +345,11 @@ int main() {
       {7, 8, 8, 64, 16, 700, 1.0f, 0.f},     // MHA, d 64
       {6, 32, 8, 128, 16, 1100, 2.0f, 0.f},  // Llama-3-8B heads
       {6, 16, 2, 256, 64, 900, 1.5f, 0.f},   // GQA 8, d 256
-      {6, 12, 2, 128, 1, 300, 1.0f, 0.f},    // GQA 6 (chunks of 2), page 1
-      {6, 16, 1, 64, 256, 1300, 3.0f, 0.f},  // GQA 16 (two chunks of 8), page 256
+      {6, 12, 2, 128, 1, 300, 1.0f, 0.f},    // GQA 6 (one CTA's 6 MMA rows), page 1
+      {6, 16, 1, 64, 256, 1300, 3.0f, 0.f},  // GQA 16 (all 16 MMA rows), page 256
+      {5, 32, 1, 128, 16, 650, 1.0f, 0.f},   // GQA 32 (two chunks of 16)
+      {5, 34, 2, 64, 32, 400, 1.0f, 0.f},    // GQA 17 (prime: 17 chunks of 1)
+      {4, 32, 2, 256, 32, 700, 2.0f, 20.f},  // GQA 16, d 256, softcap
       {6, 8, 4, 128, 0, 777, 1.0f, 0.f},     // contiguous
       {6, 8, 1, 256, 0, 500, 2.0f, 0.f},     // contiguous, GQA 8, d 256
       {6, 16, 4, 128, 16, 600, 8.0f, 30.f},  // softcap (large logits, capped)

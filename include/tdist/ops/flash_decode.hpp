@@ -65,7 +65,7 @@ void check_flash_decode_args(const FlashDecodeArgs& a);
 
 // How a call is cut into CTAs: grid (num_splits, kv_heads * head_chunks, batch).
 struct FlashDecodeSplitPlan {
-  int heads_per_cta = 1;  // query heads sharing a KV head that one CTA computes (1, 2, 4 or 8)
+  int heads_per_cta = 1;  // query heads sharing a KV head that one CTA computes (1..16, divides the group)
   int head_chunks = 1;    // group / heads_per_cta
   int num_splits = 1;     // pieces of each sequence
 };
@@ -75,10 +75,12 @@ struct FlashDecodeSplitPlan {
 // max_seq_len, and at most kMaxSplits.
 struct FlashDecodeSplitModel {
   static constexpr int kCtasPerSm = 2;  // when the kernel's occupancy is not known
-  static constexpr int64_t kMinTokensPerSplit = 256;
+  // Two 16-token tiles per warp of a 4-warp CTA: a short split's loads are all in flight at once.
+  static constexpr int64_t kMinTokensPerSplit = 128;
   static constexpr int kMaxSplits = 256;
 };
-// Query heads of one KV head that a CTA computes: the widest of 8, 4, 2, 1 dividing the group.
+// Query heads of one KV head that a CTA computes: the largest divisor of the group up to 16 (the
+// rows of the kernel's MMA tile).
 int flash_decode_heads_per_cta(int64_t group);
 FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t max_seq_len,
                                        int num_sms, int ctas_per_sm = FlashDecodeSplitModel::kCtasPerSm);

@@ -22,10 +22,13 @@
 // base 2 (exp2 of s * log2 e) with fp32 accumulation; lse is returned in natural log.
 //
 // Query heads h of KV head h / group (GQA). A CTA of the split kernel takes one (sequence, KV head,
-// chunk of G query heads, split): it reads each K and V row of its tokens once for its G heads.
-// Threads: D / 8 lanes per token, each lane a 16-byte vector of the row; a warp holds 32 / (D / 8)
-// tokens at once and kUnroll steps of them are loaded before any is used, so every lane has
-// 2 x kUnroll 16-byte loads in flight.
+// chunk of `heads` <= 16 query heads, split): it reads each K and V row of its tokens once for all
+// its heads, on the tensor cores (mma.sync m16n8k16, fp32 accumulation): the heads are the M rows
+// (rows past `heads` are zero), tokens the N of S = Q K^T and the K of O += P V, P rounded to T.
+// Each warp owns tiles of 16 tokens (tiles warp, warp + 4, ... of the split) and its own
+// decode_stages(D)-deep cp.async pipeline of K and V tiles in shared memory, gathered row by row
+// through the block table, so that HBM reads stay in flight while the warp computes; the warps'
+// states are merged through shared memory at the end.
 //
 // Bad input seen on the device sets a bit of *errors (the host reports it, naming the argument):
 // kErrBlockTable (an entry outside [0, num_pages): the page is skipped), kErrSeqLen (a length
@@ -39,12 +42,33 @@ namespace tdist::kernels::attention {
 using device::u32;
 using device::u64;
 
-constexpr int kDecodeThreads = 128;   // threads of a split CTA (4 warps)
+constexpr int kDecodeThreads = 128;   // threads of a split CTA
+constexpr int kDecodeWarps = kDecodeThreads / 32;
+constexpr int kDecodeTile = 16;       // tokens of a warp's tile: two n8 tiles of Q K^T, the k16 of P V
+constexpr int kMaxHeadsPerCta = 16;   // the M of the MMA
 constexpr int kCombineThreads = 128;  // threads of a combine CTA (a warp per item)
 constexpr u32 kErrBlockTable = 1u;    // *errors bit: a block-table entry outside the cache
 constexpr u32 kErrSeqLen = 2u;        // *errors bit: a length outside [0, capacity]
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// Pipeline depth of a warp's K/V tiles: 67 KiB of shared memory per CTA at D = 64 (3 CTAs per SM),
+// 101 KiB at 128 (2 per SM), 201 KiB at 256 (1 per SM, its registers allow no more), so that every
+// warp keeps 2-3 tiles in flight.
+TDIST_HOST_DEVICE constexpr int decode_stages(int head_dim) { return head_dim == 64 ? 4 : 3; }
+// Dynamic shared memory of the split kernel (bytes), laid out as
+//   kv    T[kDecodeWarps][stages][2][kDecodeTile][D]   each warp's ring of K, V tiles
+//   q     T[kMaxHeadsPerCta][D]                        the CTA's query rows, zero past `heads`
+//   mask  u32[kDecodeWarps][stages]                    valid tokens of each staged tile (bit per token)
+//   ml    f32[kDecodeWarps][kMaxHeadsPerCta][2]        each warp's final (max, sum) per head
+// and, once the pipelines have drained, o f32[kDecodeWarps][kMaxHeadsPerCta][D] over kv. Rows of
+// kv and q are swizzled: 16-byte chunk c of row r is stored at chunk c ^ (r % 8), so that the eight
+// rows an ldmatrix reads fall in distinct banks.
+TDIST_HOST_DEVICE constexpr size_t decode_smem_bytes(int head_dim, int elem_bytes) {
+  return static_cast<size_t>(kDecodeWarps) * decode_stages(head_dim) * 2 * kDecodeTile * head_dim * elem_bytes +
+         static_cast<size_t>(kMaxHeadsPerCta) * head_dim * elem_bytes +
+         static_cast<size_t>(kDecodeWarps) * decode_stages(head_dim) * 4 + kDecodeWarps * kMaxHeadsPerCta * 2 * 4;
+}
 
 struct DecodeParams {
   const void* q;
@@ -62,11 +86,14 @@ struct DecodeParams {
   u32 q_heads;
   u32 kv_heads;
   u32 group;        // q_heads / kv_heads
-  u32 head_chunks;  // group / G: CTAs per KV head
+  u32 heads;        // query heads of a CTA (<= kMaxHeadsPerCta, divides group)
+  u32 head_chunks;  // group / heads: CTAs per KV head
   u32 num_splits;
   float scale_log2;  // softmax_scale * log2(e), used when softcap == 0
   float softmax_scale;
   float softcap;
+  float cap_in;   // softmax_scale / softcap (softcap > 0)
+  float cap_out;  // softcap * log2(e)
 };
 
 struct CombineParams {
@@ -94,33 +121,61 @@ using namespace tdist::device;
 // NVRTC has no math.h: +infinity spelled by its bits.
 #define kInf __int_as_float(0x7f800000)
 
-TDIST_DEVICE void to_float8(const uint4& v, float* f, __nv_bfloat16) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __bfloat1622float2(h[i]);
-    f[2 * i] = x.x;
-    f[2 * i + 1] = x.y;
-  }
+// Two floats as a T pair (the lower column in the low half), the register of an MMA fragment.
+TDIST_DEVICE u32 pack2(float lo, float hi, __nv_bfloat16) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const u32*>(&h);
+}
+TDIST_DEVICE u32 pack2(float lo, float hi, __half) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const u32*>(&h);
 }
 
-TDIST_DEVICE void to_float8(const uint4& v, float* f, __half) {
-  const __half2* h = reinterpret_cast<const __half2*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __half22float2(h[i]);
-    f[2 * i] = x.x;
-    f[2 * i + 1] = x.y;
-  }
+// c (16 x 8, f32) += a (16 x 16) b (16 x 8), T in.
+TDIST_DEVICE void mma_16816(float* c, const u32* a, u32 b0, u32 b1, __nv_bfloat16) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+TDIST_DEVICE void mma_16816(float* c, const u32* a, u32 b0, u32 b1, __half) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Streaming 16-byte load: the cache is read once, so keep it out of L1.
-TDIST_DEVICE uint4 load_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
+TDIST_DEVICE u32 smem_addr(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
+
+// Four 8 x 8 matrices of 16-bit elements; lanes 8i..8i+7 give matrix i's row addresses.
+TDIST_DEVICE void ldmatrix_x4(u32* r, const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row))
+               : "memory");
+}
+TDIST_DEVICE void ldmatrix_x4_trans(u32* r, const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row))
+               : "memory");
+}
+
+// 16 bytes global -> shared, bypassing L1 (the cache is read once); src_bytes 0 writes zeros.
+TDIST_DEVICE void cp_async16(void* dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+TDIST_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+TDIST_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Element offset of 16-byte chunk c of row r in a swizzled [rows][D] tile.
+template <int D>
+TDIST_DEVICE int swz(int r, int c) {
+  return r * D + ((c ^ (r & 7)) << 3);
 }
 
 // Merges the running state (m, l, acc) with another (m2, l2, acc2), all in base 2.
@@ -135,168 +190,233 @@ TDIST_DEVICE void merge_state(float& m, float& l, float* acc, float m2, float l2
   m = mn;
 }
 
-// grid (num_splits, kv_heads * head_chunks, batch), block kDecodeThreads.
-template <typename T, int D, int G>
+// grid (num_splits, kv_heads * head_chunks, batch), block kDecodeThreads, dynamic shared memory
+// decode_smem_bytes(D, sizeof(T)).
+template <typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParams p) {
   static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
-  constexpr int kLanes = D / 8;  // lanes per token
-  constexpr int kTokPerWarp = 32 / kLanes;
-  constexpr int kWarps = kDecodeThreads / 32;
-  constexpr int kUnroll = 4;  // steps loaded before use: 8 16-byte loads in flight per lane
-  constexpr int kTokPerStep = kWarps * kTokPerWarp * kUnroll;
+  constexpr int kChunks = D / 8;  // 16-byte chunks of a row
+  constexpr int kStages = decode_stages(D);
+  constexpr int kWarps = kDecodeWarps;
+  constexpr int kTileElems = kDecodeTile * D;  // a K or V tile
+  constexpr u32 kFull = 0xffffffffu;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* sm_kv = reinterpret_cast<T*>(smem);
+  T* sm_q = sm_kv + kWarps * kStages * 2 * kTileElems;
+  u32* sm_mask = reinterpret_cast<u32*>(sm_q + kMaxHeadsPerCta * D);
+  float* sm_ml = reinterpret_cast<float*>(sm_mask + kWarps * kStages);
+  float* sm_o = reinterpret_cast<float*>(smem);  // after the pipelines drain
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int lg = lane / kLanes, li = lane % kLanes;  // token slot in the warp, vector in the row
   const u32 split = blockIdx.x, b = blockIdx.z;
   const u32 kv_head = blockIdx.y / p.head_chunks;
-  const u32 h0 = kv_head * p.group + (blockIdx.y % p.head_chunks) * G;  // first query head
+  const u32 h0 = kv_head * p.group + (blockIdx.y % p.head_chunks) * p.heads;  // first query head
+  const int heads = static_cast<int>(p.heads);
 
   // Launched with programmatic dependent launch: start once the kernel before it (which may write
-  // q, the cache or the lengths) has completed.
+  // q, the cache or the lengths) has completed; the combine kernel may then be scheduled (it waits
+  // for this grid's completion itself).
   wait_for_prior_grid();
+  allow_dependent_launch();
   int len = p.seq_lens[b];
   if (len < 0 || static_cast<u32>(len) > p.capacity) {
     if (threadIdx.x == 0 && split == 0 && blockIdx.y == 0) atomicOr(p.errors, kErrSeqLen);
     len = len < 0 ? 0 : static_cast<int>(p.capacity);
   }
-  // This split's tokens [t0, t1): the length cut in num_splits pieces of a multiple of a step.
+  // This split's tokens [t0, t1): the length cut in num_splits pieces of a multiple of a CTA step.
+  constexpr u32 kStep = kWarps * kDecodeTile;
   u32 per = (static_cast<u32>(len) + p.num_splits - 1) / p.num_splits;
-  per = (per + kTokPerStep - 1) / kTokPerStep * kTokPerStep;
+  per = (per + kStep - 1) / kStep * kStep;
   const u32 t0 = min(split * per, static_cast<u32>(len)), t1 = min(t0 + per, static_cast<u32>(len));
 
-  // Query vectors, pre-scaled to base-2 logits when there is no cap.
-  const bool capped = p.softcap > 0.f;
-  const float q_mul = capped ? p.softmax_scale : p.scale_log2;
-  float q[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const T* qp = static_cast<const T*>(p.q) + (static_cast<u64>(b) * p.q_heads + h0 + g) * D + li * 8;
-    to_float8(*reinterpret_cast<const uint4*>(qp), q[g], T{});
-#pragma unroll
-    for (int j = 0; j < 8; ++j) q[g][j] *= q_mul;
-  }
-
-  float m[G], l[G], acc[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = -kInf;
-    l[g] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
-  }
-
   const u64 row_stride = static_cast<u64>(p.kv_heads) * D;  // elements between token rows
-  const T* kbase = static_cast<const T*>(p.k_cache) + static_cast<u64>(kv_head) * D + li * 8;
-  const T* vbase = static_cast<const T*>(p.v_cache) + static_cast<u64>(kv_head) * D + li * 8;
+  const T* kbase = static_cast<const T*>(p.k_cache) + static_cast<u64>(kv_head) * D;
+  const T* vbase = static_cast<const T*>(p.v_cache) + static_cast<u64>(kv_head) * D;
   const int* table = p.block_table ? p.block_table + static_cast<u64>(b) * p.max_pages : nullptr;
+  const int n_tiles = static_cast<int>((t1 - t0 + kDecodeTile - 1) / kDecodeTile);
+  const int my_tiles = (n_tiles + kWarps - 1 - warp) / kWarps;  // tiles warp, warp + kWarps, ...
+  T* my_kv = sm_kv + warp * kStages * 2 * kTileElems;
+  u32* my_mask = sm_mask + warp * kStages;
 
-  for (u32 s = t0; s < t1; s += kTokPerStep) {
-    uint4 kv[kUnroll], vv[kUnroll];
-    bool valid[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const u32 t = s + (u * kWarps + warp) * kTokPerWarp + lg;
-      valid[u] = t < t1;
-      if (valid[u]) {
+  // Starts the copies of this warp's tile i into stage i % kStages: lanes 0..15 look up their
+  // token's row, then every lane copies 16-byte chunks of rows (invalid rows: zeros).
+  auto issue = [&](int i) {
+    const int stage = i % kStages;
+    const u32 base = t0 + static_cast<u32>(i * kWarps + warp) * kDecodeTile;
+    u64 row = 0;
+    bool valid = false;
+    if (lane < kDecodeTile) {
+      const u32 t = base + lane;
+      valid = t < t1;
+      if (valid) {
         const u32 slot = t / p.page_size, off = t - slot * p.page_size;
         u64 page = b;
         if (table) {
           const int e = table[slot];
           if (e < 0 || static_cast<u64>(e) >= p.num_pages) {
             atomicOr(p.errors, kErrBlockTable);
-            valid[u] = false;
+            valid = false;
           }
           page = static_cast<u64>(e);
         }
-        if (valid[u]) {
-          const u64 row = (page * p.page_size + off) * row_stride;
-          kv[u] = load_stream(kbase + row);
-          vv[u] = load_stream(vbase + row);
+        row = (page * p.page_size + off) * row_stride;
+      }
+    }
+    const u32 mask = __ballot_sync(kFull, valid);
+    if (lane == 0) my_mask[stage] = mask;
+    T* ks = my_kv + stage * 2 * kTileElems;
+    T* vs = ks + kTileElems;
+#pragma unroll
+    for (int j = 0; j < kDecodeTile * kChunks / 32; ++j) {
+      const int idx = j * 32 + lane;
+      const int r = idx / kChunks, c = idx % kChunks;
+      const u64 at = __shfl_sync(kFull, row, r);
+      const bool ok = (mask >> r) & 1u;
+      const u64 src = ok ? at + c * 8 : 0;
+      cp_async16(ks + swz<D>(r, c), kbase + src, ok ? 16u : 0u);
+      cp_async16(vs + swz<D>(r, c), vbase + src, ok ? 16u : 0u);
+    }
+  };
+
+  // Warp state, in MMA accumulator layout: row g = lane / 4 (elements 0, 1) and g + 8 (2, 3);
+  // o[j] holds dims 8j + 2 (lane % 4) + {0, 1}. m, l per row (l this lane's part until the end).
+  const int g = lane / 4, q4 = lane % 4;
+  const int mi = lane / 8, mr = lane % 8;  // ldmatrix: the matrix and row this lane addresses
+  float o[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m[2] = {-kInf, -kInf}, l[2] = {0.f, 0.f};
+  const bool capped = p.softcap > 0.f;
+
+  // The first tiles are on their way before the query rows are loaded.
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < my_tiles) issue(s);
+    cp_async_commit();
+  }
+  // The query rows, zero past `heads` (their logits are 0 and their outputs unused).
+  for (int i = threadIdx.x; i < kMaxHeadsPerCta * kChunks; i += kDecodeThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < heads)
+      v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) +
+                                          (static_cast<u64>(b) * p.q_heads + h0 + r) * D + c * 8);
+    *reinterpret_cast<uint4*>(sm_q + swz<D>(r, c)) = v;
+  }
+  __syncthreads();
+
+  for (int i = 0; i < my_tiles; ++i) {
+    __syncwarp();  // every lane is done with the stage refilled next (tile i - 1's)
+    if (i + kStages - 1 < my_tiles) issue(i + kStages - 1);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();  // tile i's group
+    __syncwarp();                  // every lane's copies of tile i visible to the warp
+    const int stage = i % kStages;
+    const T* ks = my_kv + stage * 2 * kTileElems;
+    const T* vs = ks + kTileElems;
+    const u32 mask = my_mask[stage];
+
+    // S = Q K^T: s[n] tokens 8n + 2 q4 + {0, 1} of rows g, g + 8.
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int c = 0; c < D / 16; ++c) {
+      u32 a[4], kb[4];
+      const int qr = (mi & 1) * 8 + mr, kr = (mi >> 1) * 8 + mr;
+      ldmatrix_x4(a, sm_q + swz<D>(qr, 2 * c + (mi >> 1)));
+      ldmatrix_x4(kb, ks + swz<D>(kr, 2 * c + (mi & 1)));
+      mma_16816(s[0], a, kb[0], kb[1], T{});
+      mma_16816(s[1], a, kb[2], kb[3], T{});
+    }
+    // Base-2 logits (capped or scaled), -inf for tokens outside the split or on a bad page.
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[n][e];
+        x = capped ? p.cap_out * tanhf(x * p.cap_in) : x * p.scale_log2;
+        s[n][e] = (mask >> (8 * n + 2 * q4 + (e & 1))) & 1u ? x : -kInf;
+      }
+    }
+    // Online softmax per row (a row's 16 logits lie in the 4 lanes of a quad).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, 2));
+      const float mn = fmaxf(m[h], mx);
+      const float base = mn == -kInf ? 0.f : mn;  // no valid token yet: every p and alpha is 0
+      const float alpha = exp2f(m[h] - base);
+      m[h] = mn;
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          s[n][e] = exp2f(s[n][e] - base);
+          sum += s[n][e];
         }
       }
-    }
-    float sc[kUnroll][G];
+      l[h] = l[h] * alpha + sum;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float kf[8];
-      to_float8(valid[u] ? kv[u] : make_uint4(0, 0, 0, 0), kf, T{});
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float d = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) d = fmaf(q[g][j], kf[j], d);
-#pragma unroll
-        for (int o = kLanes / 2; o > 0; o /= 2) d += __shfl_xor_sync(0xffffffffu, d, o);
-        if (capped) d = p.softcap * tanhf(d / p.softcap) * kLog2e;
-        sc[u][g] = valid[u] ? d : -kInf;
+      for (int j = 0; j < D / 8; ++j) {
+        o[j][2 * h] *= alpha;
+        o[j][2 * h + 1] *= alpha;
       }
     }
+    // O += P V: P (rows x 16 tokens) as the A fragment straight from the S accumulators.
+    const u32 pa[4] = {pack2(s[0][0], s[0][1], T{}), pack2(s[0][2], s[0][3], T{}), pack2(s[1][0], s[1][1], T{}),
+                       pack2(s[1][2], s[1][3], T{})};
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float mn = m[g];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) mn = fmaxf(mn, sc[u][g]);
-      if (mn == -kInf) continue;  // nothing valid yet in this slot
-      const float a = exp2f(m[g] - mn);
-      l[g] *= a;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[g][j] *= a;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (!valid[u]) continue;
-        const float pr = exp2f(sc[u][g] - mn);
-        float vf[8];
-        to_float8(vv[u], vf, T{});
-        l[g] += pr;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(pr, vf[j], acc[g][j]);
-      }
-      m[g] = mn;
+    for (int j = 0; j < D / 16; ++j) {
+      u32 vb[4];
+      ldmatrix_x4_trans(vb, vs + swz<D>((mi & 1) * 8 + mr, 2 * j + (mi >> 1)));
+      mma_16816(o[2 * j], pa, vb[0], vb[1], T{});
+      mma_16816(o[2 * j + 1], pa, vb[2], vb[3], T{});
     }
   }
-
-  // Merge the token slots of the warp (lanes li, li + kLanes, ... hold the same dims).
 #pragma unroll
-  for (int o = kLanes; o < 32; o *= 2) {
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m[g], o);
-      const float l2 = __shfl_xor_sync(0xffffffffu, l[g], o);
-      float a2[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) a2[j] = __shfl_xor_sync(0xffffffffu, acc[g][j], o);
-      merge_state<8>(m[g], l[g], acc[g], m2, l2, a2);
-    }
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(kFull, l[h], 1);
+    l[h] += __shfl_xor_sync(kFull, l[h], 2);
   }
 
-  // Then the warps, through shared memory: sm_acc[warp][g][D], sm_ml[warp][g][2].
-  __shared__ float sm_acc[kWarps][G][D];
-  __shared__ float sm_ml[kWarps][G][2];
-  if (lg == 0) {
+  // Then the warps, through shared memory (over the drained pipelines): sm_o[warp][row][D],
+  // sm_ml[warp][row][2].
+  cp_async_wait<0>();
+  __syncthreads();
+  float* wo = sm_o + warp * kMaxHeadsPerCta * D;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
+  for (int j = 0; j < D / 8; ++j) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) sm_acc[warp][g][li * 8 + j] = acc[g][j];
-      if (li == 0) {
-        sm_ml[warp][g][0] = m[g];
-        sm_ml[warp][g][1] = l[g];
-      }
+    for (int e = 0; e < 4; ++e) wo[(g + 8 * (e >> 1)) * D + 8 * j + 2 * q4 + (e & 1)] = o[j][e];
+  }
+  if (q4 == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sm_ml[(warp * kMaxHeadsPerCta + g + 8 * h) * 2] = m[h];
+      sm_ml[(warp * kMaxHeadsPerCta + g + 8 * h) * 2 + 1] = l[h];
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * D; i += kDecodeThreads) {
-    const int g = i / D, d = i % D;
+  for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
+    const int r = i / D, d = i % D;
     float mm = -kInf, ll = 0.f, a = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) merge_state<1>(mm, ll, &a, sm_ml[w][g][0], sm_ml[w][g][1], &sm_acc[w][g][d]);
-    const u64 part = (static_cast<u64>(b) * p.q_heads + h0 + g) * p.num_splits + split;
+    for (int w = 0; w < kWarps; ++w) {
+      const float* ml = sm_ml + (w * kMaxHeadsPerCta + r) * 2;
+      merge_state<1>(mm, ll, &a, ml[0], ml[1], &sm_o[(w * kMaxHeadsPerCta + r) * D + d]);
+    }
+    const u64 part = (static_cast<u64>(b) * p.q_heads + h0 + r) * p.num_splits + split;
     p.o_part[part * D + d] = ll > 0.f ? a / ll : 0.f;
     if (d == 0) p.lse_part[part] = ll > 0.f ? mm + log2f(ll) : -kInf;
   }
 }
 
 // The merge of a warp's item: every split of this rank, weighted by exp2(lse_s - max). o[kPer]
-// receives the lane's dims (lane * kPer ...); returns the log2-sum (-inf when no token).
+// receives the lane's dims (lane * kPer ...); returns the log2-sum (-inf when no token). Lane i
+// computes the weight of split s0 + i, broadcast to the warp, so the partials' loads of several
+// splits are in flight at once (the loop is unrolled; an empty split weighs exp2(-inf) = 0).
 template <int D>
 TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, float* o) {
   constexpr int kPer = D / 32;
@@ -310,14 +430,20 @@ TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, floa
   if (mx == -kInf) return -kInf;
   float sum = 0.f;
   const float* op = p.o_part + static_cast<u64>(item) * p.num_splits * D + lane * kPer;
-  for (u32 s = 0; s < p.num_splits; ++s) {
-    const float ls = lse[s];
-    if (ls == -kInf) continue;
-    const float w = exp2f(ls - mx);
-    sum += w;
+  for (u32 s0 = 0; s0 < p.num_splits; s0 += 32) {
+    const u32 n = min(32u, p.num_splits - s0);
+    const float w_lane = static_cast<u32>(lane) < n ? exp2f(lse[s0 + lane] - mx) : 0.f;
+    sum += w_lane;
+#pragma unroll 8
+    for (u32 i = 0; i < n; ++i) {
+      const float w = __shfl_sync(0xffffffffu, w_lane, static_cast<int>(i));
+      const float* src = op + static_cast<u64>(s0 + i) * D;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) o[j] = fmaf(w, op[static_cast<u64>(s) * D + j], o[j]);
+      for (int j = 0; j < kPer; ++j) o[j] = fmaf(w, src[j], o[j]);
+    }
   }
+#pragma unroll
+  for (int o2 = 16; o2 > 0; o2 /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
 #pragma unroll
   for (int j = 0; j < kPer; ++j) o[j] /= sum;
   return mx + log2f(sum);
