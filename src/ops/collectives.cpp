@@ -19,6 +19,7 @@
 #include "tdist/jit/registry.hpp"
 #include "tdist/kernels/collectives/ll128.cuh"
 #include "tdist/kernels/collectives/reduce_scatter.cuh"
+#include "tdist/runtime/device_fault.hpp"
 #include "tdist/runtime/stream.hpp"
 
 namespace tdist {
@@ -326,6 +327,7 @@ ReduceScatterMethod Collectives::reduce_scatter_method(const void* in, void* out
 
 void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                              AllReduceMethod method) {
+  check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
   const AllReduceMethod m = all_reduce_method(in, out, count, dtype, method);
   if (world_.check_calls())
     world_.check_same_call(detail::concat("all_reduce(count=", count, ", ", to_string(dtype), ", method ", to_string(m),
@@ -336,6 +338,7 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
   switch (m) {
     case AllReduceMethod::kNccl:
       TDIST_NCCL_CHECK(ncclAllReduce(in, out, count, nccl_type(dtype), ncclSum, world_.comm(), stream));
+      world_.watch_nccl(stream, "AllReduce");
       return;
     case AllReduceMethod::kLowLatency:
       launch(kernels_->get(CollKernel::kLlAllReduce, dtype), blocks_for((bytes + 3) / 4, kernels::coll::kThreads),
@@ -382,6 +385,7 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
 
 void Collectives::all_gather(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                              AllGatherMethod method) {
+  check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
   const AllGatherMethod m = all_gather_method(in, out, count, dtype, method);
   if (world_.check_calls())
     world_.check_same_call(detail::concat("all_gather(count=", count, " per rank, ", to_string(dtype), ", method ",
@@ -400,10 +404,12 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
         TDIST_CUDA_CHECK(cudaMallocAsync(&tmp, b, stream));
         TDIST_CUDA_CHECK(cudaMemcpyAsync(tmp, in, b, cudaMemcpyDeviceToDevice, stream));
         TDIST_NCCL_CHECK(ncclAllGather(tmp, out, count, nccl_type(dtype), world_.comm(), stream));
+        world_.watch_nccl(stream, "AllGather");
         TDIST_CUDA_CHECK(cudaFreeAsync(tmp, stream));
         return;
       }
       TDIST_NCCL_CHECK(ncclAllGather(in, out, count, nccl_type(dtype), world_.comm(), stream));
+      world_.watch_nccl(stream, "AllGather");
       return;
     case AllGatherMethod::kLowLatency:
       launch(kernels_->get(CollKernel::kLlAllGather), blocks_for((b + 3) / 4, kernels::coll::kThreads),
@@ -474,6 +480,7 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
 
 void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                                  ReduceScatterMethod method) {
+  check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
   const ReduceScatterMethod m = reduce_scatter_method(in, out, count, dtype, method);
   if (world_.check_calls())
     world_.check_same_call(detail::concat("reduce_scatter(count=", count, " per rank, ", to_string(dtype),
@@ -489,11 +496,13 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
         void* tmp = nullptr;
         TDIST_CUDA_CHECK(cudaMallocAsync(&tmp, b, stream));
         TDIST_NCCL_CHECK(ncclReduceScatter(in, tmp, count, nccl_type(dtype), ncclSum, world_.comm(), stream));
+        world_.watch_nccl(stream, "ReduceScatter");
         TDIST_CUDA_CHECK(cudaMemcpyAsync(out, tmp, b, cudaMemcpyDeviceToDevice, stream));
         TDIST_CUDA_CHECK(cudaFreeAsync(tmp, stream));
         return;
       }
       TDIST_NCCL_CHECK(ncclReduceScatter(in, out, count, nccl_type(dtype), ncclSum, world_.comm(), stream));
+      world_.watch_nccl(stream, "ReduceScatter");
       return;
     case ReduceScatterMethod::kLowLatency:
       // One thread per 4-byte word of the per-rank slice (ll.cuh); no staging, no alignment needed.

@@ -20,11 +20,14 @@ const char* site_name(device::u32 site) {
     case device::WaitSite::kGemmChunk: return "an overlapped GEMM's wait for a chunk of rows";
     case device::WaitSite::kEpCountFlag: return "an expert-parallel token count's wait";
     case device::WaitSite::kUser: return "a user kernel's wait";
+    case device::WaitSite::kNcclOp: return "an NCCL operation";
   }
   return "a device wait";
 }
 
 std::atomic<device::FaultRecord*> g_record{nullptr};
+std::mutex g_detail_mu;
+std::string g_detail;  // what the host said about a fault it recorded itself
 
 }  // namespace
 
@@ -50,6 +53,17 @@ device::TimeoutAction wait_timeout_action_from_env() {
 }
 
 std::string describe_device_fault(const device::FaultRecord& f) {
+  if (static_cast<device::WaitSite>(f.site) == device::WaitSite::kNcclOp) {
+    std::string said;
+    {
+      std::lock_guard<std::mutex> lock(g_detail_mu);
+      said = g_detail;
+    }
+    return detail::concat("on rank ", f.rank, ": ", said.empty() ? std::string("an NCCL operation timed out") : said,
+                          ". The NCCL communicator was aborted (its kernels returned) and every device wait of this "
+                          "process gives up; the CUDA context is still usable (tensors can be copied out), but the "
+                          "world must be rebuilt before communicating again. TDIST_NCCL_TIMEOUT_S sets the deadline.");
+  }
   char address[32];
   std::snprintf(address, sizeof(address), "0x%llx", f.address);
   return detail::concat("a device wait timed out after ", static_cast<double>(f.timeout_ns) * 1e-9, " s on rank ",
@@ -73,6 +87,25 @@ std::optional<std::string> device_fault_message() {
 
 void check_device_faults() {
   if (auto message = device_fault_message()) throw DeviceTimeoutError(*message);
+}
+
+void record_host_fault(device::WaitSite site, int rank, double timeout_seconds, const std::string& what) {
+  device::FaultRecord* r = device_fault_record();
+  auto* state = reinterpret_cast<device::u32*>(&r->state);
+  device::u32 none = device::kFaultNone;
+  if (!__atomic_compare_exchange_n(state, &none, device::kFaultClaimed, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+    return;  // a device wait (or another host fault) came first
+  {
+    std::lock_guard<std::mutex> lock(g_detail_mu);
+    g_detail = what;
+  }
+  r->site = static_cast<device::u32>(site);
+  r->rank = rank;
+  r->cmp = 0;
+  r->address = r->expected = r->seen = 0;
+  for (int i = 0; i < 3; ++i) r->block[i] = r->thread[i] = 0;
+  r->timeout_ns = static_cast<device::u64>(timeout_seconds * 1e9);
+  __atomic_store_n(state, device::kFaultRecorded, __ATOMIC_RELEASE);
 }
 
 void clear_device_fault() {

@@ -110,6 +110,7 @@ SymmetricHeap::~SymmetricHeap() {
     // No peer may still be reading or writing this heap when its memory goes away.
     TDIST_CUDA_CHECK(cudaDeviceSynchronize());
     world_.barrier("symmetric heap destruction");
+    if (world_.aborted()) return;  // the communicator and its window are gone with the abort
     TDIST_NCCL_CHECK(ncclCommWindowDeregister(world_.comm(), window_));
     TDIST_NCCL_CHECK(ncclMemFree(base_));
   } catch (const std::exception& e) {

@@ -12,6 +12,8 @@
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/process.hpp"
+#include "src/runtime/nccl_watchdog.hpp"
+#include "tdist/runtime/device_fault.hpp"
 #include "tdist/version.hpp"
 
 namespace tdist {
@@ -80,7 +82,9 @@ World::World(const WorldOptions& options) : timeout_(options.timeout), check_cal
   } else {
     // Unbounded: a rank dying during the init blocks the others (kept to rule the bounded path
     // out when diagnosing an init problem).
-    TDIST_NCCL_CHECK(ncclCommInitRank(&comm_, world_size_, id, rank_));
+    ncclComm_t comm = nullptr;
+    TDIST_NCCL_CHECK(ncclCommInitRank(&comm, world_size_, id, rank_));
+    comm_ = comm;
   }
   owns_comm_ = true;
   init_from_comm();
@@ -220,7 +224,9 @@ World::World(const ncclUniqueId& id, int rank, int world_size, int device, std::
     init_comm_bounded(id);
   } else {
     ncclUniqueId unique = id;
-    TDIST_NCCL_CHECK(ncclCommInitRank(&comm_, world_size_, unique, rank_));
+    ncclComm_t comm = nullptr;
+    TDIST_NCCL_CHECK(ncclCommInitRank(&comm, world_size_, unique, rank_));
+    comm_ = comm;
   }
   owns_comm_ = true;
   init_from_comm();
@@ -242,6 +248,7 @@ World::World(ncclComm_t existing, std::chrono::milliseconds timeout)
 }
 
 World::~World() {
+  nccl_watchdog_.reset();  // first: its thread may abort the communicator
   if (!owns_comm_ || comm_ == nullptr || aborted_) return;  // aborted: nothing left to release
   // With an asynchronous error pending, NCCL work may never finish: finalize would block on it,
   // so abort instead (ncclCommAbort never blocks). Otherwise finalize flushes
@@ -255,8 +262,7 @@ World::~World() {
 }
 
 void World::abort(const std::string& why) noexcept {
-  if (aborted_ || comm_ == nullptr) return;
-  aborted_ = true;
+  if (comm_ == nullptr || aborted_.exchange(true)) return;
   if (!owns_comm_) {
     // The caller's communicator is the caller's to abort (it would destroy it afterwards).
     std::fprintf(stderr,
@@ -267,8 +273,31 @@ void World::abort(const std::string& why) noexcept {
   }
   std::fprintf(stderr, "tdist: rank %d aborts its NCCL communicator: %s\n", rank_, why.c_str());
   // The communicator has work queued that will never complete; aborting it is the only way to
-  // release the stream and to keep the destructor's finalize from blocking.
-  ncclCommAbort(comm_);
+  // release the stream and to keep the destructor's finalize from blocking. It frees the
+  // communicator: later calls find no communicator rather than a freed one.
+  ncclCommAbort(comm_.exchange(nullptr));
+}
+
+void World::watch_nccl(cudaStream_t stream, const std::string& what) {
+  static const double timeout_s = env::seconds("TDIST_NCCL_TIMEOUT_S", 300.0, 0.0, env::kMaxTimeoutSeconds);
+  if (timeout_s <= 0 || !owns_comm_) return;  // off, or a caller's communicator (the caller's to abort)
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone) return;
+  std::lock_guard<std::mutex> lock(watchdog_mu_);
+  if (!nccl_watchdog_)
+    nccl_watchdog_ = std::make_unique<detail::NcclWatchdog>(device_, timeout_s, [this](const std::string& op,
+                                                                                      double seconds) {
+      const std::string why = detail::concat("the NCCL ", op, " did not finish within ", seconds,
+                                             " s (TDIST_NCCL_TIMEOUT_S): a peer died, hung, or called another op");
+      try {
+        record_host_fault(device::WaitSite::kNcclOp, rank_, seconds, why);  // device waits give up too
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "tdist: rank %d: recording the NCCL timeout failed: %s\n", rank_, e.what());
+      }
+      abort(why);
+    });
+  nccl_watchdog_->watch(stream, what);
 }
 
 void World::init_from_comm() {

@@ -30,7 +30,8 @@
 namespace tdist::device {
 
 // Which wait gave up; the host names it in its message (runtime/device_fault.hpp).
-enum class WaitSite : u32 { kSignalWaitUntil = 1, kLlRead, kLl128Read, kGemmChunk, kEpCountFlag, kUser };
+// kNcclOp: recorded by the host (World's NCCL watchdog), not by a device wait.
+enum class WaitSite : u32 { kSignalWaitUntil = 1, kLlRead, kLl128Read, kGemmChunk, kEpCountFlag, kUser, kNcclOp };
 
 // What a timed-out wait does (see the top of this file).
 enum class TimeoutAction : u32 { kAbort = 0, kTrap = 1 };

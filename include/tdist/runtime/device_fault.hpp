@@ -39,6 +39,11 @@ std::string describe_device_fault(const device::FaultRecord& record);
 // Throws DeviceTimeoutError when a device wait of this process has given up.
 void check_device_faults();
 
+// Records a fault found by the host (an NCCL operation past its deadline): the device waits of the
+// process give up as after a timed-out wait, and the error names `detail`. No-op when a fault is
+// already recorded.
+void record_host_fault(device::WaitSite site, int rank, double timeout_seconds, const std::string& detail);
+
 // Forgets a recorded fault, so waits wait again. Only for a process that has rebuilt its world
 // (or a test): the flags of the old world are still out of step.
 void clear_device_fault();

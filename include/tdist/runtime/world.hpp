@@ -12,10 +12,13 @@
 // aborts the communicator, after which the destructor does not finalize (it would block).
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -24,6 +27,10 @@
 #include "tdist/runtime/tcp_store.hpp"
 
 namespace tdist {
+
+namespace detail {
+class NcclWatchdog;
+}
 
 struct WorldOptions {
   // Where this rank sits; read from the process environment when empty.
@@ -83,6 +90,13 @@ class World {
   void set_check_calls(bool on) { check_calls_ = on; }
   bool check_calls() const { return check_calls_; }
 
+  // Gives the NCCL work enqueued on `stream` so far a deadline (TDIST_NCCL_TIMEOUT_S, default 300;
+  // 0 turns it off): past it, a watchdog thread aborts the communicator, which makes NCCL's kernels
+  // return, and records a device fault (runtime/device_fault.hpp), so that the next launch or
+  // check_device_faults() raises DeviceTimeoutError naming `what`. Every op that calls NCCL on a
+  // user stream calls this after it; a no-op while the stream is capturing a graph.
+  void watch_nccl(cudaStream_t stream, const std::string& what);
+
   // Aborts the communicator (ncclCommAbort: never blocks), for when NCCL work can no longer
   // finish; the World is unusable afterwards and its destructor does not finalize. A communicator
   // wrapped with World(ncclComm_t) stays its owner's to abort: this only marks the World and says
@@ -105,9 +119,11 @@ class World {
   int lsa_rank_ = 0, lsa_size_ = 1;
   std::chrono::milliseconds timeout_;
   std::unique_ptr<TcpStore> store_;  // null when wrapping an existing communicator
-  ncclComm_t comm_ = nullptr;
+  std::atomic<ncclComm_t> comm_{nullptr};  // null once aborted (the watchdog's thread may abort)
   bool owns_comm_ = false;
-  bool aborted_ = false;
+  std::atomic<bool> aborted_{false};
+  std::mutex watchdog_mu_;
+  std::unique_ptr<detail::NcclWatchdog> nccl_watchdog_;  // started at the first watched NCCL call
   uint64_t collective_count_ = 0;  // makes store tags unique per call
   bool check_calls_ = false;
 };

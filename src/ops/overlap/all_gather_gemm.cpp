@@ -118,7 +118,7 @@ struct AllGatherGemm::Impl {
 
     switch (method) {
       case OverlapMethod::kBaseline:
-        nccl_all_gather_rows(a.a_local, plain.get(), rows, config.k, t, rank, rt.world().comm(), stream);
+        nccl_all_gather_rows(a.a_local, plain.get(), rows, config.k, t, rt.world(), stream);
         rt.cublas().run(gemm_problem(plain.get(), a.b, a.d, a.m, a.n, config.k, t), stream);
         source = plain.get<char>();
         break;

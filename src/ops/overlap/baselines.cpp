@@ -23,8 +23,10 @@ void by_rows(const kernels::gemm::RowChunks& rows, Even even, PerRoot per_root) 
 }  // namespace
 
 void nccl_all_gather_rows(const void* local, void* gathered, const kernels::gemm::RowChunks& rows, size_t row_elems,
-                          DType dtype, int rank, ncclComm_t comm, cudaStream_t stream) {
+                          DType dtype, World& world, cudaStream_t stream) {
   const ncclDataType_t t = detail::nccl_type(dtype);
+  const int rank = world.rank();
+  ncclComm_t comm = world.comm();
   auto* out = static_cast<char*>(gathered);
   const size_t row_bytes = row_elems * dtype_size(dtype);
   by_rows(
@@ -33,11 +35,14 @@ void nccl_all_gather_rows(const void* local, void* gathered, const kernels::gemm
         return ncclBroadcast(r == rank ? local : nullptr, out + rows.begin(r) * row_bytes, rows.rows(r) * row_elems, t,
                              r, comm, stream);
       });
+  world.watch_nccl(stream, "AllGather of rows");
 }
 
 void nccl_reduce_scatter_rows(const void* partial, void* out, const kernels::gemm::RowChunks& rows, size_t row_elems,
-                              DType dtype, int rank, ncclComm_t comm, cudaStream_t stream) {
+                              DType dtype, World& world, cudaStream_t stream) {
   const ncclDataType_t t = detail::nccl_type(dtype);
+  const int rank = world.rank();
+  ncclComm_t comm = world.comm();
   const auto* in = static_cast<const char*>(partial);
   const size_t row_bytes = row_elems * dtype_size(dtype);
   by_rows(
@@ -46,6 +51,7 @@ void nccl_reduce_scatter_rows(const void* partial, void* out, const kernels::gem
         return ncclReduce(in + rows.begin(r) * row_bytes, r == rank ? out : nullptr, rows.rows(r) * row_elems, t,
                           ncclSum, r, comm, stream);
       });
+  world.watch_nccl(stream, "ReduceScatter of rows");
 }
 
 }  // namespace tdist::overlap

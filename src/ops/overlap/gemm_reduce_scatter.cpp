@@ -64,7 +64,7 @@ struct GemmReduceScatter::Impl {
     switch (method) {
       case OverlapMethod::kBaseline:
         rt.cublas().run(gemm_problem(a.a, a.b, core.staging(), a.m, a.n, a.k, t), stream);
-        nccl_reduce_scatter_rows(core.staging(), a.d, rows, a.n, t, rank, rt.world().comm(), stream);
+        nccl_reduce_scatter_rows(core.staging(), a.d, rows, a.n, t, rt.world(), stream);
         break;
       case OverlapMethod::kSequential:
         rt.cublas().run(gemm_problem(a.a, a.b, core.staging(), a.m, a.n, a.k, t), stream);

@@ -222,7 +222,7 @@ struct MoeAgGroupGemm::Impl {
     g.local_rows = rows.rows(rank);
 
     if (method == OverlapMethod::kBaseline) {
-      nccl_all_gather_rows(a.a_local, plain.get(), rows, config.k, config.dtype, rank, rt.world().comm(), stream);
+      nccl_all_gather_rows(a.a_local, plain.get(), rows, config.k, config.dtype, rt.world(), stream);
       const MoeRouting& r = router.route(a.topk_ids, a.m, stream);
       g.gathered = plain.get();
       g.local_rows = 0;
@@ -381,7 +381,7 @@ struct MoeGroupGemmRs::Impl {
     if (method == OverlapMethod::kBaseline) {
       gemm.run(gemm_args(a), stream, GroupedGemmRunOptions{.tile = tile});
       kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), staging.get()), stream);
-      nccl_reduce_scatter_rows(staging.get(), a.d, rows, a.n, config.dtype, rank, rt.world().comm(), stream);
+      nccl_reduce_scatter_rows(staging.get(), a.d, rows, a.n, config.dtype, rt.world(), stream);
       return;
     }
 
@@ -426,8 +426,7 @@ struct MoeGroupGemmRs::Impl {
     if (count * elem() <= rt.sequential_max_bytes())
       rt.coll().all_reduce(staging.get(), a.d, count, config.dtype, stream);
     else
-      TDIST_NCCL_CHECK(
-          ncclAllReduce(staging.get(), a.d, count, detail::nccl_type(config.dtype), ncclSum, rt.world().comm(), stream));
+      rt.coll().all_reduce(staging.get(), a.d, count, config.dtype, stream, AllReduceMethod::kNccl);
   }
 };
 
