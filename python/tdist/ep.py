@@ -302,7 +302,7 @@ class Buffer:
 def _buffer(buffer_id: int, op: str) -> Buffer:
     b = _buffers.get(buffer_id)
     if b is None:
-        _fail(op, "buffer", "an open tdist.ep.Buffer's id", buffer_id)
+        _fail(op, "buffer_id", "the id of a tdist.ep.Buffer not closed", buffer_id)
     return b
 
 
@@ -333,32 +333,32 @@ def _register(torch):
 
     from torch import Tensor
 
-    def dispatch(buffer: int, x: Tensor, topk_idx: Tensor, fp8: bool = False, ue8m0: bool = False,
+    def dispatch(buffer_id: int, x: Tensor, topk_idx: Tensor, fp8: bool = False, ue8m0: bool = False,
                  return_hook: bool = False) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return _ll_dispatch(buffer, x, topk_idx, fp8, ue8m0, return_hook)
+        return _ll_dispatch(buffer_id, x, topk_idx, fp8, ue8m0, return_hook)
 
-    def dispatch_fake(buffer, x, topk_idx, fp8=False, ue8m0=False, return_hook=False):
-        b = _buffer(buffer, "low_latency_dispatch")
+    def dispatch_fake(buffer_id, x, topk_idx, fp8=False, ue8m0=False, return_hook=False):
+        b = _buffer(buffer_id, "low_latency_dispatch")
         b._check_tokens("low_latency_dispatch", x, topk_idx)
         sx, ss, sc, sr = b._ll_shapes(fp8)
         return (x.new_empty(sx, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16),
                 x.new_empty(ss, dtype=torch.float32), x.new_empty(sc, dtype=torch.int32),
                 x.new_empty(sr, dtype=torch.int32), torch.empty((2,), dtype=torch.int64, device="cpu"))
 
-    def combine(buffer: int, y: Tensor, topk_idx: Tensor, topk_weights: Tensor, recv_count: Tensor, seq: int,
+    def combine(buffer_id: int, y: Tensor, topk_idx: Tensor, topk_weights: Tensor, recv_count: Tensor, seq: int,
                 return_hook: bool = False) -> Tuple[Tensor, Tensor]:
         out = torch.empty((topk_idx.shape[0], y.shape[-1]), dtype=torch.bfloat16, device=y.device)
-        return out, _ll_combine(buffer, y, topk_idx, topk_weights, recv_count, out, seq, return_hook)
+        return out, _ll_combine(buffer_id, y, topk_idx, topk_weights, recv_count, out, seq, return_hook)
 
-    def combine_fake(buffer, y, topk_idx, topk_weights, recv_count, seq, return_hook=False):
+    def combine_fake(buffer_id, y, topk_idx, topk_weights, recv_count, seq, return_hook=False):
         return (y.new_empty((topk_idx.shape[0], y.shape[-1]), dtype=torch.bfloat16),
                 torch.empty((1,), dtype=torch.int64, device="cpu"))
 
-    def combine_out(buffer: int, y: Tensor, topk_idx: Tensor, topk_weights: Tensor, recv_count: Tensor,
+    def combine_out(buffer_id: int, y: Tensor, topk_idx: Tensor, topk_weights: Tensor, recv_count: Tensor,
                     out: Tensor, seq: int, return_hook: bool = False) -> Tensor:
-        return _ll_combine(buffer, y, topk_idx, topk_weights, recv_count, out, seq, return_hook)
+        return _ll_combine(buffer_id, y, topk_idx, topk_weights, recv_count, out, seq, return_hook)
 
-    def combine_out_fake(buffer, y, topk_idx, topk_weights, recv_count, out, seq, return_hook=False):
+    def combine_out_fake(buffer_id, y, topk_idx, topk_weights, recv_count, out, seq, return_hook=False):
         return torch.empty((1,), dtype=torch.int64, device="cpu")
 
     ops = []
