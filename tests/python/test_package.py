@@ -844,3 +844,60 @@ def test_moe_and_ep_need_torch():
             "        raise SystemExit('worked without torch')\n"
             "print('ok')\n")
     _prints_ok(code)
+
+
+class _StandInRuntime:
+    world_size, rank, device, closed = 2, 1, 0, False
+
+
+def test_ep_and_moe_fake_implementations():
+    """The torch.library ops' fake implementations (shapes, argument errors) on meta tensors, with a
+    stand-in buffer and runtime: no GPU needed."""
+    torch = pytest.importorskip("torch")
+    from tdist import _runtime, ep, moe
+    b = object.__new__(ep.Buffer)
+    b.max_tokens, b.hidden, b.num_experts, b.topk = 64, 384, 8, 4
+    b.mode, b.expert_alignment, b.world_size, b.rank, b.device = "low_latency", 128, 2, 1, 0
+    b.num_local_experts, b.id = 4, 999
+    ep._buffers[999] = b
+    try:
+        x = torch.empty((5, 384), dtype=torch.bfloat16, device="meta")
+        idx = torch.empty((5, 4), dtype=torch.int64, device="meta")
+        w = torch.empty((5, 4), dtype=torch.float32, device="meta")
+        rx, rs, rc, rr, meta = torch.ops.tdist.ep_ll_dispatch(999, x, idx, True, False, False)
+        assert rx.shape == (4, 128, 384) and rx.dtype == torch.float8_e4m3fn and rs.shape == (4, 128, 3)
+        assert rc.shape == (4,) and rr.shape == (4, 128) and meta.shape == (2,)
+        rx, rs, rc, rr, meta = torch.ops.tdist.ep_ll_dispatch(999, x, idx, False, False, False)
+        assert rx.dtype == torch.bfloat16 and rs.shape == (0,)
+        y = torch.empty((4, 128, 384), dtype=torch.bfloat16, device="meta")
+        out, m2 = torch.ops.tdist.ep_ll_combine(999, y, idx, w, rc, 1, False)
+        assert out.shape == (5, 384) and out.dtype == torch.bfloat16
+        with pytest.raises(tdist.Error, match="'topk_idx'"):
+            torch.ops.tdist.ep_ll_dispatch(999, x, idx.int(), False, False, False)
+        with pytest.raises(tdist.Error, match="'x'"):
+            b.low_latency_dispatch(x.float(), idx)
+        with pytest.raises(tdist.Error, match="'self'"):
+            b.dispatch(x, idx, w)
+    finally:
+        ep._buffers.pop(999)
+    _runtime._state.runtime = _StandInRuntime()
+    try:
+        ids = torch.empty((301, 2), dtype=torch.int32, device="meta")
+        xr = torch.empty((150, 200), dtype=torch.bfloat16, device="meta")
+        wt = torch.empty((8, 136, 200), dtype=torch.bfloat16, device="meta")
+        d = torch.ops.tdist.moe_ag_group_gemm(xr, ids, wt, "auto")
+        assert d.shape == (moe.capacity(301, 2, 8), 136)
+        with pytest.raises(tdist.Error, match="'x_rows'"):
+            torch.ops.tdist.moe_ag_group_gemm(torch.empty((151, 200), dtype=torch.bfloat16, device="meta"), ids, wt, "auto")
+        h = torch.empty((moe.capacity(301, 2, 8), 200), dtype=torch.bfloat16, device="meta")
+        tw = torch.empty((301, 2), dtype=torch.float32, device="meta")
+        y = torch.ops.tdist.moe_group_gemm_rs(h, wt, ids, tw, "auto", False)
+        assert y.shape == (150, 136)
+        y = torch.ops.tdist.moe_group_gemm_rs(h, wt, ids, tw, "auto", True)
+        assert y.shape == (301, 136)
+        with pytest.raises(tdist.Error, match="'method'"):
+            tdist.moe_group_gemm_rs(h, wt, ids, tw, method="ll")
+        with pytest.raises(tdist.Error, match="'h'"):
+            tdist.moe_group_gemm_ar(h[:-1], wt, ids, tw)
+    finally:
+        _runtime._state.runtime = None
