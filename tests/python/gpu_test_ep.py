@@ -74,6 +74,13 @@ def factor(e):
     return 1.0 + (e % 5) / 8.0
 
 
+def local_factors(L):
+    """factor() of this rank's experts as a CUDA tensor, computed on the GPU (no host copy, so it can
+    run inside a CUDA graph capture)."""
+    e = torch.arange(L, device="cuda") + rank() * L
+    return 1.0 + (e % 5).float() / 8.0
+
+
 def all_inputs(seed, m, hidden, experts, topk, routing, case):
     return [draw(seed, r, tokens_of(case, r, m), hidden, experts, topk, routing) for r in range(world())]
 
@@ -153,8 +160,7 @@ def check_ll_dispatch(buf, inputs, recv_x, recv_scales, recv_count, handle, fp8,
 def expert_outputs_ll(buf, recv_x, recv_count):
     """y [L, W * M, H] bf16: bf16(x * f(expert)) for received rows, NaN past the counts."""
     L = buf.num_local_experts
-    f = torch.tensor([factor(rank() * L + le) for le in range(L)], device="cuda").view(L, 1, 1)
-    y = (recv_x.float() * f).to(torch.bfloat16)
+    y = (recv_x.float() * local_factors(L).view(L, 1, 1)).to(torch.bfloat16)
     rows = torch.arange(y.shape[1], device="cuda").view(1, -1)
     return y.masked_fill((rows >= recv_count.view(L, 1)).unsqueeze(-1), float("nan"))
 
@@ -254,7 +260,7 @@ def test_ll_cuda_graph_fresh_routing():
     try:
         m = buf.max_tokens
         L = buf.num_local_experts
-        f = torch.tensor([factor(rank() * L + le) for le in range(L)], device="cuda").view(L, 1, 1)
+        f = local_factors(L).view(L, 1, 1)
         x_s = torch.zeros((m, buf.hidden), dtype=torch.bfloat16, device="cuda")
         i_s = torch.full((m, buf.topk), -1, dtype=torch.int64, device="cuda")
         w_s = torch.zeros((m, buf.topk), dtype=torch.float32, device="cuda")
@@ -319,12 +325,12 @@ def test_ll_bad_ids_reported():
     buf = ll_buffer()
     try:
         inputs = all_inputs(11, buf.max_tokens, buf.hidden, buf.num_experts, buf.topk, "uniform", "full")
+        x0, idx0, w0 = inputs[0]  # rank 0's ids, as every rank redraws them
+        idx0 = idx0.clone()
+        idx0[0, 1] = idx0[0, 0]            # repeated within token 0
+        idx0[3, 2] = buf.num_experts + 3   # out of range
+        inputs[0] = (x0, idx0, w0)
         x, idx, w = inputs[rank()]
-        if rank() == 0:
-            idx = idx.clone()
-            idx[0, 1] = idx[0, 0]            # repeated within token 0
-            idx[3, 2] = buf.num_experts + 3  # out of range
-            inputs[0] = (x, idx, w)
         xc, ic, wc = x.cuda(), idx.cuda(), w.cuda()
         recv_x, _, count, handle, _ = buf.low_latency_dispatch(xc, ic)
         check_ll_dispatch(buf, inputs, recv_x, None, count, handle, False, False, "bad ids dispatch")
@@ -410,8 +416,7 @@ def expert_outputs_ht(buf, handle):
     begin, count = info[2 + L:2 + 2 * L].long(), info[2:2 + L].long()
     r = torch.arange(handle.max_expert_rows, device="cuda").view(-1, 1)
     mine = (r >= begin.view(1, -1)) & (r < (begin + count).view(1, -1))  # [X, L]
-    f = torch.tensor([factor(rank() * L + le) for le in range(L)], device="cuda")
-    fr = (mine.float() * f.view(1, -1)).sum(1, keepdim=True)
+    fr = (mine.float() * local_factors(L).view(1, -1)).sum(1, keepdim=True)
     y = (handle.expert_x.float() * fr).to(torch.bfloat16)
     return y.masked_fill(~mine.any(1, keepdim=True), float("nan"))
 
