@@ -102,7 +102,8 @@ class MoeAg : public MoeContext<tdist::MoeAgGroupGemm> {
   MoeAg(nb::handle runtime, int64_t max_m, int64_t k, int experts, int topk, const std::string& dtype)
       : MoeContext(runtime, "moe_ag_group_gemm", max_m, k, 0, experts, topk, dtype) {}
 
-  // Returns the method that ran (run false: only resolves it).
+  // Runs with `method` as asked (auto: the op's own choice, timed where the op times it); returns
+  // what auto resolves to without timing, or the method asked for (run false: only that).
   std::string run(uint64_t a_local, uint64_t topk_ids, uint64_t b, uint64_t d, int64_t m, int64_t n, uint64_t stream,
                   const std::string& method, bool run) {
     tdist::MoeAgGroupGemmArgs a;
@@ -115,8 +116,8 @@ class MoeAg : public MoeContext<tdist::MoeAgGroupGemm> {
     const tdist::OverlapMethod requested = tdist::parse_overlap_method(method, "method");
     nb::gil_scoped_release release;
     tdist_python::ScopedDevice scope(device_);
-    const tdist::OverlapMethod chosen = op().method(a, requested);
-    if (run) op().run(a, reinterpret_cast<cudaStream_t>(stream), chosen);
+    const tdist::OverlapMethod chosen = op().method(a, requested);  // checks the arguments first
+    if (run) op().run(a, reinterpret_cast<cudaStream_t>(stream), requested);
     return tdist::to_string(chosen);
   }
 };
@@ -126,7 +127,8 @@ class MoeRs : public MoeContext<tdist::MoeGroupGemmRs> {
   MoeRs(nb::handle runtime, int64_t max_m, int64_t max_n, int experts, int topk, const std::string& dtype)
       : MoeContext(runtime, "moe_group_gemm_rs", max_m, 0, max_n, experts, topk, dtype) {}
 
-  // Routes `topk_ids` on `stream`, then runs (all_reduce: run_all_reduce). Returns the method that ran.
+  // Routes `topk_ids` on `stream`, then runs (all_reduce: run_all_reduce) with `method` as asked;
+  // returns what auto resolves to without timing, or the method asked for.
   std::string run(uint64_t h, uint64_t b, uint64_t topk_ids, uint64_t topk_weights, uint64_t d, int64_t m, int64_t n,
                   int64_t k, uint64_t stream, const std::string& method, bool all_reduce, bool run) {
     TDIST_CHECK_ARG(m >= 0 && m <= config_.max_m, "m", "0 to the context's max_m (", config_.max_m, "), got ", m);
@@ -148,8 +150,8 @@ class MoeRs : public MoeContext<tdist::MoeGroupGemmRs> {
       if (run) op().run_all_reduce(a, s);
       return "all_reduce";
     }
-    const tdist::OverlapMethod chosen = op().method(a, requested);
-    if (run) op().run(a, s, chosen);
+    const tdist::OverlapMethod chosen = op().method(a, requested);  // checks the arguments first
+    if (run) op().run(a, s, requested);
     return tdist::to_string(chosen);
   }
 };
