@@ -37,6 +37,7 @@
 #include "tdist/runtime/tcp_store.hpp"
 #include "tdist/runtime/world.hpp"
 #include "tdist/version.hpp"
+#include "runtime_access.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -379,6 +380,7 @@ class Runtime {
   // exit: waiting here for peers that may be gone could hang the exit.
   ~Runtime() {
     if (closed_) return;
+    (void)close_hooks_.release();
     (void)cache_.release();
     (void)coll_.release();
     (void)heap_.release();
@@ -392,6 +394,8 @@ class Runtime {
     nb::gil_scoped_release release;
     if (world_) cudaSetDevice(world_->device());
     cudaDeviceSynchronize();
+    for (auto& fn : *close_hooks_) fn();  // other binding files' objects on the heap (EP, MoE)
+    close_hooks_->clear();
     cache_.reset();  // the overlapped-op contexts free their symmetric buffers into the heap
     coll_.reset();
     buffers_.clear();
@@ -513,6 +517,10 @@ class Runtime {
     return v;
   }
 
+  // For runtime_access.hpp.
+  tdist_python::RuntimeParts parts() { return {&world_mut(), &heap()}; }
+  void add_close_hook(std::function<void()> fn) { close_hooks_->push_back(std::move(fn)); }
+
   // Host-side collective over the ranks (through the World); for tests and the benchmark.
   void host_barrier(const std::string& tag) {
     nb::gil_scoped_release release;
@@ -577,6 +585,8 @@ class Runtime {
   // Overlapped-op contexts, created on first use and re-created larger when a call exceeds them.
   std::unique_ptr<tdist::OverlapContextCache> cache_;
   bool closed_ = false;
+  std::unique_ptr<std::vector<std::function<void()>>> close_hooks_ =
+      std::make_unique<std::vector<std::function<void()>>>();
 };
 
 nb::bytes nccl_unique_id() {
@@ -737,7 +747,21 @@ std::shared_ptr<PyModule> jit_compile(const std::string& source, const std::vect
 
 }  // namespace
 
+tdist_python::RuntimeParts tdist_python::runtime_parts(nb::handle runtime, const char* op) {
+  Runtime* rt = nullptr;
+  if (!nb::try_cast<Runtime*>(runtime, rt) || rt == nullptr)
+    fail(msg("tdist.", op, ": expected tdist's runtime (tdist.init), got ", nb::inst_name(runtime).c_str()));
+  if (rt->closed()) fail(msg("tdist.", op, ": the runtime is closed (tdist.finalize was called)"));
+  return rt->parts();
+}
+
+void tdist_python::on_runtime_close(nb::handle runtime, std::function<void()> fn) {
+  nb::cast<Runtime*>(runtime)->add_close_hook(std::move(fn));
+}
+
 void bind_flash_decode(nb::module_& m);  // bind_flash_decode.cpp
+void bind_ep(nb::module_& m);            // bind_ep.cpp
+void bind_moe(nb::module_& m);           // bind_moe.cpp
 
 NB_MODULE(_C, m) {
   nb::set_leak_warnings(false);
@@ -940,4 +964,6 @@ NB_MODULE(_C, m) {
       "version", [] { return std::string(tdist::version()); }, "libtdist's version");
   m.def("version_report", &tdist::version_report, "device"_a = -1, "versions tdist runs with, one per line");
   bind_flash_decode(m);
+  bind_ep(m);
+  bind_moe(m);
 }

@@ -53,6 +53,8 @@ from .ops import ag_gemm, all_gather, all_reduce, barrier, gemm_ar, gemm_rs, ove
 from .ops import catalogue_functions as _catalogue_functions
 from . import jit
 from .flash_decode import flash_decode
+from . import ep, moe
+from .moe import moe_ag_group_gemm, moe_group_gemm_ar, moe_group_gemm_rs
 
 # Every other op of the C++ catalogue of overlapped ops, as tdist.<name> (e.g. tdist.ag_gemm_swiglu).
 globals().update(_catalogue_functions)
@@ -87,4 +89,9 @@ __all__ = [
     *_catalogue_functions,
     "jit",
     "flash_decode",
+    "ep",
+    "moe",
+    "moe_ag_group_gemm",
+    "moe_group_gemm_rs",
+    "moe_group_gemm_ar",
 ]

@@ -775,3 +775,129 @@ def test_bench_random_sizes_match_tdist_bench():
                              timeout=60)
         assert out.returncode == 2
         assert "tdist-bench: error: --sizes expects random:N" in out.stderr
+
+
+# --- expert parallelism and the MoE ops (no GPU) -----------------------------------------------------
+
+def test_ep_and_moe_exist():
+    from tdist import ep, moe
+    assert callable(ep.Buffer) and callable(ep.heap_bytes) and callable(ep.count_tokens)
+    for name in ("low_latency_dispatch", "low_latency_combine", "dispatch", "combine", "check_errors", "close"):
+        assert callable(getattr(ep.Buffer, name)), name
+    for name in ("moe_ag_group_gemm", "moe_group_gemm_rs", "moe_group_gemm_ar"):
+        assert getattr(tdist, name) is getattr(moe, name) and name in tdist.__all__
+    assert "ep" in tdist.__all__ and "moe" in tdist.__all__
+
+
+def test_ep_config_errors_name_the_field():
+    assert tdist.ep.heap_bytes(128, 7168, 256, 8, 2) > tdist.ep.heap_bytes(64, 7168, 256, 8, 2) > 0
+    assert tdist.ep.heap_bytes(4096, 7168, 256, 8, 2, mode="high_throughput") > 0
+    for kwargs, field in ((dict(num_experts=255), "'config.num_experts'"), (dict(hidden=100), "'config.hidden'"),
+                          (dict(topk=33), "'config.topk'"), (dict(max_tokens_per_rank=0), "'config.max_tokens'")):
+        args = dict(max_tokens_per_rank=128, hidden=7168, num_experts=256, topk=8, world_size=2)
+        args.update(kwargs)
+        with pytest.raises(tdist.Error, match=field):
+            tdist.ep.heap_bytes(**args)
+    with pytest.raises(tdist.Error, match="'mode'"):
+        tdist.ep.heap_bytes(128, 7168, 256, 8, 2, mode="fast")
+
+
+def test_ep_count_tokens():
+    # rank 0 holds experts 0..3, rank 1 experts 4..7; -1 masks, a repeat and an id out of range are not sent
+    ranks, experts = tdist.ep.count_tokens([[0, 5], [1, -1], [7, 7], [2, 8]], 8, 2)
+    assert ranks == [3, 2]
+    assert experts == [1, 1, 1, 0, 0, 1, 0, 1]
+
+
+def test_moe_routing_reference_and_errors():
+    from tdist import moe
+    ids = [[0, 1], [1, 2], [3, 0], [1, 3], [2, 0]]
+    r = moe.routing_reference(ids, 4, world_size=2, rank=1)
+    assert r["counts"] == [3, 3, 2, 2]
+    assert r["offsets"] == [0, 128, 256, 384, 512]
+    assert len(r["row_of_pair"]) == 5 and moe.capacity(5, 2, 4) >= r["offsets"][-1]
+    for t, row in enumerate(ids):
+        for k, e in enumerate(row):
+            q = r["row_of_pair"][t][k]
+            assert r["offsets"][e] <= q < r["offsets"][e] + r["counts"][e] and r["token_of_row"][q] == t
+    first = [r["token_of_row"][q] for q in range(r["offsets"][1], r["offsets"][1] + 3)]
+    assert first == [3, 0, 1]  # expert 1: rank 1's token 3 first, then rank 0's tokens 0 and 1
+    assert moe.rows_of(5, 2, 0) == (0, 3) and moe.rows_of(5, 2, 1) == (3, 2) and moe.rows_of(1, 2, 1) == (1, 0)
+    with pytest.raises(tdist.Error, match="'topk_ids'"):
+        moe.routing_reference([[0, 4]], 4)
+    with pytest.raises(tdist.Error, match="'topk'"):
+        moe.routing_reference([[0, 1, 2]], 2)
+    assert moe.method(64, 1) == "baseline" and moe.method(4096, 2) == "chunked"
+
+
+def test_moe_and_ep_need_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import tdist\n"
+            "for fn in (lambda: tdist.moe_ag_group_gemm(None, None, None),\n"
+            "           lambda: tdist.moe_group_gemm_rs(None, None, None, None),\n"
+            "           lambda: tdist.ep.Buffer(None, 128, 7168, 256, 8)):\n"
+            "    try:\n"
+            "        fn()\n"
+            "    except tdist.Error as e:\n"
+            "        assert 'needs PyTorch' in str(e), e\n"
+            "    else:\n"
+            "        raise SystemExit('worked without torch')\n"
+            "print('ok')\n")
+    _prints_ok(code)
+
+
+class _StandInRuntime:
+    world_size, rank, device, closed = 2, 1, 0, False
+
+
+def test_ep_and_moe_fake_implementations():
+    """The torch.library ops' fake implementations (shapes, argument errors) on meta tensors, with a
+    stand-in buffer and runtime: no GPU needed."""
+    torch = pytest.importorskip("torch")
+    from tdist import _runtime, ep, moe
+    b = object.__new__(ep.Buffer)
+    b.max_tokens, b.hidden, b.num_experts, b.topk = 64, 384, 8, 4
+    b.mode, b.expert_alignment, b.world_size, b.rank, b.device = "low_latency", 128, 2, 1, 0
+    b.num_local_experts, b.id = 4, 999
+    ep._buffers[999] = b
+    try:
+        x = torch.empty((5, 384), dtype=torch.bfloat16, device="meta")
+        idx = torch.empty((5, 4), dtype=torch.int64, device="meta")
+        w = torch.empty((5, 4), dtype=torch.float32, device="meta")
+        rx, rs, rc, rr, meta = torch.ops.tdist.ep_ll_dispatch(999, x, idx, True, False, False)
+        assert rx.shape == (4, 128, 384) and rx.dtype == torch.float8_e4m3fn and rs.shape == (4, 128, 3)
+        assert rc.shape == (4,) and rr.shape == (4, 128) and meta.shape == (2,)
+        rx, rs, rc, rr, meta = torch.ops.tdist.ep_ll_dispatch(999, x, idx, False, False, False)
+        assert rx.dtype == torch.bfloat16 and rs.shape == (0,)
+        y = torch.empty((4, 128, 384), dtype=torch.bfloat16, device="meta")
+        out, m2 = torch.ops.tdist.ep_ll_combine(999, y, idx, w, rc, 1, False)
+        assert out.shape == (5, 384) and out.dtype == torch.bfloat16
+        with pytest.raises(tdist.Error, match="'topk_idx'"):
+            torch.ops.tdist.ep_ll_dispatch(999, x, idx.int(), False, False, False)
+        with pytest.raises(tdist.Error, match="'x'"):
+            b.low_latency_dispatch(x.float(), idx)
+        with pytest.raises(tdist.Error, match="'self'"):
+            b.dispatch(x, idx, w)
+    finally:
+        ep._buffers.pop(999)
+    _runtime._state.runtime = _StandInRuntime()
+    try:
+        ids = torch.empty((301, 2), dtype=torch.int32, device="meta")
+        xr = torch.empty((150, 200), dtype=torch.bfloat16, device="meta")
+        wt = torch.empty((8, 136, 200), dtype=torch.bfloat16, device="meta")
+        d = torch.ops.tdist.moe_ag_group_gemm(xr, ids, wt, "auto")
+        assert d.shape == (moe.capacity(301, 2, 8), 136)
+        with pytest.raises(tdist.Error, match="'x_rows'"):
+            torch.ops.tdist.moe_ag_group_gemm(torch.empty((151, 200), dtype=torch.bfloat16, device="meta"), ids, wt, "auto")
+        h = torch.empty((moe.capacity(301, 2, 8), 200), dtype=torch.bfloat16, device="meta")
+        tw = torch.empty((301, 2), dtype=torch.float32, device="meta")
+        y = torch.ops.tdist.moe_group_gemm_rs(h, wt, ids, tw, "auto", False)
+        assert y.shape == (150, 136)
+        y = torch.ops.tdist.moe_group_gemm_rs(h, wt, ids, tw, "auto", True)
+        assert y.shape == (301, 136)
+        with pytest.raises(tdist.Error, match="'method'"):
+            tdist.moe_group_gemm_rs(h, wt, ids, tw, method="ll")
+        with pytest.raises(tdist.Error, match="'h'"):
+            tdist.moe_group_gemm_ar(h[:-1], wt, ids, tw)
+    finally:
+        _runtime._state.runtime = None

@@ -1,0 +1,202 @@
+// tdist._C's tensor-parallel MoE ops (tdist/ops/moe.hpp) on the Python runtime's World and heap, on
+// raw device pointers (python/tdist/moe.py turns torch tensors into them, checks their shapes and
+// caches one context per configuration). The second projection routes its own ids with a
+// MoeRouter: the routing is a pure function of the ids (docs/moe.md), so it equals the first
+// projection's and the two calls need not share a handle (torch.library ops cannot pass one).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "runtime_access.hpp"
+#include "tdist/common/dtype.hpp"
+#include "tdist/common/error.hpp"
+#include "tdist/ops/moe.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+template <typename T>
+T* ptr(uint64_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+// One MoE op (MoeAgGroupGemm or MoeGroupGemmRs plus its router) in a shared box the runtime's close
+// also holds, so that tdist.finalize destroys it (collectively) before the heap.
+template <typename Op>
+struct MoeBox {
+  std::unique_ptr<Op> op;
+  std::unique_ptr<tdist::MoeRouter> router;
+};
+
+template <typename Op>
+class MoeContext {
+ public:
+  MoeContext(nb::handle runtime, const char* name, int64_t max_m, int64_t k, int64_t max_n, int experts, int topk,
+             const std::string& dtype)
+      : name_(name) {
+    const tdist_python::RuntimeParts rt = tdist_python::runtime_parts(runtime, name);
+    config_.max_m = max_m;
+    config_.k = k;
+    config_.max_n = max_n;
+    config_.experts = experts;
+    config_.topk = topk;
+    config_.dtype = tdist::parse_dtype(dtype, "dtype");
+    device_ = rt.world->device();
+    rank_ = rt.world->rank();
+    world_size_ = rt.world->world_size();
+    tdist::check_moe_routing_args(max_m, topk, experts, world_size_, rank_);  // before the collective constructor
+    box_ = std::make_shared<MoeBox<Op>>();
+    {
+      nb::gil_scoped_release release;
+      tdist_python::ScopedDevice scope(device_);
+      box_->op = std::make_unique<Op>(*rt.world, *rt.heap, config_);
+      box_->router = std::make_unique<tdist::MoeRouter>(max_m, topk, experts, world_size_, rank_);
+    }
+    const int device = device_;
+    tdist_python::on_runtime_close(runtime, [box = box_, device] {
+      tdist_python::ScopedDevice scope(device);
+      box->router.reset();
+      box->op.reset();
+    });
+  }
+
+  // Collective: returns the context's memory to the heap.
+  void close() {
+    nb::gil_scoped_release release;
+    tdist_python::ScopedDevice scope(device_);
+    box_->router.reset();
+    box_->op.reset();
+  }
+  bool closed() const { return !box_->op; }
+  int64_t max_m() const { return config_.max_m; }
+  int64_t k() const { return config_.k; }
+  int64_t max_n() const { return config_.max_n; }
+
+ protected:
+  Op& op() {
+    if (!box_->op) throw tdist::Error(tdist::detail::concat("tdist.", name_, ": the context is closed"));
+    return *box_->op;
+  }
+  tdist::MoeRouter& router() {
+    op();
+    return *box_->router;
+  }
+
+  const char* name_;
+  tdist::MoeConfig config_;
+  int device_ = 0, rank_ = 0, world_size_ = 0;
+  std::shared_ptr<MoeBox<Op>> box_;
+};
+
+class MoeAg : public MoeContext<tdist::MoeAgGroupGemm> {
+ public:
+  MoeAg(nb::handle runtime, int64_t max_m, int64_t k, int experts, int topk, const std::string& dtype)
+      : MoeContext(runtime, "moe_ag_group_gemm", max_m, k, 0, experts, topk, dtype) {}
+
+  // Runs with `method` as asked (auto: the op's own choice, timed where the op times it); returns
+  // what auto resolves to without timing, or the method asked for (run false: only that).
+  std::string run(uint64_t a_local, uint64_t topk_ids, uint64_t b, uint64_t d, int64_t m, int64_t n, uint64_t stream,
+                  const std::string& method, bool run) {
+    tdist::MoeAgGroupGemmArgs a;
+    a.a_local = ptr<const void>(a_local);
+    a.topk_ids = ptr<const int>(topk_ids);
+    a.b = ptr<const void>(b);
+    a.d = ptr<void>(d);
+    a.m = m;
+    a.n = n;
+    const tdist::OverlapMethod requested = tdist::parse_overlap_method(method, "method");
+    nb::gil_scoped_release release;
+    tdist_python::ScopedDevice scope(device_);
+    const tdist::OverlapMethod chosen = op().method(a, requested);  // checks the arguments first
+    if (run) op().run(a, reinterpret_cast<cudaStream_t>(stream), requested);
+    return tdist::to_string(chosen);
+  }
+};
+
+class MoeRs : public MoeContext<tdist::MoeGroupGemmRs> {
+ public:
+  MoeRs(nb::handle runtime, int64_t max_m, int64_t max_n, int experts, int topk, const std::string& dtype)
+      : MoeContext(runtime, "moe_group_gemm_rs", max_m, 0, max_n, experts, topk, dtype) {}
+
+  // Routes `topk_ids` on `stream`, then runs (all_reduce: run_all_reduce) with `method` as asked;
+  // returns what auto resolves to without timing, or the method asked for.
+  std::string run(uint64_t h, uint64_t b, uint64_t topk_ids, uint64_t topk_weights, uint64_t d, int64_t m, int64_t n,
+                  int64_t k, uint64_t stream, const std::string& method, bool all_reduce, bool run) {
+    TDIST_CHECK_ARG(m >= 0 && m <= config_.max_m, "m", "0 to the context's max_m (", config_.max_m, "), got ", m);
+    TDIST_CHECK_ARG(m == 0 || topk_ids != 0, "topk_ids", "a device pointer");
+    const tdist::OverlapMethod requested = tdist::parse_overlap_method(method, "method");
+    tdist::MoeGroupGemmRsArgs a;
+    a.h = ptr<const void>(h);
+    a.b = ptr<const void>(b);
+    a.topk_weights = ptr<const float>(topk_weights);
+    a.d = ptr<void>(d);
+    a.m = m;
+    a.n = n;
+    a.k = k;
+    const auto s = reinterpret_cast<cudaStream_t>(stream);
+    nb::gil_scoped_release release;
+    tdist_python::ScopedDevice scope(device_);
+    a.routing = &router().route(ptr<const int>(topk_ids), m, s);
+    if (all_reduce) {
+      if (run) op().run_all_reduce(a, s);
+      return "all_reduce";
+    }
+    const tdist::OverlapMethod chosen = op().method(a, requested);  // checks the arguments first
+    if (run) op().run(a, s, requested);
+    return tdist::to_string(chosen);
+  }
+};
+
+}  // namespace
+
+void bind_moe(nb::module_& m) {
+  nb::class_<MoeAg>(m, "MoeAgGroupGemm", "AllGather + grouped GEMM context; use tdist.moe_ag_group_gemm.")
+      .def(nb::init<nb::handle, int64_t, int64_t, int, int, const std::string&>(), "runtime"_a, "max_m"_a, "k"_a,
+           "experts"_a, "topk"_a, "dtype"_a)
+      .def("run", &MoeAg::run, "a_local"_a, "topk_ids"_a, "b"_a, "d"_a, "m"_a, "n"_a, "stream"_a, "method"_a,
+           "run"_a = true)
+      .def("close", &MoeAg::close)
+      .def_prop_ro("closed", &MoeAg::closed)
+      .def_prop_ro("max_m", &MoeAg::max_m)
+      .def_prop_ro("k", &MoeAg::k);
+  nb::class_<MoeRs>(m, "MoeGroupGemmRs",
+                    "Grouped GEMM + top-k reduce + ReduceScatter / AllReduce context; use tdist.moe_group_gemm_rs.")
+      .def(nb::init<nb::handle, int64_t, int64_t, int, int, const std::string&>(), "runtime"_a, "max_m"_a,
+           "max_n"_a, "experts"_a, "topk"_a, "dtype"_a)
+      .def("run", &MoeRs::run, "h"_a, "b"_a, "topk_ids"_a, "topk_weights"_a, "d"_a, "m"_a, "n"_a, "k"_a, "stream"_a,
+           "method"_a, "all_reduce"_a, "run"_a = true)
+      .def("close", &MoeRs::close)
+      .def_prop_ro("closed", &MoeRs::closed)
+      .def_prop_ro("max_m", &MoeRs::max_m)
+      .def_prop_ro("max_n", &MoeRs::max_n);
+  m.def("moe_capacity", &tdist::moe_capacity, "m"_a, "topk"_a, "experts"_a,
+        "Rows of the expert-ordered matrices for any routing of m tokens.");
+  m.def(
+      "moe_check_routing",
+      [](int64_t m, int topk, int experts, int world_size, int rank) {
+        tdist::check_moe_routing_args(m, topk, experts, world_size, rank);
+      },
+      "m"_a, "topk"_a, "experts"_a, "world_size"_a, "rank"_a,
+      "Raises tdist.Error naming m, topk, experts, world_size or rank when they cannot be routed.");
+  m.def(
+      "moe_routing_reference",
+      [](const std::vector<int>& topk_ids, int64_t m, int topk, int experts, int world_size, int rank) {
+        const tdist::MoeRoutingHost r = tdist::moe_routing_reference(topk_ids, m, topk, experts, world_size, rank);
+        return std::make_tuple(r.offsets, r.counts, r.token_of_row, r.row_of_pair);
+      },
+      "topk_ids"_a, "m"_a, "topk"_a, "experts"_a, "world_size"_a, "rank"_a,
+      "The routing of one rank on the host: (offsets [E + 1], counts [E], token_of_row [offsets[E]], "
+      "row_of_pair [m * topk]).");
+  m.def(
+      "moe_method", [](int64_t m, int world_size) { return std::string(tdist::to_string(tdist::choose_moe_method(m, world_size))); },
+      "m"_a, "world_size"_a, "The method 'auto' runs for m tokens on world_size ranks.");
+}

@@ -1,0 +1,254 @@
+"""Mixture-of-experts layers under tensor parallelism (tdist/ops/moe.hpp, docs/moe.md), on torch tensors.
+
+Every rank holds every expert's shard of the intermediate features; the communication runs behind
+the grouped GEMM.
+
+    h13 = tdist.moe_ag_group_gemm(x_rows, topk_ids, w13)                # AllGather + grouped GEMM
+    h = silu(h13[:, :f]) * h13[:, f:]                                   # the activation, row by row
+    y_rows = tdist.moe_group_gemm_rs(h, w2, topk_ids, topk_weights)     # grouped GEMM + top-k reduce + RS
+    y_all = tdist.moe_group_gemm_ar(h, w2, topk_ids, topk_weights)      # ... + AllReduce (decode)
+
+Shapes (M tokens over all ranks, rows(r) = M // W + (r < M % W) of them on rank r, after rank r's
+predecessors'; E experts; T = bf16 or fp16):
+
+    x_rows        T [rows(rank), K]        this rank's tokens
+    topk_ids      int32 [M, topk]          every token's experts, the same on every rank (int64 converted)
+    topk_weights  float32 [M, topk]        the router's weights
+    w13 / w2      T [E, N, K]              this rank's shard of every expert (rows: output features)
+    -> moe_ag_group_gemm   T [capacity(M, topk, E), N] in expert order: expert e's pairs in rows
+                           [offsets[e], offsets[e] + counts[e]), zero padding rows up to offsets[e + 1]
+                           (routing_reference gives the layout); rows past offsets[E] are not written
+    -> moe_group_gemm_rs   T [rows(rank), N]: sum over ranks and k of topk_weights[t, k] * (h row of (t, k)) x w2_e^T
+    -> moe_group_gemm_ar   T [M, N]: the same for every token, on every rank
+
+The routing (sort by expert, padding to 128-row tiles) runs on the GPU, with no host synchronisation;
+moe_group_gemm_rs routes topk_ids again (a pure function of the ids, so the rows match the first
+projection's). An expert id outside [0, E) stops the routing kernel with a message naming topk_ids.
+Collective: every rank calls with the same M, shapes and method. method: 'auto', 'chunked' or
+'baseline' (docs/moe.md). Each op keeps one context per (dtype, experts, topk, K or N) on tdist's
+heap, created on the first call and re-created larger when a call has more tokens (collective; never
+during a CUDA graph capture: run the largest call once first). Registered as
+torch.ops.tdist.moe_ag_group_gemm and torch.ops.tdist.moe_group_gemm_rs with fake implementations.
+"""
+
+# No `from __future__ import annotations`: torch.library.custom_op reads the annotations as types.
+from . import _C
+from ._tensors import Error, torch_dtype_name, torch_module
+
+_DTYPES = {"bfloat16": "bf16", "float16": "f16"}
+_METHODS = ("auto", "chunked", "baseline")
+_contexts = {}  # (kind, dtype, experts, topk, k) -> C++ context of the live runtime
+
+
+def _fail(op: str, name: str, expected: str, got) -> None:
+    raise Error(f"tdist.{op}: invalid argument '{name}': expected {expected}, got {got}")
+
+
+def _shape(t) -> tuple:
+    return tuple(int(s) for s in t.shape)
+
+
+def capacity(m: int, topk: int, experts: int) -> int:
+    """Rows of the expert-ordered matrices for any routing of m tokens."""
+    return _C.moe_capacity(int(m), int(topk), int(experts))
+
+
+def rows_of(m: int, world_size: int, rank: int) -> tuple:
+    """(first token, tokens) of rank's part of m tokens."""
+    base, extra = divmod(int(m), int(world_size))
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def routing_reference(topk_ids, experts: int, world_size: int = 1, rank: int = 0) -> dict:
+    """The routing of rank on the host (the GPU computes the same): offsets [E + 1], counts [E],
+    token_of_row [offsets[E]] (-1: padding), row_of_pair [M][topk]. topk_ids: [M, topk] ints (a tensor
+    or nested lists); raises tdist.Error naming topk_ids for an id outside [0, experts)."""
+    rows = topk_ids.tolist() if hasattr(topk_ids, "tolist") else list(topk_ids)
+    m = len(rows)
+    topk = len(rows[0]) if m else 1
+    if any(len(r) != topk for r in rows):
+        _fail("moe.routing_reference", "topk_ids", "[M, topk] rows of one length", [len(r) for r in rows])
+    flat = [int(v) for r in rows for v in r]
+    offsets, counts, token_of_row, row_of_pair = _C.moe_routing_reference(flat, m, topk, int(experts),
+                                                                          int(world_size), int(rank))
+    return dict(offsets=offsets, counts=counts, token_of_row=token_of_row,
+                row_of_pair=[row_of_pair[t * topk:(t + 1) * topk] for t in range(m)])
+
+
+def _check_tensor(op, name, t, dtypes, dims, device):
+    torch = torch_module()
+    if not isinstance(t, torch.Tensor):
+        _fail(op, name, "a torch tensor", type(t).__name__)
+    if torch_dtype_name(t.dtype) not in dtypes:
+        _fail(op, name, " or ".join(dtypes), torch_dtype_name(t.dtype))
+    if t.dim() != len(dims) or any(d is not None and s != d for s, d in zip(_shape(t), dims)):
+        shape = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
+        _fail(op, name, f"shape {shape}", list(_shape(t)))
+    if device is not None and t.device != device:
+        _fail(op, name, f"a tensor on {device}", t.device)
+    if t.device.type not in ("cuda", "meta"):
+        _fail(op, name, "a CUDA tensor", t.device)
+    if not t.is_contiguous():
+        _fail(op, name, "a contiguous tensor", f"strides {tuple(t.stride())}")
+
+
+def _check_method(op, method):
+    if method not in _METHODS:
+        _fail(op, "method", "'auto', 'chunked' or 'baseline'", repr(method))
+
+
+def check_ag_args(x_rows, topk_ids, w, method="auto", world_size=1, rank=0) -> dict:
+    """Shapes, dtypes and devices of a moe_ag_group_gemm call; raises tdist.Error naming the argument."""
+    op = "moe_ag_group_gemm"
+    _check_method(op, method)
+    _check_tensor(op, "w", w, tuple(_DTYPES), (None, None, None), None)
+    experts, n, k = _shape(w)
+    _check_tensor(op, "topk_ids", topk_ids, ("int32", "int64"), (None, None), w.device)
+    m, topk = _shape(topk_ids)
+    _C.moe_check_routing(m, topk, experts, world_size, rank)
+    _check_tensor(op, "x_rows", x_rows, (torch_dtype_name(w.dtype),), (rows_of(m, world_size, rank)[1], k), w.device)
+    return dict(m=m, n=n, k=k, experts=experts, topk=topk, dtype=_DTYPES[torch_dtype_name(w.dtype)])
+
+
+def check_rs_args(h, w, topk_ids, topk_weights, method="auto", world_size=1, rank=0) -> dict:
+    """Shapes, dtypes and devices of a moe_group_gemm_rs / _ar call; raises tdist.Error naming the argument."""
+    op = "moe_group_gemm_rs"
+    _check_method(op, method)
+    _check_tensor(op, "w", w, tuple(_DTYPES), (None, None, None), None)
+    experts, n, k = _shape(w)
+    _check_tensor(op, "topk_ids", topk_ids, ("int32", "int64"), (None, None), w.device)
+    m, topk = _shape(topk_ids)
+    _C.moe_check_routing(m, topk, experts, world_size, rank)
+    _check_tensor(op, "topk_weights", topk_weights, ("float32",), (m, topk), w.device)
+    _check_tensor(op, "h", h, (torch_dtype_name(w.dtype),), (capacity(m, topk, experts), k), w.device)
+    return dict(m=m, n=n, k=k, experts=experts, topk=topk, dtype=_DTYPES[torch_dtype_name(w.dtype)])
+
+
+def _context(kind: str, s: dict, rt):
+    """The live runtime's context for this call, made or grown (collectively) when the call needs it."""
+    torch = torch_module()
+    for key in [key for key, (r, _) in _contexts.items() if r is not rt]:  # a finalised runtime's: closed with it
+        _contexts.pop(key)
+    key = (kind, s["dtype"], s["experts"], s["topk"], s["k"] if kind == "ag" else 0)
+    entry = _contexts.get(key)
+    ctx = entry[1] if entry is not None else None
+    fits = ctx is not None and s["m"] <= ctx.max_m and (kind == "ag" or s["n"] <= ctx.max_n)
+    if fits:
+        return ctx
+    if torch.cuda.is_current_stream_capturing():
+        raise Error(f"tdist.moe: a call of {s['m']} tokens needs a new context, which cannot be made during CUDA "
+                    "graph capture: run the largest call once before capturing")
+    max_m = max(s["m"], 2 * ctx.max_m if ctx is not None else s["m"], 1)
+    if ctx is not None:
+        ctx.close()
+    if kind == "ag":
+        ctx = _C.MoeAgGroupGemm(rt, max_m, s["k"], s["experts"], s["topk"], s["dtype"])
+    else:
+        max_n = max(s["n"], ctx.max_n if ctx is not None else 0)
+        ctx = _C.MoeGroupGemmRs(rt, max_m, max_n, s["experts"], s["topk"], s["dtype"])
+    _contexts[key] = (rt, ctx)
+    return ctx
+
+
+def _ids32(topk_ids):
+    torch = torch_module()
+    return topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32).contiguous()
+
+
+def _ag(x_rows, topk_ids, w, method):
+    from ._runtime import runtime
+
+    torch = torch_module()
+    rt = runtime("moe_ag_group_gemm")
+    s = check_ag_args(x_rows, topk_ids, w, method, rt.world_size, rt.rank)
+    d = torch.empty((capacity(s["m"], s["topk"], s["experts"]), s["n"]), dtype=w.dtype, device=w.device)
+    if s["m"] == 0 or s["n"] == 0:
+        return d
+    ids = _ids32(topk_ids)
+    ctx = _context("ag", s, rt)
+    ctx.run(x_rows.data_ptr(), ids.data_ptr(), w.data_ptr(), d.data_ptr(), s["m"], s["n"],
+            torch.cuda.current_stream(w.device).cuda_stream, method)
+    return d
+
+
+def _rs(h, w, topk_ids, topk_weights, method, all_reduce):
+    from ._runtime import runtime
+
+    torch = torch_module()
+    rt = runtime("moe_group_gemm_rs")
+    s = check_rs_args(h, w, topk_ids, topk_weights, method, rt.world_size, rt.rank)
+    rows = s["m"] if all_reduce else rows_of(s["m"], rt.world_size, rt.rank)[1]
+    d = torch.empty((rows, s["n"]), dtype=w.dtype, device=w.device)
+    if s["m"] == 0 or s["n"] == 0:
+        return d
+    ids = _ids32(topk_ids)
+    ctx = _context("rs", s, rt)
+    ctx.run(h.data_ptr(), w.data_ptr(), ids.data_ptr(), topk_weights.data_ptr(), d.data_ptr(), s["m"], s["n"], s["k"],
+            torch.cuda.current_stream(w.device).cuda_stream, method, all_reduce)
+    return d
+
+
+def _register(torch):
+    from torch import Tensor
+
+    def ag(x_rows: Tensor, topk_ids: Tensor, w: Tensor, method: str = "auto") -> Tensor:
+        return _ag(x_rows, topk_ids, w, method)
+
+    def ag_fake(x_rows, topk_ids, w, method="auto"):
+        from ._runtime import runtime
+
+        rt = runtime("moe_ag_group_gemm")
+        s = check_ag_args(x_rows, topk_ids, w, method, rt.world_size, rt.rank)
+        return w.new_empty((capacity(s["m"], s["topk"], s["experts"]), s["n"]))
+
+    def rs(h: Tensor, w: Tensor, topk_ids: Tensor, topk_weights: Tensor, method: str = "auto",
+           all_reduce: bool = False) -> Tensor:
+        return _rs(h, w, topk_ids, topk_weights, method, all_reduce)
+
+    def rs_fake(h, w, topk_ids, topk_weights, method="auto", all_reduce=False):
+        from ._runtime import runtime
+
+        rt = runtime("moe_group_gemm_rs")
+        s = check_rs_args(h, w, topk_ids, topk_weights, method, rt.world_size, rt.rank)
+        rows = s["m"] if all_reduce else rows_of(s["m"], rt.world_size, rt.rank)[1]
+        return w.new_empty((rows, s["n"]))
+
+    ops = []
+    for name, fn, fake in (("tdist::moe_ag_group_gemm", ag, ag_fake), ("tdist::moe_group_gemm_rs", rs, rs_fake)):
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+        op.register_fake(fake)
+        ops.append(op)
+    return ops
+
+
+_ops = _register(torch_module()) if torch_module() is not None else None
+
+
+def _torch(op: str):
+    torch = torch_module()
+    if torch is None:
+        raise Error(f"tdist.{op} needs PyTorch, which is not installed")
+    return torch
+
+
+def moe_ag_group_gemm(x_rows, topk_ids, w, *, method: str = "auto"):
+    """AllGather of every rank's tokens + grouped GEMM: T [capacity(M, topk, E), N] in expert order
+    (see the module's docstring). Collective."""
+    return _torch("moe_ag_group_gemm").ops.tdist.moe_ag_group_gemm(x_rows, topk_ids, w, method)
+
+
+def moe_group_gemm_rs(h, w, topk_ids, topk_weights, *, method: str = "auto"):
+    """Grouped GEMM + top-k weighted reduce + ReduceScatter: T [rows(rank), N], this rank's tokens.
+    h: T [capacity(M, topk, E), K] in expert order (moe_ag_group_gemm's rows). Collective."""
+    return _torch("moe_group_gemm_rs").ops.tdist.moe_group_gemm_rs(h, w, topk_ids, topk_weights, method, False)
+
+
+def moe_group_gemm_ar(h, w, topk_ids, topk_weights):
+    """Grouped GEMM + top-k weighted reduce + AllReduce: T [M, N], every token on every rank (decode).
+    Collective."""
+    return _torch("moe_group_gemm_ar").ops.tdist.moe_group_gemm_rs(h, w, topk_ids, topk_weights, "auto", True)
+
+
+def method(m: int, world_size: int) -> str:
+    """The method 'auto' runs for m tokens on world_size ranks."""
+    return _C.moe_method(int(m), int(world_size))

@@ -1,0 +1,297 @@
+"""GPU tests of tdist's tensor-parallel MoE ops under torchrun:
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/python/gpu_test_moe.py
+
+Every rank draws the same tokens, ids and weights (seeded alike) and its own weight shards; the
+references are float64, built from the host routing (tdist.moe.routing_reference), with every
+rank's partial sums added through torch.distributed.
+
+* moe_ag_group_gemm: every expert-ordered row against x[token] @ w[e]^T, padding rows exactly 0;
+* moe_group_gemm_rs / moe_group_gemm_ar: against the sum over ranks and slots of w * h[row] @ w2[e]^T,
+  with h's padding rows and the rows past offsets[E] filled with garbage (they must not be read);
+* methods auto, chunked and baseline; bf16 and fp16; random, skewed, single-expert routings; M = 1
+  (below the world size), odd M, M past the chunked bound; K and N odd multiples of 8; int64 ids;
+* the worked layer of docs/moe.md (up projection, SwiGLU, down projection) against a float64 layer;
+* a CUDA graph of the layer replayed with fresh routing and tokens; torch.compile(fullgraph=True);
+* argument errors naming the argument.
+Outputs come from torch's allocator, poisoned with NaN before each call.
+"""
+
+import sys
+
+import gpu_harness as h
+from gpu_harness import expect_error, rank, world
+
+import tdist  # noqa: F401 (gpu_harness imported it before torch)
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+moe = tdist.moe
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def poison_allocator():
+    junk = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    junk.fill_(0xFF)
+    del junk
+
+
+def routing_ids(m, topk, experts, kind, seed):
+    """int32 [m, topk] distinct experts per token, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand((m, experts), generator=g)
+    if kind == "skewed":
+        scores = scores + (torch.arange(experts) < 2) * 0.8
+    elif kind == "single":  # every token's first slot on expert 1
+        scores = scores + (torch.arange(experts) == 1) * 10.0
+    return scores.topk(topk, dim=1).indices.to(torch.int32)
+
+
+def rand(shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def all_ranks_sum(t):
+    t = t.cuda()
+    dist.all_reduce(t)
+    return t.cpu()
+
+
+def ag_reference(x_all, ids, w, routing):
+    """float64 [offsets[E], N]: expert e's rows x[token] @ w[e]^T, its padding rows 0."""
+    offsets, counts = routing["offsets"], routing["counts"]
+    tor = torch.tensor(routing["token_of_row"], dtype=torch.long)
+    E = w.shape[0]
+    ref = torch.zeros((offsets[E], w.shape[1]), dtype=torch.float64)
+    for e in range(E):
+        rows = torch.arange(offsets[e], offsets[e] + counts[e])
+        assert bool((tor[rows] >= 0).all()) and bool((tor[offsets[e] + counts[e]:offsets[e + 1]] < 0).all())
+        ref[rows] = x_all[tor[rows]].double() @ w[e].double().T
+    return ref
+
+
+def rs_partial(h, w2, ids, weights, routing):
+    """This rank's float64 [M, N]: sum over slots k of weights[t, k] * h[row_of_pair[t][k]] @ w2[e]^T."""
+    m, topk = ids.shape
+    out = torch.zeros((m, w2.shape[1]), dtype=torch.float64)
+    rop = torch.tensor(routing["row_of_pair"], dtype=torch.long).view(m, topk)
+    for e in range(w2.shape[0]):
+        t, k = (ids.long() == e).nonzero(as_tuple=True)
+        if t.numel():
+            part = h[rop[t, k]].double() @ w2[e].double().T
+            out.index_add_(0, t, weights[t, k].double().view(-1, 1) * part)
+    return out
+
+
+def check_close(got, ref, what, tol=1e-2):
+    got = got.detach().double().cpu()
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
+    assert not torch.isnan(got).any(), f"{what}: NaN in the output"
+    err = (got - ref).abs().max().item() if got.numel() else 0.0
+    scale = max(ref.abs().max().item() if ref.numel() else 0.0, 1e-3)
+    assert err <= tol * scale, f"{what}: max |err| {err:.4g} > {tol} x {scale:.4g}"
+
+
+def garbage_padding(h, routing, capacity):
+    """h with its padding rows and the rows past offsets[E] set to large values (not read by the op)."""
+    h = h.clone()
+    tor = routing["token_of_row"]
+    pad = [r for r in range(len(tor)) if tor[r] < 0] + list(range(len(tor), capacity))
+    if pad:
+        h[torch.tensor(pad)] = 3.0e4
+    return h
+
+
+CASES = [  # (m, topk, experts, K, N, routing)
+    (1, 2, 4, 200, 136, "random"),
+    (301, 2, 8, 200, 136, "random"),
+    (1200, 2, 8, 136, 264, "skewed"),
+    (517, 4, 6, 72, 104, "single"),
+]
+
+
+def test_moe_ag_group_gemm():
+    W, me = world(), rank()
+    seed = 10
+    for dtype in (torch.bfloat16, torch.float16):
+        for (m, topk, E, K, N, kind) in CASES:
+            for method in ("auto", "chunked", "baseline"):
+                seed += 1
+                what = f"ag {dtype} m={m} topk={topk} E={E} K={K} N={N} {kind} {method}"
+                ids = routing_ids(m, topk, E, kind, seed)
+                x_all = rand((m, K), dtype, seed + 1)
+                w = rand((E, N, K), dtype, seed + 100 * (me + 2), scale=0.1)  # this rank's shard
+                first, rows = moe.rows_of(m, W, me)
+                ids_dev = ids.cuda() if method != "auto" else ids.to(torch.int64).cuda()  # int64 converted
+                poison_allocator()
+                d = tdist.moe_ag_group_gemm(x_all[first:first + rows].cuda(), ids_dev, w.cuda(), method=method)
+                cap = moe.capacity(m, topk, E)
+                assert tuple(d.shape) == (cap, N), what
+                routing = moe.routing_reference(ids, E, W, me)
+                ref = ag_reference(x_all, ids, w, routing)
+                got = d[:routing["offsets"][E]]
+                check_close(got, ref, what, TOL[dtype])
+                pad = torch.tensor([r for r, t in enumerate(routing["token_of_row"]) if t < 0], dtype=torch.long)
+                if pad.numel():
+                    assert bool((got.cpu()[pad] == 0).all()), f"{what}: padding rows not 0"
+
+
+def test_moe_group_gemm_rs_and_ar():
+    W, me = world(), rank()
+    seed = 1000
+    for dtype in (torch.bfloat16, torch.float16):
+        for (m, topk, E, K, N, kind) in CASES:
+            for method in ("auto", "chunked", "baseline", "all_reduce"):
+                seed += 1
+                what = f"rs {dtype} m={m} topk={topk} E={E} K={K} N={N} {kind} {method}"
+                ids = routing_ids(m, topk, E, kind, seed)
+                weights = torch.rand((m, topk), generator=torch.Generator().manual_seed(seed + 2))
+                cap = moe.capacity(m, topk, E)
+                routing = moe.routing_reference(ids, E, W, me)
+                h_rows = rand((cap, K), dtype, seed + 100 * (me + 2))
+                w2 = rand((E, N, K), dtype, seed + 100 * (me + 2) + 1, scale=0.1)
+                hh = garbage_padding(h_rows, routing, cap)
+                ref = all_ranks_sum(rs_partial(h_rows, w2, ids, weights, routing))
+                poison_allocator()
+                if method == "all_reduce":
+                    y = tdist.moe_group_gemm_ar(hh.cuda(), w2.cuda(), ids.cuda(), weights.cuda())
+                    check_close(y, ref, what, TOL[dtype])
+                else:
+                    y = tdist.moe_group_gemm_rs(hh.cuda(), w2.cuda(), ids.cuda(), weights.cuda(), method=method)
+                    first, rows = moe.rows_of(m, W, me)
+                    check_close(y, ref[first:first + rows], what, TOL[dtype])
+
+
+def layer_weights(E, hidden, ffn_local, seed):
+    """This rank's shards: w13 [E, 2 F, H] (gate rows, then up rows), w2 [E, H, F]."""
+    w13 = rand((E, 2 * ffn_local, hidden), torch.bfloat16, seed + 10 * rank(), scale=hidden ** -0.5)
+    w2 = rand((E, hidden, ffn_local), torch.bfloat16, seed + 10 * rank() + 1, scale=(ffn_local * world()) ** -0.5)
+    return w13, w2
+
+
+def layer_reference(x_all, ids, weights, w13, w2):
+    """float64 [M, H]: sum over ranks and slots of weights * (silu(x w1^T) * (x w3^T)) w2^T on the shards."""
+    f = w2.shape[2]
+    m, topk = ids.shape
+    out = torch.zeros((m, w2.shape[1]), dtype=torch.float64)
+    for e in range(w13.shape[0]):
+        t, k = (ids.long() == e).nonzero(as_tuple=True)
+        if t.numel():
+            a = x_all[t].double() @ w13[e].double().T
+            part = (F.silu(a[:, :f]) * a[:, f:]) @ w2[e].double().T
+            out.index_add_(0, t, weights[t, k].double().view(-1, 1) * part)
+    return all_ranks_sum(out)
+
+
+def moe_layer(x_rows, topk_ids, topk_weights, w13, w2):
+    # --- the layer of docs/moe.md ---
+    h13 = tdist.moe_ag_group_gemm(x_rows, topk_ids, w13)        # [capacity, 2 F] in expert order
+    f = h13.shape[1] // 2
+    h = F.silu(h13[:, :f]) * h13[:, f:]                          # row by row; padding rows stay 0
+    return tdist.moe_group_gemm_rs(h, w2, topk_ids, topk_weights)  # [rows(rank), H]
+
+
+def test_docs_layer():
+    W, me = world(), rank()
+    E, topk, hidden, ffn_local = 8, 2, 256, 136
+    w13, w2 = layer_weights(E, hidden, ffn_local, 4000)
+    for m, kind in ((64, "random"), (777, "skewed")):
+        ids = routing_ids(m, topk, E, kind, 4100 + m)
+        weights = torch.rand((m, topk), generator=torch.Generator().manual_seed(4200 + m))
+        x_all = rand((m, hidden), torch.bfloat16, 4300 + m)
+        first, rows = moe.rows_of(m, W, me)
+        poison_allocator()
+        y = moe_layer(x_all[first:first + rows].cuda(), ids.cuda(), weights.cuda(), w13.cuda(), w2.cuda())
+        ref = layer_reference(x_all, ids, weights, w13, w2)
+        check_close(y, ref[first:first + rows], f"docs layer m={m} {kind}", tol=3e-2)
+
+
+def test_cuda_graph_fresh_routing():
+    W, me = world(), rank()
+    E, topk, hidden, ffn_local, m = 8, 2, 256, 136, 600
+    w13, w2 = layer_weights(E, hidden, ffn_local, 5000)
+    w13_d, w2_d = w13.cuda(), w2.cuda()
+    first, rows = moe.rows_of(m, W, me)
+    x_s = torch.zeros((rows, hidden), dtype=torch.bfloat16, device="cuda")
+    ids_s = torch.zeros((m, topk), dtype=torch.int32, device="cuda")
+    ids_s[:, 1] = 1
+    w_s = torch.zeros((m, topk), dtype=torch.float32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe_layer(x_s, ids_s, w_s, w13_d, w2_d)  # contexts made, kernels loaded
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = moe_layer(x_s, ids_s, w_s, w13_d, w2_d)
+    for rep, kind in enumerate(("random", "skewed", "single")):
+        ids = routing_ids(m, topk, E, kind, 5100 + rep)
+        weights = torch.rand((m, topk), generator=torch.Generator().manual_seed(5200 + rep))
+        x_all = rand((m, hidden), torch.bfloat16, 5300 + rep)
+        x_s.copy_(x_all[first:first + rows].cuda())
+        ids_s.copy_(ids.cuda())
+        w_s.copy_(weights.cuda())
+        y.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = layer_reference(x_all, ids, weights, w13, w2)
+        check_close(y, ref[first:first + rows], f"graph replay {rep} {kind}", tol=3e-2)
+    del g
+    torch.cuda.synchronize()
+
+
+def test_torch_compile():
+    W, me = world(), rank()
+    E, topk, hidden, ffn_local, m = 8, 2, 256, 136, 100
+    w13, w2 = layer_weights(E, hidden, ffn_local, 6000)
+    ids = routing_ids(m, topk, E, "random", 6100)
+    weights = torch.rand((m, topk), generator=torch.Generator().manual_seed(6200))
+    x_all = rand((m, hidden), torch.bfloat16, 6300)
+    first, rows = moe.rows_of(m, W, me)
+    compiled = torch.compile(moe_layer, fullgraph=True)
+    y = compiled(x_all[first:first + rows].cuda(), ids.cuda(), weights.cuda(), w13.cuda(), w2.cuda())
+    ref = layer_reference(x_all, ids, weights, w13, w2)
+    check_close(y, ref[first:first + rows], "torch.compile layer", tol=3e-2)
+
+
+def test_errors():
+    W, me = world(), rank()
+    m, topk, E, K, N = 40, 2, 4, 64, 72
+    ids = routing_ids(m, topk, E, "random", 7000).cuda()
+    weights = torch.rand((m, topk), device="cuda")
+    first, rows = moe.rows_of(m, W, me)
+    x = torch.randn((rows, K), device="cuda").to(torch.bfloat16)
+    w = torch.randn((E, N, K), device="cuda").to(torch.bfloat16)
+    h_ = torch.randn((moe.capacity(m, topk, E), K), device="cuda").to(torch.bfloat16)
+    expect_error(lambda: tdist.moe_ag_group_gemm(x, ids, w.float()), "'w'", "bfloat16")
+    expect_error(lambda: tdist.moe_ag_group_gemm(x.half(), ids, w), "'x_rows'")
+    expect_error(lambda: tdist.moe_ag_group_gemm(x[:, :8].contiguous(), ids, w), "'x_rows'")
+    expect_error(lambda: tdist.moe_ag_group_gemm(torch.cat([x, x]), ids, w), "'x_rows'")
+    expect_error(lambda: tdist.moe_ag_group_gemm(x, ids.float(), w), "'topk_ids'")
+    expect_error(lambda: tdist.moe_ag_group_gemm(x, ids, w, method="fused"), "'method'")
+    expect_error(lambda: tdist.moe_ag_group_gemm(x, ids[:, :1].repeat(1, E + 1).contiguous(), w), "'topk'")
+    expect_error(lambda: tdist.moe_group_gemm_rs(h_, w, ids, weights[:-1]), "'topk_weights'")
+    expect_error(lambda: tdist.moe_group_gemm_rs(h_, w, ids, weights.double()), "'topk_weights'")
+    expect_error(lambda: tdist.moe_group_gemm_rs(h_[:-1], w, ids, weights), "'h'")
+    expect_error(lambda: tdist.moe_group_gemm_rs(h_.t(), w, ids, weights), "'h'")
+    # a good call still works after them
+    y = tdist.moe_group_gemm_rs(h_, w, ids, weights)
+    assert tuple(y.shape) == (rows, N)
+    torch.cuda.synchronize()
+
+
+TESTS = [
+    test_moe_ag_group_gemm,
+    test_moe_group_gemm_rs_and_ar,
+    test_docs_layer,
+    test_cuda_graph_fresh_routing,
+    test_torch_compile,
+    test_errors,
+]
+
+if __name__ == "__main__":
+    sys.exit(h.run_tests(TESTS))
