@@ -134,7 +134,7 @@ def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, M, N, K, m_l
 
 @triton.jit
 def _gemm_rs_kernel(heap, a, b, recv, counters, M, N, K, m_local, stride_am, stride_bn, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
     # recv, on every rank: [world (source), m_local, N] in the output dtype; counters[0] counts arrivals.
     me = tdl.rank(heap)
     world = tdl.num_ranks(heap)
@@ -152,9 +152,12 @@ def _gemm_rs_kernel(heap, a, b, recv, counters, M, N, K, m_local, stride_am, str
     b_ptrs = b + cols_c[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kmask = offs_k < K - k0
-        acc = tl.dot(tl.load(a_ptrs, mask=kmask[None, :], other=0.0), tl.load(b_ptrs, mask=kmask[:, None], other=0.0),
-                     acc)
+        if EVEN_K:
+            acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc)
+        else:
+            kmask = offs_k < K - k0
+            acc = tl.dot(tl.load(a_ptrs, mask=kmask[None, :], other=0.0),
+                         tl.load(b_ptrs, mask=kmask[:, None], other=0.0), acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     dest = rows_c // m_local
@@ -341,7 +344,8 @@ def gemm_rs(a, b):
     _rs.target += _rs.arrivals_per_call
     out = torch.empty((m_local, n), device=a.device, dtype=a.dtype)
     grid = (triton.cdiv(m, bm) * tiles_n,)
-    _gemm_rs_kernel[grid](view.tensor, a, b, recv, counters, m, n, k, m_local, a.stride(0), b.stride(0), **cfg)
+    _gemm_rs_kernel[grid](view.tensor, a, b, recv, counters, m, n, k, m_local, a.stride(0), b.stride(0),
+                          EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg)
     _rs_reduce[(triton.cdiv(m_local, 32), triton.cdiv(n, 256))](view.tensor, recv, out, counters, _rs.target, m_local,
                                                                   n, BLOCK_M=32, BLOCK_N=256, num_warps=4)
     return out

@@ -1,0 +1,104 @@
+"""CPU tests of tdist.triton's AG-GEMM and GEMM-RS kernels (no GPU): every tile configuration compiles for
+sm_90a with its K loop pipelined and its shared memory within an H200 SM's, the persistent AG-GEMM takes
+its tiles through one thread's atomic, and its launch shape keeps pushing programs and at most one
+program per SM. Skipped, with the reason printed, where Triton is not installed."""
+
+import sys
+
+import pytest
+
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+except ImportError as e:  # pragma: no cover - depends on the environment
+    print(f"test_triton_gemm.py: skipped, Triton is not installed ({e}); pip install 'triton>=3.6'", file=sys.stderr)
+    pytest.skip(f"Triton is not installed ({e})", allow_module_level=True)
+
+import tdist.triton  # noqa: F401
+from tdist.triton import gemm
+
+SM90 = GPUTarget("cuda", 90, 32)
+kMaxSharedBytes = 227 * 1024  # per block on H100 / H200
+
+AG_SIG = {"heap": "*i64", "x": "*bf16", "gathered": "*bf16", "b": "*bf16", "out": "*bf16", "flags": "*i64",
+          "tile_counter": "*i32", "M": "i32", "N": "i32", "K": "i32", "m_local": "i32", "num_chunks": "i32",
+          "epoch": "i64", "stride_bn": "i32", "num_push": "i32"}
+RS_SIG = {"heap": "*i64", "a": "*bf16", "b": "*bf16", "recv": "*bf16", "counters": "*i64", "M": "i32", "N": "i32",
+          "K": "i32", "m_local": "i32", "stride_am": "i32", "stride_bn": "i32"}
+
+
+def _compile(fn, sig, constexprs, cfg, aligned):
+    # Pointers 16-byte aligned and the named integers multiples of 16, as Triton's launcher specialises them
+    # for the LLaMA shapes.
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    opts = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    try:
+        return triton.compile(triton.compiler.ASTSource(fn, sig, constexprs, attrs), target=SM90, options=opts)
+    except RuntimeError as e:
+        if "ptxas" in str(e):
+            pytest.skip(f"Triton cannot assemble for sm_90 here: {e}")
+        raise
+
+
+def _tiles(cfg):
+    return {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+
+
+CONFIGS = [pytest.param(gemm.kLargeConfig, id="large"), pytest.param(gemm.kSmallConfig, id="small")]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("even_k", [True, False])
+def test_ag_gemm_configs_compile_pipelined(cfg, even_k):
+    constexprs = dict(CHUNK=gemm.kChunkRows, PUSH_K=16 * cfg["num_warps"], EVEN_K=even_k, **_tiles(cfg))
+    aligned = ("heap", "x", "gathered", "b", "out", "flags", "tile_counter", "K", "stride_bn")
+    c = _compile(gemm._ag_gemm_kernel, AG_SIG, constexprs, cfg, aligned)
+    ptx = c.asm["ptx"]
+    assert "wgmma.mma_async" in ptx, "the GEMM does not use Hopper's wgmma"
+    assert "cp.async" in ptx, "the K loop is not pipelined"
+    stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    assert cfg["num_stages"] * stage <= c.metadata.shared <= kMaxSharedBytes, (c.metadata.shared, stage)
+    # Tiles come from a counter: one thread's relaxed atomic per fetch, broadcast through shared memory.
+    atoms = [line for line in ptx.splitlines() if "atom.global" in line and ".add.u32" in line]
+    assert len(atoms) == 2 and all(line.strip().startswith("@%p") for line in atoms), atoms
+    # The waits keep the timeout, the record of the abort action and the trap.
+    assert "%globaltimer" in ptx and "atom.cas.sys.b32" in ptx and "trap;" in ptx
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("even_k", [True, False])
+def test_gemm_rs_configs_compile_pipelined(cfg, even_k):
+    aligned = ("heap", "a", "b", "recv", "counters", "N", "K", "stride_am", "stride_bn")
+    c = _compile(gemm._gemm_rs_kernel, RS_SIG, dict(EVEN_K=even_k, **_tiles(cfg)), cfg, aligned)
+    ptx = c.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+    assert c.metadata.shared <= kMaxSharedBytes
+    assert "red.release.sys.add.u64" in ptx  # the arrival count, after the partial's stores
+
+
+def test_rs_reduce_compiles():
+    sig = {"heap": "*i64", "recv": "*bf16", "out": "*bf16", "counters": "*i64", "target": "i64", "m_local": "i32",
+           "N": "i32"}
+    c = _compile(gemm._rs_reduce, sig, dict(BLOCK_M=32, BLOCK_N=256), {"num_warps": 4, "num_stages": 3},
+                 ("heap", "recv", "out", "counters"))
+    assert "ld.acquire.sys.u64" in c.asm["ptx"]
+
+
+def test_config_choice():
+    assert gemm._gemm_config(8192, 14336) == gemm.kLargeConfig
+    assert gemm._gemm_config(1024, 14336) == gemm.kSmallConfig
+    assert gemm._gemm_config(8192, 1000) == gemm.kSmallConfig
+
+
+@pytest.mark.parametrize("sms,world,chunks,tiles,expected", [
+    (132, 2, 32, 2048, (132, 16)),   # LLaMA-70B at M = 8192: every SM, 16 pushing
+    (132, 2, 1, 1, (2, 1)),          # one chunk, one tile: the pusher and one program for the tile
+    (132, 1, 8, 500, (132, 0)),      # one rank: nothing to push
+    (132, 8, 2, 3, (17, 14)),        # 7 peers x 2 chunks: 14 pushers, plus the tiles
+    (8, 2, 64, 1000, (8, 1)),        # a small GPU: an eighth of the SMs push, at least one
+])
+def test_ag_launch_shape(sms, world, chunks, tiles, expected):
+    programs, push = gemm._ag_launch_shape(sms, world, chunks, tiles)
+    assert (programs, push) == expected
+    assert programs <= sms and push <= programs and (push > 0) == (world > 1)
