@@ -493,9 +493,11 @@ def _gathered(t):
 
 
 def test_ag_gemm_against_float64():
-    # Odd shapes (rows not a multiple of the tile or the chunk, K not a multiple of BLOCK_K) and one large
-    # shape that takes the 128 x 256 tiles.
-    for m_local, n, k in ((1, 33, 64), (77, 333, 200), (300, 1000, 1024), (1027, 2053, 520)):
+    # Odd shapes (rows not a multiple of the tile or the chunk, K not a multiple of BLOCK_K); fewer rows per
+    # rank than a tile with many tiles (every tile waits: more waiting tiles than SMs would hang a push
+    # that needs free SMs); large shapes that take the 128 x 256 tiles, pipelined (K a multiple of 64).
+    for m_local, n, k in ((1, 33, 64), (77, 333, 200), (33, 8192, 256), (300, 1000, 1024), (1027, 2053, 520),
+                          (1024, 3584, 8192), (3000, 2304, 512)):
         x = (fresh((m_local, k), seed=m_local) / k ** 0.5).to(torch.bfloat16)
         w = fresh((n, k), seed=n + 1).to(torch.bfloat16)
         out = tdist.triton.ag_gemm(x, w)
@@ -519,7 +521,7 @@ def test_ag_gemm_back_to_back():
 
 
 def test_gemm_rs_against_float64():
-    for m_local, n, k in ((1, 40, 64), (65, 333, 136), (512, 1000, 520), (1100, 2048, 512)):
+    for m_local, n, k in ((1, 40, 64), (65, 333, 136), (512, 1000, 520), (1100, 2048, 512), (1024, 2048, 1024)):
         m = m_local * world()
         a = (fresh((m, k), seed=m + 3) / k ** 0.5).to(torch.bfloat16)
         b = fresh((n, k), seed=n + 7).to(torch.bfloat16)
