@@ -496,7 +496,8 @@ def test_ag_gemm_against_float64():
     # Odd shapes (rows not a multiple of the tile or the chunk, K not a multiple of BLOCK_K); fewer rows per
     # rank than a tile with many tiles (every tile waits: more waiting tiles than SMs would hang a push
     # that needs free SMs); large shapes that take the 128 x 256 tiles, pipelined (K a multiple of 64).
-    for m_local, n, k in ((1, 33, 64), (77, 333, 200), (33, 8192, 256), (300, 1000, 1024), (1027, 2053, 520),
+    # K = 97: rows not 16-byte aligned, so the weight is read through pointers rather than TMA.
+    for m_local, n, k in ((1, 33, 64), (77, 333, 200), (45, 130, 97), (33, 8192, 256), (300, 1000, 1024), (1027, 2053, 520),
                           (1024, 3584, 8192), (3000, 2304, 512)):
         x = (fresh((m_local, k), seed=m_local) / k ** 0.5).to(torch.bfloat16)
         w = fresh((n, k), seed=n + 1).to(torch.bfloat16)
@@ -521,7 +522,9 @@ def test_ag_gemm_back_to_back():
 
 
 def test_gemm_rs_against_float64():
-    for m_local, n, k in ((1, 40, 64), (65, 333, 136), (512, 1000, 520), (1100, 2048, 512), (1024, 2048, 1024)):
+    # K = 99: rows not 16-byte aligned, so both operands go through pointers rather than TMA.
+    for m_local, n, k in ((1, 40, 64), (65, 333, 136), (33, 100, 99), (512, 1000, 520), (1100, 2048, 512),
+                          (1024, 2048, 1024)):
         m = m_local * world()
         a = (fresh((m, k), seed=m + 3) / k ** 0.5).to(torch.bfloat16)
         b = fresh((n, k), seed=n + 7).to(torch.bfloat16)

@@ -1,5 +1,5 @@
 """CPU tests of tdist.triton's AG-GEMM and GEMM-RS kernels (no GPU): every tile configuration compiles for
-sm_90a with its K loop pipelined and its shared memory within an H200 SM's, the persistent AG-GEMM takes
+sm_90a (the weight through TMA or pointers) with its K loop pipelined and its shared memory within an H200 SM's, the persistent AG-GEMM takes
 its tiles through one thread's atomic, and its launch shape keeps pushing programs and at most one
 program per SM. Skipped, with the reason printed, where Triton is not installed."""
 
@@ -50,13 +50,20 @@ CONFIGS = [pytest.param(gemm.kLargeConfig, id="large"), pytest.param(gemm.kSmall
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("even_k", [True, False])
-def test_ag_gemm_configs_compile_pipelined(cfg, even_k):
-    constexprs = dict(CHUNK=gemm.kChunkRows, PUSH_K=16 * cfg["num_warps"], EVEN_K=even_k, **_tiles(cfg))
-    aligned = ("heap", "x", "gathered", "b", "out", "flags", "tile_counter", "K", "stride_bn")
-    c = _compile(gemm._ag_gemm_kernel, AG_SIG, constexprs, cfg, aligned)
+@pytest.mark.parametrize("b_tma", [True, False])
+def test_ag_gemm_configs_compile_pipelined(cfg, even_k, b_tma):
+    constexprs = dict(CHUNK=gemm.kChunkRows, PUSH_K=16 * cfg["num_warps"], EVEN_K=even_k, B_TMA=b_tma, **_tiles(cfg))
+    sig = dict(AG_SIG)
+    aligned = ["heap", "x", "gathered", "out", "flags", "tile_counter", "K", "stride_bn"]
+    if b_tma:
+        sig["b"] = f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>"
+    else:
+        aligned.append("b")
+    c = _compile(gemm._ag_gemm_kernel, sig, constexprs, cfg, aligned)
     ptx = c.asm["ptx"]
     assert "wgmma.mma_async" in ptx, "the GEMM does not use Hopper's wgmma"
-    assert "cp.async" in ptx, "the K loop is not pipelined"
+    assert "cp.async.cg" in ptx or "cp.async.ca" in ptx, "the K loop is not pipelined"
+    assert ("cp.async.bulk.tensor" in ptx) == b_tma, "B is read through TMA exactly when asked"
     stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
     assert cfg["num_stages"] * stage <= c.metadata.shared <= kMaxSharedBytes, (c.metadata.shared, stage)
     # Tiles come from a counter: one thread's relaxed atomic per fetch, broadcast through shared memory.
@@ -68,11 +75,24 @@ def test_ag_gemm_configs_compile_pipelined(cfg, even_k):
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("even_k", [True, False])
-def test_gemm_rs_configs_compile_pipelined(cfg, even_k):
-    aligned = ("heap", "a", "b", "recv", "counters", "N", "K", "stride_am", "stride_bn")
-    c = _compile(gemm._gemm_rs_kernel, RS_SIG, dict(EVEN_K=even_k, **_tiles(cfg)), cfg, aligned)
+@pytest.mark.parametrize("ab_tma", [True, False])
+def test_gemm_rs_configs_compile_pipelined(cfg, even_k, ab_tma):
+    sig = dict(RS_SIG)
+    aligned = ["heap", "recv", "counters", "N", "K", "stride_am", "stride_bn"]
+    if ab_tma:
+        sig["a"] = f"tensordesc<bf16[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>"
+        sig["b"] = f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>"
+    else:
+        aligned += ["a", "b"]
+    c = _compile(gemm._gemm_rs_kernel, sig, dict(EVEN_K=even_k, AB_TMA=ab_tma, **_tiles(cfg)), cfg, aligned)
     ptx = c.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async" in ptx
+    assert "wgmma.mma_async" in ptx
+    if ab_tma:  # both operands through TMA, multi-buffered
+        assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
+        stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+        assert c.metadata.shared >= 2 * stage, (c.metadata.shared, stage)
+    else:
+        assert "cp.async.cg" in ptx or "cp.async.ca" in ptx
     assert c.metadata.shared <= kMaxSharedBytes
     assert "red.release.sys.add.u64" in ptx  # the arrival count, after the partial's stores
 

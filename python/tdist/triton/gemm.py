@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import language as tdl
 from ._launch import heap_view
@@ -81,7 +82,8 @@ def _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, wor
 @triton.jit
 def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, M, N, K, m_local, num_chunks, epoch, stride_bn,
                     num_push, CHUNK: tl.constexpr, PUSH_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                    B_TMA: tl.constexpr):
     # Persistent: one program per SM at most. Programs [0, num_push) first push this rank's rows to the
     # peers (no wait before: the pushes progress whatever the peers do); then every program takes GEMM tiles
     # from a counter (dynamic: the pushing programs join late without leaving a tail). Tiles go in grouped
@@ -114,19 +116,29 @@ def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, M, N, K, m_l
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols_c = tl.minimum(cols, N - 1)
         a_ptrs = a_rows[:, None] + offs_k[None, :]
-        b_ptrs = b + cols_c[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                a_tile = tl.load(a_ptrs)
-                b_tile = tl.load(b_ptrs)
-            else:
-                kmask = offs_k < K - k0
-                a_tile = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-                b_tile = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
-            acc = tl.dot(a_tile, b_tile, acc)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+        if B_TMA:
+            # b: a TMA descriptor of w [N, K], blocks [BLOCK_N, BLOCK_K]; out-of-range columns and K read 0.
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a_tile = tl.load(a_ptrs)
+                else:
+                    a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                acc = tl.dot(a_tile, b.load([pid_n * BLOCK_N, k0]).T, acc)
+                a_ptrs += BLOCK_K
+        else:
+            b_ptrs = b + cols_c[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a_tile = tl.load(a_ptrs)
+                    b_tile = tl.load(b_ptrs)
+                else:
+                    kmask = offs_k < K - k0
+                    a_tile = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+                    b_tile = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+                acc = tl.dot(a_tile, b_tile, acc)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
         omask = (rows[:, None] < M) & (cols[None, :] < N)
         tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty), mask=omask)
         tile = next_tile
@@ -134,8 +146,10 @@ def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, M, N, K, m_l
 
 @triton.jit
 def _gemm_rs_kernel(heap, a, b, recv, counters, M, N, K, m_local, stride_am, stride_bn, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                    AB_TMA: tl.constexpr):
     # recv, on every rank: [world (source), m_local, N] in the output dtype; counters[0] counts arrivals.
+    # AB_TMA: a and b are TMA descriptors (blocks [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]), else pointers.
     me = tdl.rank(heap)
     world = tdl.num_ranks(heap)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -147,19 +161,23 @@ def _gemm_rs_kernel(heap, a, b, recv, counters, M, N, K, m_local, stride_am, str
     rows_c = tl.minimum(rows, M - 1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_c = tl.minimum(cols, N - 1)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a + rows_c[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b + cols_c[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc)
-        else:
-            kmask = offs_k < K - k0
-            acc = tl.dot(tl.load(a_ptrs, mask=kmask[None, :], other=0.0),
-                         tl.load(b_ptrs, mask=kmask[:, None], other=0.0), acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if AB_TMA:  # rows, columns and K past the ends read 0
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(a.load([pid_m * BLOCK_M, k0]), b.load([pid_n * BLOCK_N, k0]).T, acc)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a + rows_c[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        b_ptrs = b + cols_c[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc)
+            else:
+                kmask = offs_k < K - k0
+                acc = tl.dot(tl.load(a_ptrs, mask=kmask[None, :], other=0.0),
+                             tl.load(b_ptrs, mask=kmask[:, None], other=0.0), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
     dest = rows_c // m_local
     local_row = rows_c - dest * m_local
     ptrs = recv + (me * m_local + local_row)[:, None].to(tl.int64) * N + cols[None, :]
@@ -305,10 +323,15 @@ def ag_gemm(x, w):
     # One kernel on the current stream: no side stream, so nothing depends on how the block scheduler
     # interleaves two kernels. The pushing programs have the lowest ids (dispatched first) and wait for
     # nothing before their pushes: the GEMM's waits always end.
+    # The weight through TMA where its layout allows it (16-byte aligned base and rows): the copy engine of
+    # the SM fetches B, zero-filling past N and K. A stays on pointer loads: its rows come from x or the
+    # gathered buffer, row by row, after the flags.
+    b_tma = w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
+    b = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]]) if b_tma else w
     _ag_start[(1,)](view.tensor, _ag.pad, _ag.tile_counter)
-    _ag_gemm_kernel[(programs,)](view.tensor, x, gathered, w, out, flags, _ag.tile_counter, m, n, k, m_local,
+    _ag_gemm_kernel[(programs,)](view.tensor, x, gathered, b, out, flags, _ag.tile_counter, m, n, k, m_local,
                                  num_chunks, _ag.epoch, w.stride(0), push, CHUNK=kChunkRows,
-                                 PUSH_K=16 * cfg["num_warps"], EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg)
+                                 PUSH_K=16 * cfg["num_warps"], EVEN_K=k % cfg["BLOCK_K"] == 0, B_TMA=b_tma, **cfg)
     return out
 
 
@@ -344,8 +367,13 @@ def gemm_rs(a, b):
     _rs.target += _rs.arrivals_per_call
     out = torch.empty((m_local, n), device=a.device, dtype=a.dtype)
     grid = (triton.cdiv(m, bm) * tiles_n,)
-    _gemm_rs_kernel[grid](view.tensor, a, b, recv, counters, m, n, k, m_local, a.stride(0), b.stride(0),
-                          EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg)
+    ab_tma = all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, b))
+    a_arg, b_arg = a, b
+    if ab_tma:
+        a_arg = TensorDescriptor.from_tensor(a, [bm, cfg["BLOCK_K"]])
+        b_arg = TensorDescriptor.from_tensor(b, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    _gemm_rs_kernel[grid](view.tensor, a_arg, b_arg, recv, counters, m, n, k, m_local, a.stride(0), b.stride(0),
+                          EVEN_K=k % cfg["BLOCK_K"] == 0, AB_TMA=ab_tma, **cfg)
     _rs_reduce[(triton.cdiv(m_local, 32), triton.cdiv(n, 256))](view.tensor, recv, out, counters, _rs.target, m_local,
                                                                   n, BLOCK_M=32, BLOCK_N=256, num_warps=4)
     return out
