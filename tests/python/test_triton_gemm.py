@@ -21,7 +21,7 @@ SM90 = GPUTarget("cuda", 90, 32)
 kMaxSharedBytes = 227 * 1024  # per block on H100 / H200
 
 AG_SIG = {"heap": "*i64", "x": "*bf16", "gathered": "*bf16", "b": "*bf16", "out": "*bf16", "flags": "*i64",
-          "tile_counter": "*i32", "M": "i32", "N": "i32", "K": "i32", "m_local": "i32", "num_chunks": "i32",
+          "tile_counter": "*i32", "x_delta": "i64", "M": "i32", "N": "i32", "K": "i32", "m_local": "i32", "num_chunks": "i32",
           "epoch": "i64", "stride_bn": "i32", "num_push": "i32"}
 RS_SIG = {"heap": "*i64", "a": "*bf16", "b": "*bf16", "recv": "*bf16", "counters": "*i64", "M": "i32", "N": "i32",
           "K": "i32", "m_local": "i32", "stride_am": "i32", "stride_bn": "i32"}
@@ -54,7 +54,7 @@ CONFIGS = [pytest.param(gemm.kLargeConfig, id="large"), pytest.param(gemm.kSmall
 def test_ag_gemm_configs_compile_pipelined(cfg, even_k, b_tma):
     constexprs = dict(CHUNK=gemm.kChunkRows, PUSH_K=16 * cfg["num_warps"], EVEN_K=even_k, B_TMA=b_tma, **_tiles(cfg))
     sig = dict(AG_SIG)
-    aligned = ["heap", "x", "gathered", "out", "flags", "tile_counter", "K", "stride_bn"]
+    aligned = ["heap", "x", "gathered", "out", "flags", "tile_counter", "x_delta", "K", "stride_bn"]
     if b_tma:
         sig["b"] = f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>"
     else:

@@ -80,7 +80,8 @@ def _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, wor
 
 
 @triton.jit
-def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, M, N, K, m_local, num_chunks, epoch, stride_bn,
+def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, x_delta, M, N, K, m_local, num_chunks, epoch,
+                    stride_bn,
                     num_push, CHUNK: tl.constexpr, PUSH_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                     B_TMA: tl.constexpr):
@@ -111,7 +112,12 @@ def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, M, N, K, m_l
         # Expected 0 always holds: own rows never wait. After an aborted wait the loads below read stale
         # rows (garbage, as the contract says), never out of bounds: addresses come from the row numbers.
         seen = tdl.wait(heap, flags + src * num_chunks + local_row // CHUNK, tl.where(own, 0, epoch))
-        a_rows = tl.where(own, x + local_row.to(tl.int64) * K, gathered + rows_c.to(tl.int64) * K)
+        # One base: row r of the gathered buffer, or for this rank's own rows the same row of x, which lies
+        # x_delta - me * m_local * K elements further. Arithmetic rather than tl.where: a select (of pointers
+        # or of offsets) loses the alignment facts in Triton 3.9, and with them the vector loads and the
+        # pipelined K loop; a product and a sum keep them.
+        own_shift = x_delta.to(tl.int64) - (me * m_local).to(tl.int64) * K
+        a_rows = gathered + (rows_c.to(tl.int64) * K + own.to(tl.int64) * own_shift)
         a_rows = tdl.consume_token(a_rows, seen)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols_c = tl.minimum(cols, N - 1)
@@ -329,7 +335,9 @@ def ag_gemm(x, w):
     b_tma = w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
     b = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]]) if b_tma else w
     _ag_start[(1,)](view.tensor, _ag.pad, _ag.tile_counter)
-    _ag_gemm_kernel[(programs,)](view.tensor, x, gathered, b, out, flags, _ag.tile_counter, m, n, k, m_local,
+    # x as an offset from gathered, in elements (both are 2-byte aligned, so the division is exact).
+    x_delta = (x.data_ptr() - gathered.data_ptr()) // x.element_size()
+    _ag_gemm_kernel[(programs,)](view.tensor, x, gathered, b, out, flags, _ag.tile_counter, x_delta, m, n, k, m_local,
                                  num_chunks, _ag.epoch, w.stride(0), push, CHUNK=kChunkRows,
                                  PUSH_K=16 * cfg["num_warps"], EVEN_K=k % cfg["BLOCK_K"] == 0, B_TMA=b_tma, **cfg)
     return out
