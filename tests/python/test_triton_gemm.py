@@ -3,6 +3,7 @@ sm_90a (the weight through TMA or pointers) with its K loop pipelined and its sh
 its tiles through one thread's atomic, and its launch shape keeps pushing programs and at most one
 program per SM. Skipped, with the reason printed, where Triton is not installed."""
 
+import re
 import sys
 
 import pytest
@@ -54,7 +55,7 @@ CONFIGS = [pytest.param(gemm.kLargeConfig, id="large"), pytest.param(gemm.kSmall
 def test_ag_gemm_configs_compile_pipelined(cfg, even_k, b_tma):
     constexprs = dict(CHUNK=gemm.kChunkRows, PUSH_K=16 * cfg["num_warps"], EVEN_K=even_k, B_TMA=b_tma, **_tiles(cfg))
     sig = dict(AG_SIG)
-    aligned = ["heap", "x", "gathered", "out", "flags", "tile_counter", "x_delta", "K", "stride_bn"]
+    aligned = ["heap", "x", "gathered", "out", "flags", "tile_counter", "x_delta", "N", "K", "stride_bn"]
     if b_tma:
         sig["b"] = f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>"
     else:
@@ -64,6 +65,8 @@ def test_ag_gemm_configs_compile_pipelined(cfg, even_k, b_tma):
     assert "wgmma.mma_async" in ptx, "the GEMM does not use Hopper's wgmma"
     assert "cp.async.cg" in ptx or "cp.async.ca" in ptx, "the K loop is not pipelined"
     assert ("cp.async.bulk.tensor" in ptx) == b_tma, "B is read through TMA exactly when asked"
+    # 16-byte accesses for A (pushed and loaded) and the output tile: no 2-byte access survives.
+    assert not re.search(r"(ld|st)\.global\.b16", ptx), "an access of A or of the output is not vectorised"
     stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
     assert cfg["num_stages"] * stage <= c.metadata.shared <= kMaxSharedBytes, (c.metadata.shared, stage)
     # Tiles come from a counter: one thread's relaxed atomic per fetch, broadcast through shared memory.
@@ -87,6 +90,7 @@ def test_gemm_rs_configs_compile_pipelined(cfg, even_k, ab_tma):
     c = _compile(gemm._gemm_rs_kernel, sig, dict(EVEN_K=even_k, AB_TMA=ab_tma, **_tiles(cfg)), cfg, aligned)
     ptx = c.asm["ptx"]
     assert "wgmma.mma_async" in ptx
+    assert not re.search(r"(ld|st)\.global\.b16", ptx), "an access of the operands or the partials is not vectorised"
     if ab_tma:  # both operands through TMA, multi-buffered
         assert "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
         stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
