@@ -115,14 +115,22 @@ def test_config_choice():
     assert gemm._gemm_config(8192, 1000) == gemm.kSmallConfig
 
 
-@pytest.mark.parametrize("sms,world,chunks,tiles,expected", [
-    (132, 2, 32, 2048, (132, 16)),   # LLaMA-70B at M = 8192: every SM, 16 pushing
-    (132, 2, 1, 1, (2, 1)),          # one chunk, one tile: the pusher and one program for the tile
-    (132, 1, 8, 500, (132, 0)),      # one rank: nothing to push
-    (132, 8, 2, 3, (17, 14)),        # 7 peers x 2 chunks: 14 pushers, plus the tiles
-    (8, 2, 64, 1000, (8, 1)),        # a small GPU: an eighth of the SMs push, at least one
+@pytest.mark.parametrize("sms,per_sm,world,chunks,tiles,expected", [
+    (132, 1, 2, 32, 2048, (132, 16)),   # LLaMA-70B at M = 8192: every SM, 16 pushing
+    (132, 2, 2, 8, 1792, (264, 8)),     # small tiles: two programs per SM; 8 chunks, 8 pushers
+    (132, 1, 2, 1, 1, (2, 1)),          # one chunk, one tile: the pusher and one program for the tile
+    (132, 1, 1, 8, 500, (132, 0)),      # one rank: nothing to push
+    (132, 2, 8, 2, 3, (17, 14)),        # 7 peers x 2 chunks: 14 pushers, plus the tiles
+    (8, 1, 2, 64, 1000, (8, 1)),        # a small GPU: an eighth of the SMs push, at least one
 ])
-def test_ag_launch_shape(sms, world, chunks, tiles, expected):
-    programs, push = gemm._ag_launch_shape(sms, world, chunks, tiles)
+def test_ag_launch_shape(sms, per_sm, world, chunks, tiles, expected):
+    programs, push = gemm._ag_launch_shape(sms, per_sm, world, chunks, tiles)
     assert (programs, push) == expected
-    assert programs <= sms and push <= programs and (push > 0) == (world > 1)
+    assert programs <= sms * per_sm and push <= programs and (push > 0) == (world > 1)
+
+
+@pytest.mark.parametrize("cfg,per_sm", [(gemm.kLargeConfig, 1), (gemm.kSmallConfig, 2)])
+def test_programs_per_sm_fit_in_shared_memory(cfg, per_sm):
+    assert gemm._programs_per_sm(cfg) == per_sm
+    stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    assert per_sm * (cfg["num_stages"] * stage + 1024) <= 228 * 1024

@@ -212,8 +212,8 @@ def _rs_reduce(heap, recv, out, counters, target, m_local, N, BLOCK_M: tl.conste
 
 # Tile configurations, fixed rather than autotuned: an autotuner times each candidate on each rank alone,
 # but these kernels wait on their peers, so every rank would have to time the same candidate at the same
-# moment and pick the same winner. Hopper (wgmma) tiles for the large shapes (one program per SM: 3 stages
-# of 128 x 64 + 64 x 256 bf16 take 144 KiB of shared memory); smaller tiles keep enough programs for small M.
+# moment and pick the same winner. Hopper (wgmma) tiles for the large shapes (3 stages of 128 x 64 +
+# 64 x 256 bf16 take 144 KiB of shared memory); smaller tiles keep enough programs for small M.
 kLargeConfig = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 kSmallConfig = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
 kPushPrograms = 16  # AG-GEMM programs that push before they compute (about 8 SMs fill NVLink: DESIGN.md)
@@ -227,11 +227,18 @@ def _num_sms(device, torch) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _ag_launch_shape(num_sms: int, world: int, num_chunks: int, num_tiles: int) -> tuple[int, int]:
-    """(programs, pushing programs) of the persistent AG-GEMM: at most one program per SM; the pushing
-    programs are a few (an eighth of the SMs at most, one per work item at most), none for one rank."""
+def _programs_per_sm(cfg: dict) -> int:
+    # Shared memory decides (228 KiB per H100 / H200 SM): the large tiles' 144 KiB leave room for one
+    # program, the small tiles' 96 KiB for two.
+    return 1 if cfg["BLOCK_M"] * cfg["BLOCK_N"] >= 128 * 256 else 2
+
+
+def _ag_launch_shape(num_sms: int, per_sm: int, world: int, num_chunks: int, num_tiles: int) -> tuple[int, int]:
+    """(programs, pushing programs) of the persistent AG-GEMM: at most per_sm programs per SM (as many as
+    fit at once); the pushing programs are a few (an eighth of the SMs at most, one per work item at
+    most), none for one rank."""
     push = 0 if world == 1 else max(1, min(kPushPrograms, num_sms // 8, (world - 1) * num_chunks))
-    return max(1, min(num_sms, num_tiles + push)), push
+    return max(1, min(num_sms * per_sm, num_tiles + push)), push
 
 
 def _check(op: str, cond: bool, message: str):
@@ -325,7 +332,7 @@ def ag_gemm(x, w):
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     cfg = _gemm_config(m, n)
     num_tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-    programs, push = _ag_launch_shape(_ag.num_sms, world, num_chunks, num_tiles)
+    programs, push = _ag_launch_shape(_ag.num_sms, _programs_per_sm(cfg), world, num_chunks, num_tiles)
     # One kernel on the current stream: no side stream, so nothing depends on how the block scheduler
     # interleaves two kernels. The pushing programs have the lowest ids (dispatched first) and wait for
     # nothing before their pushes: the GEMM's waits always end.
