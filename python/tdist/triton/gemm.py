@@ -85,7 +85,7 @@ def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, x_delta, M, 
                     num_push, CHUNK: tl.constexpr, PUSH_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                     B_TMA: tl.constexpr):
-    # Persistent: one program per SM at most. Programs [0, num_push) first push this rank's rows to the
+    # Persistent: as many programs per SM as fit at once, no more. Programs [0, num_push) first push this rank's rows to the
     # peers (no wait before: the pushes progress whatever the peers do); then every program takes GEMM tiles
     # from a counter (dynamic: the pushing programs join late without leaving a tail). Tiles go in grouped
     # order starting with this rank's own rows, which are read from x and never wait; a tile holding a
