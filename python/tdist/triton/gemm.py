@@ -333,9 +333,6 @@ def ag_gemm(x, w):
     cfg = _gemm_config(m, n)
     num_tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     programs, push = _ag_launch_shape(_ag.num_sms, _programs_per_sm(cfg), world, num_chunks, num_tiles)
-    # One kernel on the current stream: no side stream, so nothing depends on how the block scheduler
-    # interleaves two kernels. The pushing programs have the lowest ids (dispatched first) and wait for
-    # nothing before their pushes: the GEMM's waits always end.
     # The weight through TMA where its layout allows it (16-byte aligned base and rows): the copy engine of
     # the SM fetches B, zero-filling past N and K. A stays on pointer loads: its rows come from x or the
     # gathered buffer, row by row, after the flags.
@@ -344,6 +341,9 @@ def ag_gemm(x, w):
     _ag_start[(1,)](view.tensor, _ag.pad, _ag.tile_counter)
     # x as an offset from gathered, in elements (both are 2-byte aligned, so the division is exact).
     x_delta = (x.data_ptr() - gathered.data_ptr()) // x.element_size()
+    # One kernel on the current stream: no side stream, so nothing depends on how the block scheduler
+    # interleaves two kernels. The pushing programs have the lowest ids (dispatched first) and wait for
+    # nothing before their pushes: the GEMM's waits always end.
     _ag_gemm_kernel[(programs,)](view.tensor, x, gathered, b, out, flags, _ag.tile_counter, x_delta, m, n, k, m_local,
                                  num_chunks, _ag.epoch, w.stride(0), push, CHUNK=kChunkRows,
                                  PUSH_K=16 * cfg["num_warps"], EVEN_K=k % cfg["BLOCK_K"] == 0, B_TMA=b_tma, **cfg)
