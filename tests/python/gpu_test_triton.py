@@ -510,6 +510,20 @@ def test_ag_gemm_against_float64():
     h.expect_error(lambda: tdist.triton.ag_gemm(x.float(), w), "'x' must be bfloat16 or float16")
 
 
+def test_ag_gemm_views():
+    # x a row slice (its offset from the gathered buffer not a multiple of 16 elements), w a column slice
+    # (rows longer than K) and w offset by one element (not 16-byte aligned: pointer loads, not TMA).
+    m_local, n, k = 70, 300, 200
+    xs = (fresh((m_local + 1, k), seed=61) / k ** 0.5).to(torch.bfloat16)
+    wide = fresh((n + 1, k + 24), seed=62).to(torch.bfloat16)
+    x = xs[1:]
+    for w in (wide[:n, :k], wide.view(-1)[1:1 + n * k].view(n, k)):
+        out = tdist.triton.ag_gemm(x, w)
+        torch.cuda.synchronize()
+        ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_ag_gemm_back_to_back():
     m_local, n, k, calls = 130, 257, 256, 20
     xs = [(fresh((m_local, k), seed=100 + i) / k ** 0.5).to(torch.bfloat16) for i in range(calls)]
@@ -573,7 +587,7 @@ TESTS = [test_rank_world_symm_at, test_ring_put_signal_wait_sys, test_signal_add
          test_notify_wait_both_scopes_on_one_gpu, test_get, test_barriers, test_200_back_to_back_calls,
          test_wait_times_out_and_aborts, test_wait_times_out_and_traps,
          test_triton_and_cpp_kernels_share_flags,
-         test_ag_gemm_against_float64, test_ag_gemm_back_to_back, test_gemm_rs_against_float64,
+         test_ag_gemm_against_float64, test_ag_gemm_views, test_ag_gemm_back_to_back, test_gemm_rs_against_float64,
          test_tutorial_notify_wait, test_tutorial_allgather, test_tutorial_all_to_all, test_tutorial_ag_gemm]
 
 
