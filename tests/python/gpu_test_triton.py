@@ -497,8 +497,8 @@ def test_ag_gemm_against_float64():
     # rank than a tile with many tiles (every tile waits: more waiting tiles than SMs would hang a push
     # that needs free SMs); large shapes that take the 128 x 256 tiles, pipelined (K a multiple of 64).
     # K = 97: rows not 16-byte aligned, so the weight is read through pointers rather than TMA.
-    for m_local, n, k in ((1, 33, 64), (77, 333, 200), (45, 130, 97), (33, 8192, 256), (300, 1000, 1024), (1027, 2053, 520),
-                          (1024, 3584, 8192), (3000, 2304, 512)):
+    for m_local, n, k in ((1, 33, 64), (77, 333, 200), (45, 130, 97), (33, 8192, 256), (300, 1000, 1024),
+                          (1027, 2053, 520), (1024, 3584, 8192), (3000, 2304, 512)):
         x = (fresh((m_local, k), seed=m_local) / k ** 0.5).to(torch.bfloat16)
         w = fresh((n, k), seed=n + 1).to(torch.bfloat16)
         out = tdist.triton.ag_gemm(x, w)

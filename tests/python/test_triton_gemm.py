@@ -1,7 +1,8 @@
 """CPU tests of tdist.triton's AG-GEMM and GEMM-RS kernels (no GPU): every tile configuration compiles for
-sm_90a (the weight through TMA or pointers) with its K loop pipelined and its shared memory within an H200 SM's, the persistent AG-GEMM takes
-its tiles through one thread's atomic, and its launch shape keeps pushing programs and at most one
-program per SM. Skipped, with the reason printed, where Triton is not installed."""
+sm_90a (operands through TMA or pointers) with wgmma, a pipelined K loop, 16-byte accesses and its shared
+memory within an H200 SM's; the persistent AG-GEMM takes its tiles through one thread's atomic, and its
+launch shape keeps pushing programs and no more programs than fit at once. Skipped, with the reason
+printed, where Triton is not installed."""
 
 import re
 import sys
@@ -22,7 +23,8 @@ SM90 = GPUTarget("cuda", 90, 32)
 kMaxSharedBytes = 227 * 1024  # per block on H100 / H200
 
 AG_SIG = {"heap": "*i64", "x": "*bf16", "gathered": "*bf16", "b": "*bf16", "out": "*bf16", "flags": "*i64",
-          "tile_counter": "*i32", "x_delta": "i64", "M": "i32", "N": "i32", "K": "i32", "m_local": "i32", "num_chunks": "i32",
+          "tile_counter": "*i32", "x_delta": "i64", "M": "i32", "N": "i32", "K": "i32", "m_local": "i32",
+          "num_chunks": "i32",
           "epoch": "i64", "stride_bn": "i32", "num_push": "i32"}
 RS_SIG = {"heap": "*i64", "a": "*bf16", "b": "*bf16", "recv": "*bf16", "counters": "*i64", "M": "i32", "N": "i32",
           "K": "i32", "m_local": "i32", "stride_am": "i32", "stride_bn": "i32"}

@@ -81,16 +81,15 @@ def _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, wor
 
 @triton.jit
 def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, x_delta, M, N, K, m_local, num_chunks, epoch,
-                    stride_bn,
-                    num_push, CHUNK: tl.constexpr, PUSH_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    stride_bn, num_push, CHUNK: tl.constexpr, PUSH_K: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
                     B_TMA: tl.constexpr):
-    # Persistent: as many programs per SM as fit at once, no more. Programs [0, num_push) first push this rank's rows to the
-    # peers (no wait before: the pushes progress whatever the peers do); then every program takes GEMM tiles
-    # from a counter (dynamic: the pushing programs join late without leaving a tail). Tiles go in grouped
-    # order starting with this rank's own rows, which are read from x and never wait; a tile holding a
-    # peer's rows waits for the flags of their chunks (one flag per row, a block wait), then loads A through
-    # consume_token.
+    # Persistent: as many programs per SM as fit at once, no more. Programs [0, num_push) first push this
+    # rank's rows to the peers (no wait before: the pushes progress whatever the peers do); then every
+    # program takes GEMM tiles from a counter (dynamic: the pushing programs join late without leaving a
+    # tail). Tiles go in grouped order starting with this rank's own rows, which are read from x and never
+    # wait; a tile holding a peer's rows waits for the flags of their chunks (one flag per row, a block
+    # wait), then loads A through consume_token. b: w [N, K], a TMA descriptor when B_TMA, else a pointer.
     pid = tl.program_id(0)
     if pid < num_push:
         _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, pid, num_push, CHUNK, PUSH_K)
