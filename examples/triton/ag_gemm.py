@@ -11,8 +11,8 @@ still read.
 
 Here every tile waits, even for this rank's rows, so the kernels rely on the push running while GEMM
 tiles spin: true for the small grids of this tutorial (they fit on the GPU at once). The library op
-tdist.triton.ag_gemm reads its own rows straight from A without waiting, which keeps SMs free for the
-push at any size.
+tdist.triton.ag_gemm holds at any size: one persistent kernel whose first programs push before they
+compute, and whose tiles start with this rank's own rows, read straight from A without waiting.
 
 Buffers (symmetric):
     gathered  bf16[world * m_local, K]   rows of rank r at r * m_local

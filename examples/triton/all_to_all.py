@@ -54,6 +54,7 @@ def dispatch(heap, rows, counts, flags, send, send_counts, recv, recv_counts, ca
     src_slot = parity * world + d
     seen = tdl.wait(heap, flags + src_slot, call)
     n = tl.load(tdl.consume_token(counts + src_slot, seen))
+    n = tl.minimum(tl.maximum(n, 0), cap)  # a timed-out wait returns anyway: bound the count before it indexes
     base = tdl.consume_token(rows, seen)
     tl.store(recv_counts + d, n)
     for r0 in range(0, n, BLOCK_R):

@@ -814,6 +814,14 @@ NB_MODULE(_C, m) {
   m.def(
       "device_fault_message", [] { return tdist::device_fault_message(); },
       "The message of this process's aborted device wait, or None.");
+  m.def(
+      "_wait_fault_record",
+      [] {
+        // Where kernels that are not the JIT's (Triton's) record an aborted wait: 0 when waits trap.
+        const bool trap = tdist::wait_timeout_action_from_env() == tdist::device::TimeoutAction::kTrap;
+        return trap ? uintptr_t{0} : reinterpret_cast<uintptr_t>(tdist::device_fault_record());
+      },
+      "Address of this process's host-mapped FaultRecord under TDIST_WAIT_TIMEOUT_ACTION=abort, else 0.");
   m.def("clear_device_fault", &tdist::clear_device_fault,
         "Forgets an aborted device wait so that waits wait again (after the world has been rebuilt).");
   m.def(

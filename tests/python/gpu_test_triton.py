@@ -1,5 +1,6 @@
 """GPU tests of tdist.triton (torchrun, 2 or more ranks): every primitive against expected data at both
-scopes, a wait that must time out with the diagnostic (in a subprocess: the trap kills the context),
+scopes, a wait that must time out with the diagnostic (in a subprocess, once per action: abort, the
+default, records the fault and returns; trap kills the context),
 200 back-to-back calls without host work, and a Triton kernel and a C++ (tdist.jit) kernel exchanging
 data and flags on one symmetric buffer.
 
@@ -317,7 +318,7 @@ def test_200_back_to_back_calls():
 
 
 _TIMEOUT_CHILD = r"""
-import ctypes, os, sys
+import ctypes, os, sys, time
 import tdist, torch, triton, triton.language as tl
 import tdist.triton, tdist.triton.language as tdl
 
@@ -326,18 +327,46 @@ import tdist.triton, tdist.triton.language as tdl
 def k_wait_forever(heap, flag):
     tdl.wait(heap, flag, 1)
 
+@tdist.triton.kernel
+@triton.jit
+def k_wait_many_forever(heap, flags):
+    tdl.wait(heap, flags + tl.arange(0, 4), 1)  # a block of flags: every thread spins
+
+def out(*args):
+    print(*args, flush=True)
+    ctypes.CDLL(None).fflush(None)  # the device printf goes through C stdio, buffered on a pipe
+
 tdist.init(heap_size="64M")
-flag = tdist.empty((1,), torch.int64)
-print("flag address", hex(flag.data_ptr()), flush=True)
+flag = tdist.empty((4,), torch.int64)
+flag.zero_()
+torch.cuda.synchronize()
+out("flag address", hex(flag.data_ptr()))
 try:
     k_wait_forever[(1,)](flag)
     torch.cuda.synchronize()
-    print("the wait returned", flush=True)
+    out("the wait returned")
 except Exception as e:
-    print("kernel failed:", type(e).__name__, e, flush=True)
-    sys.stdout.flush()
-    ctypes.CDLL(None).fflush(None)  # the device printf went through C stdio, buffered on a pipe
-    os._exit(3)  # the context is unusable: skip every teardown
+    out("kernel failed:", type(e).__name__, e)
+    os._exit(3)  # the context is unusable (trap): skip every teardown
+try:
+    tdist.check_device_faults()
+    out("no fault recorded")
+except tdist.DeviceTimeoutError as e:
+    out("device fault:", e)
+try:
+    k_wait_forever[(1,)](flag)
+    out("launched after the fault")
+except tdist.DeviceTimeoutError:
+    out("launch refused after the fault")
+# Followers: with the fault recorded, waits with a 300 s timeout give up at their first clock check.
+view = tdist.triton.heap_view(timeout=300.0)
+start = time.monotonic()
+k_wait_forever.fn[(8,)](view.tensor, flag)
+k_wait_many_forever.fn[(8,)](view.tensor, flag)
+torch.cuda.synchronize()
+out(f"followers returned after {time.monotonic() - start:.1f} s")
+out("context usable:", int(torch.arange(10, device="cuda").sum().item()))
+os._exit(0)
 """
 
 
@@ -347,17 +376,16 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def test_wait_times_out_with_the_diagnostic():
-    if rank() != 0:
-        return
+def _run_timeout_child(action):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCHELASTIC", "MASTER_", "GROUP_", "ROLE_", "LOCAL_WORLD", "TORCH_NCCL"))}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     device = torch.cuda.current_device()
     device = visible.split(",")[device] if visible else str(device)
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TDIST_WAIT_TIMEOUT_S="0.5",
-               CUDA_VISIBLE_DEVICES=device, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_triton_timeout_child.py")
+               TDIST_WAIT_TIMEOUT_ACTION=action, CUDA_VISIBLE_DEVICES=device, MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"_triton_timeout_child_{action}.py")
     with open(path, "w") as f:  # triton.jit needs its kernels in a file
         f.write(_TIMEOUT_CHILD)
     try:
@@ -365,13 +393,46 @@ def test_wait_times_out_with_the_diagnostic():
     finally:
         os.unlink(path)
     text = proc.stdout + proc.stderr
-    assert proc.returncode == 3, text
+    addr = next((int(line.split()[-1], 16) for line in text.splitlines() if line.startswith("flag address")), None)
+    assert addr is not None, text
+    return proc.returncode, text, addr
+
+
+def _diagnostic(text, suffix):
+    return re.search(r"tdist: wait timed out after 0\.5 s: rank 0, block \(0,0,0\), thread \(0,0,0\), "
+                     r"address (?:0x)?([0-9a-fA-F]+), waiting for value >= 1, seen 0" + re.escape(suffix) + "\n", text)
+
+
+def test_wait_times_out_and_aborts():
+    # The default action: the wait records the fault and returns; the process survives, the host raises
+    # tdist.DeviceTimeoutError, later launches are refused, every later wait gives up at once.
+    if rank() != 0:
+        return
+    code, text, addr = _run_timeout_child("abort")
+    assert code == 0, text
+    assert "the wait returned" in text, text
+    m = _diagnostic(text, "; aborting this process's waits")
+    assert m and int(m.group(1), 16) == addr, (hex(addr), text)
+    assert len(re.findall(r"tdist: wait timed out", text)) == 1, text  # only the first wait reports
+    fault = re.search(r"device fault: (.*)", text)
+    assert fault, text
+    assert "rank 0: a user kernel's wait in block (0,0,0), thread (0,0,0)" in fault.group(1), fault.group(1)
+    assert f"waited at address {hex(addr)} for a value >= 1 and saw 0" in fault.group(1), fault.group(1)
+    assert "launch refused after the fault" in text, text
+    follow = re.search(r"followers returned after ([0-9.]+) s", text)
+    assert follow and float(follow.group(1)) < 60.0, text
+    assert "context usable: 45" in text, text
+
+
+def test_wait_times_out_and_traps():
+    # TDIST_WAIT_TIMEOUT_ACTION=trap: the diagnostic without the abort suffix, then the kernel traps.
+    if rank() != 0:
+        return
+    code, text, addr = _run_timeout_child("trap")
+    assert code == 3, text
     assert "the wait returned" not in text, text
-    addr = next(int(line.split()[-1], 16) for line in text.splitlines() if line.startswith("flag address"))
-    m = re.search(r"tdist: wait timed out after 0\.5 s: rank 0, block \(0,0,0\), thread \(0,0,0\), "
-                  r"address (?:0x)?([0-9a-fA-F]+), waiting for value >= 1, seen 0", text)
-    assert m, text
-    assert int(m.group(1), 16) == addr, (hex(addr), m.group(0))
+    m = _diagnostic(text, "")
+    assert m and int(m.group(1), 16) == addr, (hex(addr), text)
 
 
 _CPP_PONG = r"""
@@ -432,9 +493,12 @@ def _gathered(t):
 
 
 def test_ag_gemm_against_float64():
-    # Odd shapes (rows not a multiple of the tile or the chunk, K not a multiple of BLOCK_K) and one large
-    # shape that takes the 128 x 256 tiles.
-    for m_local, n, k in ((1, 33, 64), (77, 333, 200), (300, 1000, 1024), (1027, 2053, 520)):
+    # Odd shapes (rows not a multiple of the tile or the chunk, K not a multiple of BLOCK_K); fewer rows per
+    # rank than a tile with many tiles (every tile waits: more waiting tiles than SMs would hang a push
+    # that needs free SMs); large shapes that take the 128 x 256 tiles, pipelined (K a multiple of 64).
+    # K = 97: rows not 16-byte aligned, so the weight is read through pointers rather than TMA.
+    for m_local, n, k in ((1, 33, 64), (77, 333, 200), (45, 130, 97), (33, 8192, 256), (300, 1000, 1024),
+                          (1027, 2053, 520), (1024, 3584, 8192), (3000, 2304, 512)):
         x = (fresh((m_local, k), seed=m_local) / k ** 0.5).to(torch.bfloat16)
         w = fresh((n, k), seed=n + 1).to(torch.bfloat16)
         out = tdist.triton.ag_gemm(x, w)
@@ -444,6 +508,20 @@ def test_ag_gemm_against_float64():
         torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
     h.expect_error(lambda: tdist.triton.ag_gemm(x, w[:, :-1]), "'w' must be (N, K)")
     h.expect_error(lambda: tdist.triton.ag_gemm(x.float(), w), "'x' must be bfloat16 or float16")
+
+
+def test_ag_gemm_views():
+    # x a row slice (its offset from the gathered buffer not a multiple of 16 elements), w a column slice
+    # (rows longer than K) and w offset by one element (not 16-byte aligned: pointer loads, not TMA).
+    m_local, n, k = 70, 300, 200
+    xs = (fresh((m_local + 1, k), seed=61) / k ** 0.5).to(torch.bfloat16)
+    wide = fresh((n + 1, k + 24), seed=62).to(torch.bfloat16)
+    x = xs[1:]
+    for w in (wide[:n, :k], wide.view(-1)[1:1 + n * k].view(n, k)):
+        out = tdist.triton.ag_gemm(x, w)
+        torch.cuda.synchronize()
+        ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_ag_gemm_back_to_back():
@@ -458,7 +536,9 @@ def test_ag_gemm_back_to_back():
 
 
 def test_gemm_rs_against_float64():
-    for m_local, n, k in ((1, 40, 64), (65, 333, 136), (512, 1000, 520), (1100, 2048, 512)):
+    # K = 99: rows not 16-byte aligned, so both operands go through pointers rather than TMA.
+    for m_local, n, k in ((1, 40, 64), (65, 333, 136), (33, 100, 99), (512, 1000, 520), (1100, 2048, 512),
+                          (1024, 2048, 1024)):
         m = m_local * world()
         a = (fresh((m, k), seed=m + 3) / k ** 0.5).to(torch.bfloat16)
         b = fresh((n, k), seed=n + 7).to(torch.bfloat16)
@@ -505,8 +585,9 @@ def test_tutorial_ag_gemm():
 
 TESTS = [test_rank_world_symm_at, test_ring_put_signal_wait_sys, test_signal_add_and_put, test_wait_on_many_flags,
          test_notify_wait_both_scopes_on_one_gpu, test_get, test_barriers, test_200_back_to_back_calls,
-         test_wait_times_out_with_the_diagnostic, test_triton_and_cpp_kernels_share_flags,
-         test_ag_gemm_against_float64, test_ag_gemm_back_to_back, test_gemm_rs_against_float64,
+         test_wait_times_out_and_aborts, test_wait_times_out_and_traps,
+         test_triton_and_cpp_kernels_share_flags,
+         test_ag_gemm_against_float64, test_ag_gemm_views, test_ag_gemm_back_to_back, test_gemm_rs_against_float64,
          test_tutorial_notify_wait, test_tutorial_allgather, test_tutorial_all_to_all, test_tutorial_ag_gemm]
 
 

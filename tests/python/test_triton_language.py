@@ -123,27 +123,93 @@ def test_diagnostic_format_matches_the_cpp_header():
     m = re.search(r'printf\(\s*((?:"[^"]*"\s*)+),', text)
     assert m, "timeout.cuh: printf of wait_timed_out not found"
     cpp = "".join(re.findall(r'"([^"]*)"', m.group(1))).replace("\\n", "\n")
-    assert cpp.count("%s") >= 2
+    assert cpp.count("%s") == 3
     cpp = cpp.replace("%s", "wait", 1).replace("%s", ">=", 1)
-    ours = _asm.diagnostic_format("wait", "ge")
-    # A trailing "%s" (a suffix the C++ side leaves empty when it traps) is the only difference allowed.
-    assert cpp in (ours, ours[:-1] + "%s\n"), (cpp, ours)
+    # The last %s: empty when the wait traps, the abort suffix (the C++ literal) when it records and returns.
+    assert f'"{_asm.ABORT_SUFFIX}"' in text
+    assert cpp.replace("%s", "") == _asm.diagnostic_format("wait", "ge")
+    assert cpp.replace("%s", _asm.ABORT_SUFFIX) == _asm.diagnostic_format("wait", "ge", _asm.ABORT_SUFFIX)
+
+
+def test_fault_record_layout_matches_the_cpp_header():
+    header = os.path.join(os.path.dirname(tdist.__file__), "include", "tdist", "device", "timeout.cuh")
+    if not os.path.exists(header):
+        pytest.skip(f"tdist's headers are not installed next to the package ({header})")
+    text = open(header).read()
+    body = re.search(r"struct FaultRecord \{(.*?)\};", text, re.S).group(1)
+    fields = re.findall(r"^\s*(u32|u64|int) (\w+)(?:\[(\d+)\])?;", body, re.M)
+    offsets, at = {}, 0
+    for ty, name, count in fields:
+        size = 8 if ty == "u64" else 4
+        at += -at % size
+        offsets[name] = at
+        at += size * int(count or 1)
+    assert offsets == {"state": 0, "site": 4, "rank": 8, "cmp": 12, "block": 16, "thread": 28, "address": 40,
+                       "expected": 48, "seen": 56, "timeout_ns": 64}, offsets
+    assert re.search(r"kFaultNone = 0, kFaultClaimed = 1, kFaultRecorded = 2", text)
+    sites = re.search(r"enum class WaitSite : u32 \{([^}]*)\}", text).group(1)
+    assert [s.strip().split()[0] for s in sites.split(",")].index("kUser") + 1 == _asm.kWaitSiteUser
+    common = open(os.path.join(os.path.dirname(header), "common.cuh")).read()
+    cmps = re.search(r"enum class Cmp \{([^}]*)\}", common).group(1)
+    assert [c.strip() for c in cmps.split(",")] == ["k" + c.capitalize() for c in _asm.CMPS]
 
 
 # --- PTX -------------------------------------------------------------------------------------------
 
+def _spin_body(ptx):
+    # The first spin's inline PTX, from its acquire to its end label.
+    start = ptx.index("ld.acquire.")
+    return ptx[start:ptx.index("tdist_done:", start)]
+
+
 @pytest.mark.parametrize("scope", ["sys", "gpu"])
-def test_wait_ptx_holds_acquire_timeout_and_diagnostic(scope):
+def test_wait_ptx_holds_acquire_timeout_and_both_actions(scope):
     ptx = compile_ptx(wait_then_load, SIG, {"SCOPE": scope})
     assert f"ld.acquire.{scope}.u64" in ptx
     assert f"ld.relaxed.{scope}.u64" in ptx
     assert "%globaltimer" in ptx
-    assert re.search(r"call\.uni \(tdist_rv\), vprintf", ptx)
-    assert "trap;" in ptx
-    fmt = _asm.diagnostic_format("wait", "ge").encode() + b"\0"
-    # The format is stored 8 bytes at a time into local memory before the vprintf call.
+    body = _spin_body(ptx)
+    # In order: the clock read, the check of the process's fault record (another wait gave up), the
+    # deadline, the claim of the record, its fields, the fence and the state, the diagnostic, then the
+    # trap predicated on "no record" (the trap action).
+    steps = [r"mov\.u64 %tdist_t0, %globaltimer;", r"ld\.volatile\.u32 %tdist_x, \[(%rd\d+)\];",
+             r"setp\.ne\.u32 %tdist_p, %tdist_x, 0;\s*@%tdist_p bra tdist_done;",
+             r"mov\.u64 %tdist_t1, %globaltimer;", r"setp\.le\.u64 %tdist_p, %tdist_t1, %rd\d+;",
+             r"@%tdist_q bra tdist_report;", r"atom\.cas\.sys\.b32 %tdist_x, \[(%rd\d+)\], 0, 1;",
+             r"st\.u64 \[%rd\d+\+64\], %rd\d+;", r"membar\.sys;", r"st\.volatile\.u32 \[%rd\d+\], 2;",
+             r"tdist_report:", r"call\.uni \(tdist_rv\), vprintf", r"@%tdist_q trap;", r"bra tdist_done;"]
+    at = 0
+    for step in steps:
+        m = re.compile(step).search(body, at)
+        assert m, f"{step} not found in order in the wait's PTX"
+        at = m.end()
+    # The trap predicate is "the descriptor's record address is 0"; the record is read from that address.
+    q = re.search(r"setp\.eq\.s?u?64 %tdist_q, (%rd\d+), 0;", body)
+    assert q, "no trap predicate"
+    record = q.group(1)
+    assert f"ld.volatile.u32 %tdist_x, [{record}];" in body and f"[{record}], 0, 1;" in body
+    assert f"st.u32 [{record}+4], {_asm.kWaitSiteUser};" in body
+    assert f"st.u32 [{record}+12], {_asm.CMP_CODES['ge']};" in body
+    # The record address is word 3 of the heap descriptor.
+    word3 = [a for a in re.findall(r"add\.s64\s+(%rd\d+), %rd\d+, 24;", ptx)
+             if re.search(r"ld\.global\.b64 \{ " + re.escape(record) + r" \}, \[ " + re.escape(a) + r" \+ 0 \];", ptx)]
+    assert word3, f"the record address {record} is not loaded from word 3 of the heap descriptor"
+    fmt = _asm.diagnostic_format("wait", "ge", _asm.ABORT_SUFFIX).encode() + b"\0"
+    # The format is stored 8 bytes at a time into local memory before the vprintf call; under trap the
+    # suffix is cut off by "\n\0" written where it starts.
     first = int.from_bytes(fmt[:8], "little")
-    assert f"st.local.u64 [tdist_fmt+0], {first};" in ptx
+    assert f"st.local.u64 [tdist_fmt+0], {first};" in body
+    cut = len(_asm.diagnostic_format("wait", "ge").encode()) - 1
+    assert f"@%tdist_q st.local.u8 [tdist_fmt+{cut}], 10;" in body
+    assert f"@%tdist_q st.local.u8 [tdist_fmt+{cut + 1}], 0;" in body
+
+
+def test_wait_ptx_assembles():
+    # ptxas accepts the whole wait (labels scoped per instance, the record stores, the predicated trap).
+    sig = {"heap": "*i64", "flags": "*i32", "data": "*fp32", "out": "*fp32", "epoch": "i64"}
+    compiled = triton.compile(triton.compiler.ASTSource(wait_many_then_load, sig, {"SCOPE": "sys", "CMP": "ge"}),
+                              target=SM90)
+    assert compiled.asm.get("cubin"), "no cubin"
 
 
 def test_consume_token_orders_the_load_after_the_wait():

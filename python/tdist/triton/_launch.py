@@ -39,23 +39,27 @@ class HeapView:
 
     tensor: int64 [4 + world] on this rank's GPU (layout in tdist.triton.language); pass it as the
     kernel's `heap` argument. anchor: the small symmetric allocation whose peer addresses are the bases.
+    action: what a timed-out wait does, 'abort' (record the fault, return) or 'trap'
+    (TDIST_WAIT_TIMEOUT_ACTION, read when the view is made).
     """
 
-    __slots__ = ("tensor", "rank", "world_size", "timeout_s", "anchor", "_runtime")
+    __slots__ = ("tensor", "rank", "world_size", "timeout_s", "action", "anchor", "_runtime")
 
-    def __init__(self, tensor, rank, world_size, timeout_s, anchor, runtime):
+    def __init__(self, tensor, rank, world_size, timeout_s, action, anchor, runtime):
         self.tensor = tensor
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
+        self.action = action
         self.anchor = anchor
         self._runtime = runtime
 
     def __repr__(self):
-        return f"tdist.triton.HeapView(rank={self.rank}, world_size={self.world_size}, timeout_s={self.timeout_s})"
+        return (f"tdist.triton.HeapView(rank={self.rank}, world_size={self.world_size}, timeout_s={self.timeout_s}, "
+                f"action={self.action!r})")
 
 
-_views: dict[float, HeapView] = {}
+_views: dict[tuple[float, int], HeapView] = {}
 
 
 def heap_view(timeout: float | None = None) -> HeapView:
@@ -63,9 +67,11 @@ def heap_view(timeout: float | None = None) -> HeapView:
 
     The first call is collective (every rank calls it, in the same order as its other tdist.empty calls):
     it allocates a 64-byte symmetric anchor. `timeout`: seconds a device wait spins before its diagnostic;
-    default TDIST_WAIT_TIMEOUT_S, else 60.
+    default TDIST_WAIT_TIMEOUT_S, else 60. What a timed-out wait then does follows TDIST_WAIT_TIMEOUT_ACTION
+    (abort, the default: record the fault in the process's FaultRecord, whose address word 3 holds, and
+    return; trap: word 3 is 0).
     """
-    from .. import _runtime
+    from .. import _C, _runtime
     from .._tensors import require_torch
 
     torch = require_torch("tdist.triton.heap_view")
@@ -80,20 +86,21 @@ def heap_view(timeout: float | None = None) -> HeapView:
     for key, view in list(_views.items()):
         if view._runtime is not rt:  # from before a finalize: its anchor is gone
             del _views[key]
-    view = _views.get(seconds)
+    fault = int(_C._wait_fault_record())  # raises on a bad TDIST_WAIT_TIMEOUT_ACTION, naming it
+    view = _views.get((seconds, fault))
     if view is not None:
         return view
     anchor = next((v.anchor for v in _views.values()), None)
     if anchor is None:
         anchor = _runtime.empty((8,), torch.int64)
     base = anchor.data_ptr()
-    words = [rt.rank, rt.world_size, int(seconds * 1e9), 0]
+    words = [rt.rank, rt.world_size, int(seconds * 1e9), fault]
     for r in range(rt.world_size):
         words.append(base if r == rt.rank else _peer_or_zero(rt, base, r))
     # Addresses above 2^63 do not occur on Linux (user space ends at 2^47).
     tensor = torch.tensor(words, dtype=torch.int64, device=torch.device("cuda", rt.device))
-    view = HeapView(tensor, rt.rank, rt.world_size, seconds, anchor, rt)
-    _views[seconds] = view
+    view = HeapView(tensor, rt.rank, rt.world_size, seconds, "abort" if fault else "trap", anchor, rt)
+    _views[(seconds, fault)] = view
     return view
 
 
@@ -152,6 +159,9 @@ class _Launcher:
         launch = self.fn[grid]
 
         def run(*args, **kwargs):
+            from .. import _C
+
+            _C.check_device_faults()  # as every JIT launch: an earlier wait gave up, so this one would too
             return launch(**self._fill(args, kwargs))
 
         return run

@@ -6,10 +6,11 @@
 Both are collective (every rank calls them with the same shapes, in the same order) and run on torch's
 current stream; rows are split evenly over the ranks (M divisible by the world size).
 
-AG-GEMM: a push kernel on a side stream copies this rank's rows, CHUNK rows at a time, into every
-rank's gathered buffer and sets that rank's chunk flag to the call's epoch; the GEMM tiles, ordered
-to start with this rank's own rows, wait on the flags of the chunks holding their rows (one flag per
-row of the tile, a block wait), then load A through consume_token.
+AG-GEMM: one persistent kernel. Its first few programs push this rank's rows, CHUNK rows at a time,
+into every peer's gathered buffer and set that peer's chunk flag to the call's epoch; then every
+program takes GEMM tiles from a counter, in an order that starts with this rank's own rows (read from
+x, no wait); a tile holding a peer's rows waits on the flags of the chunks holding them (one flag per
+row of the tile, a block wait), then loads A through consume_token.
 GEMM-RS: each GEMM tile stores its fp32-accumulated partial, in the output dtype, straight from
 registers into the owning rank's receive slot (put_tile) and adds 1 to that rank's arrival counter; a
 reduce kernel waits for every tile of every rank and sums the slots in fp32.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import language as tdl
 from ._launch import heap_view
@@ -34,22 +36,11 @@ def _barrier_kernel(heap, pad):
 
 
 @triton.jit
-def _ag_push(heap, gathered, x, flags, m_local, K, num_chunks, epoch, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Program (c, j) copies chunk c of x (rows [c * CHUNK, ...)) into rank (me + 1 + j)'s gathered rows
-    # [me * m_local + c * CHUNK, ...) and sets that rank's flags[me * num_chunks + c] to epoch.
-    me = tdl.rank(heap)
-    world = tdl.num_ranks(heap)
-    c = tl.program_id(0)
-    peer = (me + 1 + tl.program_id(1)) % world
-    rows = c * CHUNK + tl.arange(0, CHUNK)
-    rmask = rows < m_local
-    src = x + rows[:, None].to(tl.int64) * K
-    dst = gathered + (me * m_local + rows)[:, None].to(tl.int64) * K
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        mask = rmask[:, None] & (cols[None, :] < K)
-        tdl.put_tile(heap, dst + cols[None, :], tl.load(src + cols[None, :], mask=mask), peer, mask=mask)
-    tdl.signal_op(heap, flags + me * num_chunks + c, epoch, peer, "set")
+def _ag_start(heap, pad, tile_counter):
+    # Starts an AG-GEMM call: a barrier across ranks (nobody pushes into rows a peer's previous GEMM may
+    # still read), and the tile counter of this call's GEMM back to 0 (stream order puts it before the GEMM).
+    tl.store(tile_counter, 0)
+    tdl.barrier_all(heap, pad)
 
 
 @triton.jit
@@ -64,45 +55,106 @@ def _tile_ids(pid, num_pid_m, num_pid_n, shift_m, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _ag_gemm_kernel(heap, x, gathered, b, out, flags, M, N, K, m_local, num_chunks, epoch,
-                    stride_bn, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, worker, num_workers,
+                    CHUNK: tl.constexpr, PUSH_K: tl.constexpr):
+    # Worker w of num_workers copies work items w, w + num_workers, ...: item (j, c) puts chunk c of x (rows
+    # [c * CHUNK, ...)) into rows [me * m_local + c * CHUNK, ...) of the gathered A of rank me - 1 - j, then
+    # sets that rank's flags[me * num_chunks + c] to epoch. Rank me - 1 reads this rank's rows right after its
+    # own (tile order below), so it is served first.
+    me = tdl.rank(heap)
+    world = tdl.num_ranks(heap)
+    for item in range(worker, (world - 1) * num_chunks, num_workers):
+        j = item // num_chunks
+        c = item - j * num_chunks
+        peer = (me + world - 1 - j) % world
+        rows = c * CHUNK + tl.arange(0, CHUNK)
+        rmask = rows < m_local
+        src = x + rows[:, None].to(tl.int64) * K
+        dst = gathered + (me * m_local + rows)[:, None].to(tl.int64) * K
+        # One stage: this loop only moves data, the GEMM loop below keeps the shared memory.
+        for k0 in tl.range(0, K, PUSH_K, num_stages=1):
+            cols = k0 + tl.arange(0, PUSH_K)
+            mask = rmask[:, None] & (cols[None, :] < K)
+            tdl.put_tile(heap, dst + cols[None, :], tl.load(src + cols[None, :], mask=mask), peer, mask=mask)
+        tdl.signal_op(heap, flags + me * num_chunks + c, epoch, peer, "set")  # after a bar.sync: the chunk first
+
+
+@triton.jit
+def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, x_delta, M, N, K, m_local, num_chunks, epoch,
+                    stride_bn, num_push, CHUNK: tl.constexpr, PUSH_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                    B_TMA: tl.constexpr):
+    # Persistent: as many programs per SM as fit at once, no more. Programs [0, num_push) first push this
+    # rank's rows to the peers (no wait before: the pushes progress whatever the peers do); then every
+    # program takes GEMM tiles from a counter (dynamic: the pushing programs join late without leaving a
+    # tail). Tiles go in grouped order starting with this rank's own rows, which are read from x and never
+    # wait; a tile holding a peer's rows waits for the flags of their chunks (one flag per row, a block
+    # wait), then loads A through consume_token. b: w [N, K], a TMA descriptor when B_TMA, else a pointer.
+    pid = tl.program_id(0)
+    if pid < num_push:
+        _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, pid, num_push, CHUNK, PUSH_K)
     me = tdl.rank(heap)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, num_pid_n, (me * m_local) // BLOCK_M, GROUP_M)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows_c = tl.minimum(rows, M - 1)
-    # Each row's source rank and the flag of the chunk holding it. This rank's own rows are read from x
-    # and need no wait (expected 0 always holds): the first tiles, which are this rank's, never wait, so
-    # they free SMs for the push kernel whatever the block scheduler does.
-    src = rows_c // m_local
-    local_row = rows_c - src * m_local
-    own = src == me
-    seen = tdl.wait(heap, flags + src * num_chunks + local_row // CHUNK, tl.where(own, 0, epoch))
-    a_rows = tl.where(own, x + local_row.to(tl.int64) * K, gathered + rows_c.to(tl.int64) * K)
-    a_rows = tdl.consume_token(a_rows, seen)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_c = tl.minimum(cols, N - 1)
+    num_tiles = num_pid_m * num_pid_n
+    shift = (me * m_local) // BLOCK_M
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_rows[:, None] + offs_k[None, :]
-    b_ptrs = b + cols_c[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = offs_k < K - k0
-        a_tile = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-        b_tile = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
-        acc = tl.dot(a_tile, b_tile, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    omask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty), mask=omask)
+    tile = tl.atomic_add(tile_counter, 1, sem="relaxed")
+    while tile < num_tiles:
+        next_tile = tl.atomic_add(tile_counter, 1, sem="relaxed")  # fetched early: its latency hides
+        pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, shift, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows_c = tl.minimum(rows, M - 1)
+        src = rows_c // m_local
+        local_row = rows_c - src * m_local
+        own = src == me
+        # Expected 0 always holds: own rows never wait. After an aborted wait the loads below read stale
+        # rows (garbage, as the contract says), never out of bounds: addresses come from the row numbers.
+        seen = tdl.wait(heap, flags + src * num_chunks + local_row // CHUNK, tl.where(own, 0, epoch))
+        # One base: row r of the gathered buffer, or for this rank's own rows the same row of x, which lies
+        # x_delta - me * m_local * K elements further. Arithmetic rather than tl.where: a select (of pointers
+        # or of offsets) loses the alignment facts in Triton 3.9, and with them the vector loads and the
+        # pipelined K loop; a product and a sum keep them.
+        own_shift = x_delta.to(tl.int64) - (me * m_local).to(tl.int64) * K
+        a_rows = gathered + (rows_c.to(tl.int64) * K + own.to(tl.int64) * own_shift)
+        a_rows = tdl.consume_token(a_rows, seen)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols_c = tl.minimum(cols, N - 1)
+        a_ptrs = a_rows[:, None] + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if B_TMA:
+            # b: a TMA descriptor of w [N, K], blocks [BLOCK_N, BLOCK_K]; out-of-range columns and K read 0.
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a_tile = tl.load(a_ptrs)
+                else:
+                    a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                acc = tl.dot(a_tile, b.load([pid_n * BLOCK_N, k0]).T, acc)
+                a_ptrs += BLOCK_K
+        else:
+            b_ptrs = b + cols_c[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    a_tile = tl.load(a_ptrs)
+                    b_tile = tl.load(b_ptrs)
+                else:
+                    kmask = offs_k < K - k0
+                    a_tile = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+                    b_tile = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+                acc = tl.dot(a_tile, b_tile, acc)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
+        omask = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty), mask=omask)
+        tile = next_tile
 
 
 @triton.jit
 def _gemm_rs_kernel(heap, a, b, recv, counters, M, N, K, m_local, stride_am, stride_bn, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                    AB_TMA: tl.constexpr):
     # recv, on every rank: [world (source), m_local, N] in the output dtype; counters[0] counts arrivals.
+    # AB_TMA: a and b are TMA descriptors (blocks [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]), else pointers.
     me = tdl.rank(heap)
     world = tdl.num_ranks(heap)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -114,16 +166,23 @@ def _gemm_rs_kernel(heap, a, b, recv, counters, M, N, K, m_local, stride_am, str
     rows_c = tl.minimum(rows, M - 1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_c = tl.minimum(cols, N - 1)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a + rows_c[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    b_ptrs = b + cols_c[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = offs_k < K - k0
-        acc = tl.dot(tl.load(a_ptrs, mask=kmask[None, :], other=0.0), tl.load(b_ptrs, mask=kmask[:, None], other=0.0),
-                     acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if AB_TMA:  # rows, columns and K past the ends read 0
+        for k0 in range(0, K, BLOCK_K):
+            acc = tl.dot(a.load([pid_m * BLOCK_M, k0]), b.load([pid_n * BLOCK_N, k0]).T, acc)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a + rows_c[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        b_ptrs = b + cols_c[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc)
+            else:
+                kmask = offs_k < K - k0
+                acc = tl.dot(tl.load(a_ptrs, mask=kmask[None, :], other=0.0),
+                             tl.load(b_ptrs, mask=kmask[:, None], other=0.0), acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
     dest = rows_c // m_local
     local_row = rows_c - dest * m_local
     ptrs = recv + (me * m_local + local_row)[:, None].to(tl.int64) * N + cols[None, :]
@@ -150,11 +209,35 @@ def _rs_reduce(heap, recv, out, counters, target, m_local, N, BLOCK_M: tl.conste
     tl.store(out + offs, acc.to(out.dtype.element_ty), mask=mask)
 
 
+# Tile configurations, fixed rather than autotuned: an autotuner times each candidate on each rank alone,
+# but these kernels wait on their peers, so every rank would have to time the same candidate at the same
+# moment and pick the same winner. Hopper (wgmma) tiles for the large shapes (3 stages of 128 x 64 +
+# 64 x 256 bf16 take 144 KiB of shared memory); smaller tiles keep enough programs for small M.
+kLargeConfig = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+kSmallConfig = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+kPushPrograms = 16  # AG-GEMM programs that push before they compute (about 8 SMs fill NVLink: DESIGN.md)
+
+
 def _gemm_config(m: int, n: int) -> dict:
-    # Hopper (wgmma) tiles for the large shapes; smaller tiles keep enough programs for small M.
-    if m >= 2048 and n >= 2048:
-        return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(kLargeConfig if m >= 2048 and n >= 2048 else kSmallConfig)
+
+
+def _num_sms(device, torch) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _programs_per_sm(cfg: dict) -> int:
+    # Shared memory decides (228 KiB per H100 / H200 SM): the large tiles' 144 KiB leave room for one
+    # program, the small tiles' 96 KiB for two.
+    return 1 if cfg["BLOCK_M"] * cfg["BLOCK_N"] >= 128 * 256 else 2
+
+
+def _ag_launch_shape(num_sms: int, per_sm: int, world: int, num_chunks: int, num_tiles: int) -> tuple[int, int]:
+    """(programs, pushing programs) of the persistent AG-GEMM: at most per_sm programs per SM (as many as
+    fit at once); the pushing programs are a few (an eighth of the SMs at most, one per work item at
+    most), none for one rank."""
+    push = 0 if world == 1 else max(1, min(kPushPrograms, num_sms // 8, (world - 1) * num_chunks))
+    return max(1, min(num_sms * per_sm, num_tiles + push)), push
 
 
 def _check(op: str, cond: bool, message: str):
@@ -180,7 +263,8 @@ class _Workspace:
         self.tensors = {}
         self.epoch = 0
         self.pad = None
-        self.side_stream = None
+        self.tile_counter = None  # int32 [1], local: the AG-GEMM's next tile, set to 0 by each call's start
+        self.num_sms = 0
         self.runtime = None
         self.shape = None
         self.target = 0
@@ -206,18 +290,19 @@ _rs = _Workspace()
 
 
 def _start_call(ws, torch):
+    """Prepares a call (the caller then launches its start kernel: a barrier across ranks first)."""
     import tdist
 
+    tdist.check_device_faults()  # an earlier wait gave up: the flags are out of step, this call would hang
     view = heap_view()
     if ws.runtime is not view._runtime:  # first call, or a new tdist.init: the old buffers are gone
         ws.__init__()
         ws.runtime = view._runtime
     if ws.pad is None:
         ws.pad = tdist.empty((view.world_size + 2,), torch.int64)
-        # High priority: when SMs free up, the push kernel's programs are dispatched before waiting tiles.
-        ws.side_stream = torch.cuda.Stream(priority=-1)
+        ws.tile_counter = torch.zeros((1,), dtype=torch.int32, device=view.tensor.device)
+        ws.num_sms = _num_sms(view.tensor.device, torch)
     ws.epoch += 1
-    _barrier_kernel[(1,)](view.tensor, ws.pad)
     return view
 
 
@@ -244,19 +329,23 @@ def ag_gemm(x, w):
     gathered = _ag.get("gathered", (m, k), x.dtype)
     flags = _ag.get(f"flags_{m_local}", (world * num_chunks,), torch.int64)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    main = torch.cuda.current_stream()
-    side = _ag.side_stream
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        if world > 1:
-            _ag_push[(num_chunks, world - 1)](view.tensor, gathered, x, flags, m_local, k, num_chunks, _ag.epoch,
-                                           CHUNK=kChunkRows, BLOCK_K=128, num_warps=4)
     cfg = _gemm_config(m, n)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _ag_gemm_kernel[grid](view.tensor, x, gathered, w, out, flags, m, n, k, m_local, num_chunks, _ag.epoch, w.stride(0),
-                          CHUNK=kChunkRows, **cfg)
-    main.wait_stream(side)
-    x.record_stream(side)
+    num_tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    programs, push = _ag_launch_shape(_ag.num_sms, _programs_per_sm(cfg), world, num_chunks, num_tiles)
+    # The weight through TMA where its layout allows it (16-byte aligned base and rows): the copy engine of
+    # the SM fetches B, zero-filling past N and K. A stays on pointer loads: its rows come from x or the
+    # gathered buffer, row by row, after the flags.
+    b_tma = w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
+    b = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]]) if b_tma else w
+    _ag_start[(1,)](view.tensor, _ag.pad, _ag.tile_counter)
+    # x as an offset from gathered, in elements (both are 2-byte aligned, so the division is exact).
+    x_delta = (x.data_ptr() - gathered.data_ptr()) // x.element_size()
+    # One kernel on the current stream: no side stream, so nothing depends on how the block scheduler
+    # interleaves two kernels. The pushing programs have the lowest ids (dispatched first) and wait for
+    # nothing before their pushes: the GEMM's waits always end.
+    _ag_gemm_kernel[(programs,)](view.tensor, x, gathered, b, out, flags, _ag.tile_counter, x_delta, m, n, k, m_local,
+                                 num_chunks, _ag.epoch, w.stride(0), push, CHUNK=kChunkRows,
+                                 PUSH_K=16 * cfg["num_warps"], EVEN_K=k % cfg["BLOCK_K"] == 0, B_TMA=b_tma, **cfg)
     return out
 
 
@@ -276,6 +365,7 @@ def gemm_rs(a, b):
     _check("gemm_rs", m > 0 and n > 0 and m % world == 0,
            f"M (a's rows, {m}) must be a positive multiple of the world size {world}")
     view = _start_call(_rs, torch)
+    _barrier_kernel[(1,)](view.tensor, _rs.pad)
     m_local = m // world
     # recv: [world (source rank), m_local, N]; counters[0]: tile arrivals, growing over calls.
     recv = _rs.get("recv", (world, m_local, n), a.dtype)
@@ -291,7 +381,13 @@ def gemm_rs(a, b):
     _rs.target += _rs.arrivals_per_call
     out = torch.empty((m_local, n), device=a.device, dtype=a.dtype)
     grid = (triton.cdiv(m, bm) * tiles_n,)
-    _gemm_rs_kernel[grid](view.tensor, a, b, recv, counters, m, n, k, m_local, a.stride(0), b.stride(0), **cfg)
+    ab_tma = all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in (a, b))
+    a_arg, b_arg = a, b
+    if ab_tma:
+        a_arg = TensorDescriptor.from_tensor(a, [bm, cfg["BLOCK_K"]])
+        b_arg = TensorDescriptor.from_tensor(b, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    _gemm_rs_kernel[grid](view.tensor, a_arg, b_arg, recv, counters, m, n, k, m_local, a.stride(0), b.stride(0),
+                          EVEN_K=k % cfg["BLOCK_K"] == 0, AB_TMA=ab_tma, **cfg)
     _rs_reduce[(triton.cdiv(m_local, 32), triton.cdiv(n, 256))](view.tensor, recv, out, counters, _rs.target, m_local,
                                                                   n, BLOCK_M=32, BLOCK_N=256, num_warps=4)
     return out

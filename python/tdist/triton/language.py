@@ -11,7 +11,9 @@ include/tdist/device/*.cuh, built on tl.inline_asm_elementwise and plain loads a
         tdl.wait(heap, flag, epoch)
 
 Heap descriptor (`heap`, an int64 device tensor made by tdist.triton.heap_view()), in words:
-    [0] rank   [1] world size   [2] wait timeout in ns   [3] reserved (0)
+    [0] rank   [1] world size   [2] wait timeout in ns
+    [3] address of the process's FaultRecord (host-mapped, include/tdist/device/timeout.cuh) under the
+        abort action (TDIST_WAIT_TIMEOUT_ACTION=abort, the default); 0 under trap
     [4 + r] address, mapped in this process, of rank r's copy of the heap's anchor (0 when rank r is
             not load/store reachable). Every rank's heap has the same layout, so a symmetric object
             at `p` here sits at `p - base[rank] + base[peer]` on `peer`: what symm_at computes, as
@@ -31,8 +33,12 @@ Memory-order contract (the words of signal.cuh and memory_order.cuh):
   - Flags are 32- or 64-bit integers and never reset by these calls: give each use a new value (a
     call count, an epoch) and compare with 'ge', which also tolerates a peer that runs ahead.
   - Every wait times out after the heap descriptor's timeout (TDIST_WAIT_TIMEOUT_S, default 60 s, as
-    the C++ device API), prints "tdist: wait timed out after ... s: rank R, block (x,y,z), thread
-    (x,y,z), address A, waiting for value >= E, seen V" and traps.
+    the C++ device API) with the diagnostic "tdist: wait timed out after ... s: rank R, block (x,y,z),
+    thread (x,y,z), address A, waiting for value >= E, seen V". Under the abort action (the default)
+    the first such wait records the fault for the host and returns; from then on every wait of the
+    process returns at its next clock check, so kernels drain and tdist.check_device_faults() raises
+    tdist.DeviceTimeoutError. A wait can thus return without its condition holding: bound any value
+    read from a waited flag before it serves as an index or a count. Under trap it traps.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ def _int_type(bits: int):
 # --- trace-time builders (Triton builtins: plain Python run while the kernel is traced) -------------
 
 @_core.builtin
-def _spin(flags, expected, timeout_ns, rank, scope, cmp, leader_only, _semantic=None):
+def _spin(flags, expected, timeout_ns, rank, fault, scope, cmp, leader_only, _semantic=None):
     bits = _flag_bits(flags, "flags")
     asm, constraints = _asm.spin_wait(_asm.check_scope(_value(scope)), _asm.check_cmp(_value(cmp)), bits,
                                       bool(_value(leader_only)))
@@ -80,8 +86,9 @@ def _spin(flags, expected, timeout_ns, rank, scope, cmp, leader_only, _semantic=
     expected = tl.cast(_core.to_tensor(expected, _semantic=_semantic), ty, _semantic=_semantic)
     timeout_ns = tl.cast(timeout_ns, tl.int64, _semantic=_semantic)
     rank = tl.cast(rank, tl.int32, _semantic=_semantic)
-    return tl.inline_asm_elementwise(asm, constraints, [flags, expected, timeout_ns, rank], dtype=ty, is_pure=False,
-                                     pack=1, _semantic=_semantic)
+    fault = tl.cast(fault, tl.int64, _semantic=_semantic)
+    return tl.inline_asm_elementwise(asm, constraints, [flags, expected, timeout_ns, rank, fault], dtype=ty,
+                                     is_pure=False, pack=1, _semantic=_semantic)
 
 
 @_core.builtin
@@ -204,15 +211,17 @@ def wait(heap, flags, expected, scope: tl.constexpr = _SYS, cmp: tl.constexpr = 
     """Spins until cmp(flag, expected) holds for the flag at `flags` (scalar pointer: thread 0 spins, then
     every thread reads it once more with acquire) or for every flag of a block of pointers (each thread
     spins on its own elements); ends with a bar.sync. Returns the values seen (same shape as `flags`):
-    feed them to consume_token. Times out with the C++ device API's diagnostic, then traps."""
+    feed them to consume_token. Times out with the C++ device API's diagnostic, then aborts (records the
+    fault and returns the values seen, the condition not holding) or traps: see the contract above."""
     me = tl.load(heap).to(tl.int32)
     timeout_ns = tl.load(heap + 2)
+    fault = tl.load(heap + 3)
     _declare_vprintf(timeout_ns)
     if _is_block(flags):
-        seen = _spin(flags, expected, timeout_ns, me, scope, cmp, False)
+        seen = _spin(flags, expected, timeout_ns, me, fault, scope, cmp, False)
         tl.debug_barrier()
     else:
-        _spin(flags, expected, timeout_ns, me, scope, cmp, True)
+        _spin(flags, expected, timeout_ns, me, fault, scope, cmp, True)
         tl.debug_barrier()  # thread 0 has acquired; the others are ordered after it (cumulativity)
         seen = _load(flags, "acquire", scope)
     return seen
@@ -332,9 +341,10 @@ def barrier_all(heap, slot):
     for p in range(0, world):
         signal_op(heap, slot + me, 1, p, "add", "sys")
     timeout_ns = tl.load(heap + 2)
+    fault = tl.load(heap + 3)
     _declare_vprintf(timeout_ns)
     for p in range(0, world):
-        _spin(slot + p, epoch, timeout_ns, me, "sys", "ge", True)
+        _spin(slot + p, epoch, timeout_ns, me, fault, "sys", "ge", True)
     tl.debug_barrier()
 
 
@@ -346,7 +356,7 @@ def _grid_sync(heap, arrivals):
     target = (before // blocks + 1) * blocks
     timeout_ns = tl.load(heap + 2)
     _declare_vprintf(timeout_ns)
-    _spin(arrivals, target, timeout_ns, tl.load(heap).to(tl.int32), "sys", "ge", True)
+    _spin(arrivals, target, timeout_ns, tl.load(heap).to(tl.int32), tl.load(heap + 3), "sys", "ge", True)
     tl.debug_barrier()
 
 
