@@ -301,11 +301,11 @@ struct FlashDecode::Impl {
   int num_sms = current_sm_count();
   double hbm_bytes_per_ns = current_hbm_bytes_per_ns();
   DeviceBuffer errors{sizeof(u32)};
-  // o_part f32[items][splits][D], lse_part f32[items][splits] (splits > 1), then, distributed,
-  // merged_o f32[items][D] and merged_lse f32[items].
+  // o_part f32[items][splits][D], lse_part f32[items][splits] (splits > 1; items x splits at most
+  // kMaxHeadsPerCta x wave), then, distributed, merged_o f32[items][D] and merged_lse f32[items].
   DeviceBuffer partials;
   size_t partial_bytes = 0;
-  DeviceBuffer tickets;  // u32[batch][kv_heads * head_chunks], zero between launches
+  DeviceBuffer tickets;  // u32[batch][kv_heads * head_chunks] (at most a wave), zero between launches
   size_t ticket_bytes = 0;
 
   Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
@@ -338,12 +338,14 @@ struct FlashDecode::Impl {
                                                         kernels->resident(), a.head_dim,
                                                         static_cast<int>(dtype_size(a.dtype)), hbm_bytes_per_ns);
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
-    const u64 split_floats = plan.num_splits > 1 ? items * plan.num_splits * (d + 1) : 0;
+    // Splits exist only within one wave (groups x splits <= wave), so the partials of any shape fit in
+    // kMaxHeadsPerCta x wave x (D + 1) floats and the tickets in wave words: sized for that, a
+    // smaller batch (more splits) never needs to grow during a capture.
+    const u64 wave = static_cast<u64>(num_sms) * kernels->resident();
+    const u64 split_floats = wave * attn::kMaxHeadsPerCta * (d + 1);
     const u64 merged_floats = merged_f32 ? items * (d + 1) : 0;
-    grow(partials, partial_bytes, std::max<u64>((split_floats + merged_floats) * sizeof(float), 16), stream,
-         "split workspace");
-    const u64 groups = static_cast<u64>(a.batch) * a.kv_heads * plan.head_chunks;
-    if (plan.num_splits > 1) grow(tickets, ticket_bytes, groups * sizeof(u32), stream, "split tickets");
+    grow(partials, partial_bytes, (split_floats + merged_floats) * sizeof(float), stream, "split workspace");
+    grow(tickets, ticket_bytes, wave * sizeof(u32), stream, "split tickets");
 
     attn::DecodeParams p{};
     p.q = a.q;
