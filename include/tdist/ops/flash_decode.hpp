@@ -79,7 +79,7 @@ struct FlashDecodeSplitPlan {
 //                   one split's bytes x HBM latency / a CTA's bytes in flight)   one CTA's pipeline
 //   merge(S)  = 0 for S = 1, else L2 round trips of the last CTA of a group: the ticket, the
 //               log-sum-exps, then the partials (S x heads x head_dim f32), each of the CTA's 128
-//               threads summing float4 columns with 8 loads in flight
+//               threads summing float4 columns with 16 loads in flight
 //   time(S)   = kHbmLatencyNs (the pipeline's fill) + stream(S) + merge(S)
 // so long sequences take the full wave and short ones stop splitting where the merge costs more
 // than the split saves.
