@@ -307,6 +307,14 @@ struct FlashDecode::Impl {
   size_t partial_bytes = 0;
   DeviceBuffer tickets;  // u32[batch][kv_heads * head_chunks] (at most a wave), zero between launches
   size_t ticket_bytes = 0;
+  struct PlanKey {
+    int64_t batch, q_heads, kv_heads, max_len, head_dim;
+    int elem_bytes, resident;
+    bool operator==(const PlanKey&) const = default;
+  };
+  PlanKey plan_key{};
+  FlashDecodeSplitPlan plan_memo;
+  bool have_plan = false;
 
   Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
 
@@ -334,9 +342,16 @@ struct FlashDecode::Impl {
     const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : capacity;
     const int d = static_cast<int>(a.head_dim);
     kernels = &FlashDecodeKernels::get(a.dtype, d);
-    const FlashDecodeSplitPlan plan = plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms,
-                                                        kernels->resident(), a.head_dim,
-                                                        static_cast<int>(dtype_size(a.dtype)), hbm_bytes_per_ns);
+    // The model weighs every split count: done once per shape, not on every decode step.
+    const PlanKey key{a.batch, a.q_heads, a.kv_heads, max_len, a.head_dim, static_cast<int>(dtype_size(a.dtype)),
+                      kernels->resident()};
+    if (!(have_plan && key == plan_key)) {
+      plan_memo = plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, key.resident, a.head_dim,
+                                    key.elem_bytes, hbm_bytes_per_ns);
+      plan_key = key;
+      have_plan = true;
+    }
+    const FlashDecodeSplitPlan plan = plan_memo;
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
     // Splits exist only within one wave (groups x splits <= wave), so the partials of any shape fit in
     // kMaxHeadsPerCta x wave x (D + 1) floats and the tickets in wave words: sized for that, a
