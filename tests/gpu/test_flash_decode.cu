@@ -9,6 +9,9 @@
 //   * sequence-parallel over every rank: each sequence's tokens dealt to ranks at random, some
 //     sequences wholly on one rank (the others hold none), some empty; every rank's out checked and
 //     bit-identical across ranks;
+//   * one split (the CTA writes out itself) and many (the last CTA of a group merges; empty
+//     splits included); batch 1 calls queued back to back, so each launch counts on the tickets
+//     the one before reset;
 //   * CUDA graphs (single GPU and distributed) captured once, replayed with new lengths (device
 //     memory) and new contents, each replay checked;
 //   * errors: host checks name the argument; a block-table entry outside the cache and a length
