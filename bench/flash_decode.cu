@@ -103,8 +103,8 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
   if (me == 0) {
     std::printf("\ndecode attention, bf16, page %d, head dim %d, %s, copy bandwidth %.0f GB/s, %d ranks\n", kPage, kDim,
                 prop.name, copy_gbps, n);
-    std::printf("%-11s %5s %7s %10s %10s %8s %10s %8s %12s %8s\n", "model", "batch", "tokens", "tdist us", "floor us",
-                "of copy", "simple us", "speedup", "distrib. us", "ratio");
+    std::printf("%-11s %5s %7s %6s %10s %10s %8s %10s %8s %12s %8s\n", "model", "batch", "tokens", "splits",
+                "tdist us", "floor us", "of copy", "simple us", "speedup", "distrib. us", "ratio");
   }
   std::mt19937_64 rng(12345);
   for (const Model& model : models) {
@@ -149,6 +149,7 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
         a.lse = lse.get<float>();
         a.softmax_scale = 0.08838834764f;
         a.max_seq_len = tokens;
+        const int splits = single.plan(a).num_splits;
         const double t_single = slowest_rank_median_ms(world, stream, iters, [&] { single.run(a, stream); }) * 1e3;
         single.check_errors();
         const double t_floor = kv_bytes / (copy_gbps * 1e3);
@@ -174,8 +175,8 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
           dist.check_errors();
         }
         if (me == 0) {
-          std::printf("%-11s %5lld %7lld %10.1f %10.1f %7.0f%% %10.1f %8.1f %12.1f %8.2f\n", model.name,
-                      static_cast<long long>(batch), static_cast<long long>(tokens), t_single, t_floor,
+          std::printf("%-11s %5lld %7lld %6d %10.1f %10.1f %7.0f%% %10.1f %8.1f %12.1f %8.2f\n", model.name,
+                      static_cast<long long>(batch), static_cast<long long>(tokens), splits, t_single, t_floor,
                       100.0 * t_floor / t_single, t_simple, t_simple > 0 ? t_simple / t_single : 0.0, t_dist,
                       t_dist > 0 ? t_dist / t_single : 0.0);
           std::fflush(stdout);
@@ -193,6 +194,7 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
                                          {"us", us},
                                          {"bytes", kv_bytes},
                                          {"algbw_gbps", kv_bytes / (us * 1e3)}};
+            if (std::string(method) == "single") r["splits"] = splits;  // the split model's choice
             doc["rows"].push_back(r);
           };
           row("tdist", "single", t_single, 1);

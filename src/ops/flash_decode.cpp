@@ -318,6 +318,20 @@ struct FlashDecode::Impl {
 
   Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
 
+  // The split model weighs every split count: done once per shape, not on every decode step.
+  FlashDecodeSplitPlan plan_for(const FlashDecodeArgs& a, const FlashDecodeKernels& kernels) {
+    const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : flash_decode_capacity(a);
+    const PlanKey key{a.batch, a.q_heads, a.kv_heads, max_len, a.head_dim, static_cast<int>(dtype_size(a.dtype)),
+                      kernels.resident()};
+    if (!(have_plan && key == plan_key)) {
+      plan_memo = plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, key.resident, a.head_dim,
+                                    key.elem_bytes, hbm_bytes_per_ns);
+      plan_key = key;
+      have_plan = true;
+    }
+    return plan_memo;
+  }
+
   // Grows a workspace buffer to `need` bytes (zeroed), outside stream capture only.
   static void grow(DeviceBuffer& buf, size_t& have, size_t need, cudaStream_t stream, const char* what) {
     if (need <= have) return;
@@ -339,19 +353,9 @@ struct FlashDecode::Impl {
                                    bool merged_f32) {
     check_flash_decode_args(a);
     const int64_t capacity = flash_decode_capacity(a);
-    const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : capacity;
     const int d = static_cast<int>(a.head_dim);
     kernels = &FlashDecodeKernels::get(a.dtype, d);
-    // The model weighs every split count: done once per shape, not on every decode step.
-    const PlanKey key{a.batch, a.q_heads, a.kv_heads, max_len, a.head_dim, static_cast<int>(dtype_size(a.dtype)),
-                      kernels->resident()};
-    if (!(have_plan && key == plan_key)) {
-      plan_memo = plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, key.resident, a.head_dim,
-                                    key.elem_bytes, hbm_bytes_per_ns);
-      plan_key = key;
-      have_plan = true;
-    }
-    const FlashDecodeSplitPlan plan = plan_memo;
+    const FlashDecodeSplitPlan plan = plan_for(a, *kernels);
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
     // Splits exist only within one wave (groups x splits <= wave), so the partials of any shape fit in
     // kMaxHeadsPerCta x wave x (D + 1) floats and the tickets in wave words: sized for that, a
@@ -439,6 +443,11 @@ void FlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) {
 }
 
 void FlashDecode::check_errors() { report_errors(impl_->errors.get<u32>()); }
+
+FlashDecodeSplitPlan FlashDecode::plan(const FlashDecodeArgs& a) {
+  check_flash_decode_args(a);
+  return impl_->plan_for(a, FlashDecodeKernels::get(a.dtype, static_cast<int>(a.head_dim)));
+}
 
 namespace {
 

@@ -401,6 +401,8 @@ int main() {
       const uint64_t s = ++case_seed;
       c.fill(s, mixed_lengths(s, g), 1, 0);
       c.poison();
+      const int splits = single.plan(c.args(DType::kBFloat16)).num_splits;
+      if (splits != 1) TDIST_FAIL("expected the plan to take one split, got ", splits);
       single.run(c.args(DType::kBFloat16), stream);
       TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
       single.check_errors();
@@ -418,6 +420,10 @@ int main() {
       cases.push_back(std::make_unique<Case<__nv_bfloat16>>(g));
       cases.back()->fill(++case_seed, {lens[i]}, 1, 0);
       cases.back()->poison();
+    }
+    for (auto& c : cases) {
+      const int splits = single.plan(c->args(DType::kBFloat16)).num_splits;
+      if (splits < 2) TDIST_FAIL("expected the 4096-token capacity to be split, got ", splits, " split");
     }
     for (auto& c : cases) single.run(c->args(DType::kBFloat16), stream);
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));

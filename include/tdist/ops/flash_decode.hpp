@@ -139,6 +139,10 @@ class FlashDecode {
   // that length clamped), and clears the record.
   void check_errors();
 
+  // How run(a) cuts the call: the split model on this GPU (its SMs, HBM bandwidth and the kernel's
+  // occupancy; compiles the kernels on first use).
+  FlashDecodeSplitPlan plan(const FlashDecodeArgs& a);
+
   struct Impl;
 
  private:
