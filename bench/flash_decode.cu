@@ -1,8 +1,7 @@
 // Decode attention: tdist's single-GPU kernel against the HBM floor (the KV bytes at this GPU's
 // measured copy bandwidth) and against a simple kernel (one CTA per query head, no split), and the
 // sequence-parallel op (each rank holding 1 / world of every sequence) against the single-GPU
-// kernel on the whole cache. Paged cache (16-token pages in shuffled order), bf16. Batch 1 runs
-// 1K to 128K tokens, batches 8 and 32 4K, 32K and 128K.
+// kernel on the whole cache. Paged cache (16-token pages in shuffled order), bf16.
 //
 //   tdistrun -n 2 -- bench_flash_decode [--quick] [--json FILE]
 //
@@ -93,9 +92,6 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
   const std::vector<int64_t> batches = quick ? std::vector<int64_t>{1, 8} : std::vector<int64_t>{1, 8, 32};
   const std::vector<int64_t> lengths =
       quick ? std::vector<int64_t>{4096, 32768} : std::vector<int64_t>{4096, 32768, 131072};
-  // Batch 1 also at the short lengths where fixed costs (launch, pipeline fill, merge) dominate.
-  const std::vector<int64_t> lengths_b1 = quick ? std::vector<int64_t>{1024, 4096, 32768}
-                                                : std::vector<int64_t>{1024, 2048, 4096, 8192, 16384, 32768, 131072};
   FlashDecode single;
   json::Value doc = bench::document("flash_decode", prop.name, n, "bf16", argc, argv);
   doc["copy_gbps"] = copy_gbps;
@@ -103,13 +99,13 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
   if (me == 0) {
     std::printf("\ndecode attention, bf16, page %d, head dim %d, %s, copy bandwidth %.0f GB/s, %d ranks\n", kPage, kDim,
                 prop.name, copy_gbps, n);
-    std::printf("%-11s %5s %7s %6s %10s %10s %8s %10s %8s %12s %8s\n", "model", "batch", "tokens", "splits",
-                "tdist us", "floor us", "of copy", "simple us", "speedup", "distrib. us", "ratio");
+    std::printf("%-11s %5s %7s %10s %10s %8s %10s %8s %12s %8s\n", "model", "batch", "tokens", "tdist us", "floor us",
+                "of copy", "simple us", "speedup", "distrib. us", "ratio");
   }
   std::mt19937_64 rng(12345);
   for (const Model& model : models) {
     for (int64_t batch : batches) {
-      for (int64_t tokens : batch == 1 ? lengths_b1 : lengths) {
+      for (int64_t tokens : lengths) {
         const int64_t max_pages = (tokens + kPage - 1) / kPage, num_pages = batch * max_pages;
         const size_t kv_elems = static_cast<size_t>(num_pages) * kPage * model.kv_heads * kDim;
         const double kv_bytes = 2.0 * batch * tokens * model.kv_heads * kDim * sizeof(__nv_bfloat16);
@@ -149,7 +145,6 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
         a.lse = lse.get<float>();
         a.softmax_scale = 0.08838834764f;
         a.max_seq_len = tokens;
-        const int splits = single.plan(a).num_splits;
         const double t_single = slowest_rank_median_ms(world, stream, iters, [&] { single.run(a, stream); }) * 1e3;
         single.check_errors();
         const double t_floor = kv_bytes / (copy_gbps * 1e3);
@@ -175,8 +170,8 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
           dist.check_errors();
         }
         if (me == 0) {
-          std::printf("%-11s %5lld %7lld %6d %10.1f %10.1f %7.0f%% %10.1f %8.1f %12.1f %8.2f\n", model.name,
-                      static_cast<long long>(batch), static_cast<long long>(tokens), splits, t_single, t_floor,
+          std::printf("%-11s %5lld %7lld %10.1f %10.1f %7.0f%% %10.1f %8.1f %12.1f %8.2f\n", model.name,
+                      static_cast<long long>(batch), static_cast<long long>(tokens), t_single, t_floor,
                       100.0 * t_floor / t_single, t_simple, t_simple > 0 ? t_simple / t_single : 0.0, t_dist,
                       t_dist > 0 ? t_dist / t_single : 0.0);
           std::fflush(stdout);
@@ -194,7 +189,6 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
                                          {"us", us},
                                          {"bytes", kv_bytes},
                                          {"algbw_gbps", kv_bytes / (us * 1e3)}};
-            if (std::string(method) == "single") r["splits"] = splits;  // the split model's choice
             doc["rows"].push_back(r);
           };
           row("tdist", "single", t_single, 1);
@@ -217,7 +211,7 @@ int main(int argc, char** argv) {
   tdist::cli::Parser p("bench_flash_decode",
                        "Decode attention: tdist's split-KV kernel beside the HBM floor and a simple kernel, and the\n"
                        "sequence-parallel op beside the single-GPU kernel. Run under tdistrun -n 2 (or alone).");
-  p.flag("--quick", "batches 1 and 8, 4K and 32K tokens (batch 1 also 1K)", &quick);
+  p.flag("--quick", "batches 1 and 8, 4K and 32K tokens", &quick);
   p.option("--iters", "N", "timings per figure, the median is kept (default 20)", &iters, 3, 1000000);
   p.option("--json", "FILE", "also write the results as JSON (rank 0)", &json_path);
   p.parse(argc, argv);

@@ -9,7 +9,6 @@
 #include <mutex>
 #include <regex>
 #include <utility>
-#include <vector>
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
@@ -88,47 +87,14 @@ int flash_decode_heads_per_cta(int64_t group) {
   return 1;
 }
 
-int64_t flash_decode_bytes_in_flight(int64_t head_dim, int elem_bytes) {
-  return int64_t{attn::kDecodeWarps} * (attn::decode_stages(static_cast<int>(head_dim)) - 1) * 2 * attn::kDecodeTile *
-         head_dim * elem_bytes;
-}
-
-double flash_decode_estimate_ns(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t max_seq_len,
-                                int64_t head_dim, int elem_bytes, int num_splits, double hbm_bytes_per_ns) {
-  using M = FlashDecodeSplitModel;
-  const int heads = flash_decode_heads_per_cta(q_heads / kv_heads);
-  const double groups = static_cast<double>(batch) * q_heads / heads;  // CTA groups, each reading its KV head
-  const int64_t len = std::max<int64_t>(max_seq_len, 1);
-  // The kernel's cut: ceil(len / S) rounded up to a multiple of a CTA step (4 warps x 16 tokens).
-  constexpr int64_t kStep = attn::kDecodeWarps * attn::kDecodeTile;
-  const int64_t per = ((len + num_splits - 1) / num_splits + kStep - 1) / kStep * kStep;
-  const double token_bytes = 2.0 * head_dim * elem_bytes;  // a K and a V row
-  const double stream = std::max(groups * len * token_bytes / hbm_bytes_per_ns,
-                                 per * token_bytes * M::kHbmLatencyNs /
-                                     static_cast<double>(flash_decode_bytes_in_flight(head_dim, elem_bytes)));
-  double merge = 0;
-  if (num_splits > 1) {
-    const int64_t cols = heads * head_dim / 4;  // float4 columns, over the CTA's threads
-    const int64_t rounds = (cols + attn::kDecodeThreads - 1) / attn::kDecodeThreads *
-                           ((num_splits + attn::kMergeBatch - 1) / attn::kMergeBatch);
-    merge = M::kL2LatencyNs * static_cast<double>(2 + rounds);  // the ticket, the lse, the partials
-  }
-  return M::kHbmLatencyNs + stream + merge;
-}
-
 FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t max_seq_len,
-                                       int num_sms, int ctas_per_sm, int64_t head_dim, int elem_bytes,
-                                       double hbm_bytes_per_ns) {
+                                       int num_sms, int ctas_per_sm) {
   TDIST_CHECK_ARG(batch > 0 && kv_heads > 0 && q_heads > 0 && q_heads % kv_heads == 0, "q_heads",
                   "expected positive batch and heads with q_heads a multiple of kv_heads, got batch ", batch,
                   ", q_heads ", q_heads, ", kv_heads ", kv_heads);
   TDIST_CHECK_ARG(num_sms > 0, "num_sms", "expected a positive SM count, got ", num_sms);
   TDIST_CHECK_ARG(ctas_per_sm > 0, "ctas_per_sm", "expected a positive count, got ", ctas_per_sm);
   TDIST_CHECK_ARG(max_seq_len >= 0, "max_seq_len", "expected >= 0, got ", max_seq_len);
-  TDIST_CHECK_ARG(head_dim == 64 || head_dim == 128 || head_dim == 256, "head_dim", "expected 64, 128 or 256, got ",
-                  head_dim);
-  TDIST_CHECK_ARG(elem_bytes == 2, "elem_bytes", "expected 2 (bf16 / fp16), got ", elem_bytes);
-  TDIST_CHECK_ARG(hbm_bytes_per_ns > 0, "hbm_bytes_per_ns", "expected a positive bandwidth, got ", hbm_bytes_per_ns);
   using M = FlashDecodeSplitModel;
   FlashDecodeSplitPlan plan;
   const int64_t group = q_heads / kv_heads;
@@ -138,20 +104,7 @@ FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t k
   const int64_t wave = static_cast<int64_t>(num_sms) * ctas_per_sm;
   const int64_t want = wave / ctas;  // rounded down: a CTA past the wave would run alone in a second one
   const int64_t by_length = std::max<int64_t>(1, (max_seq_len + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit);
-  const int most = static_cast<int>(std::clamp<int64_t>(std::min(want, by_length), 1, M::kMaxSplits));
-  std::vector<double> t(most + 1);
-  double best = 0;
-  for (int s = 1; s <= most; ++s) {
-    t[s] = flash_decode_estimate_ns(batch, q_heads, kv_heads, max_seq_len, head_dim, elem_bytes, s, hbm_bytes_per_ns);
-    if (s == 1 || t[s] < best) best = t[s];
-  }
-  plan.num_splits = 1;
-  for (int s = most; s >= 1; --s) {
-    if (t[s] <= best * (1 + M::kTieTolerance)) {
-      plan.num_splits = s;
-      break;
-    }
-  }
+  plan.num_splits = static_cast<int>(std::clamp<int64_t>(std::min(want, by_length), 1, M::kMaxSplits));
   return plan;
 }
 
@@ -269,19 +222,6 @@ int current_sm_count() {
   return n;
 }
 
-// The HBM bandwidth the split model assumes: the peak (double data rate x bus width) times the
-// share a stream reaches, or the model's default when the device does not report it.
-double current_hbm_bytes_per_ns() {
-  int dev = 0, khz = 0, bits = 0;
-  TDIST_CUDA_CHECK(cudaGetDevice(&dev));
-  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, dev) != cudaSuccess || khz <= 0 || bits <= 0) {
-    (void)cudaGetLastError();
-    return FlashDecodeSplitModel::kHbmBytesPerNs;
-  }
-  return 2.0 * khz * 1e-6 * (bits / 8.0) * FlashDecodeSplitModel::kHbmEfficiency;
-}
-
 void report_errors(u32* errors) {
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());
   u32 bits = 0;
@@ -299,72 +239,33 @@ void report_errors(u32* errors) {
 // State shared by both ops: the split workspace (ordinary memory, grown on demand) and the error bits.
 struct FlashDecode::Impl {
   int num_sms = current_sm_count();
-  double hbm_bytes_per_ns = current_hbm_bytes_per_ns();
   DeviceBuffer errors{sizeof(u32)};
-  // o_part f32[items][splits][D], lse_part f32[items][splits] (splits > 1; items x splits at most
-  // kMaxHeadsPerCta x wave), then, distributed, merged_o f32[items][D] and merged_lse f32[items].
-  DeviceBuffer partials;
+  DeviceBuffer partials;  // o_part f32[items][splits][D], then lse_part f32[items][splits]
   size_t partial_bytes = 0;
-  DeviceBuffer tickets;  // u32[batch][kv_heads * head_chunks] (at most a wave), zero between launches
-  size_t ticket_bytes = 0;
-  struct PlanKey {
-    int64_t batch, q_heads, kv_heads, max_len, head_dim;
-    int elem_bytes, resident;
-    bool operator==(const PlanKey&) const = default;
-  };
-  PlanKey plan_key{};
-  FlashDecodeSplitPlan plan_memo;
-  bool have_plan = false;
 
   Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
 
-  // The split model weighs every split count: done once per shape, not on every decode step.
-  FlashDecodeSplitPlan plan_for(const FlashDecodeArgs& a, const FlashDecodeKernels& kernels) {
-    const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : flash_decode_capacity(a);
-    const PlanKey key{a.batch, a.q_heads, a.kv_heads, max_len, a.head_dim, static_cast<int>(dtype_size(a.dtype)),
-                      kernels.resident()};
-    if (!(have_plan && key == plan_key)) {
-      plan_memo = plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, key.resident, a.head_dim,
-                                    key.elem_bytes, hbm_bytes_per_ns);
-      plan_key = key;
-      have_plan = true;
-    }
-    return plan_memo;
-  }
-
-  // Grows a workspace buffer to `need` bytes (zeroed), outside stream capture only.
-  static void grow(DeviceBuffer& buf, size_t& have, size_t need, cudaStream_t stream, const char* what) {
-    if (need <= have) return;
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-    TDIST_CHECK_ARG(capturing == cudaStreamCaptureStatusNone, "batch", "the ", what, " must grow to ", need,
-                    " bytes for this shape, which cannot happen during "
-                    "stream capture: run the largest shape once before capturing");
-    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be in use
-    buf = DeviceBuffer(need);
-    have = need;
-    TDIST_CUDA_CHECK(cudaMemsetAsync(buf.get(), 0, need, stream));
-  }
-
-  // Launches the split kernel, which merges the splits too: into a.out and a.lse (merged_f32
-  // false), or into this rank's f32 result for the exchange, returned in the combine parameters
-  // (all but the exchange's).
-  attn::CombineParams launch_split(const FlashDecodeArgs& a, cudaStream_t stream, const FlashDecodeKernels*& kernels,
-                                   bool merged_f32) {
+  // Launches the split kernel and fills the combine parameters (all but the exchange's).
+  attn::CombineParams launch_split(const FlashDecodeArgs& a, cudaStream_t stream, const FlashDecodeKernels*& kernels) {
     check_flash_decode_args(a);
     const int64_t capacity = flash_decode_capacity(a);
+    const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : capacity;
     const int d = static_cast<int>(a.head_dim);
     kernels = &FlashDecodeKernels::get(a.dtype, d);
-    const FlashDecodeSplitPlan plan = plan_for(a, *kernels);
+    const FlashDecodeSplitPlan plan =
+        plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, kernels->resident());
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
-    // Splits exist only within one wave (groups x splits <= wave), so the partials of any shape fit in
-    // kMaxHeadsPerCta x wave x (D + 1) floats and the tickets in wave words: sized for that, a
-    // smaller batch (more splits) never needs to grow during a capture.
-    const u64 wave = static_cast<u64>(num_sms) * kernels->resident();
-    const u64 split_floats = wave * attn::kMaxHeadsPerCta * (d + 1);
-    const u64 merged_floats = merged_f32 ? items * (d + 1) : 0;
-    grow(partials, partial_bytes, (split_floats + merged_floats) * sizeof(float), stream, "split workspace");
-    grow(tickets, ticket_bytes, wave * sizeof(u32), stream, "split tickets");
+    const size_t need = items * plan.num_splits * (d + 1) * sizeof(float);
+    if (need > partial_bytes) {
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+      TDIST_CHECK_ARG(capturing == cudaStreamCaptureStatusNone, "batch", "the split workspace must grow to ", need,
+                      " bytes for this shape, which cannot happen during "
+                      "stream capture: run the largest shape once before capturing");
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be read
+      partials = DeviceBuffer(need);
+      partial_bytes = need;
+    }
 
     attn::DecodeParams p{};
     p.q = a.q;
@@ -372,19 +273,8 @@ struct FlashDecode::Impl {
     p.v_cache = a.v_cache;
     p.block_table = a.block_table;
     p.seq_lens = a.seq_lens;
-    float* ws = partials.get<float>();
-    if (plan.num_splits > 1) {
-      p.o_part = ws;
-      p.lse_part = ws + items * plan.num_splits * d;
-      p.tickets = tickets.get<u32>();
-    }
-    if (merged_f32) {
-      p.merged_o = ws + split_floats;
-      p.merged_lse = p.merged_o + items * d;
-    } else {
-      p.out = a.out;
-      p.lse = a.lse;
-    }
+    p.o_part = partials.get<float>();
+    p.lse_part = p.o_part + items * plan.num_splits * d;
     p.errors = errors.get<u32>();
     p.num_pages = static_cast<u64>(a.block_table ? a.num_pages : a.batch);
     p.page_size = static_cast<u32>(a.page_size);
@@ -412,12 +302,13 @@ struct FlashDecode::Impl {
     jit::launch(kernels->split(), cfg, jit::make_args(p));
 
     attn::CombineParams c{};
-    c.merged_o = p.merged_o;
-    c.merged_lse = p.merged_lse;
+    c.o_part = p.o_part;
+    c.lse_part = p.lse_part;
     c.out = a.out;
     c.lse = a.lse;
     c.items = static_cast<u32>(items);
     c.max_items = static_cast<u32>(items);
+    c.num_splits = p.num_splits;
     return c;
   }
 
@@ -439,15 +330,11 @@ FlashDecode::~FlashDecode() = default;
 void FlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) {
   TDIST_NVTX_RANGE("tdist::flash_decode", "batch=", a.batch, " heads=", a.q_heads, "/", a.kv_heads, " d=", a.head_dim);
   const FlashDecodeKernels* kernels = nullptr;
-  impl_->launch_split(a, stream, kernels, /*merged_f32=*/false);  // one launch: splits and their merge
+  attn::CombineParams c = impl_->launch_split(a, stream, kernels);
+  jit::launch(kernels->combine(), impl_->combine_config(c.items, stream), jit::make_args(c));
 }
 
 void FlashDecode::check_errors() { report_errors(impl_->errors.get<u32>()); }
-
-FlashDecodeSplitPlan FlashDecode::plan(const FlashDecodeArgs& a) {
-  check_flash_decode_args(a);
-  return impl_->plan_for(a, FlashDecodeKernels::get(a.dtype, static_cast<int>(a.head_dim)));
-}
 
 namespace {
 
@@ -540,7 +427,7 @@ void DistributedFlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) 
   TDIST_CHECK_ARG(a.head_dim == cfg.head_dim, "head_dim", "expected config.head_dim = ", cfg.head_dim, ", got ",
                   a.head_dim);
   const FlashDecodeKernels* kernels = nullptr;
-  attn::CombineParams c = impl_->local.launch_split(a, stream, kernels, /*merged_f32=*/true);
+  attn::CombineParams c = impl_->local.launch_split(a, stream, kernels);
   c.heap = impl_->view;
   c.ll = impl_->ll;
   c.epoch = impl_->epoch.get<kernels::coll::EpochState>();

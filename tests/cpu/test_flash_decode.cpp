@@ -2,7 +2,6 @@
 // split model, and the kernels compiling through NVRTC for sm_90a without spills.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <regex>
 #include <string>
 
@@ -147,48 +146,6 @@ TEST(FlashDecodeSplitPlan, OneWaveOfWhatFitsOnTheGpu) {
   EXPECT_EQ(flash_decode_heads_per_cta(24), 12);
   EXPECT_EQ(flash_decode_heads_per_cta(7), 7);
   EXPECT_EQ(flash_decode_heads_per_cta(17), 1);
-}
-
-TEST(FlashDecodeSplitPlan, TheModelChargesTheMergeAndThePipeline) {
-  using M = FlashDecodeSplitModel;
-  // A CTA keeps 4 warps x 2 tiles x {K, V} x 16 rows of 128 bf16 in flight at head dim 128.
-  EXPECT_EQ(flash_decode_bytes_in_flight(128, 2), 4 * 2 * 2 * 16 * 128 * 2);
-  EXPECT_EQ(flash_decode_bytes_in_flight(64, 2), 4 * 3 * 2 * 16 * 64 * 2);
-  auto est = [](int64_t batch, int64_t q_heads, int64_t len, int64_t d, int s) {
-    return flash_decode_estimate_ns(batch, q_heads, 8, len, d, 2, s, M::kHbmBytesPerNs);
-  };
-  // One split: no merge, the whole sequence through one CTA's pipeline.
-  EXPECT_GT(est(1, 32, 4096, 128, 1), est(1, 32, 4096, 128, 8));
-  // More bandwidth, less time; more tokens, more time.
-  EXPECT_LT(flash_decode_estimate_ns(1, 32, 8, 131072, 128, 2, 33, 2 * M::kHbmBytesPerNs), est(1, 32, 131072, 128, 33));
-  EXPECT_LT(est(1, 32, 4096, 128, 16), est(1, 32, 8192, 128, 16));
-  // Llama-3-8B, batch 1: at 128K tokens the merge is negligible and the full wave streams best; at
-  // 4K the merge of 33 splits costs more than the pipeline saves, so fewer splits, still half the
-  // SMs or more.
-  const int wave = 132 * M::kCtasPerSm / 8;
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 131072, 132).num_splits, wave);
-  EXPECT_LT(plan_flash_decode(1, 32, 8, 4096, 132).num_splits, wave);
-  // Every choice is the model's best up to the tie tolerance, and keeps half the SMs busy or more
-  // (the length allowing): Llama-3-8B and 70B heads at head dim 128 (2 CTAs per SM), 16 heads per
-  // CTA at head dim 256 (1 per SM).
-  struct Shape {
-    int64_t q_heads, d;
-    int ctas_per_sm;
-  };
-  for (const Shape& sh : {Shape{32, 128, 2}, Shape{64, 128, 2}, Shape{128, 256, 1}}) {
-    const int most = 132 * sh.ctas_per_sm / 8;
-    for (int64_t len : {1024, 2048, 4096, 8192, 16384, 32768, 131072}) {
-      const int s = plan_flash_decode(1, sh.q_heads, 8, len, 132, sh.ctas_per_sm, sh.d).num_splits;
-      EXPECT_GE(s, std::min<int64_t>(most / 2, (len + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit)) << len;
-      EXPECT_LE(s, most) << len;
-      for (int other = 1; other <= std::min<int64_t>(most, (len + 127) / 128); ++other)
-        EXPECT_LE(est(1, sh.q_heads, len, sh.d, s), est(1, sh.q_heads, len, sh.d, other) * (1 + M::kTieTolerance) + 1e-6)
-            << sh.q_heads << " heads, d " << sh.d << ", " << len << " tokens: " << s << " splits vs " << other;
-    }
-  }
-  EXPECT_THROW(plan_flash_decode(1, 32, 8, 4096, 132, 2, 96), Error);
-  EXPECT_THROW(plan_flash_decode(1, 32, 8, 4096, 132, 2, 128, 4), Error);
-  EXPECT_THROW(plan_flash_decode(1, 32, 8, 4096, 132, 2, 128, 2, 0.0), Error);
 }
 
 TEST(FlashDecodeSplitPlan, ResidentCtasFromRegistersAndSharedMemory) {

@@ -9,9 +9,6 @@
 //   * sequence-parallel over every rank: each sequence's tokens dealt to ranks at random, some
 //     sequences wholly on one rank (the others hold none), some empty; every rank's out checked and
 //     bit-identical across ranks;
-//   * one split (the CTA writes out itself) and many (the last CTA of a group merges; empty
-//     splits included); batch 1 calls queued back to back, so each launch counts on the tickets
-//     the one before reset;
 //   * CUDA graphs (single GPU and distributed) captured once, replayed with new lengths (device
 //     memory) and new contents, each replay checked;
 //   * errors: host checks name the argument; a block-table entry outside the cache and a length
@@ -26,7 +23,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -392,43 +388,6 @@ int main() {
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
     single.check_errors();
     c.check(DType::kBFloat16);
-  });
-
-  // One split (the CTA writes out itself): a short capacity, and a batch that fills the GPU alone.
-  for (const Geometry& g : {Geometry{3, 32, 8, 128, 16, 100, 1.0f, 0.f}, Geometry{40, 32, 8, 128, 0, 300, 1.0f, 0.f}}) {
-    suite.run("flash_decode bf16 in one split, " + describe(g, DType::kBFloat16), [&] {
-      Case<__nv_bfloat16> c(g);
-      const uint64_t s = ++case_seed;
-      c.fill(s, mixed_lengths(s, g), 1, 0);
-      c.poison();
-      const int splits = single.plan(c.args(DType::kBFloat16)).num_splits;
-      if (splits != 1) TDIST_FAIL("expected the plan to take one split, got ", splits);
-      single.run(c.args(DType::kBFloat16), stream);
-      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-      single.check_errors();
-      c.check(DType::kBFloat16);
-    });
-  }
-
-  // Batch 1 at decode lengths, calls queued back to back with no synchronisation between them: each
-  // launch's last CTAs merge and reset the tickets the next launch counts on.
-  suite.run("flash_decode bf16 batch 1, 8 calls back to back (32/8 and 64/8 heads, 1 to 4096 tokens)", [&] {
-    std::vector<std::unique_ptr<Case<__nv_bfloat16>>> cases;
-    const int32_t lens[] = {4096, 1000, 2047, 17, 4096, 129, 3001, 1};
-    for (int i = 0; i < 8; ++i) {
-      const Geometry g{1, i % 2 ? 64 : 32, 8, 128, i % 4 == 3 ? 0 : 16, 4096, 1.0f, 0.f};
-      cases.push_back(std::make_unique<Case<__nv_bfloat16>>(g));
-      cases.back()->fill(++case_seed, {lens[i]}, 1, 0);
-      cases.back()->poison();
-    }
-    for (auto& c : cases) {
-      const int splits = single.plan(c->args(DType::kBFloat16)).num_splits;
-      if (splits < 2) TDIST_FAIL("expected the 4096-token capacity to be split, got ", splits, " split");
-    }
-    for (auto& c : cases) single.run(c->args(DType::kBFloat16), stream);
-    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-    single.check_errors();
-    for (auto& c : cases) c->check(DType::kBFloat16);
   });
 
   suite.run("flash_decode fp16 CUDA graph, 6 replays with new lengths and contents", [&] {

@@ -63,49 +63,27 @@ int64_t flash_decode_capacity(const FlashDecodeArgs& a);
 // argument. Block-table entries and lengths are checked on the device (check_errors()).
 void check_flash_decode_args(const FlashDecodeArgs& a);
 
-// How a call is cut into CTAs: grid (num_splits, kv_heads * head_chunks, batch). The splits of a
-// (sequence, head chunk) are merged in the same launch by the one of its CTAs that finishes last.
+// How a call is cut into CTAs: grid (num_splits, kv_heads * head_chunks, batch).
 struct FlashDecodeSplitPlan {
   int heads_per_cta = 1;  // query heads sharing a KV head that one CTA computes (1..16, divides the group)
   int head_chunks = 1;    // group / heads_per_cta
   int num_splits = 1;     // pieces of each sequence
 };
 
-// The split model: a model of the machine that estimates a call's time for every split count S
-// the GPU holds in one wave (groups x S <= ctas_per_sm x num_sms, a CTA past the wave would run
-// alone in a second one; no piece shorter than kMinTokensPerSplit tokens of max_seq_len; at most
-// kMaxSplits) and takes the fastest, the larger S among near ties (within kTieTolerance):
-//   stream(S) = max(all K/V bytes / HBM bandwidth,                    the HBM is the limit, or
-//                   one split's bytes x HBM latency / a CTA's bytes in flight)   one CTA's pipeline
-//   merge(S)  = 0 for S = 1, else L2 round trips of the last CTA of a group: the ticket, the
-//               log-sum-exps, then the partials (S x heads x head_dim f32), each of the CTA's 128
-//               threads summing float4 columns with 16 loads in flight
-//   time(S)   = kHbmLatencyNs (the pipeline's fill) + stream(S) + merge(S)
-// so long sequences take the full wave and short ones stop splitting where the merge costs more
-// than the split saves.
+// The split model: one wave of the CTAs that fit on the GPU at once (ctas_per_sm x num_sms, from the
+// kernel's registers and shared memory), but no piece shorter than kMinTokensPerSplit tokens of
+// max_seq_len, and at most kMaxSplits.
 struct FlashDecodeSplitModel {
   static constexpr int kCtasPerSm = 2;  // when the kernel's occupancy is not known
   // Two 16-token tiles per warp of a 4-warp CTA: a short split's loads are all in flight at once.
   static constexpr int64_t kMinTokensPerSplit = 128;
   static constexpr int kMaxSplits = 256;
-  static constexpr double kHbmBytesPerNs = 4300;  // HBM bandwidth when the device's is not known (H200 copy)
-  static constexpr double kHbmEfficiency = 0.9;   // the share of the peak (clock x bus) a stream reaches
-  static constexpr double kHbmLatencyNs = 2000;   // a read's latency while the HBM streams at full rate
-  static constexpr double kL2LatencyNs = 700;     // an L2 round trip under load (ticket, partials)
-  static constexpr double kTieTolerance = 0.03;
 };
-// The split kernel's K/V bytes in flight per CTA: 4 warps x (stages - 1) tiles x {K, V} x 16 rows.
-int64_t flash_decode_bytes_in_flight(int64_t head_dim, int elem_bytes);
-// The model's estimate of a call with `num_splits` splits (ns; one wave assumed).
-double flash_decode_estimate_ns(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t max_seq_len,
-                                int64_t head_dim, int elem_bytes, int num_splits, double hbm_bytes_per_ns);
 // Query heads of one KV head that a CTA computes: the largest divisor of the group up to 16 (the
 // rows of the kernel's MMA tile).
 int flash_decode_heads_per_cta(int64_t group);
 FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t max_seq_len,
-                                       int num_sms, int ctas_per_sm = FlashDecodeSplitModel::kCtasPerSm,
-                                       int64_t head_dim = 128, int elem_bytes = 2,
-                                       double hbm_bytes_per_ns = FlashDecodeSplitModel::kHbmBytesPerNs);
+                                       int num_sms, int ctas_per_sm = FlashDecodeSplitModel::kCtasPerSm);
 
 // An SM's limits (cudaDeviceProp: regsPerMultiprocessor, maxThreadsPerMultiProcessor,
 // maxBlocksPerMultiProcessor, sharedMemPerMultiprocessor, reservedSharedMemPerBlock); Hopper's here.
@@ -138,10 +116,6 @@ class FlashDecode {
   // check met an entry outside the cache or a length outside [0, capacity] (that page was skipped,
   // that length clamped), and clears the record.
   void check_errors();
-
-  // How run(a) cuts the call: the split model on this GPU (its SMs, HBM bandwidth and the kernel's
-  // occupancy; compiles the kernels on first use).
-  FlashDecodeSplitPlan plan(const FlashDecodeArgs& a);
 
   struct Impl;
 

@@ -12,12 +12,8 @@
 //   seq_lens     i32[batch]                                 in device memory (graphs replay with new ones)
 //   out          T[batch][q_heads][D]
 //   lse          f32[batch][q_heads]                        natural log of sum_t exp(s_t); -inf if empty
-//   o_part       f32[batch][q_heads][num_splits][D]         each split's normalised output (num_splits > 1)
+//   o_part       f32[batch][q_heads][num_splits][D]         each split's normalised output
 //   lse_part     f32[batch][q_heads][num_splits]            each split's log2-sum-exp2 (-inf: empty)
-//   tickets      u32[batch][kv_heads * head_chunks]         splits of a CTA group done so far; zero
-//                                                           between launches (the last CTA resets it)
-//   merged_o     f32[batch][q_heads][D]                     distributed: this rank's merged output
-//   merged_lse   f32[batch][q_heads]                        distributed: its log2-sum-exp2
 //   ll           u64[2][num_ranks][max_items][D + 1]        distributed merge, symmetric: lines of
 //                                                           item (b * q_heads + h), words 0..D-1 the
 //                                                           rank's o (f32 bits), word D its log2-sum
@@ -32,10 +28,7 @@
 // Each warp owns tiles of 16 tokens (tiles warp, warp + 4, ... of the split) and its own
 // decode_stages(D)-deep cp.async pipeline of K and V tiles in shared memory, gathered row by row
 // through the block table, so that HBM reads stay in flight while the warp computes; the warps'
-// states are merged through shared memory at the end. The splits of a (sequence, CTA group) are
-// merged in the same launch by the CTA that finishes last (an atomic ticket per group), which writes
-// out and lse (one GPU) or the rank's merged f32 partial (distributed, for the exchange kernel); a
-// single split writes them directly.
+// states are merged through shared memory at the end.
 //
 // Bad input seen on the device sets a bit of *errors (the host reports it, naming the argument):
 // kErrBlockTable (an entry outside [0, num_pages): the page is skipped), kErrSeqLen (a length
@@ -54,7 +47,6 @@ constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kDecodeTile = 16;       // tokens of a warp's tile: two n8 tiles of Q K^T, the k16 of P V
 constexpr int kMaxHeadsPerCta = 16;   // the M of the MMA
 constexpr int kCombineThreads = 128;  // threads of a combine CTA (a warp per item)
-constexpr int kMergeBatch = 16;       // float4 loads of partials a thread of the merging CTA keeps in flight
 constexpr u32 kErrBlockTable = 1u;    // *errors bit: a block-table entry outside the cache
 constexpr u32 kErrSeqLen = 2u;        // *errors bit: a length outside [0, capacity]
 constexpr float kLog2e = 1.4426950408889634f;
@@ -84,13 +76,8 @@ struct DecodeParams {
   const void* v_cache;
   const int* block_table;  // nullptr: contiguous
   const int* seq_lens;
-  float* o_part;    // num_splits > 1
-  float* lse_part;  // num_splits > 1
-  u32* tickets;     // num_splits > 1: u32[batch][kv_heads * head_chunks], zero between launches
-  void* out;        // T out (one GPU); nullptr: merged_o / merged_lse instead
-  float* lse;       // natural log, may be nullptr (with out)
-  float* merged_o;  // distributed (out == nullptr): f32[batch][q_heads][D]
-  float* merged_lse;
+  float* o_part;
+  float* lse_part;
   u32* errors;
   u64 num_pages;
   u32 page_size;
@@ -109,17 +96,17 @@ struct DecodeParams {
   float cap_out;  // softcap * log2(e)
 };
 
-// The distributed exchange and merge across ranks (the split kernel has merged this rank's splits).
 struct CombineParams {
-  tdist::device::SymmetricHeapView heap;
-  const float* merged_o;    // f32[items][D], this rank's result
-  const float* merged_lse;  // f32[items], its log2-sum (-inf: no token on this rank)
+  tdist::device::SymmetricHeapView heap;  // distributed only
+  const float* o_part;
+  const float* lse_part;
   void* out;
-  float* lse;  // may be nullptr
-  u64* ll;
-  coll::EpochState* epoch;
-  u32 items;      // batch * q_heads
-  u32 max_items;  // ll's item dimension
+  float* lse;               // may be nullptr
+  u64* ll;                  // nullptr: one rank, no exchange
+  coll::EpochState* epoch;  // distributed only
+  u32 items;                // batch * q_heads
+  u32 max_items;            // ll's item dimension
+  u32 num_splits;
 };
 
 }  // namespace tdist::kernels::attention
@@ -201,78 +188,6 @@ TDIST_DEVICE void merge_state(float& m, float& l, float* acc, float m2, float l2
 #pragma unroll
   for (int i = 0; i < N; ++i) acc[i] = acc[i] * a + acc2[i] * b;
   m = mn;
-}
-
-// Writes n consecutive dims from d of item's result: T out and the natural-log lse (one GPU), or
-// the f32 merged partial and its log2-sum (distributed); the lse with dim 0.
-template <typename T, int D>
-TDIST_DEVICE void store_result(const DecodeParams& p, u64 item, int d, const float* v, int n, float lse2) {
-  if (p.out) {
-    T* out = static_cast<T*>(p.out) + item * D + d;
-    for (int k = 0; k < n; ++k) out[k] = coll::from_f32<T>(v[k]);
-    if (d == 0 && p.lse) p.lse[item] = lse2 == -kInf ? -kInf : lse2 * kLn2;
-  } else {
-    float* out = p.merged_o + item * D + d;
-    for (int k = 0; k < n; ++k) out[k] = v[k];
-    if (d == 0) p.merged_lse[item] = lse2;
-  }
-}
-
-// The merge of a CTA group's splits by its last CTA: rows item0 .. item0 + heads - 1. First each
-// row's weights exp2(lse_s - max) into sm_w f32[heads][num_splits] (over the drained pipelines,
-// 16 KiB at most) and its (max, sum) into sm_ml f32[heads][2], then each thread sums 4 dims of a row
-// over the splits, kMergeBatch float4 loads in flight. Partials were written by other CTAs in this
-// launch: read at L2 (ld.cg), never from a stale L1 line.
-template <typename T, int D>
-TDIST_DEVICE void merge_group(const DecodeParams& p, u64 item0, int heads, float* sm_w, float* sm_ml) {
-  const int splits = static_cast<int>(p.num_splits);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < heads; r += kDecodeWarps) {
-    const float* ls = p.lse_part + (item0 + r) * splits;
-    float mx = -kInf;
-    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(ls + s));
-#pragma unroll
-    for (int o2 = 16; o2 > 0; o2 /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
-    float sum = 0.f;
-    for (int s = lane; s < splits; s += 32) {
-      const float w = mx == -kInf ? 0.f : exp2f(__ldcg(ls + s) - mx);  // an empty split weighs 0
-      sm_w[r * splits + s] = w;
-      sum += w;
-    }
-#pragma unroll
-    for (int o2 = 16; o2 > 0; o2 /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
-    if (lane == 0) {
-      sm_ml[2 * r] = mx;
-      sm_ml[2 * r + 1] = sum;
-    }
-  }
-  __syncthreads();
-  constexpr int kCols = D / 4;  // float4 columns of a row
-  for (int i = threadIdx.x; i < heads * kCols; i += kDecodeThreads) {
-    const int r = i / kCols, c = i % kCols;
-    const float4* src = reinterpret_cast<const float4*>(p.o_part + (item0 + r) * splits * D) + c;
-    const float* w = sm_w + r * splits;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s0 = 0; s0 < splits; s0 += kMergeBatch) {
-      float4 v[kMergeBatch];
-#pragma unroll
-      for (int k = 0; k < kMergeBatch; ++k)
-        v[k] = s0 + k < splits ? __ldcg(src + static_cast<u64>(s0 + k) * kCols) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int k = 0; k < kMergeBatch; ++k) {
-        const float wk = s0 + k < splits ? w[s0 + k] : 0.f;
-        acc[0] = fmaf(wk, v[k].x, acc[0]);
-        acc[1] = fmaf(wk, v[k].y, acc[1]);
-        acc[2] = fmaf(wk, v[k].z, acc[2]);
-        acc[3] = fmaf(wk, v[k].w, acc[3]);
-      }
-    }
-    const float mx = sm_ml[2 * r], sum = sm_ml[2 * r + 1];
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) acc[k] *= inv;
-    store_result<T, D>(p, item0 + r, 4 * c, acc, 4, sum > 0.f ? mx + log2f(sum) : -kInf);
-  }
 }
 
 // grid (num_splits, kv_heads * head_chunks, batch), block kDecodeThreads, dynamic shared memory
@@ -484,49 +399,54 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
     }
   }
   __syncthreads();
-  const u64 item0 = static_cast<u64>(b) * p.q_heads + h0;  // the CTA's first (sequence, head) item
-  // The warps' states of row r, dim d merged: (output, log2-sum), (0, -inf) when no token.
-  auto cta_result = [&](int r, int d, float& out) {
+  for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
+    const int r = i / D, d = i % D;
     float mm = -kInf, ll = 0.f, a = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
       const float* ml = sm_ml + (w * kMaxHeadsPerCta + r) * 2;
       merge_state<1>(mm, ll, &a, ml[0], ml[1], &sm_o[(w * kMaxHeadsPerCta + r) * D + d]);
     }
-    out = ll > 0.f ? a / ll : 0.f;
-    return ll > 0.f ? mm + log2f(ll) : -kInf;
-  };
-  if (p.num_splits == 1) {  // the whole sequence: the result itself
-    for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
-      const int r = i / D, d = i % D;
-      float v;
-      const float lse2 = cta_result(r, d, v);
-      store_result<T, D>(p, item0 + r, d, &v, 1, lse2);
-    }
-    return;
+    const u64 part = (static_cast<u64>(b) * p.q_heads + h0 + r) * p.num_splits + split;
+    p.o_part[part * D + d] = ll > 0.f ? a / ll : 0.f;
+    if (d == 0) p.lse_part[part] = ll > 0.f ? mm + log2f(ll) : -kInf;
   }
-  for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
-    const int r = i / D, d = i % D;
-    float v;
-    const float lse2 = cta_result(r, d, v);
-    const u64 part = (item0 + r) * p.num_splits + split;
-    p.o_part[part * D + d] = v;
-    if (d == 0) p.lse_part[part] = lse2;
-  }
+}
 
-  // The group's last CTA to finish merges every split: each CTA publishes its partial, then takes a
-  // ticket; the one that draws num_splits - 1 sees all partials and resets the ticket for the next
-  // launch (so a graph replays), which starts only after this grid completes.
-  __shared__ u32 sm_last;
-  __threadfence();  // this thread's partials visible device-wide before the CTA's ticket
-  __syncthreads();
-  u32* ticket = p.tickets + static_cast<u64>(b) * gridDim.y + blockIdx.y;
-  if (threadIdx.x == 0) sm_last = atomicAdd(ticket, 1u) == p.num_splits - 1 ? 1u : 0u;
-  __syncthreads();
-  if (sm_last == 0) return;
-  __threadfence();  // the other CTAs' partials, published before their tickets, are read after ours
-  if (threadIdx.x == 0) *ticket = 0u;
-  merge_group<T, D>(p, item0, heads, reinterpret_cast<float*>(smem), sm_ml);
+// The merge of a warp's item: every split of this rank, weighted by exp2(lse_s - max). o[kPer]
+// receives the lane's dims (lane * kPer ...); returns the log2-sum (-inf when no token). Lane i
+// computes the weight of split s0 + i, broadcast to the warp, so the partials' loads of several
+// splits are in flight at once (the loop is unrolled; an empty split weighs exp2(-inf) = 0).
+template <int D>
+TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, float* o) {
+  constexpr int kPer = D / 32;
+  const float* lse = p.lse_part + static_cast<u64>(item) * p.num_splits;
+  float mx = -kInf;
+  for (u32 s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse[s]);
+#pragma unroll
+  for (int o2 = 16; o2 > 0; o2 /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) o[j] = 0.f;
+  if (mx == -kInf) return -kInf;
+  float sum = 0.f;
+  const float* op = p.o_part + static_cast<u64>(item) * p.num_splits * D + lane * kPer;
+  for (u32 s0 = 0; s0 < p.num_splits; s0 += 32) {
+    const u32 n = min(32u, p.num_splits - s0);
+    const float w_lane = static_cast<u32>(lane) < n ? exp2f(lse[s0 + lane] - mx) : 0.f;
+    sum += w_lane;
+#pragma unroll 8
+    for (u32 i = 0; i < n; ++i) {
+      const float w = __shfl_sync(0xffffffffu, w_lane, static_cast<int>(i));
+      const float* src = op + static_cast<u64>(s0 + i) * D;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) o[j] = fmaf(w, src[j], o[j]);
+    }
+  }
+#pragma unroll
+  for (int o2 = 16; o2 > 0; o2 /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) o[j] /= sum;
+  return mx + log2f(sum);
 }
 
 template <typename T, int D>
@@ -548,8 +468,8 @@ TDIST_DEVICE u64* ll_line(const CombineParams& p, u64 par, int src, u32 item, u3
   return p.ll + ((par * p.heap.num_ranks + src) * p.max_items + item) * (d + 1) + w;
 }
 
-// Merges every rank's result of every item (warp per item; the split kernel has merged this rank's
-// splits into merged_o / merged_lse): each rank pushes its item to every peer as LL lines {f32 bits, epoch} (data and flag in one 8-byte
+// Merges the splits of every item (warp per item) and, with p.ll, every rank's result: each rank
+// pushes its merged item to every peer as LL lines {f32 bits, epoch} (data and flag in one 8-byte
 // store, so no reset and no barrier is needed; parity = epoch & 1 rotates the buffer), then merges
 // the ranks' lines in rank order, so every rank computes the same bits. Grid: at most what is
 // resident at once, grid-striding over items, every push of a CTA before any of its waits, so a
@@ -561,14 +481,20 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine(CombineP
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const u32 first = blockIdx.x * kWarps + warp, stride = gridDim.x * kWarps;
   float o[kPer];
+  if (p.ll == nullptr) {
+    wait_for_prior_grid();  // the split kernel's partials (programmatic launch: it may still run)
+    for (u32 item = first; item < p.items; item += stride) {
+      const float lse2 = merge_splits<D>(p, item, lane, o);
+      store_item<T, D>(p, item, lane, o, lse2);
+    }
+    return;
+  }
   const u64 e = coll::begin_call(p.epoch);
   const u32 flag = static_cast<u32>(e);
   const u64 par = e & 1;
   const int n = p.heap.num_ranks, me = p.heap.rank;
   for (u32 item = first; item < p.items; item += stride) {
-    const float lse2 = p.merged_lse[item];
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) o[j] = p.merged_o[static_cast<u64>(item) * D + lane * kPer + j];
+    const float lse2 = merge_splits<D>(p, item, lane, o);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const u64 line = (static_cast<u64>(flag) << 32) | __float_as_uint(o[j]);
