@@ -13,6 +13,7 @@
 
 #include "harness.cuh"
 #include "tdist/ops/collectives.hpp"
+#include "tdist/ops/ep.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
 #include "tdist/runtime/device_fault.hpp"
 
@@ -152,6 +153,28 @@ int main() {
     const AllGatherGemmArgs args{a, b, d, nullptr, m, nn};
     skip_on_last_rank(world, stream, "faults: ag_gemm", a, m / n * k * sizeof(*a),
                       [&] { op->run(args, stream, OverlapMethod::kFused); });
+  });
+
+  // Expert-parallel dispatch (low latency): its receivers wait for every rank's count flags.
+  std::vector<std::unique_ptr<EpBuffer>> retired_ep;
+  suite.run("EP low-latency dispatch with rank " + std::to_string(n - 1) + " absent: the others abort and raise", [&] {
+    const EpConfig cfg{.max_tokens = 16, .hidden = 256, .num_experts = 2 * n, .topk = 2};
+    retired_ep.push_back(std::make_unique<EpBuffer>(world, heap, cfg));
+    EpBuffer* ep = retired_ep.back().get();
+    __nv_bfloat16* x = nullptr;
+    int64_t* idx = nullptr;
+    TDIST_CUDA_CHECK(cudaMalloc(&x, cfg.max_tokens * cfg.hidden * sizeof(*x)));
+    TDIST_CUDA_CHECK(cudaMalloc(&idx, cfg.max_tokens * cfg.topk * sizeof(*idx)));
+    test::fill_pattern(x, cfg.max_tokens * cfg.hidden * sizeof(*x), 3, stream);
+    std::vector<int64_t> ids(cfg.max_tokens * cfg.topk);
+    for (int64_t t = 0; t < cfg.max_tokens; ++t)
+      for (int j = 0; j < cfg.topk; ++j) ids[t * cfg.topk + j] = (t + j) % cfg.num_experts;
+    TDIST_CUDA_CHECK(cudaMemcpy(idx, ids.data(), ids.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    world.barrier("faults: ep ready");
+    skip_on_last_rank(world, stream, "faults: ep", x, cfg.max_tokens * cfg.hidden * sizeof(*x), [&] {
+      ep->ll_dispatch({.x = x, .topk_idx = idx, .num_tokens = cfg.max_tokens}, stream);
+    });
   });
 
   // Call checking: mismatched calls raise tdist::Error on every rank, naming each rank's call,
