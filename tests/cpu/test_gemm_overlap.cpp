@@ -100,6 +100,24 @@ TEST(OverlapNames, Comms) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// overlap_m_bucket: the M classes of the method timing
+
+TEST(OverlapModel, MBucketsStepAtMostOneAndAHalf) {
+  const std::vector<int64_t> first = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128};
+  int64_t m = 1;
+  for (int64_t b : first) {
+    for (; m <= b; ++m) EXPECT_EQ(tdist::overlap_m_bucket(m), b) << "m=" << m;
+  }
+  for (int64_t v : {int64_t{1000}, int64_t{4097}, int64_t{12289}, int64_t{1} << 20, (int64_t{1} << 40) + 7}) {
+    const int64_t b = tdist::overlap_m_bucket(v);
+    EXPECT_GE(b, v);
+    EXPECT_LE(b, v + v / 2) << "v=" << v;
+    EXPECT_EQ(tdist::overlap_m_bucket(b), b);  // a bucket is its own
+    EXPECT_GT(tdist::overlap_m_bucket(b + 1), b);
+  }
+  EXPECT_EQ(tdist::overlap_m_bucket(0), 1);
+}
+
 // choose_overlap_method
 
 TEST(OverlapChoice, NeverAutoAndDeterministic) {

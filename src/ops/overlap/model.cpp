@@ -126,4 +126,17 @@ int overlap_row_pieces(const OverlapShape& s) {
   return p;
 }
 
+int64_t overlap_m_bucket(int64_t m) {
+  int64_t b = 1;
+  while (b < m) {
+    if (b == 1)
+      b = 2;
+    else if ((b & (b - 1)) == 0)
+      b = b / 2 * 3;  // 2^i -> 3 * 2^(i-1)
+    else
+      b = b / 3 * 4;  // 3 * 2^(i-1) -> 2^(i+1)
+  }
+  return b;
+}
+
 }  // namespace tdist

@@ -22,6 +22,7 @@
 #include "src/ops/overlap/baselines.hpp"
 #include "src/ops/overlap/moe_kernels.hpp"
 #include "src/ops/overlap/runtime.hpp"
+#include "tdist/ops/detail/overlap_model.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/common/env.hpp"
@@ -115,7 +116,7 @@ std::vector<OverlapMethod> moe_candidates(int world_size) {
 
 // The sizes that set a MoE call's speed; the routing's skew is left out (it varies call to call).
 std::string moe_shape_class(const char* op, int64_t m, int64_t n, int64_t k, const MoeConfig& c, int world_size) {
-  return detail::concat(op, ",m<=", OverlapRuntime::m_bucket(m), ",n=", n, ",k=", k, ",experts=", c.experts,
+  return detail::concat(op, ",m<=", overlap_m_bucket(m), ",n=", n, ",k=", k, ",experts=", c.experts,
                         ",topk=", c.topk, ",", to_string(c.dtype), ",ranks=", world_size);
 }
 

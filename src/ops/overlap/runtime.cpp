@@ -160,22 +160,8 @@ void log_auto_choice(OverlapComm comm, int64_t m, int64_t n, int64_t k, DType dt
 
 }  // namespace
 
-int64_t OverlapRuntime::m_bucket(int64_t m) {
-  int64_t b = 1;
-  while (b < m) {
-    const bool power_of_two = (b & (b - 1)) == 0;
-    if (b == 1)
-      b = 2;
-    else if (power_of_two)
-      b = b / 2 * 3;  // 2^i -> 3 * 2^(i-1)
-    else
-      b = b / 3 * 4;  // 3 * 2^(i-1) -> 2^(i+1)
-  }
-  return b;
-}
-
 std::string OverlapRuntime::shape_class(OverlapComm comm, int64_t m, int64_t n, int64_t k) const {
-  return detail::concat(to_string(comm), ",m<=", m_bucket(m), ",n=", n, ",k=", k, ",", to_string(dtype_),
+  return detail::concat(to_string(comm), ",m<=", overlap_m_bucket(m), ",n=", n, ",k=", k, ",", to_string(dtype_),
                         ",ranks=", size());
 }
 

@@ -137,13 +137,10 @@ class OverlapRuntime {
 
   // The timing behind choose(), for ops with their own candidates and shape classes (the MoE ops):
   // the winner among `candidates` for `shape` (a string naming the op and every size that sets its
-  // speed, with m_bucket(M)), timed now if need be; `fallback` where nothing may be timed (inside a
+  // speed, with overlap_m_bucket(M)), timed now if need be; `fallback` where nothing may be timed (inside a
   // capture with no known winner, TDIST_OVERLAP_TUNE=0, or TDIST_OVERLAP_METHOD set).
   OverlapMethod tune_methods(const std::string& shape, const std::vector<OverlapMethod>& candidates,
                              OverlapMethod fallback, cudaStream_t stream, const MethodRunner& run);
-  // M's bucket for shape classes: the first of 1, 2, 3, 4, 6, 8, 12, 16, ... (2^i and 3 * 2^(i-1))
-  // at or above m, so the calls that reuse a winner have an M within 1.5x of the one it was timed at.
-  static int64_t m_bucket(int64_t m);
 
   // Under call checking (World::check_same_call), compares this call with the other ranks'.
   void check_call(OverlapComm comm, int64_t m, int64_t n, int64_t k, OverlapMethod method) const;

@@ -25,6 +25,11 @@ struct OverlapShape {
 // communication), otherwise the chunked method.
 OverlapMethod choose_overlap_method(const OverlapShape& shape);
 
+// M's bucket in the shape classes that `auto` times its methods for (pure; CPU-tested): the first
+// of 1, 2, 3, 4, 6, 8, 12, 16, ... (2^i and 3 * 2^(i-1)) at or above m, so that the calls reusing a
+// winner have an M within 1.5x of the one it was timed at.
+int64_t overlap_m_bucket(int64_t m);
+
 // The chunked ReduceScatter and AllReduce cut every rank's row chunk into this many pieces (pure;
 // CPU-tested): each peer piece goes to its owner as soon as its GEMM is done, and the owner's GEMM
 // of a piece adds the received partial in its epilogue, so no separate reduction pass remains
