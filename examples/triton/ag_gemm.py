@@ -22,8 +22,6 @@ Buffers (symmetric):
     python -m torch.distributed.run --nproc-per-node 2 examples/triton/ag_gemm.py
 """
 
-import sys
-
 import triton
 import triton.language as tl
 
@@ -119,7 +117,4 @@ def run(shapes=((1, 64, 64), (45, 100, 200), (200, 384, 256)), calls=3):
 
 
 if __name__ == "__main__":
-    common.setup()
-    status = common.report(run())
-    common.teardown()
-    sys.exit(status)
+    common.main(run)

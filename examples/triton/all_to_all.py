@@ -18,8 +18,6 @@ first wait for the peers to have drained it (tutorial 1's back-pressure).
     python -m torch.distributed.run --nproc-per-node 2 examples/triton/all_to_all.py
 """
 
-import sys
-
 import triton
 import triton.language as tl
 
@@ -95,7 +93,4 @@ def run(calls=8, cap=37, hidden=100):
 
 
 if __name__ == "__main__":
-    common.setup()
-    status = common.report(run())
-    common.teardown()
-    sys.exit(status)
+    common.main(run)

@@ -14,8 +14,6 @@ Buffers (symmetric):
     python -m torch.distributed.run --nproc-per-node 2 examples/triton/allgather.py
 """
 
-import sys
-
 import triton
 import triton.language as tl
 
@@ -71,7 +69,4 @@ def run(calls=20, sizes=(1, 333, 65537)):
 
 
 if __name__ == "__main__":
-    common.setup()
-    status = common.report(run())
-    common.teardown()
-    sys.exit(status)
+    common.main(run)

@@ -3,6 +3,7 @@ it), seeded inputs, and the report (rank 0 prints PASS/FAIL per case for all ran
 "N passed, M failed"; the exit code is 0 only when every case passed on every rank)."""
 
 import os
+import sys
 
 import tdist  # before torch: tdist's libnccl (>= 2.28) is then the one the process loads
 
@@ -51,3 +52,11 @@ def teardown():
         tdist.finalize()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def main(run):
+    """A tutorial run as a script: join, run its cases, report them, leave; exits with the report's status."""
+    setup()
+    status = report(run())
+    teardown()
+    sys.exit(status)

@@ -13,8 +13,6 @@ Buffers (symmetric: tdist.empty, same offset on every rank):
     python -m torch.distributed.run --nproc-per-node 2 examples/triton/notify_wait.py
 """
 
-import sys
-
 import triton
 import triton.language as tl
 
@@ -75,7 +73,4 @@ def run(rounds=50, sizes=(1, 1000, 4099)):
 
 
 if __name__ == "__main__":
-    common.setup()
-    status = common.report(run())
-    common.teardown()
-    sys.exit(status)
+    common.main(run)

@@ -27,10 +27,7 @@ using namespace nb::literals;
 
 namespace {
 
-template <typename T>
-T* ptr(uint64_t p) {
-  return reinterpret_cast<T*>(p);
-}
+using tdist_python::ptr;
 uint64_t addr(const void* p) { return reinterpret_cast<uint64_t>(p); }
 
 tdist::EpMode parse_mode(const std::string& mode) {
@@ -66,21 +63,11 @@ class Ep {
       tdist_python::ScopedDevice scope(device_);
       box_->op = std::make_unique<tdist::EpBuffer>(*rt.world, *rt.heap, config);
     }
-    const int device = device_;
-    tdist_python::on_runtime_close(runtime, [box = box_, device] {
-      tdist_python::ScopedDevice scope(device);
-      box->hooks.clear();
-      box->op.reset();
-    });
+    tdist_python::reset_on_runtime_close(runtime, box_, device_);
   }
 
   // Collective: returns the buffer's memory to the heap.
-  void close() {
-    nb::gil_scoped_release release;
-    tdist_python::ScopedDevice scope(device_);
-    box_->hooks.clear();
-    box_->op.reset();
-  }
+  void close() { tdist_python::close_box(*box_, device_); }
   bool closed() const { return !box_->op; }
 
   int num_local_experts() { return op().num_local_experts(); }
@@ -220,6 +207,10 @@ class Ep {
   struct Box {
     std::unique_ptr<tdist::EpBuffer> op;
     std::map<uint64_t, std::function<void(cudaStream_t)>> hooks;  // receive hooks not run yet, by id
+    void reset() {
+      hooks.clear();
+      op.reset();
+    }
   };
 
   tdist::EpBuffer& op() {

@@ -24,10 +24,7 @@ using namespace nb::literals;
 
 namespace {
 
-template <typename T>
-T* ptr(uint64_t p) {
-  return reinterpret_cast<T*>(p);
-}
+using tdist_python::ptr;
 
 // One MoE op (MoeAgGroupGemm or MoeGroupGemmRs plus its router) in a shared box the runtime's close
 // also holds, so that tdist.finalize destroys it (collectively) before the heap.
@@ -35,6 +32,10 @@ template <typename Op>
 struct MoeBox {
   std::unique_ptr<Op> op;
   std::unique_ptr<tdist::MoeRouter> router;
+  void reset() {
+    router.reset();
+    op.reset();
+  }
 };
 
 template <typename Op>
@@ -61,21 +62,11 @@ class MoeContext {
       box_->op = std::make_unique<Op>(*rt.world, *rt.heap, config_);
       box_->router = std::make_unique<tdist::MoeRouter>(max_m, topk, experts, world_size_, rank_);
     }
-    const int device = device_;
-    tdist_python::on_runtime_close(runtime, [box = box_, device] {
-      tdist_python::ScopedDevice scope(device);
-      box->router.reset();
-      box->op.reset();
-    });
+    tdist_python::reset_on_runtime_close(runtime, box_, device_);
   }
 
   // Collective: returns the context's memory to the heap.
-  void close() {
-    nb::gil_scoped_release release;
-    tdist_python::ScopedDevice scope(device_);
-    box_->router.reset();
-    box_->op.reset();
-  }
+  void close() { tdist_python::close_box(*box_, device_); }
   bool closed() const { return !box_->op; }
   int64_t max_m() const { return config_.max_m; }
   int64_t k() const { return config_.k; }

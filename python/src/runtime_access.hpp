@@ -6,7 +6,10 @@
 #include <cuda_runtime_api.h>
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <functional>
+#include <memory>
+#include <utility>
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
@@ -42,5 +45,30 @@ class ScopedDevice {
  private:
   int previous_ = 0;
 };
+
+// A device pointer that Python passed as an integer (tensor.data_ptr()).
+template <typename T>
+T* ptr(uint64_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+// Binding objects that own collective resources keep them in a shared box with a reset() that frees
+// them; the runtime's close holds the box too, so tdist.finalize frees them before the heap even
+// while Python still holds the object. Registers that reset, run on `device`.
+template <typename Box>
+void reset_on_runtime_close(nanobind::handle runtime, std::shared_ptr<Box> box, int device) {
+  on_runtime_close(runtime, [box = std::move(box), device] {
+    ScopedDevice scope(device);
+    box->reset();
+  });
+}
+
+// The object's own (collective) close(): resets `box` on `device` with the GIL released.
+template <typename Box>
+void close_box(Box& box, int device) {
+  nanobind::gil_scoped_release release;
+  ScopedDevice scope(device);
+  box.reset();
+}
 
 }  // namespace tdist_python

@@ -48,6 +48,23 @@ def torch_dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
+def tensor_shape(t) -> tuple:
+    """A tensor's shape as a tuple of ints."""
+    return tuple(int(s) for s in t.shape)
+
+
+def check_tensor_kind(fail, name: str, t, dtypes, dims) -> None:
+    """That `t` is a torch tensor of one of `dtypes` (names) with shape `dims` (None: any size); else
+    fail(name, expected, got), which raises. Devices and layout are the caller's to check."""
+    if _torch is None or not isinstance(t, _torch.Tensor):
+        fail(name, "a torch tensor", type(t).__name__)
+    if torch_dtype_name(t.dtype) not in dtypes:
+        fail(name, " or ".join(dtypes), torch_dtype_name(t.dtype))
+    if t.dim() != len(dims) or any(d is not None and s != d for s, d in zip(tensor_shape(t), dims)):
+        shape = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
+        fail(name, f"shape {shape}", list(tensor_shape(t)))
+
+
 def dlpack_dtype(dtype) -> tuple[int, int]:
     name = torch_dtype_name(dtype)
     if name not in _DLPACK:

@@ -44,7 +44,7 @@ import itertools
 from typing import Optional
 
 from . import _C
-from ._tensors import Error, torch_dtype_name, torch_module
+from ._tensors import Error, check_tensor_kind, torch_module
 
 _MODES = ("low_latency", "high_throughput")
 _buffers = {}  # id -> Buffer, while open (torch.library ops name a buffer by its id)
@@ -53,10 +53,6 @@ _ids = itertools.count(1)
 
 def _fail(op: str, name: str, expected: str, got) -> None:
     raise Error(f"tdist.ep.{op}: invalid argument '{name}': expected {expected}, got {got}")
-
-
-def _shape(t) -> tuple:
-    return tuple(int(s) for s in t.shape)
 
 
 def _stream(device: int) -> int:
@@ -150,14 +146,7 @@ class Buffer:
     # --- argument checks (the C++ checks then check what these leave: alignment, sizes) ---------------
 
     def _tensor(self, op, name, t, dtypes, dims):
-        torch = torch_module()
-        if not isinstance(t, torch.Tensor):
-            _fail(op, name, "a torch tensor", type(t).__name__)
-        if torch_dtype_name(t.dtype) not in dtypes:
-            _fail(op, name, " or ".join(dtypes), torch_dtype_name(t.dtype))
-        if t.dim() != len(dims) or any(d is not None and s != d for s, d in zip(_shape(t), dims)):
-            shape = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
-            _fail(op, name, f"shape {shape}", list(_shape(t)))
+        check_tensor_kind(lambda *a: _fail(op, *a), name, t, dtypes, dims)
         if t.device.type not in ("cuda", "meta") or (t.device.type == "cuda" and t.device.index != self.device):
             _fail(op, name, f"a tensor on the buffer's device cuda:{self.device}", t.device)
         if not t.is_contiguous():

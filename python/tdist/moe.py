@@ -33,7 +33,8 @@ torch.ops.tdist.moe_ag_group_gemm and torch.ops.tdist.moe_group_gemm_rs with fak
 
 # No `from __future__ import annotations`: torch.library.custom_op reads the annotations as types.
 from . import _C
-from ._tensors import Error, torch_dtype_name, torch_module
+from ._tensors import Error, check_tensor_kind, torch_dtype_name, torch_module
+from ._tensors import tensor_shape as _shape
 
 _DTYPES = {"bfloat16": "bf16", "float16": "f16"}
 _METHODS = ("auto", "chunked", "baseline")
@@ -42,10 +43,6 @@ _contexts = {}  # (kind, dtype, experts, topk, k) -> C++ context of the live run
 
 def _fail(op: str, name: str, expected: str, got) -> None:
     raise Error(f"tdist.{op}: invalid argument '{name}': expected {expected}, got {got}")
-
-
-def _shape(t) -> tuple:
-    return tuple(int(s) for s in t.shape)
 
 
 def capacity(m: int, topk: int, experts: int) -> int:
@@ -76,14 +73,7 @@ def routing_reference(topk_ids, experts: int, world_size: int = 1, rank: int = 0
 
 
 def _check_tensor(op, name, t, dtypes, dims, device):
-    torch = torch_module()
-    if not isinstance(t, torch.Tensor):
-        _fail(op, name, "a torch tensor", type(t).__name__)
-    if torch_dtype_name(t.dtype) not in dtypes:
-        _fail(op, name, " or ".join(dtypes), torch_dtype_name(t.dtype))
-    if t.dim() != len(dims) or any(d is not None and s != d for s, d in zip(_shape(t), dims)):
-        shape = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
-        _fail(op, name, f"shape {shape}", list(_shape(t)))
+    check_tensor_kind(lambda *a: _fail(op, *a), name, t, dtypes, dims)
     if device is not None and t.device != device:
         _fail(op, name, f"a tensor on {device}", t.device)
     if t.device.type not in ("cuda", "meta"):
@@ -97,31 +87,34 @@ def _check_method(op, method):
         _fail(op, "method", "'auto', 'chunked' or 'baseline'", repr(method))
 
 
-def check_ag_args(x_rows, topk_ids, w, method="auto", world_size=1, rank=0) -> dict:
-    """Shapes, dtypes and devices of a moe_ag_group_gemm call; raises tdist.Error naming the argument."""
-    op = "moe_ag_group_gemm"
+def _check_weights_and_ids(op, method, w, topk_ids, world_size, rank) -> dict:
+    """The checks both projections start with: method, the weights w [E, N, K], the ids [M, topk]."""
     _check_method(op, method)
     _check_tensor(op, "w", w, tuple(_DTYPES), (None, None, None), None)
     experts, n, k = _shape(w)
     _check_tensor(op, "topk_ids", topk_ids, ("int32", "int64"), (None, None), w.device)
     m, topk = _shape(topk_ids)
     _C.moe_check_routing(m, topk, experts, world_size, rank)
-    _check_tensor(op, "x_rows", x_rows, (torch_dtype_name(w.dtype),), (rows_of(m, world_size, rank)[1], k), w.device)
     return dict(m=m, n=n, k=k, experts=experts, topk=topk, dtype=_DTYPES[torch_dtype_name(w.dtype)])
+
+
+def check_ag_args(x_rows, topk_ids, w, method="auto", world_size=1, rank=0) -> dict:
+    """Shapes, dtypes and devices of a moe_ag_group_gemm call; raises tdist.Error naming the argument."""
+    op = "moe_ag_group_gemm"
+    s = _check_weights_and_ids(op, method, w, topk_ids, world_size, rank)
+    m, k = s["m"], s["k"]
+    _check_tensor(op, "x_rows", x_rows, (torch_dtype_name(w.dtype),), (rows_of(m, world_size, rank)[1], k), w.device)
+    return s
 
 
 def check_rs_args(h, w, topk_ids, topk_weights, method="auto", world_size=1, rank=0) -> dict:
     """Shapes, dtypes and devices of a moe_group_gemm_rs / _ar call; raises tdist.Error naming the argument."""
     op = "moe_group_gemm_rs"
-    _check_method(op, method)
-    _check_tensor(op, "w", w, tuple(_DTYPES), (None, None, None), None)
-    experts, n, k = _shape(w)
-    _check_tensor(op, "topk_ids", topk_ids, ("int32", "int64"), (None, None), w.device)
-    m, topk = _shape(topk_ids)
-    _C.moe_check_routing(m, topk, experts, world_size, rank)
+    s = _check_weights_and_ids(op, method, w, topk_ids, world_size, rank)
+    m, topk, k, experts = s["m"], s["topk"], s["k"], s["experts"]
     _check_tensor(op, "topk_weights", topk_weights, ("float32",), (m, topk), w.device)
     _check_tensor(op, "h", h, (torch_dtype_name(w.dtype),), (capacity(m, topk, experts), k), w.device)
-    return dict(m=m, n=n, k=k, experts=experts, topk=topk, dtype=_DTYPES[torch_dtype_name(w.dtype)])
+    return s
 
 
 def _context(kind: str, s: dict, rt):

@@ -243,6 +243,31 @@ DeviceBuffer zeroed(size_t bytes) {
   return b;
 }
 
+// The fields both protocols' kernel parameters share (EpHtParams and EpLlParams name them alike).
+template <class Params>
+void set_common_params(Params& p, const SymmetricHeap& heap, const EpConfig& c, int num_local_experts,
+                       EpState* state, int* error) {
+  p.heap = heap.view();
+  p.max_tokens = static_cast<int>(c.max_tokens);
+  p.hidden = static_cast<int>(c.hidden);
+  p.num_experts = c.num_experts;
+  p.num_local_experts = num_local_experts;
+  p.topk = c.topk;
+  p.state = state;
+  p.error = error;
+}
+
+// The checks ll_dispatch and ht_dispatch share (EpLlDispatchArgs and EpHtDispatchArgs name them alike).
+template <class Args>
+void check_dispatch_common(const Args& a, const EpConfig& c) {
+  TDIST_CHECK_ARG(a.x_dtype == DType::kBFloat16, "x_dtype", "bf16, got ", to_string(a.x_dtype));
+  TDIST_CHECK_ARG(a.hidden == -1 || a.hidden == c.hidden, "hidden", "the buffer's hidden size ", c.hidden, ", got ",
+                  a.hidden);
+  TDIST_CHECK_ARG(a.topk == -1 || a.topk == c.topk, "topk", "the buffer's topk ", c.topk, ", got ", a.topk);
+  TDIST_CHECK_ARG(a.num_tokens >= 0 && a.num_tokens <= c.max_tokens, "num_tokens", "0 to max_tokens (", c.max_tokens,
+                  "), got ", a.num_tokens);
+}
+
 }  // namespace
 
 EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
@@ -272,12 +297,7 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
     m.expert_x = DeviceBuffer(mul(X, 2 * H));
     m.expert_src = DeviceBuffer(X * sizeof(int));
     EpHtParams& p = m.ht;
-    p.heap = heap.view();
-    p.max_tokens = static_cast<int>(config.max_tokens);
-    p.hidden = static_cast<int>(config.hidden);
-    p.num_experts = config.num_experts;
-    p.num_local_experts = num_local_experts();
-    p.topk = config.topk;
+    set_common_params(p, heap, config, num_local_experts(), m.state.get<EpState>(), m.error.get<int>());
     p.alignment = config.expert_alignment;
     p.counts = m.block[layout.counts];
     p.recv_x = m.block[layout.recv_x];
@@ -289,7 +309,6 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
     p.comb = m.block[layout.comb];
     p.c_ready = m.block[layout.c_ready];
     p.c_done = m.block[layout.c_done];
-    p.state = m.state.get<EpState>();
     p.send_base = m.send_base.get<int>();
     p.exp_base = m.exp_base.get<int>();
     p.rank_ctr = m.rank_ctr.get<u32>();
@@ -297,7 +316,6 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
     p.info = m.info.get<int>();
     p.expert_x = m.expert_x.get<char>();
     p.expert_src = m.expert_src.get<int>();
-    p.error = m.error.get<int>();
     m.ht_module = jit::Module::load(jit::compile(ht_request()));
     for (size_t k = 0; k < m.ht_kernels.size(); ++k) m.ht_kernels[k] = m.ht_module->kernel(kHtSymbols[k]);
   } else {
@@ -314,12 +332,7 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
       s.recv_count = zeroed(L * sizeof(int));
     }
     EpLlParams& p = m.base;
-    p.heap = heap.view();
-    p.max_tokens = static_cast<int>(config.max_tokens);
-    p.hidden = static_cast<int>(config.hidden);
-    p.num_experts = config.num_experts;
-    p.num_local_experts = num_local_experts();
-    p.topk = config.topk;
+    set_common_params(p, heap, config, num_local_experts(), m.state.get<EpState>(), m.error.get<int>());
     p.d_rows = m.block[layout.d_rows];
     p.d_scales = m.block[layout.d_scales];
     p.d_route = m.block[layout.d_route];
@@ -328,9 +341,7 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
     p.c_rows = m.block[layout.c_rows];
     p.c_flags = m.block[layout.c_flags];
     p.c_ack = m.block[layout.c_ack];
-    p.state = m.state.get<EpState>();
     p.send_counts = m.send_counts.get<u32>();
-    p.error = m.error.get<int>();
     m.module = jit::Module::load(jit::compile(ll_request()));
     for (size_t k = 0; k < m.kernels.size(); ++k) m.kernels[k] = m.module->kernel(kLlSymbols[k]);
   }
@@ -344,12 +355,7 @@ EpBuffer::~EpBuffer() {
 
 void EpBuffer::check_dispatch(const EpLlDispatchArgs& a) const {
   TDIST_CHECK_ARG(config_.mode == EpMode::kLowLatency, "config.mode", "a low-latency buffer for ll_dispatch");
-  TDIST_CHECK_ARG(a.x_dtype == DType::kBFloat16, "x_dtype", "bf16, got ", to_string(a.x_dtype));
-  TDIST_CHECK_ARG(a.hidden == -1 || a.hidden == config_.hidden, "hidden", "the buffer's hidden size ", config_.hidden,
-                  ", got ", a.hidden);
-  TDIST_CHECK_ARG(a.topk == -1 || a.topk == config_.topk, "topk", "the buffer's topk ", config_.topk, ", got ", a.topk);
-  TDIST_CHECK_ARG(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens, "num_tokens", "0 to max_tokens (",
-                  config_.max_tokens, "), got ", a.num_tokens);
+  check_dispatch_common(a, config_);
   TDIST_CHECK_ARG(!a.fp8 || config_.hidden % kernels::ep::kFp8GroupSize == 0, "fp8",
                   "a hidden size that is a multiple of 128 (one scale per 128 channels), got ", config_.hidden);
   TDIST_CHECK_ARG(!a.ue8m0 || a.fp8, "ue8m0", "fp8 dispatch (UE8M0 scales are FP8 scales)");
@@ -376,12 +382,20 @@ void EpBuffer::check_combine(const EpLlCombineArgs& a, const EpLlHandle& h) cons
 
 namespace {
 
-void launch_ll(const jit::Kernel& k, unsigned blocks, const EpLlParams& p, cudaStream_t stream) {
+// One launch path for both protocols; a grid is never empty (a rank with no tokens still takes part).
+template <class Params>
+void launch_ep(const jit::Kernel& k, unsigned blocks, unsigned threads, size_t smem, const Params& p,
+               cudaStream_t stream) {
   jit::LaunchConfig cfg;
   cfg.grid = {std::max(blocks, 1u)};
-  cfg.block = {static_cast<unsigned>(kernels::ep::kLlThreads)};
+  cfg.block = {threads};
+  cfg.shared_bytes = smem;
   cfg.stream = stream;
   jit::launch(k, cfg, jit::make_args(p));
+}
+
+void launch_ll(const jit::Kernel& k, unsigned blocks, const EpLlParams& p, cudaStream_t stream) {
+  launch_ep(k, blocks, static_cast<unsigned>(kernels::ep::kLlThreads), 0, p, stream);
 }
 
 unsigned warp_blocks(int64_t warps, int cap) {
@@ -458,12 +472,7 @@ std::function<void(cudaStream_t)> EpBuffer::ll_combine(const EpLlCombineArgs& a,
 
 void EpBuffer::check_ht_dispatch(const EpHtDispatchArgs& a) const {
   TDIST_CHECK_ARG(config_.mode == EpMode::kHighThroughput, "config.mode", "a high-throughput buffer for ht_dispatch");
-  TDIST_CHECK_ARG(a.x_dtype == DType::kBFloat16, "x_dtype", "bf16, got ", to_string(a.x_dtype));
-  TDIST_CHECK_ARG(a.hidden == -1 || a.hidden == config_.hidden, "hidden", "the buffer's hidden size ", config_.hidden,
-                  ", got ", a.hidden);
-  TDIST_CHECK_ARG(a.topk == -1 || a.topk == config_.topk, "topk", "the buffer's topk ", config_.topk, ", got ", a.topk);
-  TDIST_CHECK_ARG(a.num_tokens >= 0 && a.num_tokens <= config_.max_tokens, "num_tokens", "0 to max_tokens (",
-                  config_.max_tokens, "), got ", a.num_tokens);
+  check_dispatch_common(a, config_);
   if (a.num_tokens > 0) {
     TDIST_CHECK_ARG(a.x != nullptr && aligned(a.x, 16), "x", "a 16-byte aligned device pointer");
     TDIST_CHECK_ARG(a.topk_idx != nullptr && aligned(a.topk_idx, 8), "topk_idx", "an 8-byte aligned device pointer");
@@ -487,20 +496,6 @@ void EpBuffer::check_ht_combine(const EpHtCombineArgs& a, const EpHtHandle& h) c
   }
 }
 
-namespace {
-
-void launch_ht(const jit::Kernel& k, unsigned blocks, unsigned threads, size_t smem, const EpHtParams& p,
-               cudaStream_t stream) {
-  jit::LaunchConfig cfg;
-  cfg.grid = {std::max(blocks, 1u)};
-  cfg.block = {threads};
-  cfg.shared_bytes = smem;
-  cfg.stream = stream;
-  jit::launch(k, cfg, jit::make_args(p));
-}
-
-}  // namespace
-
 EpHtHandle EpBuffer::ht_dispatch(const EpHtDispatchArgs& a, cudaStream_t stream) {
   check_ht_dispatch(a);
   TDIST_NVTX_RANGE("tdist::EpBuffer::ht_dispatch", "tokens=", a.num_tokens);
@@ -511,9 +506,9 @@ EpHtHandle EpBuffer::ht_dispatch(const EpHtDispatchArgs& a, cudaStream_t stream)
   p.topk_idx = reinterpret_cast<const long long*>(a.topk_idx);
   p.topk_weights = a.topk_weights;
   const size_t smem = sizeof(int) * static_cast<size_t>(world_size_ + config_.num_experts);
-  launch_ht(m.get(HtKernel::kLayout), 1, kernels::ep::kHtLayoutThreads, smem, p, stream);
-  launch_ht(m.get(HtKernel::kDispatch), warp_blocks(a.num_tokens, sms_), kernels::ep::kHtThreads, 0, p, stream);
-  launch_ht(m.get(HtKernel::kDispatchRecv), static_cast<unsigned>(all_sms_), kernels::ep::kHtThreads, 0, p, stream);
+  launch_ep(m.get(HtKernel::kLayout), 1, kernels::ep::kHtLayoutThreads, smem, p, stream);
+  launch_ep(m.get(HtKernel::kDispatch), warp_blocks(a.num_tokens, sms_), kernels::ep::kHtThreads, 0, p, stream);
+  launch_ep(m.get(HtKernel::kDispatchRecv), static_cast<unsigned>(all_sms_), kernels::ep::kHtThreads, 0, p, stream);
 
   EpHtHandle h;
   h.call = ++m.ht_calls;
@@ -551,8 +546,8 @@ void EpBuffer::ht_combine(const EpHtCombineArgs& a, const EpHtHandle& h, cudaStr
   p.y = a.y;
   p.y_compact = a.y_compact;
   p.out = a.out;
-  launch_ht(m.get(HtKernel::kCombineSend), static_cast<unsigned>(sms_), kernels::ep::kHtThreads, 0, p, stream);
-  launch_ht(m.get(HtKernel::kCombineRecv), warp_blocks(h.num_tokens, all_sms_), kernels::ep::kHtThreads, 0, p,
+  launch_ep(m.get(HtKernel::kCombineSend), static_cast<unsigned>(sms_), kernels::ep::kHtThreads, 0, p, stream);
+  launch_ep(m.get(HtKernel::kCombineRecv), warp_blocks(h.num_tokens, all_sms_), kernels::ep::kHtThreads, 0, p,
             stream);
 }
 

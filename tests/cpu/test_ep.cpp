@@ -6,14 +6,10 @@
 #include <string>
 
 #include "cpu/errors.hpp"
-#include "cpu/temp_dir.hpp"
-#include "tdist/jit/cache.hpp"
-#include "tdist/jit/compiler.hpp"
-#include "tdist/jit/registry.hpp"
+#include "cpu/jit_programs.hpp"
 #include "tdist/kernels/ep/ll.cuh"
 #include "tdist/ops/ep.hpp"
 
-namespace jit = tdist::jit;
 using tdist::EpConfig;
 using tdist::test::expect_arg_error;
 
@@ -135,21 +131,5 @@ TEST(Ep, ScaleGroups) {
 }
 
 TEST(Ep, KernelsCompileForSm90a) {
-  tdist::test::TempDir cache;
-  jit::KernelCache kernels(cache.path);
-  int programs = 0;
-  for (const auto& family : jit::registered_kernels()) {
-    if (family.name != "ep") continue;
-    for (jit::CompileRequest r : family.requests()) {
-      SCOPED_TRACE(r.file_name);
-      ++programs;
-      r.arch = "sm_90a";
-      r.compiler = jit::CompilerKind::kNvrtc;
-      const auto compiled = jit::compile(r, kernels);
-      ASSERT_FALSE(compiled->cubin.empty());
-      for (const auto& name : r.name_expressions) EXPECT_FALSE(compiled->lowered_name(name).empty()) << name;
-      EXPECT_EQ(compiled->spill_stores + compiled->spill_loads, 0) << compiled->log;
-    }
-  }
-  EXPECT_EQ(programs, 2);  // low latency, high throughput
+  EXPECT_EQ(tdist::test::compile_family_for_sm90a("ep"), 2);  // low latency, high throughput
 }

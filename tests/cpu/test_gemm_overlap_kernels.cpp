@@ -8,38 +8,23 @@
 #include <regex>
 #include <string>
 
-#include "cpu/temp_dir.hpp"
-#include "tdist/jit/cache.hpp"
-#include "tdist/jit/compiler.hpp"
-#include "tdist/jit/registry.hpp"
+#include "cpu/jit_programs.hpp"
 
 namespace jit = tdist::jit;
-using tdist::test::TempDir;
+using tdist::test::compile_family_for_sm90a;
 
 TEST(GemmOverlapKernels, RegisteredProgramsCompileCleanForSm90a) {
-  TempDir cache;
-  jit::KernelCache kernels(cache.path);
-  int programs = 0, hooked = 0;
-  for (const auto& family : jit::registered_kernels()) {
-    if (family.name != "gemm_overlap") continue;
-    for (jit::CompileRequest r : family.requests()) {
-      SCOPED_TRACE(r.file_name);
-      ++programs;
-      r.arch = "sm_90a";
-      r.compiler = jit::CompilerKind::kNvrtc;
-      const auto compiled = jit::compile(r, kernels);
-      ASSERT_FALSE(compiled->cubin.empty());
-      for (const auto& name : r.name_expressions) EXPECT_FALSE(compiled->lowered_name(name).empty()) << name;
-      EXPECT_EQ(compiled->spill_stores + compiled->spill_loads, 0) << compiled->log;
-      if (r.file_name.find("Hooks") == std::string::npos) continue;  // the hooked GEMM instances only, below
-      ++hooked;
-      const std::string& log = compiled->log;
-      EXPECT_EQ(log.find("Potential Performance Loss"), std::string::npos) << "wgmma serialised:\n" << log;
-      const std::regex stack(R"((\d+) bytes stack frame)");
-      for (auto it = std::sregex_iterator(log.begin(), log.end(), stack); it != std::sregex_iterator(); ++it)
-        EXPECT_EQ((*it)[1].str(), "0") << "stack frame (local memory):\n" << log;
-    }
-  }
+  int hooked = 0;
+  const int programs = compile_family_for_sm90a(
+      "gemm_overlap", [&](const jit::CompileRequest& r, const jit::CompiledKernel& compiled) {
+        if (r.file_name.find("Hooks") == std::string::npos) return;  // the hooked GEMM instances only, below
+        ++hooked;
+        const std::string& log = compiled.log;
+        EXPECT_EQ(log.find("Potential Performance Loss"), std::string::npos) << "wgmma serialised:\n" << log;
+        const std::regex stack(R"((\d+) bytes stack frame)");
+        for (auto it = std::sregex_iterator(log.begin(), log.end(), stack); it != std::sregex_iterator(); ++it)
+          EXPECT_EQ((*it)[1].str(), "0") << "stack frame (local memory):\n" << log;
+      });
   EXPECT_GE(programs, 3);
   EXPECT_GE(hooked, 2);
 }

@@ -10,10 +10,7 @@
 #include <vector>
 
 #include "cpu/errors.hpp"
-#include "cpu/temp_dir.hpp"
-#include "tdist/jit/cache.hpp"
-#include "tdist/jit/compiler.hpp"
-#include "tdist/jit/registry.hpp"
+#include "cpu/jit_programs.hpp"
 #include "tdist/kernels/moe/routing.cuh"
 #include "tdist/ops/moe.hpp"
 
@@ -229,23 +226,6 @@ TEST(MoeMethod, AutoOverlapsOnlyWhereAChunkCanHideATransfer) {
   EXPECT_EQ(tdist::choose_moe_method(1024, 8), tdist::OverlapMethod::kBaseline);
 }
 
-TEST(MoeKernels, CompileForSm90aWithoutSpills) {
-  tdist::test::TempDir cache;
-  tdist::jit::KernelCache kernels(cache.path);
-  int programs = 0;
-  for (const auto& family : tdist::jit::registered_kernels()) {
-    if (family.name != "moe") continue;
-    for (tdist::jit::CompileRequest r : family.requests()) {
-      ++programs;
-      r.arch = "sm_90a";
-      r.compiler = tdist::jit::CompilerKind::kNvrtc;
-      const auto compiled = tdist::jit::compile(r, kernels);
-      ASSERT_FALSE(compiled->cubin.empty());
-      for (const auto& name : r.name_expressions) EXPECT_FALSE(compiled->lowered_name(name).empty()) << name;
-      EXPECT_EQ(compiled->spill_stores + compiled->spill_loads, 0) << compiled->log;
-    }
-  }
-  EXPECT_EQ(programs, 1);
-}
+TEST(MoeKernels, CompileForSm90aWithoutSpills) { EXPECT_EQ(tdist::test::compile_family_for_sm90a("moe"), 1); }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/error.hpp"
 #include "tdist/device.cuh"
 #include "tdist/runtime/symmetric_heap.hpp"
 #include "tdist/runtime/wait_config.hpp"
@@ -134,6 +135,19 @@ class MismatchCounter {
   }
   unsigned long long* counters_ = nullptr;
 };
+
+// Expects fn() to throw a tdist::Error that names the argument `arg` (TDIST_CHECK_ARG quotes it).
+template <typename Fn>
+void expect_error(const char* arg, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    if (std::string(e.what()).find(detail::concat("'", arg, "'")) == std::string::npos)
+      TDIST_FAIL("the error does not name '", arg, "': ", e.what());
+    return;
+  }
+  TDIST_FAIL("expected an error naming '", arg, "'");
+}
 
 // A fresh seed per call, different on every rank and every run.
 inline unsigned long long fresh_seed(int rank) {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "gpu/harness.cuh"
+#include "gpu/test_values.cuh"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/overlap_ops.hpp"
@@ -34,40 +35,14 @@ struct Shape {
   int64_t m, n, k;  // n: the GEMM's N (gate and up), d has n / 2 columns
 };
 
-// Element i of a (seed, rank) shard: a multiple of 1/64 in [-1, 1], exact in bf16 and fp16.
-float value(uint64_t seed, int rank, uint64_t i) {
-  uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed ^ (static_cast<uint64_t>(rank + 1) * 0xD1B54A32D192ED03ull);
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  return static_cast<float>(static_cast<int>(x % 129) - 64) / 64.0f;
-}
-
-template <typename T>
-T to_t(float v);
-template <>
-__half to_t<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__nv_bfloat16 to_t<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <typename T>
-float to_f(T v);
-template <>
-float to_f<__half>(__half v) {
-  return __half2float(v);
-}
-template <>
-float to_f<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
+using test::input_value;
+using test::to_f;
+using test::to_t;
 
 template <typename T>
 std::vector<T> shard(uint64_t seed, int rank, size_t count) {
   std::vector<T> v(count);
-  for (size_t i = 0; i < count; ++i) v[i] = to_t<T>(value(seed, rank, i));
+  for (size_t i = 0; i < count; ++i) v[i] = to_t<T>(input_value(seed, rank, i));
   return v;
 }
 
@@ -155,17 +130,7 @@ struct Case {
   }
 };
 
-template <typename Fn>
-void expect_error(const char* arg, Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (std::string(e.what()).find(detail::concat("'", arg, "'")) == std::string::npos)
-      TDIST_FAIL("the error does not name '", arg, "': ", e.what());
-    return;
-  }
-  TDIST_FAIL("expected an error naming '", arg, "'");
-}
+using test::expect_error;
 
 const OverlapMethod kMethods[] = {OverlapMethod::kAuto, OverlapMethod::kFused, OverlapMethod::kChunked,
                                   OverlapMethod::kSequential, OverlapMethod::kBaseline};

@@ -65,17 +65,7 @@ const char* name(Tokens t) {
   }
 }
 
-template <typename Fn>
-void expect_error(const char* arg, Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (std::string(e.what()).find(detail::concat("'", arg, "'")) == std::string::npos)
-      TDIST_FAIL("the error does not name '", arg, "': ", e.what());
-    return;
-  }
-  TDIST_FAIL("expected an error naming '", arg, "'");
-}
+using test::expect_error;
 
 // One rank's operands, redrawable by every rank from (seed, rank).
 struct RankInput {

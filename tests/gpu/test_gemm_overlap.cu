@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "gpu/harness.cuh"
+#include "gpu/test_values.cuh"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/detail/overlap_model.hpp"
@@ -49,15 +50,8 @@ using tdist::kernels::gemm::RowChunks;
 namespace {
 
 // ---------------------------------------------------------------------------------------------
-// Inputs: element i of `rank`'s shard is a multiple of 1/64 in [-1, 1], exact in bf16 and fp16, so
-// the reference sees exactly what the op sees.
-__host__ __device__ inline float input_value(u64 seed, int rank, u64 i) {
-  u64 x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed ^ (static_cast<u64>(rank + 1) * 0xD1B54A32D192ED03ull);
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  return static_cast<float>(static_cast<int>(x % 129) - 64) / 64.0f;
-}
+// Inputs: element i of `rank`'s shard is test::input_value(seed, rank, i).
+using test::input_value;
 
 __device__ inline float load_f(const __half* p, u64 i) { return __half2float(p[i]); }
 __device__ inline float load_f(const __nv_bfloat16* p, u64 i) { return __bfloat162float(p[i]); }

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "gpu/harness.cuh"
+#include "gpu/test_values.cuh"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/moe.hpp"
@@ -54,27 +55,9 @@ struct Shape {
   Routing routing;
 };
 
-// Element i of a (seed, rank) array: a multiple of 1/64 in [-1, 1], exact in bf16 and fp16.
-float value(uint64_t seed, int rank, uint64_t i) {
-  uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed ^ (static_cast<uint64_t>(rank + 1) * 0xD1B54A32D192ED03ull);
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  return static_cast<float>(static_cast<int>(x % 129) - 64) / 64.0f;
-}
-
-template <typename T>
-T to_t(float v);
-template <>
-__half to_t<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__nv_bfloat16 to_t<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-float to_f(__half v) { return __half2float(v); }
-float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+using test::input_value;
+using test::to_f;
+using test::to_t;
 
 template <typename T>
 constexpr DType dtype_of() {
@@ -145,10 +128,10 @@ struct Case {
   DeviceBuffer d_ids, d_weights, d_x, d_b1, d_b2, d_h, d_up, d_y, d_y_all;
 
   // X[t][c] (tokens, shared); B1_r[e][j][c]; B2_r[e][c][j]; h_r[(t, k)][j]: drawn from (seed, r).
-  float x(int64_t t, int64_t c) const { return value(seed ^ 0x11, 0, t * s.hidden + c); }
-  float b1(int r, int e, int64_t j, int64_t c) const { return value(seed ^ 0x22, r, (e * s.inter + j) * s.hidden + c); }
-  float b2(int r, int e, int64_t c, int64_t j) const { return value(seed ^ 0x33, r, (e * s.hidden + c) * s.inter + j); }
-  float h(int r, int64_t pair, int64_t j) const { return value(seed ^ 0x44, r, pair * s.inter + j); }
+  float x(int64_t t, int64_t c) const { return input_value(seed ^ 0x11, 0, t * s.hidden + c); }
+  float b1(int r, int e, int64_t j, int64_t c) const { return input_value(seed ^ 0x22, r, (e * s.inter + j) * s.hidden + c); }
+  float b2(int r, int e, int64_t c, int64_t j) const { return input_value(seed ^ 0x33, r, (e * s.hidden + c) * s.inter + j); }
+  float h(int r, int64_t pair, int64_t j) const { return input_value(seed ^ 0x44, r, pair * s.inter + j); }
 
   Case(World& w, const Shape& shape, uint64_t case_seed)
       : s(shape),
@@ -267,17 +250,7 @@ struct Case {
   void check_ar() const { check_down(d_y_all.get(), 0, s.m, "grouped GEMM + AllReduce"); }
 };
 
-template <typename Fn>
-void expect_error(const char* arg, Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (std::string(e.what()).find(detail::concat("'", arg, "'")) == std::string::npos)
-      TDIST_FAIL("the error does not name '", arg, "': ", e.what());
-    return;
-  }
-  TDIST_FAIL("expected an error naming '", arg, "'");
-}
+using test::expect_error;
 
 // The ops of one dtype for every shape of the test (contexts sized for the largest).
 struct Ops {

@@ -51,6 +51,16 @@ def expect_error(fn, *fragments, cls=None):
         raise AssertionError(f"no {cls.__name__} raised; expected {fragments}")
 
 
+def check_close(got, ref, what, tol=1e-2):
+    """`got` matches the float64 reference `ref` within tol x max |ref| (at least 1e-3), with no NaN."""
+    got = got.detach().double().cpu()
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
+    assert not torch.isnan(got).any(), f"{what}: NaN in the output"
+    err = (got - ref).abs().max().item() if got.numel() else 0.0
+    scale = max(ref.abs().max().item() if ref.numel() else 0.0, 1e-3)
+    assert err <= tol * scale, f"{what}: max |err| {err:.4g} > {tol} x {scale:.4g}"
+
+
 def run_tests(tests) -> int:
     """Runs every test on every rank in order; returns the exit status."""
     setup()

@@ -24,7 +24,7 @@ import math
 import sys
 
 import gpu_harness as h
-from gpu_harness import expect_error, rank, world
+from gpu_harness import check_close, expect_error, rank, world
 
 import tdist  # noqa: F401 (gpu_harness imported it before torch)
 
@@ -100,15 +100,6 @@ def combine_reference(x, idx, w, experts):
                 y = (x[t].float() * factor(e)).to(torch.bfloat16).double()
                 ref[t] += float(w[t, j]) * y
     return ref
-
-
-def check_close(got, ref, what, tol=1e-2):
-    got = got.detach().double().cpu()
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
-    assert not torch.isnan(got).any(), f"{what}: NaN in the output"
-    err = (got - ref).abs().max().item() if got.numel() else 0.0
-    scale = max(ref.abs().max().item() if ref.numel() else 0.0, 1e-3)
-    assert err <= tol * scale, f"{what}: max |err| {err:.4g} > {tol} x {scale:.4g}"
 
 
 # --- low latency ------------------------------------------------------------------------------------
@@ -255,6 +246,35 @@ def test_ll_torch_library_ops():
         buf.close()
 
 
+def replay_with_fresh_routing(buf, step, static, seed, routings, what):
+    """Captures step() (a dispatch and combine of the static (x, topk_idx, weights) tensors) in a CUDA
+    graph, after one run on a side stream that loads the kernels; then, for each routing, writes fresh
+    inputs into the static tensors, replays, and checks the combined output."""
+    x_s, i_s, w_s = static
+    m = x_s.shape[0]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    for rep, routing in enumerate(routings):
+        inputs = all_inputs(seed + rep, m, buf.hidden, buf.num_experts, buf.topk, routing, "full")
+        x, idx, w = to_cuda(inputs[rank()])
+        x_s.copy_(x)
+        i_s.copy_(idx)
+        w_s.copy_(w)
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(out, combine_reference(*inputs[rank()], buf.num_experts), f"{what} {rep} {routing}")
+    del g
+    torch.cuda.synchronize()
+
+
 def test_ll_cuda_graph_fresh_routing():
     buf = ll_buffer()
     try:
@@ -269,27 +289,8 @@ def test_ll_cuda_graph_fresh_routing():
             recv_x, _, count, handle, _ = buf.low_latency_dispatch(x_s, i_s)
             return buf.low_latency_combine((recv_x.float() * f).to(torch.bfloat16), i_s, w_s, handle)
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()  # loads the kernels
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = step()
-        for rep, routing in enumerate(("uniform", "skewed", "masked", "one_rank")):
-            inputs = all_inputs(200 + rep, m, buf.hidden, buf.num_experts, buf.topk, routing, "full")
-            x, idx, w = to_cuda(inputs[rank()])
-            x_s.copy_(x)
-            i_s.copy_(idx)
-            w_s.copy_(w)
-            out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            check_close(out, combine_reference(*inputs[rank()], buf.num_experts), f"graph replay {rep} {routing}")
-        del g
-        torch.cuda.synchronize()
+        replay_with_fresh_routing(buf, step, (x_s, i_s, w_s), 200, ("uniform", "skewed", "masked", "one_rank"),
+                                  "graph replay")
     finally:
         buf.close()
 
@@ -471,27 +472,7 @@ def test_ht_cuda_graph_and_errors():
             _, handle = buf.dispatch(x_s, i_s, w_s)
             return buf.combine(expert_outputs_ht(buf, handle), handle)
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = step()
-        for rep, routing in enumerate(("uniform", "masked", "skewed")):
-            inputs = all_inputs(400 + rep, m, buf.hidden, buf.num_experts, buf.topk, routing, "full")
-            x, idx, w = to_cuda(inputs[rank()])
-            x_s.copy_(x)
-            i_s.copy_(idx)
-            w_s.copy_(w)
-            out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            check_close(out, combine_reference(*inputs[rank()], buf.num_experts), f"ht graph replay {rep}")
-        del g
-        torch.cuda.synchronize()
+        replay_with_fresh_routing(buf, step, (x_s, i_s, w_s), 400, ("uniform", "masked", "skewed"), "ht graph replay")
 
         inputs = all_inputs(450, m, buf.hidden, buf.num_experts, buf.topk, "uniform", "odd")
         x, idx, w = to_cuda(inputs[rank()])

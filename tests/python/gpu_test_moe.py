@@ -20,7 +20,7 @@ Outputs come from torch's allocator, poisoned with NaN before each call.
 import sys
 
 import gpu_harness as h
-from gpu_harness import expect_error, rank, world
+from gpu_harness import check_close, expect_error, rank, world
 
 import tdist  # noqa: F401 (gpu_harness imported it before torch)
 
@@ -84,15 +84,6 @@ def rs_partial(h, w2, ids, weights, routing):
             part = h[rop[t, k]].double() @ w2[e].double().T
             out.index_add_(0, t, weights[t, k].double().view(-1, 1) * part)
     return out
-
-
-def check_close(got, ref, what, tol=1e-2):
-    got = got.detach().double().cpu()
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}"
-    assert not torch.isnan(got).any(), f"{what}: NaN in the output"
-    err = (got - ref).abs().max().item() if got.numel() else 0.0
-    scale = max(ref.abs().max().item() if ref.numel() else 0.0, 1e-3)
-    assert err <= tol * scale, f"{what}: max |err| {err:.4g} > {tol} x {scale:.4g}"
 
 
 def garbage_padding(h, routing, capacity):

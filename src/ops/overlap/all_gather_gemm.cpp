@@ -98,11 +98,8 @@ struct AllGatherGemm::Impl {
 
   void run(const AllGatherGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
     check_all_gather_gemm_args(a, config, rt.size(), rt.rank());
-    rt.check_call(OverlapComm::kGatherA, a.m, a.n, config.k, requested);  // before any launch
-    const OverlapMethod method =
-        rt.choose(requested, OverlapComm::kGatherA, a.m, a.n, config.k, sequential_ok(a), stream,
-                  [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
-    execute(a, stream, method);
+    rt.run_call(requested, OverlapComm::kGatherA, a.m, a.n, config.k, sequential_ok(a), stream,
+                [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
   }
 
   void execute(const AllGatherGemmArgs& a, cudaStream_t stream, OverlapMethod method) {

@@ -69,11 +69,8 @@ struct GemmAllReduce::Impl {
 
   void run(const GemmAllReduceArgs& a, cudaStream_t stream, OverlapMethod requested) {
     check_gemm_all_reduce_args(a, core.config);
-    core.rt.check_call(OverlapComm::kAllReduceD, a.m, a.n, a.k, requested);  // before any launch
-    const OverlapMethod method =
-        core.rt.choose(requested, OverlapComm::kAllReduceD, a.m, a.n, a.k, sequential_ok(a), stream,
-                       [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
-    execute(a, stream, method);
+    core.rt.run_call(requested, OverlapComm::kAllReduceD, a.m, a.n, a.k, sequential_ok(a), stream,
+                     [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
   }
 
   void execute(const GemmAllReduceArgs& a, cudaStream_t stream, OverlapMethod method) {

@@ -45,11 +45,8 @@ struct GemmReduceScatter::Impl {
 
   void run(const GemmReduceScatterArgs& a, cudaStream_t stream, OverlapMethod requested) {
     check_gemm_reduce_scatter_args(a, core.config);
-    core.rt.check_call(OverlapComm::kScatterD, a.m, a.n, a.k, requested);  // before any launch
-    const OverlapMethod method =
-        core.rt.choose(requested, OverlapComm::kScatterD, a.m, a.n, a.k, sequential_ok(a), stream,
-                       [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
-    execute(a, stream, method);
+    core.rt.run_call(requested, OverlapComm::kScatterD, a.m, a.n, a.k, sequential_ok(a), stream,
+                     [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
   }
 
   void execute(const GemmReduceScatterArgs& a, cudaStream_t stream, OverlapMethod method) {

@@ -134,6 +134,12 @@ class OverlapRuntime {
   using MethodRunner = std::function<void(OverlapMethod method, cudaStream_t stream)>;
   OverlapMethod choose(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k, bool sequential_ok,
                        cudaStream_t stream, const MethodRunner& run);
+  // A dense op's run: check_call before any launch, then run(choose(...), stream).
+  void run_call(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k, bool sequential_ok,
+                cudaStream_t stream, const MethodRunner& run) {
+    check_call(comm, m, n, k, requested);
+    run(choose(requested, comm, m, n, k, sequential_ok, stream, run), stream);
+  }
 
   // The timing behind choose(), for ops with their own candidates and shape classes (the MoE ops):
   // the winner among `candidates` for `shape` (a string naming the op and every size that sets its

@@ -99,6 +99,17 @@ TDIST_DEVICE int matrix_at(const EpHtParams& p, u64 par, int s, int c) {
   return static_cast<int>(static_cast<u32>(p.counts[(par * p.heap.num_ranks + s) * row + c]));
 }
 
+// Lane j < K holds r, the rank its slot goes to (-1: none): whether j is the token's first slot to
+// that rank (a token goes to a rank once). Every lane of the warp calls it.
+TDIST_DEVICE bool warp_first_slot_of_rank(int r, int K, int lane) {
+  bool first = r >= 0;
+  for (int k = 0; k < K; ++k) {
+    const int other = __shfl_sync(0xffffffffu, r, k);
+    if (k < lane && other == r) first = false;
+  }
+  return first;
+}
+
 // One block. Dynamic shared memory: int[W + E].
 __global__ void __launch_bounds__(kHtLayoutThreads, 1) ep_ht_layout(EpHtParams p) {
   extern __shared__ int cnt[];
@@ -113,11 +124,7 @@ __global__ void __launch_bounds__(kHtLayoutThreads, 1) ep_ht_layout(EpHtParams p
   for (int t = threadIdx.x / 32; t < p.num_tokens; t += blockDim.x / 32) {
     const int g = warp_slot_expert(p.topk_idx, K, E, t, lane, p.error);
     const int r = g >= 0 ? g / L : -1;
-    bool first = r >= 0;
-    for (int k = 0; k < K; ++k) {
-      const int other = __shfl_sync(0xffffffffu, r, k);
-      if (k < lane && other == r) first = false;
-    }
+    const bool first = warp_first_slot_of_rank(r, K, lane);
     if (g >= 0) atomicAdd(cnt + W + g, 1);
     if (first) atomicAdd(cnt + r, 1);
   }
@@ -178,11 +185,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_dispatch(EpHtParams p) {
   for (int t = warp; t < p.num_tokens; t += warps) {
     const int g = warp_slot_expert(p.topk_idx, K, E, t, lane, nullptr);
     const int r = g >= 0 ? g / L : -1;
-    bool first = r >= 0;
-    for (int k = 0; k < K; ++k) {
-      const int other = __shfl_sync(0xffffffffu, r, k);
-      if (k < lane && other == r) first = false;
-    }
+    const bool first = warp_first_slot_of_rank(r, K, lane);
     int compact = -1, pos = -1;
     if (first) compact = p.send_base[r] + static_cast<int>(atomicAdd(p.rank_ctr + r, 1u));
     if (g >= 0) pos = p.exp_base[g] + static_cast<int>(atomicAdd(p.exp_ctr + g, 1u));
@@ -298,11 +301,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_combine_recv(EpHtParams p
   for (int t = warp; t < p.num_tokens; t += warps) {
     const int g = warp_slot_expert(p.topk_idx, K, E, t, lane, nullptr);
     const int r = g >= 0 ? g / L : -1;
-    bool first = r >= 0;
-    for (int k = 0; k < K; ++k) {
-      const int other = __shfl_sync(0xffffffffu, r, k);
-      if (k < lane && other == r) first = false;
-    }
+    const bool first = warp_first_slot_of_rank(r, K, lane);
     const unsigned firsts = __ballot_sync(0xffffffffu, first);
     int ranks[kMaxTopk];
     int n = 0;
