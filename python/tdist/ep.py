@@ -41,7 +41,6 @@ device; check_errors() synchronises and raises tdist.Error naming topk_idx.
 
 # No `from __future__ import annotations`: torch.library.custom_op reads the annotations as types.
 import itertools
-from typing import Optional
 
 from . import _C
 from ._tensors import Error, check_tensor_kind, torch_module
