@@ -784,7 +784,7 @@ NB_MODULE(_C, m) {
         "tdist.DeviceTimeoutError",
         "A device wait timed out (a peer never signalled) and every wait of the process was aborted "
         "(tdist::DeviceTimeoutError). The CUDA context is still usable: tensors can be copied out. The "
-        "world's flags are out of step: rebuild the world before communicating again.",
+        "world's flags are out of step: save what is needed and end the process.",
         g_timeout_error, nullptr);
   if (!g_error || !g_timeout_error || !g_device_timeout_error) throw nb::python_error();
   m.attr("Error") = nb::handle(g_error);

@@ -60,9 +60,8 @@ std::string describe_device_fault(const device::FaultRecord& f) {
       said = g_detail;
     }
     return detail::concat("on rank ", f.rank, ": ", said.empty() ? std::string("an NCCL operation timed out") : said,
-                          ". The NCCL communicator was aborted (its kernels returned) and every device wait of this "
-                          "process gives up; the CUDA context is still usable (tensors can be copied out), but the "
-                          "world must be rebuilt before communicating again. TDIST_NCCL_TIMEOUT_S sets the deadline.");
+                          ". The NCCL communicator was aborted and every device wait of this process gives up; end "
+                          "the process. TDIST_NCCL_TIMEOUT_S sets the deadline.");
   }
   char address[32];
   std::snprintf(address, sizeof(address), "0x%llx", f.address);
@@ -73,8 +72,8 @@ std::string describe_device_fault(const device::FaultRecord& f) {
                         " and saw ", f.seen,
                         ". A peer never signalled (it died, hung, or called a different operation). Every wait of "
                         "this process has been aborted and its kernels returned; the CUDA context is still usable "
-                        "(tensors can be copied out), but the world's flags are out of step: rebuild the world "
-                        "before communicating again. TDIST_WAIT_TIMEOUT_S sets the timeout.");
+                        "(tensors can be copied out), but the world's flags are out of step: save what is needed and end the "
+                        "process. TDIST_WAIT_TIMEOUT_S sets the timeout.");
 }
 
 std::optional<std::string> device_fault_message() {

@@ -36,6 +36,10 @@ void NcclWatchdog::watch(cudaStream_t stream, const std::string& what) {
 
 void NcclWatchdog::loop() {
   cudaSetDevice(device_);  // event queries in this thread's context of the device
+  // Relaxed: this thread's event queries must not invalidate a CUDA-graph capture that another
+  // thread runs in the global mode (torch.cuda.graph's default) meanwhile.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaThreadExchangeStreamCaptureMode(&mode);
   std::unique_lock<std::mutex> lock(mu_);
   while (!stop_) {
     if (pending_.empty()) {

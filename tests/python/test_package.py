@@ -105,7 +105,7 @@ def test_device_faults_without_a_gpu():
     assert _C.device_fault_message() is None
     site_gemm_chunk = 4
     message = _C._describe_device_fault(rank=3, site=site_gemm_chunk, address=0xABC0, expected=7, seen=6)
-    for part in ("on rank 3", "chunk of rows", "0xabc0", ">= 7", "saw 6", "rebuild the world"):
+    for part in ("on rank 3", "chunk of rows", "0xabc0", ">= 7", "saw 6", "end the process"):
         assert part in message, (part, message)
 
 

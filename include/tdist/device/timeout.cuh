@@ -6,8 +6,8 @@
 //     check, so the kernels drain and return. The CUDA context stays usable: the host raises
 //     tdist::TimeoutError from the record at its next launch or check (runtime/device_fault.hpp),
 //     and the program can still copy its tensors out (save a checkpoint). What the drained kernels
-//     wrote is garbage and the world's symmetric flags are out of step: rebuild the world before it
-//     communicates again.
+//     wrote is garbage and the world's symmetric flags are out of step: save, then end the process
+//     (a world rebuilt in the same process is not supported yet).
 //   - trap: print and __trap(); the context is lost (what a debugger or compute-sanitizer wants).
 // Contract for kernels: a wait can return without its condition holding (after an abort), so a
 // value read from a waited flag must be bounded before it serves as an index or a count.

@@ -17,7 +17,8 @@
 namespace tdist {
 
 // A device wait timed out (a peer never signalled). The world's flags are out of step after it:
-// save what is needed, then rebuild the world (or end the process).
+// save what is needed, then end the process (a world rebuilt in the same process is not supported
+// yet: a test of it gave wrong results).
 class DeviceTimeoutError : public TimeoutError {
  public:
   explicit DeviceTimeoutError(const std::string& what) : TimeoutError(what) {}

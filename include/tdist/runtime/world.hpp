@@ -90,8 +90,8 @@ class World {
   void set_check_calls(bool on) { check_calls_ = on; }
   bool check_calls() const { return check_calls_; }
 
-  // Gives the NCCL work enqueued on `stream` so far a deadline (TDIST_NCCL_TIMEOUT_S, default 300;
-  // 0 turns it off): past it, a watchdog thread aborts the communicator, which makes NCCL's kernels
+  // Gives the NCCL work enqueued on `stream` so far a deadline (TDIST_NCCL_TIMEOUT_S seconds; 0, the
+  // default, turns it off): past it, a watchdog thread aborts the communicator, which makes NCCL's kernels
   // return, and records a device fault (runtime/device_fault.hpp), so that the next launch or
   // check_device_faults() raises DeviceTimeoutError naming `what`. Every op that calls NCCL on a
   // user stream calls this after it; a no-op while the stream is capturing a graph.
