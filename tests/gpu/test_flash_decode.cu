@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "gpu/harness.cuh"
+#include "gpu/test_values.cuh"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/ops/flash_decode.hpp"
 
@@ -50,16 +51,8 @@ float value(uint64_t seed, uint64_t i) {
   return static_cast<float>(static_cast<int>(mix((i + 1) * 0x9E3779B97F4A7C15ull ^ seed) % 129) - 64) / 64.0f;
 }
 
-template <typename T>
-T to_t(float v);
-template <>
-__half to_t<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__nv_bfloat16 to_t<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using test::expect_error;
+using test::to_t;
 template <typename T>
 double to_d(T v);
 template <>
@@ -286,18 +279,6 @@ std::vector<int32_t> mixed_lengths(uint64_t seed, const Geometry& g) {
   for (int64_t b = 0; b < g.batch; ++b)
     lens[b] = static_cast<int32_t>(b < 6 ? picks[b] : static_cast<int64_t>(rng() % (g.capacity + 1)));
   return lens;
-}
-
-template <typename Fn>
-void expect_error(const char* arg, Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    if (std::string(e.what()).find(detail::concat("'", arg, "'")) == std::string::npos)
-      TDIST_FAIL("the error does not name '", arg, "': ", e.what());
-    return;
-  }
-  TDIST_FAIL("expected an error naming '", arg, "'");
 }
 
 // Runs a check on every rank without leaving the collective sequence: a failure is kept and thrown
