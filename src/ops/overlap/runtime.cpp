@@ -175,14 +175,18 @@ bool OverlapRuntime::tuned_winner(const std::string& shape, OverlapMethod& metho
 
 OverlapMethod OverlapRuntime::choose(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k,
                                      bool sequential_ok, cudaStream_t stream, const MethodRunner& run) {
-  const OverlapMethod resolved = resolve(requested, comm, m, n, k, sequential_ok);
-  if (requested != OverlapMethod::kAuto || m == 0 || n == 0) return resolved;
+  if (requested != OverlapMethod::kAuto || m == 0 || n == 0 || !tune_ || env::get("TDIST_OVERLAP_METHOD"))
+    return resolve(requested, comm, m, n, k, sequential_ok);
+  // Every call after a class's first: one shape string and one lookup.
+  const std::string shape = shape_class(comm, m, n, k);
+  OverlapMethod winner;
+  if (tuned_winner(shape, winner)) return winner;
   std::vector<OverlapMethod> candidates;
   if (fused_ok_) candidates.push_back(OverlapMethod::kFused);
   candidates.push_back(OverlapMethod::kChunked);
   if (sequential_ok) candidates.push_back(OverlapMethod::kSequential);
   candidates.push_back(OverlapMethod::kBaseline);
-  return tune_methods(shape_class(comm, m, n, k), candidates, resolved, stream, run);
+  return tune_methods(shape, candidates, resolve(requested, comm, m, n, k, sequential_ok), stream, run);
 }
 
 OverlapMethod OverlapRuntime::tune_methods(const std::string& shape, const std::vector<OverlapMethod>& candidates,
