@@ -1,5 +1,6 @@
 // What several CPU tests set up around the code under test: an environment variable set (or unset)
-// for one scope, and a loopback port that was free a moment ago.
+// for one scope (scoped_env.hpp, shared with the GPU tests), and a loopback port that was free a
+// moment ago.
 #pragma once
 
 #include <arpa/inet.h>
@@ -9,33 +10,11 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <optional>
 #include <string>
 
-namespace tdist::test {
+#include "scoped_env.hpp"
 
-// Sets `name` to `value` (unsets it for nullopt) until the end of the scope, then restores it.
-struct ScopedEnv {
-  const char* name;
-  std::optional<std::string> old;
-  ScopedEnv(const char* n, std::optional<std::string> value) : name(n) {
-    if (const char* o = std::getenv(n)) old = o;
-    if (value)
-      setenv(n, value->c_str(), 1);
-    else
-      unsetenv(n);
-  }
-  ScopedEnv(const char* n, const char* value)
-      : ScopedEnv(n, value ? std::optional<std::string>(value) : std::nullopt) {}
-  ~ScopedEnv() {
-    if (old)
-      setenv(name, old->c_str(), 1);
-    else
-      unsetenv(name);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-};
+namespace tdist::test {
 
 // A loopback port that was free a moment ago (bound to port 0, then released).
 inline int free_port() {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "harness.cuh"
+#include "scoped_env.hpp"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/ops/ep.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
@@ -22,25 +23,6 @@ using namespace tdist;
 namespace {
 
 constexpr double kTimeoutSeconds = 2.0;
-
-}  // namespace
-
-namespace tdist::test {
-// Sets an environment variable for one scope.
-struct ScopedEnvValue {
-  std::string name, old;
-  bool had;
-  ScopedEnvValue(const char* n, const char* value) : name(n) {
-    const char* o = std::getenv(n);
-    had = o != nullptr;
-    if (had) old = o;
-    setenv(n, value, 1);
-  }
-  ~ScopedEnvValue() { had ? setenv(name.c_str(), old.c_str(), 1) : unsetenv(name.c_str()); }
-};
-}  // namespace tdist::test
-
-namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -241,7 +223,7 @@ int main() {
   }
 
   suite.run("a method setting that differs on rank " + std::to_string(last) + " fails every rank at construction", [&] {
-    test::ScopedEnvValue env(kAllReduceMethodEnv, world.rank() == last ? "ll" : "one_shot");
+    test::ScopedEnv env(kAllReduceMethodEnv, world.rank() == last ? "ll" : "one_shot");
     std::string error;
     try {
       Collectives coll(world, heap, 4096);
