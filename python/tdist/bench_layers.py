@@ -67,6 +67,9 @@ def _parse(argv):
     p.add_argument("--iters", type=int, default=20, help="timed rounds (one call of every method each)")
     p.add_argument("--heap-size", default="8G", help="tdist's symmetric heap per rank")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON (rank 0)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after timing, profile 3 calls of every method (torch.profiler) and write each "
+                        "rank's kernel table and GPU busy time to DIR")
     args = p.parse_args(argv)
 
     def pick(text, allowed, what):
@@ -341,6 +344,8 @@ def _bench_config(layer_obj, layer, pas, methods, args, torch, dist):
             end.record()
             times[method].append((start, end))
     torch.cuda.synchronize()
+    if args.profile:
+        _profile(calls, live, f"{layer_obj.tokens}_{layer}_{pas.replace('+', '_')}", args, torch, dist)
     out = {}
     for method in methods:
         if method in times:
@@ -351,6 +356,46 @@ def _bench_config(layer_obj, layer, pas, methods, args, torch, dist):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[method] = None if method not in live else float(t.item())
     return out, failed
+
+
+def _profile(calls, methods, tag, args, torch, dist):
+    """Three calls of each method under torch.profiler: the kernels by GPU time, and how much of the
+    calls' wall time the GPU was busy (a low share means the host, or a synchronisation, held it)."""
+    from torch.profiler import ProfilerActivity, profile
+    os.makedirs(args.profile, exist_ok=True)
+    for method in methods:
+        dist.barrier()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(3):
+                calls[method](i)
+            end.record()
+            torch.cuda.synchronize()
+        wall = start.elapsed_time(end) * 1000.0
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+        name = os.path.join(args.profile, f"{tag}_{method}_rank{dist.get_rank()}.txt")
+        with open(name, "w") as f:
+            f.write(f"{method}: 3 calls, {wall:.1f} us wall (CUDA events), GPU busy {busy:.1f} us "
+                    f"({100.0 * busy / max(wall, 1e-9):.0f} %)\n\n{table}\n")
+
+
+def _union_us(ranges):
+    """Total length of the union of (start, end) intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(ranges):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
 
 
 def main(argv=None) -> int:
