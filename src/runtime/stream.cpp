@@ -110,9 +110,14 @@ SideStream::~SideStream() {
 
 void SideStream::mark(cudaStream_t from) { TDIST_CUDA_CHECK(cudaEventRecord(fork_, from)); }
 
-void SideStream::fork_from_mark() { TDIST_CUDA_CHECK(cudaStreamWaitEvent(stream_, fork_, 0)); }
+void SideStream::fork_from_mark() {
+  TDIST_CUDA_CHECK(cudaStreamWaitEvent(stream_, fork_, 0));
+  forked_ = true;
+}
 
 void SideStream::join(cudaStream_t into) {
+  if (!forked_) return;
+  forked_ = false;
   TDIST_CUDA_CHECK(cudaEventRecord(join_, stream_));
   TDIST_CUDA_CHECK(cudaStreamWaitEvent(into, join_, 0));
 }

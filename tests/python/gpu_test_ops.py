@@ -128,6 +128,9 @@ def test_reduce_scatter_eager():
 
 def test_barrier_orders_streams():
     # Rank 0 delays, then writes into rank 1's symmetric buffer; after the barrier rank 1 must see it.
+    if world() < 2:
+        print("test_barrier_orders_streams: needs two ranks, skipped")
+        return
     buf = tdist.empty((1024,), torch.float32)
     tdist.barrier()
     if rank() == 0:
@@ -330,7 +333,8 @@ def test_argument_errors_on_gpu():
     expect_error(lambda: tdist.all_gather(x, torch.empty(65, device="cuda", dtype=torch.bfloat16)),
                  "expected world_size * input.numel()")
     expect_error(lambda: tdist.all_gather(x, torch.empty(64 * world(), device="cuda")), "dtype float32 but 'input' has bfloat16")
-    expect_error(lambda: tdist.reduce_scatter(torch.zeros(world() * 2 + 1, 3, device="cuda")), "multiple of world_size")
+    if world() > 1:
+        expect_error(lambda: tdist.reduce_scatter(torch.zeros(world() * 2 + 1, 3, device="cuda")), "multiple of world_size")
     expect_error(lambda: tdist.init(), "already initialised")
     expect_error(lambda: tdist.peer(torch.zeros(4, device="cuda"), 0), "symmetric heap")
     expect_error(lambda: tdist.peer(x, world()), "rank must be")

@@ -37,7 +37,8 @@ void put_signal_async(const SymmetricHeap& heap, void* dst, const void* src, siz
 // A second stream for work beside a caller's stream within one call (copies next to kernels): fork()
 // starts it after what the caller's stream holds so far, join() makes the caller's stream wait for
 // it. Under CUDA-graph capture this records as a fork and a join. mark() + fork_from_mark() split a
-// fork, so that work enqueued on the caller's stream in between is not waited for.
+// fork, so that work enqueued on the caller's stream in between is not waited for. join() without a
+// fork since the last join does nothing (a capture may not wait on work recorded outside it).
 class SideStream {
  public:
   SideStream();
@@ -57,6 +58,7 @@ class SideStream {
  private:
   cudaStream_t stream_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  bool forked_ = false;
 };
 
 }  // namespace tdist
