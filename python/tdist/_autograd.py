@@ -1,33 +1,40 @@
 """Autograd formulas of the overlapped GEMMs (torch.library.register_autograd), imported by _torch_ops.
 
-The backward passes are the same family of overlapped ops, in the ops' "TN" layout (``d = a @ b.T``,
-``b`` of shape (N, K)); ``b.T`` of the forward is made contiguous once per backward (an N x K copy
-of this rank's weight shard, small beside the GEMMs):
+Forward ops, in the "TN" layout (``d = a @ b.T``, ``b`` of shape (N, K)):
 
   ag_gemm    d (M, N) = gather(a_local) @ b.T
-             da_local = gemm_rs(dd, b.T)             this rank's rows of sum_r dd_r @ b_r
-             db       = dd.T @ gather(a_local)        local GEMM; gather(a_local) re-gathered here
-  ag_gemm_gathered  as ag_gemm, with the gathered A saved by the forward (no second gather; M x K
-             per call kept until backward); a gradient flowing into ``gathered`` itself is
-             reduce-scattered into da_local
-  gemm_rs    d (rows, N) = rows of sum_r a_r @ b_r.T
-             da, G    = ag_gemm_gathered(dd, b.T)     G @ b with G = gather(dd), overlapped
-             db       = G.T @ a                       local GEMM on the gathered G
+  ag_gemm_gathered  as ag_gemm, and returns the gathered A, which the backward then keeps (no second
+             gather; M x K per call kept until backward)
+  gemm_rs    d (rows, N) = this rank's rows of sum_r a_r @ b_r.T
   gemm_ar    d (M, N) = sum_r a_r @ b_r.T, replicated; its gradient is taken as replicated too
              (every rank computes the same loss from d, as Megatron-LM's all-reduce region):
              da = dd @ b, db = dd.T @ a, local.
 
+Two ways to run the backward (TDIST_TP_BACKWARD):
+
+  "overlap" (default): the two backward GEMMs by cuBLAS, which takes the weight in its stored layout
+  (no transposed copy), and the backward's collective on a side stream beside the GEMM that does not
+  depend on it (custom ops below, opaque to torch.compile):
+    ag_gemm    da_local = ReduceScatter(dd @ b)   beside   db = dd.T @ gather(a_local)
+               (without the kept gathered A, the re-gather runs beside dd @ b)
+    gemm_rs    G = AllGather(dd) beside da[own rows] = dd @ b; then da[other rows] = G @ b, db = G.T @ a
+  "fused": the backward as the forward's overlapped ops (gemm_rs for ag_gemm, ag_gemm_gathered for
+  gemm_rs), on a contiguous copy of b.T made once per backward.
+
 Every backward op is the forward's transpose, so its shapes satisfy the op's rules whenever the
-forward's did (N and K swap, both multiples of 8; the same M, dtype and RowChunks split); the forward
-``method`` is reused. Gradients arriving as non-contiguous or misaligned views are copied first.
+forward's did; the forward ``method`` is reused by the fused backward. Gradients arriving as
+non-contiguous or misaligned views are copied first. A gradient flowing into the gathered A of
+ag_gemm_gathered is reduce-scattered into da_local.
 
 All ops are collective: the backward runs them in the same order on every rank, as the forward did,
 which autograd guarantees when every rank runs the same graph (also under torch.utils.checkpoint,
-whose recomputation replays the forward's calls in order). The formulas use only torch ops and
-tdist's custom ops (with fake implementations), so torch.compile traces them into the backward graph.
+whose recomputation replays the forward's calls in order). Each backward joins its side stream
+before it returns, so no two collectives run at once. The formulas use only torch ops and tdist's
+custom ops (with fake implementations), so torch.compile traces them into the backward graph.
 """
 
-from typing import Optional
+import os
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -88,6 +95,138 @@ def _transposed(b: Tensor) -> Tensor:
     return b.t().contiguous()
 
 
+def overlapped_backward() -> bool:
+    """TDIST_TP_BACKWARD: "overlap" (default) or "fused"."""
+    style = os.environ.get("TDIST_TP_BACKWARD", "overlap")
+    if style not in ("overlap", "fused"):
+        raise ValueError(f"TDIST_TP_BACKWARD must be 'overlap' or 'fused', got '{style}'")
+    return style == "overlap"
+
+
+# --- the backward's collectives on a side stream ---------------------------------------------------
+# One side stream per device, of high priority so that the collective's blocks are scheduled ahead
+# of the GEMM's as SMs free up. Each op forks it from the current stream first and joins it before
+# returning; tensors made on it that outlive the op are recorded on the current stream.
+
+_side_streams = {}
+
+
+def _side_stream(device) -> "torch.cuda.Stream":
+    s = _side_streams.get(device.index)
+    if s is None:
+        s = _side_streams[device.index] = torch.cuda.Stream(device=device, priority=-1)
+    return s
+
+
+def _no_grad_placeholder(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+@torch.library.custom_op("tdist::linear_colwise_backward", mutates_args=())
+def linear_colwise_backward(grad: Tensor, w: Tensor, x: Tensor, x_is_gathered: bool, m: int, need_x: bool,
+                            need_w: bool) -> Tuple[Tensor, Tensor]:
+    """Backward of y = gather(x_local) @ w.T: (grad of x_local, grad of w); an empty tensor where not
+    needed. ``x`` is the gathered input when x_is_gathered, else this rank's rows."""
+    rank, world = rank_world()
+    main = torch.cuda.current_stream(grad.device)
+    side = _side_stream(grad.device)
+    side.wait_stream(main)
+    gathered, gathered_ready = x, None
+    if need_w and not x_is_gathered:
+        with torch.cuda.stream(side):
+            gathered = gather_rows(x, m, world)
+            gathered_ready = side.record_event()
+    grad_x = grad_w = _no_grad_placeholder(grad)
+    if need_x:
+        partial = torch.mm(grad, w)  # (m, K): this rank's term of every row's gradient
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            grad_x = scatter_rows(partial, m, world, rank)
+        grad_x.record_stream(main)
+    if need_w:
+        if gathered_ready is not None:
+            main.wait_event(gathered_ready)
+        grad_w = torch.mm(grad.t(), gathered)
+    main.wait_stream(side)
+    return grad_x, grad_w
+
+
+@linear_colwise_backward.register_fake
+def _(grad, w, x, x_is_gathered, m, need_x, need_w):
+    rank, world = rank_world()
+    rows = chunk_rows(m, world, rank) if x_is_gathered else x.shape[0]
+    grad_x = grad.new_empty((rows, w.shape[1])) if need_x else grad.new_empty((0,))
+    grad_w = grad.new_empty(w.shape) if need_w else grad.new_empty((0,))
+    return grad_x, grad_w
+
+
+@torch.library.custom_op("tdist::linear_rowwise_backward", mutates_args=())
+def linear_rowwise_backward(grad: Tensor, w: Tensor, x: Tensor, need_x: bool, need_w: bool) -> Tuple[Tensor, Tensor]:
+    """Backward of y = this rank's rows of sum_r x_r @ w_r.T, x (m, K) holding every row: (grad of x,
+    grad of w); an empty tensor where not needed."""
+    rank, world = rank_world()
+    m = x.shape[0]
+    main = torch.cuda.current_stream(grad.device)
+    side = _side_stream(grad.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        gathered = gather_rows(grad, m, world)  # (m, N): every rank's rows of the output gradient
+        gathered_ready = side.record_event()
+    grad_x = grad_w = _no_grad_placeholder(grad)
+    if need_x:
+        grad_x = grad.new_empty((m, w.shape[1]))
+        begin, rows = chunk_begin(m, world, rank), grad.shape[0]
+        if rows > 0:  # this rank's own rows need no gather
+            torch.mm(grad, w, out=grad_x[begin:begin + rows])
+        main.wait_event(gathered_ready)
+        for first, end in ((0, begin), (begin + rows, m)):
+            if end > first:
+                torch.mm(gathered[first:end], w, out=grad_x[first:end])
+    if need_w:
+        main.wait_event(gathered_ready)
+        grad_w = torch.mm(gathered.t(), x)
+    main.wait_stream(side)
+    return grad_x, grad_w
+
+
+@linear_rowwise_backward.register_fake
+def _(grad, w, x, need_x, need_w):
+    grad_x = grad.new_empty((x.shape[0], w.shape[1])) if need_x else grad.new_empty((0,))
+    grad_w = grad.new_empty(w.shape) if need_w else grad.new_empty((0,))
+    return grad_x, grad_w
+
+
+@torch.library.custom_op("tdist::linear_replicated_backward", mutates_args=())
+def linear_replicated_backward(grad: Tensor, w: Tensor, x: Tensor, need_x: bool,
+                               need_w: bool) -> Tuple[Tensor, Tensor]:
+    """Backward of y = x @ w.T with x replicated and w this rank's shard: (sum over ranks of grad @ w,
+    grad.T @ x), the AllReduce beside the weight's GEMM; an empty tensor where not needed."""
+    main = torch.cuda.current_stream(grad.device)
+    side = _side_stream(grad.device)
+    grad_x = grad_w = _no_grad_placeholder(grad)
+    if need_x:
+        partial = torch.mm(grad, w)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            grad_x = _ops.all_reduce.default(partial, "auto")
+        grad_x.record_stream(main)
+    if need_w:
+        grad_w = torch.mm(grad.t(), x)
+    main.wait_stream(side)
+    return grad_x, grad_w
+
+
+@linear_replicated_backward.register_fake
+def _(grad, w, x, need_x, need_w):
+    grad_x = grad.new_empty(x.shape) if need_x else grad.new_empty((0,))
+    grad_w = grad.new_empty(w.shape) if need_w else grad.new_empty((0,))
+    return grad_x, grad_w
+
+
+def _or_none(t: Tensor, needed: bool) -> Optional[Tensor]:
+    return t if needed else None
+
+
 # --- ag_gemm: re-gathers A in backward --------------------------------------------------------------
 
 def _ag_gemm_setup(ctx, inputs, output):
@@ -101,6 +240,10 @@ def _ag_gemm_setup(ctx, inputs, output):
 def _ag_gemm_backward(ctx, grad_d):
     a_local, b = ctx.saved_tensors
     g = dense(grad_d)
+    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if overlapped_backward():
+        grad_a, grad_b = _ops.linear_colwise_backward.default(g, b, a_local, False, ctx.m, need_a, need_b)
+        return _or_none(grad_a, need_a), _or_none(grad_b, need_b), None, None
     grad_a = grad_b = None
     if ctx.needs_input_grad[0]:
         grad_a = _ops.gemm_rs.default(g, _transposed(b), ctx.method)
@@ -125,6 +268,13 @@ def _ag_gemm_gathered_backward(ctx, grad_d, grad_gathered):
     gathered, b = ctx.saved_tensors
     grad_a = grad_b = None
     g = None if grad_d is None else dense(grad_d)
+    if g is not None and overlapped_backward():
+        need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_a, grad_b = _ops.linear_colwise_backward.default(g, b, gathered, True, ctx.m, need_a, need_b)
+        grad_a, grad_b = _or_none(grad_a, need_a), _or_none(grad_b, need_b)
+        if need_a and grad_gathered is not None:
+            grad_a = grad_a + scatter_rows(grad_gathered, ctx.m, ctx.world, ctx.rank)
+        return grad_a, grad_b, None, None
     if ctx.needs_input_grad[0]:
         if g is not None:
             grad_a = _ops.gemm_rs.default(g, _transposed(b), ctx.method)
@@ -150,6 +300,9 @@ def _gemm_rs_backward(ctx, grad_d):
     m = a.shape[0]
     g = dense(grad_d)
     need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if overlapped_backward():
+        grad_a, grad_b = _ops.linear_rowwise_backward.default(g, b, a, need_a, need_b)
+        return _or_none(grad_a, need_a), _or_none(grad_b, need_b), None
     grad_a = grad_b = None
     if need_a and need_b:
         grad_a, gathered = _ops.ag_gemm_gathered.default(g, _transposed(b), m, ctx.method)
@@ -242,7 +395,8 @@ class CopyReplicated(torch.autograd.Function):
 
 class ReplicatedColumnLinear(torch.autograd.Function):
     """y = x @ w.T with x replicated and w this rank's column shard (no communication forward);
-    backward: dx = sum_r dy_r @ w_r through tdist's GEMM-AllReduce (overlapped), dw = dy.T @ x."""
+    backward: dx = sum_r dy_r @ w_r (AllReduce beside dw's GEMM, or tdist's GEMM-AllReduce when
+    TDIST_TP_BACKWARD=fused), dw = dy.T @ x."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, method: str) -> Tensor:
@@ -254,6 +408,10 @@ class ReplicatedColumnLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         g = dense(grad)
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if overlapped_backward():
+            grad_x, grad_w = _ops.linear_replicated_backward.default(g, w, x, need_x, need_w)
+            return _or_none(grad_x, need_x), _or_none(grad_w, need_w), None
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             grad_x = _ops.gemm_ar.default(g, _transposed(w), ctx.method)

@@ -25,6 +25,7 @@ SETTINGS = {
     "TDIST_STORE_SECRET": ("none", "key of the rendezvous store (tdistrun sets a random one)"),
     "TDIST_OVERLAP_METHOD": ("auto", "method of the overlapped GEMM layers"),
     "TDIST_OVERLAP_PIECES": ("auto", "row pieces of the chunked GEMM-RS / GEMM-AR (1 to 4)"),
+    "TDIST_TP_BACKWARD": ("overlap", "backward of the overlapped GEMMs: overlap or fused"),
     "TDIST_ALLREDUCE_METHOD": ("auto", "AllReduce method"),
     "TDIST_ALLGATHER_METHOD": ("auto", "AllGather method"),
     "TDIST_REDUCESCATTER_METHOD": ("auto", "ReduceScatter method"),

@@ -9,13 +9,15 @@ unsharded math on every rank's inputs; a Llama-style MLP converted by tdist.nn.p
 the unconverted one on rank 0's weights (outputs, input and weight gradients, both ways of keeping the
 gathered input); one SGD step of a two-layer model with biases, sequence-parallel and replicated,
 against the single-GPU step (loss, updated weights); torch.compile(fullgraph=True) of forward +
-backward; activation checkpointing; a CUDA graph of a forward replayed on new inputs; the torch
+backward; activation checkpointing; a CUDA graph of a forward, and one of a forward + backward,
+replayed on new inputs; the ops' backward both ways (TDIST_TP_BACKWARD overlap and fused); the torch
 fallback (float32, shapes the overlapped GEMMs refuse, unequal row counts); argument errors.
 Gradients are new tensors, so blocks of their sizes are filled with NaN before each backward.
 Both ways end with a line "N passed, M failed".
 """
 
 import copy
+import os
 import sys
 
 import tdist  # before torch: tdist's libnccl (>= 2.28) is then the one the process loads
@@ -173,6 +175,22 @@ def test_gemm_ar_backward():
                 (d.float() * dd).sum().backward()
                 check(a.grad, dd.double() @ b.detach().double(), OP_TOL, what + " da")
                 check(b.grad, dd.double().T @ a.detach().double(), OP_TOL, what + " db")
+
+
+def test_fused_backward_style():
+    """The ops' backward as the forward's overlapped ops (TDIST_TP_BACKWARD=fused), beside the default
+    (cuBLAS GEMMs with the collective on a side stream), which the tests above ran."""
+    before = os.environ.get("TDIST_TP_BACKWARD")
+    os.environ["TDIST_TP_BACKWARD"] = "fused"
+    try:
+        test_ag_gemm_backward()
+        test_gemm_rs_backward()
+        test_gemm_ar_backward()
+    finally:
+        if before is None:
+            del os.environ["TDIST_TP_BACKWARD"]
+        else:
+            os.environ["TDIST_TP_BACKWARD"] = before
 
 
 def test_backward_of_views():
@@ -407,6 +425,56 @@ def test_cuda_graph_forward():
     del graph
 
 
+def test_cuda_graph_forward_backward():
+    """A training step's forward and backward captured in one CUDA graph (the backward's side stream
+    forks and joins inside the capture), replayed on new inputs and output gradients."""
+    hidden, inter, m = 264, 88 * world(), 48 * world()
+    begin, rows = chunk(m)
+    for save in (False, True):
+        model = rank0_model(MLP, hidden, inter, seed=85)
+        ref = copy.deepcopy(model).double()
+        tp = tdist.nn.parallelize(model, MLP_PLAN, save_gathered=save)
+        x = torch.zeros((rows, hidden), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.zeros((rows, hidden), device="cuda", dtype=torch.float32)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up outside the capture
+            for _ in range(2):
+                (tp(x).float() * dy).sum().backward()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        x.grad = None
+        for p in tp.parameters():
+            p.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = tp(x)
+            (y.float() * dy).sum().backward()
+        what = f"graph MLP forward + backward save_gathered={save}"
+        for replay in range(3):
+            x_full = same_rand((m, hidden), 95 + replay)
+            dy_full = same_rand((m, hidden), 97 + replay)
+            with torch.no_grad():
+                x.copy_(x_full[begin:begin + rows])
+            dy.copy_(dy_full[begin:begin + rows])
+            with torch.no_grad():
+                for t in [y, x.grad] + [p.grad for p in tp.parameters()]:
+                    t.fill_(float("nan"))
+            graph.replay()
+            x_ref = x_full.to(torch.bfloat16).double().requires_grad_()
+            ref.zero_grad(set_to_none=True)
+            y_ref = ref(x_ref)
+            (y_ref * dy_full.double()).sum().backward()
+            check(y, y_ref.detach()[begin:begin + rows], MODEL_TOL, f"{what} replay {replay} output")
+            check(x.grad, x_ref.grad[begin:begin + rows], MODEL_TOL, f"{what} replay {replay} input gradient")
+            ref_params = dict(ref.named_parameters())
+            for name, p in tp.named_parameters():
+                check(p.grad, expected_shard(tp, name, ref_params[name].grad), MODEL_TOL,
+                      f"{what} replay {replay} {name} gradient")
+        torch.cuda.synchronize()
+        del graph
+
+
 def test_fallback_shapes_and_unequal_rows():
     """float32, and features the overlapped GEMMs refuse (not multiples of 8), run the same math
     through torch matmuls and tdist's collectives; unequal row counts through m=."""
@@ -466,9 +534,11 @@ def test_layer_errors():
     expect_error(lambda: tp.gate_proj(x, m=6 * w), "'a_local' has 5 rows", cls=tdist.Error)
 
 
-TESTS = [test_ag_gemm_backward, test_gemm_rs_backward, test_gemm_ar_backward, test_backward_of_views,
+TESTS = [test_ag_gemm_backward, test_gemm_rs_backward, test_gemm_ar_backward, test_fused_backward_style,
+         test_backward_of_views,
          test_mlp_matches_unconverted, test_training_step_matches_single_gpu, test_torch_compile_forward_backward,
-         test_activation_checkpointing, test_cuda_graph_forward, test_fallback_shapes_and_unequal_rows,
+         test_activation_checkpointing, test_cuda_graph_forward, test_cuda_graph_forward_backward,
+         test_fallback_shapes_and_unequal_rows,
          test_layer_errors]
 
 
