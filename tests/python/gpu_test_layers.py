@@ -481,7 +481,9 @@ def test_fallback_shapes_and_unequal_rows():
     w = world()
     # float32 (any shape) and bf16 with out_features / world = 5 and in_features 36
     for dtype, hidden, inter in ((torch.float32, 264, 88 * w), (torch.bfloat16, 36, 5 * w)):
-        tol = 1e-4 if dtype == torch.float32 else MODEL_TOL
+        # bf16: the bias gradients sum a few rows of bf16-rounded activation gradients that partly
+        # cancel, so their error against the largest entry runs above the model tolerance
+        tol = 1e-4 if dtype == torch.float32 else 2 * MODEL_TOL
         model = rank0_model(MLP, hidden, inter, dtype=dtype, seed=100, bias=True)
         ref = copy.deepcopy(model).double()
         tp = tdist.nn.parallelize(model, MLP_PLAN)
@@ -509,18 +511,20 @@ def test_fallback_shapes_and_unequal_rows():
 
 def test_layer_errors():
     w = world()
-    expect_error(lambda: tdist.nn.ColumnParallelLinear(64, 8 * w + 1), "ColumnParallelLinear",
-                 f"out_features={8 * w + 1}", f"divisible by the world size {w}")
-    expect_error(lambda: tdist.nn.RowParallelLinear(8 * w + 1, 64), "RowParallelLinear", f"in_features={8 * w + 1}")
+    if w > 1:  # any size divides over one rank
+        expect_error(lambda: tdist.nn.ColumnParallelLinear(64, 8 * w + 1), "ColumnParallelLinear",
+                     f"out_features={8 * w + 1}", f"divisible by the world size {w}")
+        expect_error(lambda: tdist.nn.RowParallelLinear(8 * w + 1, 64), "RowParallelLinear", f"in_features={8 * w + 1}")
     expect_error(lambda: tdist.nn.RowParallelLinear(0, 64), "in_features must be a positive int")
     model = rank0_model(MLP, 64, 16 * w, seed=120)
     expect_error(lambda: tdist.nn.parallelize(model, {"gate": "colwise"}), "'gate'", "matches no module")
     expect_error(lambda: tdist.nn.parallelize(model, {"down_proj": "sideways"}), "'sideways'", '"rowwise"')
     expect_error(lambda: tdist.nn.parallelize(torch.nn.Sequential(MLP(64, 16 * w), torch.nn.ReLU()),
                                               {"1": "colwise"}), "layer '1'", "is a ReLU", "torch.nn.Linear")
-    odd = rank0_model(MLP, 64, 16 * w + 1, seed=121)
-    expect_error(lambda: tdist.nn.parallelize(odd, {"up_proj": "colwise"}), "layer 'up_proj'",
-                 f"out_features={16 * w + 1}", f"divisible by {w}")
+    if w > 1:
+        odd = rank0_model(MLP, 64, 16 * w + 1, seed=121)
+        expect_error(lambda: tdist.nn.parallelize(odd, {"up_proj": "colwise"}), "layer 'up_proj'",
+                     f"out_features={16 * w + 1}", f"divisible by {w}")
     tp = tdist.nn.parallelize(model, MLP_PLAN)
     expect_error(lambda: tp.gate_proj(torch.zeros(4, 63, device="cuda", dtype=torch.bfloat16)),
                  "ColumnParallelLinear", "(4, 63)", "expected (rows, ..., 64)")
