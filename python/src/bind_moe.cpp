@@ -163,7 +163,7 @@ tdist::GroupedGemm& grouped_gemm_for(int device) {
 
 void grouped_gemm(uint64_t a, uint64_t b, uint64_t d, uint64_t offsets, const std::string& offsets_dtype, int64_t m,
                   int64_t n, int64_t k, int num_groups, const std::string& dtype, int device, uint64_t stream) {
-  TDIST_CHECK_ARG(offsets_dtype == "int32" || offsets_dtype == "int64", "offsets", "int32 or int64, got ",
+  TDIST_CHECK_ARG(offsets_dtype == "int32" || offsets_dtype == "int64", "offsets", "expected int32 or int64, got ",
                   offsets_dtype);
   tdist::GroupedGemmArgs args;
   args.a = ptr<const void>(a);
