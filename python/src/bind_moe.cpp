@@ -9,7 +9,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -17,6 +19,7 @@
 #include "runtime_access.hpp"
 #include "tdist/common/dtype.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/ops/grouped_gemm.hpp"
 #include "tdist/ops/moe.hpp"
 
 namespace nb = nanobind;
@@ -147,6 +150,39 @@ class MoeRs : public MoeContext<tdist::MoeGroupGemmRs> {
   }
 };
 
+// The grouped GEMM alone (python/tdist/moe.py: tdist.moe.grouped_gemm): one GroupedGemm per device,
+// made on the first call there (it reads that device's SM count); not collective.
+tdist::GroupedGemm& grouped_gemm_for(int device) {
+  static std::mutex mu;
+  static std::map<int, std::unique_ptr<tdist::GroupedGemm>> ops;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& op = ops[device];
+  if (!op) op = std::make_unique<tdist::GroupedGemm>();
+  return *op;
+}
+
+void grouped_gemm(uint64_t a, uint64_t b, uint64_t d, uint64_t offsets, const std::string& offsets_dtype, int64_t m,
+                  int64_t n, int64_t k, int num_groups, const std::string& dtype, int device, uint64_t stream) {
+  TDIST_CHECK_ARG(offsets_dtype == "int32" || offsets_dtype == "int64", "offsets", "expected int32 or int64, got ",
+                  offsets_dtype);
+  tdist::GroupedGemmArgs args;
+  args.a = ptr<const void>(a);
+  args.b = ptr<const void>(b);
+  args.d = ptr<void>(d);
+  args.offsets = ptr<const void>(offsets);
+  args.offsets_type = offsets_dtype == "int32" ? tdist::IndexType::kInt32 : tdist::IndexType::kInt64;
+  args.m = m;
+  args.n = n;
+  args.k = k;
+  args.num_groups = num_groups;
+  args.dtype = tdist::parse_dtype(dtype, "a");
+  const tdist::GroupedGemmArgs checked = tdist::check_grouped_gemm_args(args);  // before touching the device
+  if (m == 0) return;
+  nb::gil_scoped_release release;
+  tdist_python::ScopedDevice scope(device);
+  grouped_gemm_for(device).run(checked, reinterpret_cast<cudaStream_t>(stream));
+}
+
 }  // namespace
 
 void bind_moe(nb::module_& m) {
@@ -169,6 +205,11 @@ void bind_moe(nb::module_& m) {
       .def_prop_ro("closed", &MoeRs::closed)
       .def_prop_ro("max_m", &MoeRs::max_m)
       .def_prop_ro("max_n", &MoeRs::max_n);
+  m.def("grouped_gemm", &grouped_gemm, "a"_a, "b"_a, "d"_a, "offsets"_a, "offsets_dtype"_a, "m"_a, "n"_a, "k"_a,
+        "num_groups"_a, "dtype"_a, "device"_a, "stream"_a,
+        "D = A x B_g^T per group on raw device pointers (tdist/ops/grouped_gemm.hpp); use tdist.moe.grouped_gemm.");
+  m.def("grouped_gemm_alignment", &tdist::grouped_gemm_alignment,
+        "Rows of every group of the grouped GEMM are padded to a multiple of this.");
   m.def("moe_capacity", &tdist::moe_capacity, "m"_a, "topk"_a, "experts"_a,
         "Rows of the expert-ordered matrices for any routing of m tokens.");
   m.def(

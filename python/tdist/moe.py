@@ -29,6 +29,20 @@ Collective: every rank calls with the same M, shapes and method. method: 'auto',
 heap, created on the first call and re-created larger when a call has more tokens (collective; never
 during a CUDA graph capture: run the largest call once first). Registered as
 torch.ops.tdist.moe_ag_group_gemm and torch.ops.tdist.moe_group_gemm_rs with fake implementations.
+
+The grouped GEMM alone (one GPU, not collective; tdist/ops/grouped_gemm.hpp), on any tensors:
+
+    d = tdist.moe.grouped_gemm(a, w, offsets)    # T [M_total, N]: rows [offsets[g], offsets[g + 1]) = a[them] x w[g]^T
+
+    a        T [M_total, K]       every group's rows, group after group
+    w        T [G, N, K]          one weight per group (the layout of w13 / w2 above); K and N
+                                  multiples of 8
+    offsets  int32 or int64 [G + 1] on a's device: offsets[0] = 0, non-decreasing, each a multiple of
+             grouped_gemm_alignment() (128), offsets[G] <= M_total; read by the GPU only (no host
+             synchronisation), so offsets breaking these rules give undefined rows (never an access
+             outside a, w and d). Padding rows are computed like the others; rows past offsets[G] of d
+             are not written. routing_reference's offsets have this form.
+Registered as torch.ops.tdist.grouped_gemm with a fake implementation.
 """
 
 # No `from __future__ import annotations`: torch.library.custom_op reads the annotations as types.
@@ -70,6 +84,11 @@ def routing_reference(topk_ids, experts: int, world_size: int = 1, rank: int = 0
                                                                           int(world_size), int(rank))
     return dict(offsets=offsets, counts=counts, token_of_row=token_of_row,
                 row_of_pair=[row_of_pair[t * topk:(t + 1) * topk] for t in range(m)])
+
+
+def grouped_gemm_alignment() -> int:
+    """Rows of every group of grouped_gemm are padded to a multiple of this (the offsets' rule)."""
+    return _C.grouped_gemm_alignment()
 
 
 def _check_tensor(op, name, t, dtypes, dims, device):
@@ -115,6 +134,34 @@ def check_rs_args(h, w, topk_ids, topk_weights, method="auto", world_size=1, ran
     _check_tensor(op, "topk_weights", topk_weights, ("float32",), (m, topk), w.device)
     _check_tensor(op, "h", h, (torch_dtype_name(w.dtype),), (capacity(m, topk, experts), k), w.device)
     return s
+
+
+def check_grouped_gemm_args(a, w, offsets) -> dict:
+    """Shapes, dtypes and devices of a grouped_gemm call; raises tdist.Error naming the argument."""
+    op = "moe.grouped_gemm"
+    _check_tensor(op, "w", w, tuple(_DTYPES), (None, None, None), None)
+    groups, n, k = _shape(w)
+    if groups < 1:
+        _fail(op, "w", "at least one group [G >= 1, N, K]", list(_shape(w)))
+    if k % 8 != 0 or k == 0:
+        _fail(op, "w", "K (its last dimension) a positive multiple of 8", k)
+    if n % 8 != 0:  # d is dense: its rows must stay 16-byte aligned
+        _fail(op, "w", "N (its second dimension) a multiple of 8", n)
+    _check_tensor(op, "a", a, (torch_dtype_name(w.dtype),), (None, k), w.device)
+    _check_tensor(op, "offsets", offsets, ("int32", "int64"), (groups + 1,), w.device)
+    return dict(m=_shape(a)[0], n=n, k=k, groups=groups, dtype=_DTYPES[torch_dtype_name(w.dtype)],
+                offsets_dtype=torch_dtype_name(offsets.dtype))
+
+
+def _grouped_gemm(a, w, offsets):
+    torch = torch_module()
+    s = check_grouped_gemm_args(a, w, offsets)
+    d = torch.empty((s["m"], s["n"]), dtype=w.dtype, device=w.device)
+    if s["m"] == 0 or s["n"] == 0:
+        return d
+    _C.grouped_gemm(a.data_ptr(), w.data_ptr(), d.data_ptr(), offsets.data_ptr(), s["offsets_dtype"], s["m"], s["n"],
+                    s["k"], s["groups"], s["dtype"], w.device.index, torch.cuda.current_stream(w.device).cuda_stream)
+    return d
 
 
 def _context(kind: str, s: dict, rt):
@@ -206,8 +253,16 @@ def _register(torch):
         rows = s["m"] if all_reduce else rows_of(s["m"], rt.world_size, rt.rank)[1]
         return w.new_empty((rows, s["n"]))
 
+    def gg(a: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+        return _grouped_gemm(a, w, offsets)
+
+    def gg_fake(a, w, offsets):
+        s = check_grouped_gemm_args(a, w, offsets)
+        return w.new_empty((s["m"], s["n"]))
+
     ops = []
-    for name, fn, fake in (("tdist::moe_ag_group_gemm", ag, ag_fake), ("tdist::moe_group_gemm_rs", rs, rs_fake)):
+    for name, fn, fake in (("tdist::moe_ag_group_gemm", ag, ag_fake), ("tdist::moe_group_gemm_rs", rs, rs_fake),
+                           ("tdist::grouped_gemm", gg, gg_fake)):
         op = torch.library.custom_op(name, mutates_args=())(fn)
         op.register_fake(fake)
         ops.append(op)
@@ -240,6 +295,12 @@ def moe_group_gemm_ar(h, w, topk_ids, topk_weights):
     """Grouped GEMM + top-k weighted reduce + AllReduce: T [M, N], every token on every rank (decode).
     Collective."""
     return _torch("moe_group_gemm_ar").ops.tdist.moe_group_gemm_rs(h, w, topk_ids, topk_weights, "auto", True)
+
+
+def grouped_gemm(a, w, offsets):
+    """T [M_total, N]: rows [offsets[g], offsets[g + 1]) of a times w[g]^T for every group g; rows past
+    offsets[G] are not written (see the module's docstring). One GPU, not collective."""
+    return _torch("moe.grouped_gemm").ops.tdist.grouped_gemm(a, w, offsets)
 
 
 def method(m: int, world_size: int) -> str:

@@ -13,6 +13,8 @@ rank's partial sums added through torch.distributed.
   (below the world size), odd M, M past the chunked bound; K and N odd multiples of 8; int64 ids;
 * the worked layer of docs/moe.md (up projection, SwiGLU, down projection) against a float64 layer;
 * a CUDA graph of the layer replayed with fresh routing and tokens; torch.compile(fullgraph=True);
+* the grouped GEMM alone (tdist.moe.grouped_gemm): every group's rows, padding included, against
+  float64 x w[g]^T; empty groups, int32 and int64 offsets, rows past offsets[G]; its argument errors;
 * argument errors naming the argument.
 Outputs come from torch's allocator, poisoned with NaN before each call.
 """
@@ -275,6 +277,45 @@ def test_errors():
     torch.cuda.synchronize()
 
 
+def test_grouped_gemm():
+    align = moe.grouped_gemm_alignment()
+    seed = 8000 + rank()
+    for dtype in (torch.bfloat16, torch.float16):
+        for counts, K, N, idx in (([0, 129, 1, 300, 0], 136, 104, torch.int32), ([5], 72, 200, torch.int64),
+                                  ([200, 0, 0, 17, 128, 3, 1], 264, 136, torch.int32)):
+            seed += 1
+            what = f"grouped_gemm {dtype} counts={counts} K={K} N={N} {idx}"
+            offsets = [0]
+            for c in counts:
+                offsets.append(offsets[-1] + (c + align - 1) // align * align)
+            m_total = offsets[-1] + 37  # rows past offsets[G]: neither read into a group nor written
+            a = rand((m_total, K), dtype, seed)
+            w = rand((len(counts), N, K), dtype, seed + 50, scale=0.1)
+            ref = torch.zeros((offsets[-1], N), dtype=torch.float64)
+            for g in range(len(counts)):
+                ref[offsets[g]:offsets[g + 1]] = a[offsets[g]:offsets[g + 1]].double() @ w[g].double().T
+            poison_allocator()
+            d = moe.grouped_gemm(a.cuda(), w.cuda(), torch.tensor(offsets, dtype=idx, device="cuda"))
+            assert tuple(d.shape) == (m_total, N), what
+            check_close(d[:offsets[-1]], ref, what, TOL[dtype])
+    a = torch.randn((256, 64), device="cuda").to(torch.bfloat16)
+    w = torch.randn((2, 72, 64), device="cuda").to(torch.bfloat16)
+    offs = torch.tensor([0, 128, 256], dtype=torch.int32, device="cuda")
+    expect_error(lambda: moe.grouped_gemm(a, w.float(), offs), "'w'", "bfloat16")
+    expect_error(lambda: moe.grouped_gemm(a[:, :56].contiguous(), w, offs), "'a'")
+    expect_error(lambda: moe.grouped_gemm(a.half(), w, offs), "'a'")
+    expect_error(lambda: moe.grouped_gemm(a, w, offs[:2]), "'offsets'")
+    expect_error(lambda: moe.grouped_gemm(a, w, offs.float()), "'offsets'")
+    expect_error(lambda: moe.grouped_gemm(a, w, offs.cpu()), "'offsets'")
+    expect_error(lambda: moe.grouped_gemm(a.t(), w, offs), "'a'")
+    expect_error(lambda: moe.grouped_gemm(a[:, :60].contiguous(), w[:, :, :60].contiguous(), offs), "'w'")
+    expect_error(lambda: moe.grouped_gemm(a, w[:, :70].contiguous(), offs), "'w'", "N")
+    d = moe.grouped_gemm(a, w, offs)
+    check_close(d, torch.cat([a[:128].double() @ w[0].double().T, a[128:].double() @ w[1].double().T]).cpu(),
+                "grouped_gemm after errors", TOL[torch.bfloat16])
+    torch.cuda.synchronize()
+
+
 TESTS = [
     test_moe_ag_group_gemm,
     test_moe_group_gemm_rs_and_ar,
@@ -282,6 +323,7 @@ TESTS = [
     test_cuda_graph_fresh_routing,
     test_torch_compile,
     test_errors,
+    test_grouped_gemm,
 ]
 
 if __name__ == "__main__":
