@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams 
       const u64 dst_row = le * rows_per_expert + i;
       const uint4* from = reinterpret_cast<const uint4*>(p.d_rows + src_row * row_stride);
       uint4* to = reinterpret_cast<uint4*>(p.recv_x + dst_row * row_bytes);  // packed rows
-      for (u64 v = lane; v < row_bytes / 16; v += 32) to[v] = from[v];
+      warp_copy16<8>(to, from, static_cast<long long>(row_bytes / 16), lane);
       if (row_bytes % 16 != 0 && lane == 0) {  // FP8 rows of H = 8 (mod 16) bytes
         reinterpret_cast<uint2*>(to)[row_bytes / 8 - 1] = reinterpret_cast<const uint2*>(from)[row_bytes / 8 - 1];
       }
@@ -232,29 +232,34 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams 
   }
 }
 
-// A warp per received row: the expert output goes back to its source's c_rows[(t, j)].
+// A warp per received row: the expert output goes back to its source's c_rows[(t, j)]. Blocks take
+// local experts (bpe blocks per expert when there are more blocks than experts), so each block reads
+// its experts' counts once and its warps go straight to rows that exist.
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p) {
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
   const u64 par = e & 1;
-  const int W = p.heap.num_ranks, L = p.num_local_experts, M = p.max_tokens, H = p.hidden, K = p.topk;
+  const int W = p.heap.num_ranks, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const u64 rows_per_expert = static_cast<u64>(W) * M, row_bytes = 2ull * H;
-  const int lane = threadIdx.x & 31;
-  const int warp = blockIdx.x * kLlWarps + threadIdx.x / 32, warps = gridDim.x * kLlWarps;
-  const u64 slots = static_cast<u64>(M) * K;
-  for (u64 f = warp; f < L * rows_per_expert; f += warps) {
-    const int le = static_cast<int>(f / rows_per_expert);
-    if (static_cast<int>(f % rows_per_expert) >= p.recv_count[le]) continue;
-    const int route = p.recv_route[f];
-    const int s = static_cast<int>(route / slots);
-    const u64 tk = route % slots;
-    if (e > 2 && lane == 0) wait_epoch(p.c_ack + s, e - 2);  // parity `par` of rank s is free again
-    __syncwarp();
-    const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.y) + f * row_bytes);
-    uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.c_rows + (par * slots + tk) * row_bytes), s);
-    for (u64 v = lane; v < row_bytes / 16; v += 32) to[v] = from[v];
-    __syncwarp();
-    if (lane == 0) put_signal(p.heap, p.c_flags + par * slots + tk, e, s);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const u64 slots = static_cast<u64>(M) * p.topk;
+  const int bpe = max(1, static_cast<int>(gridDim.x) / L), groups = static_cast<int>(gridDim.x) / bpe;
+  const int group = static_cast<int>(blockIdx.x) / bpe, part = static_cast<int>(blockIdx.x) % bpe;
+  for (int le = group; group < groups && le < L; le += groups) {
+    const int n = p.recv_count[le];
+    for (int i = part * kLlWarps + warp; i < n; i += bpe * kLlWarps) {
+      const u64 f = le * rows_per_expert + i;
+      const int route = p.recv_route[f];
+      const int s = static_cast<int>(route / slots);
+      const u64 tk = route % slots;
+      if (e > 2 && lane == 0) wait_epoch(p.c_ack + s, e - 2);  // parity `par` of rank s is free again
+      __syncwarp();
+      const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.y) + f * row_bytes);
+      uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.c_rows + (par * slots + tk) * row_bytes), s);
+      warp_copy16<8>(to, from, static_cast<long long>(row_bytes / 16), lane);
+      __syncwarp();
+      if (lane == 0) put_signal(p.heap, p.c_flags + par * slots + tk, e, s);
+    }
   }
   if (!last_block(&p.state->combine_send_done)) return;
   if (threadIdx.x == 0) {
@@ -263,8 +268,10 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
   }
 }
 
+constexpr int kLlChunks = 2;  // 256-channel chunks a lane sums at once in the combine receive
+
 // A block per token (grid-stride): warp 0 waits for the token's rows, then every warp sums its
-// share of the 256-channel pieces: out[t] = sum over valid slots j of w[t][j] * c_rows[(t, j)], fp32.
+// share of the 512-channel pieces: out[t] = sum over valid slots j of w[t][j] * c_rows[(t, j)], fp32.
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p) {
   const u64 e = *p.epoch_slot, par = e & 1;
   const int M = p.max_tokens, H = p.hidden, K = p.topk;
@@ -280,25 +287,19 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p
     }
     __syncthreads();  // the rows the waits saw are visible to the whole block
     const unsigned valid = valid_slots;
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<u64>(t) * H;
-    for (int c = warp * 256 + lane * 8; c < H; c += kLlWarps * 256) {
-      float acc[8];
+    // Lane k: slot k's row and weight.
+    const bool mine = (valid >> lane & 1u) != 0;
+    const char* row = mine ? p.c_rows + (par * slots + static_cast<u64>(t) * K + lane) * row_bytes : nullptr;
+    const float wk = mine ? p.topk_weights[static_cast<u64>(t) * K + lane] : 0.f;
+    char* out = static_cast<char*>(p.out) + static_cast<u64>(t) * row_bytes;
+    for (int c0 = warp * 256 * kLlChunks + lane * 8; c0 - lane * 8 < H; c0 += kLlWarps * 256 * kLlChunks) {
+      float acc[kLlChunks][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-      for (int k = 0; k < K; ++k) {
-        if (!(valid >> k & 1u)) continue;
-        const float wk = p.topk_weights[static_cast<u64>(t) * K + k];
-        const uint4 v =
-            *reinterpret_cast<const uint4*>(p.c_rows + (par * slots + static_cast<u64>(t) * K + k) * row_bytes + 2ull * c);
-        const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+      for (int u = 0; u < kLlChunks; ++u)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += wk * __bfloat162float(h[i]);
-      }
-      uint4 r;
-      __nv_bfloat16* rh = reinterpret_cast<__nv_bfloat16*>(&r);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) rh[i] = __float2bfloat16_rn(acc[i]);
-      *reinterpret_cast<uint4*>(out + c) = r;
+        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
+      warp_sum_rows<kLlChunks>(acc, row, wk, valid, c0, H);
+      store_bf16_chunks<kLlChunks>(out, acc, c0, H);
     }
     __syncthreads();  // valid_slots is rewritten for the next token
   }
