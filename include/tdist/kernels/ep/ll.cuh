@@ -95,9 +95,10 @@ TDIST_DEVICE int slot_expert(const EpLlParams& p, int t, int lane, bool report) 
   return warp_slot_expert(p.topk_idx, p.topk, p.num_experts, t, lane, report ? p.error : nullptr);
 }
 
-TDIST_DEVICE float warp_max16(float v) {
+// The largest of v over each aligned group of 8 lanes.
+TDIST_DEVICE float warp_max8(float v) {
 #pragma unroll
-  for (int m = 8; m >= 1; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  for (int m = 4; m >= 1; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;
 }
 
@@ -115,13 +116,23 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const int K = p.topk, G = scale_groups(H);
   const u64 row_stride = 2ull * H;
-  // A block per token (grid-stride): warp 0 claims the rows, then every warp sends its share of the
-  // 256-channel pieces (a piece holds whole FP8 scale groups, so the warps need not meet again).
+  // A block per token (grid-stride): warp 0 claims the rows while every warp loads its first piece of
+  // the token, then every warp stores its pieces into every destination row, 16 bytes per lane: a
+  // piece is 256 channels in bf16 and 512 in FP8 (16 channels, two loads, one e4m3 store per lane).
+  // A piece holds whole FP8 scale groups, so the warps need not meet again.
   __shared__ char* dst_rows[kMaxTopk];
   __shared__ float* dst_scales[kMaxTopk];
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int piece = p.fp8 ? 512 : 256, per_lane = piece / 32;
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x);
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    const __nv_bfloat16* src = x + static_cast<u64>(t) * H;
+    int c0 = warp * piece;  // warp-uniform
+    uint4 v0 = make_uint4(0, 0, 0, 0), v1 = make_uint4(0, 0, 0, 0);
+    if (c0 + lane * per_lane < H) {
+      v0 = *reinterpret_cast<const uint4*>(src + c0 + lane * per_lane);
+      if (p.fp8) v1 = *reinterpret_cast<const uint4*>(src + c0 + lane * per_lane + 8);
+    }
     if (warp == 0) {
       const int g = slot_expert(p, t, lane, true);
       char* dst = nullptr;
@@ -141,37 +152,41 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
       }
     }
     __syncthreads();
-    const __nv_bfloat16* src = x + static_cast<u64>(t) * H;
-    for (int c0 = warp * 256; c0 < H; c0 += kLlWarps * 256) {  // warp-uniform
-      const int c = c0 + lane * 8;  // this lane's 8 channels
+    for (; c0 < H; c0 += kLlWarps * piece) {
+      const int c = c0 + lane * per_lane;  // this lane's channels
       const bool active = c < H;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (active) v = *reinterpret_cast<const uint4*>(src + c);
+      if (c0 != warp * piece && active) {
+        v0 = *reinterpret_cast<const uint4*>(src + c);
+        if (p.fp8) v1 = *reinterpret_cast<const uint4*>(src + c + 8);
+      }
       if (!p.fp8) {
         for (int k = 0; k < K; ++k) {
           char* d = dst_rows[k];
-          if (d != nullptr && active) *reinterpret_cast<uint4*>(d + 2ull * c) = v;
+          if (d != nullptr && active) *reinterpret_cast<uint4*>(d + 2ull * c) = v0;
         }
       } else {
-        const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
-        float f[8], amax = 0.f;
+        float f[16], amax = 0.f;
+        const __nv_bfloat16* h0 = reinterpret_cast<const __nv_bfloat16*>(&v0);
+        const __nv_bfloat16* h1 = reinterpret_cast<const __nv_bfloat16*>(&v1);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          f[i] = __bfloat162float(h[i]);
-          amax = fmaxf(amax, fabsf(f[i]));
+          f[i] = __bfloat162float(h0[i]);
+          f[8 + i] = __bfloat162float(h1[i]);
         }
-        amax = warp_max16(amax);  // lanes 0-15 and 16-31 each cover one group of 128 channels
+#pragma unroll
+        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
+        amax = warp_max8(amax);  // each 8 lanes cover one group of 128 channels
         const float scale = fp8_scale(amax, p.ue8m0 != 0), inv = 1.f / scale;
-        uint2 q;
+        uint4 q;
         unsigned short* qs = reinterpret_cast<unsigned short*>(&q);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < 8; ++i)
           qs[i] = __nv_cvt_float2_to_fp8x2(make_float2(f[2 * i] * inv, f[2 * i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
         for (int k = 0; k < K; ++k) {
           char* d = dst_rows[k];
           if (d != nullptr && active) {
-            *reinterpret_cast<uint2*>(d + c) = q;
-            if ((lane & 15) == 0) dst_scales[k][c / kFp8GroupSize] = scale;
+            *reinterpret_cast<uint4*>(d + c) = q;
+            if ((lane & 7) == 0) dst_scales[k][c / kFp8GroupSize] = scale;
           }
         }
       }
@@ -219,7 +234,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams 
       const u64 dst_row = le * rows_per_expert + i;
       const uint4* from = reinterpret_cast<const uint4*>(p.d_rows + src_row * row_stride);
       uint4* to = reinterpret_cast<uint4*>(p.recv_x + dst_row * row_bytes);  // packed rows
-      warp_copy16<8>(to, from, static_cast<long long>(row_bytes / 16), lane);
+      warp_copy16<16>(to, from, static_cast<long long>(row_bytes / 16), lane);
       if (row_bytes % 16 != 0 && lane == 0) {  // FP8 rows of H = 8 (mod 16) bytes
         reinterpret_cast<uint2*>(to)[row_bytes / 8 - 1] = reinterpret_cast<const uint2*>(from)[row_bytes / 8 - 1];
       }
@@ -256,7 +271,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
       __syncwarp();
       const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.y) + f * row_bytes);
       uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.c_rows + (par * slots + tk) * row_bytes), s);
-      warp_copy16<8>(to, from, static_cast<long long>(row_bytes / 16), lane);
+      warp_copy16<16>(to, from, static_cast<long long>(row_bytes / 16), lane);
       __syncwarp();
       if (lane == 0) put_signal(p.heap, p.c_flags + par * slots + tk, e, s);
     }
