@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_dispatch(EpHtParams p) {
       if (lane == 0) *peer_ptr(p.heap, p.recv_src + dest_row, dest) = me * M + t;
     }
     const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(p.x) + t * row_bytes);
-    warp_copy16_multi<4>(to, firsts, src, static_cast<long long>(row_bytes / 16), lane);
+    warp_copy16_multi<8>(to, firsts, src, static_cast<long long>(row_bytes / 16), lane);
   }
   if (!last_block(&p.state->ht_dispatch_done)) return;
   if (static_cast<int>(threadIdx.x) < W) put_signal(p.heap, p.done + me, e, static_cast<int>(threadIdx.x));
