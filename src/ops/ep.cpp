@@ -391,6 +391,7 @@ void launch_ep(const jit::Kernel& k, unsigned blocks, unsigned threads, size_t s
   cfg.block = {threads};
   cfg.shared_bytes = smem;
   cfg.stream = stream;
+  cfg.programmatic_dependent_launch = true;  // every EP kernel waits for the one before it first (begin_kernel)
   jit::launch(k, cfg, jit::make_args(p));
 }
 

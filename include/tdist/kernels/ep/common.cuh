@@ -37,6 +37,7 @@ struct EpState {
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
 
+#include "tdist/device/grid_dependency.cuh"
 #include "tdist/kernels/ep/transport.cuh"
 
 namespace tdist::kernels::ep {
@@ -173,6 +174,16 @@ TDIST_DEVICE void store_bf16_chunks(void* out, const float (&acc)[kChunks][8], i
     for (int i = 0; i < 8; ++i) rh[i] = __float2bfloat16_rn(acc[u][i]);
     *reinterpret_cast<uint4*>(static_cast<char*>(out) + 2ll * c) = r;
   }
+}
+
+// First call of every EP kernel. The kernels are launched with programmatic dependent launch, so
+// one may be scheduled while the kernel before it on the stream still runs (its launch latency hidden
+// behind that kernel's tail): it waits here for that grid to complete and its writes to be visible,
+// before touching anything (EpState, the flags, the caller's operands), then lets the next kernel be
+// scheduled the same way.
+TDIST_DEVICE void begin_kernel() {
+  wait_for_prior_grid();
+  allow_dependent_launch();
 }
 
 // The last block of a grid to call it (every thread of every block calls it) gets true, after

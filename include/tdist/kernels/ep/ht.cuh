@@ -114,6 +114,7 @@ TDIST_DEVICE bool warp_first_slot_of_rank(int r, int K, int lane) {
 // rank_ctr / exp_ctr (zero between calls); the last block to finish exchanges the counts and lays
 // out the rows. Dynamic shared memory: int[W + E].
 __global__ void __launch_bounds__(kHtLayoutThreads, 1) ep_ht_layout(EpHtParams p) {
+  begin_kernel();
   extern __shared__ int cnt[];
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->ht_epoch) + 1, par = e & 1;
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, E = p.num_experts, K = p.topk;
@@ -206,6 +207,7 @@ __global__ void __launch_bounds__(kHtLayoutThreads, 1) ep_ht_layout(EpHtParams p
 // A warp per token: claims its compact row on each destination rank and its expert-major row at
 // each expert, writes the routing, then reads the token once and stores it to every destination.
 __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_dispatch(EpHtParams p) {
+  begin_kernel();
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->ht_epoch);
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, E = p.num_experts, K = p.topk;
   const int M = p.max_tokens, H = p.hidden;
@@ -249,6 +251,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_dispatch(EpHtParams p) {
 // Copies the compact rows to their expert-major rows (a warp per compact row, read once and stored
 // to each of its local experts' rows); marks the padding rows.
 __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_dispatch_recv(EpHtParams p) {
+  begin_kernel();
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->ht_epoch);
   const int W = p.heap.num_ranks, L = p.num_local_experts, K = p.topk, H = p.hidden;
   const u64 row_bytes = 2ull * H;
@@ -276,6 +279,7 @@ constexpr int kHtChunks = 2;  // 256-channel chunks a lane sums at once (their l
 
 // A warp per compact row: its partial sum to its source's comb[this rank][t].
 __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_combine_send(EpHtParams p) {
+  begin_kernel();
   const u64 c = ld_relaxed<Scope::kGpu>(&p.state->ht_combine_epoch) + 1;
   const int W = p.heap.num_ranks, me = p.heap.rank, K = p.topk, M = p.max_tokens, H = p.hidden;
   const u64 row_bytes = 2ull * H;
@@ -323,6 +327,7 @@ __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_combine_send(EpHtParams p
 
 // A warp per token: out[t] = sum of comb[r][t] over the ranks its slots were sent to, in fp32.
 __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_combine_recv(EpHtParams p) {
+  begin_kernel();
   const u64 c = ld_relaxed<Scope::kGpu>(&p.state->ht_combine_epoch);
   const int W = p.heap.num_ranks, L = p.num_local_experts, E = p.num_experts, K = p.topk, M = p.max_tokens;
   const int H = p.hidden;

@@ -110,6 +110,7 @@ TDIST_DEVICE float fp8_scale(float amax, bool ue8m0) {
 }
 
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams p) {
+  begin_kernel();
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
   const u64 par = e & 1;
@@ -139,8 +140,9 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
       float* dst_s = nullptr;
       if (g >= 0) {
         const int r = g / L, le = g % L;
-        if (e > 2) wait_epoch(p.d_ack + g, e - 2);  // parity `par` of expert g is free again
+        // The claim is local and needs no acknowledgement: issued first, its latency overlaps the wait.
         const u32 slot = atomicAdd(p.send_counts + g, 1u);  // < M: one row per token and expert
+        if (e > 2) wait_epoch(p.d_ack + g, e - 2);  // parity `par` of expert g is free again
         const u64 row = ((par * L + le) * W + me) * static_cast<u64>(M) + slot;
         dst = peer_ptr(p.heap, p.d_rows + row * row_stride, r);
         if (p.fp8) dst_s = peer_ptr(p.heap, p.d_scales + row * G, r);
@@ -210,6 +212,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
 
 // One block per local expert (grid-stride): packs its rows source after source.
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams p) {
+  begin_kernel();
   __shared__ int counts[kMaxLsaRanks], offsets[kMaxLsaRanks + 1];
   const u64 e = *p.epoch_slot, par = e & 1;
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
@@ -251,6 +254,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams 
 // local experts (bpe blocks per expert when there are more blocks than experts), so each block reads
 // its experts' counts once and its warps go straight to rows that exist.
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p) {
+  begin_kernel();
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
   const u64 par = e & 1;
@@ -288,6 +292,7 @@ constexpr int kLlChunks = 2;  // 256-channel chunks a lane sums at once in the c
 // A block per token (grid-stride): warp 0 waits for the token's rows, then every warp sums its
 // share of the 512-channel pieces: out[t] = sum over valid slots j of w[t][j] * c_rows[(t, j)], fp32.
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p) {
+  begin_kernel();
   const u64 e = *p.epoch_slot, par = e & 1;
   const int M = p.max_tokens, H = p.hidden, K = p.topk;
   const u64 slots = static_cast<u64>(M) * K, row_bytes = 2ull * H;
