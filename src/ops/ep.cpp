@@ -512,7 +512,13 @@ EpHtHandle EpBuffer::ht_dispatch(const EpHtDispatchArgs& a, cudaStream_t stream)
   const unsigned layout_blocks =
       static_cast<unsigned>(std::clamp<int64_t>((layout_warps + layout_block_warps - 1) / layout_block_warps, 1, sms_));
   launch_ep(m.get(HtKernel::kLayout), layout_blocks, kernels::ep::kHtLayoutThreads, smem, p, stream);
-  launch_ep(m.get(HtKernel::kDispatch), warp_blocks(a.num_tokens, sms_), kernels::ep::kHtThreads, 0, p, stream);
+  // The dispatch's senders take num_sms blocks (they feed NVLink); the blocks that place this rank's
+  // own tokens (HBM-bound, beside the transfer) take the other SMs, a quarter of them at least.
+  const unsigned send_blocks = warp_blocks(a.num_tokens, sms_);
+  const unsigned local_blocks =
+      warp_blocks(a.num_tokens, std::max({all_sms_ - static_cast<int>(send_blocks), all_sms_ / 4, 1}));
+  p.send_blocks = static_cast<int>(send_blocks);
+  launch_ep(m.get(HtKernel::kDispatch), send_blocks + local_blocks, kernels::ep::kHtThreads, 0, p, stream);
   launch_ep(m.get(HtKernel::kDispatchRecv), static_cast<unsigned>(all_sms_), kernels::ep::kHtThreads, 0, p, stream);
 
   EpHtHandle h;

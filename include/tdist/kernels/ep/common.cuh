@@ -101,24 +101,34 @@ TDIST_DEVICE void warp_copy16(uint4* to, const uint4* from, long long n, int lan
   }
 }
 
-// Copies n 16-byte words from `from` to several rows: lane k of `dests` (a warp-uniform lane mask)
-// holds the destination `to_of_lane`. The source is read once, whatever the number of destinations.
+// Copies n 16-byte words from `from` to several rows: lane k of `dests_a` (a warp-uniform lane mask)
+// holds a destination in `to_a`, lane k of `dests_b` one in `to_b` (two sets, as a lane may have two
+// rows to fill). The source is read once, whatever the number of destinations.
 template <int kUnroll = 4>
-TDIST_DEVICE void warp_copy16_multi(void* to_of_lane, unsigned dests, const uint4* from, long long n, int lane) {
-  if (dests == 0) return;
+TDIST_DEVICE void warp_copy16_multi(void* to_a, unsigned dests_a, void* to_b, unsigned dests_b, const uint4* from,
+                                    long long n, int lane) {
+  if ((dests_a | dests_b) == 0) return;
   for (long long base = lane; base - lane < n; base += 32 * kUnroll) {  // warp-uniform bound (shuffles)
     uint4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (base + 32 * u < n) v[u] = from[base + 32 * u];
-    for (unsigned m = dests; m != 0; m &= m - 1) {
-      uint4* to = reinterpret_cast<uint4*>(
-          __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(to_of_lane), __ffs(m) - 1));
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (base + 32 * u < n) to[base + 32 * u] = v[u];
+    for (int set = 0; set < 2; ++set) {
+      const unsigned long long mine = reinterpret_cast<unsigned long long>(set == 0 ? to_a : to_b);
+      for (unsigned m = set == 0 ? dests_a : dests_b; m != 0; m &= m - 1) {
+        uint4* to = reinterpret_cast<uint4*>(__shfl_sync(0xffffffffu, mine, __ffs(m) - 1));
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (base + 32 * u < n) to[base + 32 * u] = v[u];
+      }
     }
   }
+}
+
+template <int kUnroll = 4>
+TDIST_DEVICE void warp_copy16_multi(void* to_of_lane, unsigned dests, const uint4* from, long long n, int lane) {
+  warp_copy16_multi<kUnroll>(to_of_lane, dests, nullptr, 0u, from, n, lane);
 }
 
 // acc[u][i] += sum over the lanes k of `rows` (a warp-uniform lane mask) of w_k * row_k[c0 + 256 u + i]

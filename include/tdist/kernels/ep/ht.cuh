@@ -33,11 +33,12 @@
 //     go on each rank and what this rank receives. A peer's row of epoch e also says the peer has
 //     begun call e, so it is done with the compact buffers of call e - 1: the exchange is the
 //     buffers' reuse handshake, and no host synchronisation is needed anywhere.
-//   dispatch (num_sms blocks, a warp per token): a row slot per destination rank and an
-//     expert-major slot per expert claimed with local atomics; the token's row goes once to each
-//     rank with its routing; the last block raises done[this rank] on every rank.
-//   receive (every SM): waits for done from every rank, copies each compact row to its expert-major
-//     rows, marks the padding.
+//   dispatch (a warp per token): a row slot per destination rank and an expert-major slot per expert
+//     claimed with local atomics; num_sms blocks send the token's row once to each other rank with
+//     its routing, while the other blocks write the tokens that stay here into their compact row and
+//     expert-major rows; the last block raises done[this rank] on every rank.
+//   receive (every SM): waits for done from every rank, copies each compact row from a peer to its
+//     expert-major rows, marks the padding.
 // Combine (epoch c): send (a warp per compact row) sums the row's local slots w * y[pos] in fp32
 // (or takes y_compact's row as it is: dispatch's backward) and writes one bf16 row into its source's
 // comb[this rank][t]; receive (a warp per token) sums comb[r][t] over the ranks the token went to.
@@ -55,6 +56,7 @@ constexpr int kHtLayoutThreads = 1024;
 struct EpHtParams {
   tdist::device::SymmetricHeapView heap;
   int num_tokens, max_tokens, hidden, num_experts, num_local_experts, topk, alignment;
+  int send_blocks;             // dispatch: blocks [0, send_blocks) send to peers, the rest write local rows
   const void* x;               // bf16 [T][H]
   const long long* topk_idx;   // [T][K]
   const float* topk_weights;   // [T][K]
@@ -204,33 +206,43 @@ __global__ void __launch_bounds__(kHtLayoutThreads, 1) ep_ht_layout(EpHtParams p
   }
 }
 
-// A warp per token: claims its compact row on each destination rank and its expert-major row at
-// each expert, writes the routing, then reads the token once and stores it to every destination.
+// Two roles, by block. Blocks [0, send_blocks) send each token to the other ranks it goes to: a
+// warp per token claims its compact row on each such rank and its expert-major row at each of their
+// experts, writes the routing, then reads the token once and stores it to every destination. The
+// other blocks write the tokens that stay on this rank straight into both outputs (the compact row
+// and the expert-major rows of the local experts), beside the transfer, so the receive expands only
+// the rows that came from peers. The last block raises done[this rank] on every rank.
 __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_dispatch(EpHtParams p) {
   begin_kernel();
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->ht_epoch);
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, E = p.num_experts, K = p.topk;
   const int M = p.max_tokens, H = p.hidden;
   const u64 row_bytes = 2ull * H;
+  const long long row_words = static_cast<long long>(row_bytes / 16);
   const int lane = threadIdx.x & 31;
-  const int warp = blockIdx.x * kHtWarps + threadIdx.x / 32, warps = gridDim.x * kHtWarps;
+  const bool sender = static_cast<int>(blockIdx.x) < p.send_blocks;
+  const int role_block = sender ? blockIdx.x : blockIdx.x - p.send_blocks;
+  const int role_blocks = sender ? p.send_blocks : gridDim.x - p.send_blocks;
+  const int warp = role_block * kHtWarps + threadIdx.x / 32, warps = role_blocks * kHtWarps;
   for (int t = warp; t < p.num_tokens; t += warps) {
     const int g = warp_slot_expert(p.topk_idx, K, E, t, lane, nullptr);
     const int r = g >= 0 ? g / L : -1;
     const bool first = warp_first_slot_of_rank(r, K, lane);
+    const bool mine = g >= 0 && (sender ? r != me : r == me);  // this role's slots
+    const unsigned mine_mask = __ballot_sync(0xffffffffu, mine);
+    if (mine_mask == 0) continue;  // warp-uniform
     int compact = -1, pos = -1;
-    if (first) compact = p.send_base[r] + static_cast<int>(atomicAdd(p.rank_ctr + r, 1u));
-    if (g >= 0) pos = p.exp_base[g] + static_cast<int>(atomicAdd(p.exp_ctr + g, 1u));
+    if (first && mine) compact = p.send_base[r] + static_cast<int>(atomicAdd(p.rank_ctr + r, 1u));
+    if (mine) pos = p.exp_base[g] + static_cast<int>(atomicAdd(p.exp_ctr + g, 1u));
     const float w = lane < K ? p.topk_weights[static_cast<u64>(t) * K + lane] : 0.f;
-    const unsigned firsts = __ballot_sync(0xffffffffu, first);
-    char* to = first ? peer_ptr(p.heap, p.recv_x + static_cast<u64>(compact) * row_bytes, r) : nullptr;
+    const unsigned firsts = __ballot_sync(0xffffffffu, first && mine);
     for (unsigned m = firsts; m != 0; m &= m - 1) {  // warp-uniform
       const int k = __ffs(m) - 1;
       const int dest = __shfl_sync(0xffffffffu, r, k);
       const int dest_row = __shfl_sync(0xffffffffu, compact, k);
       if (lane < K) {
         const u64 slot = static_cast<u64>(dest_row) * K + lane;
-        const bool here = r == dest;
+        const bool here = r == dest;  // then this lane is one of the role's slots, and pos is claimed
         *peer_ptr(p.heap, p.recv_idx + slot, dest) = here ? g % L : -1;
         *peer_ptr(p.heap, p.recv_w + slot, dest) = w;
         *peer_ptr(p.heap, p.recv_pos + slot, dest) = here ? pos : -1;
@@ -238,7 +250,17 @@ __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_dispatch(EpHtParams p) {
       if (lane == 0) *peer_ptr(p.heap, p.recv_src + dest_row, dest) = me * M + t;
     }
     const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(p.x) + t * row_bytes);
-    warp_copy16_multi<8>(to, firsts, src, static_cast<long long>(row_bytes / 16), lane);
+    if (sender) {
+      char* to = first && mine ? peer_ptr(p.heap, p.recv_x + static_cast<u64>(compact) * row_bytes, r) : nullptr;
+      warp_copy16_multi<8>(to, firsts, src, row_words, lane);
+    } else {
+      // One compact row (at the token's first slot here) and an expert-major row per local slot.
+      const int row = __shfl_sync(0xffffffffu, compact, __ffs(firsts) - 1);
+      char* to_compact = first && mine ? p.recv_x + static_cast<u64>(compact) * row_bytes : nullptr;
+      char* to_expert = mine ? p.expert_x + static_cast<u64>(pos) * row_bytes : nullptr;
+      if (mine) p.expert_src[pos] = row;
+      warp_copy16_multi<4>(to_compact, firsts, to_expert, mine_mask, src, row_words, lane);
+    }
   }
   if (!last_block(&p.state->ht_dispatch_done)) return;
   if (static_cast<int>(threadIdx.x) < W) put_signal(p.heap, p.done + me, e, static_cast<int>(threadIdx.x));
@@ -248,19 +270,23 @@ __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_dispatch(EpHtParams p) {
   if (threadIdx.x == 0) p.state->ht_dispatch_done = 0;
 }
 
-// Copies the compact rows to their expert-major rows (a warp per compact row, read once and stored
-// to each of its local experts' rows); marks the padding rows.
+// Copies the compact rows that came from peers to their expert-major rows (a warp per compact row,
+// read once and stored to each of its local experts' rows; this rank's own rows were placed by the
+// dispatch); marks the padding rows.
 __global__ void __launch_bounds__(kHtThreads, 1) ep_ht_dispatch_recv(EpHtParams p) {
   begin_kernel();
-  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->ht_epoch);
-  const int W = p.heap.num_ranks, L = p.num_local_experts, K = p.topk, H = p.hidden;
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->ht_epoch), par = e & 1;
+  const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, K = p.topk, H = p.hidden;
   const u64 row_bytes = 2ull * H;
   for (int r = threadIdx.x; r < W; r += blockDim.x) wait_epoch(p.done + r, e);
   __syncthreads();
   const int lane = threadIdx.x & 31;
   const int warp = blockIdx.x * kHtWarps + threadIdx.x / 32, warps = gridDim.x * kHtWarps;
-  const int received = p.info[0];
-  for (int i = warp; i < received; i += warps) {
+  // This rank's own compact rows, [own_begin, own_begin + own): skipped.
+  const int own_begin = p.send_base[me], own = matrix_at(p, par, me, me);
+  const int from_peers = p.info[0] - own;
+  for (int j = warp; j < from_peers; j += warps) {
+    const int i = j < own_begin ? j : j + own;
     const int pos = lane < K ? p.recv_pos[static_cast<u64>(i) * K + lane] : -1;
     const unsigned dests = __ballot_sync(0xffffffffu, pos >= 0);
     char* to = pos >= 0 ? p.expert_x + static_cast<u64>(pos) * row_bytes : nullptr;
