@@ -250,11 +250,17 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams 
   }
 }
 
-// A warp per received row: the expert output goes back to its source's c_rows[(t, j)]. Blocks take
-// local experts (bpe blocks per expert when there are more blocks than experts), so each block reads
-// its experts' counts once and its warps go straight to rows that exist.
+constexpr int kLlScanExperts = 2 * kLlThreads;  // local experts whose row counts a block scans at once
+
+// A warp per received row: the expert output goes back to its source's c_rows[(t, j)]. Every block
+// scans the local experts' row counts in shared memory, and the grid's warps take the rows that
+// exist, whichever expert they belong to (one hot expert's rows spread over every SM). Beyond
+// kLlScanExperts local experts, blocks take experts (bpe blocks per expert when there are more blocks
+// than experts) and their warps the experts' rows.
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p) {
   begin_kernel();
+  __shared__ int row_begin[kLlScanExperts + 1];
+  __shared__ int warp_sums[kLlWarps];
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
   const u64 par = e & 1;
@@ -262,22 +268,64 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
   const u64 rows_per_expert = static_cast<u64>(W) * M, row_bytes = 2ull * H;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const u64 slots = static_cast<u64>(M) * p.topk;
-  const int bpe = max(1, static_cast<int>(gridDim.x) / L), groups = static_cast<int>(gridDim.x) / bpe;
-  const int group = static_cast<int>(blockIdx.x) / bpe, part = static_cast<int>(blockIdx.x) % bpe;
-  for (int le = group; group < groups && le < L; le += groups) {
-    const int n = p.recv_count[le];
-    for (int i = part * kLlWarps + warp; i < n; i += bpe * kLlWarps) {
-      const u64 f = le * rows_per_expert + i;
-      const int route = p.recv_route[f];
-      const int s = static_cast<int>(route / slots);
-      const u64 tk = route % slots;
-      if (e > 2 && lane == 0) wait_epoch(p.c_ack + s, e - 2);  // parity `par` of rank s is free again
-      __syncwarp();
-      const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.y) + f * row_bytes);
-      uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.c_rows + (par * slots + tk) * row_bytes), s);
-      warp_copy16<16>(to, from, static_cast<long long>(row_bytes / 16), lane);
-      __syncwarp();
-      if (lane == 0) put_signal(p.heap, p.c_flags + par * slots + tk, e, s);
+  auto send_row = [&](int le, int i) {
+    const u64 f = le * rows_per_expert + i;
+    const int route = p.recv_route[f];
+    const int s = static_cast<int>(route / slots);
+    const u64 tk = route % slots;
+    if (e > 2 && lane == 0) wait_epoch(p.c_ack + s, e - 2);  // parity `par` of rank s is free again
+    __syncwarp();
+    const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.y) + f * row_bytes);
+    uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.c_rows + (par * slots + tk) * row_bytes), s);
+    warp_copy16<16>(to, from, static_cast<long long>(row_bytes / 16), lane);
+    __syncwarp();
+    if (lane == 0) put_signal(p.heap, p.c_flags + par * slots + tk, e, s);
+  };
+  if (L <= kLlScanExperts) {
+    // Exclusive prefix of the counts: thread i holds experts 2i and 2i + 1.
+    const int x0 = 2 * static_cast<int>(threadIdx.x), x1 = x0 + 1;
+    const int a = x0 < L ? p.recv_count[x0] : 0, b = x1 < L ? p.recv_count[x1] : 0;
+    int incl = a + b;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+      int ws = lane < kLlWarps ? warp_sums[lane] : 0;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, ws, d);
+        if (lane >= d) ws += v;
+      }
+      if (lane < kLlWarps) warp_sums[lane] = ws;  // inclusive, over warps
+    }
+    __syncthreads();
+    const int before = incl - (a + b) + (warp > 0 ? warp_sums[warp - 1] : 0);
+    if (x0 < L) row_begin[x0] = before;
+    if (x1 < L) row_begin[x1] = before + a;
+    if (threadIdx.x == 0) row_begin[L] = warp_sums[kLlWarps - 1];
+    __syncthreads();
+    const int total = row_begin[L];
+    for (int q = blockIdx.x * kLlWarps + warp; q < total; q += gridDim.x * kLlWarps) {
+      int lo = 0, hi = L - 1;  // the last expert whose first row is <= q: the one holding row q
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (row_begin[mid] <= q)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      send_row(lo, q - row_begin[lo]);
+    }
+  } else {
+    const int bpe = max(1, static_cast<int>(gridDim.x) / L), groups = static_cast<int>(gridDim.x) / bpe;
+    const int group = static_cast<int>(blockIdx.x) / bpe, part = static_cast<int>(blockIdx.x) % bpe;
+    for (int le = group; group < groups && le < L; le += groups) {
+      const int n = p.recv_count[le];
+      for (int i = part * kLlWarps + warp; i < n; i += bpe * kLlWarps) send_row(le, i);
     }
   }
   if (!last_block(&p.state->combine_send_done)) return;
