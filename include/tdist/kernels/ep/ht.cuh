@@ -21,8 +21,9 @@
 //                              has read comb, so peers may write it again)
 //   c_done   u64[W]            c_done[r] = the combine epoch whose partial rows from r have landed
 // Local: send_base i32[W] (this rank's first compact row on each rank), exp_base i32[E] (its first
-// expert-major row of each expert, at the expert's rank), rank_ctr u32[W], exp_ctr u32[E] (slots
-// claimed in the running dispatch), info i32[2 + 2L + 1]: rows received, expert-major rows (padded),
+// expert-major row of each expert, at the expert's rank), rank_ctr u32[W], exp_ctr u32[E] (zero
+// between calls: the layout step's blocks add their counts there, its last block reads and clears
+// them, then they count the slots claimed in the running dispatch, whose last block clears them), info i32[2 + 2L + 1]: rows received, expert-major rows (padded),
 // rows of each local expert, first expert-major row of each local expert and the end;
 // expert_x bf16[cap][H] and expert_src i32[cap] (the compact row of each expert-major row, -1 for
 // padding).
