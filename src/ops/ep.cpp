@@ -391,6 +391,7 @@ void launch_ep(const jit::Kernel& k, unsigned blocks, unsigned threads, size_t s
   cfg.block = {threads};
   cfg.shared_bytes = smem;
   cfg.stream = stream;
+  cfg.programmatic_dependent_launch = true;  // every EP kernel waits for the one before it first (begin_kernel)
   jit::launch(k, cfg, jit::make_args(p));
 }
 
@@ -506,8 +507,18 @@ EpHtHandle EpBuffer::ht_dispatch(const EpHtDispatchArgs& a, cudaStream_t stream)
   p.topk_idx = reinterpret_cast<const long long*>(a.topk_idx);
   p.topk_weights = a.topk_weights;
   const size_t smem = sizeof(int) * static_cast<size_t>(world_size_ + config_.num_experts);
-  launch_ep(m.get(HtKernel::kLayout), 1, kernels::ep::kHtLayoutThreads, smem, p, stream);
-  launch_ep(m.get(HtKernel::kDispatch), warp_blocks(a.num_tokens, sms_), kernels::ep::kHtThreads, 0, p, stream);
+  // The layout step counts with many blocks (a warp handles a few tokens; the last block lays out).
+  const int64_t layout_warps = (a.num_tokens + 3) / 4, layout_block_warps = kernels::ep::kHtLayoutThreads / 32;
+  const unsigned layout_blocks =
+      static_cast<unsigned>(std::clamp<int64_t>((layout_warps + layout_block_warps - 1) / layout_block_warps, 1, sms_));
+  launch_ep(m.get(HtKernel::kLayout), layout_blocks, kernels::ep::kHtLayoutThreads, smem, p, stream);
+  // The dispatch's senders take num_sms blocks (they feed NVLink); the blocks that place this rank's
+  // own tokens (HBM-bound, beside the transfer) take the other SMs, a quarter of them at least.
+  const unsigned send_blocks = warp_blocks(a.num_tokens, sms_);
+  const unsigned local_blocks =
+      warp_blocks(a.num_tokens, std::max({all_sms_ - static_cast<int>(send_blocks), all_sms_ / 4, 1}));
+  p.send_blocks = static_cast<int>(send_blocks);
+  launch_ep(m.get(HtKernel::kDispatch), send_blocks + local_blocks, kernels::ep::kHtThreads, 0, p, stream);
   launch_ep(m.get(HtKernel::kDispatchRecv), static_cast<unsigned>(all_sms_), kernels::ep::kHtThreads, 0, p, stream);
 
   EpHtHandle h;
@@ -546,7 +557,10 @@ void EpBuffer::ht_combine(const EpHtCombineArgs& a, const EpHtHandle& h, cudaStr
   p.y = a.y;
   p.y_compact = a.y_compact;
   p.out = a.out;
-  launch_ep(m.get(HtKernel::kCombineSend), static_cast<unsigned>(sms_), kernels::ep::kHtThreads, 0, p, stream);
+  // The combine send reads every expert-major row once (K rows per token at most, far more bytes than
+  // it sends), so by default it takes every SM, as the receives do; num_sms, when set, bounds it.
+  const int send_sms = config_.num_sms > 0 ? sms_ : all_sms_;
+  launch_ep(m.get(HtKernel::kCombineSend), static_cast<unsigned>(send_sms), kernels::ep::kHtThreads, 0, p, stream);
   launch_ep(m.get(HtKernel::kCombineRecv), warp_blocks(h.num_tokens, all_sms_), kernels::ep::kHtThreads, 0, p,
             stream);
 }

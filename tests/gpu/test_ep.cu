@@ -19,7 +19,8 @@
 //   * high-throughput mode: counts against the host mirror of the layout step (ep_count_tokens),
 //     compact rows (each token once per rank, in its source's block, routing and weights), the
 //     padded expert-major rows and their sources, the weighted combine and the compact (backward)
-//     combine, sync_counts on and off, graph replays, calls back to back, SM count set low.
+//     combine, sync_counts on and off, graph replays, calls back to back, SM count set low and
+//     above the GPU's.
 //
 //   build-gpu/tools/tdistrun -n 2 -- build-gpu/tests/gpu_test_ep
 // Prints "rank R: N passed, M failed" last.
@@ -517,6 +518,10 @@ void ht_suite(test::Suite& suite, World& world, SymmetricHeap& heap, cudaStream_
        .mode = EpMode::kHighThroughput, .expert_alignment = 7},
       {.max_tokens = 33, .hidden = 384, .num_experts = 3 * W, .topk = 3, .mode = EpMode::kHighThroughput,
        .expert_alignment = 1},
+      // Every SM sending (the blocks that place local rows are then a quarter of the SMs beyond them),
+      // many tokens per warp in each role and a layout step over many blocks.
+      {.max_tokens = 2000, .hidden = 1032, .num_experts = 8 * W, .topk = 4, .num_sms = 1000,
+       .mode = EpMode::kHighThroughput, .expert_alignment = 16},
   };
   const Routing routings[] = {Routing::kUniform, Routing::kSkewed, Routing::kOneExpert, Routing::kOneRank,
                               Routing::kMasked};

@@ -95,9 +95,10 @@ TDIST_DEVICE int slot_expert(const EpLlParams& p, int t, int lane, bool report) 
   return warp_slot_expert(p.topk_idx, p.topk, p.num_experts, t, lane, report ? p.error : nullptr);
 }
 
-TDIST_DEVICE float warp_max16(float v) {
+// The largest of v over each aligned group of 8 lanes.
+TDIST_DEVICE float warp_max8(float v) {
 #pragma unroll
-  for (int m = 8; m >= 1; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  for (int m = 4; m >= 1; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;
 }
 
@@ -109,27 +110,39 @@ TDIST_DEVICE float fp8_scale(float amax, bool ue8m0) {
 }
 
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams p) {
+  begin_kernel();
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
   const u64 par = e & 1;
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const int K = p.topk, G = scale_groups(H);
   const u64 row_stride = 2ull * H;
-  // A block per token (grid-stride): warp 0 claims the rows, then every warp sends its share of the
-  // 256-channel pieces (a piece holds whole FP8 scale groups, so the warps need not meet again).
+  // A block per token (grid-stride): warp 0 claims the rows while every warp loads its first piece of
+  // the token, then every warp stores its pieces into every destination row, 16 bytes per lane: a
+  // piece is 256 channels in bf16 and 512 in FP8 (16 channels, two loads, one e4m3 store per lane).
+  // A piece holds whole FP8 scale groups, so the warps need not meet again.
   __shared__ char* dst_rows[kMaxTopk];
   __shared__ float* dst_scales[kMaxTopk];
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int piece = p.fp8 ? 512 : 256, per_lane = piece / 32;
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x);
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
+    const __nv_bfloat16* src = x + static_cast<u64>(t) * H;
+    int c0 = warp * piece;  // warp-uniform
+    uint4 v0 = make_uint4(0, 0, 0, 0), v1 = make_uint4(0, 0, 0, 0);
+    if (c0 + lane * per_lane < H) {
+      v0 = *reinterpret_cast<const uint4*>(src + c0 + lane * per_lane);
+      if (p.fp8) v1 = *reinterpret_cast<const uint4*>(src + c0 + lane * per_lane + 8);
+    }
     if (warp == 0) {
       const int g = slot_expert(p, t, lane, true);
       char* dst = nullptr;
       float* dst_s = nullptr;
       if (g >= 0) {
         const int r = g / L, le = g % L;
-        if (e > 2) wait_epoch(p.d_ack + g, e - 2);  // parity `par` of expert g is free again
+        // The claim is local and needs no acknowledgement: issued first, its latency overlaps the wait.
         const u32 slot = atomicAdd(p.send_counts + g, 1u);  // < M: one row per token and expert
+        if (e > 2) wait_epoch(p.d_ack + g, e - 2);  // parity `par` of expert g is free again
         const u64 row = ((par * L + le) * W + me) * static_cast<u64>(M) + slot;
         dst = peer_ptr(p.heap, p.d_rows + row * row_stride, r);
         if (p.fp8) dst_s = peer_ptr(p.heap, p.d_scales + row * G, r);
@@ -141,37 +154,41 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
       }
     }
     __syncthreads();
-    const __nv_bfloat16* src = x + static_cast<u64>(t) * H;
-    for (int c0 = warp * 256; c0 < H; c0 += kLlWarps * 256) {  // warp-uniform
-      const int c = c0 + lane * 8;  // this lane's 8 channels
+    for (; c0 < H; c0 += kLlWarps * piece) {
+      const int c = c0 + lane * per_lane;  // this lane's channels
       const bool active = c < H;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (active) v = *reinterpret_cast<const uint4*>(src + c);
+      if (c0 != warp * piece && active) {
+        v0 = *reinterpret_cast<const uint4*>(src + c);
+        if (p.fp8) v1 = *reinterpret_cast<const uint4*>(src + c + 8);
+      }
       if (!p.fp8) {
         for (int k = 0; k < K; ++k) {
           char* d = dst_rows[k];
-          if (d != nullptr && active) *reinterpret_cast<uint4*>(d + 2ull * c) = v;
+          if (d != nullptr && active) *reinterpret_cast<uint4*>(d + 2ull * c) = v0;
         }
       } else {
-        const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
-        float f[8], amax = 0.f;
+        float f[16], amax = 0.f;
+        const __nv_bfloat16* h0 = reinterpret_cast<const __nv_bfloat16*>(&v0);
+        const __nv_bfloat16* h1 = reinterpret_cast<const __nv_bfloat16*>(&v1);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-          f[i] = __bfloat162float(h[i]);
-          amax = fmaxf(amax, fabsf(f[i]));
+          f[i] = __bfloat162float(h0[i]);
+          f[8 + i] = __bfloat162float(h1[i]);
         }
-        amax = warp_max16(amax);  // lanes 0-15 and 16-31 each cover one group of 128 channels
+#pragma unroll
+        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
+        amax = warp_max8(amax);  // each 8 lanes cover one group of 128 channels
         const float scale = fp8_scale(amax, p.ue8m0 != 0), inv = 1.f / scale;
-        uint2 q;
+        uint4 q;
         unsigned short* qs = reinterpret_cast<unsigned short*>(&q);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < 8; ++i)
           qs[i] = __nv_cvt_float2_to_fp8x2(make_float2(f[2 * i] * inv, f[2 * i + 1] * inv), __NV_SATFINITE, __NV_E4M3);
         for (int k = 0; k < K; ++k) {
           char* d = dst_rows[k];
           if (d != nullptr && active) {
-            *reinterpret_cast<uint2*>(d + c) = q;
-            if ((lane & 15) == 0) dst_scales[k][c / kFp8GroupSize] = scale;
+            *reinterpret_cast<uint4*>(d + c) = q;
+            if ((lane & 7) == 0) dst_scales[k][c / kFp8GroupSize] = scale;
           }
         }
       }
@@ -195,6 +212,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
 
 // One block per local expert (grid-stride): packs its rows source after source.
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams p) {
+  begin_kernel();
   __shared__ int counts[kMaxLsaRanks], offsets[kMaxLsaRanks + 1];
   const u64 e = *p.epoch_slot, par = e & 1;
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
@@ -219,7 +237,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams 
       const u64 dst_row = le * rows_per_expert + i;
       const uint4* from = reinterpret_cast<const uint4*>(p.d_rows + src_row * row_stride);
       uint4* to = reinterpret_cast<uint4*>(p.recv_x + dst_row * row_bytes);  // packed rows
-      for (u64 v = lane; v < row_bytes / 16; v += 32) to[v] = from[v];
+      warp_copy16<16>(to, from, static_cast<long long>(row_bytes / 16), lane);
       if (row_bytes % 16 != 0 && lane == 0) {  // FP8 rows of H = 8 (mod 16) bytes
         reinterpret_cast<uint2*>(to)[row_bytes / 8 - 1] = reinterpret_cast<const uint2*>(from)[row_bytes / 8 - 1];
       }
@@ -232,19 +250,26 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams 
   }
 }
 
-// A warp per received row: the expert output goes back to its source's c_rows[(t, j)].
+constexpr int kLlScanExperts = 2 * kLlThreads;  // local experts whose row counts a block scans at once
+
+// A warp per received row: the expert output goes back to its source's c_rows[(t, j)]. Every block
+// scans the local experts' row counts in shared memory, and the grid's warps take the rows that
+// exist, whichever expert they belong to (one hot expert's rows spread over every SM). Beyond
+// kLlScanExperts local experts, blocks take experts (bpe blocks per expert when there are more blocks
+// than experts) and their warps the experts' rows.
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p) {
+  begin_kernel();
+  __shared__ int row_begin[kLlScanExperts + 1];
+  __shared__ int warp_sums[kLlWarps];
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
   const u64 par = e & 1;
-  const int W = p.heap.num_ranks, L = p.num_local_experts, M = p.max_tokens, H = p.hidden, K = p.topk;
+  const int W = p.heap.num_ranks, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const u64 rows_per_expert = static_cast<u64>(W) * M, row_bytes = 2ull * H;
-  const int lane = threadIdx.x & 31;
-  const int warp = blockIdx.x * kLlWarps + threadIdx.x / 32, warps = gridDim.x * kLlWarps;
-  const u64 slots = static_cast<u64>(M) * K;
-  for (u64 f = warp; f < L * rows_per_expert; f += warps) {
-    const int le = static_cast<int>(f / rows_per_expert);
-    if (static_cast<int>(f % rows_per_expert) >= p.recv_count[le]) continue;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const u64 slots = static_cast<u64>(M) * p.topk;
+  auto send_row = [&](int le, int i) {
+    const u64 f = le * rows_per_expert + i;
     const int route = p.recv_route[f];
     const int s = static_cast<int>(route / slots);
     const u64 tk = route % slots;
@@ -252,9 +277,56 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
     __syncwarp();
     const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.y) + f * row_bytes);
     uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.c_rows + (par * slots + tk) * row_bytes), s);
-    for (u64 v = lane; v < row_bytes / 16; v += 32) to[v] = from[v];
+    warp_copy16<16>(to, from, static_cast<long long>(row_bytes / 16), lane);
     __syncwarp();
     if (lane == 0) put_signal(p.heap, p.c_flags + par * slots + tk, e, s);
+  };
+  if (L <= kLlScanExperts) {
+    // Exclusive prefix of the counts: thread i holds experts 2i and 2i + 1.
+    const int x0 = 2 * static_cast<int>(threadIdx.x), x1 = x0 + 1;
+    const int a = x0 < L ? p.recv_count[x0] : 0, b = x1 < L ? p.recv_count[x1] : 0;
+    int incl = a + b;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+      int ws = lane < kLlWarps ? warp_sums[lane] : 0;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, ws, d);
+        if (lane >= d) ws += v;
+      }
+      if (lane < kLlWarps) warp_sums[lane] = ws;  // inclusive, over warps
+    }
+    __syncthreads();
+    const int before = incl - (a + b) + (warp > 0 ? warp_sums[warp - 1] : 0);
+    if (x0 < L) row_begin[x0] = before;
+    if (x1 < L) row_begin[x1] = before + a;
+    if (threadIdx.x == 0) row_begin[L] = warp_sums[kLlWarps - 1];
+    __syncthreads();
+    const int total = row_begin[L];
+    for (int q = blockIdx.x * kLlWarps + warp; q < total; q += gridDim.x * kLlWarps) {
+      int lo = 0, hi = L - 1;  // the last expert whose first row is <= q: the one holding row q
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (row_begin[mid] <= q)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      send_row(lo, q - row_begin[lo]);
+    }
+  } else {
+    const int bpe = max(1, static_cast<int>(gridDim.x) / L), groups = static_cast<int>(gridDim.x) / bpe;
+    const int group = static_cast<int>(blockIdx.x) / bpe, part = static_cast<int>(blockIdx.x) % bpe;
+    for (int le = group; group < groups && le < L; le += groups) {
+      const int n = p.recv_count[le];
+      for (int i = part * kLlWarps + warp; i < n; i += bpe * kLlWarps) send_row(le, i);
+    }
   }
   if (!last_block(&p.state->combine_send_done)) return;
   if (threadIdx.x == 0) {
@@ -263,9 +335,12 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
   }
 }
 
+constexpr int kLlChunks = 2;  // 256-channel chunks a lane sums at once in the combine receive
+
 // A block per token (grid-stride): warp 0 waits for the token's rows, then every warp sums its
-// share of the 256-channel pieces: out[t] = sum over valid slots j of w[t][j] * c_rows[(t, j)], fp32.
+// share of the 512-channel pieces: out[t] = sum over valid slots j of w[t][j] * c_rows[(t, j)], fp32.
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p) {
+  begin_kernel();
   const u64 e = *p.epoch_slot, par = e & 1;
   const int M = p.max_tokens, H = p.hidden, K = p.topk;
   const u64 slots = static_cast<u64>(M) * K, row_bytes = 2ull * H;
@@ -280,25 +355,19 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p
     }
     __syncthreads();  // the rows the waits saw are visible to the whole block
     const unsigned valid = valid_slots;
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<u64>(t) * H;
-    for (int c = warp * 256 + lane * 8; c < H; c += kLlWarps * 256) {
-      float acc[8];
+    // Lane k: slot k's row and weight.
+    const bool mine = (valid >> lane & 1u) != 0;
+    const char* row = mine ? p.c_rows + (par * slots + static_cast<u64>(t) * K + lane) * row_bytes : nullptr;
+    const float wk = mine ? p.topk_weights[static_cast<u64>(t) * K + lane] : 0.f;
+    char* out = static_cast<char*>(p.out) + static_cast<u64>(t) * row_bytes;
+    for (int c0 = warp * 256 * kLlChunks + lane * 8; c0 - lane * 8 < H; c0 += kLlWarps * 256 * kLlChunks) {
+      float acc[kLlChunks][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-      for (int k = 0; k < K; ++k) {
-        if (!(valid >> k & 1u)) continue;
-        const float wk = p.topk_weights[static_cast<u64>(t) * K + k];
-        const uint4 v =
-            *reinterpret_cast<const uint4*>(p.c_rows + (par * slots + static_cast<u64>(t) * K + k) * row_bytes + 2ull * c);
-        const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&v);
+      for (int u = 0; u < kLlChunks; ++u)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += wk * __bfloat162float(h[i]);
-      }
-      uint4 r;
-      __nv_bfloat16* rh = reinterpret_cast<__nv_bfloat16*>(&r);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) rh[i] = __float2bfloat16_rn(acc[i]);
-      *reinterpret_cast<uint4*>(out + c) = r;
+        for (int i = 0; i < 8; ++i) acc[u][i] = 0.f;
+      warp_sum_rows<kLlChunks>(acc, row, wk, valid, c0, H);
+      store_bf16_chunks<kLlChunks>(out, acc, c0, H);
     }
     __syncthreads();  // valid_slots is rewritten for the next token
   }
