@@ -307,7 +307,8 @@ def test_ll_errors():
         expect_error(lambda: buf.low_latency_dispatch(big, idx), "'x'", "max_tokens_per_rank")
         expect_error(lambda: buf.low_latency_dispatch(x, idx, round_scale=True), "'round_scale'")
         expect_error(lambda: buf.dispatch(x, idx, w), "'self'", "high_throughput")
-        expect_error(lambda: ep.Buffer(None, 64, buf.hidden, 4 * world() + 1, 4), "'config.num_experts'")
+        if world() > 1:  # any expert count divides over one rank
+            expect_error(lambda: ep.Buffer(None, 64, buf.hidden, 4 * world() + 1, 4), "'config.num_experts'")
         expect_error(lambda: ep.Buffer(None, 64, 100, 4 * world(), 4), "'config.hidden'")
         first = buf.low_latency_dispatch(x, idx)
         y = expert_outputs_ll(buf, first[0], first[2])
