@@ -230,7 +230,8 @@ def _sdpa(torch, q, k_c, v_c):
     b, h, d = q.shape
     kh = k_c.shape[1]
     qg = q.view(b, kh, h // kh, d)
-    return torch.nn.functional.scaled_dot_product_attention(qg, k_c, v_c, scale=1.0 / math.sqrt(d)).view(b, h, d)
+    out = torch.nn.functional.scaled_dot_product_attention(qg, k_c, v_c, scale=1.0 / math.sqrt(d))
+    return out.reshape(b, h, d)  # the flash backend's output may be [b, g, kh, d] in memory
 
 
 def _sdpa_lse(torch, q, k_c, v_c):
