@@ -277,7 +277,8 @@ class _Timer:
             for name in names:
                 try:
                     g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):  # captures on a side stream of its own
+                    # thread_local: other threads' CUDA calls (NCCL's watchdog) do not void the capture
+                    with torch.cuda.graph(g, capture_error_mode="thread_local"):
                         for i in range(reps):
                             methods[name](i % sets)
                     graphs[name] = g
@@ -453,15 +454,16 @@ def _run_case(ctx, case, page_size, sdpa_cached):
                                                           distributed=True)
         out_bytes, lse_bytes = B * H * HEAD_DIM * ELEM_BYTES, B * H * 4
         send = torch.empty(out_bytes + lse_bytes, dtype=torch.uint8, device=case.dev)
-        recv = torch.empty(world, out_bytes + lse_bytes, dtype=torch.uint8, device=case.dev)
+        recv = torch.empty(world * (out_bytes + lse_bytes), dtype=torch.uint8, device=case.dev)  # rank-major
+        parts = recv.view(world, out_bytes + lse_bytes)
 
         def gather(o, s):
             """[batch, world, ...] views of every rank's (out, lse): one NCCL all_gather of the bytes."""
             send[:out_bytes].copy_(o.reshape(-1).view(torch.uint8))
             send[out_bytes:].copy_(s.reshape(-1).view(torch.uint8))
             dist.all_gather_into_tensor(recv, send)
-            v = recv[:, :out_bytes].reshape(world, B, H, HEAD_DIM * ELEM_BYTES).transpose(0, 1).contiguous()
-            l_ = recv[:, out_bytes:].reshape(world, B, H, 4).transpose(0, 1).contiguous()
+            v = parts[:, :out_bytes].reshape(world, B, H, HEAD_DIM * ELEM_BYTES).transpose(0, 1).contiguous()
+            l_ = parts[:, out_bytes:].reshape(world, B, H, 4).transpose(0, 1).contiguous()
             return v.view(torch.bfloat16), l_.view(torch.float32).reshape(B, world, H)
 
         if fi is not None:
