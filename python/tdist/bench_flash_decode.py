@@ -104,7 +104,7 @@ def _parse(argv):
     p.add_argument("--iters", type=int, default=10, help="timed replays of every method (alternating)")
     p.add_argument("--min-graph-us", type=float, default=400.0,
                    help="calls per graph: enough for about this much HBM-floor time")
-    p.add_argument("--mem-margin-gib", type=float, default=6.0,
+    p.add_argument("--mem-margin-gib", type=float, default=10.0,
                    help="free GPU memory kept aside when deciding whether a case fits")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--heap-size", default="1G", help="tdist's symmetric heap per rank (world size > 1)")
@@ -605,6 +605,26 @@ def _print_row(r):
           + _fmt(r["hbm_floor_us"]) + f"{100.0 * r['hbm_floor_us'] / r['tdist_us']:>8.0f}%" + ratio, flush=True)
 
 
+def _write_json(args, ctx, rows, skipped, argv, complete):
+    timer, fi_tc, fi, why = ctx["timer"], ctx["fi_tc"], ctx["fi"], ctx["fi_why"]
+    doc = {"bench": "flash_decode_summary", "gpu": ctx["gpu"], "world_size": ctx["world"], "dtype": "bf16",
+           "head_dim": HEAD_DIM, "baseline": ctx["baseline"],
+           "flashinfer": getattr(fi, "__version__", None) if fi_tc is not None else None,
+           "flashinfer_use_tensor_cores": bool(fi_tc) if fi_tc is not None else None,
+           "flashinfer_unavailable": why if fi_tc is None else None,
+           "copy_gbps": ctx["copy_bw"] / 1e9, "timing": "cuda graphs" if timer.use_graphs else "eager",
+           "iters": args.iters, "warmup": args.warmup,
+           "statistic": "median per call over alternating replays, max over ranks (us)",
+           "command": " ".join(["python", "-m", "tdist.bench_flash_decode"]
+                               + (sys.argv[1:] if argv is None else list(argv))),
+           "complete": complete, "skipped": skipped, "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    tmp = args.json + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(tmp, args.json)
+
+
 def _init_dist(torch):
     """torch.distributed over NCCL; a plain `python -m` run is world size 1."""
     import torch.distributed as dist
@@ -698,23 +718,12 @@ def main(argv=None) -> int:
                             if me == 0:
                                 _print_row(r)
                     del case
+                    if me == 0 and args.json:  # so far: a run stopped later keeps what it measured
+                        _write_json(args, ctx, rows, skipped, argv, complete=False)
                     torch.cuda.synchronize()
                     torch.cuda.empty_cache()
         if me == 0 and args.json:
-            doc = {"bench": "flash_decode_summary", "gpu": props.name, "world_size": world, "dtype": "bf16",
-                   "head_dim": HEAD_DIM, "baseline": ctx["baseline"],
-                   "flashinfer": getattr(fi, "__version__", None) if fi_tc is not None else None,
-                   "flashinfer_use_tensor_cores": bool(fi_tc) if fi_tc is not None else None,
-                   "flashinfer_unavailable": why if fi_tc is None else None,
-                   "copy_gbps": ctx["copy_bw"] / 1e9, "timing": "cuda graphs" if timer.use_graphs else "eager",
-                   "iters": args.iters, "warmup": args.warmup,
-                   "statistic": "median per call over alternating replays, max over ranks (us)",
-                   "command": " ".join([os.path.basename(sys.executable), "-m", "tdist.bench_flash_decode"]
-                                       + (sys.argv[1:] if argv is None else list(argv))),
-                   "skipped": skipped, "rows": rows}
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
+            _write_json(args, ctx, rows, skipped, argv, complete=True)
             print(f"tdist.bench_flash_decode: wrote {args.json}")
         if me == 0 and args.plot and rows:
             plot_summary(rows, args.plot)
