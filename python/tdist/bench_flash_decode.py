@@ -104,7 +104,7 @@ def _parse(argv):
     p.add_argument("--iters", type=int, default=10, help="timed replays of every method (alternating)")
     p.add_argument("--min-graph-us", type=float, default=400.0,
                    help="calls per graph: enough for about this much HBM-floor time")
-    p.add_argument("--mem-margin-gib", type=float, default=10.0,
+    p.add_argument("--mem-margin-gib", type=float, default=12.0,
                    help="free GPU memory kept aside when deciding whether a case fits")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--heap-size", default="1G", help="tdist's symmetric heap per rank (world size > 1)")
