@@ -38,7 +38,9 @@ every method is timed eagerly (CUDA events around each call) and the JSON says s
 Summary rows (--json): {"model", "batch", "kv_len", "page_size", "world", "tdist_us",
 "baseline_1gpu" ("FlashInfer" or "SDPA"), "baseline_1gpu_us", "sdpa_1gpu_us", "per_rank_nccl_us"
 (null at world 1), "hbm_floor_us"}, one row at world 1 (tdist on one GPU over the whole cache) and
-one at the run's world size; at world W, hbm_floor_us is one rank's share of the bytes.
+one at the run's world size; at world W, hbm_floor_us is one rank's share of the bytes. The file is
+rewritten after every case ("complete": false until the sweep ends), with the skipped cases, the
+baseline used and why FlashInfer was not, the copy bandwidth and the timing mode.
 """
 
 from __future__ import annotations
