@@ -15,7 +15,9 @@ Methods, all on the same cache:
   tdist             tdist.flash_decode over the paged cache (block table, pages in random order)
   tdist (W GPUs)    tdist.flash_decode(distributed=True): each rank its part, merged inside the call
   FlashInfer        flashinfer.BatchDecodeWithPagedKVCacheWrapper (NHD, the same pages and table)
-                    over the whole cache on one GPU
+                    over the whole cache on one GPU; both of its kernels (use_tensor_cores False:
+                    CUDA cores, True: its prefill kernel on tensor cores) are timed and the faster
+                    is the baseline (each is written too)
   per rank + NCCL   FlashInfer on the rank's pages, one NCCL all_gather of (out, lse), then
                     flashinfer.merge_states (FlashInfer's lse is base 2; the merge keeps that base)
   SDPA              torch's scaled_dot_product_attention over a contiguous cache [batch, kv_heads,
@@ -99,9 +101,9 @@ def _parse(argv):
     p.add_argument("--flashinfer-path", default=None, metavar="DIR",
                    help="folder put first on sys.path to find flashinfer (default: $TDIST_FLASHINFER_PATH, "
                         "else .carry/flashinfer/site where it exists)")
-    p.add_argument("--flashinfer-tensor-cores", type=int, default=1, choices=(0, 1),
-                   help="FlashInfer's use_tensor_cores (its advice for GQA groups of 4 and more); "
-                        "falls back to 0 where that kernel does not build")
+    p.add_argument("--flashinfer-kernels", default="both", choices=("both", "tensor-cores", "cuda-cores"),
+                   help="FlashInfer's decode kernels timed (use_tensor_cores True / False); the baseline "
+                        "is the faster of those that build")
     p.add_argument("--warmup", type=int, default=3, help="untimed replays of every method first")
     p.add_argument("--iters", type=int, default=10, help="timed replays of every method (alternating)")
     p.add_argument("--min-graph-us", type=float, default=400.0,
@@ -195,11 +197,15 @@ class _FlashInfer:
         return self.wrapper.run(q, (k_pool, v_pool), return_lse=True)
 
 
-def _probe_flashinfer(fi, torch, dist, tensor_cores):
-    """Builds (JIT) and runs FlashInfer's decode and merge once on a tiny case on every rank;
-    returns the tensor-cores setting that works everywhere, or None with the reason."""
-    reasons = []
-    for tc in ([1, 0] if tensor_cores else [0]):
+FI_KERNELS = {"tensor-cores": 1, "cuda-cores": 0}  # use_tensor_cores of each FlashInfer decode kernel
+
+
+def _probe_flashinfer(fi, torch, dist, kernels):
+    """Builds (JIT) and runs FlashInfer's decode kernels and merge once on a tiny case on every rank;
+    returns the use_tensor_cores settings that work everywhere (possibly none) and why the others
+    do not."""
+    reasons, good = [], []
+    for tc in [FI_KERNELS[k] for k in (FI_KERNELS if kernels == "both" else (kernels,))]:
         why = None
         try:
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -218,8 +224,10 @@ def _probe_flashinfer(fi, torch, dist, tensor_cores):
         if dist is not None:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         if ok.item() > 0:
-            return tc, None
-    return None, "; ".join(reasons) or "failed on another rank"
+            good.append(tc)
+        elif not why:
+            reasons.append(f"use_tensor_cores={tc}: failed on another rank")
+    return good, "; ".join(reasons) or None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -419,8 +427,8 @@ def _run_case(ctx, case, page_size, sdpa_cached):
     """Times one (model, batch, kv_len, page_size); returns the (world 1, world W) summary rows."""
     torch, dist, args, world = ctx["torch"], ctx["dist"], ctx["args"], case.world
     tdist = ctx["tdist"]
-    fi_tc = ctx["fi_tc"]
-    fi = ctx["fi"] if fi_tc is not None else None
+    fi_tcs = ctx["fi_tcs"]  # FlashInfer's decode kernels that build here (use_tensor_cores values)
+    fi = ctx["fi"] if fi_tcs else None
     B, H, KH = case.batch, case.q_heads, case.kv_heads
     kpool, vpool, table = case.make_pool(page_size)
     pages = int(table.shape[1])
@@ -435,14 +443,14 @@ def _run_case(ctx, case, page_size, sdpa_cached):
     ctx["check_errors"]()
 
     methods = {"tdist_1": lambda i: tdist.flash_decode(q, kpool[i], vpool[i], full_lens, table)}
-    if fi is not None:
-        fi_full = _FlashInfer(fi, torch, fi_tc, case.dev)
+    for tc in fi_tcs:
+        fi_full = _FlashInfer(fi, torch, tc, case.dev)
         fi_full.plan(table, page_size, H, KH)
         out = torch.full_like(q, float("nan"))
         lse = torch.full((B, H), float("nan"), dtype=torch.float32, device=case.dev)
         fi_full.run(q, kpool[0], vpool[0], out=out, lse=lse)
-        _check(f"FlashInfer (1 GPU, page {page_size})", out, ref_out, lse * LN2, ref_lse)
-        methods["base_1"] = lambda i: fi_full.run(q, kpool[i], vpool[i])
+        _check(f"FlashInfer use_tensor_cores={tc} (1 GPU, page {page_size})", out, ref_out, lse * LN2, ref_lse)
+        methods[f"fi_1_{tc}"] = lambda i, w=fi_full: w.run(q, kpool[i], vpool[i])
     if case.contig is not None and sdpa_cached is None:
         kc, vc = case.contig
         _check("SDPA (1 GPU)", _sdpa(torch, q, kc[0], vc[0]), ref_out)
@@ -468,30 +476,32 @@ def _run_case(ctx, case, page_size, sdpa_cached):
             l_ = parts[:, out_bytes:].reshape(world, B, H, 4).transpose(0, 1).contiguous()
             return v.view(torch.bfloat16), l_.view(torch.float32).reshape(B, world, H)
 
-        if fi is not None:
-            fi_rank = _FlashInfer(fi, torch, fi_tc, case.dev)
+        per_rank = {}
+        for tc in fi_tcs:
+            fi_rank = _FlashInfer(fi, torch, tc, case.dev)
             fi_rank.plan(my_table, page_size, H, KH)
 
-            def per_rank(i):
-                o, s = fi_rank.run(q, kpool[i], vpool[i])
+            def fi_per_rank(i, w=fi_rank):
+                o, s = w.run(q, kpool[i], vpool[i])
                 v, l2 = gather(o, s)
                 return fi.merge_states(v, l2)  # base-2 log-sum-exp in and out
-        elif case.contig is not None:
+            per_rank[f"rank_w_{tc}"] = fi_per_rank
+        if fi is None and case.contig is not None:
             kc, vc = case.contig
             t0, t1 = p0 * page_size, p1 * page_size
 
-            def per_rank(i):
+            def sdpa_per_rank(i):
                 o, s = _sdpa_lse(torch, q, kc[i][:, :, t0:t1], vc[i][:, :, t0:t1])
                 v, ln = gather(o, s)
                 m = torch.logsumexp(ln, dim=1)  # [B, H], natural log
                 w = torch.exp(ln - m[:, None])  # [B, world, H]
                 return (v.float() * w[..., None]).sum(1).to(torch.bfloat16), m
-        else:
-            per_rank = None
-        if per_rank is not None:
-            o, s = per_rank(0)
-            _check(f"per rank + NCCL ({world} ranks)", o, ref_out, s * LN2 if fi is not None else s, ref_lse)
-            methods["rank_w"] = per_rank
+            per_rank["rank_w_sdpa"] = sdpa_per_rank
+        for name, fn in per_rank.items():
+            o, s = fn(0)
+            _check(f"per rank + NCCL, {name} ({world} ranks)", o, ref_out, s * LN2 if fi is not None else s,
+                   ref_lse)
+            methods[name] = fn
 
     floor_bw = ctx["copy_bw"]
     reps = max(1, min(64, math.ceil(args.min_graph_us * 1e-6 * floor_bw / case.kv_bytes)))
@@ -499,16 +509,24 @@ def _run_case(ctx, case, page_size, sdpa_cached):
     if "sdpa_1" in times:
         sdpa_cached = times["sdpa_1"]
     base_name = "FlashInfer" if fi is not None else "SDPA"
-    base_1 = times.get("base_1") if fi is not None else sdpa_cached
+
+    def best(prefix):
+        got = [v for k, v in times.items() if k.startswith(prefix)]
+        return min(got) if got else None
+    base_1 = best("fi_1_") if fi is not None else sdpa_cached
+    fi_detail = {k: {tc: times.get(f"{p}{tc}") for tc in fi_tcs} for k, p in
+                 (("flashinfer_1gpu_us", "fi_1_"), ("flashinfer_per_rank_nccl_us", "rank_w_"))}
+    fi_detail = {k: {("tensor_cores" if tc else "cuda_cores"): v for tc, v in d.items()} for k, d in fi_detail.items()}
     common = dict(model=case.label, batch=B, kv_len=case.kv_len, page_size=page_size)
     rows = [dict(common, world=1, tdist_us=times["tdist_1"], baseline_1gpu=base_name, baseline_1gpu_us=base_1,
                  sdpa_1gpu_us=sdpa_cached, per_rank_nccl_us=None, hbm_floor_us=case.kv_bytes / floor_bw * 1e6,
-                 kv_bytes=case.kv_bytes)]
+                 kv_bytes=case.kv_bytes, flashinfer_1gpu_us=fi_detail["flashinfer_1gpu_us"])]
     if world > 1:
         my_bytes = case.kv_bytes * (p1 - p0) // pages
         rows.append(dict(common, world=world, tdist_us=times["tdist_w"], baseline_1gpu=base_name,
-                         baseline_1gpu_us=base_1, sdpa_1gpu_us=sdpa_cached, per_rank_nccl_us=times.get("rank_w"),
-                         hbm_floor_us=my_bytes / floor_bw * 1e6, kv_bytes=my_bytes))
+                         baseline_1gpu_us=base_1, sdpa_1gpu_us=sdpa_cached, per_rank_nccl_us=best("rank_w_"),
+                         hbm_floor_us=my_bytes / floor_bw * 1e6, kv_bytes=my_bytes,
+                         flashinfer_per_rank_nccl_us=fi_detail["flashinfer_per_rank_nccl_us"]))
     return rows, sdpa_cached
 
 
@@ -592,7 +610,8 @@ def _print_header(ctx):
     a = ctx["args"]
     print(f"tdist.bench_flash_decode: {ctx['gpu']}, {ctx['world']} ranks, bf16, head dim {HEAD_DIM}; copy "
           f"bandwidth {ctx['copy_bw'] / 1e9:.0f} GB/s; baseline {ctx['baseline']}"
-          + (f" (FlashInfer unavailable: {ctx['fi_why']})" if ctx["fi_why"] else "")
+          + (f" (kernels: {', '.join('tensor cores' if tc else 'CUDA cores' for tc in ctx['fi_tcs'])}; the faster)"
+             if ctx["fi_tcs"] else "") + (f" (FlashInfer: {ctx['fi_why']})" if ctx["fi_why"] else "")
           + f"; median of {a.iters} alternating replays (CUDA graphs), slowest rank")
     print(f"{'model':<11}{'batch':>6}{'kv_len':>7}{'page':>5}{'world':>6}{'tdist us':>10}{'base us':>10}"
           f"{'sdpa us':>10}{'rank+nccl':>10}{'floor us':>10}{'of floor':>9}{'base/tdist':>11}")
@@ -608,12 +627,12 @@ def _print_row(r):
 
 
 def _write_json(args, ctx, rows, skipped, argv, complete):
-    timer, fi_tc, fi, why = ctx["timer"], ctx["fi_tc"], ctx["fi"], ctx["fi_why"]
+    timer, fi_tcs, fi, why = ctx["timer"], ctx["fi_tcs"], ctx["fi"], ctx["fi_why"]
     doc = {"bench": "flash_decode_summary", "gpu": ctx["gpu"], "world_size": ctx["world"], "dtype": "bf16",
            "head_dim": HEAD_DIM, "baseline": ctx["baseline"],
-           "flashinfer": getattr(fi, "__version__", None) if fi_tc is not None else None,
-           "flashinfer_use_tensor_cores": bool(fi_tc) if fi_tc is not None else None,
-           "flashinfer_unavailable": why if fi_tc is None else None,
+           "flashinfer": getattr(fi, "__version__", None) if fi_tcs else None,
+           "flashinfer_kernels": [("tensor_cores" if tc else "cuda_cores") for tc in fi_tcs],
+           "flashinfer_unavailable": why,
            "copy_gbps": ctx["copy_bw"] / 1e9, "timing": "cuda graphs" if timer.use_graphs else "eager",
            "iters": args.iters, "warmup": args.warmup,
            "statistic": "median per call over alternating replays, max over ranks (us)",
@@ -671,16 +690,17 @@ def main(argv=None) -> int:
         pdist.all_reduce(imported, op=dist.ReduceOp.MIN)
     if imported.item() == 0 and fi is not None:
         fi, why = None, "import flashinfer failed on another rank"
-    fi_tc = None
+    fi_tcs = []
     if fi is not None:
-        fi_tc, why = _probe_flashinfer(fi, torch, pdist, args.flashinfer_tensor_cores)
-    if fi_tc is None and args.baseline == "flashinfer":
+        fi_tcs, why = _probe_flashinfer(fi, torch, pdist, args.flashinfer_kernels)
+        if why and me == 0:
+            print(f"tdist.bench_flash_decode: FlashInfer: {why}", file=sys.stderr)
+    if not fi_tcs and args.baseline == "flashinfer":
         raise SystemExit(f"tdist.bench_flash_decode: --baseline flashinfer, but FlashInfer is unavailable: {why}")
     timer = _Timer(torch, pdist, args)
     ctx = dict(torch=torch, dist=dist, tdist=tdist, args=args,
                check_errors=importlib.import_module("tdist.flash_decode").check_errors, world=world, timer=timer,
-               fi=fi, fi_tc=fi_tc,
-               fi_why=why, baseline="FlashInfer" if fi_tc is not None else "SDPA", gpu=props.name)
+               fi=fi, fi_tcs=fi_tcs, fi_why=why, baseline="FlashInfer" if fi_tcs else "SDPA", gpu=props.name)
     ctx["copy_bw"] = _copy_bandwidth(torch, pdist, args)
     l2 = int(getattr(props, "L2_cache_size", 50 << 20))
     rows, skipped = [], []
