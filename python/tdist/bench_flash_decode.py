@@ -676,7 +676,12 @@ def main(argv=None) -> int:
     import importlib
 
     import tdist  # before torch (NCCL >= 2.28)
-    import torch
+
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("tdist.bench_flash_decode needs PyTorch with CUDA (pip install torch), which is not "
+                         "installed") from None
 
     dist = _init_dist(torch)
     world, me = dist.get_world_size(), dist.get_rank()
