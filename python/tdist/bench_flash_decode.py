@@ -54,6 +54,8 @@ import os
 import statistics
 import sys
 
+from . import _bench_world
+
 MODELS = {
     # name: (label, query heads, KV heads)
     "8b": ("llama3-8b", 32, 8),
@@ -646,44 +648,17 @@ def _write_json(args, ctx, rows, skipped, argv, complete):
     os.replace(tmp, args.json)
 
 
-def _init_dist(torch):
-    """torch.distributed over NCCL; a plain `python -m` run is world size 1."""
-    import torch.distributed as dist
-
-    if "RANK" not in os.environ:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    return dist
-
-
 def main(argv=None) -> int:
     """Run the benchmark; rank 0 prints the table and writes the JSON and the plot."""
     args = _parse(argv)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-
     # FlashInfer's JIT: nvcc's own threads per file (ninja runs the files in parallel)
     os.environ.setdefault("FLASHINFER_NVCC_THREADS", "4")
 
     import importlib
 
-    import tdist  # before torch (NCCL >= 2.28)
+    torch, dist = _bench_world.start("tdist.bench_flash_decode")
+    import tdist
 
-    try:
-        import torch
-    except ImportError:
-        raise SystemExit("tdist.bench_flash_decode needs PyTorch with CUDA (pip install torch), which is not "
-                         "installed") from None
-
-    dist = _init_dist(torch)
     world, me = dist.get_world_size(), dist.get_rank()
     if world > 1:
         tdist.init(process_group=dist.group.WORLD, heap_size=args.heap_size)
@@ -757,9 +732,7 @@ def main(argv=None) -> int:
             plot_summary(rows, args.plot)
             print(f"tdist.bench_flash_decode: wrote {args.plot}")
     finally:
-        if world > 1:
-            tdist.finalize()
-        dist.destroy_process_group()
+        _bench_world.finish(dist, tdist_initialised=world > 1)
     return 0
 
 

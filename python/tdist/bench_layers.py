@@ -40,6 +40,8 @@ import statistics
 import sys
 import warnings
 
+from . import _bench_world
+
 MODELS = {
     # name: (hidden, heads, kv heads, intermediate)
     "8b": ("llama3-8b", 4096, 32, 8, 14336),
@@ -401,18 +403,10 @@ def _union_us(ranges):
 def main(argv=None) -> int:
     """Run the benchmark (under torchrun); rank 0 prints the table and writes the JSON."""
     args = _parse(argv)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-
-    import tdist  # before torch (NCCL >= 2.28)
-    import torch
-    import torch.distributed as dist
-
+    torch, dist = _bench_world.start("tdist.bench_layers")
+    import tdist
     import tdist.nn as tdist_nn
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     tdist.init(process_group=dist.group.WORLD, heap_size=args.heap_size)
     world, me = dist.get_world_size(), dist.get_rank()
     symm = _symm_mem_group(torch, dist) if "torch_async_tp" in args.methods else None
@@ -453,8 +447,7 @@ def main(argv=None) -> int:
                 json.dump(doc, f, indent=1)
             print(f"tdist.bench_layers: wrote {args.json}")
     finally:
-        tdist.finalize()
-        dist.destroy_process_group()
+        _bench_world.finish(dist)
     return 0
 
 

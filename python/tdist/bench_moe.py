@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
+
+from . import _bench_world
 
 MODELS = {
     # key: (name, hidden, intermediate, experts, topk)
@@ -317,19 +318,12 @@ def _goals(op, m, row):
 def main(argv=None) -> int:
     """Run the benchmark (under torchrun); rank 0 prints the table and writes the JSON."""
     args = _parse(argv)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    torch, dist = _bench_world.start("tdist.bench_moe")
+    import tdist
 
-    import tdist  # before torch: tdist's NCCL (>= 2.28) is the one the process loads
-    import torch
-    import torch.distributed as dist
-
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     tdist.init(process_group=dist.group.WORLD, heap_size=args.heap_size)
     world, me = dist.get_world_size(), dist.get_rank()
-    dev = torch.device("cuda", local)
+    dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     try:
         for mi, model in enumerate(args.models):
@@ -406,8 +400,7 @@ def main(argv=None) -> int:
                 json.dump(doc, fh, indent=1)
             print(f"tdist.bench_moe: wrote {args.json}")
     finally:
-        tdist.finalize()
-        dist.destroy_process_group()
+        _bench_world.finish(dist)
     return 0
 
 

@@ -20,6 +20,8 @@ import sys
 
 import tdist  # before torch: tdist's NCCL is the one the process loads
 
+from . import _bench_world
+
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m tdist.bench_triton", description=__doc__.split("\n\n")[0])
@@ -91,12 +93,7 @@ def _methods(op, torch, dist, world, group_name):
 
 def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
-    import torch
-    import torch.distributed as dist
-
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    torch, dist = _bench_world.start("tdist.bench_triton")
     tdist.init(process_group=dist.group.WORLD, heap_size=os.environ.get("TDIST_SYMMETRIC_HEAP_SIZE", "16G"))
     rank, world = dist.get_rank(), dist.get_world_size()
     group_name = dist.group.WORLD.group_name
@@ -157,8 +154,7 @@ def main(argv=None) -> int:
             pass
         with open(args.json, "w") as f:
             json.dump({"header": header, "rows": rows}, f, indent=1)
-    tdist.finalize()
-    dist.destroy_process_group()
+    _bench_world.finish(dist)
     return 0
 
 

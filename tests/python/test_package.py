@@ -329,6 +329,20 @@ def test_bench_help_needs_no_torch():
         assert word in out.stdout, word
 
 
+@pytest.mark.parametrize("module,option", [("bench_layers", "--tokens"), ("bench_moe", "--routing"),
+                                           ("bench_triton", "--rs-n"), ("bench_flash_decode", "--kv-len")])
+def test_model_benchmarks_help_and_bad_options(module, option):
+    """The benchmarks that need PyTorch and GPUs still print their help, and refuse an unknown option
+    naming it, without them."""
+    run = lambda *args: subprocess.run([sys.executable, "-m", f"tdist.{module}", *args], capture_output=True,
+                                       text=True, cwd="/")
+    out = run("--help")
+    assert out.returncode == 0, out.stderr
+    assert option in out.stdout and "--json" in out.stdout
+    out = run("--no-such-option")
+    assert out.returncode != 0 and "--no-such-option" in out.stderr
+
+
 def test_bench_graph_options():
     from tdist import bench
     assert bench._parse(["--graph-max", "4M"]).graph_max == 4 << 20
