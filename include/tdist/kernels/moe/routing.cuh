@@ -418,12 +418,17 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
   const u32 topk = p.segments.pairs.topk;
   u64 begin, end;
   p.segments.range(my, &begin, &end);
+  u64 q = begin + tid, t = 0;
+  u32 k = 0;
+  bool valid = q < end;
+  u32 e = valid ? static_cast<u32>(route_expert<false>(p, q, &t, &k)) : 0xffffffffu;
   for (u64 step = begin; step < end; step += kRouteThreads) {
-    const u64 q = step + tid;
-    const bool valid = q < end;
-    u64 t = 0;
-    u32 k = 0;
-    const u32 e = valid ? static_cast<u32>(route_expert<false>(p, q, &t, &k)) : 0xffffffffu;
+    // The next 256 pairs' ids load while this step's rows are placed.
+    const u64 q_next = q + kRouteThreads;
+    u64 t_next = 0;
+    u32 k_next = 0;
+    const bool valid_next = q_next < end;
+    const u32 e_next = valid_next ? static_cast<u32>(route_expert<false>(p, q_next, &t_next, &k_next)) : 0xffffffffu;
     const u32 same = __match_any_sync(0xffffffffu, e);
     const bool leader = (same & ((1u << lane) - 1)) == 0;
     if (valid && leader) warp_count[warp * E + e] = __popc(same);
@@ -440,6 +445,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
       warp_count[warp * E + e] = 0;
     }
     __syncthreads();
+    q = q_next, t = t_next, k = k_next, valid = valid_next, e = e_next;
   }
 }
 
