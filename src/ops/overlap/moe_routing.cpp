@@ -127,7 +127,8 @@ void MoeKernels::gather_rows(const km::GatherRowsParams& p, int64_t max_rows, cu
   cfg.stream = stream;
   cfg.block = {km::kMoeCopyThreads};  // a warp per row
   constexpr int64_t kWarps = km::kMoeCopyThreads / 32;
-  cfg.grid = {static_cast<unsigned>(std::min<int64_t>((max_rows + kWarps - 1) / kWarps, int64_t{num_sms_} * 8))};
+  cfg.grid = {static_cast<unsigned>(
+      std::min<int64_t>((max_rows + kWarps - 1) / kWarps, int64_t{num_sms_} * km::kGatherBlocksPerSm))};
   jit::launch(gather_, cfg, jit::make_args(p));
 }
 
@@ -135,9 +136,11 @@ void MoeKernels::combine(const km::CombineParams& p, cudaStream_t stream) const 
   if (p.tokens == 0 || p.n == 0) return;
   jit::LaunchConfig cfg;
   cfg.stream = stream;
-  cfg.block = {km::kMoeCopyThreads};  // a warp per token
-  constexpr uint64_t kWarps = km::kMoeCopyThreads / 32;
-  cfg.grid = {static_cast<unsigned>(std::min<uint64_t>((p.tokens + kWarps - 1) / kWarps, uint64_t(num_sms_) * 8))};
+  cfg.block = {km::kMoeCopyThreads};  // a warp per (token, 32 kCombineCols column vectors)
+  constexpr uint64_t kWarps = km::kMoeCopyThreads / 32, kItemVectors = 32 * km::kCombineCols;
+  const uint64_t items = p.tokens * ((p.n / 8 + kItemVectors - 1) / kItemVectors);
+  cfg.grid = {static_cast<unsigned>(
+      std::min<uint64_t>((items + kWarps - 1) / kWarps, uint64_t(num_sms_) * km::kCombineBlocksPerSm))};
   jit::launch(combine_, cfg, jit::make_args(p));
 }
 

@@ -45,8 +45,13 @@ constexpr u32 kMaxMoeRanks = 8;
 constexpr u32 kRouteSegment = 2048;     // pairs per block of the count and build kernels, at least
 constexpr u32 kMaxRouteSegments = 128;  // past this many, segments grow (each build block reads them all)
 constexpr u32 kRouteThreads = 256;
-constexpr u32 kMoeCopyThreads = 256;  // the gather and combine kernels: one warp per row / token
+constexpr u32 kMoeCopyThreads = 256;  // the gather and combine kernels: a warp per row / (token, columns)
 constexpr u32 kMoeCopyUnroll = 4;     // 16-byte vectors in flight per lane (gather)
+// Blocks per SM the launch bounds guarantee room for (registers): the grids' size per SM, so that
+// every block of the grid-stride loops is resident from the start (no second, thinner wave).
+constexpr u32 kGatherBlocksPerSm = 4;
+constexpr u32 kCombineBlocksPerSm = 3;
+constexpr u32 kCombineCols = 2;  // 16-byte column vectors per lane per work item of the combine
 
 // Rows any routing of m tokens, top-k of `experts`, can need: every pair plus a partial tile per
 // non-empty expert, rounded down to whole tiles (offsets[E] is a multiple of kMoeTile).
@@ -452,7 +457,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
 // Grid-stride over the listed tiles' rows, one warp per row, kMoeCopyUnroll 16-byte vectors in
 // flight per lane (k = 2048 bf16: 256 vectors, two passes of the unrolled loop).
 template <typename T>
-__global__ void __launch_bounds__(kMoeCopyThreads) moe_gather_rows(GatherRowsParams p) {
+__global__ void __launch_bounds__(kMoeCopyThreads, kGatherBlocksPerSm) moe_gather_rows(GatherRowsParams p) {
   constexpr u32 kWarps = kMoeCopyThreads / 32;
   const u32 lane = threadIdx.x % 32;
   const u64 rows = static_cast<u64>(*p.count) * kMoeTile;
@@ -511,78 +516,73 @@ __device__ __forceinline__ void add_scaled(float* acc, float w, const uint4& x) 
   }
 }
 
-// One warp per token: its top-k (row, weight) pairs loaded once by lanes 0 .. topk - 1 (32 at a time)
-// and broadcast; each lane sums kCols 16-byte column vectors over the pairs in fp32 registers, four
-// pairs' loads in flight at once.
+// A warp per work item (token i, 32 kCombineCols column vectors): the token's (row, weight) pairs
+// loaded by lanes 0 .. 31 (32 pairs at a time) and broadcast; each lane sums kCombineCols 16-byte
+// vectors over the pairs in fp32 registers, four pairs' loads in flight at once. Items rather than
+// whole tokens keep the warps evenly loaded when tokens are few (M = 4096, n = 2048: 16384 items).
 template <typename T>
-__global__ void __launch_bounds__(kMoeCopyThreads) moe_combine(CombineParams p) {
-  constexpr u32 kWarps = kMoeCopyThreads / 32, kCols = 2, kPairs = 4;
+__global__ void __launch_bounds__(kMoeCopyThreads, kCombineBlocksPerSm) moe_combine(CombineParams p) {
+  constexpr u32 kWarps = kMoeCopyThreads / 32, kCols = kCombineCols, kPairs = 4;
   const u32 lane = threadIdx.x % 32;
   const u32 vectors = p.n / 8;
+  const u32 chunks = (vectors + 32 * kCols - 1) / (32 * kCols);
+  const u64 items = p.tokens * chunks;
   const T* d_rows = static_cast<const T*>(p.d_rows);
-  for (u64 i = static_cast<u64>(blockIdx.x) * kWarps + threadIdx.x / 32; i < p.tokens;
-       i += static_cast<u64>(gridDim.x) * kWarps) {
-    const u64 t = p.first_token + i;
-    const u64 pair0 = t * p.topk;
-    const u32 first_pairs = p.topk < 32 ? p.topk : 32;
-    const int row0 = lane < first_pairs ? p.row_of_pair[pair0 + lane] : 0;
-    const float w0 = lane < first_pairs ? p.weights[pair0 + lane] : 0.0f;
-    for (u32 base = 0; base < vectors; base += 32 * kCols) {  // warp-uniform: every lane shuffles
-      float acc[kCols][8];
+  for (u64 item = static_cast<u64>(blockIdx.x) * kWarps + threadIdx.x / 32; item < items;
+       item += static_cast<u64>(gridDim.x) * kWarps) {  // warp-uniform: every lane shuffles
+    const u64 i = item / chunks;
+    const u32 base = static_cast<u32>(item % chunks) * 32 * kCols;
+    const u64 pair0 = (p.first_token + i) * p.topk;
+    float acc[kCols][8];
 #pragma unroll
-      for (u32 c = 0; c < kCols; ++c)
+    for (u32 c = 0; c < kCols; ++c)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[c][j] = 0.0f;
-      for (u32 k0 = 0; k0 < p.topk; k0 += 32) {
-        int my_row = row0;
-        float my_w = w0;
-        const u32 kn = p.topk - k0 < 32 ? p.topk - k0 : 32;
-        if (k0 > 0) {
-          my_row = lane < kn ? p.row_of_pair[pair0 + k0 + lane] : 0;
-          my_w = lane < kn ? p.weights[pair0 + k0 + lane] : 0.0f;
-        }
-        for (u32 kk = 0; kk < kn; kk += kPairs) {
-          uint4 x[kPairs][kCols];
-          float w[kPairs];
+      for (int j = 0; j < 8; ++j) acc[c][j] = 0.0f;
+    for (u32 k0 = 0; k0 < p.topk; k0 += 32) {
+      const u32 kn = p.topk - k0 < 32 ? p.topk - k0 : 32;
+      const int my_row = lane < kn ? p.row_of_pair[pair0 + k0 + lane] : 0;
+      const float my_w = lane < kn ? p.weights[pair0 + k0 + lane] : 0.0f;
+      for (u32 kk = 0; kk < kn; kk += kPairs) {
+        uint4 x[kPairs][kCols];
+        float w[kPairs];
 #pragma unroll
-          for (u32 u = 0; u < kPairs; ++u) {
-            const u64 row = static_cast<u64>(__shfl_sync(0xffffffffu, my_row, (kk + u) % 32));
-            w[u] = __shfl_sync(0xffffffffu, my_w, (kk + u) % 32);
-            const uint4* src = reinterpret_cast<const uint4*>(d_rows + row * p.n);
+        for (u32 u = 0; u < kPairs; ++u) {
+          const u64 row = static_cast<u64>(__shfl_sync(0xffffffffu, my_row, (kk + u) % 32));
+          w[u] = __shfl_sync(0xffffffffu, my_w, (kk + u) % 32);
+          const uint4* src = reinterpret_cast<const uint4*>(d_rows + row * p.n);
 #pragma unroll
-            for (u32 c = 0; c < kCols; ++c) {
-              const u32 v = base + c * 32 + lane;
-              x[u][c] = kk + u < kn && v < vectors ? src[v] : make_uint4(0, 0, 0, 0);
-            }
+          for (u32 c = 0; c < kCols; ++c) {
+            const u32 v = base + c * 32 + lane;
+            x[u][c] = kk + u < kn && v < vectors ? src[v] : make_uint4(0, 0, 0, 0);
           }
-#pragma unroll
-          for (u32 u = 0; u < kPairs; ++u)
-#pragma unroll
-            for (u32 c = 0; c < kCols; ++c)
-              if (kk + u < kn) add_scaled<T>(acc[c], w[u], x[u][c]);
-        }
-      }
-#pragma unroll
-      for (int s = 0; s < static_cast<int>(kMaxMoeRanks); ++s) {  // constant indices keep p.extra in the parameters
-        if (s >= p.num_extra) break;
-        const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.extra[s]) + i * p.n);
-        uint4 x[kCols];
-#pragma unroll
-        for (u32 c = 0; c < kCols; ++c) {
-          const u32 v = base + c * 32 + lane;
-          x[c] = v < vectors ? src[v] : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (u32 c = 0; c < kCols; ++c) add_scaled<T>(acc[c], 1.0f, x[c]);
+        for (u32 u = 0; u < kPairs; ++u)
+#pragma unroll
+          for (u32 c = 0; c < kCols; ++c)
+            if (kk + u < kn) add_scaled<T>(acc[c], w[u], x[u][c]);
       }
-      uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + i * p.n);
+    }
+#pragma unroll
+    for (int s = 0; s < static_cast<int>(kMaxMoeRanks); ++s) {  // constant indices keep p.extra in the parameters
+      if (s >= p.num_extra) break;
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.extra[s]) + i * p.n);
+      uint4 x[kCols];
 #pragma unroll
       for (u32 c = 0; c < kCols; ++c) {
         const u32 v = base + c * 32 + lane;
-        if (v >= vectors) continue;
-        out[v] = make_uint4(pack2<T>(acc[c][0], acc[c][1]), pack2<T>(acc[c][2], acc[c][3]),
-                            pack2<T>(acc[c][4], acc[c][5]), pack2<T>(acc[c][6], acc[c][7]));
+        x[c] = v < vectors ? src[v] : make_uint4(0, 0, 0, 0);
       }
+#pragma unroll
+      for (u32 c = 0; c < kCols; ++c) add_scaled<T>(acc[c], 1.0f, x[c]);
+    }
+    uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + i * p.n);
+#pragma unroll
+    for (u32 c = 0; c < kCols; ++c) {
+      const u32 v = base + c * 32 + lane;
+      if (v >= vectors) continue;
+      out[v] = make_uint4(pack2<T>(acc[c][0], acc[c][1]), pack2<T>(acc[c][2], acc[c][3]),
+                          pack2<T>(acc[c][4], acc[c][5]), pack2<T>(acc[c][6], acc[c][7]));
     }
   }
 }
