@@ -114,6 +114,7 @@ MoeKernels::MoeKernels(DType dtype) : module_(jit::Module::load(jit::compile(com
 void MoeKernels::route(const km::RouteParams& p, cudaStream_t stream) const {
   jit::LaunchConfig cfg;
   cfg.stream = stream;
+  cfg.programmatic_dependent_launch = true;  // every kernel here waits for the one before it on the device
   cfg.block = {km::kRouteThreads};
   cfg.grid = {p.num_segments};
   if (p.num_segments > 0) jit::launch(count_, cfg, jit::make_args(p));
@@ -125,6 +126,7 @@ void MoeKernels::gather_rows(const km::GatherRowsParams& p, int64_t max_rows, cu
   if (max_rows <= 0) return;
   jit::LaunchConfig cfg;
   cfg.stream = stream;
+  cfg.programmatic_dependent_launch = true;
   cfg.block = {km::kMoeCopyThreads};  // a warp per row
   constexpr int64_t kWarps = km::kMoeCopyThreads / 32;
   cfg.grid = {static_cast<unsigned>(
@@ -136,6 +138,7 @@ void MoeKernels::combine(const km::CombineParams& p, cudaStream_t stream) const 
   if (p.tokens == 0 || p.n == 0) return;
   jit::LaunchConfig cfg;
   cfg.stream = stream;
+  cfg.programmatic_dependent_launch = true;
   cfg.block = {km::kMoeCopyThreads};  // a warp per (token, 32 kCombineCols column vectors)
   constexpr uint64_t kWarps = km::kMoeCopyThreads / 32, kItemVectors = 32 * km::kCombineCols;
   const uint64_t items = p.tokens * ((p.n / 8 + kItemVectors - 1) / kItemVectors);

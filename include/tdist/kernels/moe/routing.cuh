@@ -210,6 +210,7 @@ struct CombineParams {
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "tdist/device/grid_dependency.cuh"
 #include "tdist/kernels/collectives/common.cuh"  // to_f32 / from_f32
 
 namespace tdist::kernels::moe {
@@ -238,8 +239,14 @@ __device__ __forceinline__ int route_expert(const RouteParams& p, u64 q, u64* to
 }
 
 // Per segment: pairs of each expert (grid: num_segments blocks of kRouteThreads).
+//
+// All four kernels of this file are launched as programmatic dependents (MoeKernels): each waits for
+// the grid before it to complete before touching memory, and lets the next be scheduled at once (the
+// next waits likewise), so launch gaps hide behind the kernel before.
 __global__ void __launch_bounds__(kRouteThreads) moe_route_count(RouteParams p) {
   __shared__ u32 hist[kMaxMoeExperts];
+  device::wait_for_prior_grid();  // the ids may be the prior kernel's output
+  device::allow_dependent_launch();
   for (u32 e = threadIdx.x; e < p.experts; e += kRouteThreads) hist[e] = 0;
   __syncthreads();
   u64 begin, end;
@@ -318,6 +325,8 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
   const u32 E = p.experts, tid = threadIdx.x;
   const int world = p.segments.world();
   const u32 my = blockIdx.x;
+  device::wait_for_prior_grid();  // the count kernel's table
+  device::allow_dependent_launch();
   if (tid == 0) {
     u32 s = 0;
     for (int j = 0; j < world; ++j) {
@@ -460,6 +469,8 @@ template <typename T>
 __global__ void __launch_bounds__(kMoeCopyThreads, kGatherBlocksPerSm) moe_gather_rows(GatherRowsParams p) {
   constexpr u32 kWarps = kMoeCopyThreads / 32;
   const u32 lane = threadIdx.x % 32;
+  device::wait_for_prior_grid();  // the routing, or the tokens' arrival (a flag wait kernel)
+  device::allow_dependent_launch();
   const u64 rows = static_cast<u64>(*p.count) * kMoeTile;
   const u32 vectors = p.k / 8;
   for (u64 x = static_cast<u64>(blockIdx.x) * kWarps + threadIdx.x / 32; x < rows;
@@ -528,6 +539,8 @@ __global__ void __launch_bounds__(kMoeCopyThreads, kCombineBlocksPerSm) moe_comb
   const u32 chunks = (vectors + 32 * kCols - 1) / (32 * kCols);
   const u64 items = p.tokens * chunks;
   const T* d_rows = static_cast<const T*>(p.d_rows);
+  device::wait_for_prior_grid();  // the grouped GEMM's rows, or the partials' arrival (a flag wait kernel)
+  device::allow_dependent_launch();
   for (u64 item = static_cast<u64>(blockIdx.x) * kWarps + threadIdx.x / 32; item < items;
        item += static_cast<u64>(gridDim.x) * kWarps) {  // warp-uniform: every lane shuffles
     const u64 i = item / chunks;
