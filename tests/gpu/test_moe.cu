@@ -298,7 +298,7 @@ int main() {
       {130, 56, 24, 4, 4, Routing::kOneExpert},
       // Rows past one pass of the gather's and the combine's unrolled loops (257 16-byte vectors); more
       // than 32 pairs per token (the combine's second batch of pairs).
-      {600, 2056, 72, 16, 4, Routing::kRandom},     {70, 136, 24, 40, 36, Routing::kRandom},
+      {300, 2056, 72, 16, 4, Routing::kRandom},     {70, 136, 24, 40, 36, Routing::kRandom},
   };
   int64_t max_m = 0, max_hidden = 0;
   for (const Shape& s : shapes) max_m = std::max(max_m, s.m), max_hidden = std::max(max_hidden, s.hidden);
