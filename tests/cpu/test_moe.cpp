@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <numeric>
 #include <random>
 #include <tuple>
 #include <vector>
@@ -125,15 +126,28 @@ TEST(MoeRouting, ReferenceMatchesBruteForce) {
                                           << static_cast<int>(kind));
           const MoeRoutingHost ref = tdist::moe_routing_reference(ids, c.m, c.topk, c.experts, world, rank);
           expect_same(ref, brute_force(ids, c.m, c.topk, c.experts, world, rank));
-          // The kernel's binary-search keys of every tile against the lists.
+          // The build kernel's keys of every tile, from each expert's pairs per source, against the lists.
           const tdist::kernels::moe::RotatedPairs pairs{{static_cast<uint64_t>(c.m), world},
                                                         static_cast<uint32_t>(c.topk), rank};
-          for (int key = 0; key < world; ++key) {
-            for (uint32_t tile : ref.ag_order[key])
-              EXPECT_EQ(tdist::kernels::moe::tile_keys(&ref.token_of_row[tile * kTile], pairs).ag, key) << tile;
-            for (uint32_t tile : ref.rs_order[key])
-              EXPECT_EQ(tdist::kernels::moe::tile_keys(&ref.token_of_row[tile * kTile], pairs).rs, key) << tile;
+          std::vector<std::vector<uint32_t>> cum(c.experts, std::vector<uint32_t>(world + 1, 0));
+          for (int64_t q = 0; q < c.m * c.topk; ++q) {
+            const uint64_t t = pairs.token(q);
+            ++cum[ids[t * c.topk + pairs.slot(q)]][pairs.rel(t) + 1];
           }
+          for (auto& e : cum) std::partial_sum(e.begin(), e.end(), e.begin());
+          std::vector<int> ag_key(ref.token_of_row.size() / kTile, -1), rs_key(ag_key.size(), -1);
+          for (int key = 0; key < world; ++key) {
+            for (uint32_t tile : ref.ag_order[key]) ag_key[tile] = key;
+            for (uint32_t tile : ref.rs_order[key]) rs_key[tile] = key;
+          }
+          for (int e = 0; e < c.experts; ++e)
+            for (uint32_t i = 0; i * kTile < static_cast<uint32_t>(ref.counts[e]); ++i) {
+              const auto keys = tdist::kernels::moe::tile_keys([&](int j) { return cum[e][j]; }, ref.counts[e], i,
+                                                               world);
+              const uint32_t tile = ref.offsets[e] / kTile + i;
+              EXPECT_EQ(keys.ag, ag_key[tile]) << "expert " << e << " tile " << tile;
+              EXPECT_EQ(keys.rs, rs_key[tile]) << "expert " << e << " tile " << tile;
+            }
           EXPECT_LE(ref.offsets.back(), tdist::moe_capacity(c.m, c.topk, c.experts));
           // Own-token tiles run first and need no wait; every tile is listed once per order.
           size_t ag = 0, rs = 0;
@@ -144,6 +158,45 @@ TEST(MoeRouting, ReferenceMatchesBruteForce) {
           ++checked;
         }
       }
+  EXPECT_GT(checked, 100);
+}
+
+TEST(MoeRouting, SegmentsCoverThePairsSourceBySource) {
+  namespace km = tdist::kernels::moe;
+  int checked = 0;
+  for (int64_t m : {int64_t{0}, int64_t{1}, int64_t{5}, int64_t{1000}, int64_t{4097}, int64_t{40000},
+                    int64_t{70001}})
+    for (int topk : {1, 2, 8})
+      for (int world : {1, 2, 3, 8})
+        for (int rank = 0; rank < world; rank += std::max(1, world / 2)) {
+          SCOPED_TRACE(testing::Message() << "m=" << m << " topk=" << topk << " world=" << world << " rank=" << rank);
+          const uint64_t pairs = static_cast<uint64_t>(m) * topk;
+          const km::RotatedPairs rot{{static_cast<uint64_t>(m), world}, static_cast<uint32_t>(topk), rank};
+          for (uint32_t segment : {km::route_segment_size(pairs), km::kRouteThreads}) {
+            const km::RouteSegments seg{rot, segment};
+            if (segment != km::kRouteThreads) {
+              EXPECT_LE(seg.count(), km::route_max_segments(pairs, world));
+              EXPECT_LE(seg.count(), km::kMaxRouteSegments + world);
+            }
+            EXPECT_EQ(segment % km::kRouteThreads, 0u);
+            uint64_t next = 0;
+            for (uint32_t s = 0; s < seg.count(); ++s) {
+              km::u64 begin = 0, end = 0;
+              seg.range(s, &begin, &end);
+              ASSERT_EQ(begin, next) << "segment " << s;
+              ASSERT_GT(end, begin) << "segment " << s;
+              ASSERT_LE(end - begin, segment);
+              // One source per segment.
+              EXPECT_EQ(rot.rel(rot.token(begin)), rot.rel(rot.token(end - 1))) << "segment " << s;
+              next = end;
+            }
+            EXPECT_EQ(next, pairs);
+            km::u64 begin = 1, end = 1;
+            seg.range(seg.count(), &begin, &end);
+            EXPECT_EQ(begin, end);
+            ++checked;
+          }
+        }
   EXPECT_GT(checked, 100);
 }
 

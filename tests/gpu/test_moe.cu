@@ -1,6 +1,7 @@
 // The MoE tensor-parallel ops across ranks (ops/moe.hpp) against float64 host references:
 //
-//   * the GPU routing equal to moe_routing_reference (offsets, counts, rows, pairs, both tile lists);
+//   * the GPU routing equal to moe_routing_reference (offsets, counts, rows, pairs, both tile lists),
+//     also alone at up to 40000 tokens, 1024 experts, world sizes 1 .. 8 and several ranks;
 //   * MoeAgGroupGemm: d[row] = X[token of row] B1_e^T for every real row, padding rows exactly 0;
 //   * MoeGroupGemmRs: y[t] = sum over ranks r and k of w[t][k] h_r[(t, k)] B2_{r,e}^T, this rank's
 //     tokens (run) or all (run_all_reduce); padding rows of h hold garbage that must not leak;
@@ -107,6 +108,23 @@ std::vector<T> download(const void* p, size_t count) {
   std::vector<T> v(count);
   if (count) TDIST_CUDA_CHECK(cudaMemcpy(v.data(), p, count * sizeof(T), cudaMemcpyDeviceToHost));
   return v;
+}
+
+// A GPU routing against the host reference: every array and both tile lists.
+void check_same_routing(const MoeRouting& r, const MoeRoutingHost& ref, const std::string& what) {
+  const int e = r.experts;
+  if (download<int>(r.offsets, e + 1) != ref.offsets) TDIST_FAIL(what, ": offsets differ from the reference");
+  if (download<int>(r.counts, e) != ref.counts) TDIST_FAIL(what, ": counts differ from the reference");
+  if (download<int>(r.token_of_row, ref.offsets[e]) != ref.token_of_row) TDIST_FAIL(what, ": token_of_row differs");
+  if (download<int>(r.row_of_pair, r.m * r.topk) != ref.row_of_pair) TDIST_FAIL(what, ": row_of_pair differs");
+  const auto ag_count = download<uint32_t>(r.ag_count, r.world_size);
+  const auto rs_count = download<uint32_t>(r.rs_count, r.world_size);
+  for (int j = 0; j < r.world_size; ++j) {
+    if (ag_count[j] > r.max_tiles || download<uint32_t>(r.ag_order + j * r.max_tiles, ag_count[j]) != ref.ag_order[j])
+      TDIST_FAIL(what, ": ag list ", j, " differs (", ag_count[j], " tiles vs ", ref.ag_order[j].size(), ")");
+    if (rs_count[j] > r.max_tiles || download<uint32_t>(r.rs_order + j * r.max_tiles, rs_count[j]) != ref.rs_order[j])
+      TDIST_FAIL(what, ": rs list ", j, " differs (", rs_count[j], " tiles vs ", ref.rs_order[j].size(), ")");
+  }
 }
 
 void expect_close(double max_err, double max_ref, const std::string& what) {
@@ -278,6 +296,9 @@ int main() {
       {300, 264, 72, 8, 1, Routing::kOneExpert},    {517, 200, 104, 16, 4, Routing::kHalfEmpty},
       {3, 72, 40, 128, 8, Routing::kRandom},        {1031, 72, 56, 128, 8, Routing::kSkewed},
       {130, 56, 24, 4, 4, Routing::kOneExpert},
+      // Rows past one pass of the gather's and the combine's unrolled loops (257 16-byte vectors); more
+      // than 32 pairs per token (the combine's second batch of pairs).
+      {300, 2056, 72, 16, 4, Routing::kRandom},     {70, 136, 24, 40, 36, Routing::kRandom},
   };
   int64_t max_m = 0, max_hidden = 0;
   for (const Shape& s : shapes) max_m = std::max(max_m, s.m), max_hidden = std::max(max_hidden, s.hidden);
@@ -393,6 +414,40 @@ int main() {
     TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
   });
   test::sync_all(world, "moe graph");
+
+  // The routing alone past the op cases' sizes (many segments; segments grown past kMaxRouteSegments
+  // at 40000 x 8 pairs; 1024 experts), for world sizes and ranks this run need not have (the router
+  // takes them as parameters), each router then reused for fewer tokens and for none.
+  suite.run("moe routing at scale", [&] {
+    const Shape cases[] = {{4096, 8, 8, 128, 8, Routing::kRandom},    {16384, 8, 8, 128, 8, Routing::kSkewed},
+                           {40000, 8, 8, 128, 8, Routing::kRandom},   {4097, 8, 8, 8, 2, Routing::kOneExpert},
+                           {3001, 8, 8, 64, 6, Routing::kHalfEmpty},  {2500, 8, 8, 1024, 3, Routing::kRandom},
+                           {7, 8, 8, 1024, 8, Routing::kSkewed}};
+    DeviceBuffer d_ids(40000 * 8 * sizeof(int));
+    for (const Shape& rc : cases)
+      for (int w : {1, 2, 3, 8}) {
+        std::vector<int> ranks = {0, w / 2, w - 1};  // first, middle and last
+        ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+        for (int r : ranks) {
+          MoeRouter router(rc.m, rc.topk, rc.experts, w, r);
+          for (int64_t m : {rc.m, rc.m / 3 + 1, int64_t{0}}) {
+            Shape s = rc;
+            s.m = m;
+            std::vector<int> ids;
+            std::vector<float> weights;
+            draw_routing(s, ++case_seed, ids, weights);
+            if (m > 0)
+              TDIST_CUDA_CHECK(cudaMemcpy(d_ids.get(), ids.data(), ids.size() * sizeof(int), cudaMemcpyHostToDevice));
+            const MoeRouting& got = router.route(d_ids.get<int>(), m, stream);
+            TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+            check_same_routing(got, moe_routing_reference(ids, m, rc.topk, rc.experts, w, r),
+                               detail::concat("m ", m, " top-", rc.topk, " of ", rc.experts, " ", name_of(rc.routing),
+                                              " rank ", r, " of ", w));
+          }
+        }
+      }
+  });
+  test::sync_all(world, "moe routing at scale");
 
   suite.run("moe argument errors", [&] {
     using T = __nv_bfloat16;

@@ -20,7 +20,7 @@ class MoeKernels {
   // Compiles (or loads) the module; gather_rows and combine take `dtype` (bf16 or fp16).
   explicit MoeKernels(DType dtype);
 
-  // The four routing kernels (count, scan, place, tiles) on `stream`.
+  // The two routing kernels (count; scan, tile lists and place in one launch) on `stream`.
   void route(const kernels::moe::RouteParams& p, cudaStream_t stream) const;
   // Rows of the listed tiles; max_rows bounds the rows (the grid's size).
   void gather_rows(const kernels::moe::GatherRowsParams& p, int64_t max_rows, cudaStream_t stream) const;
@@ -28,14 +28,12 @@ class MoeKernels {
 
  private:
   static constexpr const char* kCount = "tdist::kernels::moe::moe_route_count";
-  static constexpr const char* kScan = "tdist::kernels::moe::moe_route_scan";
-  static constexpr const char* kPlace = "tdist::kernels::moe::moe_route_place";
-  static constexpr const char* kTiles = "tdist::kernels::moe::moe_route_tiles";
+  static constexpr const char* kBuild = "tdist::kernels::moe::moe_route_build";
   static std::string gather_instance(DType dtype);
   static std::string combine_instance(DType dtype);
 
   std::shared_ptr<jit::Module> module_;
-  jit::Kernel count_, scan_, place_, tiles_, gather_, combine_;
+  jit::Kernel count_, build_, gather_, combine_;
   int num_sms_ = 0;
 };
 

@@ -223,10 +223,11 @@ struct MoeAgGroupGemm::Impl {
     g.local_rows = rows.rows(rank);
 
     if (method == OverlapMethod::kBaseline) {
-      nccl_all_gather_rows(a.a_local, plain.get(), rows, config.k, config.dtype, rt.world(), stream);
+      // One rank: the gather reads a_local itself (every token is local), no copy through NCCL.
+      if (world > 1) nccl_all_gather_rows(a.a_local, plain.get(), rows, config.k, config.dtype, rt.world(), stream);
       const MoeRouting& r = router.route(a.topk_ids, a.m, stream);
       g.gathered = plain.get();
-      g.local_rows = 0;
+      if (world > 1) g.local_rows = 0;
       g.token_of_row = r.token_of_row;
       // Every tile, list by list (the lists' total is known on the device only).
       for (int j = 0; j < world; ++j) {
@@ -381,6 +382,10 @@ struct MoeGroupGemmRs::Impl {
 
     if (method == OverlapMethod::kBaseline) {
       gemm.run(gemm_args(a), stream, GroupedGemmRunOptions{.tile = tile});
+      if (world == 1) {  // one rank: the reduction is the output, no copy through NCCL
+        kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
+        return;
+      }
       kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), staging.get()), stream);
       nccl_reduce_scatter_rows(staging.get(), a.d, rows, a.n, config.dtype, rt.world(), stream);
       return;

@@ -91,7 +91,7 @@ jit::CompileRequest MoeKernels::compile_request() {
   jit::CompileRequest r;
   r.source = "#include \"tdist/kernels/moe/routing.cuh\"\n";
   r.file_name = "moe_routing.cu";
-  r.name_expressions = {kCount, kScan, kPlace, kTiles};
+  r.name_expressions = {kCount, kBuild};
   for (DType t : {DType::kBFloat16, DType::kFloat16}) {
     r.name_expressions.push_back(gather_instance(t));
     r.name_expressions.push_back(combine_instance(t));
@@ -104,9 +104,7 @@ MoeKernels::MoeKernels(DType dtype) : module_(jit::Module::load(jit::compile(com
   TDIST_CUDA_CHECK(cudaGetDevice(&device));
   TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
   count_ = module_->kernel(kCount);
-  scan_ = module_->kernel(kScan);
-  place_ = module_->kernel(kPlace);
-  tiles_ = module_->kernel(kTiles);
+  build_ = module_->kernel(kBuild);
   if (dtype == DType::kBFloat16 || dtype == DType::kFloat16) {
     gather_ = module_->kernel(gather_instance(dtype));
     combine_ = module_->kernel(combine_instance(dtype));
@@ -114,42 +112,38 @@ MoeKernels::MoeKernels(DType dtype) : module_(jit::Module::load(jit::compile(com
 }
 
 void MoeKernels::route(const km::RouteParams& p, cudaStream_t stream) const {
-  if (p.num_segments == 0) {  // no tokens: empty experts, empty lists
-    TDIST_CUDA_CHECK(cudaMemsetAsync(p.counts, 0, p.experts * sizeof(int), stream));
-    TDIST_CUDA_CHECK(cudaMemsetAsync(p.offsets, 0, (p.experts + 1) * sizeof(int), stream));
-  }
   jit::LaunchConfig cfg;
   cfg.stream = stream;
+  cfg.programmatic_dependent_launch = true;  // every kernel here waits for the one before it on the device
   cfg.block = {km::kRouteThreads};
   cfg.grid = {p.num_segments};
   if (p.num_segments > 0) jit::launch(count_, cfg, jit::make_args(p));
-  cfg.grid = {1};
-  cfg.block = {1024};
-  if (p.num_segments > 0) jit::launch(scan_, cfg, jit::make_args(p));
-  cfg.grid = {p.num_segments};
-  cfg.block = {km::kRouteThreads};
-  if (p.num_segments > 0) jit::launch(place_, cfg, jit::make_args(p));
-  cfg.grid = {1};
-  cfg.block = {1024};
-  jit::launch(tiles_, cfg, jit::make_args(p));
+  cfg.grid = {std::max<unsigned>(p.num_segments, 1)};  // no tokens: one block writes empty experts and lists
+  jit::launch(build_, cfg, jit::make_args(p));
 }
 
 void MoeKernels::gather_rows(const km::GatherRowsParams& p, int64_t max_rows, cudaStream_t stream) const {
   if (max_rows <= 0) return;
   jit::LaunchConfig cfg;
   cfg.stream = stream;
-  cfg.block = {128};
-  cfg.grid = {static_cast<unsigned>(std::min<int64_t>(max_rows, static_cast<int64_t>(num_sms_) * 8))};
+  cfg.programmatic_dependent_launch = true;
+  cfg.block = {km::kMoeCopyThreads};  // a warp per row
+  constexpr int64_t kWarps = km::kMoeCopyThreads / 32;
+  cfg.grid = {static_cast<unsigned>(
+      std::min<int64_t>((max_rows + kWarps - 1) / kWarps, int64_t{num_sms_} * km::kGatherBlocksPerSm))};
   jit::launch(gather_, cfg, jit::make_args(p));
 }
 
 void MoeKernels::combine(const km::CombineParams& p, cudaStream_t stream) const {
-  const uint64_t vectors = p.tokens * (p.n / 8);
-  if (vectors == 0) return;
+  if (p.tokens == 0 || p.n == 0) return;
   jit::LaunchConfig cfg;
   cfg.stream = stream;
-  cfg.block = {256};
-  cfg.grid = {static_cast<unsigned>(std::min<uint64_t>((vectors + 255) / 256, static_cast<uint64_t>(num_sms_) * 8))};
+  cfg.programmatic_dependent_launch = true;
+  cfg.block = {km::kMoeCopyThreads};  // a warp per (token, 32 kCombineCols column vectors)
+  constexpr uint64_t kWarps = km::kMoeCopyThreads / 32, kItemVectors = 32 * km::kCombineCols;
+  const uint64_t items = p.tokens * ((p.n / 8 + kItemVectors - 1) / kItemVectors);
+  cfg.grid = {static_cast<unsigned>(
+      std::min<uint64_t>((items + kWarps - 1) / kWarps, uint64_t(num_sms_) * km::kCombineBlocksPerSm))};
   jit::launch(combine_, cfg, jit::make_args(p));
 }
 
@@ -169,9 +163,9 @@ struct MoeRouter::Impl {
   int64_t max_m;
   int topk, experts, world, rank;
   int64_t capacity, max_tiles;
-  uint32_t max_segments;
+  uint64_t max_segments;
   moe::MoeKernels kernels;
-  DeviceBuffer segment_base;  // u32[E][segments]
+  DeviceBuffer segment_counts;  // u32[max_segments][E]
   DeviceBuffer offsets, counts, token_of_row, row_of_pair;
   DeviceBuffer ag_order, ag_count, rs_order, rs_count;
   MoeRouting view;
@@ -184,9 +178,9 @@ struct MoeRouter::Impl {
         rank(r),
         capacity((check_moe_routing_args(m, k, e, w, r), moe_capacity(m, k, e))),
         max_tiles(std::max<int64_t>(moe_max_tiles(m, k, e), 1)),
-        max_segments(static_cast<uint32_t>((m * k + km::kRouteSegment - 1) / km::kRouteSegment)),
+        max_segments(km::route_max_segments(static_cast<uint64_t>(m) * k, w)),
         kernels(DType::kBFloat16),
-        segment_base(static_cast<size_t>(e) * std::max<uint32_t>(max_segments, 1) * 4),
+        segment_counts(static_cast<size_t>(e) * max_segments * 4),
         offsets((e + 1) * sizeof(int)),
         counts(e * sizeof(int)),
         token_of_row(std::max<int64_t>(capacity, 1) * sizeof(int)),
@@ -211,10 +205,13 @@ const MoeRouting& MoeRouter::route(const int* topk_ids, int64_t m, cudaStream_t 
                   static_cast<const void*>(topk_ids));
   km::RouteParams p{};
   p.topk_ids = topk_ids;
-  p.pairs = km::RotatedPairs{{static_cast<uint64_t>(m), s.world}, static_cast<uint32_t>(s.topk), s.rank};
+  const km::RotatedPairs pairs{{static_cast<uint64_t>(m), s.world}, static_cast<uint32_t>(s.topk), s.rank};
+  p.segments = km::RouteSegments{pairs, km::route_segment_size(static_cast<uint64_t>(m) * s.topk)};
   p.experts = static_cast<uint32_t>(s.experts);
-  p.num_segments = static_cast<uint32_t>((m * s.topk + km::kRouteSegment - 1) / km::kRouteSegment);
-  p.segment_base = s.segment_base.get<uint32_t>();
+  p.num_segments = p.segments.count();
+  TDIST_CHECK(p.num_segments <= s.max_segments, "moe routing: ", p.num_segments, " segments exceed the bound ",
+              s.max_segments);
+  p.segment_counts = s.segment_counts.get<uint32_t>();
   p.offsets = s.offsets.get<int>();
   p.counts = s.counts.get<int>();
   p.token_of_row = s.token_of_row.get<int>();

@@ -42,8 +42,16 @@ using device::u64;
 constexpr u32 kMoeTile = gemm::kGroupedAlignment;  // rows per tile and per padding unit
 constexpr u32 kMaxMoeExperts = 1024;               // the routing kernels' shared histograms
 constexpr u32 kMaxMoeRanks = 8;
-constexpr u32 kRouteSegment = 2048;  // pairs per block of the count and place kernels
+constexpr u32 kRouteSegment = 2048;     // pairs per block of the count and build kernels, at least
+constexpr u32 kMaxRouteSegments = 128;  // past this many, segments grow (each build block reads them all)
 constexpr u32 kRouteThreads = 256;
+constexpr u32 kMoeCopyThreads = 256;  // the gather and combine kernels: a warp per row / (token, columns)
+constexpr u32 kMoeCopyUnroll = 8;     // 16-byte vectors in flight per lane (gather)
+// Blocks per SM the launch bounds guarantee room for (registers): the grids' size per SM, so that
+// every block of the grid-stride loops is resident from the start (no second, thinner wave).
+constexpr u32 kGatherBlocksPerSm = 4;
+constexpr u32 kCombineBlocksPerSm = 3;
+constexpr u32 kCombineCols = 2;  // 16-byte column vectors per lane per work item of the combine
 
 // Rows any routing of m tokens, top-k of `experts`, can need: every pair plus a partial tile per
 // non-empty expert, rounded down to whole tiles (offsets[E] is a multiple of kMoeTile).
@@ -74,51 +82,97 @@ struct RotatedPairs {
 // ReduceScatter step of a relative source: peers first (rel 1 at step 0), own tokens last.
 TDIST_HOST_DEVICE int rs_step(int rel, int world) { return (rel + world - 1) % world; }
 
-// The two list keys of a tile (layout above) from its kMoeTile entries of token_of_row. A tile's
-// real rows come first (its first row is real) and their rel is non-decreasing, so two binary
-// searches replace a scan of the tile.
+// Segments: the rotated pairs of each relative source j (one rank's tokens, pairs
+// [rel_begin(j), rel_begin(j + 1))) cut into runs of `segment` pairs, source after source, so that no
+// segment spans two sources: per-segment expert counts then give every expert's pairs per source,
+// which is all the tile lists need (a tile's rows are a run of its expert's pairs, in rel order).
+struct RouteSegments {
+  RotatedPairs pairs;
+  u32 segment;  // pairs per segment, a multiple of kRouteThreads
+
+  // Pairs fit int32 (check_moe_routing_args), so 32-bit arithmetic: no 64-bit division routine on
+  // the device.
+  TDIST_HOST_DEVICE int world() const { return pairs.split.num_ranks; }
+  TDIST_HOST_DEVICE u32 rel_pairs(int j) const {  // RowChunks::rows of rank + j, times topk
+    const u32 m = static_cast<u32>(pairs.split.m), w = static_cast<u32>(world());
+    const u32 r = static_cast<u32>((pairs.rank + j) % world());
+    return (m / w + (r < m % w ? 1u : 0u)) * pairs.topk;
+  }
+  TDIST_HOST_DEVICE u32 rel_segments(int j) const { return (rel_pairs(j) + segment - 1) / segment; }
+  TDIST_HOST_DEVICE u32 count() const {
+    u32 n = 0;
+    for (int j = 0; j < world(); ++j) n += rel_segments(j);
+    return n;
+  }
+  // Pairs [*begin, *end) of segment s (empty past the last segment).
+  TDIST_HOST_DEVICE void range(u32 s, u64* begin, u64* end) const {
+    u64 first_pair = 0;
+    for (int j = 0; j < world(); ++j) {
+      const u64 len = rel_pairs(j);  // u64: begin + segment may pass 2^32 below
+      const u32 n = rel_segments(j);
+      if (s < n) {
+        *begin = first_pair + static_cast<u64>(s) * segment;
+        *end = *begin + segment < first_pair + len ? *begin + segment : first_pair + len;
+        return;
+      }
+      s -= n;
+      first_pair += len;
+    }
+    *begin = *end = 0;
+  }
+};
+
+// Segment size for `pairs` pairs: kRouteSegment, grown so that at most kMaxRouteSegments segments
+// hold whole runs (a segment per source may be partial: count() <= kMaxRouteSegments + world).
+TDIST_HOST_DEVICE u32 route_segment_size(u64 pairs) {
+  const u64 per = static_cast<u64>(kRouteSegment) * kMaxRouteSegments;
+  const u64 scale = pairs <= per ? 1 : (pairs + per - 1) / per;
+  return static_cast<u32>(scale * kRouteSegment);
+}
+// Segments any routing of up to `pairs` pairs over `world` ranks can need (the count buffer's rows).
+TDIST_HOST_DEVICE u64 route_max_segments(u64 pairs, int world) {
+  const u64 whole = (pairs + kRouteSegment - 1) / kRouteSegment;
+  return (whole < kMaxRouteSegments ? whole : kMaxRouteSegments) + static_cast<u64>(world);
+}
+
+// The two list keys of tile i of an expert with `count` pairs, from the expert's pairs per source:
+// cum(j) = its pairs of rel < j (cum(0) = 0, cum(world) = count). The tile's real rows are the
+// expert's pairs [i kMoeTile, min((i + 1) kMoeTile, count)) in rel order, so the rels it holds are
+// those of non-empty sources between the rels of its first and last row.
 struct TileKeys {
   int ag, rs;
 };
-TDIST_HOST_DEVICE TileKeys tile_keys(const int* rows, const RotatedPairs& pairs) {
-  const int world = pairs.split.num_ranks;
-  int lo = 1, hi = static_cast<int>(kMoeTile);  // real rows: the largest n with rows[n - 1] >= 0
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (rows[mid - 1] >= 0)
-      lo = mid;
-    else
-      hi = mid - 1;
+template <typename Cum>
+TDIST_HOST_DEVICE TileKeys tile_keys(Cum cum, u32 count, u32 i, int world) {
+  auto at = [&](int j) -> u32 { return j == 0 ? 0u : j == world ? count : cum(j); };
+  const u32 first = i * kMoeTile;
+  const u32 last = (first + kMoeTile < count ? first + kMoeTile : count) - 1;
+  int rel_first = 0, rel_last = 0;  // the largest j with cum(j) <= row
+  for (int j = 1; j < world; ++j) {
+    const u32 c = at(j);
+    if (c <= first) rel_first = j;
+    if (c <= last) rel_last = j;
   }
-  const int real = lo;
-  const int rel_first = pairs.rel(static_cast<u64>(rows[0]));
-  const int rel_last = pairs.rel(static_cast<u64>(rows[real - 1]));
-  if (rel_first > 0 || rel_last == 0) return {rel_last, rs_step(rel_first, world)};  // every rel > 0, or all 0
-  lo = 1, hi = real - 1;  // own rows, then others': the first other row has the earliest step
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (pairs.rel(static_cast<u64>(rows[mid])) > 0)
-      hi = mid;
-    else
-      lo = mid + 1;
-  }
-  return {rel_last, rs_step(pairs.rel(static_cast<u64>(rows[lo])), world)};
+  int rs = world - 1;
+  for (int j = rel_first; j <= rel_last; ++j)
+    if (at(j + 1) > at(j)) rs = rs_step(j, world) < rs ? rs_step(j, world) : rs;
+  return {rel_last, rs};
 }
 
 struct RouteParams {
   const int* topk_ids;  // int32[M][topk]
-  RotatedPairs pairs;
+  RouteSegments segments;
   u32 experts;
-  u32 num_segments;    // ceil(M topk / kRouteSegment)
-  u32* segment_base;   // u32[E][num_segments]: the count kernel's counts, then (scan) exclusive prefixes
-  int* offsets;        // int32[E + 1]
-  int* counts;         // int32[E]
-  int* token_of_row;   // int32[capacity]
-  int* row_of_pair;    // int32[M][topk]
-  u32* ag_order;       // u32[world][max_tiles]
-  u32* ag_count;       // u32[world]
-  u32* rs_order;       // u32[world][max_tiles]
-  u32* rs_count;       // u32[world]
+  u32 num_segments;      // segments.count()
+  u32* segment_counts;   // u32[num_segments][E]: pairs of each expert per segment (count kernel)
+  int* offsets;          // int32[E + 1]
+  int* counts;           // int32[E]
+  int* token_of_row;     // int32[capacity]
+  int* row_of_pair;      // int32[M][topk]
+  u32* ag_order;         // u32[world][max_tiles]
+  u32* ag_count;         // u32[world]
+  u32* rs_order;         // u32[world][max_tiles]
+  u32* rs_count;         // u32[world]
   u32 max_tiles;
 };
 
@@ -156,15 +210,25 @@ struct CombineParams {
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "tdist/device/grid_dependency.cuh"
 #include "tdist/kernels/collectives/common.cuh"  // to_f32 / from_f32
 
 namespace tdist::kernels::moe {
 
+constexpr u32 kRouteWarps = kRouteThreads / 32;
+
+// kCheck: the count kernel checks every id (and traps on a bad one before the build kernel can start);
+// the build kernel reads them again unchecked, which keeps printf's call out of its placing loop.
+template <bool kCheck>
 __device__ __forceinline__ int route_expert(const RouteParams& p, u64 q, u64* token_out, u32* slot_out) {
-  const u64 t = p.pairs.token(q);
-  const u32 k = p.pairs.slot(q);
-  const int e = p.topk_ids[t * p.pairs.topk + k];
-  if (e < 0 || static_cast<u32>(e) >= p.experts) {  // no host check without a synchronisation: fail loudly
+  // Pairs and rows fit int32 (check_moe_routing_args): 32-bit division, no 64-bit division routine.
+  const RotatedPairs& pairs = p.segments.pairs;
+  const u32 q32 = static_cast<u32>(q);
+  u64 t = pairs.first_token() + q32 / pairs.topk;
+  t = t >= pairs.split.m ? t - pairs.split.m : t;
+  const u32 k = q32 % pairs.topk;
+  const int e = p.topk_ids[t * pairs.topk + k];
+  if (kCheck && (e < 0 || static_cast<u32>(e) >= p.experts)) {  // no host check without a synchronisation: fail loudly
     printf("tdist moe routing: topk_ids[%llu][%u] = %d is outside [0, %u) (the number of experts)\n",
            static_cast<unsigned long long>(t), k, e, p.experts);
     __trap();
@@ -175,197 +239,379 @@ __device__ __forceinline__ int route_expert(const RouteParams& p, u64 q, u64* to
 }
 
 // Per segment: pairs of each expert (grid: num_segments blocks of kRouteThreads).
+//
+// All four kernels of this file are launched as programmatic dependents (MoeKernels): each waits for
+// the grid before it to complete before touching memory, and lets the next be scheduled at once (the
+// next waits likewise), so launch gaps hide behind the kernel before.
 __global__ void __launch_bounds__(kRouteThreads) moe_route_count(RouteParams p) {
   __shared__ u32 hist[kMaxMoeExperts];
-  for (u32 e = threadIdx.x; e < p.experts; e += blockDim.x) hist[e] = 0;
+  device::wait_for_prior_grid();  // the ids may be the prior kernel's output
+  device::allow_dependent_launch();
+  for (u32 e = threadIdx.x; e < p.experts; e += kRouteThreads) hist[e] = 0;
   __syncthreads();
-  const u64 pairs = p.pairs.split.m * p.pairs.topk;
-  const u64 begin = static_cast<u64>(blockIdx.x) * kRouteSegment;
-  const u64 end = begin + kRouteSegment < pairs ? begin + kRouteSegment : pairs;
-  for (u64 q = begin + threadIdx.x; q < end; q += blockDim.x) {
+  u64 begin, end;
+  p.segments.range(blockIdx.x, &begin, &end);
+  for (u64 q = begin + threadIdx.x; q < end; q += kRouteThreads) {
     u64 t;
     u32 k;
-    atomicAdd(&hist[route_expert(p, q, &t, &k)], 1u);
+    atomicAdd(&hist[route_expert<true>(p, q, &t, &k)], 1u);
   }
   __syncthreads();
-  for (u32 e = threadIdx.x; e < p.experts; e += blockDim.x) p.segment_base[e * p.num_segments + blockIdx.x] = hist[e];
+  u32* out = p.segment_counts + static_cast<u64>(blockIdx.x) * p.experts;
+  for (u32 e = threadIdx.x; e < p.experts; e += kRouteThreads) out[e] = hist[e];
 }
 
-// One block: per-expert exclusive prefixes over segments, counts, padded offsets, padding rows.
-__global__ void __launch_bounds__(1024) moe_route_scan(RouteParams p) {
-  __shared__ int offs[kMaxMoeExperts + 1];
-  for (u32 e = threadIdx.x; e < p.experts; e += blockDim.x) {
-    u32 run = 0;
-    u32* base = p.segment_base + static_cast<u64>(e) * p.num_segments;
-    for (u32 s = 0; s < p.num_segments; ++s) {
-      const u32 c = base[s];
-      base[s] = run;
-      run += c;
-    }
-    p.counts[e] = static_cast<int>(run);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int o = 0;
-    for (u32 e = 0; e < p.experts; ++e) {
-      offs[e] = o;
-      p.offsets[e] = o;
-      o += (p.counts[e] + static_cast<int>(kMoeTile) - 1) / static_cast<int>(kMoeTile) * static_cast<int>(kMoeTile);
-    }
-    offs[p.experts] = o;
-    p.offsets[p.experts] = o;
-  }
-  __syncthreads();
-  for (u32 e = 0; e < p.experts; ++e) {
-    const int pad_begin = offs[e] + p.counts[e];
-    for (int r = pad_begin + static_cast<int>(threadIdx.x); r < offs[e + 1]; r += blockDim.x) p.token_of_row[r] = -1;
-  }
-}
+// An expert's pairs of rel < j, j = 1 .. world - 1, in the build kernel's scratch (tile_keys' cum).
+struct SharedCum {
+  const u32* first;  // scratch + expert
+  u32 experts;
+  TDIST_DEVICE u32 operator()(int j) const { return first[static_cast<u32>(j - 1) * experts]; }
+};
 
-// Per segment: each pair's row, stable in the rotated order (the same rows on every run).
-__global__ void __launch_bounds__(kRouteThreads) moe_route_place(RouteParams p) {
-  constexpr u32 kWarps = kRouteThreads / 32;
-  __shared__ u32 running[kMaxMoeExperts];
-  __shared__ u32 warp_count[kWarps][kMaxMoeExperts];
-  for (u32 e = threadIdx.x; e < p.experts; e += blockDim.x) {
-    running[e] = static_cast<u32>(p.offsets[e]) + p.segment_base[e * p.num_segments + blockIdx.x];
-    for (u32 w = 0; w < kWarps; ++w) warp_count[w][e] = 0;
-  }
-  __syncthreads();
+// Exclusive prefix over the block's kRouteThreads threads of N values per thread, in place, and
+// their totals. warp_sums: shared scratch.
+template <int N>
+__device__ __forceinline__ void block_exclusive_scan(u32 (&v)[N], u32 (&total)[N], u32 (*warp_sums)[N]) {
   const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const u64 pairs = p.pairs.split.m * p.pairs.topk;
-  const u64 begin = static_cast<u64>(blockIdx.x) * kRouteSegment;
-  const u64 end = begin + kRouteSegment < pairs ? begin + kRouteSegment : pairs;
-  for (u64 step = begin; step < end; step += blockDim.x) {
-    const u64 q = step + threadIdx.x;
-    const bool valid = q < end;
-    u64 t = 0;
-    u32 k = 0;
-    const u32 e = valid ? static_cast<u32>(route_expert(p, q, &t, &k)) : 0xffffffffu;
+  u32 incl[N];
+#pragma unroll
+  for (int c = 0; c < N; ++c) {
+    u32 x = v[c];
+#pragma unroll
+    for (u32 d = 1; d < 32; d <<= 1) {
+      const u32 y = __shfl_up_sync(0xffffffffu, x, d);
+      if (lane >= d) x += y;
+    }
+    incl[c] = x;
+    if (lane == 31) warp_sums[warp][c] = x;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int c = 0; c < N; ++c) {
+    u32 before = 0, all = 0;
+    for (u32 w = 0; w < kRouteWarps; ++w) {
+      const u32 s = warp_sums[w][c];
+      before += w < warp ? s : 0;
+      all += s;
+    }
+    v[c] = before + incl[c] - v[c];
+    total[c] = all;
+  }
+  __syncthreads();  // warp_sums free again
+}
+
+// Everything after the counts, in one launch of num_segments blocks (one when there are no pairs) of
+// kRouteThreads threads. Every block reads the whole count table (at most kMaxRouteSegments + world
+// rows) and derives the same per-expert totals, padded offsets and pairs per source, so no block
+// waits on another:
+//   1. per expert (a thread each): the total, this segment's prefix, the prefix at each source's
+//      first segment;
+//   2. padded offsets (a block scan over experts);
+//   3. the last block lists the tiles (keys from the pairs per source, list positions from a block
+//      scan over experts); every block marks its share of the padding rows;
+//   4. this segment's pairs placed, stable in the rotated order (warp match_any plus per-warp counts).
+// Block 0 writes counts and offsets.
+__global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) {
+  constexpr u32 kScratch = kRouteWarps * kMaxMoeExperts;
+  static_assert(kScratch >= (kMaxMoeRanks - 1) * kMaxMoeExperts, "scratch holds the pairs per source");
+  __shared__ int offs[kMaxMoeExperts + 1];
+  __shared__ u32 total[kMaxMoeExperts];    // pairs per expert
+  __shared__ u32 running[kMaxMoeExperts];  // this segment's next row per expert
+  __shared__ u32 seg_first[kMaxMoeRanks + 1];
+  // Phases 1-3: cum[(j - 1) E + e] = pairs of expert e with rel < j (j = 1 .. world - 1);
+  // phase 4: warp_count[w E + e] = pairs of expert e in warp w's 32 of the current 256.
+  __shared__ u32 scratch[kScratch];
+  __shared__ u32 warp_sums[kRouteWarps][kMaxMoeRanks];
+  const u32 E = p.experts, tid = threadIdx.x;
+  const int world = p.segments.world();
+  const u32 my = blockIdx.x;
+  device::wait_for_prior_grid();  // the count kernel's table
+  device::allow_dependent_launch();
+  if (tid == 0) {
+    u32 s = 0;
+    for (int j = 0; j < world; ++j) {
+      seg_first[j] = s;
+      s += p.segments.rel_segments(j);
+    }
+    seg_first[world] = s;
+  }
+  __syncthreads();
+
+  // 1. Totals and prefixes; the table's loads batched so several are in flight per thread.
+  for (u32 e = tid; e < E; e += kRouteThreads) {
+    u32 run = 0, mine = 0;
+    for (int j = 0; j < world; ++j) {
+      if (j > 0) scratch[(j - 1) * E + e] = run;
+      const u32 end = seg_first[j + 1];
+      for (u32 s0 = seg_first[j]; s0 < end; s0 += 8) {
+        u32 c[8];
+#pragma unroll
+        for (u32 u = 0; u < 8; ++u) c[u] = s0 + u < end ? p.segment_counts[static_cast<u64>(s0 + u) * E + e] : 0;
+#pragma unroll
+        for (u32 u = 0; u < 8; ++u) {
+          if (s0 + u == my && s0 + u < end) mine = run;
+          run += c[u];
+        }
+      }
+    }
+    total[e] = run;
+    running[e] = mine;
+    if (my == 0) p.counts[e] = static_cast<int>(run);
+  }
+  __syncthreads();
+
+  // 2. Padded offsets: thread tid owns experts [tid per, +per).
+  const u32 per = (E + kRouteThreads - 1) / kRouteThreads;
+  const u32 e_begin = tid * per < E ? tid * per : E, e_end = e_begin + per < E ? e_begin + per : E;
+  {
+    u32 v[1] = {0}, all[1];
+    for (u32 e = e_begin; e < e_end; ++e) v[0] += (total[e] + kMoeTile - 1) / kMoeTile * kMoeTile;
+    block_exclusive_scan<1>(v, all, reinterpret_cast<u32(*)[1]>(&warp_sums[0][0]));
+    u32 o = v[0];
+    for (u32 e = e_begin; e < e_end; ++e) {
+      offs[e] = static_cast<int>(o);
+      o += (total[e] + kMoeTile - 1) / kMoeTile * kMoeTile;
+    }
+    if (tid == 0) offs[E] = static_cast<int>(all[0]);
+  }
+  __syncthreads();
+  if (my == 0)
+    for (u32 e = tid; e <= E; e += kRouteThreads) p.offsets[e] = offs[e];
+
+  // 3. Tile lists (last block) and padding rows (every block, a share each).
+  if (my == gridDim.x - 1) {
+    auto keys_of = [&](u32 e, u32 i) { return tile_keys(SharedCum{scratch + e, E}, total[e], i, world); };
+    // One order at a time (ag, then rs): kMaxMoeRanks running positions per thread in registers.
+    for (int order = 0; order < 2; ++order) {
+      u32* lists = order == 0 ? p.ag_order : p.rs_order;
+      u32 n[kMaxMoeRanks], all[kMaxMoeRanks];  // this thread's tiles per key, then their first positions
+#pragma unroll
+      for (u32 j = 0; j < kMaxMoeRanks; ++j) n[j] = 0;
+      for (u32 e = e_begin; e < e_end; ++e)
+        for (u32 i = 0; i * kMoeTile < total[e]; ++i) {
+          const TileKeys k = keys_of(e, i);
+          const int key = order == 0 ? k.ag : k.rs;
+#pragma unroll
+          for (int j = 0; j < static_cast<int>(kMaxMoeRanks); ++j) n[j] += key == j ? 1 : 0;
+        }
+      block_exclusive_scan<kMaxMoeRanks>(n, all, warp_sums);
+      for (u32 e = e_begin; e < e_end; ++e)
+        for (u32 i = 0; i * kMoeTile < total[e]; ++i) {
+          const TileKeys k = keys_of(e, i);
+          const int key = order == 0 ? k.ag : k.rs;
+          u32 pos = 0;
+#pragma unroll
+          for (int j = 0; j < static_cast<int>(kMaxMoeRanks); ++j)  // constant indices: registers
+            if (key == j) pos = n[j]++;
+          lists[static_cast<u64>(key) * p.max_tiles + pos] = static_cast<u32>(offs[e]) / kMoeTile + i;
+        }
+      if (tid < static_cast<u32>(world)) {
+        u32 count = 0;
+#pragma unroll
+        for (u32 j = 0; j < kMaxMoeRanks; ++j) count = j == tid ? all[j] : count;
+        (order == 0 ? p.ag_count : p.rs_count)[tid] = count;
+      }
+    }
+  }
+  for (u64 x = static_cast<u64>(my) * kRouteThreads + tid; x < static_cast<u64>(E) * kMoeTile;
+       x += static_cast<u64>(gridDim.x) * kRouteThreads) {
+    const u32 e = static_cast<u32>(x / kMoeTile), r = static_cast<u32>(x % kMoeTile);
+    const u32 pad_begin = static_cast<u32>(offs[e]) + total[e];
+    if (pad_begin + r < static_cast<u32>(offs[e + 1])) p.token_of_row[pad_begin + r] = -1;
+  }
+  __syncthreads();  // scratch becomes warp_count
+
+  // 4. Place this segment's pairs.
+  u32* warp_count = scratch;
+  for (u32 e = tid; e < E; e += kRouteThreads) {
+    running[e] += static_cast<u32>(offs[e]);
+    for (u32 w = 0; w < kRouteWarps; ++w) warp_count[w * E + e] = 0;
+  }
+  __syncthreads();
+  const u32 warp = tid / 32, lane = tid % 32;
+  const u32 topk = p.segments.pairs.topk;
+  u64 begin, end;
+  p.segments.range(my, &begin, &end);
+  u64 q = begin + tid, t = 0;
+  u32 k = 0;
+  bool valid = q < end;
+  u32 e = valid ? static_cast<u32>(route_expert<false>(p, q, &t, &k)) : 0xffffffffu;
+  for (u64 step = begin; step < end; step += kRouteThreads) {
+    // The next 256 pairs' ids load while this step's rows are placed.
+    const u64 q_next = q + kRouteThreads;
+    u64 t_next = 0;
+    u32 k_next = 0;
+    const bool valid_next = q_next < end;
+    const u32 e_next = valid_next ? static_cast<u32>(route_expert<false>(p, q_next, &t_next, &k_next)) : 0xffffffffu;
     const u32 same = __match_any_sync(0xffffffffu, e);
     const bool leader = (same & ((1u << lane) - 1)) == 0;
-    if (valid && leader) warp_count[warp][e] = __popc(same);
+    if (valid && leader) warp_count[warp * E + e] = __popc(same);
     __syncthreads();
     if (valid) {
       u32 row = running[e] + __popc(same & ((1u << lane) - 1));
-      for (u32 w = 0; w < warp; ++w) row += warp_count[w][e];
+      for (u32 w = 0; w < warp; ++w) row += warp_count[w * E + e];
       p.token_of_row[row] = static_cast<int>(t);
-      p.row_of_pair[t * p.pairs.topk + k] = static_cast<int>(row);
+      p.row_of_pair[t * topk + k] = static_cast<int>(row);
     }
     __syncthreads();
     if (valid && leader) {
       atomicAdd(&running[e], static_cast<u32>(__popc(same)));
-      warp_count[warp][e] = 0;
+      warp_count[warp * E + e] = 0;
     }
     __syncthreads();
+    q = q_next, t = t_next, k = k_next, valid = valid_next, e = e_next;
   }
 }
 
-// Appends the threads' tiles with `key` to their lists, in thread order (one block; `valid` false
-// appends nothing). run[j]: the list's length so far, in shared memory.
-__device__ __forceinline__ void append_stable(bool valid, int key, u32 tile, int world, u32* run,
-                                              u32 (*warp_total)[32], u32* lists, u32 max_tiles) {
-  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  u32 mine = 0;
-  for (int j = 0; j < world; ++j) {
-    const u32 b = __ballot_sync(0xffffffffu, valid && key == j);
-    if (lane == 0) warp_total[j][warp] = __popc(b);
-    if (valid && key == j) mine = b;
-  }
-  __syncthreads();
-  if (valid) {
-    u32 pos = run[key] + __popc(mine & ((1u << lane) - 1));
-    for (u32 w = 0; w < warp; ++w) pos += warp_total[key][w];
-    lists[static_cast<u64>(key) * max_tiles + pos] = tile;
-  }
-  __syncthreads();
-  if (threadIdx.x < static_cast<u32>(world)) {
-    u32 add = 0;
-    for (u32 w = 0; w < blockDim.x / 32; ++w) add += warp_total[threadIdx.x][w];
-    run[threadIdx.x] += add;
-  }
-  __syncthreads();
-}
-
-// One block of 1024 threads: both tile orders.
-__global__ void __launch_bounds__(1024) moe_route_tiles(RouteParams p) {
-  __shared__ u32 ag_run[kMaxMoeRanks], rs_run[kMaxMoeRanks];
-  __shared__ u32 warp_total[kMaxMoeRanks][32];
-  const int world = p.pairs.split.num_ranks;
-  if (threadIdx.x < kMaxMoeRanks) ag_run[threadIdx.x] = rs_run[threadIdx.x] = 0;
-  __syncthreads();
-  const u32 tiles = static_cast<u32>(p.offsets[p.experts]) / kMoeTile;
-  for (u32 first = 0; first < tiles; first += blockDim.x) {
-    const u32 tile = first + threadIdx.x;
-    const bool valid = tile < tiles;
-    int ag_key = 0, rs_key = world - 1;
-    if (valid) {
-      const TileKeys keys = tile_keys(p.token_of_row + static_cast<u64>(tile) * kMoeTile, p.pairs);
-      ag_key = keys.ag;
-      rs_key = keys.rs;
-    }
-    append_stable(valid, ag_key, tile, world, ag_run, warp_total, p.ag_order, p.max_tiles);
-    append_stable(valid, rs_key, tile, world, rs_run, warp_total, p.rs_order, p.max_tiles);
-  }
-  if (threadIdx.x < static_cast<u32>(world)) {
-    p.ag_count[threadIdx.x] = ag_run[threadIdx.x];
-    p.rs_count[threadIdx.x] = rs_run[threadIdx.x];
-  }
-}
-
-// Grid-stride over the listed tiles' rows, one row per block iteration, 16-byte vectors.
+// Grid-stride over the listed tiles' rows, a warp per row: the warp's next 32 rows located at once
+// (lane l loads the tile and token of its l-th row; the rows then go one by one, broadcast), so the
+// index loads cost two round trips per 32 rows; kMoeCopyUnroll 16-byte vectors in flight per lane
+// (k = 2048 bf16: 256 vectors, the whole row in one pass). Rows are int32 (moe_capacity < 2^31).
 template <typename T>
-__global__ void __launch_bounds__(128) moe_gather_rows(GatherRowsParams p) {
-  const u32 tiles = *p.count;
-  const u64 rows = static_cast<u64>(tiles) * kMoeTile;
+__global__ void __launch_bounds__(kMoeCopyThreads, kGatherBlocksPerSm) moe_gather_rows(GatherRowsParams p) {
+  constexpr u32 kWarps = kMoeCopyThreads / 32;
+  const u32 lane = threadIdx.x % 32;
+  device::wait_for_prior_grid();  // the routing, or the tokens' arrival (a flag wait kernel)
+  device::allow_dependent_launch();
+  const u64 rows = static_cast<u64>(*p.count) * kMoeTile;
   const u32 vectors = p.k / 8;
-  for (u64 x = blockIdx.x; x < rows; x += gridDim.x) {
-    const u32 tile = p.order != nullptr ? p.order[x / kMoeTile] : static_cast<u32>(x / kMoeTile);
-    const u64 row = static_cast<u64>(tile) * kMoeTile + x % kMoeTile;
-    const int t = p.token_of_row[row];
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + row * p.k);
-    if (t < 0) {
-      for (u32 v = threadIdx.x; v < vectors; v += blockDim.x) dst[v] = make_uint4(0, 0, 0, 0);
-      continue;
+  const u64 warps = static_cast<u64>(gridDim.x) * kWarps;
+  for (u64 x0 = static_cast<u64>(blockIdx.x) * kWarps + threadIdx.x / 32; x0 < rows; x0 += 32 * warps) {
+    // Rows x0 + l warps, l = 0 .. 31 (the grid-stride rows of this warp).
+    const u64 mine = x0 + lane * warps;
+    u32 my_row = 0;
+    int my_token = -1;
+    if (mine < rows) {
+      const u32 tile = p.order != nullptr ? p.order[mine / kMoeTile] : static_cast<u32>(mine / kMoeTile);
+      my_row = tile * kMoeTile + static_cast<u32>(mine % kMoeTile);
+      my_token = p.token_of_row[my_row];
     }
-    const u64 tu = static_cast<u64>(t);
-    const T* src = tu - p.local_begin < p.local_rows ? static_cast<const T*>(p.local) + (tu - p.local_begin) * p.k
-                                                     : static_cast<const T*>(p.gathered) + tu * p.k;
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    for (u32 v = threadIdx.x; v < vectors; v += blockDim.x) dst[v] = s[v];
+    const u64 left = (rows - x0 + warps - 1) / warps;  // rows of this batch: min(32, left)
+    const u32 batch = left < 32 ? static_cast<u32>(left) : 32u;
+    for (u32 l = 0; l < batch; ++l) {  // warp-uniform
+      const u64 row = __shfl_sync(0xffffffffu, my_row, l);
+      const int t = __shfl_sync(0xffffffffu, my_token, l);
+      uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + row * p.k);
+      if (t < 0) {
+        for (u32 v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
+        continue;
+      }
+      const u64 tu = static_cast<u64>(t);
+      const T* src = tu - p.local_begin < p.local_rows
+                         ? static_cast<const T*>(p.local) + (tu - p.local_begin) * p.k
+                         : static_cast<const T*>(p.gathered) + tu * p.k;
+      const uint4* s = reinterpret_cast<const uint4*>(src);
+      for (u32 v0 = lane; v0 < vectors; v0 += 32 * kMoeCopyUnroll) {
+        uint4 r[kMoeCopyUnroll];
+#pragma unroll
+        for (u32 u = 0; u < kMoeCopyUnroll; ++u)
+          if (v0 + u * 32 < vectors) r[u] = s[v0 + u * 32];
+#pragma unroll
+        for (u32 u = 0; u < kMoeCopyUnroll; ++u)
+          if (v0 + u * 32 < vectors) dst[v0 + u * 32] = r[u];
+      }
+    }
   }
 }
 
+// Two 16-bit elements of a 32-bit word to fp32, and back, by value (a reinterpret_cast of a vector
+// register's address would put the vector in local memory).
+__device__ __forceinline__ float lo_f32(u32 bits, __nv_bfloat16) { return __uint_as_float(bits << 16); }
+__device__ __forceinline__ float hi_f32(u32 bits, __nv_bfloat16) { return __uint_as_float(bits & 0xffff0000u); }
+__device__ __forceinline__ float lo_f32(u32 bits, __half) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits & 0xffffu)));
+}
+__device__ __forceinline__ float hi_f32(u32 bits, __half) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits >> 16)));
+}
+__device__ __forceinline__ u32 bits_of(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+__device__ __forceinline__ u32 bits_of(__half v) { return __half_as_ushort(v); }
 template <typename T>
-__global__ void __launch_bounds__(256) moe_combine(CombineParams p) {
-  const u32 vectors_per_row = p.n / 8;
-  const u64 total = p.tokens * vectors_per_row;
-  for (u64 v = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; v < total;
-       v += static_cast<u64>(gridDim.x) * blockDim.x) {
-    const u64 i = v / vectors_per_row, col = (v % vectors_per_row) * 8;
-    const u64 t = p.first_token + i;
-    float acc[8];
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  return bits_of(coll::from_f32<T>(lo)) | (bits_of(coll::from_f32<T>(hi)) << 16);
+}
+
+// Adds w x (8 elements of T in a 16-byte vector) to acc.
+template <typename T>
+__device__ __forceinline__ void add_scaled(float* acc, float w, const uint4& x) {
+  const u32 words[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-    for (u32 k = 0; k < p.topk; ++k) {
-      const float w = p.weights[t * p.topk + k];
-      const u64 row = static_cast<u64>(p.row_of_pair[t * p.topk + k]);
-      const uint4 x = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.d_rows) + row * p.n + col);
-      const T* xe = reinterpret_cast<const T*>(&x);
+  for (int j = 0; j < 4; ++j) {
+    acc[2 * j] += w * lo_f32(words[j], T{});
+    acc[2 * j + 1] += w * hi_f32(words[j], T{});
+  }
+}
+
+// A warp per work item (token i, 32 kCombineCols column vectors): the token's (row, weight) pairs
+// loaded by lanes 0 .. 31 (32 pairs at a time) and broadcast; each lane sums kCombineCols 16-byte
+// vectors over the pairs in fp32 registers, four pairs' loads in flight at once. Items rather than
+// whole tokens keep the warps evenly loaded when tokens are few (M = 4096, n = 2048: 16384 items).
+template <typename T>
+__global__ void __launch_bounds__(kMoeCopyThreads, kCombineBlocksPerSm) moe_combine(CombineParams p) {
+  constexpr u32 kWarps = kMoeCopyThreads / 32, kCols = kCombineCols, kPairs = 4;
+  const u32 lane = threadIdx.x % 32;
+  const u32 vectors = p.n / 8;
+  const u32 chunks = (vectors + 32 * kCols - 1) / (32 * kCols);
+  const u64 items = p.tokens * chunks;
+  const T* d_rows = static_cast<const T*>(p.d_rows);
+  device::wait_for_prior_grid();  // the grouped GEMM's rows, or the partials' arrival (a flag wait kernel)
+  device::allow_dependent_launch();
+  for (u64 item = static_cast<u64>(blockIdx.x) * kWarps + threadIdx.x / 32; item < items;
+       item += static_cast<u64>(gridDim.x) * kWarps) {  // warp-uniform: every lane shuffles
+    const u64 i = item / chunks;
+    const u32 base = static_cast<u32>(item % chunks) * 32 * kCols;
+    const u64 pair0 = (p.first_token + i) * p.topk;
+    float acc[kCols][8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] += w * coll::to_f32(xe[j]);
+    for (u32 c = 0; c < kCols; ++c)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[c][j] = 0.0f;
+    for (u32 k0 = 0; k0 < p.topk; k0 += 32) {
+      const u32 kn = p.topk - k0 < 32 ? p.topk - k0 : 32;
+      const int my_row = lane < kn ? p.row_of_pair[pair0 + k0 + lane] : 0;
+      const float my_w = lane < kn ? p.weights[pair0 + k0 + lane] : 0.0f;
+      for (u32 kk = 0; kk < kn; kk += kPairs) {
+        uint4 x[kPairs][kCols];
+        float w[kPairs];
+#pragma unroll
+        for (u32 u = 0; u < kPairs; ++u) {
+          const u64 row = static_cast<u64>(__shfl_sync(0xffffffffu, my_row, (kk + u) % 32));
+          w[u] = __shfl_sync(0xffffffffu, my_w, (kk + u) % 32);
+          const uint4* src = reinterpret_cast<const uint4*>(d_rows + row * p.n);
+#pragma unroll
+          for (u32 c = 0; c < kCols; ++c) {
+            const u32 v = base + c * 32 + lane;
+            x[u][c] = kk + u < kn && v < vectors ? src[v] : make_uint4(0, 0, 0, 0);
+          }
+        }
+#pragma unroll
+        for (u32 u = 0; u < kPairs; ++u)
+#pragma unroll
+          for (u32 c = 0; c < kCols; ++c)
+            if (kk + u < kn) add_scaled<T>(acc[c], w[u], x[u][c]);
+      }
     }
-    for (int s = 0; s < p.num_extra; ++s) {
-      const uint4 x = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.extra[s]) + i * p.n + col);
-      const T* xe = reinterpret_cast<const T*>(&x);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] += coll::to_f32(xe[j]);
+    for (int s = 0; s < static_cast<int>(kMaxMoeRanks); ++s) {  // constant indices keep p.extra in the parameters
+      if (s >= p.num_extra) break;
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.extra[s]) + i * p.n);
+      uint4 x[kCols];
+#pragma unroll
+      for (u32 c = 0; c < kCols; ++c) {
+        const u32 v = base + c * 32 + lane;
+        x[c] = v < vectors ? src[v] : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (u32 c = 0; c < kCols; ++c) add_scaled<T>(acc[c], 1.0f, x[c]);
     }
-    uint4 y;
-    T* ye = reinterpret_cast<T*>(&y);
+    uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + i * p.n);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) ye[j] = coll::from_f32<T>(acc[j]);
-    *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + i * p.n + col) = y;
+    for (u32 c = 0; c < kCols; ++c) {
+      const u32 v = base + c * 32 + lane;
+      if (v >= vectors) continue;
+      out[v] = make_uint4(pack2<T>(acc[c][0], acc[c][1]), pack2<T>(acc[c][2], acc[c][3]),
+                          pack2<T>(acc[c][4], acc[c][5]), pack2<T>(acc[c][6], acc[c][7]));
+    }
   }
 }
 
