@@ -89,6 +89,8 @@ def test_ag_gemm_configs_compile_pipelined(cfg, even_k, a_tma, b_tma):
     stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
     # One set of stages: the own and peer tiles share one K loop (a select of descriptors, not two loops).
     assert cfg["num_stages"] * stage <= c.metadata.shared <= kMaxSharedBytes, (c.metadata.shared, stage)
+    # The launch shape's programs per SM all fit at once (each block also holds 1 KiB reserved by the GPU).
+    assert gemm._programs_per_sm(cfg) * (c.metadata.shared + 1024) <= 228 * 1024, c.metadata.shared
     # Tiles come from a counter: one thread's relaxed atomic per fetch, broadcast through shared memory.
     atoms = [line for line in ptx.splitlines() if "atom.global" in line and ".add.u32" in line]
     assert len(atoms) == 2 and all(line.strip().startswith("@%p") for line in atoms), atoms

@@ -285,6 +285,16 @@ def _tma_ok(t) -> bool:
     return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
+def _ag_operand_paths(x, w, gathered, cfg: dict) -> tuple[bool, bool]:
+    """(A through TMA, B through TMA) for the AG-GEMM: B where w's layout allows; A where B does, x's and
+    the gathered buffer's layouts allow, and every tile's rows lie in one rank's rows and one flag's chunk
+    (BLOCK_M divides x's row count and the chunk)."""
+    b_tma = _tma_ok(w)
+    bm = cfg["BLOCK_M"]
+    a_tma = b_tma and _tma_ok(x) and _tma_ok(gathered) and x.shape[0] % bm == 0 and kChunkRows % bm == 0
+    return a_tma, b_tma
+
+
 def _num_sms(device, torch) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -400,8 +410,7 @@ def ag_gemm(x, w):
     # and K. A too where, besides, every tile's rows come from one rank and one flag's chunk (BLOCK_M divides
     # m_local and the chunk): own tiles read x's descriptor, the others gathered's after their flag. Else A
     # by pointer loads, row by row.
-    b_tma = _tma_ok(w)
-    a_tma = b_tma and _tma_ok(x) and _tma_ok(gathered) and m_local % bm == 0 and kChunkRows % bm == 0
+    a_tma, b_tma = _ag_operand_paths(x, w, gathered, cfg)
     b = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], bk]) if b_tma else w
     a_own, a_peer = x, gathered  # unused by the pointer path
     if a_tma:
