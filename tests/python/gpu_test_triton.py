@@ -511,8 +511,9 @@ def test_ag_gemm_against_float64():
     # that needs free SMs); large shapes that take the 128 x 256 tiles, pipelined (K a multiple of 64).
     # K = 97: rows not 16-byte aligned, so the weight is read through pointers rather than TMA.
     # A through TMA (rows per rank a multiple of the tile): 64-row tiles with a chunk and a half per rank
-    # and K = 520 (TMA zero-fills the last K block); 64-row tiles, every tile of a peer waiting; 128-row
-    # tiles with N = 2053 (columns past N clipped); the large tiles over the full K = 8192.
+    # and K = 520 (TMA zero-fills the last K block), N = 1000 (the TMA store clips the last column block);
+    # 64-row tiles, every tile of a peer waiting; 128-row tiles with N = 2053 (rows not 16-byte aligned:
+    # the output through pointer stores); the large tiles over the full K = 8192.
     shapes = ((1, 33, 64), (77, 333, 200), (45, 130, 97), (33, 8192, 256), (300, 1000, 1024), (1027, 2053, 520),
               (3000, 2304, 512), (192, 1000, 520), (128, 8192, 256), (1024, 2053, 520), (1024, 3584, 8192))
     paths = set()

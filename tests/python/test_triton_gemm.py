@@ -51,11 +51,15 @@ def _tiles(cfg):
 CONFIGS = [pytest.param(gemm.kLargeConfig, id="large"), pytest.param(gemm.kSmallConfig, id="small")]
 
 
-def _compile_ag(cfg, even_k, a_tma, b_tma):
+def _compile_ag(cfg, even_k, a_tma, b_tma, c_tma):
     constexprs = dict(CHUNK=gemm.kChunkRows, PUSH_K=16 * cfg["num_warps"], EVEN_K=even_k, B_TMA=b_tma, A_TMA=a_tma,
-                      **_tiles(cfg))
+                      C_TMA=c_tma, **_tiles(cfg))
     sig = dict(AG_SIG)
-    aligned = ["heap", "x", "gathered", "out", "flags", "tile_counter", "x_delta", "N", "K", "stride_bn"]
+    aligned = ["heap", "x", "gathered", "flags", "tile_counter", "x_delta", "N", "K", "stride_bn"]
+    if c_tma:
+        sig["out"] = f"tensordesc<bf16[{cfg['BLOCK_M']}, {cfg['BLOCK_N']}]>"
+    else:
+        aligned.append("out")
     if a_tma:
         sig["a_own"] = sig["a_peer"] = f"tensordesc<bf16[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>"
     if b_tma:
@@ -65,16 +69,17 @@ def _compile_ag(cfg, even_k, a_tma, b_tma):
     return _compile(gemm._ag_gemm_kernel, sig, constexprs, cfg, aligned)
 
 
-# (A_TMA, B_TMA): the launcher reads A through TMA only when B also goes through TMA.
-AG_OPERANDS = [pytest.param(True, True, id="a_tma"), pytest.param(False, True, id="b_tma"),
-               pytest.param(False, False, id="pointers")]
+# (A_TMA, B_TMA, C_TMA): the launcher reads A through TMA only when B also goes through TMA, and stores the
+# output through TMA only when A goes through TMA.
+AG_OPERANDS = [pytest.param(True, True, True, id="abc_tma"), pytest.param(True, True, False, id="ab_tma"),
+               pytest.param(False, True, False, id="b_tma"), pytest.param(False, False, False, id="pointers")]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("even_k", [True, False])
-@pytest.mark.parametrize("a_tma,b_tma", AG_OPERANDS)
-def test_ag_gemm_configs_compile_pipelined(cfg, even_k, a_tma, b_tma):
-    c = _compile_ag(cfg, even_k, a_tma, b_tma)
+@pytest.mark.parametrize("a_tma,b_tma,c_tma", AG_OPERANDS)
+def test_ag_gemm_configs_compile_pipelined(cfg, even_k, a_tma, b_tma, c_tma):
+    c = _compile_ag(cfg, even_k, a_tma, b_tma, c_tma)
     ptx = c.asm["ptx"]
     assert "wgmma.mma_async" in ptx, "the GEMM does not use Hopper's wgmma"
     assert "wgmma.wait_group.sync.aligned 1" in ptx, "the wgmma of one K step does not overlap the next"
@@ -84,6 +89,7 @@ def test_ag_gemm_configs_compile_pipelined(cfg, even_k, a_tma, b_tma):
     else:
         assert "cp.async.cg" in ptx or "cp.async.ca" in ptx, "the K loop is not pipelined"
         assert ("cp.async.bulk.tensor" in ptx) == b_tma, "B is read through TMA exactly when asked"
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == c_tma, "the output is stored through TMA exactly when asked"
     # 16-byte accesses for A (pushed and loaded) and the output tile: no 2-byte access survives.
     assert not re.search(r"(ld|st)\.global\.b16", ptx), "an access of A or of the output is not vectorised"
     stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
@@ -104,12 +110,13 @@ def _body(ptx):
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
-def test_ag_gemm_tma_loads_of_peer_rows_follow_the_wait(cfg):
+@pytest.mark.parametrize("c_tma", [True, False])
+def test_ag_gemm_tma_loads_of_peer_rows_follow_the_wait(cfg, c_tma):
     # A peer tile: the spin on its chunk's flag, bar.sync, every thread's acquire of the flag into T, then
     # fence.proxy.async.global (the acquired rows visible to the async proxy) and a zero from T; the row
     # coordinate of A's TMA loads is computed from that zero, so no load of the tile is issued before the
     # wait, and every TMA load of A comes after the fence in program order.
-    body = _body(_compile_ag(cfg, True, True, True).asm["ptx"])
+    body = _body(_compile_ag(cfg, True, True, True, c_tma).asm["ptx"])
     m = re.search(r"bar\.sync\s+0;\s*ld\.acquire\.sys\.u64 (%rd\d+), \[[^\]]+\];\s*"
                   r"fence\.proxy\.async\.global;\s*and\.b64 (%rd\d+), \1, 0;", body)
     assert m, "no acquire, proxy fence and zero from the acquired value after the spin"

@@ -102,7 +102,7 @@ def _tma_k_loop(a, b, row, col, K, acc, BLOCK_K: tl.constexpr):
 def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, tile_counter, x_delta, M, N, K, m_local,
                     num_chunks, epoch, stride_bn, num_push, CHUNK: tl.constexpr, PUSH_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    EVEN_K: tl.constexpr, B_TMA: tl.constexpr, A_TMA: tl.constexpr):
+                    EVEN_K: tl.constexpr, B_TMA: tl.constexpr, A_TMA: tl.constexpr, C_TMA: tl.constexpr):
     # Persistent: as many programs per SM as fit at once, no more. Programs [0, num_push) first push this
     # rank's rows to the peers (no wait before: the pushes progress whatever the peers do); then every
     # program takes GEMM tiles from a counter (dynamic: the pushing programs join late without leaving a
@@ -112,7 +112,8 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, tile_counte
     # a_own, a_peer: TMA descriptors of x [m_local, K] and of gathered [M, K]; own tiles read a_own, the
     # others wait on their chunk's one flag, fence the async proxy and read a_peer.
     # Else A by pointer loads, one flag per row (a block wait) and consume_token; a_own and a_peer unused.
-    # b: w [N, K], a TMA descriptor when B_TMA, else a pointer.
+    # b: w [N, K], a TMA descriptor when B_TMA, else a pointer. out: [M, N], a TMA descriptor with blocks
+    # [BLOCK_M, BLOCK_N] when C_TMA (rows and columns past the ends are not written), else a pointer.
     pid = tl.program_id(0)
     if pid < num_push:
         _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, pid, num_push, CHUNK, PUSH_K)
@@ -181,8 +182,12 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, tile_counte
                     acc = tl.dot(a_tile, b_tile, acc)
                     a_ptrs += BLOCK_K
                     b_ptrs += BLOCK_K
-        omask = (rows[:, None] < M) & (cols[None, :] < N)
-        tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty), mask=omask)
+        if C_TMA:
+            # Through shared memory and one TMA store, asynchronous: the next tile's loads start while it drains.
+            out.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out.dtype))
+        else:
+            omask = (rows[:, None] < M) & (cols[None, :] < N)
+            tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty), mask=omask)
         tile = next_tile
 
 
@@ -416,15 +421,20 @@ def ag_gemm(x, w):
     if a_tma:
         a_own = TensorDescriptor.from_tensor(x, [bm, bk])
         a_peer = TensorDescriptor.from_tensor(gathered, [bm, bk])
+    # The output tile through one TMA store where A is read through TMA (the configurations the shared
+    # memory is checked for: 64 KiB more beside the large tiles' 144) and out's rows are 16-byte aligned.
+    c_tma = a_tma and _tma_ok(out)
+    c = TensorDescriptor.from_tensor(out, [bm, cfg["BLOCK_N"]]) if c_tma else out
     _ag_start[(1,)](view.tensor, _ag.pad, _ag.tile_counter)
     # x as an offset from gathered, in elements (both are 2-byte aligned, so the division is exact).
     x_delta = (x.data_ptr() - gathered.data_ptr()) // x.element_size()
     # One kernel on the current stream: no side stream, so nothing depends on how the block scheduler
     # interleaves two kernels. The pushing programs have the lowest ids (dispatched first) and wait for
     # nothing before their pushes: the GEMM's waits always end.
-    _ag_gemm_kernel[(programs,)](view.tensor, x, gathered, a_own, a_peer, b, out, flags, _ag.tile_counter, x_delta,
+    _ag_gemm_kernel[(programs,)](view.tensor, x, gathered, a_own, a_peer, b, c, flags, _ag.tile_counter, x_delta,
                                  m, n, k, m_local, num_chunks, _ag.epoch, w.stride(0), push, CHUNK=kChunkRows,
-                                 PUSH_K=16 * cfg["num_warps"], EVEN_K=k % bk == 0, B_TMA=b_tma, A_TMA=a_tma, **cfg)
+                                 PUSH_K=16 * cfg["num_warps"], EVEN_K=k % bk == 0, B_TMA=b_tma, A_TMA=a_tma,
+                                 C_TMA=c_tma, **cfg)
     return out
 
 
