@@ -500,7 +500,8 @@ def _a_through_tma(x, w):
     # in for it).
     from tdist.triton import gemm
 
-    cfg = gemm._ag_gemm_config(world() * x.shape[0], w.shape[0], torch.cuda.get_device_properties(0).multi_processor_count)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = gemm._ag_gemm_config(world() * x.shape[0], w.shape[0], num_sms)
     x = x.contiguous()
     return gemm._ag_operand_paths(x, w, x, cfg)[0]
 

@@ -22,7 +22,8 @@ from tdist.triton import gemm
 SM90 = GPUTarget("cuda", 90, 32)
 kMaxSharedBytes = 227 * 1024  # per block on H100 / H200
 
-AG_SIG = {"heap": "*i64", "x": "*bf16", "gathered": "*bf16", "a_own": "*bf16", "a_peer": "*bf16", "b": "*bf16", "out": "*bf16", "flags": "*i64",
+AG_SIG = {"heap": "*i64", "x": "*bf16", "gathered": "*bf16", "a_own": "*bf16", "a_peer": "*bf16", "b": "*bf16",
+          "out": "*bf16", "flags": "*i64",
           "tile_counter": "*i32", "x_delta": "i64", "M": "i32", "N": "i32", "K": "i32", "m_local": "i32",
           "num_chunks": "i32",
           "epoch": "i64", "stride_bn": "i32", "num_push": "i32"}
@@ -89,7 +90,7 @@ def test_ag_gemm_configs_compile_pipelined(cfg, even_k, a_tma, b_tma, c_tma):
     else:
         assert "cp.async.cg" in ptx or "cp.async.ca" in ptx, "the K loop is not pipelined"
         assert ("cp.async.bulk.tensor" in ptx) == b_tma, "B is read through TMA exactly when asked"
-    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == c_tma, "the output is stored through TMA exactly when asked"
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == c_tma, "the output goes through TMA exactly when asked"
     # 16-byte accesses for A (pushed and loaded) and the output tile: no 2-byte access survives.
     assert not re.search(r"(ld|st)\.global\.b16", ptx), "an access of A or of the output is not vectorised"
     stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2

@@ -9,8 +9,10 @@ current stream; rows are split evenly over the ranks (M divisible by the world s
 AG-GEMM: one persistent kernel. Its first few programs push this rank's rows, CHUNK rows at a time,
 into every peer's gathered buffer and set that peer's chunk flag to the call's epoch; then every
 program takes GEMM tiles from a counter, in an order that starts with this rank's own rows (read from
-x, no wait); a tile holding a peer's rows waits on the flags of the chunks holding them (one flag per
-row of the tile, a block wait), then loads A through consume_token.
+x, no wait); a tile holding a peer's rows waits on the flags of the chunks holding them, then loads A.
+A, B and the output tile go through TMA where the layouts allow and each tile's rows lie in one rank's
+chunk (a wait on that chunk's flag, then a proxy fence); otherwise A by pointer loads after one flag per
+row of the tile (a block wait) and consume_token.
 GEMM-RS: each GEMM tile stores its fp32-accumulated partial, in the output dtype, straight from
 registers into the owning rank's receive slot (put_tile) and adds 1 to that rank's arrival counter; a
 reduce kernel waits for every tile of every rank and sums the slots in fp32.
@@ -183,7 +185,8 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, tile_counte
                     a_ptrs += BLOCK_K
                     b_ptrs += BLOCK_K
         if C_TMA:
-            # Through shared memory and one TMA store, asynchronous: the next tile's loads start while it drains.
+            # Through shared memory (stmatrix) and one TMA store; the program waits only until the store has
+            # read shared memory, so the next tile's loads start while the tile's writes drain.
             out.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out.dtype))
         else:
             omask = (rows[:, None] < M) & (cols[None, :] < N)
