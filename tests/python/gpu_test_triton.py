@@ -495,20 +495,39 @@ def _gathered(t):
     return parts
 
 
+def _a_through_tma(x, w):
+    # The path ag_gemm takes for A (its gathered buffer, from tdist.empty, is always 16-byte aligned: x stands
+    # in for it).
+    from tdist.triton import gemm
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = gemm._ag_gemm_config(world() * x.shape[0], w.shape[0], num_sms)
+    x = x.contiguous()
+    return gemm._ag_operand_paths(x, w, x, cfg)[0]
+
+
 def test_ag_gemm_against_float64():
     # Odd shapes (rows not a multiple of the tile or the chunk, K not a multiple of BLOCK_K); fewer rows per
     # rank than a tile with many tiles (every tile waits: more waiting tiles than SMs would hang a push
     # that needs free SMs); large shapes that take the 128 x 256 tiles, pipelined (K a multiple of 64).
     # K = 97: rows not 16-byte aligned, so the weight is read through pointers rather than TMA.
-    for m_local, n, k in ((1, 33, 64), (77, 333, 200), (45, 130, 97), (33, 8192, 256), (300, 1000, 1024),
-                          (1027, 2053, 520), (1024, 3584, 8192), (3000, 2304, 512)):
+    # A through TMA (rows per rank a multiple of the tile): 64-row tiles with a chunk and a half per rank
+    # and K = 520 (TMA zero-fills the last K block), N = 1000 (the TMA store clips the last column block);
+    # 64-row tiles, every tile of a peer waiting; 128-row tiles with N = 2053 (rows not 16-byte aligned:
+    # the output through pointer stores); the large tiles over the full K = 8192.
+    shapes = ((1, 33, 64), (77, 333, 200), (45, 130, 97), (33, 8192, 256), (300, 1000, 1024), (1027, 2053, 520),
+              (3000, 2304, 512), (192, 1000, 520), (128, 8192, 256), (1024, 2053, 520), (1024, 3584, 8192))
+    paths = set()
+    for m_local, n, k in shapes:
         x = (fresh((m_local, k), seed=m_local) / k ** 0.5).to(torch.bfloat16)
         w = fresh((n, k), seed=n + 1).to(torch.bfloat16)
+        paths.add(_a_through_tma(x, w))
         out = tdist.triton.ag_gemm(x, w)
         torch.cuda.synchronize()
         ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
         assert out.shape == (world() * m_local, n) and out.dtype == torch.bfloat16
         torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    assert paths == {True, False}, f"A's paths covered (True: TMA): {paths}"
     h.expect_error(lambda: tdist.triton.ag_gemm(x, w[:, :-1]), "'w' must be (N, K)")
     h.expect_error(lambda: tdist.triton.ag_gemm(x.float(), w), "'x' must be bfloat16 or float16")
 
@@ -525,17 +544,31 @@ def test_ag_gemm_views():
         torch.cuda.synchronize()
         ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
         torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    # Rows per rank a multiple of the tile: x a row slice starting one row in (16-byte aligned: A's TMA
+    # descriptor on x's own base), then x offset by one element (not aligned: A by pointers).
+    m_local, n, k = 128, 520, 256
+    flat = (fresh(((m_local + 1) * k + 1,), seed=63) / k ** 0.5).to(torch.bfloat16)
+    w = fresh((n, k), seed=64).to(torch.bfloat16)
+    for x, via_tma in ((flat[:(m_local + 1) * k].view(m_local + 1, k)[1:], True),
+                       (flat[1:1 + m_local * k].view(m_local, k), False)):
+        assert _a_through_tma(x, w) == via_tma
+        out = tdist.triton.ag_gemm(x, w)
+        torch.cuda.synchronize()
+        ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_ag_gemm_back_to_back():
-    m_local, n, k, calls = 130, 257, 256, 20
-    xs = [(fresh((m_local, k), seed=100 + i) / k ** 0.5).to(torch.bfloat16) for i in range(calls)]
-    w = fresh((n, k), seed=99).to(torch.bfloat16)
-    outs = [tdist.triton.ag_gemm(x, w) for x in xs]  # no host synchronisation between calls
-    torch.cuda.synchronize()
-    for x, out in zip(xs, outs):
-        ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
-        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    # A by pointers (130 rows per rank), then through TMA (256): each call's flags are one epoch further.
+    for m_local, n, k, calls in ((130, 257, 256, 20), (256, 520, 512, 20)):
+        xs = [(fresh((m_local, k), seed=100 + i) / k ** 0.5).to(torch.bfloat16) for i in range(calls)]
+        w = fresh((n, k), seed=99).to(torch.bfloat16)
+        assert _a_through_tma(xs[0], w) == (m_local == 256)
+        outs = [tdist.triton.ag_gemm(x, w) for x in xs]  # no host synchronisation between calls
+        torch.cuda.synchronize()
+        for x, out in zip(xs, outs):
+            ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
+            torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_gemm_rs_against_float64():

@@ -22,7 +22,8 @@ from tdist.triton import gemm
 SM90 = GPUTarget("cuda", 90, 32)
 kMaxSharedBytes = 227 * 1024  # per block on H100 / H200
 
-AG_SIG = {"heap": "*i64", "x": "*bf16", "gathered": "*bf16", "b": "*bf16", "out": "*bf16", "flags": "*i64",
+AG_SIG = {"heap": "*i64", "x": "*bf16", "gathered": "*bf16", "a_own": "*bf16", "a_peer": "*bf16", "b": "*bf16",
+          "out": "*bf16", "flags": "*i64",
           "tile_counter": "*i32", "x_delta": "i64", "M": "i32", "N": "i32", "K": "i32", "m_local": "i32",
           "num_chunks": "i32",
           "epoch": "i64", "stride_bn": "i32", "num_push": "i32"}
@@ -51,31 +52,95 @@ def _tiles(cfg):
 CONFIGS = [pytest.param(gemm.kLargeConfig, id="large"), pytest.param(gemm.kSmallConfig, id="small")]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS)
-@pytest.mark.parametrize("even_k", [True, False])
-@pytest.mark.parametrize("b_tma", [True, False])
-def test_ag_gemm_configs_compile_pipelined(cfg, even_k, b_tma):
-    constexprs = dict(CHUNK=gemm.kChunkRows, PUSH_K=16 * cfg["num_warps"], EVEN_K=even_k, B_TMA=b_tma, **_tiles(cfg))
+def _compile_ag(cfg, even_k, a_tma, b_tma, c_tma):
+    constexprs = dict(CHUNK=gemm.kChunkRows, PUSH_K=16 * cfg["num_warps"], EVEN_K=even_k, B_TMA=b_tma, A_TMA=a_tma,
+                      C_TMA=c_tma, **_tiles(cfg))
     sig = dict(AG_SIG)
-    aligned = ["heap", "x", "gathered", "out", "flags", "tile_counter", "x_delta", "N", "K", "stride_bn"]
+    aligned = ["heap", "x", "gathered", "flags", "tile_counter", "x_delta", "N", "K", "stride_bn"]
+    if c_tma:
+        sig["out"] = f"tensordesc<bf16[{cfg['BLOCK_M']}, {cfg['BLOCK_N']}]>"
+    else:
+        aligned.append("out")
+    if a_tma:
+        sig["a_own"] = sig["a_peer"] = f"tensordesc<bf16[{cfg['BLOCK_M']}, {cfg['BLOCK_K']}]>"
     if b_tma:
         sig["b"] = f"tensordesc<bf16[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>"
     else:
         aligned.append("b")
-    c = _compile(gemm._ag_gemm_kernel, sig, constexprs, cfg, aligned)
+    return _compile(gemm._ag_gemm_kernel, sig, constexprs, cfg, aligned)
+
+
+# (A_TMA, B_TMA, C_TMA): the launcher reads A through TMA only when B also goes through TMA, and stores the
+# output through TMA only when A goes through TMA.
+AG_OPERANDS = [pytest.param(True, True, True, id="abc_tma"), pytest.param(True, True, False, id="ab_tma"),
+               pytest.param(False, True, False, id="b_tma"), pytest.param(False, False, False, id="pointers")]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("even_k", [True, False])
+@pytest.mark.parametrize("a_tma,b_tma,c_tma", AG_OPERANDS)
+def test_ag_gemm_configs_compile_pipelined(cfg, even_k, a_tma, b_tma, c_tma):
+    c = _compile_ag(cfg, even_k, a_tma, b_tma, c_tma)
     ptx = c.asm["ptx"]
     assert "wgmma.mma_async" in ptx, "the GEMM does not use Hopper's wgmma"
-    assert "cp.async.cg" in ptx or "cp.async.ca" in ptx, "the K loop is not pipelined"
-    assert ("cp.async.bulk.tensor" in ptx) == b_tma, "B is read through TMA exactly when asked"
+    assert "wgmma.wait_group.sync.aligned 1" in ptx, "the wgmma of one K step does not overlap the next"
+    if a_tma:  # both operands through TMA into multi-buffered stages, no pointer loads in the K loop
+        assert "cp.async.bulk.tensor" in ptx and "mbarrier.try_wait" in ptx
+        assert "cp.async.cg" not in ptx and "cp.async.ca" not in ptx
+    else:
+        assert "cp.async.cg" in ptx or "cp.async.ca" in ptx, "the K loop is not pipelined"
+        assert ("cp.async.bulk.tensor" in ptx) == b_tma, "B is read through TMA exactly when asked"
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == c_tma, "the output goes through TMA exactly when asked"
     # 16-byte accesses for A (pushed and loaded) and the output tile: no 2-byte access survives.
     assert not re.search(r"(ld|st)\.global\.b16", ptx), "an access of A or of the output is not vectorised"
     stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    # One set of stages: the own and peer tiles share one K loop (a select of descriptors, not two loops).
     assert cfg["num_stages"] * stage <= c.metadata.shared <= kMaxSharedBytes, (c.metadata.shared, stage)
+    # The launch shape's programs per SM all fit at once (each block also holds 1 KiB reserved by the GPU).
+    assert gemm._programs_per_sm(cfg) * (c.metadata.shared + 1024) <= 228 * 1024, c.metadata.shared
     # Tiles come from a counter: one thread's relaxed atomic per fetch, broadcast through shared memory.
     atoms = [line for line in ptx.splitlines() if "atom.global" in line and ".add.u32" in line]
     assert len(atoms) == 2 and all(line.strip().startswith("@%p") for line in atoms), atoms
     # The waits keep the timeout, the record of the abort action and the trap.
     assert "%globaltimer" in ptx and "atom.cas.sys.b32" in ptx and "trap;" in ptx
+
+
+def _body(ptx):
+    return "\n".join(line for line in ptx[ptx.index(".entry"):].splitlines()
+                     if not line.strip().startswith((".loc", "//", "$L__tmp")))
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("c_tma", [True, False])
+def test_ag_gemm_tma_loads_of_peer_rows_follow_the_wait(cfg, c_tma):
+    # A peer tile: the spin on its chunk's flag, bar.sync, every thread's acquire of the flag into T, then
+    # fence.proxy.async.global (the acquired rows visible to the async proxy) and a zero from T; the row
+    # coordinate of A's TMA loads is computed from that zero, so no load of the tile is issued before the
+    # wait, and every TMA load of A comes after the fence in program order.
+    body = _body(_compile_ag(cfg, True, True, True, c_tma).asm["ptx"])
+    m = re.search(r"bar\.sync\s+0;\s*ld\.acquire\.sys\.u64 (%rd\d+), \[[^\]]+\];\s*"
+                  r"fence\.proxy\.async\.global;\s*and\.b64 (%rd\d+), \1, 0;", body)
+    assert m, "no acquire, proxy fence and zero from the acquired value after the spin"
+    assert body.index("tdist_done:") < m.start()
+    deps = {m.group(2)}
+    for line in body[m.end():].splitlines():
+        line = line.strip()
+        if line.startswith(("cp.async.bulk.tensor", "@")):
+            break
+        dst = re.match(r"[\w.]+\s+(%r[d]?\d+),(.*)", line)
+        if dst and any(re.search(rf"{re.escape(d)}\b", dst.group(2)) for d in deps):
+            deps.add(dst.group(1))
+    # TMA loads: [smem], [descriptor, {k, row}]. A's descriptor is the one whose loads use a coordinate from
+    # the zero (B's row coordinate is the tile's column).
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\S* \[[^\]]+\], \[(%rd\d+), \{(%r\d+), (%r\d+)\}\]", body)
+    assert loads, "no TMA loads"
+    a_desc = {desc for desc, _, row in loads if row in deps}
+    assert len(a_desc) == 1, (sorted(deps), loads)
+    a_loads = [i for i, line in enumerate(body.splitlines()) if "cp.async.bulk.tensor" in line
+               and any(f"[{d}," in line for d in a_desc)]
+    fence = body[:m.end()].count("\n")
+    assert all(i > fence for i in a_loads), "a TMA load of A precedes the proxy fence"
+    assert all(row in deps for desc, _, row in loads if desc in a_desc), "an A load's row does not depend on the wait"
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
@@ -115,6 +180,17 @@ def test_config_choice():
     assert gemm._gemm_config(8192, 14336) == gemm.kLargeConfig
     assert gemm._gemm_config(1024, 14336) == gemm.kSmallConfig
     assert gemm._gemm_config(8192, 1000) == gemm.kSmallConfig
+
+
+@pytest.mark.parametrize("m,n,expected", [
+    (8192, 28672, gemm.kLargeConfig),  # LLaMA-3-70B's MLP up-projection at M = 8192, 4096, 1024
+    (4096, 28672, gemm.kLargeConfig),
+    (1024, 28672, gemm.kLargeConfig),  # 896 large tiles fill 97% of 7 waves on 132 SMs
+    (256, 4096, gemm.kSmallConfig),    # 32 large tiles would leave three quarters of the SMs idle
+    (64, 1000, gemm.kSmallConfig),
+])
+def test_ag_config_choice(m, n, expected):
+    assert gemm._ag_gemm_config(m, n, 132) == expected
 
 
 @pytest.mark.parametrize("sms,per_sm,world,chunks,tiles,expected", [

@@ -9,8 +9,10 @@ current stream; rows are split evenly over the ranks (M divisible by the world s
 AG-GEMM: one persistent kernel. Its first few programs push this rank's rows, CHUNK rows at a time,
 into every peer's gathered buffer and set that peer's chunk flag to the call's epoch; then every
 program takes GEMM tiles from a counter, in an order that starts with this rank's own rows (read from
-x, no wait); a tile holding a peer's rows waits on the flags of the chunks holding them (one flag per
-row of the tile, a block wait), then loads A through consume_token.
+x, no wait); a tile holding a peer's rows waits on the flags of the chunks holding them, then loads A.
+A, B and the output tile go through TMA where the layouts allow and each tile's rows lie in one rank's
+chunk (a wait on that chunk's flag, then a proxy fence); otherwise A by pointer loads after one flag per
+row of the tile (a block wait) and consume_token.
 GEMM-RS: each GEMM tile stores its fp32-accumulated partial, in the output dtype, straight from
 registers into the owning rank's receive slot (put_tile) and adds 1 to that rank's arrival counter; a
 reduce kernel waits for every tile of every rank and sums the slots in fp32.
@@ -80,16 +82,40 @@ def _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, wor
 
 
 @triton.jit
-def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, x_delta, M, N, K, m_local, num_chunks, epoch,
-                    stride_bn, num_push, CHUNK: tl.constexpr, PUSH_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-                    B_TMA: tl.constexpr):
+def _async_proxy_after(token):
+    # fence.proxy.async.global, then a zero computed from the waited value: the rows acquired by the wait
+    # (written through the generic proxy: a peer's stores over NVLink) are seen by TMA loads (async proxy)
+    # issued after the fence, and the TMA coordinates, built from the zero, depend on the wait, so no pass
+    # can issue those loads earlier (consume_token's device, for TMA coordinates rather than addresses).
+    return tl.inline_asm_elementwise("fence.proxy.async.global;\n\tand.b64 $0, $1, 0;", "=l,l", [token],
+                                     dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _tma_k_loop(a, b, row, col, K, acc, BLOCK_K: tl.constexpr):
+    # acc + A[row : row + BLOCK_M, :] @ B[col : col + BLOCK_N, :].T, both operands through TMA (descriptors
+    # with blocks [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]; K and rows past the ends read 0).
+    for k0 in range(0, K, BLOCK_K):
+        acc = tl.dot(a.load([row, k0]), b.load([col, k0]).T, acc)
+    return acc
+
+
+@triton.jit
+def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, tile_counter, x_delta, M, N, K, m_local,
+                    num_chunks, epoch, stride_bn, num_push, CHUNK: tl.constexpr, PUSH_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    EVEN_K: tl.constexpr, B_TMA: tl.constexpr, A_TMA: tl.constexpr, C_TMA: tl.constexpr):
     # Persistent: as many programs per SM as fit at once, no more. Programs [0, num_push) first push this
     # rank's rows to the peers (no wait before: the pushes progress whatever the peers do); then every
     # program takes GEMM tiles from a counter (dynamic: the pushing programs join late without leaving a
     # tail). Tiles go in grouped order starting with this rank's own rows, which are read from x and never
-    # wait; a tile holding a peer's rows waits for the flags of their chunks (one flag per row, a block
-    # wait), then loads A through consume_token. b: w [N, K], a TMA descriptor when B_TMA, else a pointer.
+    # wait; a tile holding a peer's rows waits for the flags of their chunks, then loads A.
+    # A_TMA (B_TMA too; BLOCK_M divides m_local and CHUNK, so a tile's rows come from one rank and one chunk):
+    # a_own, a_peer: TMA descriptors of x [m_local, K] and of gathered [M, K]; own tiles read a_own, the
+    # others wait on their chunk's one flag, fence the async proxy and read a_peer.
+    # Else A by pointer loads, one flag per row (a block wait) and consume_token; a_own and a_peer unused.
+    # b: w [N, K], a TMA descriptor when B_TMA, else a pointer. out: [M, N], a TMA descriptor with blocks
+    # [BLOCK_M, BLOCK_N] when C_TMA (rows and columns past the ends are not written), else a pointer.
     pid = tl.program_id(0)
     if pid < num_push:
         _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, pid, num_push, CHUNK, PUSH_K)
@@ -104,48 +130,67 @@ def _ag_gemm_kernel(heap, x, gathered, b, out, flags, tile_counter, x_delta, M, 
         next_tile = tl.atomic_add(tile_counter, 1, sem="relaxed")  # fetched early: its latency hides
         pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, shift, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows_c = tl.minimum(rows, M - 1)
-        src = rows_c // m_local
-        local_row = rows_c - src * m_local
-        own = src == me
-        # Expected 0 always holds: own rows never wait. After an aborted wait the loads below read stale
-        # rows (garbage, as the contract says), never out of bounds: addresses come from the row numbers.
-        seen = tdl.wait(heap, flags + src * num_chunks + local_row // CHUNK, tl.where(own, 0, epoch))
-        # One base: row r of the gathered buffer, or for this rank's own rows the same row of x, which lies
-        # x_delta - me * m_local * K elements further. Arithmetic rather than tl.where: a select (of pointers
-        # or of offsets) loses the alignment facts in Triton 3.9, and with them the vector loads and the
-        # pipelined K loop; a product and a sum keep them.
-        own_shift = x_delta.to(tl.int64) - (me * m_local).to(tl.int64) * K
-        a_rows = gathered + (rows_c.to(tl.int64) * K + own.to(tl.int64) * own_shift)
-        a_rows = tdl.consume_token(a_rows, seen)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols_c = tl.minimum(cols, N - 1)
-        a_ptrs = a_rows[:, None] + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if B_TMA:
-            # b: a TMA descriptor of w [N, K], blocks [BLOCK_N, BLOCK_K]; out-of-range columns and K read 0.
-            for k0 in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    a_tile = tl.load(a_ptrs)
-                else:
-                    a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-                acc = tl.dot(a_tile, b.load([pid_n * BLOCK_N, k0]).T, acc)
-                a_ptrs += BLOCK_K
+        if A_TMA:
+            row0 = pid_m * BLOCK_M
+            src = row0 // m_local
+            if src == me:
+                a = a_own
+                a_row = row0 - me * m_local
+            else:
+                # One flag: thread 0 spins, then every thread acquires it. After an aborted wait the TMA
+                # reads stale rows (garbage, as the contract says), never out of bounds (TMA clips).
+                seen = tdl.wait(heap, flags + src * num_chunks + (row0 - src * m_local) // CHUNK, epoch)
+                a = a_peer
+                a_row = row0 + _async_proxy_after(seen).to(tl.int32)
+            acc = _tma_k_loop(a, b, a_row, pid_n * BLOCK_N, K, acc, BLOCK_K)
         else:
-            b_ptrs = b + cols_c[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
-            for k0 in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    a_tile = tl.load(a_ptrs)
-                    b_tile = tl.load(b_ptrs)
-                else:
-                    kmask = offs_k < K - k0
-                    a_tile = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
-                    b_tile = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
-                acc = tl.dot(a_tile, b_tile, acc)
-                a_ptrs += BLOCK_K
-                b_ptrs += BLOCK_K
-        omask = (rows[:, None] < M) & (cols[None, :] < N)
-        tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty), mask=omask)
+            rows_c = tl.minimum(rows, M - 1)
+            src = rows_c // m_local
+            local_row = rows_c - src * m_local
+            own = src == me
+            # Expected 0 always holds: own rows never wait. After an aborted wait the loads below read stale
+            # rows (garbage, as the contract says), never out of bounds: addresses come from the row numbers.
+            seen = tdl.wait(heap, flags + src * num_chunks + local_row // CHUNK, tl.where(own, 0, epoch))
+            # One base: row r of the gathered buffer, or for this rank's own rows the same row of x, which
+            # lies x_delta - me * m_local * K elements further. Arithmetic rather than tl.where: a select (of
+            # pointers or of offsets) loses the alignment facts in Triton 3.9, and with them the vector loads
+            # and the pipelined K loop; a product and a sum keep them.
+            own_shift = x_delta.to(tl.int64) - (me * m_local).to(tl.int64) * K
+            a_rows = gathered + (rows_c.to(tl.int64) * K + own.to(tl.int64) * own_shift)
+            a_rows = tdl.consume_token(a_rows, seen)
+            cols_c = tl.minimum(cols, N - 1)
+            a_ptrs = a_rows[:, None] + offs_k[None, :]
+            if B_TMA:
+                # b: a TMA descriptor of w [N, K], blocks [BLOCK_N, BLOCK_K]; out-of-range columns and K read 0.
+                for k0 in range(0, K, BLOCK_K):
+                    if EVEN_K:
+                        a_tile = tl.load(a_ptrs)
+                    else:
+                        a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
+                    acc = tl.dot(a_tile, b.load([pid_n * BLOCK_N, k0]).T, acc)
+                    a_ptrs += BLOCK_K
+            else:
+                b_ptrs = b + cols_c[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+                for k0 in range(0, K, BLOCK_K):
+                    if EVEN_K:
+                        a_tile = tl.load(a_ptrs)
+                        b_tile = tl.load(b_ptrs)
+                    else:
+                        kmask = offs_k < K - k0
+                        a_tile = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+                        b_tile = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+                    acc = tl.dot(a_tile, b_tile, acc)
+                    a_ptrs += BLOCK_K
+                    b_ptrs += BLOCK_K
+        if C_TMA:
+            # Through shared memory (stmatrix) and one TMA store; the program waits only until the store has
+            # read shared memory, so the next tile's loads start while the tile's writes drain.
+            out.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out.dtype))
+        else:
+            omask = (rows[:, None] < M) & (cols[None, :] < N)
+            tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty), mask=omask)
         tile = next_tile
 
 
@@ -220,6 +265,42 @@ kPushPrograms = 16  # AG-GEMM programs that push before they compute (about 8 SM
 
 def _gemm_config(m: int, n: int) -> dict:
     return dict(kLargeConfig if m >= 2048 and n >= 2048 else kSmallConfig)
+
+
+def _tile_score(cfg: dict, m: int, n: int, programs: int) -> float:
+    # The C++ op's rule (choose_gemm_tile in src/ops/gemm.cpp): useful fraction of the tile area (edge
+    # tiles are partly empty) x fill of the last wave x the tile's operand reuse.
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    waves = triton.cdiv(tiles, programs)
+    used = m * n / (tiles * bm * bn)
+    fill = tiles / (waves * programs)
+    return used * fill * (bm * bn / (bm * bn + 48 * (bm + bn)))
+
+
+def _ag_gemm_config(m: int, n: int, num_sms: int) -> dict:
+    """The AG-GEMM's tile: the better scored of the large (one program per SM) and small (two) tiles. Scored
+    rather than by a threshold on M: at M = 1024, N = 28672 the large tiles still fill 97% of their last
+    wave and reuse each load more than the small ones."""
+    large, small = dict(kLargeConfig), dict(kSmallConfig)
+    s_large = _tile_score(large, m, n, num_sms * _programs_per_sm(large))
+    s_small = _tile_score(small, m, n, num_sms * _programs_per_sm(small))
+    return large if s_large >= s_small else small
+
+
+def _tma_ok(t) -> bool:
+    # What a TMA descriptor needs of a row-major matrix: a 16-byte aligned base and row stride.
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+def _ag_operand_paths(x, w, gathered, cfg: dict) -> tuple[bool, bool]:
+    """(A through TMA, B through TMA) for the AG-GEMM: B where w's layout allows; A where B does, x's and
+    the gathered buffer's layouts allow, and every tile's rows lie in one rank's rows and one flag's chunk
+    (BLOCK_M divides x's row count and the chunk)."""
+    b_tma = _tma_ok(w)
+    bm = cfg["BLOCK_M"]
+    a_tma = b_tma and _tma_ok(x) and _tma_ok(gathered) and x.shape[0] % bm == 0 and kChunkRows % bm == 0
+    return a_tma, b_tma
 
 
 def _num_sms(device, torch) -> int:
@@ -329,23 +410,34 @@ def ag_gemm(x, w):
     gathered = _ag.get("gathered", (m, k), x.dtype)
     flags = _ag.get(f"flags_{m_local}", (world * num_chunks,), torch.int64)
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    cfg = _gemm_config(m, n)
-    num_tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    cfg = _ag_gemm_config(m, n, _ag.num_sms)
+    bm, bk = cfg["BLOCK_M"], cfg["BLOCK_K"]
+    num_tiles = triton.cdiv(m, bm) * triton.cdiv(n, cfg["BLOCK_N"])
     programs, push = _ag_launch_shape(_ag.num_sms, _programs_per_sm(cfg), world, num_chunks, num_tiles)
-    # The weight through TMA where its layout allows it (16-byte aligned base and rows): the copy engine of
-    # the SM fetches B, zero-filling past N and K. A stays on pointer loads: its rows come from x or the
-    # gathered buffer, row by row, after the flags.
-    b_tma = w.data_ptr() % 16 == 0 and (w.stride(0) * w.element_size()) % 16 == 0
-    b = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]]) if b_tma else w
+    # The weight through TMA where its layout allows it: the SM's copy engine fetches B, zero-filling past N
+    # and K. A too where, besides, every tile's rows come from one rank and one flag's chunk (BLOCK_M divides
+    # m_local and the chunk): own tiles read x's descriptor, the others gathered's after their flag. Else A
+    # by pointer loads, row by row.
+    a_tma, b_tma = _ag_operand_paths(x, w, gathered, cfg)
+    b = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], bk]) if b_tma else w
+    a_own, a_peer = x, gathered  # unused by the pointer path
+    if a_tma:
+        a_own = TensorDescriptor.from_tensor(x, [bm, bk])
+        a_peer = TensorDescriptor.from_tensor(gathered, [bm, bk])
+    # The output tile through one TMA store where A is read through TMA (the configurations the shared
+    # memory is checked for: 64 KiB more beside the large tiles' 144) and out's rows are 16-byte aligned.
+    c_tma = a_tma and _tma_ok(out)
+    c = TensorDescriptor.from_tensor(out, [bm, cfg["BLOCK_N"]]) if c_tma else out
     _ag_start[(1,)](view.tensor, _ag.pad, _ag.tile_counter)
     # x as an offset from gathered, in elements (both are 2-byte aligned, so the division is exact).
     x_delta = (x.data_ptr() - gathered.data_ptr()) // x.element_size()
     # One kernel on the current stream: no side stream, so nothing depends on how the block scheduler
     # interleaves two kernels. The pushing programs have the lowest ids (dispatched first) and wait for
     # nothing before their pushes: the GEMM's waits always end.
-    _ag_gemm_kernel[(programs,)](view.tensor, x, gathered, b, out, flags, _ag.tile_counter, x_delta, m, n, k, m_local,
-                                 num_chunks, _ag.epoch, w.stride(0), push, CHUNK=kChunkRows,
-                                 PUSH_K=16 * cfg["num_warps"], EVEN_K=k % cfg["BLOCK_K"] == 0, B_TMA=b_tma, **cfg)
+    _ag_gemm_kernel[(programs,)](view.tensor, x, gathered, a_own, a_peer, b, c, flags, _ag.tile_counter, x_delta,
+                                 m, n, k, m_local, num_chunks, _ag.epoch, w.stride(0), push, CHUNK=kChunkRows,
+                                 PUSH_K=16 * cfg["num_warps"], EVEN_K=k % bk == 0, B_TMA=b_tma, A_TMA=a_tma,
+                                 C_TMA=c_tma, **cfg)
     return out
 
 
