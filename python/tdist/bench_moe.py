@@ -1,7 +1,7 @@
 """Benchmark of tdist's tensor-parallel MoE ops beside the PyTorch sequences that do the same work
 (torch._grouped_mm + NCCL), and of tdist's grouped GEMM beside torch._grouped_mm, from one run.
 
-    torchrun --nproc-per-node 2 -m tdist.bench_moe [--models mixtral,qwen3,dsv2lite] [--m 1024,4096,16384]
+    torchrun --nproc-per-node 2 -m tdist.bench_moe [--models mixtral,qwen3,dsv2lite] [--tokens 1024,4096,16384]
         [--routing uniform,skewed] [--ops ag,rs] [--iters 20] [--json FILE]
 
 Shapes (every rank holds every expert's shard of the intermediate features, TP = the world size; F =
@@ -69,7 +69,8 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m tdist.bench_moe", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
-    p.add_argument("--m", default="1024,4096,16384", help="comma-separated token counts M (all ranks)")
+    p.add_argument("--tokens", dest="m", default="1024,4096,16384",
+                   help="comma-separated token counts M (all ranks); not --m, which torchrun takes for its own")
     p.add_argument("--routing", default=",".join(ROUTINGS), help="comma-separated: " + ", ".join(ROUTINGS))
     p.add_argument("--ops", default="ag,rs", help="comma-separated: " + ", ".join(OPS))
     p.add_argument("--tdist-method", default="auto", choices=("auto", "chunked", "baseline"),
@@ -97,9 +98,9 @@ def _parse(argv):
     try:
         args.m = [int(x) for x in args.m.split(",") if x.strip()]
     except ValueError:
-        p.error(f"--m must be comma-separated integers, got '{args.m}'")
+        p.error(f"--tokens must be comma-separated integers, got '{args.m}'")
     if not args.m or any(v <= 0 for v in args.m):
-        p.error(f"--m values must be positive, got {args.m}")
+        p.error(f"--tokens values must be positive, got {args.m}")
     if args.sets < 1 or args.iters < 1 or args.warmup < 0:
         p.error("--sets and --iters must be at least 1, --warmup at least 0")
     return args

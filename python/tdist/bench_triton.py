@@ -26,7 +26,8 @@ from . import _bench_world
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m tdist.bench_triton", description=__doc__.split("\n\n")[0])
     p.add_argument("--op", choices=("ag_gemm", "gemm_rs", "all"), default="all")
-    p.add_argument("--m", default="1024,2048,4096,8192", help="total rows M, comma-separated (default %(default)s)")
+    p.add_argument("--rows", dest="m", default="1024,2048,4096,8192",
+                   help="total rows M, comma-separated (default %(default)s; not --m, which torchrun takes for its own)")
     p.add_argument("--k", type=int, default=8192, help="AG K (default %(default)s)")
     p.add_argument("--n-total", type=int, default=28672, help="AG N before the split over ranks (default %(default)s)")
     p.add_argument("--rs-n", type=int, default=8192, help="RS N (default %(default)s)")
@@ -38,9 +39,9 @@ def _parse(argv):
     try:
         args.m = [int(v) for v in args.m.split(",")]
     except ValueError:
-        p.error(f"--m must be comma-separated integers, got {args.m!r}")
+        p.error(f"--rows must be comma-separated integers, got {args.m!r}")
     if any(v <= 0 for v in args.m) or args.warmup < 0 or args.iters < 1:
-        p.error("--m values and --iters must be positive, --warmup >= 0")
+        p.error("--rows values and --iters must be positive, --warmup >= 0")
     return args
 
 

@@ -585,7 +585,8 @@ def test_gemm_rs_against_float64():
         for out in outs:
             assert out.shape == (m_local, n) and out.dtype == torch.bfloat16
             torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
-    h.expect_error(lambda: tdist.triton.gemm_rs(a[:m - 1], b), "must be a positive multiple of the world size")
+    if world() > 1:  # any row count divides over one rank
+        h.expect_error(lambda: tdist.triton.gemm_rs(a[:m - 1], b), "must be a positive multiple of the world size")
 
 
 def _tutorial(name):
