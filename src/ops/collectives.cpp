@@ -482,10 +482,14 @@ int Collectives::tune_class(const Call& call, const CollectiveClass& cls, cudaSt
       "tdist collective method tuning: class", {static_cast<double>(key), -static_cast<double>(key),
                                                  have_scratch ? 0.0 : 1.0});
   if (agreed[0] != -agreed[1]) {
+    // Every rank sees the mismatch here, so all stop timing together (and all stop using their
+    // winners, which might now differ): the table decides from here on, as before any timing.
     free_ordinary();
-    TDIST_FAIL("the ranks called ", to_string(cls.op), " with buffers of different kinds, in-place layout or 16-byte ",
-               "alignment (this rank: ", describe(cls), "); pass alike buffers on every rank, or set ",
-               kCollectiveTuneEnv, "=0");
+    t.on = false;
+    TDIST_WARN(TUNE, "collectives: the ranks called ", to_string(cls.op), " with buffers of different kinds, in-place ",
+               "layout or 16-byte alignment (this rank: ", describe(cls), "); timing is off for this context, the ",
+               "table decides every call. Pass alike buffers on every rank.");
+    return -1;
   }
   if (agreed[2] > 0) {
     free_ordinary();
