@@ -332,8 +332,8 @@ CollectiveClass collective_class(CollectiveOp op, const CollectiveShape& s, bool
 
 uint64_t class_key(const CollectiveClass& c) {
   // bits: op 0-1, dtype 2-4, kinds 5-8, bucket 9-17, candidates 18-25, world size 26-41 (42 in all)
-  const uint64_t kinds = (c.in_symmetric ? 1u : 0u) | (c.out_symmetric ? 2u : 0u) | (c.in_place ? 4u : 0u) |
-                         (c.aligned16 ? 8u : 0u);
+  const uint64_t kinds =
+      (c.in_symmetric ? 1u : 0u) | (c.out_symmetric ? 2u : 0u) | (c.in_place ? 4u : 0u) | (c.aligned16 ? 8u : 0u);
   return static_cast<uint64_t>(c.op) | static_cast<uint64_t>(c.dtype) << 2 | kinds << 5 |
          static_cast<uint64_t>(c.bucket & 0x1ff) << 9 | static_cast<uint64_t>(c.candidates & 0xff) << 18 |
          static_cast<uint64_t>(c.world_size & 0xffff) << 26;

@@ -313,7 +313,6 @@ void Collectives::barrier(cudaStream_t stream) {
 // ---------------------------------------------------------------------------------------------
 // Method choice: requested > environment > the class's timed winner > timing the class now > table.
 
-
 namespace {
 
 bool stream_capturing(cudaStream_t stream) {
@@ -356,8 +355,9 @@ Collectives::Call Collectives::all_reduce_call(const void* in, void* out, size_t
   check_count("all_reduce", count);
   const size_t bytes = count * dtype_size(dtype);
   check_buffers("all_reduce", in, bytes, out, bytes, out);
-  return {CollectiveOp::kAllReduce, in,    bytes, out, bytes, count, dtype,
-          in == out,                shape(bytes, dtype, in, bytes, out, bytes, 16)};
+  const bool in_place = in == out;
+  const CollectiveShape s = shape(bytes, dtype, in, bytes, out, bytes, 16);
+  return Call{CollectiveOp::kAllReduce, in, bytes, out, bytes, count, dtype, in_place, s};
 }
 
 Collectives::Call Collectives::all_gather_call(const void* in, void* out, size_t count, DType dtype) const {
@@ -366,8 +366,9 @@ Collectives::Call Collectives::all_gather_call(const void* in, void* out, size_t
   const size_t b = count * dtype_size(dtype), total = b * world_.world_size();
   const void* in_place_in = static_cast<const char*>(out) + world_.rank() * b;
   check_buffers("all_gather", in, b, out, total, in_place_in);
-  return {CollectiveOp::kAllGather, in,    b, out, total, count, dtype,
-          in == in_place_in,        shape(total, dtype, in, b, out, total, b)};
+  const bool in_place = in == in_place_in;
+  return Call{
+      CollectiveOp::kAllGather, in, b, out, total, count, dtype, in_place, shape(total, dtype, in, b, out, total, b)};
 }
 
 Collectives::Call Collectives::reduce_scatter_call(const void* in, void* out, size_t count, DType dtype) const {
@@ -376,26 +377,25 @@ Collectives::Call Collectives::reduce_scatter_call(const void* in, void* out, si
   const size_t b = count * dtype_size(dtype), total = b * world_.world_size();
   const void* in_place_in = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(out) - world_.rank() * b);
   check_buffers("reduce_scatter", in, total, out, b, in_place_in);
-  return {CollectiveOp::kReduceScatter, in,    total, out, b, count, dtype,
-          in == in_place_in,            shape(total, dtype, in, total, out, b, b)};
+  const bool in_place = in == in_place_in;
+  const CollectiveShape s = shape(total, dtype, in, total, out, b, b);
+  return Call{CollectiveOp::kReduceScatter, in, total, out, b, count, dtype, in_place, s};
 }
 
 AllReduceMethod Collectives::all_reduce_method(const void* in, void* out, size_t count, DType dtype,
                                                AllReduceMethod method) const {
   const Call c = all_reduce_call(in, out, count, dtype);
   const unsigned cand = all_reduce_candidates(c.shape, limits());
-  return choose_method(method, kAllReduceMethodEnv, limits(), cand,
-                       collective_class(c.op, c.shape, c.in_place, cand), c.shape, *tuner_, resolve_all_reduce,
-                       kNoTiming);
+  return choose_method(method, kAllReduceMethodEnv, limits(), cand, collective_class(c.op, c.shape, c.in_place, cand),
+                       c.shape, *tuner_, resolve_all_reduce, kNoTiming);
 }
 
 AllGatherMethod Collectives::all_gather_method(const void* in, void* out, size_t count, DType dtype,
                                                AllGatherMethod method) const {
   const Call c = all_gather_call(in, out, count, dtype);
   const unsigned cand = all_gather_candidates(c.shape, limits());
-  return choose_method(method, kAllGatherMethodEnv, limits(), cand,
-                       collective_class(c.op, c.shape, c.in_place, cand), c.shape, *tuner_, resolve_all_gather,
-                       kNoTiming);
+  return choose_method(method, kAllGatherMethodEnv, limits(), cand, collective_class(c.op, c.shape, c.in_place, cand),
+                       c.shape, *tuner_, resolve_all_gather, kNoTiming);
 }
 
 ReduceScatterMethod Collectives::reduce_scatter_method(const void* in, void* out, size_t count, DType dtype,
@@ -478,9 +478,9 @@ int Collectives::tune_class(const Call& call, const CollectiveClass& cls, cudaSt
   if (symmetric_bytes > 0 && heap_.largest_free_block() < symmetric_bytes + SymmetricHeap::kDefaultAlignment)
     have_scratch = false;
   // A class differing between ranks would make them time different candidates: agree first.
-  const std::vector<double> agreed = world_.max_across_ranks(
-      "tdist collective method tuning: class", {static_cast<double>(key), -static_cast<double>(key),
-                                                 have_scratch ? 0.0 : 1.0});
+  const std::vector<double> agreed =
+      world_.max_across_ranks("tdist collective method tuning: class",
+                              {static_cast<double>(key), -static_cast<double>(key), have_scratch ? 0.0 : 1.0});
   if (agreed[0] != -agreed[1]) {
     // Every rank sees the mismatch here, so all stop timing together (and all stop using their
     // winners, which might now differ): the table decides from here on, as before any timing.
@@ -577,8 +577,8 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
   const Call call = all_reduce_call(in, out, count, dtype);
   const unsigned cand = all_reduce_candidates(call.shape, limits());
   const AllReduceMethod m =
-      choose_method(method, kAllReduceMethodEnv, limits(), cand, collective_class(call.op, call.shape, call.in_place, cand),
-                    call.shape, *tuner_, resolve_all_reduce,
+      choose_method(method, kAllReduceMethodEnv, limits(), cand,
+                    collective_class(call.op, call.shape, call.in_place, cand), call.shape, *tuner_, resolve_all_reduce,
                     [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
   if (world_.check_calls())
     world_.check_same_call(detail::concat("all_reduce(count=", count, ", ", to_string(dtype), ", method ", to_string(m),
@@ -640,12 +640,12 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
   const Call call = all_gather_call(in, out, count, dtype);
   const unsigned cand = all_gather_candidates(call.shape, limits());
   const AllGatherMethod m =
-      choose_method(method, kAllGatherMethodEnv, limits(), cand, collective_class(call.op, call.shape, call.in_place, cand),
-                    call.shape, *tuner_, resolve_all_gather,
+      choose_method(method, kAllGatherMethodEnv, limits(), cand,
+                    collective_class(call.op, call.shape, call.in_place, cand), call.shape, *tuner_, resolve_all_gather,
                     [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
   if (world_.check_calls())
-    world_.check_same_call(detail::concat("all_gather(count=", count, " per rank, ", to_string(dtype), ", method ",
-                                          to_string(m), ")"));
+    world_.check_same_call(
+        detail::concat("all_gather(count=", count, " per rank, ", to_string(dtype), ", method ", to_string(m), ")"));
   TDIST_NVTX_RANGE("tdist::Collectives::all_gather", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const int n = world_.world_size(), me = world_.rank();
   const size_t b = count * dtype_size(dtype);
@@ -739,13 +739,13 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
   check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
   const Call call = reduce_scatter_call(in, out, count, dtype);
   const unsigned cand = reduce_scatter_candidates(call.shape, limits());
-  const ReduceScatterMethod m = choose_method(
-      method, kReduceScatterMethodEnv, limits(), cand, collective_class(call.op, call.shape, call.in_place, cand),
-      call.shape, *tuner_, resolve_reduce_scatter,
-      [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
+  const ReduceScatterMethod m =
+      choose_method(method, kReduceScatterMethodEnv, limits(), cand,
+                    collective_class(call.op, call.shape, call.in_place, cand), call.shape, *tuner_,
+                    resolve_reduce_scatter, [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
   if (world_.check_calls())
-    world_.check_same_call(detail::concat("reduce_scatter(count=", count, " per rank, ", to_string(dtype),
-                                          ", method ", to_string(m), ")"));
+    world_.check_same_call(detail::concat("reduce_scatter(count=", count, " per rank, ", to_string(dtype), ", method ",
+                                          to_string(m), ")"));
   TDIST_NVTX_RANGE("tdist::Collectives::reduce_scatter", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const int n = world_.world_size(), me = world_.rank();
   const size_t b = count * dtype_size(dtype);

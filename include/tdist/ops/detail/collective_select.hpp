@@ -98,10 +98,10 @@ struct CollectiveClass {
   int world_size = 2;
   bool in_symmetric = false;
   bool out_symmetric = false;
-  bool in_place = false;   // all_reduce in == out; all_gather in == out + rank * count; reduce_scatter the reverse
-  bool aligned16 = true;   // CollectiveShape::aligned16: pointers and the per-rank part 16-byte multiples
-  int bucket = 0;          // size_bucket(nccl-tests bytes)
-  unsigned candidates = 0; // bit m set: method m (the enum's value) is feasible for the call
+  bool in_place = false;    // all_reduce in == out; all_gather in == out + rank * count; reduce_scatter the reverse
+  bool aligned16 = true;    // CollectiveShape::aligned16: pointers and the per-rank part 16-byte multiples
+  int bucket = 0;           // size_bucket(nccl-tests bytes)
+  unsigned candidates = 0;  // bit m set: method m (the enum's value) is feasible for the call
 };
 // The class of a call: the shape's fields, its in-place flag and its feasible methods.
 CollectiveClass collective_class(CollectiveOp op, const CollectiveShape& s, bool in_place, unsigned candidates);
@@ -127,7 +127,16 @@ const char* method_name(CollectiveOp op, int m);
 // above kCollectiveTuneMaxBytes, a single candidate, a stream under graph capture (timing
 // synchronises with the host, which capture forbids; the class is timed at its first call outside
 // capture).
-enum class TuneSkip { kNone, kExplicitMethod, kEnvMethod, kTuningOff, kSingleRank, kTooLarge, kOneCandidate, kCapturing };
+enum class TuneSkip {
+  kNone,
+  kExplicitMethod,
+  kEnvMethod,
+  kTuningOff,
+  kSingleRank,
+  kTooLarge,
+  kOneCandidate,
+  kCapturing
+};
 const char* to_string(TuneSkip reason);
 TuneSkip tune_skip_reason(bool method_is_auto, const char* env_value, bool tuning_on, const CollectiveShape& s,
                           unsigned candidates, bool capturing);
