@@ -324,18 +324,41 @@ bool stream_capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
-// `time(cls)`: the class's winner timed now, or -1 (table); null for the queries, which never time.
-template <typename M, typename Resolve, typename Time>
-M choose_method(M requested, const char* env_name, const CollectiveLimits& l, unsigned candidates,
-                const CollectiveClass& cls, const CollectiveShape& s, detail::CollectiveTuner& t, Resolve resolve,
-                Time&& time) {
-  const char* env = std::getenv(env_name);
+// Per method enum: its environment variable, its candidates and its resolution without timing.
+template <typename M>
+struct MethodOf;
+template <>
+struct MethodOf<AllReduceMethod> {
+  static constexpr const char* kEnv = kAllReduceMethodEnv;
+  static constexpr auto candidates = all_reduce_candidates;
+  static constexpr auto resolve = resolve_all_reduce;
+};
+template <>
+struct MethodOf<AllGatherMethod> {
+  static constexpr const char* kEnv = kAllGatherMethodEnv;
+  static constexpr auto candidates = all_gather_candidates;
+  static constexpr auto resolve = resolve_all_gather;
+};
+template <>
+struct MethodOf<ReduceScatterMethod> {
+  static constexpr const char* kEnv = kReduceScatterMethodEnv;
+  static constexpr auto candidates = reduce_scatter_candidates;
+  static constexpr auto resolve = resolve_reduce_scatter;
+};
+
+// `time(cls)`: the class's winner timed now, or -1 (table); kNoTiming for the queries.
+template <typename M, typename Time>
+M choose_method(M requested, CollectiveOp op, const CollectiveShape& s, bool in_place, const CollectiveLimits& l,
+                detail::CollectiveTuner& t, Time&& time) {
+  const char* env = std::getenv(MethodOf<M>::kEnv);
+  const unsigned candidates = MethodOf<M>::candidates(s, l);
   if (tune_skip_reason(requested == M::kAuto, env, t.on, s, candidates, false) != TuneSkip::kNone)
-    return resolve(requested, env, s, l);
+    return MethodOf<M>::resolve(requested, env, s, l);
   // Every call after a class's first: one key and one lookup.
+  const CollectiveClass cls = collective_class(op, s, in_place, candidates);
   const auto it = t.winners.find(class_key(cls));
   const int winner = it != t.winners.end() ? it->second : time(cls);
-  return winner < 0 ? resolve(requested, env, s, l) : static_cast<M>(winner);
+  return winner < 0 ? MethodOf<M>::resolve(requested, env, s, l) : static_cast<M>(winner);
 }
 
 constexpr auto kNoTiming = [](const CollectiveClass&) { return -1; };
@@ -385,26 +408,40 @@ Collectives::Call Collectives::reduce_scatter_call(const void* in, void* out, si
 AllReduceMethod Collectives::all_reduce_method(const void* in, void* out, size_t count, DType dtype,
                                                AllReduceMethod method) const {
   const Call c = all_reduce_call(in, out, count, dtype);
-  const unsigned cand = all_reduce_candidates(c.shape, limits());
-  return choose_method(method, kAllReduceMethodEnv, limits(), cand, collective_class(c.op, c.shape, c.in_place, cand),
-                       c.shape, *tuner_, resolve_all_reduce, kNoTiming);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_, kNoTiming);
+}
+
+AllReduceMethod Collectives::tune_all_reduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                                             AllReduceMethod method) {
+  const Call c = all_reduce_call(in, out, count, dtype);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_,
+                       [&](const CollectiveClass& cls) { return tune_class(c, cls, stream); });
 }
 
 AllGatherMethod Collectives::all_gather_method(const void* in, void* out, size_t count, DType dtype,
                                                AllGatherMethod method) const {
   const Call c = all_gather_call(in, out, count, dtype);
-  const unsigned cand = all_gather_candidates(c.shape, limits());
-  return choose_method(method, kAllGatherMethodEnv, limits(), cand, collective_class(c.op, c.shape, c.in_place, cand),
-                       c.shape, *tuner_, resolve_all_gather, kNoTiming);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_, kNoTiming);
+}
+
+AllGatherMethod Collectives::tune_all_gather(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                                             AllGatherMethod method) {
+  const Call c = all_gather_call(in, out, count, dtype);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_,
+                       [&](const CollectiveClass& cls) { return tune_class(c, cls, stream); });
 }
 
 ReduceScatterMethod Collectives::reduce_scatter_method(const void* in, void* out, size_t count, DType dtype,
                                                        ReduceScatterMethod method) const {
   const Call c = reduce_scatter_call(in, out, count, dtype);
-  const unsigned cand = reduce_scatter_candidates(c.shape, limits());
-  return choose_method(method, kReduceScatterMethodEnv, limits(), cand,
-                       collective_class(c.op, c.shape, c.in_place, cand), c.shape, *tuner_, resolve_reduce_scatter,
-                       kNoTiming);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_, kNoTiming);
+}
+
+ReduceScatterMethod Collectives::tune_reduce_scatter(const void* in, void* out, size_t count, DType dtype,
+                                                     cudaStream_t stream, ReduceScatterMethod method) {
+  const Call c = reduce_scatter_call(in, out, count, dtype);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_,
+                       [&](const CollectiveClass& cls) { return tune_class(c, cls, stream); });
 }
 
 namespace {
@@ -575,11 +612,8 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
                              AllReduceMethod method) {
   check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
   const Call call = all_reduce_call(in, out, count, dtype);
-  const unsigned cand = all_reduce_candidates(call.shape, limits());
-  const AllReduceMethod m =
-      choose_method(method, kAllReduceMethodEnv, limits(), cand,
-                    collective_class(call.op, call.shape, call.in_place, cand), call.shape, *tuner_, resolve_all_reduce,
-                    [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
+  const AllReduceMethod m = choose_method(method, call.op, call.shape, call.in_place, limits(), *tuner_,
+                                          [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
   if (world_.check_calls())
     world_.check_same_call(detail::concat("all_reduce(count=", count, ", ", to_string(dtype), ", method ", to_string(m),
                                           in == out ? ", in place)" : ")"));
@@ -638,11 +672,8 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
                              AllGatherMethod method) {
   check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
   const Call call = all_gather_call(in, out, count, dtype);
-  const unsigned cand = all_gather_candidates(call.shape, limits());
-  const AllGatherMethod m =
-      choose_method(method, kAllGatherMethodEnv, limits(), cand,
-                    collective_class(call.op, call.shape, call.in_place, cand), call.shape, *tuner_, resolve_all_gather,
-                    [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
+  const AllGatherMethod m = choose_method(method, call.op, call.shape, call.in_place, limits(), *tuner_,
+                                          [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
   if (world_.check_calls())
     world_.check_same_call(
         detail::concat("all_gather(count=", count, " per rank, ", to_string(dtype), ", method ", to_string(m), ")"));
@@ -738,11 +769,9 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
                                  ReduceScatterMethod method) {
   check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
   const Call call = reduce_scatter_call(in, out, count, dtype);
-  const unsigned cand = reduce_scatter_candidates(call.shape, limits());
   const ReduceScatterMethod m =
-      choose_method(method, kReduceScatterMethodEnv, limits(), cand,
-                    collective_class(call.op, call.shape, call.in_place, cand), call.shape, *tuner_,
-                    resolve_reduce_scatter, [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
+      choose_method(method, call.op, call.shape, call.in_place, limits(), *tuner_,
+                    [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
   if (world_.check_calls())
     world_.check_same_call(detail::concat("reduce_scatter(count=", count, " per rank, ", to_string(dtype), ", method ",
                                           to_string(m), ")"));

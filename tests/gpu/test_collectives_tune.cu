@@ -360,6 +360,73 @@ void run_capture_of_new_class(Env& env, tdist::test::Suite& suite, bool symmetri
       });
 }
 
+// tune_*() before capture: the class is timed without running the op (the buffers keep their
+// bytes), the graph then runs the winner, and its replays are right.
+void run_tune_before_capture(Env& env, tdist::test::Suite& suite, Op op) {
+  suite.run(detail::concat("tune_", op_name(op), " before capture: data untouched, graph replays right"), [&] {
+    const Case k{op, DType::kFloat16, 55557, true, true, 0};  // f16, symmetric, in place: a class never seen
+    const Layout L = layout(env, k);
+    const size_t n = env.n(), sz = 2;
+    const size_t in_count = op == Op::kReduceScatter ? n * k.c : k.c;
+    const size_t out_count = op == Op::kAllGather ? n * k.c : k.c;
+    const size_t region = (op == Op::kAllReduce ? k.c : n * k.c) * sz;  // the in-place buffer
+    char* buffer =
+        op == Op::kReduceScatter ? const_cast<char*>(static_cast<const char*>(L.in)) : static_cast<char*>(L.out);
+    cudaStream_t s = env.stream;
+    const u64 seed = env.seed_base + 1299709 * ++env.cases;
+    TDIST_CUDA_CHECK(cudaMemsetAsync(buffer, 0x5A, region, s));
+    fill_kernel<__half><<<512, 256, 0, s>>>(reinterpret_cast<__half*>(L.fill), in_count, seed, nullptr, env.me(), 0);
+    std::vector<char> before(region), after(region);
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(before.data(), buffer, region, cudaMemcpyDeviceToHost, s));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+    const size_t classes = env.coll.tuned_classes();
+    int m = 0;
+    if (op == Op::kAllReduce) m = static_cast<int>(env.coll.tune_all_reduce(L.in, L.out, k.c, k.dtype, s));
+    if (op == Op::kAllGather) m = static_cast<int>(env.coll.tune_all_gather(L.in, L.out, k.c, k.dtype, s));
+    if (op == Op::kReduceScatter) m = static_cast<int>(env.coll.tune_reduce_scatter(L.in, L.out, k.c, k.dtype, s));
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(after.data(), buffer, region, cudaMemcpyDeviceToHost, s));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+    TDIST_CHECK(before == after, describe(k), ": tuning changed the caller's buffer");
+    if (expect_timing(env, op))
+      TDIST_CHECK(env.coll.tuned_classes() == classes + 1, describe(k), ": tune timed ",
+                  env.coll.tuned_classes() - classes, " classes, expected 1");
+    TDIST_CHECK(query_method(env, k, L) == m, describe(k), ": tune returned ", m, ", the query ",
+                query_method(env, k, L));
+    check_ranks_agree_on_method(env, k);
+    // The graph: fill (fresh per replay), the op, the check, bump.
+    u64* counter;
+    TDIST_CUDA_CHECK(cudaMalloc(&counter, sizeof(u64)));
+    TDIST_CUDA_CHECK(cudaMemset(counter, 0, sizeof(u64)));
+    reset_counters(env, env.counters, 1);
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+    cudaGraph_t g;
+    cudaGraphExec_t exec;
+    TDIST_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    if (L.poison) TDIST_CUDA_CHECK(cudaMemsetAsync(L.out, 0xFF, out_count * sz, s));
+    fill_kernel<__half><<<512, 256, 0, s>>>(reinterpret_cast<__half*>(L.fill), in_count, seed, counter, env.me(), 0);
+    call_op(env, k, L, 0, s);
+    check_kernel<__half><<<512, 256, 0, s>>>(reinterpret_cast<const __half*>(L.out), out_count, op, k.c, env.n(),
+                                             env.me(), seed, counter, op == Op::kAllGather ? 0.0 : tolerance(k.dtype),
+                                             env.counters, env.counters + 1);
+    bump_kernel<<<1, 1, 0, s>>>(counter);
+    TDIST_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+    TDIST_CUDA_CHECK(cudaGraphDestroy(g));
+    tdist::test::sync_all(env.world, "tune before capture");
+    constexpr int kReplays = 40;
+    for (int r = 0; r < kReplays; ++r) TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    unsigned long long host[2];
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+    u64 done = 0;
+    TDIST_CUDA_CHECK(cudaMemcpy(&done, counter, sizeof(done), cudaMemcpyDeviceToHost));
+    TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    TDIST_CUDA_CHECK(cudaFree(counter));
+    TDIST_CHECK(done == kReplays, "ran ", done, " rounds");
+    agree(env, host[0], host[1], describe(k));
+  });
+}
+
 }  // namespace
 
 int main() {
@@ -383,6 +450,7 @@ int main() {
   for (Op op : {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter}) run_back_to_back(env, suite, op);
   run_capture_of_new_class(env, suite, false);
   run_capture_of_new_class(env, suite, true);
+  for (Op op : {Op::kAllReduce, Op::kAllGather, Op::kReduceScatter}) run_tune_before_capture(env, suite, op);
 
   suite.run("explicit methods time nothing", [&] {
     const size_t before = coll.tuned_classes();

@@ -101,6 +101,17 @@ class Collectives {
   // `num_sms` SMs (each allocation rounded to the heap's alignment), for sizing the heap.
   static size_t heap_bytes(int world_size, size_t max_bytes, int num_sms, const CollectivesOptions& options = {});
 
+  // As the *_method() queries, but first times the call's size class when auto would time it and
+  // has not yet (collective, like the call; outside graph capture): the method the call will run,
+  // without running it. Reads and writes nothing of `in` / `out`. For warming up the sizes of a
+  // program before capturing it in a graph, or before timing it.
+  AllReduceMethod tune_all_reduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                                  AllReduceMethod method = AllReduceMethod::kAuto);
+  AllGatherMethod tune_all_gather(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                                  AllGatherMethod method = AllGatherMethod::kAuto);
+  ReduceScatterMethod tune_reduce_scatter(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                                          ReduceScatterMethod method = ReduceScatterMethod::kAuto);
+
   // Whether auto times new size classes (TDIST_COLLECTIVE_TUNE, default on).
   bool tuning() const;
   // Size classes whose winner this context has timed or loaded (those left to the table excluded).
