@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <exception>
 #include <string>
 #include <unordered_map>
 
@@ -587,21 +586,30 @@ int Collectives::tune_class(const Call& call, const CollectiveClass& cls, cudaSt
       return world_.max_across_ranks("tdist collective method tuning: times", v);
     });
   int winner = -1;
-  std::exception_ptr failure;
+  std::string failure;
   {
     const CallChecksOff checks_off(world_);
     try {
       winner = static_cast<int>(t.autotuner->tune(req).params.at("method"));
-    } catch (...) {
-      failure = std::current_exception();
+    } catch (const std::exception& e) {
+      // No candidate ran, or the record could not be written (this rank only): agreed on below.
+      failure = e.what();
     }
   }
-  // Scratch back once the timed calls are done (and on every rank: heap_.free is collective).
-  const cudaError_t synced = cudaStreamSynchronize(stream);
-  if (symmetric != nullptr && synced == cudaSuccess) heap_.free(symmetric);
+  // Scratch back once the timed calls are done (on every rank: heap_.free is collective).
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (symmetric != nullptr) heap_.free(symmetric);
   free_ordinary();
-  if (failure) std::rethrow_exception(failure);
-  TDIST_CUDA_CHECK(synced);
+  // Every rank runs the class alike: the winner where all have the same one, else the table.
+  const std::vector<double> result =
+      world_.max_across_ranks("tdist collective method tuning: winner",
+                              {failure.empty() ? 0.0 : 1.0, static_cast<double>(winner), -static_cast<double>(winner)});
+  if (result[0] > 0 || result[1] != -result[2]) {
+    t.winners[key] = -1;
+    TDIST_WARN(TUNE, "collectives ", describe(cls), ": timing failed on some rank, the table decides the class",
+               failure.empty() ? "" : " (this rank: ", failure, failure.empty() ? "" : ")");
+    return -1;
+  }
   t.winners[key] = winner;
   TDIST_INFO(TUNE, "collectives ", describe(cls), ": method ", method_name(cls.op, winner),
              " (auto, timed on this machine, ", calls, " calls per timed launch)");
