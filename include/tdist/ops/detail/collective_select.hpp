@@ -72,8 +72,6 @@ bool nccl_avoid_symmetric_kernels(const CollectiveShape& s);
 enum class CollectiveOp { kAllReduce, kAllGather, kReduceScatter };
 const char* to_string(CollectiveOp op);
 
-// Setting: TDIST_COLLECTIVE_TUNE=0 turns the timing off (the table decides every call). Default on.
-constexpr const char* kCollectiveTuneEnv = "TDIST_COLLECTIVE_TUNE";
 // Classes whose nccl-tests size is larger than this are not timed (the timing would cost seconds
 // and the scratch buffers as much memory as the call): the table decides.
 constexpr size_t kCollectiveTuneMaxBytes = size_t{1} << 30;
