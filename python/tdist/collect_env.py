@@ -29,6 +29,7 @@ SETTINGS = {
     "TDIST_ALLREDUCE_METHOD": ("auto", "AllReduce method"),
     "TDIST_ALLGATHER_METHOD": ("auto", "AllGather method"),
     "TDIST_REDUCESCATTER_METHOD": ("auto", "ReduceScatter method"),
+    "TDIST_COLLECTIVE_TUNE": ("1", "time the collectives' methods per size class (0: the table decides)"),
     "TDIST_CUBLAS_LIBRARY": ("libcublas.so.13", "cuBLAS library to open"),
     "TDIST_NVRTC_LIBRARY": ("libnvrtc.so.13", "NVRTC library to open"),
     "TDIST_NVCC": ("nvcc of CUDA_HOME or PATH", "nvcc for kernels compiled with nvcc"),

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdint>
+#include <initializer_list>
 
 #include "tdist/common/error.hpp"
 
@@ -283,6 +284,144 @@ ReduceScatterMethod resolve_reduce_scatter(ReduceScatterMethod requested, const 
                                               l.ll_bytes, "low-latency buffer per rank", kLlOption);
                    return infeasible_reason(to_string(m), "reduce_scatter", s, s.bytes, l.workspace_bytes, "workspace");
                  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timed choice: size classes, candidates and when the table decides instead.
+
+const char* to_string(CollectiveOp op) {
+  switch (op) {
+    case CollectiveOp::kAllReduce: return "all_reduce";
+    case CollectiveOp::kAllGather: return "all_gather";
+    case CollectiveOp::kReduceScatter: return "reduce_scatter";
+  }
+  return "invalid";
+}
+
+int size_bucket(size_t bytes) {
+  if (bytes < 4) return static_cast<int>(bytes);
+  int e = 63;
+  while ((bytes >> e) == 0) --e;  // floor(log2 bytes), at least 2 here
+  return kSizeBucketsPerOctave * e + static_cast<int>((bytes >> (e - 2)) & 3);
+}
+
+size_t size_bucket_lower(int bucket) {
+  if (bucket <= 0) return 0;
+  if (bucket < 4) return static_cast<size_t>(bucket);
+  if (bucket < 8) return 4;
+  const int e = bucket / kSizeBucketsPerOctave, f = bucket % kSizeBucketsPerOctave;
+  if (e >= 64) return SIZE_MAX;
+  return static_cast<size_t>(4 + f) << (e - 2);
+}
+
+size_t size_bucket_upper(int bucket) { return size_bucket_lower(bucket + 1); }
+
+CollectiveClass collective_class(CollectiveOp op, const CollectiveShape& s, bool in_place, unsigned candidates) {
+  CollectiveClass c;
+  c.op = op;
+  c.dtype = s.dtype;
+  c.world_size = s.world_size;
+  c.in_symmetric = s.in_symmetric;
+  c.out_symmetric = s.out_symmetric;
+  c.in_place = in_place;
+  c.aligned16 = s.aligned16;
+  c.bucket = size_bucket(s.bytes);
+  c.candidates = candidates;
+  return c;
+}
+
+uint64_t class_key(const CollectiveClass& c) {
+  // bits: op 0-1, dtype 2-4, kinds 5-8, bucket 9-17, candidates 18-25, world size 26-41 (42 in all)
+  const uint64_t kinds =
+      (c.in_symmetric ? 1u : 0u) | (c.out_symmetric ? 2u : 0u) | (c.in_place ? 4u : 0u) | (c.aligned16 ? 8u : 0u);
+  return static_cast<uint64_t>(c.op) | static_cast<uint64_t>(c.dtype) << 2 | kinds << 5 |
+         static_cast<uint64_t>(c.bucket & 0x1ff) << 9 | static_cast<uint64_t>(c.candidates & 0xff) << 18 |
+         static_cast<uint64_t>(c.world_size & 0xffff) << 26;
+}
+
+const char* method_name(CollectiveOp op, int m) {
+  switch (op) {
+    case CollectiveOp::kAllReduce: return to_string(static_cast<AllReduceMethod>(m));
+    case CollectiveOp::kAllGather: return to_string(static_cast<AllGatherMethod>(m));
+    case CollectiveOp::kReduceScatter: return to_string(static_cast<ReduceScatterMethod>(m));
+  }
+  return "invalid";
+}
+
+std::vector<int> candidate_list(unsigned candidates) {
+  std::vector<int> v;
+  for (int m = 0; m < 32; ++m)
+    if (candidates >> m & 1u) v.push_back(m);
+  return v;
+}
+
+std::string describe(const CollectiveClass& c) {
+  std::string names;
+  for (int m : candidate_list(c.candidates)) names += detail::concat(names.empty() ? "" : ",", method_name(c.op, m));
+  return detail::concat(to_string(c.op), " ", to_string(c.dtype), " ranks=", c.world_size,
+                        " in=", c.in_symmetric ? "symmetric" : "ordinary",
+                        " out=", c.out_symmetric ? "symmetric" : "ordinary", c.in_place ? " in-place" : "",
+                        c.aligned16 ? " aligned16" : " unaligned16", " bytes=[", size_bucket_lower(c.bucket), ",",
+                        size_bucket_upper(c.bucket), ") candidates=", names);
+}
+
+namespace {
+
+template <typename M>
+unsigned candidates_of(std::initializer_list<M> methods, const CollectiveShape& s, const CollectiveLimits& l) {
+  unsigned mask = 0;
+  for (M m : methods)
+    if (feasible(m, s, l)) mask |= 1u << static_cast<int>(m);
+  return mask;
+}
+
+}  // namespace
+
+unsigned all_reduce_candidates(const CollectiveShape& s, const CollectiveLimits& l) {
+  using M = AllReduceMethod;
+  return candidates_of({M::kOneShot, M::kTwoShot, M::kLowLatency, M::kLowLatency128, M::kNccl, M::kCe}, s, l);
+}
+
+unsigned all_gather_candidates(const CollectiveShape& s, const CollectiveLimits& l) {
+  using M = AllGatherMethod;
+  return candidates_of({M::kSm, M::kCePush, M::kCePull, M::kLowLatency, M::kNccl, M::kSmPush}, s, l);
+}
+
+unsigned reduce_scatter_candidates(const CollectiveShape& s, const CollectiveLimits& l) {
+  using M = ReduceScatterMethod;
+  return candidates_of({M::kFused, M::kCe, M::kLowLatency, M::kNccl}, s, l);
+}
+
+const char* to_string(TuneSkip reason) {
+  switch (reason) {
+    case TuneSkip::kNone: return "timed";
+    case TuneSkip::kExplicitMethod: return "a method given per call";
+    case TuneSkip::kEnvMethod: return "a method set in the environment";
+    case TuneSkip::kTuningOff: return "TDIST_COLLECTIVE_TUNE=0";
+    case TuneSkip::kSingleRank: return "one rank";
+    case TuneSkip::kTooLarge: return "a size above the tuning limit";
+    case TuneSkip::kOneCandidate: return "a single feasible method";
+    case TuneSkip::kCapturing: return "a stream under graph capture";
+  }
+  return "invalid";
+}
+
+TuneSkip tune_skip_reason(bool method_is_auto, const char* env_value, bool tuning_on, const CollectiveShape& s,
+                          unsigned candidates, bool capturing) {
+  if (!method_is_auto) return TuneSkip::kExplicitMethod;
+  // An environment value of "auto" leaves the choice to auto, as resolve_* reads it.
+  if (env_value != nullptr && *env_value != '\0' && lower(env_value) != "auto") return TuneSkip::kEnvMethod;
+  if (!tuning_on) return TuneSkip::kTuningOff;
+  if (s.world_size <= 1) return TuneSkip::kSingleRank;
+  if (s.bytes > kCollectiveTuneMaxBytes) return TuneSkip::kTooLarge;
+  if ((candidates & (candidates - 1)) == 0) return TuneSkip::kOneCandidate;
+  if (capturing) return TuneSkip::kCapturing;
+  return TuneSkip::kNone;
+}
+
+int tune_calls_per_launch(size_t bytes) {
+  constexpr size_t kBytesPerLaunch = 16 * MiB, kMaxCalls = 16;
+  return static_cast<int>(std::clamp<size_t>(kBytesPerLaunch / std::max<size_t>(bytes, 1), 1, kMaxCalls));
 }
 
 void check_dtype(DType dtype) {

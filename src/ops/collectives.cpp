@@ -7,14 +7,17 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <unordered_map>
 
 #include "src/ops/nccl_dtype.hpp"
 #include "tdist/common/checked.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/common/log.hpp"
 #include "tdist/common/nvtx.hpp"
 #include "tdist/device/barrier_pad.cuh"
+#include "tdist/jit/autotune.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/registry.hpp"
 #include "tdist/kernels/collectives/ll128.cuh"
@@ -152,6 +155,17 @@ std::vector<jit::CompileRequest> collective_compile_requests() {
 
 TDIST_JIT_REGISTER_KERNELS(collectives, collective_compile_requests);
 
+namespace detail {
+
+struct CollectiveTuner {
+  bool on = env::flag(kCollectiveTuneEnv, true);
+  // class_key -> the winner (the method enum's value), or -1: the table decides the class for good.
+  std::unordered_map<uint64_t, int> winners;
+  std::unique_ptr<jit::Autotuner> autotuner;  // created at the first timing
+};
+
+}  // namespace detail
+
 struct Collectives::Kernels {
   std::vector<std::shared_ptr<jit::Module>> modules;  // keep the kernels' modules loaded
   std::array<std::array<jit::Kernel, std::size(kDTypes)>, static_cast<size_t>(CollKernel::kCount)> table{};
@@ -201,12 +215,13 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   TDIST_CUDA_CHECK(cudaMemset(epoch_, 0, sizeof(EpochState)));
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());
   kernels_ = std::make_unique<Kernels>();
+  tuner_ = std::make_unique<detail::CollectiveTuner>();
   // Settings that pick the kernels must agree, or ranks run different protocols and time out.
   world.check_same_on_all_ranks(
       "the method settings (TDIST_ALLREDUCE_METHOD, TDIST_ALLGATHER_METHOD, TDIST_REDUCESCATTER_METHOD, "
-      "TDIST_OVERLAP_METHOD, TDIST_OVERLAP_PIECES, TDIST_OVERLAP_TUNE, TDIST_CHECK_CALLS)",
+      "TDIST_COLLECTIVE_TUNE, TDIST_OVERLAP_METHOD, TDIST_OVERLAP_PIECES, TDIST_OVERLAP_TUNE, TDIST_CHECK_CALLS)",
       detail::concat(env::text(kAllReduceMethodEnv), "|", env::text(kAllGatherMethodEnv), "|",
-                     env::text(kReduceScatterMethodEnv), "|", env::text("TDIST_OVERLAP_METHOD"), "|",
+                     env::text(kReduceScatterMethodEnv), "|", tuner_->on, "|", env::text("TDIST_OVERLAP_METHOD"), "|",
                      env::text("TDIST_OVERLAP_PIECES"), "|", env::text("TDIST_OVERLAP_TUNE"), "|",
                      world.check_calls()));
 }
@@ -294,47 +309,325 @@ void Collectives::barrier(cudaStream_t stream) {
   jit::launch(kernels_->get(CollKernel::kBarrier), cfg, jit::make_args(heap_.view(), barrier_pads_));
 }
 
-AllReduceMethod Collectives::all_reduce_method(const void* in, void* out, size_t count, DType dtype,
-                                               AllReduceMethod method) const {
+// ---------------------------------------------------------------------------------------------
+// Method choice: requested > environment > the class's timed winner > timing the class now > table.
+
+namespace {
+
+bool stream_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures: treat as capturing
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Per method enum: its environment variable, its candidates and its resolution without timing.
+template <typename M>
+struct MethodOf;
+template <>
+struct MethodOf<AllReduceMethod> {
+  static constexpr const char* kEnv = kAllReduceMethodEnv;
+  static constexpr auto candidates = all_reduce_candidates;
+  static constexpr auto resolve = resolve_all_reduce;
+};
+template <>
+struct MethodOf<AllGatherMethod> {
+  static constexpr const char* kEnv = kAllGatherMethodEnv;
+  static constexpr auto candidates = all_gather_candidates;
+  static constexpr auto resolve = resolve_all_gather;
+};
+template <>
+struct MethodOf<ReduceScatterMethod> {
+  static constexpr const char* kEnv = kReduceScatterMethodEnv;
+  static constexpr auto candidates = reduce_scatter_candidates;
+  static constexpr auto resolve = resolve_reduce_scatter;
+};
+
+// `time(cls)`: the class's winner timed now, or -1 (table); kNoTiming for the queries.
+template <typename M, typename Time>
+M choose_method(M requested, CollectiveOp op, const CollectiveShape& s, bool in_place, const CollectiveLimits& l,
+                detail::CollectiveTuner& t, Time&& time) {
+  const char* env = std::getenv(MethodOf<M>::kEnv);
+  const unsigned candidates = MethodOf<M>::candidates(s, l);
+  if (tune_skip_reason(requested == M::kAuto, env, t.on, s, candidates, false) != TuneSkip::kNone)
+    return MethodOf<M>::resolve(requested, env, s, l);
+  // Every call after a class's first: one key and one lookup.
+  const CollectiveClass cls = collective_class(op, s, in_place, candidates);
+  const auto it = t.winners.find(class_key(cls));
+  const int winner = it != t.winners.end() ? it->second : time(cls);
+  return winner < 0 ? MethodOf<M>::resolve(requested, env, s, l) : static_cast<M>(winner);
+}
+
+constexpr auto kNoTiming = [](const CollectiveClass&) { return -1; };
+
+}  // namespace
+
+bool Collectives::tuning() const { return tuner_->on; }
+
+size_t Collectives::tuned_classes() const {
+  size_t n = 0;
+  for (const auto& [key, winner] : tuner_->winners) n += winner >= 0 ? 1 : 0;
+  return n;
+}
+
+Collectives::Call Collectives::all_reduce_call(const void* in, void* out, size_t count, DType dtype) const {
   check_dtype(dtype);
   check_count("all_reduce", count);
   const size_t bytes = count * dtype_size(dtype);
   check_buffers("all_reduce", in, bytes, out, bytes, out);
-  return resolve_all_reduce(method, std::getenv(kAllReduceMethodEnv), shape(bytes, dtype, in, bytes, out, bytes, 16),
-                            limits());
+  const bool in_place = in == out;
+  const CollectiveShape s = shape(bytes, dtype, in, bytes, out, bytes, 16);
+  return Call{CollectiveOp::kAllReduce, in, bytes, out, bytes, count, dtype, in_place, s};
 }
 
-AllGatherMethod Collectives::all_gather_method(const void* in, void* out, size_t count, DType dtype,
-                                               AllGatherMethod method) const {
+Collectives::Call Collectives::all_gather_call(const void* in, void* out, size_t count, DType dtype) const {
   check_dtype(dtype);
   check_count("all_gather", count);
   const size_t b = count * dtype_size(dtype), total = b * world_.world_size();
-  check_buffers("all_gather", in, b, out, total, static_cast<const char*>(out) + world_.rank() * b);
-  return resolve_all_gather(method, std::getenv(kAllGatherMethodEnv), shape(total, dtype, in, b, out, total, b),
-                            limits());
+  const void* in_place_in = static_cast<const char*>(out) + world_.rank() * b;
+  check_buffers("all_gather", in, b, out, total, in_place_in);
+  const bool in_place = in == in_place_in;
+  return Call{
+      CollectiveOp::kAllGather, in, b, out, total, count, dtype, in_place, shape(total, dtype, in, b, out, total, b)};
 }
 
-ReduceScatterMethod Collectives::reduce_scatter_method(const void* in, void* out, size_t count, DType dtype,
-                                                       ReduceScatterMethod method) const {
+Collectives::Call Collectives::reduce_scatter_call(const void* in, void* out, size_t count, DType dtype) const {
   check_dtype(dtype);
   check_count("reduce_scatter", count);
   const size_t b = count * dtype_size(dtype), total = b * world_.world_size();
   const void* in_place_in = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(out) - world_.rank() * b);
   check_buffers("reduce_scatter", in, total, out, b, in_place_in);
-  return resolve_reduce_scatter(method, std::getenv(kReduceScatterMethodEnv), shape(total, dtype, in, total, out, b, b),
-                                limits());
+  const bool in_place = in == in_place_in;
+  const CollectiveShape s = shape(total, dtype, in, total, out, b, b);
+  return Call{CollectiveOp::kReduceScatter, in, total, out, b, count, dtype, in_place, s};
+}
+
+AllReduceMethod Collectives::all_reduce_method(const void* in, void* out, size_t count, DType dtype,
+                                               AllReduceMethod method) const {
+  const Call c = all_reduce_call(in, out, count, dtype);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_, kNoTiming);
+}
+
+AllReduceMethod Collectives::tune_all_reduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                                             AllReduceMethod method) {
+  const Call c = all_reduce_call(in, out, count, dtype);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_,
+                       [&](const CollectiveClass& cls) { return tune_class(c, cls, stream); });
+}
+
+AllGatherMethod Collectives::all_gather_method(const void* in, void* out, size_t count, DType dtype,
+                                               AllGatherMethod method) const {
+  const Call c = all_gather_call(in, out, count, dtype);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_, kNoTiming);
+}
+
+AllGatherMethod Collectives::tune_all_gather(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                                             AllGatherMethod method) {
+  const Call c = all_gather_call(in, out, count, dtype);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_,
+                       [&](const CollectiveClass& cls) { return tune_class(c, cls, stream); });
+}
+
+ReduceScatterMethod Collectives::reduce_scatter_method(const void* in, void* out, size_t count, DType dtype,
+                                                       ReduceScatterMethod method) const {
+  const Call c = reduce_scatter_call(in, out, count, dtype);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_, kNoTiming);
+}
+
+ReduceScatterMethod Collectives::tune_reduce_scatter(const void* in, void* out, size_t count, DType dtype,
+                                                     cudaStream_t stream, ReduceScatterMethod method) {
+  const Call c = reduce_scatter_call(in, out, count, dtype);
+  return choose_method(method, c.op, c.shape, c.in_place, limits(), *tuner_,
+                       [&](const CollectiveClass& cls) { return tune_class(c, cls, stream); });
+}
+
+namespace {
+
+// Restores World::check_calls on leaving: the timed calls are not compared across ranks one by one
+// (the class was agreed once), which would add a host exchange to every timed call.
+class CallChecksOff {
+ public:
+  explicit CallChecksOff(World& w) : world_(w), was_(w.check_calls()) { w.set_check_calls(false); }
+  ~CallChecksOff() { world_.set_check_calls(was_); }
+  CallChecksOff(const CallChecksOff&) = delete;
+  CallChecksOff& operator=(const CallChecksOff&) = delete;
+
+ private:
+  World& world_;
+  bool was_;
+};
+
+// One buffer of a call as its scratch copy must reproduce it: [lo, lo + extent) in the caller's
+// memory, symmetric or not. In place, input and output are one region.
+struct ScratchRegion {
+  const char* lo;
+  size_t extent;
+  bool symmetric;
+  // Scratch bytes: the extent plus room to keep lo's offset modulo 256.
+  size_t bytes() const { return extent + 256; }
+};
+
+}  // namespace
+
+// Timing never touches the caller's buffers: every candidate runs on scratch of the same kinds,
+// sizes, in-place layout and offsets modulo 256 (symmetric scratch from the heap, at the same offset
+// on every rank as a symmetric buffer must be; ordinary scratch from cudaMalloc), filled with zeros.
+// The ranks first agree on the class and on having scratch (one max-reduction), so that all time
+// the same candidates in the same order or none do.
+int Collectives::tune_class(const Call& call, const CollectiveClass& cls, cudaStream_t stream) {
+  if (stream_capturing(stream)) return -1;  // not remembered: timed at the class's first call outside capture
+  detail::CollectiveTuner& t = *tuner_;
+  const uint64_t key = class_key(cls);
+  const char* in = static_cast<const char*>(call.in);
+  const char* out = static_cast<const char*>(call.out);
+  std::vector<ScratchRegion> regions;
+  if (call.in_place) {
+    const char* lo = std::min(in, out);
+    const char* hi = std::max(in + call.in_bytes, out + call.out_bytes);
+    regions.push_back({lo, static_cast<size_t>(hi - lo), call.shape.out_symmetric});
+  } else {
+    regions.push_back({in, call.in_bytes, call.shape.in_symmetric});
+    regions.push_back({out, call.out_bytes, call.shape.out_symmetric});
+  }
+  // Ordinary scratch now (a failure only makes this rank vote against timing); symmetric scratch is
+  // collective and allocated once every rank has voted for it.
+  std::vector<char*> base(regions.size(), nullptr);
+  size_t symmetric_bytes = 0;
+  bool have_scratch = true;
+  auto free_ordinary = [&] {
+    for (size_t i = 0; i < regions.size(); ++i)
+      if (!regions[i].symmetric && base[i] != nullptr) cudaFree(base[i]);
+  };
+  for (size_t i = 0; i < regions.size(); ++i) {
+    if (regions[i].symmetric) {
+      symmetric_bytes += round_up(regions[i].bytes(), 256);
+      continue;
+    }
+    if (cudaMalloc(&base[i], regions[i].bytes()) != cudaSuccess) {
+      (void)cudaGetLastError();
+      base[i] = nullptr;
+      have_scratch = false;
+    }
+  }
+  if (symmetric_bytes > 0 && heap_.largest_free_block() < symmetric_bytes + SymmetricHeap::kDefaultAlignment)
+    have_scratch = false;
+  // A class differing between ranks would make them time different candidates: agree first.
+  const std::vector<double> agreed =
+      world_.max_across_ranks("tdist collective method tuning: class",
+                              {static_cast<double>(key), -static_cast<double>(key), have_scratch ? 0.0 : 1.0});
+  if (agreed[0] != -agreed[1]) {
+    // Every rank sees the mismatch here, so all stop timing together (and all stop using their
+    // winners, which might now differ): the table decides from here on, as before any timing.
+    free_ordinary();
+    t.on = false;
+    TDIST_WARN(TUNE, "collectives: the ranks called ", to_string(cls.op), " with buffers of different kinds, in-place ",
+               "layout or 16-byte alignment (this rank: ", describe(cls), "); timing is off for this context, the ",
+               "table decides every call. Pass alike buffers on every rank.");
+    return -1;
+  }
+  if (agreed[2] > 0) {
+    free_ordinary();
+    t.winners[key] = -1;
+    TDIST_INFO(TUNE, "collectives ", describe(cls), ": not timed, no scratch of ", symmetric_bytes,
+               " symmetric bytes (heap) or of the ordinary buffers' size on some rank; the table decides");
+    return -1;
+  }
+  char* symmetric = nullptr;
+  std::vector<char*> scratch(regions.size());
+  try {
+    if (symmetric_bytes > 0) symmetric = static_cast<char*>(heap_.allocate(symmetric_bytes));
+    size_t offset = 0;
+    for (size_t i = 0; i < regions.size(); ++i) {
+      if (regions[i].symmetric) {
+        base[i] = symmetric + offset;
+        offset += round_up(regions[i].bytes(), 256);
+      } else {
+        TDIST_CUDA_CHECK(cudaMemsetAsync(base[i], 0, regions[i].bytes(), stream));  // anything finite
+      }
+      scratch[i] = base[i] + reinterpret_cast<uintptr_t>(regions[i].lo) % 256;
+    }
+  } catch (...) {
+    free_ordinary();
+    throw;
+  }
+  // The call's buffers mapped into the scratch.
+  const void* s_in = call.in_place ? scratch[0] + (in - regions[0].lo) : scratch[0];
+  void* s_out = call.in_place ? scratch[0] + (out - regions[0].lo) : scratch[1];
+
+  jit::TuneRequest req;
+  req.kernel = "tdist.collective_method.v1";
+  int nccl_version = 0;
+  TDIST_NCCL_CHECK(ncclGetVersion(&nccl_version));
+  req.shape_class = detail::concat(describe(cls), " nccl=", nccl_version, " max_blocks=", max_blocks_);
+  for (int m : candidate_list(cls.candidates))
+    req.configs.push_back({method_name(cls.op, m), {{"method", static_cast<int64_t>(m)}}});
+  const int calls = tune_calls_per_launch(call.shape.bytes);
+  req.launch = [&](const jit::TuneConfig& c, int, cudaStream_t st) {
+    const int m = static_cast<int>(c.params.at("method"));
+    for (int i = 0; i < calls; ++i) {
+      if (cls.op == CollectiveOp::kAllReduce)
+        all_reduce(s_in, s_out, call.count, call.dtype, st, static_cast<AllReduceMethod>(m));
+      else if (cls.op == CollectiveOp::kAllGather)
+        all_gather(s_in, s_out, call.count, call.dtype, st, static_cast<AllGatherMethod>(m));
+      else
+        reduce_scatter(s_in, s_out, call.count, call.dtype, st, static_cast<ReduceScatterMethod>(m));
+    }
+  };
+  // Outside the timed region: every rank starts each timed launch together, so a rank that reached
+  // it early does not count its wait for the others.
+  req.rotate = [&](int) { barrier(stream); };
+  req.stream = stream;
+  req.warmup = 2;
+  req.repeat = 7;
+  if (!t.autotuner)
+    t.autotuner = std::make_unique<jit::Autotuner>("", jit::Autotuner::Timer{}, [this](const std::vector<double>& v) {
+      return world_.max_across_ranks("tdist collective method tuning: times", v);
+    });
+  int winner = -1;
+  std::string failure;
+  {
+    const CallChecksOff checks_off(world_);
+    try {
+      winner = static_cast<int>(t.autotuner->tune(req).params.at("method"));
+    } catch (const std::exception& e) {
+      // No candidate ran, or the record could not be written (this rank only): agreed on below.
+      failure = e.what();
+    }
+  }
+  // Scratch back once the timed calls are done (on every rank: heap_.free is collective).
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (symmetric != nullptr) heap_.free(symmetric);
+  free_ordinary();
+  // Every rank runs the class alike: the winner where all have the same one, else the table.
+  const std::vector<double> result =
+      world_.max_across_ranks("tdist collective method tuning: winner",
+                              {failure.empty() ? 0.0 : 1.0, static_cast<double>(winner), -static_cast<double>(winner)});
+  if (result[0] > 0 || result[1] != -result[2]) {
+    t.winners[key] = -1;
+    TDIST_WARN(TUNE, "collectives ", describe(cls), ": timing failed on some rank, the table decides the class",
+               failure.empty() ? "" : " (this rank: ", failure, failure.empty() ? "" : ")");
+    return -1;
+  }
+  t.winners[key] = winner;
+  TDIST_INFO(TUNE, "collectives ", describe(cls), ": method ", method_name(cls.op, winner),
+             " (auto, timed on this machine, ", calls, " calls per timed launch)");
+  return winner;
 }
 
 void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                              AllReduceMethod method) {
   check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
-  const AllReduceMethod m = all_reduce_method(in, out, count, dtype, method);
+  const Call call = all_reduce_call(in, out, count, dtype);
+  const AllReduceMethod m = choose_method(method, call.op, call.shape, call.in_place, limits(), *tuner_,
+                                          [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
   if (world_.check_calls())
     world_.check_same_call(detail::concat("all_reduce(count=", count, ", ", to_string(dtype), ", method ", to_string(m),
                                           in == out ? ", in place)" : ")"));
   TDIST_NVTX_RANGE("tdist::Collectives::all_reduce", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const size_t bytes = count * dtype_size(dtype);
-  const CollectiveShape s = shape(bytes, dtype, in, bytes, out, bytes, 16);
+  const CollectiveShape& s = call.shape;
   switch (m) {
     case AllReduceMethod::kNccl:
       TDIST_NCCL_CHECK(ncclAllReduce(in, out, count, nccl_type(dtype), ncclSum, world_.comm(), stream));
@@ -386,14 +679,16 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
 void Collectives::all_gather(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                              AllGatherMethod method) {
   check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
-  const AllGatherMethod m = all_gather_method(in, out, count, dtype, method);
+  const Call call = all_gather_call(in, out, count, dtype);
+  const AllGatherMethod m = choose_method(method, call.op, call.shape, call.in_place, limits(), *tuner_,
+                                          [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
   if (world_.check_calls())
-    world_.check_same_call(detail::concat("all_gather(count=", count, " per rank, ", to_string(dtype), ", method ",
-                                          to_string(m), ")"));
+    world_.check_same_call(
+        detail::concat("all_gather(count=", count, " per rank, ", to_string(dtype), ", method ", to_string(m), ")"));
   TDIST_NVTX_RANGE("tdist::Collectives::all_gather", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const int n = world_.world_size(), me = world_.rank();
-  const size_t b = count * dtype_size(dtype), total = b * n;
-  const CollectiveShape s = shape(total, dtype, in, b, out, total, b);
+  const size_t b = count * dtype_size(dtype);
+  const CollectiveShape& s = call.shape;
   char* o = static_cast<char*>(out);
   switch (m) {
     case AllGatherMethod::kNccl:
@@ -481,14 +776,17 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
 void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                                  ReduceScatterMethod method) {
   check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
-  const ReduceScatterMethod m = reduce_scatter_method(in, out, count, dtype, method);
+  const Call call = reduce_scatter_call(in, out, count, dtype);
+  const ReduceScatterMethod m =
+      choose_method(method, call.op, call.shape, call.in_place, limits(), *tuner_,
+                    [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
   if (world_.check_calls())
-    world_.check_same_call(detail::concat("reduce_scatter(count=", count, " per rank, ", to_string(dtype),
-                                          ", method ", to_string(m), ")"));
+    world_.check_same_call(detail::concat("reduce_scatter(count=", count, " per rank, ", to_string(dtype), ", method ",
+                                          to_string(m), ")"));
   TDIST_NVTX_RANGE("tdist::Collectives::reduce_scatter", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const int n = world_.world_size(), me = world_.rank();
-  const size_t b = count * dtype_size(dtype), total = b * n;
-  const CollectiveShape s = shape(total, dtype, in, total, out, b, b);
+  const size_t b = count * dtype_size(dtype);
+  const CollectiveShape& s = call.shape;
   switch (m) {
     case ReduceScatterMethod::kNccl:
       if (nccl_avoid_symmetric_kernels(s)) {

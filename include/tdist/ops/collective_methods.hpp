@@ -27,5 +27,8 @@ ReduceScatterMethod parse_reduce_scatter_method(const std::string& s, const std:
 constexpr const char* kAllReduceMethodEnv = "TDIST_ALLREDUCE_METHOD";
 constexpr const char* kAllGatherMethodEnv = "TDIST_ALLGATHER_METHOD";
 constexpr const char* kReduceScatterMethodEnv = "TDIST_REDUCESCATTER_METHOD";
+// 0: `auto` takes the method table for every call instead of timing each size class at its first
+// call (docs/collectives.md, "Tuning"). Default 1; every rank must set it alike.
+constexpr const char* kCollectiveTuneEnv = "TDIST_COLLECTIVE_TUNE";
 
 }  // namespace tdist

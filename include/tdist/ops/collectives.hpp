@@ -17,6 +17,12 @@
 // inside the kernel). When `in` (or `out`) lies in `heap` it is used in place (zero copy), and must
 // then be the same symmetric buffer on every rank. In place: all_reduce(in == out),
 // all_gather(in == out + rank * count), reduce_scatter(out == in + rank * count).
+//
+// Method `auto`: on the first call of a size class (op, dtype, ranks, buffer kinds, in place or not,
+// 16-byte alignment, size within a quarter octave) outside graph capture, every feasible method,
+// NCCL included, is timed on scratch buffers of the call's kind, then the call runs with the fastest;
+// later calls of the class look it up. The caller's data is never touched by the timing. Under
+// capture, with TDIST_COLLECTIVE_TUNE=0 or above 1 GiB the table decides (docs/collectives.md).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -36,6 +42,10 @@
 #include "tdist/runtime/world.hpp"
 
 namespace tdist {
+
+namespace detail {
+struct CollectiveTuner;  // the timed winners of `auto` (collectives.cpp)
+}
 
 struct CollectivesOptions {
   // Low-latency payload per rank (bytes): the largest AllReduce buffer, AllGather input or
@@ -78,7 +88,8 @@ class Collectives {
   void barrier(cudaStream_t stream);
 
   // The method a call with these arguments would run (resolves auto and the environment override;
-  // throws as the call would on an infeasible explicit method).
+  // throws as the call would on an infeasible explicit method). For auto: the timed winner of the
+  // call's size class once a call has timed it, the table's pick before (it times nothing).
   AllReduceMethod all_reduce_method(const void* in, void* out, size_t count, DType dtype,
                                     AllReduceMethod method = AllReduceMethod::kAuto) const;
   AllGatherMethod all_gather_method(const void* in, void* out, size_t count, DType dtype,
@@ -90,6 +101,22 @@ class Collectives {
   // `num_sms` SMs (each allocation rounded to the heap's alignment), for sizing the heap.
   static size_t heap_bytes(int world_size, size_t max_bytes, int num_sms, const CollectivesOptions& options = {});
 
+  // As the *_method() queries, but first times the call's size class when auto would time it and
+  // has not yet (collective, like the call; outside graph capture): the method the call will run,
+  // without running it. Reads and writes nothing of `in` / `out`. For warming up the sizes of a
+  // program before capturing it in a graph, or before timing it.
+  AllReduceMethod tune_all_reduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                                  AllReduceMethod method = AllReduceMethod::kAuto);
+  AllGatherMethod tune_all_gather(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                                  AllGatherMethod method = AllGatherMethod::kAuto);
+  ReduceScatterMethod tune_reduce_scatter(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                                          ReduceScatterMethod method = ReduceScatterMethod::kAuto);
+
+  // Whether auto times new size classes (TDIST_COLLECTIVE_TUNE, default on).
+  bool tuning() const;
+  // Size classes whose winner this context has timed or loaded (those left to the table excluded).
+  size_t tuned_classes() const;
+
   size_t max_bytes() const { return max_bytes_; }
   CollectiveLimits limits() const { return {max_bytes_, ll_bytes_, ll128_bytes_}; }
   World& world() const { return world_; }
@@ -97,6 +124,26 @@ class Collectives {
 
  private:
   struct Kernels;
+  // One call as the method choice sees it: buffers, element count and dtype, shape, in-place flag.
+  struct Call {
+    CollectiveOp op;
+    const void* in;
+    size_t in_bytes;
+    void* out;
+    size_t out_bytes;
+    size_t count;  // the op's count argument
+    DType dtype;
+    bool in_place;
+    CollectiveShape shape;
+  };
+  // Argument checks and the call's shape (throw as the ops do).
+  Call all_reduce_call(const void* in, void* out, size_t count, DType dtype) const;
+  Call all_gather_call(const void* in, void* out, size_t count, DType dtype) const;
+  Call reduce_scatter_call(const void* in, void* out, size_t count, DType dtype) const;
+  // Times every candidate of `cls` on scratch buffers shaped like `call`'s and returns the winner
+  // (the method's enum value), or -1 when the table must decide (capture, no scratch to be had).
+  // Collective: every rank calls it for the same class at the same call.
+  int tune_class(const Call& call, const CollectiveClass& cls, cudaStream_t stream);
   CollectiveShape shape(size_t bytes, DType dtype, const void* in, size_t in_bytes, const void* out, size_t out_bytes,
                         size_t stride_bytes) const;
   kernels::coll::CollParams params(const void* in, void* out, size_t count, bool zero_copy, bool vec) const;
@@ -131,6 +178,7 @@ class Collectives {
   // Copies that run beside the caller's stream (forked from it and joined back within one call).
   SideStream side_;
   std::unique_ptr<Kernels> kernels_;
+  std::unique_ptr<detail::CollectiveTuner> tuner_;
 };
 
 // JIT compile requests of every collective kernel (registered for tdist-compile --all).
