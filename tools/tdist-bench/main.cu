@@ -313,15 +313,15 @@ int run(const Options& opt, int argc, char** argv) {
           for (auto& ctx : contexts) {
             Collectives& c = *ctx;
             if (op == "all_reduce") {
-              const auto m = c.all_reduce_method(t_in, t_out, per, opt.dtype, parse_all_reduce_method(mname));
+              const auto m = c.tune_all_reduce(t_in, t_out, per, opt.dtype, s, parse_all_reduce_method(mname));
               resolved = to_string(m);
               run_tdist.push_back([&, m, per] { c.all_reduce(t_in, t_out, per, opt.dtype, s, m); });
             } else if (op == "all_gather") {
-              const auto m = c.all_gather_method(t_in, t_out, per, opt.dtype, parse_all_gather_method(mname));
+              const auto m = c.tune_all_gather(t_in, t_out, per, opt.dtype, s, parse_all_gather_method(mname));
               resolved = to_string(m);
               run_tdist.push_back([&, m, per] { c.all_gather(t_in, t_out, per, opt.dtype, s, m); });
             } else {
-              const auto m = c.reduce_scatter_method(t_in, t_out, per, opt.dtype, parse_reduce_scatter_method(mname));
+              const auto m = c.tune_reduce_scatter(t_in, t_out, per, opt.dtype, s, parse_reduce_scatter_method(mname));
               resolved = to_string(m);
               run_tdist.push_back([&, m, per] { c.reduce_scatter(t_in, t_out, per, opt.dtype, s, m); });
             }
