@@ -97,14 +97,29 @@ def _from_old_python(d):
     return rows
 
 
-def _from_layer_rows(rows):
-    """python -m tdist.bench_layers: one row per (model, layer, tokens, pass) with a time per method."""
+# Python model-level benchmarks (bench_layers, bench_moe, bench_triton, bench_flash_decode, bench_ep
+# --summary): one row per case, a time per method in fields "<method>_us" (or "method" and "ms").
+_CASE_KEYS = ("op", "model", "mode", "layer", "pass", "routing", "dispatch_dtype", "hidden", "experts", "topk",
+              "batch", "page_size", "world", "n", "k")
+_SIZE_KEYS = ("m", "tokens", "tokens_per_rank", "kv_len")
+
+
+def _is_case_rows(rows):
+    r = rows[0] if rows and isinstance(rows[0], dict) else {}
+    return any(k in r for k in _SIZE_KEYS) and (any(k.endswith("_us") for k in r) or ("ms" in r and "method" in r))
+
+
+def _from_case_rows(rows):
     out = []
     for r in rows:
-        for key, us in r.items():
-            if key.endswith("_us"):
-                out.append({"op": f"{r['model']} {r['layer']} {r['pass']}", "m": r["tokens"], "n": "-", "k": "-",
-                            "impl": key[:-3], "method": key[:-3], "us": us})
+        size = next(r[k] for k in _SIZE_KEYS if k in r)
+        case = " ".join(str(r[k]) for k in _CASE_KEYS if k in r and k not in ("n", "k"))
+        times = {key[:-3]: us for key, us in r.items() if key.endswith("_us")}
+        if "ms" in r and "method" in r:
+            times[r["method"]] = r["ms"] * 1e3 if _num(r["ms"]) is not None else None
+        for impl, us in times.items():
+            out.append({"op": case, "m": size, "n": r.get("n", "-"), "k": r.get("k", "-"), "impl": impl,
+                        "method": impl, "us": _num(us)})
     return out
 
 
@@ -112,9 +127,7 @@ def normalise(d):
     """(meta, rows) of a result file of any layout, rows in schema tdist.bench/1."""
     if isinstance(d, list):  # a summary: rows alone
         d = {"rows": d}
-    if d.get("rows") and "layer" in d["rows"][0]:
-        return {k: v for k, v in d.items() if k != "rows"} | {"bench": "layers"}, _from_layer_rows(d["rows"])
-    if d.get("schema") == SCHEMA:
+    if d.get("schema") == SCHEMA and not _is_case_rows(d.get("rows")):
         return d, list(d["rows"])
     meta = {k: v for k, v in d.items() if k not in ("rows", "collectives", "gemm")}
     meta.setdefault("world_size", d.get("ranks"))
@@ -131,6 +144,9 @@ def normalise(d):
     if "rows" in d and d["rows"] and "cublas_us" in d["rows"][0]:
         meta["bench"] = "gemm_vs_cublas"
         return meta, _from_old_gemm_vs_cublas(d)
+    if _is_case_rows(d.get("rows")):
+        meta["bench"] = meta.get("bench") or "cases"
+        return meta, _from_case_rows(d["rows"])
     raise ValueError("unknown result layout (neither schema tdist.bench/1 nor an older tdist benchmark's)")
 
 
