@@ -78,6 +78,9 @@ void check_flash_decode_args(const FlashDecodeArgs& a) {
                   "the cache is too large to index (", a.num_pages, " pages of ", a.page_size, " tokens)");
   TDIST_CHECK_ARG(a.max_seq_len >= 0 && a.max_seq_len <= capacity, "max_seq_len", "expected 0 (the capacity) to ",
                   capacity, " (the capacity), got ", a.max_seq_len);
+  TDIST_CHECK_ARG(a.merge == FlashDecodeMerge::kAuto || a.merge == FlashDecodeMerge::kInKernel ||
+                      a.merge == FlashDecodeMerge::kCombineKernel,
+                  "merge", "expected kAuto, kInKernel or kCombineKernel, got ", static_cast<int>(a.merge));
 }
 
 int flash_decode_heads_per_cta(int64_t group) {
@@ -105,6 +108,7 @@ FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t k
   const int64_t want = wave / ctas;  // rounded down: a CTA past the wave would run alone in a second one
   const int64_t by_length = std::max<int64_t>(1, (max_seq_len + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit);
   plan.num_splits = static_cast<int>(std::clamp<int64_t>(std::min(want, by_length), 1, M::kMaxSplits));
+  plan.merge_in_kernel = plan.num_splits == 1 || max_seq_len <= M::kMaxTokensMergedInKernel;
   return plan;
 }
 
@@ -242,11 +246,29 @@ struct FlashDecode::Impl {
   DeviceBuffer errors{sizeof(u32)};
   DeviceBuffer partials;  // o_part f32[items][splits][D], then lse_part f32[items][splits]
   size_t partial_bytes = 0;
+  DeviceBuffer counters;  // in-kernel merge: u32[batch][kv_heads * head_chunks], zero between calls
+  size_t counter_bytes = 0;
 
   Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
 
-  // Launches the split kernel and fills the combine parameters (all but the exchange's).
-  attn::CombineParams launch_split(const FlashDecodeArgs& a, cudaStream_t stream, const FlashDecodeKernels*& kernels) {
+  // Grows a workspace (the old one may still be read: synchronises; not while capturing).
+  static void grow(DeviceBuffer& buf, size_t& have, size_t need, bool zero, cudaStream_t stream) {
+    if (need <= have) return;
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    TDIST_CHECK_ARG(capturing == cudaStreamCaptureStatusNone, "batch", "the split workspace must grow to ", need,
+                    " bytes for this shape, which cannot happen during "
+                    "stream capture: run the largest shape once before capturing");
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    buf = DeviceBuffer(need);
+    if (zero) TDIST_CUDA_CHECK(cudaMemsetAsync(buf.get(), 0, need, stream));
+    have = need;
+  }
+
+  // Launches the split kernel and fills the combine parameters (all but the exchange's). With
+  // `in_kernel` set on return the split kernel has written out and lse itself: no combine launch.
+  attn::CombineParams launch_split(const FlashDecodeArgs& a, cudaStream_t stream, const FlashDecodeKernels*& kernels,
+                                   bool distributed, bool& in_kernel) {
     check_flash_decode_args(a);
     const int64_t capacity = flash_decode_capacity(a);
     const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : capacity;
@@ -254,18 +276,13 @@ struct FlashDecode::Impl {
     kernels = &FlashDecodeKernels::get(a.dtype, d);
     const FlashDecodeSplitPlan plan =
         plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, kernels->resident());
+    in_kernel = !distributed && (a.merge == FlashDecodeMerge::kAuto ? plan.merge_in_kernel
+                                                                     : a.merge == FlashDecodeMerge::kInKernel);
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
-    const size_t need = items * plan.num_splits * (d + 1) * sizeof(float);
-    if (need > partial_bytes) {
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-      TDIST_CHECK_ARG(capturing == cudaStreamCaptureStatusNone, "batch", "the split workspace must grow to ", need,
-                      " bytes for this shape, which cannot happen during "
-                      "stream capture: run the largest shape once before capturing");
-      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be read
-      partials = DeviceBuffer(need);
-      partial_bytes = need;
-    }
+    const bool need_partials = !in_kernel || plan.num_splits > 1;
+    if (need_partials) grow(partials, partial_bytes, items * plan.num_splits * (d + 1) * sizeof(float), false, stream);
+    const u64 groups = static_cast<u64>(a.batch) * a.kv_heads * plan.head_chunks;
+    if (in_kernel && plan.num_splits > 1) grow(counters, counter_bytes, groups * sizeof(u32), true, stream);
 
     attn::DecodeParams p{};
     p.q = a.q;
@@ -273,9 +290,13 @@ struct FlashDecode::Impl {
     p.v_cache = a.v_cache;
     p.block_table = a.block_table;
     p.seq_lens = a.seq_lens;
-    p.o_part = partials.get<float>();
-    p.lse_part = p.o_part + items * plan.num_splits * d;
+    p.o_part = need_partials ? partials.get<float>() : nullptr;
+    p.lse_part = need_partials ? p.o_part + items * plan.num_splits * d : nullptr;
     p.errors = errors.get<u32>();
+    p.out = a.out;
+    p.lse = a.lse;
+    p.counters = in_kernel && plan.num_splits > 1 ? counters.get<u32>() : nullptr;
+    p.fused = in_kernel ? 1u : 0u;
     p.num_pages = static_cast<u64>(a.block_table ? a.num_pages : a.batch);
     p.page_size = static_cast<u32>(a.page_size);
     p.max_pages = static_cast<u32>(a.block_table ? a.max_pages : 1);
@@ -330,8 +351,9 @@ FlashDecode::~FlashDecode() = default;
 void FlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) {
   TDIST_NVTX_RANGE("tdist::flash_decode", "batch=", a.batch, " heads=", a.q_heads, "/", a.kv_heads, " d=", a.head_dim);
   const FlashDecodeKernels* kernels = nullptr;
-  attn::CombineParams c = impl_->launch_split(a, stream, kernels);
-  jit::launch(kernels->combine(), impl_->combine_config(c.items, stream), jit::make_args(c));
+  bool in_kernel = false;
+  attn::CombineParams c = impl_->launch_split(a, stream, kernels, false, in_kernel);
+  if (!in_kernel) jit::launch(kernels->combine(), impl_->combine_config(c.items, stream), jit::make_args(c));
 }
 
 void FlashDecode::check_errors() { report_errors(impl_->errors.get<u32>()); }
@@ -426,8 +448,11 @@ void DistributedFlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) 
   TDIST_CHECK_ARG(a.q_heads == cfg.q_heads, "q_heads", "expected config.q_heads = ", cfg.q_heads, ", got ", a.q_heads);
   TDIST_CHECK_ARG(a.head_dim == cfg.head_dim, "head_dim", "expected config.head_dim = ", cfg.head_dim, ", got ",
                   a.head_dim);
+  TDIST_CHECK_ARG(a.merge != FlashDecodeMerge::kInKernel, "merge",
+                  "the distributed op merges the ranks in its combine kernel: expected kAuto or kCombineKernel");
   const FlashDecodeKernels* kernels = nullptr;
-  attn::CombineParams c = impl_->local.launch_split(a, stream, kernels);
+  bool in_kernel = false;
+  attn::CombineParams c = impl_->local.launch_split(a, stream, kernels, true, in_kernel);
   c.heap = impl_->view;
   c.ll = impl_->ll;
   c.epoch = impl_->epoch.get<kernels::coll::EpochState>();

@@ -281,6 +281,30 @@ std::vector<int32_t> mixed_lengths(uint64_t seed, const Geometry& g) {
   return lens;
 }
 
+const char* merge_name(FlashDecodeMerge m) {
+  return m == FlashDecodeMerge::kAuto ? "auto" : m == FlashDecodeMerge::kInKernel ? "in-kernel" : "combine kernel";
+}
+constexpr FlashDecodeMerge kMerges[] = {FlashDecodeMerge::kAuto, FlashDecodeMerge::kInKernel,
+                                        FlashDecodeMerge::kCombineKernel};
+
+// Runs the single-GPU op on a filled case with each merge (outputs poisoned before each), checks each.
+template <typename T>
+void run_every_merge(FlashDecode& op, Case<T>& c, DType dtype, cudaStream_t stream) {
+  for (FlashDecodeMerge m : kMerges) {
+    c.poison();
+    FlashDecodeArgs a = c.args(dtype);
+    a.merge = m;
+    op.run(a, stream);
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    op.check_errors();
+    try {
+      c.check(dtype);
+    } catch (const std::exception& e) {
+      TDIST_FAIL("merge ", merge_name(m), ": ", e.what());
+    }
+  }
+}
+
 // Runs a check on every rank without leaving the collective sequence: a failure is kept and thrown
 // after every rank has said how it went, so no rank waits in a collective the failing one skipped.
 class CollectiveCheck {
@@ -346,11 +370,7 @@ int main() {
           Case<T> c(g);
           const uint64_t s = ++case_seed;
           c.fill(s, mixed_lengths(s, g), 1, 0);
-          c.poison();
-          single.run(c.args(dtype), stream);
-          TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-          single.check_errors();
-          c.check(dtype);
+          run_every_merge(single, c, dtype, stream);
         };
         if (dtype == DType::kBFloat16)
           body(__nv_bfloat16{});
@@ -364,19 +384,52 @@ int main() {
     const Geometry g{1, 32, 8, 128, 16, 40000, 1.0f, 0.f};
     Case<__nv_bfloat16> c(g);
     c.fill(++case_seed, {39999}, 1, 0);
-    c.poison();
-    single.run(c.args(DType::kBFloat16), stream);
-    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-    single.check_errors();
-    c.check(DType::kBFloat16);
+    run_every_merge(single, c, DType::kBFloat16, stream);
   });
 
-  suite.run("flash_decode fp16 CUDA graph, 6 replays with new lengths and contents", [&] {
+  // Short sequences, where the split model merges in the split kernel: lengths around a tile and
+  // a page and around 4K, at batch 1 (each length alone) and 3, page 16 and 64, GQA 1, 4 and 8,
+  // head dim 64, 128 and 256, each with every merge.
+  {
+    const int32_t kShort[] = {1, 15, 16, 17, 4096, 4097};
+    int index = 0;
+    for (int64_t d : {64, 128, 256}) {
+      for (int64_t group : {1, 4, 8}) {
+        for (int64_t page : {16, 64}) {
+          const DType dtype = index++ % 3 == 2 ? DType::kFloat16 : DType::kBFloat16;
+          for (int64_t batch : {1, 3}) {
+            const Geometry g{batch, 2 * group, 2, d, page, 4097, 1.0f, 0.f};
+            suite.run("flash_decode short lengths " + describe(g, dtype), [&] {
+              auto body = [&](auto tag) {
+                using T = decltype(tag);
+                Case<T> c(g);
+                for (int first = 0; first < 6; first += static_cast<int>(batch)) {
+                  std::vector<int32_t> lens(batch);
+                  for (int64_t b = 0; b < batch; ++b) lens[b] = kShort[first + b];
+                  c.fill(++case_seed, lens, 1, 0);
+                  run_every_merge(single, c, dtype, stream);
+                }
+              };
+              if (dtype == DType::kBFloat16)
+                body(__nv_bfloat16{});
+              else
+                body(__half{});
+            });
+          }
+        }
+      }
+    }
+  }
+
+  for (FlashDecodeMerge merge : {FlashDecodeMerge::kInKernel, FlashDecodeMerge::kCombineKernel})
+  suite.run(detail::concat("flash_decode fp16 CUDA graph, merge ", merge_name(merge),
+                           ", 6 replays with new lengths and contents"), [&] {
     const Geometry g{5, 16, 4, 128, 16, 900, 1.0f, 0.f};
     Case<__half> c(g);
     const uint64_t s0 = ++case_seed;
     c.fill(s0, mixed_lengths(s0, g), 1, 0);
-    const FlashDecodeArgs a = c.args(DType::kFloat16);  // max_seq_len 0: the capacity fixes the splits
+    FlashDecodeArgs a = c.args(DType::kFloat16);  // max_seq_len 0: the capacity fixes the splits
+    a.merge = merge;
     single.run(a, stream);                              // sizes the workspace before the capture
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
     cudaGraph_t graph;
@@ -426,6 +479,11 @@ int main() {
     expect_error("max_seq_len", [&] {
       FlashDecodeArgs b = a;
       b.max_seq_len = 113;  // capacity 7 pages x 16
+      single.run(b, stream);
+    });
+    expect_error("merge", [&] {
+      FlashDecodeArgs b = a;
+      b.merge = static_cast<FlashDecodeMerge>(7);
       single.run(b, stream);
     });
     // On the device: an entry outside the cache, then a length beyond the capacity.
@@ -486,6 +544,32 @@ int main() {
         else
           body(__half{});
       });
+    }
+  }
+
+  // Short sequences over the ranks: sequence 1 wholly on one rank (the others hold none of it).
+  for (int64_t d : {64, 128, 256}) {
+    for (int64_t group : {1, 4, 8}) {
+      const Geometry g{3, 2 * group, 2, d, d == 128 ? 64 : 16, 4097, 1.0f, 0.f};
+      suite.run(detail::concat("distributed flash_decode over ", n, " ranks, short lengths, ",
+                               describe(g, DType::kBFloat16)),
+                [&] {
+                  DistributedFlashDecode dist(world, heap, {.max_batch = 3, .q_heads = g.q_heads, .head_dim = d});
+                  Case<__nv_bfloat16> c(g);
+                  CollectiveCheck checks(world);
+                  const std::vector<int32_t> sets[] = {{1, 15, 16}, {17, 4096, 4097}, {4097, 1, 0}};
+                  for (const auto& lens : sets) {
+                    c.fill(++case_seed, lens, n, me);
+                    c.poison();
+                    dist.run(c.args(DType::kBFloat16), stream);
+                    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+                    checks.run([&] {
+                      dist.check_errors();
+                      c.check(DType::kBFloat16);
+                    });
+                  }
+                  checks.finish("flash_decode distributed short");
+                });
     }
   }
 
@@ -589,6 +673,9 @@ int main() {
     a.batch = 2;
     a.q_heads = 16;
     expect_error("q_heads", [&] { dist.run(a, stream); });
+    a.q_heads = 8;
+    a.merge = FlashDecodeMerge::kInKernel;  // the ranks merge in the combine kernel
+    expect_error("merge", [&] { dist.run(a, stream); });
     test::sync_all(world, "flash_decode distributed errors");
   });
 

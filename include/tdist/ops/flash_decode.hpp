@@ -25,6 +25,14 @@
 
 namespace tdist {
 
+// Where a call merges the splits of a sequence (the result is the same up to fp32 rounding):
+//   kAuto          the split model's choice (FlashDecodeSplitPlan::merge_in_kernel)
+//   kInKernel      one launch: the last split CTA of each (sequence, KV head) merges, or, with one
+//                  split, the split CTA writes the output itself
+//   kCombineKernel two launches: the split kernel, then the combine kernel
+// The distributed op always merges (and exchanges) in its combine kernel: kAuto or kCombineKernel.
+enum class FlashDecodeMerge { kAuto, kInKernel, kCombineKernel };
+
 // One decode step's operands. Device pointers; every tensor 16-byte aligned, row-major:
 //   q            T[batch][q_heads][head_dim]
 //   k_cache, v_cache
@@ -54,6 +62,7 @@ struct FlashDecodeArgs {
   float softmax_scale = 0.f;  // logits = softmax_scale * q.k (e.g. 1 / sqrt(head_dim))
   float softcap = 0.f;        // > 0: logits = softcap * tanh(logits / softcap)
   int64_t max_seq_len = 0;    // the longest length seq_lens may hold; 0: the capacity
+  FlashDecodeMerge merge = FlashDecodeMerge::kAuto;
 };
 
 // Tokens a sequence can hold: max_pages x page_size (paged) or page_size (contiguous).
@@ -68,6 +77,9 @@ struct FlashDecodeSplitPlan {
   int heads_per_cta = 1;  // query heads sharing a KV head that one CTA computes (1..16, divides the group)
   int head_chunks = 1;    // group / heads_per_cta
   int num_splits = 1;     // pieces of each sequence
+  // One launch (the last split CTA merges, or one split writes the output) rather than the split
+  // and combine kernels: at one split, or when max_seq_len <= kMaxTokensMergedInKernel.
+  bool merge_in_kernel = false;
 };
 
 // The split model: one wave of the CTAs that fit on the GPU at once (ctas_per_sm x num_sms, from the
@@ -78,6 +90,10 @@ struct FlashDecodeSplitModel {
   // Two 16-token tiles per warp of a 4-warp CTA: a short split's loads are all in flight at once.
   static constexpr int64_t kMinTokensPerSplit = 128;
   static constexpr int kMaxSplits = 256;
+  // Up to this length a call is bound by its fixed costs (launches, the combine kernel waiting for
+  // the whole split grid, its own loads), which the in-kernel merge removes; beyond it the two
+  // kernels stay (the last CTA's serial merge sits on the critical path, the combine is spread).
+  static constexpr int64_t kMaxTokensMergedInKernel = 16384;
 };
 // Query heads of one KV head that a CTA computes: the largest divisor of the group up to 16 (the
 // rows of the kernel's MMA tile).

@@ -79,6 +79,14 @@ struct DecodeParams {
   float* o_part;
   float* lse_part;
   u32* errors;
+  // In-kernel merge (fused != 0): the split CTAs of one (sequence, KV head, chunk) count themselves
+  // done in counters u32[batch][kv_heads * head_chunks] (zero between calls: the last one resets
+  // its counter), and the last merges the splits' partials into out T[batch][q_heads][D] and lse
+  // (may be nullptr); with one split the CTA writes them directly and the partials are unused.
+  void* out;
+  float* lse;
+  u32* counters;
+  u32 fused;
   u64 num_pages;
   u32 page_size;
   u32 max_pages;  // block_table row stride
@@ -399,6 +407,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
     }
   }
   __syncthreads();
+  const bool direct = p.fused && p.num_splits == 1;
   for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
     const int r = i / D, d = i % D;
     float mm = -kInf, ll = 0.f, a = 0.f;
@@ -407,9 +416,51 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
       const float* ml = sm_ml + (w * kMaxHeadsPerCta + r) * 2;
       merge_state<1>(mm, ll, &a, ml[0], ml[1], &sm_o[(w * kMaxHeadsPerCta + r) * D + d]);
     }
-    const u64 part = (static_cast<u64>(b) * p.q_heads + h0 + r) * p.num_splits + split;
+    const u64 item = static_cast<u64>(b) * p.q_heads + h0 + r;
+    if (direct) {  // the only split: the final output
+      static_cast<T*>(p.out)[item * D + d] = coll::from_f32<T>(ll > 0.f ? a / ll : 0.f);
+      if (d == 0 && p.lse) p.lse[item] = ll > 0.f ? (mm + log2f(ll)) * kLn2 : -kInf;
+      continue;
+    }
+    const u64 part = item * p.num_splits + split;
     p.o_part[part * D + d] = ll > 0.f ? a / ll : 0.f;
     if (d == 0) p.lse_part[part] = ll > 0.f ? mm + log2f(ll) : -kInf;
+  }
+  if (!p.fused || direct) return;
+
+  // In-kernel merge: every thread publishes its partials before the CTA counts itself done; the
+  // CTA that brings the count to num_splits sees every split's partials (in L2) and merges them,
+  // the same sum as the combine kernel (max of the log2-sums, then weights exp2(lse_s - max)).
+  __threadfence();
+  __syncthreads();
+  u32* sm_last = sm_mask;  // the rings' masks are dead by now
+  if (threadIdx.x == 0) {
+    u32* counter = p.counters + static_cast<u64>(b) * gridDim.y + blockIdx.y;
+    const bool last = atomicAdd(counter, 1u) == p.num_splits - 1;
+    if (last) atomicExch(counter, 0u);  // the next call starts after this grid has completed
+    *sm_last = last ? 1u : 0u;
+  }
+  __syncthreads();
+  if (*sm_last == 0) return;
+  __threadfence();  // the other CTAs' partials, read through L2 (__ldcg): nothing stale in L1
+  for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
+    const int r = i / D, d = i % D;
+    const u64 item = static_cast<u64>(b) * p.q_heads + h0 + r;
+    const float* lp = p.lse_part + item * p.num_splits;
+    const float* op = p.o_part + item * p.num_splits * D + d;
+    float mx = -kInf;
+    for (u32 s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, __ldcg(lp + s));
+    float sum = 0.f, acc = 0.f;
+    if (mx != -kInf) {
+#pragma unroll 8
+      for (u32 s = 0; s < p.num_splits; ++s) {
+        const float w = exp2f(__ldcg(lp + s) - mx);  // an empty split: exp2(-inf) = 0
+        sum += w;
+        acc = fmaf(w, __ldcg(op + static_cast<u64>(s) * D), acc);
+      }
+    }
+    static_cast<T*>(p.out)[item * D + d] = coll::from_f32<T>(mx != -kInf ? acc / sum : 0.f);
+    if (d == 0 && p.lse) p.lse[item] = mx != -kInf ? (mx + log2f(sum)) * kLn2 : -kInf;
   }
 }
 
