@@ -148,6 +148,26 @@ TEST(FlashDecodeSplitPlan, OneWaveOfWhatFitsOnTheGpu) {
   EXPECT_EQ(flash_decode_heads_per_cta(17), 1);
 }
 
+TEST(FlashDecodeSplitPlan, MergesInTheSplitKernelWhereFixedCostsDominate) {
+  using M = FlashDecodeSplitModel;
+  // Batch 1 up to the threshold: one launch, the last split CTA of each KV head merges.
+  FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 4096, 132);
+  EXPECT_EQ(p.num_splits, 32);
+  EXPECT_TRUE(p.merge_in_kernel);
+  EXPECT_TRUE(plan_flash_decode(1, 32, 8, M::kMaxTokensMergedInKernel, 132).merge_in_kernel);
+  // Beyond it: the split and combine kernels.
+  p = plan_flash_decode(1, 32, 8, M::kMaxTokensMergedInKernel + 1, 132);
+  EXPECT_GT(p.num_splits, 1);
+  EXPECT_FALSE(p.merge_in_kernel);
+  EXPECT_FALSE(plan_flash_decode(1, 32, 8, 131072, 132).merge_in_kernel);
+  // One split at any length: nothing to merge, the split CTA writes the output.
+  p = plan_flash_decode(64, 64, 8, 131072, 132);
+  EXPECT_EQ(p.num_splits, 1);
+  EXPECT_TRUE(p.merge_in_kernel);
+  EXPECT_TRUE(plan_flash_decode(1, 32, 8, 1, 132).merge_in_kernel);
+  EXPECT_TRUE(plan_flash_decode(1, 32, 8, 0, 132).merge_in_kernel);
+}
+
 TEST(FlashDecodeSplitPlan, ResidentCtasFromRegistersAndSharedMemory) {
   const SmLimits h100;  // Hopper: 64K registers, 2048 threads, 32 CTAs, 228 KB shared, 1 KB reserved per CTA
   EXPECT_EQ(resident_ctas_per_sm(158, 128, 8320, h100), 3);   // 160 x 32 x 4 = 20480 registers per CTA

@@ -90,10 +90,11 @@ struct FlashDecodeSplitModel {
   // Two 16-token tiles per warp of a 4-warp CTA: a short split's loads are all in flight at once.
   static constexpr int64_t kMinTokensPerSplit = 128;
   static constexpr int kMaxSplits = 256;
-  // Up to this length a call is bound by its fixed costs (launches, the combine kernel waiting for
-  // the whole split grid, its own loads), which the in-kernel merge removes; beyond it the two
-  // kernels stay (the last CTA's serial merge sits on the critical path, the combine is spread).
-  static constexpr int64_t kMaxTokensMergedInKernel = 16384;
+  // Up to this length a call is bound by its fixed costs (a second launch, the combine kernel
+  // waiting for the whole split grid, then loading the partials), which the in-kernel merge
+  // removes; beyond it the two kernels stay (a one-launch merge everywhere was slower at long
+  // lengths). bench_flash_decode times both ("1-launch", "2-launch") for every case.
+  static constexpr int64_t kMaxTokensMergedInKernel = 32768;
 };
 // Query heads of one KV head that a CTA computes: the largest divisor of the group up to 16 (the
 // rows of the kernel's MMA tile).

@@ -14,6 +14,8 @@
 //   lse          f32[batch][q_heads]                        natural log of sum_t exp(s_t); -inf if empty
 //   o_part       f32[batch][q_heads][num_splits][D]         each split's normalised output
 //   lse_part     f32[batch][q_heads][num_splits]            each split's log2-sum-exp2 (-inf: empty)
+//   counters     u32[batch][kv_heads * head_chunks]         in-kernel merge: split CTAs done, zero
+//                                                           between calls
 //   ll           u64[2][num_ranks][max_items][D + 1]        distributed merge, symmetric: lines of
 //                                                           item (b * q_heads + h), words 0..D-1 the
 //                                                           rank's o (f32 bits), word D its log2-sum
@@ -29,6 +31,12 @@
 // decode_stages(D)-deep cp.async pipeline of K and V tiles in shared memory, gathered row by row
 // through the block table, so that HBM reads stay in flight while the warp computes; the warps'
 // states are merged through shared memory at the end.
+//
+// The splits are merged either by the combine kernel (a second launch; the distributed op's, which
+// also exchanges with the peers) or, where the split model says the fixed costs dominate (short
+// sequences), in the split kernel itself: the last CTA of a (sequence, KV head, chunk) to finish,
+// as an atomic counter decides, merges every split's partials; with one split the CTA writes the
+// output and lse directly.
 //
 // Bad input seen on the device sets a bit of *errors (the host reports it, naming the argument):
 // kErrBlockTable (an entry outside [0, num_pages): the page is skipped), kErrSeqLen (a length
@@ -199,7 +207,7 @@ TDIST_DEVICE void merge_state(float& m, float& l, float* acc, float m2, float l2
 }
 
 // grid (num_splits, kv_heads * head_chunks, batch), block kDecodeThreads, dynamic shared memory
-// decode_smem_bytes(D, sizeof(T)).
+// decode_smem_bytes(D, sizeof(T)). Writes o_part and lse_part, or, with p.fused, out and lse.
 template <typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParams p) {
   static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
@@ -247,29 +255,40 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   T* my_kv = sm_kv + warp * kStages * 2 * kTileElems;
   u32* my_mask = sm_mask + warp * kStages;
 
-  // Starts the copies of this warp's tile i into stage i % kStages: lanes 0..15 look up their
-  // token's row, then every lane copies 16-byte chunks of rows (invalid rows: zeros).
-  auto issue = [&](int i) {
-    const int stage = i % kStages;
-    const u32 base = t0 + static_cast<u32>(i * kWarps + warp) * kDecodeTile;
-    u64 row = 0;
-    bool valid = false;
+  // The block-table entry of each lane's token of this warp's tile i (lanes 0..15), loaded one
+  // issue ahead of its use, so that the table's latency overlaps the tile before instead of
+  // stalling the warp in front of every tile's copies.
+  struct TileRows {
+    int entry;  // page (contiguous: the sequence)
+    u32 off;    // token within the page
+    bool in;    // inside the split
+  };
+  auto lookup = [&](int i) {
+    TileRows r{static_cast<int>(b), 0u, false};
     if (lane < kDecodeTile) {
-      const u32 t = base + lane;
-      valid = t < t1;
-      if (valid) {
-        const u32 slot = t / p.page_size, off = t - slot * p.page_size;
-        u64 page = b;
-        if (table) {
-          const int e = table[slot];
-          if (e < 0 || static_cast<u64>(e) >= p.num_pages) {
-            atomicOr(p.errors, kErrBlockTable);
-            valid = false;
-          }
-          page = static_cast<u64>(e);
-        }
-        row = (page * p.page_size + off) * row_stride;
+      const u32 t = t0 + static_cast<u32>(i * kWarps + warp) * kDecodeTile + lane;
+      r.in = t < t1;
+      if (r.in) {
+        const u32 slot = t / p.page_size;
+        r.off = t - slot * p.page_size;
+        if (table) r.entry = table[slot];
       }
+    }
+    return r;
+  };
+
+  // Starts the copies of this warp's tile i into stage i % kStages, from its looked-up rows: every
+  // lane copies 16-byte chunks of rows (invalid rows: zeros).
+  auto issue = [&](int i, const TileRows& tr) {
+    const int stage = i % kStages;
+    u64 row = 0;
+    bool valid = tr.in;
+    if (valid) {
+      if (table && (tr.entry < 0 || static_cast<u64>(tr.entry) >= p.num_pages)) {
+        atomicOr(p.errors, kErrBlockTable);
+        valid = false;
+      }
+      row = (static_cast<u64>(tr.entry) * p.page_size + tr.off) * row_stride;
     }
     const u32 mask = __ballot_sync(kFull, valid);
     if (lane == 0) my_mask[stage] = mask;
@@ -286,6 +305,14 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
       cp_async16(vs + swz<D>(r, c), vbase + src, ok ? 16u : 0u);
     }
   };
+  // Tiles are issued in order 0, 1, ...: `next` holds the rows of the next one, and issuing a tile
+  // first starts the lookup of the one after it.
+  TileRows next = lookup(0);
+  auto issue_next = [&](int i) {
+    const TileRows cur = next;
+    next = lookup(i + 1);
+    issue(i, cur);
+  };
 
   // Warp state, in MMA accumulator layout: row g = lane / 4 (elements 0, 1) and g + 8 (2, 3);
   // o[j] holds dims 8j + 2 (lane % 4) + {0, 1}. m, l per row (l this lane's part until the end).
@@ -300,7 +327,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   // The first tiles are on their way before the query rows are loaded.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < my_tiles) issue(s);
+    if (s < my_tiles) issue_next(s);
     cp_async_commit();
   }
   // The query rows, zero past `heads` (their logits are 0 and their outputs unused).
@@ -316,7 +343,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
 
   for (int i = 0; i < my_tiles; ++i) {
     __syncwarp();  // every lane is done with the stage refilled next (tile i - 1's)
-    if (i + kStages - 1 < my_tiles) issue(i + kStages - 1);
+    if (i + kStages - 1 < my_tiles) issue_next(i + kStages - 1);
     cp_async_commit();
     cp_async_wait<kStages - 1>();  // tile i's group
     __syncwarp();                  // every lane's copies of tile i visible to the warp
