@@ -6,9 +6,12 @@
 //     batch, a long sequence cut in many splits, softcap; pages in random order, the unused rows of
 //     the cache and the unused block-table entries poisoned (NaN rows, entries far outside), outputs
 //     poisoned (NaN) first; max |err| of out and lse within the dtype's rounding;
+//   * every merge (FlashDecodeMerge: the split model's choice, in the split kernel, the combine
+//     kernel) on the same data; short lengths (1, 15, 16, 17, 4096, 4097 at batch 1 and 3, page 16
+//     and 64, GQA 1 / 4 / 8, head dim 64 / 128 / 256);
 //   * sequence-parallel over every rank: each sequence's tokens dealt to ranks at random, some
 //     sequences wholly on one rank (the others hold none), some empty; every rank's out checked and
-//     bit-identical across ranks;
+//     bit-identical across ranks (each merge, short lengths included);
 //   * CUDA graphs (single GPU and distributed) captured once, replayed with new lengths (device
 //     memory) and new contents, each replay checked;
 //   * errors: host checks name the argument; a block-table entry outside the cache and a length
@@ -560,13 +563,28 @@ int main() {
                   const std::vector<int32_t> sets[] = {{1, 15, 16}, {17, 4096, 4097}, {4097, 1, 0}};
                   for (const auto& lens : sets) {
                     c.fill(++case_seed, lens, n, me);
-                    c.poison();
-                    dist.run(c.args(DType::kBFloat16), stream);
-                    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-                    checks.run([&] {
-                      dist.check_errors();
-                      c.check(DType::kBFloat16);
-                    });
+                    for (FlashDecodeMerge m : kMerges) {  // every rank the same
+                      c.poison();
+                      FlashDecodeArgs a = c.args(DType::kBFloat16);
+                      a.merge = m;
+                      dist.run(a, stream);
+                      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+                      uint64_t digest = 0;
+                      checks.run([&] {
+                        dist.check_errors();
+                        try {
+                          digest = c.check(DType::kBFloat16);
+                        } catch (const std::exception& e) {
+                          TDIST_FAIL("merge ", merge_name(m), ": ", e.what());
+                        }
+                      });
+                      const auto all = test::all_gather_u64(world, "flash_decode short digest", digest);
+                      checks.run([&] {
+                        for (int r = 0; r < n; ++r)
+                          if (all[r] != digest)
+                            TDIST_FAIL("merge ", merge_name(m), ": out differs between rank ", me, " and rank ", r);
+                      });
+                    }
                   }
                   checks.finish("flash_decode distributed short");
                 });
@@ -591,14 +609,17 @@ int main() {
         checks.finish("flash_decode distributed long");
       });
 
-  suite.run(detail::concat("distributed flash_decode bf16 over ", n, " ranks, CUDA graph, 8 replays with new lengths"),
+  for (FlashDecodeMerge merge : {FlashDecodeMerge::kInKernel, FlashDecodeMerge::kCombineKernel})
+  suite.run(detail::concat("distributed flash_decode bf16 over ", n, " ranks, CUDA graph, merge ", merge_name(merge),
+                           ", 8 replays with new lengths"),
             [&] {
               const Geometry g{4, 32, 8, 128, 16, 1000, 1.0f, 0.f};
               DistributedFlashDecode dist(world, heap, {.max_batch = 4, .q_heads = 32, .head_dim = 128});
               Case<__nv_bfloat16> c(g);
               const uint64_t s0 = ++case_seed;
               c.fill(s0, mixed_lengths(s0, g), n, me);
-              const FlashDecodeArgs a = c.args(DType::kBFloat16);
+              FlashDecodeArgs a = c.args(DType::kBFloat16);
+              a.merge = merge;
               dist.run(a, stream);  // sizes the workspace before the capture
               TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
               test::sync_all(world, "flash_decode graph warm-up");
@@ -674,7 +695,7 @@ int main() {
     a.q_heads = 16;
     expect_error("q_heads", [&] { dist.run(a, stream); });
     a.q_heads = 8;
-    a.merge = FlashDecodeMerge::kInKernel;  // the ranks merge in the combine kernel
+    a.merge = static_cast<FlashDecodeMerge>(7);
     expect_error("merge", [&] { dist.run(a, stream); });
     test::sync_all(world, "flash_decode distributed errors");
   });

@@ -28,9 +28,11 @@ namespace tdist {
 // Where a call merges the splits of a sequence (the result is the same up to fp32 rounding):
 //   kAuto          the split model's choice (FlashDecodeSplitPlan::merge_in_kernel)
 //   kInKernel      one launch: the last split CTA of each (sequence, KV head) merges, or, with one
-//                  split, the split CTA writes the output itself
-//   kCombineKernel two launches: the split kernel, then the combine kernel
-// The distributed op always merges (and exchanges) in its combine kernel: kAuto or kCombineKernel.
+//                  split, the split CTA writes the output itself; in the distributed op that CTA
+//                  also exchanges with the peers and merges the ranks, which needs every split CTA
+//                  resident at once (kAuto falls back to the combine kernel where they are not,
+//                  kInKernel is then an error naming `merge`)
+//   kCombineKernel two launches: the split kernel, then the combine kernel (which exchanges)
 enum class FlashDecodeMerge { kAuto, kInKernel, kCombineKernel };
 
 // One decode step's operands. Device pointers; every tensor 16-byte aligned, row-major:

@@ -95,6 +95,13 @@ struct DecodeParams {
   float* lse;
   u32* counters;
   u32 fused;
+  // Distributed in-kernel merge (flash_decode_split<T, D, true>): the merging CTA also exchanges
+  // its heads with every rank through the LL lines `ll` and merges the ranks, as the combine
+  // kernel does. Every split CTA must be resident at once (the merging CTAs wait for peers).
+  tdist::device::SymmetricHeapView heap;
+  u64* ll;
+  coll::EpochState* epoch;
+  u32 max_items;  // ll's item dimension
   u64 num_pages;
   u32 page_size;
   u32 max_pages;  // block_table row stride
@@ -206,9 +213,32 @@ TDIST_DEVICE void merge_state(float& m, float& l, float* acc, float m2, float l2
   m = mn;
 }
 
+// The data word of a line already seen with this call's epoch.
+TDIST_DEVICE float line_value(const u64* line) {
+  return __uint_as_float(static_cast<u32>(ld_relaxed<Scope::kSystem>(line)));
+}
+
+// Line w of `item` from rank src, parity `par`, in this rank's buffer (P: CombineParams or
+// DecodeParams).
+template <typename P>
+TDIST_DEVICE u64* ll_line(const P& p, u64 par, int src, u32 item, u32 w, int d) {
+  return p.ll + ((par * p.heap.num_ranks + src) * p.max_items + item) * (d + 1) + w;
+}
+
+// Word w (an output dim, or D: the log2-sum) of this rank's merged `item`, pushed to every rank's
+// buffer (its own included) as an LL line {bits, flag}.
+template <typename P>
+TDIST_DEVICE void ll_push_word(const P& p, u64 par, u32 flag, u32 item, u32 w, int d, float value) {
+  const int n = p.heap.num_ranks, me = p.heap.rank;
+  const u64 line = (static_cast<u64>(flag) << 32) | __float_as_uint(value);
+  u64* mine = ll_line(p, par, me, item, w, d);
+  for (int k = 0; k < n; ++k) st_relaxed<Scope::kSystem>(p.heap.symm_at(mine, (me + k) % n), line);
+}
+
 // grid (num_splits, kv_heads * head_chunks, batch), block kDecodeThreads, dynamic shared memory
 // decode_smem_bytes(D, sizeof(T)). Writes o_part and lse_part, or, with p.fused, out and lse.
-template <typename T, int D>
+// kExchange: the distributed in-kernel merge (p.fused set, p.ll the exchange).
+template <typename T, int D, bool kExchange>
 __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParams p) {
   static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
   constexpr int kChunks = D / 8;  // 16-byte chunks of a row
@@ -235,6 +265,8 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   // for this grid's completion itself).
   wait_for_prior_grid();
   allow_dependent_launch();
+  // The exchange's call number (coll::begin_call's, whose waits are the two above).
+  const u64 call = kExchange ? ld_relaxed<Scope::kGpu>(&p.epoch->epoch) + 1 : 0;
   int len = p.seq_lens[b];
   if (len < 0 || static_cast<u32>(len) > p.capacity) {
     if (threadIdx.x == 0 && split == 0 && blockIdx.y == 0) atomicOr(p.errors, kErrSeqLen);
@@ -434,7 +466,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
     }
   }
   __syncthreads();
-  const bool direct = p.fused && p.num_splits == 1;
+  const bool direct = !kExchange && p.fused && p.num_splits == 1;
   for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
     const int r = i / D, d = i % D;
     float mm = -kInf, ll = 0.f, a = 0.f;
@@ -453,7 +485,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
     p.o_part[part * D + d] = ll > 0.f ? a / ll : 0.f;
     if (d == 0) p.lse_part[part] = ll > 0.f ? mm + log2f(ll) : -kInf;
   }
-  if (!p.fused || direct) return;
+  if (!kExchange && (!p.fused || direct)) return;
 
   // In-kernel merge: every thread publishes its partials before the CTA counts itself done; the
   // CTA that brings the count to num_splits sees every split's partials (in L2) and merges them,
@@ -468,7 +500,10 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
     *sm_last = last ? 1u : 0u;
   }
   __syncthreads();
-  if (*sm_last == 0) return;
+  if (*sm_last == 0) {
+    if constexpr (kExchange) coll::end_call(p.epoch, call);
+    return;
+  }
   __threadfence();  // the other CTAs' partials, read through L2 (__ldcg): nothing stale in L1
   for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
     const int r = i / D, d = i % D;
@@ -486,8 +521,48 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
         acc = fmaf(w, __ldcg(op + static_cast<u64>(s) * D), acc);
       }
     }
-    static_cast<T*>(p.out)[item * D + d] = coll::from_f32<T>(mx != -kInf ? acc / sum : 0.f);
-    if (d == 0 && p.lse) p.lse[item] = mx != -kInf ? (mx + log2f(sum)) * kLn2 : -kInf;
+    if constexpr (kExchange) {  // this rank's result for the item, to every rank
+      const u64 par = call & 1;
+      const u32 flag = static_cast<u32>(call);
+      ll_push_word(p, par, flag, static_cast<u32>(item), static_cast<u32>(d), D, mx != -kInf ? acc / sum : 0.f);
+      if (d == 0)
+        ll_push_word(p, par, flag, static_cast<u32>(item), static_cast<u32>(D), D,
+                     mx != -kInf ? mx + log2f(sum) : -kInf);
+    } else {
+      static_cast<T*>(p.out)[item * D + d] = coll::from_f32<T>(mx != -kInf ? acc / sum : 0.f);
+      if (d == 0 && p.lse) p.lse[item] = mx != -kInf ? (mx + log2f(sum)) * kLn2 : -kInf;
+    }
+  }
+  if constexpr (kExchange) {
+    // Every push of the CTA before any of its waits. Then the ranks' lines of each (head, dim),
+    // merged in rank order exactly as the combine kernel does, so every rank writes the same bits
+    // whichever kernel merged on each.
+    __syncthreads();
+    const u64 par = call & 1;
+    const u32 flag = static_cast<u32>(call);
+    const int n = p.heap.num_ranks;
+    for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
+      const int r = i / D, d = i % D;
+      const u32 item = static_cast<u32>(static_cast<u64>(b) * p.q_heads + h0 + r);
+      for (int k = 0; k < 2 * n; ++k)  // one call site of the wait
+        coll::ll_read(ll_line(p, par, k / 2, item, k % 2 ? D : d, D), flag);
+      float mx = -kInf;
+      for (int src = 0; src < n; ++src) mx = fmaxf(mx, line_value(ll_line(p, par, src, item, D, D)));
+      float acc = 0.f, sum = 0.f;
+      if (mx != -kInf) {
+        for (int src = 0; src < n; ++src) {
+          const float ls = line_value(ll_line(p, par, src, item, D, D));
+          if (ls == -kInf) continue;
+          const float w = exp2f(ls - mx);
+          sum += w;
+          acc = fmaf(w, line_value(ll_line(p, par, src, item, d, D)), acc);
+        }
+        acc /= sum;
+      }
+      static_cast<T*>(p.out)[static_cast<u64>(item) * D + d] = coll::from_f32<T>(acc);
+      if (d == 0 && p.lse) p.lse[item] = mx == -kInf ? -kInf : (mx + log2f(sum)) * kLn2;
+    }
+    coll::end_call(p.epoch, call);
   }
 }
 
@@ -536,15 +611,6 @@ TDIST_DEVICE void store_item(const CombineParams& p, u32 item, int lane, const f
   if (lane == 0 && p.lse) p.lse[item] = lse2 == -kInf ? -kInf : lse2 * kLn2;
 }
 
-// The data word of a line already seen with this call's epoch.
-TDIST_DEVICE float line_value(const u64* line) {
-  return __uint_as_float(static_cast<u32>(ld_relaxed<Scope::kSystem>(line)));
-}
-
-// Line w of `item` from rank src, parity `par`, in this rank's buffer.
-TDIST_DEVICE u64* ll_line(const CombineParams& p, u64 par, int src, u32 item, u32 w, int d) {
-  return p.ll + ((par * p.heap.num_ranks + src) * p.max_items + item) * (d + 1) + w;
-}
 
 // Merges the splits of every item (warp per item) and, with p.ll, every rank's result: each rank
 // pushes its merged item to every peer as LL lines {f32 bits, epoch} (data and flag in one 8-byte
