@@ -90,6 +90,7 @@ TEST(FlashDecodeArgs, ErrorsNameTheArgument) {
   expect_names("max_seq_len", with([](FlashDecodeArgs& a) { a.max_seq_len = 161; }));  // beyond 10 x 16
   expect_names("softmax_scale", with([](FlashDecodeArgs& a) { a.softmax_scale = 0.f; }));
   expect_names("softcap", with([](FlashDecodeArgs& a) { a.softcap = -1.f; }));
+  expect_names("merge", with([](FlashDecodeArgs& a) { a.merge = static_cast<FlashDecodeMerge>(3); }));
 }
 
 TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
