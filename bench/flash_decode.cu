@@ -5,9 +5,8 @@
 //
 //   tdistrun -n 2 -- bench_flash_decode [--quick] [--json FILE]
 //
-// Rows: impl "tdist" (single GPU, method "single": the split model's choice of merge; "single,
-// merge in kernel" and "single, combine kernel": each forced), "floor" (bytes / copy bandwidth),
-// "simple", and "tdist" method "distributed" (world_size ranks); each with us and the KV bytes read.
+// Rows: impl "tdist" (single GPU, method "single"), "floor" (bytes / copy bandwidth), "simple",
+// and "tdist" method "distributed" (world_size ranks); each with us and the KV bytes read.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -100,8 +99,8 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
   if (me == 0) {
     std::printf("\ndecode attention, bf16, page %d, head dim %d, %s, copy bandwidth %.0f GB/s, %d ranks\n", kPage, kDim,
                 prop.name, copy_gbps, n);
-    std::printf("%-11s %5s %7s %10s %10s %8s %9s %9s %10s %8s %12s %8s\n", "model", "batch", "tokens", "tdist us",
-                "floor us", "of copy", "1-launch", "2-launch", "simple us", "speedup", "distrib. us", "ratio");
+    std::printf("%-11s %5s %7s %10s %10s %8s %10s %8s %12s %8s\n", "model", "batch", "tokens", "tdist us", "floor us",
+                "of copy", "simple us", "speedup", "distrib. us", "ratio");
   }
   std::mt19937_64 rng(12345);
   for (const Model& model : models) {
@@ -148,14 +147,6 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
         a.max_seq_len = tokens;
         const double t_single = slowest_rank_median_ms(world, stream, iters, [&] { single.run(a, stream); }) * 1e3;
         single.check_errors();
-        // Each merge forced: one launch (the split kernel merges) and two (split, then combine).
-        double t_merge[2] = {0, 0};
-        for (int i = 0; i < 2; ++i) {
-          FlashDecodeArgs f = a;
-          f.merge = i == 0 ? FlashDecodeMerge::kInKernel : FlashDecodeMerge::kCombineKernel;
-          t_merge[i] = slowest_rank_median_ms(world, stream, iters, [&] { single.run(f, stream); }) * 1e3;
-        }
-        single.check_errors();
         const double t_floor = kv_bytes / (copy_gbps * 1e3);
         double t_simple = 0;
         if (tokens <= 32768 || batch == 1) {  // minutes otherwise
@@ -179,10 +170,10 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
           dist.check_errors();
         }
         if (me == 0) {
-          std::printf("%-11s %5lld %7lld %10.1f %10.1f %7.0f%% %9.1f %9.1f %10.1f %8.1f %12.1f %8.2f\n", model.name,
+          std::printf("%-11s %5lld %7lld %10.1f %10.1f %7.0f%% %10.1f %8.1f %12.1f %8.2f\n", model.name,
                       static_cast<long long>(batch), static_cast<long long>(tokens), t_single, t_floor,
-                      100.0 * t_floor / t_single, t_merge[0], t_merge[1], t_simple,
-                      t_simple > 0 ? t_simple / t_single : 0.0, t_dist, t_dist > 0 ? t_dist / t_single : 0.0);
+                      100.0 * t_floor / t_single, t_simple, t_simple > 0 ? t_simple / t_single : 0.0, t_dist,
+                      t_dist > 0 ? t_dist / t_single : 0.0);
           std::fflush(stdout);
           auto row = [&](const char* impl, const char* method, double us, int ranks) {
             json::Value r = json::Object{{"op", "flash_decode"},
@@ -201,8 +192,6 @@ int run(bool quick, int iters, const std::string& json_path, int argc, char** ar
             doc["rows"].push_back(r);
           };
           row("tdist", "single", t_single, 1);
-          row("tdist", "single, merge in kernel", t_merge[0], 1);
-          row("tdist", "single, combine kernel", t_merge[1], 1);
           row("floor", "copy bandwidth", t_floor, 1);
           if (t_simple > 0) row("simple", "one CTA per head", t_simple, 1);
           if (t_dist > 0) row("tdist", "distributed", t_dist, n);

@@ -78,9 +78,6 @@ void check_flash_decode_args(const FlashDecodeArgs& a) {
                   "the cache is too large to index (", a.num_pages, " pages of ", a.page_size, " tokens)");
   TDIST_CHECK_ARG(a.max_seq_len >= 0 && a.max_seq_len <= capacity, "max_seq_len", "expected 0 (the capacity) to ",
                   capacity, " (the capacity), got ", a.max_seq_len);
-  TDIST_CHECK_ARG(a.merge == FlashDecodeMerge::kAuto || a.merge == FlashDecodeMerge::kInKernel ||
-                      a.merge == FlashDecodeMerge::kCombineKernel,
-                  "merge", "expected kAuto, kInKernel or kCombineKernel, got ", static_cast<int>(a.merge));
 }
 
 int flash_decode_heads_per_cta(int64_t group) {
@@ -108,7 +105,6 @@ FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t k
   const int64_t want = wave / ctas;  // rounded down: a CTA past the wave would run alone in a second one
   const int64_t by_length = std::max<int64_t>(1, (max_seq_len + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit);
   plan.num_splits = static_cast<int>(std::clamp<int64_t>(std::min(want, by_length), 1, M::kMaxSplits));
-  plan.merge_in_kernel = plan.num_splits == 1 || max_seq_len <= M::kMaxTokensMergedInKernel;
   return plan;
 }
 
@@ -127,10 +123,9 @@ int resident_ctas_per_sm(int regs_per_thread, int threads, size_t smem_bytes, co
 // Instance names are spelled here only.
 class FlashDecodeKernels {
  public:
-  // exchange: the distributed in-kernel merge's variant.
-  static std::string split_instance(DType dtype, int head_dim, bool exchange) {
+  static std::string split_instance(DType dtype, int head_dim) {
     return detail::concat("tdist::kernels::attention::flash_decode_split<", kernel_type_name(dtype), ", ", head_dim,
-                          exchange ? ", true>" : ", false>");
+                          ">");
   }
   static std::string combine_instance(DType dtype, int head_dim) {
     return detail::concat("tdist::kernels::attention::flash_decode_combine<", kernel_type_name(dtype), ", ", head_dim,
@@ -140,9 +135,8 @@ class FlashDecodeKernels {
     jit::CompileRequest r;
     r.source = "#include \"tdist/kernels/attention/flash_decode.cuh\"\n";
     r.file_name = "flash_decode.cu";
-    r.name_expressions.push_back(split_instance(dtype, head_dim, false));
+    r.name_expressions.push_back(split_instance(dtype, head_dim));
     r.name_expressions.push_back(combine_instance(dtype, head_dim));
-    r.name_expressions.push_back(split_instance(dtype, head_dim, true));
     return r;
   }
 
@@ -150,24 +144,18 @@ class FlashDecodeKernels {
       : split_smem_(attn::decode_smem_bytes(head_dim, static_cast<int>(dtype_size(dtype)))) {
     const auto compiled = jit::compile(compile_request(dtype, head_dim));
     module_ = jit::Module::load(compiled);
-    const SmLimits sm = current_sm_limits();
-    const std::string name = split_instance(dtype, head_dim, false);
+    const std::string name = split_instance(dtype, head_dim);
     split_ = module_->kernel(name);
-    resident_ = resident_from_log(compiled->log, compiled->lowered_name(name), split_smem_, sm);
+    resident_ = resident_from_log(compiled->log, compiled->lowered_name(name), split_smem_, current_sm_limits());
     combine_ = module_->kernel(combine_instance(dtype, head_dim));
-    const std::string xname = split_instance(dtype, head_dim, true);
-    split_exchange_ = module_->kernel(xname);
-    resident_exchange_ = resident_from_log(compiled->log, compiled->lowered_name(xname), split_smem_, sm);
   }
 
   // Split CTAs one SM holds at once, from the registers ptxas reported and the shared memory.
   int resident() const { return resident_; }
-  int resident_exchange() const { return resident_exchange_; }
   // The split kernel's dynamic shared memory (its pipelines).
   size_t split_smem() const { return split_smem_; }
 
   const jit::Kernel& split() const { return split_; }
-  const jit::Kernel& split_exchange() const { return split_exchange_; }
   const jit::Kernel& combine() const { return combine_; }
 
   // Compiled once per process for each (dtype, head dim).
@@ -214,9 +202,7 @@ class FlashDecodeKernels {
   std::shared_ptr<jit::Module> module_;
   jit::Kernel split_;
   jit::Kernel combine_;
-  jit::Kernel split_exchange_;
   int resident_ = 0;
-  int resident_exchange_ = 0;
 };
 
 namespace {
@@ -256,38 +242,11 @@ struct FlashDecode::Impl {
   DeviceBuffer errors{sizeof(u32)};
   DeviceBuffer partials;  // o_part f32[items][splits][D], then lse_part f32[items][splits]
   size_t partial_bytes = 0;
-  DeviceBuffer counters;  // in-kernel merge: u32[batch][kv_heads * head_chunks], zero between calls
-  size_t counter_bytes = 0;
 
   Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
 
-  // Grows a workspace (the old one may still be read: synchronises; not while capturing).
-  static void grow(DeviceBuffer& buf, size_t& have, size_t need, bool zero, cudaStream_t stream) {
-    if (need <= have) return;
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-    TDIST_CHECK_ARG(capturing == cudaStreamCaptureStatusNone, "batch", "the split workspace must grow to ", need,
-                    " bytes for this shape, which cannot happen during "
-                    "stream capture: run the largest shape once before capturing");
-    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-    buf = DeviceBuffer(need);
-    if (zero) TDIST_CUDA_CHECK(cudaMemsetAsync(buf.get(), 0, need, stream));
-    have = need;
-  }
-
-  // The distributed op's exchange (its symmetric LL lines and epoch).
-  struct Exchange {
-    device::SymmetricHeapView view;
-    u64* ll = nullptr;
-    kernels::coll::EpochState* epoch = nullptr;
-    u32 max_items = 0;
-  };
-
-  // Launches the split kernel and fills the combine parameters (all but the exchange's). With
-  // `in_kernel` set on return the split kernel has written out and lse itself (and, with `x`,
-  // exchanged with the peers): no combine launch.
-  attn::CombineParams launch_split(const FlashDecodeArgs& a, cudaStream_t stream, const FlashDecodeKernels*& kernels,
-                                   const Exchange* x, bool& in_kernel) {
+  // Launches the split kernel and fills the combine parameters (all but the exchange's).
+  attn::CombineParams launch_split(const FlashDecodeArgs& a, cudaStream_t stream, const FlashDecodeKernels*& kernels) {
     check_flash_decode_args(a);
     const int64_t capacity = flash_decode_capacity(a);
     const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : capacity;
@@ -295,22 +254,18 @@ struct FlashDecode::Impl {
     kernels = &FlashDecodeKernels::get(a.dtype, d);
     const FlashDecodeSplitPlan plan =
         plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, kernels->resident());
-    in_kernel = a.merge == FlashDecodeMerge::kAuto ? plan.merge_in_kernel : a.merge == FlashDecodeMerge::kInKernel;
-    const u64 groups = static_cast<u64>(a.batch) * a.kv_heads * plan.head_chunks;
-    if (x) {
-      // The merging CTAs wait for the peers' lines inside the split kernel: only safe when every
-      // split CTA is resident at once (none waits for a slot that a waiting CTA holds).
-      const int64_t ctas = static_cast<int64_t>(groups) * plan.num_splits;
-      const int64_t wave = static_cast<int64_t>(num_sms) * kernels->resident_exchange();
-      TDIST_CHECK_ARG(a.merge != FlashDecodeMerge::kInKernel || ctas <= wave, "merge",
-                      "the distributed in-kernel merge needs every split CTA resident at once: ", ctas, " CTAs, ",
-                      wave, " fit; expected kAuto or kCombineKernel for this shape");
-      in_kernel = in_kernel && ctas <= wave;
-    }
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
-    const bool direct = in_kernel && !x && plan.num_splits == 1;  // the split CTA writes out itself
-    if (!direct) grow(partials, partial_bytes, items * plan.num_splits * (d + 1) * sizeof(float), false, stream);
-    if (in_kernel && !direct) grow(counters, counter_bytes, groups * sizeof(u32), true, stream);
+    const size_t need = items * plan.num_splits * (d + 1) * sizeof(float);
+    if (need > partial_bytes) {
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+      TDIST_CHECK_ARG(capturing == cudaStreamCaptureStatusNone, "batch", "the split workspace must grow to ", need,
+                      " bytes for this shape, which cannot happen during "
+                      "stream capture: run the largest shape once before capturing");
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be read
+      partials = DeviceBuffer(need);
+      partial_bytes = need;
+    }
 
     attn::DecodeParams p{};
     p.q = a.q;
@@ -318,19 +273,9 @@ struct FlashDecode::Impl {
     p.v_cache = a.v_cache;
     p.block_table = a.block_table;
     p.seq_lens = a.seq_lens;
-    p.o_part = direct ? nullptr : partials.get<float>();
-    p.lse_part = direct ? nullptr : p.o_part + items * plan.num_splits * d;
+    p.o_part = partials.get<float>();
+    p.lse_part = p.o_part + items * plan.num_splits * d;
     p.errors = errors.get<u32>();
-    p.out = a.out;
-    p.lse = a.lse;
-    p.counters = in_kernel && !direct ? counters.get<u32>() : nullptr;
-    p.fused = in_kernel ? 1u : 0u;
-    if (x && in_kernel) {
-      p.heap = x->view;
-      p.ll = x->ll;
-      p.epoch = x->epoch;
-      p.max_items = x->max_items;
-    }
     p.num_pages = static_cast<u64>(a.block_table ? a.num_pages : a.batch);
     p.page_size = static_cast<u32>(a.page_size);
     p.max_pages = static_cast<u32>(a.block_table ? a.max_pages : 1);
@@ -354,7 +299,7 @@ struct FlashDecode::Impl {
     cfg.shared_bytes = kernels->split_smem();
     cfg.stream = stream;
     cfg.programmatic_dependent_launch = true;  // the kernel waits for the one before it on the device
-    jit::launch(x && in_kernel ? kernels->split_exchange() : kernels->split(), cfg, jit::make_args(p));
+    jit::launch(kernels->split(), cfg, jit::make_args(p));
 
     attn::CombineParams c{};
     c.o_part = p.o_part;
@@ -385,9 +330,8 @@ FlashDecode::~FlashDecode() = default;
 void FlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) {
   TDIST_NVTX_RANGE("tdist::flash_decode", "batch=", a.batch, " heads=", a.q_heads, "/", a.kv_heads, " d=", a.head_dim);
   const FlashDecodeKernels* kernels = nullptr;
-  bool in_kernel = false;
-  attn::CombineParams c = impl_->launch_split(a, stream, kernels, nullptr, in_kernel);
-  if (!in_kernel) jit::launch(kernels->combine(), impl_->combine_config(c.items, stream), jit::make_args(c));
+  attn::CombineParams c = impl_->launch_split(a, stream, kernels);
+  jit::launch(kernels->combine(), impl_->combine_config(c.items, stream), jit::make_args(c));
 }
 
 void FlashDecode::check_errors() { report_errors(impl_->errors.get<u32>()); }
@@ -482,19 +426,12 @@ void DistributedFlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) 
   TDIST_CHECK_ARG(a.q_heads == cfg.q_heads, "q_heads", "expected config.q_heads = ", cfg.q_heads, ", got ", a.q_heads);
   TDIST_CHECK_ARG(a.head_dim == cfg.head_dim, "head_dim", "expected config.head_dim = ", cfg.head_dim, ", got ",
                   a.head_dim);
-  FlashDecode::Impl::Exchange x;
-  x.view = impl_->view;
-  x.ll = impl_->ll;
-  x.epoch = impl_->epoch.get<kernels::coll::EpochState>();
-  x.max_items = static_cast<u32>(cfg.max_batch * cfg.q_heads);
   const FlashDecodeKernels* kernels = nullptr;
-  bool in_kernel = false;
-  attn::CombineParams c = impl_->local.launch_split(a, stream, kernels, &x, in_kernel);
-  if (in_kernel) return;  // merged and exchanged by the split kernel
-  c.heap = x.view;
-  c.ll = x.ll;
-  c.epoch = x.epoch;
-  c.max_items = x.max_items;
+  attn::CombineParams c = impl_->local.launch_split(a, stream, kernels);
+  c.heap = impl_->view;
+  c.ll = impl_->ll;
+  c.epoch = impl_->epoch.get<kernels::coll::EpochState>();
+  c.max_items = static_cast<u32>(cfg.max_batch * cfg.q_heads);
   jit::launch(kernels->combine(), impl_->local.combine_config(c.items, stream), jit::make_args(c));
 }
 

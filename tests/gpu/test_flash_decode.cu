@@ -6,12 +6,9 @@
 //     batch, a long sequence cut in many splits, softcap; pages in random order, the unused rows of
 //     the cache and the unused block-table entries poisoned (NaN rows, entries far outside), outputs
 //     poisoned (NaN) first; max |err| of out and lse within the dtype's rounding;
-//   * every merge (FlashDecodeMerge: the split model's choice, in the split kernel, the combine
-//     kernel) on the same data; short lengths (1, 15, 16, 17, 4096, 4097 at batch 1 and 3, page 16
-//     and 64, GQA 1 / 4 / 8, head dim 64 / 128 / 256);
 //   * sequence-parallel over every rank: each sequence's tokens dealt to ranks at random, some
 //     sequences wholly on one rank (the others hold none), some empty; every rank's out checked and
-//     bit-identical across ranks (each merge, short lengths included);
+//     bit-identical across ranks;
 //   * CUDA graphs (single GPU and distributed) captured once, replayed with new lengths (device
 //     memory) and new contents, each replay checked;
 //   * errors: host checks name the argument; a block-table entry outside the cache and a length
@@ -284,30 +281,6 @@ std::vector<int32_t> mixed_lengths(uint64_t seed, const Geometry& g) {
   return lens;
 }
 
-const char* merge_name(FlashDecodeMerge m) {
-  return m == FlashDecodeMerge::kAuto ? "auto" : m == FlashDecodeMerge::kInKernel ? "in-kernel" : "combine kernel";
-}
-constexpr FlashDecodeMerge kMerges[] = {FlashDecodeMerge::kAuto, FlashDecodeMerge::kInKernel,
-                                        FlashDecodeMerge::kCombineKernel};
-
-// Runs the single-GPU op on a filled case with each merge (outputs poisoned before each), checks each.
-template <typename T>
-void run_every_merge(FlashDecode& op, Case<T>& c, DType dtype, cudaStream_t stream) {
-  for (FlashDecodeMerge m : kMerges) {
-    c.poison();
-    FlashDecodeArgs a = c.args(dtype);
-    a.merge = m;
-    op.run(a, stream);
-    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-    op.check_errors();
-    try {
-      c.check(dtype);
-    } catch (const std::exception& e) {
-      TDIST_FAIL("merge ", merge_name(m), ": ", e.what());
-    }
-  }
-}
-
 // Runs a check on every rank without leaving the collective sequence: a failure is kept and thrown
 // after every rank has said how it went, so no rank waits in a collective the failing one skipped.
 class CollectiveCheck {
@@ -373,7 +346,11 @@ int main() {
           Case<T> c(g);
           const uint64_t s = ++case_seed;
           c.fill(s, mixed_lengths(s, g), 1, 0);
-          run_every_merge(single, c, dtype, stream);
+          c.poison();
+          single.run(c.args(dtype), stream);
+          TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+          single.check_errors();
+          c.check(dtype);
         };
         if (dtype == DType::kBFloat16)
           body(__nv_bfloat16{});
@@ -387,52 +364,19 @@ int main() {
     const Geometry g{1, 32, 8, 128, 16, 40000, 1.0f, 0.f};
     Case<__nv_bfloat16> c(g);
     c.fill(++case_seed, {39999}, 1, 0);
-    run_every_merge(single, c, DType::kBFloat16, stream);
+    c.poison();
+    single.run(c.args(DType::kBFloat16), stream);
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    single.check_errors();
+    c.check(DType::kBFloat16);
   });
 
-  // Short sequences, where the split model merges in the split kernel: lengths around a tile and
-  // a page and around 4K, at batch 1 (each length alone) and 3, page 16 and 64, GQA 1, 4 and 8,
-  // head dim 64, 128 and 256, each with every merge.
-  {
-    const int32_t kShort[] = {1, 15, 16, 17, 4096, 4097};
-    int index = 0;
-    for (int64_t d : {64, 128, 256}) {
-      for (int64_t group : {1, 4, 8}) {
-        for (int64_t page : {16, 64}) {
-          const DType dtype = index++ % 3 == 2 ? DType::kFloat16 : DType::kBFloat16;
-          for (int64_t batch : {1, 3}) {
-            const Geometry g{batch, 2 * group, 2, d, page, 4097, 1.0f, 0.f};
-            suite.run("flash_decode short lengths " + describe(g, dtype), [&] {
-              auto body = [&](auto tag) {
-                using T = decltype(tag);
-                Case<T> c(g);
-                for (int first = 0; first < 6; first += static_cast<int>(batch)) {
-                  std::vector<int32_t> lens(batch);
-                  for (int64_t b = 0; b < batch; ++b) lens[b] = kShort[first + b];
-                  c.fill(++case_seed, lens, 1, 0);
-                  run_every_merge(single, c, dtype, stream);
-                }
-              };
-              if (dtype == DType::kBFloat16)
-                body(__nv_bfloat16{});
-              else
-                body(__half{});
-            });
-          }
-        }
-      }
-    }
-  }
-
-  for (FlashDecodeMerge merge : {FlashDecodeMerge::kInKernel, FlashDecodeMerge::kCombineKernel})
-  suite.run(detail::concat("flash_decode fp16 CUDA graph, merge ", merge_name(merge),
-                           ", 6 replays with new lengths and contents"), [&] {
+  suite.run("flash_decode fp16 CUDA graph, 6 replays with new lengths and contents", [&] {
     const Geometry g{5, 16, 4, 128, 16, 900, 1.0f, 0.f};
     Case<__half> c(g);
     const uint64_t s0 = ++case_seed;
     c.fill(s0, mixed_lengths(s0, g), 1, 0);
-    FlashDecodeArgs a = c.args(DType::kFloat16);  // max_seq_len 0: the capacity fixes the splits
-    a.merge = merge;
+    const FlashDecodeArgs a = c.args(DType::kFloat16);  // max_seq_len 0: the capacity fixes the splits
     single.run(a, stream);                              // sizes the workspace before the capture
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
     cudaGraph_t graph;
@@ -482,11 +426,6 @@ int main() {
     expect_error("max_seq_len", [&] {
       FlashDecodeArgs b = a;
       b.max_seq_len = 113;  // capacity 7 pages x 16
-      single.run(b, stream);
-    });
-    expect_error("merge", [&] {
-      FlashDecodeArgs b = a;
-      b.merge = static_cast<FlashDecodeMerge>(7);
       single.run(b, stream);
     });
     // On the device: an entry outside the cache, then a length beyond the capacity.
@@ -550,47 +489,6 @@ int main() {
     }
   }
 
-  // Short sequences over the ranks: sequence 1 wholly on one rank (the others hold none of it).
-  for (int64_t d : {64, 128, 256}) {
-    for (int64_t group : {1, 4, 8}) {
-      const Geometry g{3, 2 * group, 2, d, d == 128 ? 64 : 16, 4097, 1.0f, 0.f};
-      suite.run(detail::concat("distributed flash_decode over ", n, " ranks, short lengths, ",
-                               describe(g, DType::kBFloat16)),
-                [&] {
-                  DistributedFlashDecode dist(world, heap, {.max_batch = 3, .q_heads = g.q_heads, .head_dim = d});
-                  Case<__nv_bfloat16> c(g);
-                  CollectiveCheck checks(world);
-                  const std::vector<int32_t> sets[] = {{1, 15, 16}, {17, 4096, 4097}, {4097, 1, 0}};
-                  for (const auto& lens : sets) {
-                    c.fill(++case_seed, lens, n, me);
-                    for (FlashDecodeMerge m : kMerges) {  // every rank the same
-                      c.poison();
-                      FlashDecodeArgs a = c.args(DType::kBFloat16);
-                      a.merge = m;
-                      dist.run(a, stream);
-                      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-                      uint64_t digest = 0;
-                      checks.run([&] {
-                        dist.check_errors();
-                        try {
-                          digest = c.check(DType::kBFloat16);
-                        } catch (const std::exception& e) {
-                          TDIST_FAIL("merge ", merge_name(m), ": ", e.what());
-                        }
-                      });
-                      const auto all = test::all_gather_u64(world, "flash_decode short digest", digest);
-                      checks.run([&] {
-                        for (int r = 0; r < n; ++r)
-                          if (all[r] != digest)
-                            TDIST_FAIL("merge ", merge_name(m), ": out differs between rank ", me, " and rank ", r);
-                      });
-                    }
-                  }
-                  checks.finish("flash_decode distributed short");
-                });
-    }
-  }
-
   suite.run(
       detail::concat("distributed flash_decode bf16 over ", n, " ranks, long sequences (64/8 heads, 24000 tokens)"),
       [&] {
@@ -609,17 +507,14 @@ int main() {
         checks.finish("flash_decode distributed long");
       });
 
-  for (FlashDecodeMerge merge : {FlashDecodeMerge::kInKernel, FlashDecodeMerge::kCombineKernel})
-  suite.run(detail::concat("distributed flash_decode bf16 over ", n, " ranks, CUDA graph, merge ", merge_name(merge),
-                           ", 8 replays with new lengths"),
+  suite.run(detail::concat("distributed flash_decode bf16 over ", n, " ranks, CUDA graph, 8 replays with new lengths"),
             [&] {
               const Geometry g{4, 32, 8, 128, 16, 1000, 1.0f, 0.f};
               DistributedFlashDecode dist(world, heap, {.max_batch = 4, .q_heads = 32, .head_dim = 128});
               Case<__nv_bfloat16> c(g);
               const uint64_t s0 = ++case_seed;
               c.fill(s0, mixed_lengths(s0, g), n, me);
-              FlashDecodeArgs a = c.args(DType::kBFloat16);
-              a.merge = merge;
+              const FlashDecodeArgs a = c.args(DType::kBFloat16);
               dist.run(a, stream);  // sizes the workspace before the capture
               TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
               test::sync_all(world, "flash_decode graph warm-up");
@@ -694,9 +589,6 @@ int main() {
     a.batch = 2;
     a.q_heads = 16;
     expect_error("q_heads", [&] { dist.run(a, stream); });
-    a.q_heads = 8;
-    a.merge = static_cast<FlashDecodeMerge>(7);
-    expect_error("merge", [&] { dist.run(a, stream); });
     test::sync_all(world, "flash_decode distributed errors");
   });
 

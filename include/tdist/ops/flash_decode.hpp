@@ -25,16 +25,6 @@
 
 namespace tdist {
 
-// Where a call merges the splits of a sequence (the result is the same up to fp32 rounding):
-//   kAuto          the split model's choice (FlashDecodeSplitPlan::merge_in_kernel)
-//   kInKernel      one launch: the last split CTA of each (sequence, KV head) merges, or, with one
-//                  split, the split CTA writes the output itself; in the distributed op that CTA
-//                  also exchanges with the peers and merges the ranks, which needs every split CTA
-//                  resident at once (kAuto falls back to the combine kernel where they are not,
-//                  kInKernel is then an error naming `merge`)
-//   kCombineKernel two launches: the split kernel, then the combine kernel (which exchanges)
-enum class FlashDecodeMerge { kAuto, kInKernel, kCombineKernel };
-
 // One decode step's operands. Device pointers; every tensor 16-byte aligned, row-major:
 //   q            T[batch][q_heads][head_dim]
 //   k_cache, v_cache
@@ -64,7 +54,6 @@ struct FlashDecodeArgs {
   float softmax_scale = 0.f;  // logits = softmax_scale * q.k (e.g. 1 / sqrt(head_dim))
   float softcap = 0.f;        // > 0: logits = softcap * tanh(logits / softcap)
   int64_t max_seq_len = 0;    // the longest length seq_lens may hold; 0: the capacity
-  FlashDecodeMerge merge = FlashDecodeMerge::kAuto;
 };
 
 // Tokens a sequence can hold: max_pages x page_size (paged) or page_size (contiguous).
@@ -79,9 +68,6 @@ struct FlashDecodeSplitPlan {
   int heads_per_cta = 1;  // query heads sharing a KV head that one CTA computes (1..16, divides the group)
   int head_chunks = 1;    // group / heads_per_cta
   int num_splits = 1;     // pieces of each sequence
-  // One launch (the last split CTA merges, or one split writes the output) rather than the split
-  // and combine kernels: at one split, or when max_seq_len <= kMaxTokensMergedInKernel.
-  bool merge_in_kernel = false;
 };
 
 // The split model: one wave of the CTAs that fit on the GPU at once (ctas_per_sm x num_sms, from the
@@ -92,11 +78,6 @@ struct FlashDecodeSplitModel {
   // Two 16-token tiles per warp of a 4-warp CTA: a short split's loads are all in flight at once.
   static constexpr int64_t kMinTokensPerSplit = 128;
   static constexpr int kMaxSplits = 256;
-  // Up to this length a call is bound by its fixed costs (a second launch, the combine kernel
-  // waiting for the whole split grid, then loading the partials), which the in-kernel merge
-  // removes; beyond it the two kernels stay (a one-launch merge everywhere was slower at long
-  // lengths). bench_flash_decode times both ("1-launch", "2-launch") for every case.
-  static constexpr int64_t kMaxTokensMergedInKernel = 32768;
 };
 // Query heads of one KV head that a CTA computes: the largest divisor of the group up to 16 (the
 // rows of the kernel's MMA tile).

@@ -14,8 +14,6 @@
 //   lse          f32[batch][q_heads]                        natural log of sum_t exp(s_t); -inf if empty
 //   o_part       f32[batch][q_heads][num_splits][D]         each split's normalised output
 //   lse_part     f32[batch][q_heads][num_splits]            each split's log2-sum-exp2 (-inf: empty)
-//   counters     u32[batch][kv_heads * head_chunks]         in-kernel merge: split CTAs done, zero
-//                                                           between calls
 //   ll           u64[2][num_ranks][max_items][D + 1]        distributed merge, symmetric: lines of
 //                                                           item (b * q_heads + h), words 0..D-1 the
 //                                                           rank's o (f32 bits), word D its log2-sum
@@ -31,12 +29,6 @@
 // decode_stages(D)-deep cp.async pipeline of K and V tiles in shared memory, gathered row by row
 // through the block table, so that HBM reads stay in flight while the warp computes; the warps'
 // states are merged through shared memory at the end.
-//
-// The splits are merged either by the combine kernel (a second launch; the distributed op's, which
-// also exchanges with the peers) or, where the split model says the fixed costs dominate (short
-// sequences), in the split kernel itself: the last CTA of a (sequence, KV head, chunk) to finish,
-// as an atomic counter decides, merges every split's partials; with one split the CTA writes the
-// output and lse directly.
 //
 // Bad input seen on the device sets a bit of *errors (the host reports it, naming the argument):
 // kErrBlockTable (an entry outside [0, num_pages): the page is skipped), kErrSeqLen (a length
@@ -87,21 +79,6 @@ struct DecodeParams {
   float* o_part;
   float* lse_part;
   u32* errors;
-  // In-kernel merge (fused != 0): the split CTAs of one (sequence, KV head, chunk) count themselves
-  // done in counters u32[batch][kv_heads * head_chunks] (zero between calls: the last one resets
-  // its counter), and the last merges the splits' partials into out T[batch][q_heads][D] and lse
-  // (may be nullptr); with one split the CTA writes them directly and the partials are unused.
-  void* out;
-  float* lse;
-  u32* counters;
-  u32 fused;
-  // Distributed in-kernel merge (flash_decode_split<T, D, true>): the merging CTA also exchanges
-  // its heads with every rank through the LL lines `ll` and merges the ranks, as the combine
-  // kernel does. Every split CTA must be resident at once (the merging CTAs wait for peers).
-  tdist::device::SymmetricHeapView heap;
-  u64* ll;
-  coll::EpochState* epoch;
-  u32 max_items;  // ll's item dimension
   u64 num_pages;
   u32 page_size;
   u32 max_pages;  // block_table row stride
@@ -213,32 +190,9 @@ TDIST_DEVICE void merge_state(float& m, float& l, float* acc, float m2, float l2
   m = mn;
 }
 
-// The data word of a line already seen with this call's epoch.
-TDIST_DEVICE float line_value(const u64* line) {
-  return __uint_as_float(static_cast<u32>(ld_relaxed<Scope::kSystem>(line)));
-}
-
-// Line w of `item` from rank src, parity `par`, in this rank's buffer (P: CombineParams or
-// DecodeParams).
-template <typename P>
-TDIST_DEVICE u64* ll_line(const P& p, u64 par, int src, u32 item, u32 w, int d) {
-  return p.ll + ((par * p.heap.num_ranks + src) * p.max_items + item) * (d + 1) + w;
-}
-
-// Word w (an output dim, or D: the log2-sum) of this rank's merged `item`, pushed to every rank's
-// buffer (its own included) as an LL line {bits, flag}.
-template <typename P>
-TDIST_DEVICE void ll_push_word(const P& p, u64 par, u32 flag, u32 item, u32 w, int d, float value) {
-  const int n = p.heap.num_ranks, me = p.heap.rank;
-  const u64 line = (static_cast<u64>(flag) << 32) | __float_as_uint(value);
-  u64* mine = ll_line(p, par, me, item, w, d);
-  for (int k = 0; k < n; ++k) st_relaxed<Scope::kSystem>(p.heap.symm_at(mine, (me + k) % n), line);
-}
-
 // grid (num_splits, kv_heads * head_chunks, batch), block kDecodeThreads, dynamic shared memory
-// decode_smem_bytes(D, sizeof(T)). Writes o_part and lse_part, or, with p.fused, out and lse.
-// kExchange: the distributed in-kernel merge (p.fused set, p.ll the exchange).
-template <typename T, int D, bool kExchange>
+// decode_smem_bytes(D, sizeof(T)).
+template <typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParams p) {
   static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
   constexpr int kChunks = D / 8;  // 16-byte chunks of a row
@@ -265,8 +219,6 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   // for this grid's completion itself).
   wait_for_prior_grid();
   allow_dependent_launch();
-  // The exchange's call number (coll::begin_call's, whose waits are the two above).
-  const u64 call = kExchange ? ld_relaxed<Scope::kGpu>(&p.epoch->epoch) + 1 : 0;
   int len = p.seq_lens[b];
   if (len < 0 || static_cast<u32>(len) > p.capacity) {
     if (threadIdx.x == 0 && split == 0 && blockIdx.y == 0) atomicOr(p.errors, kErrSeqLen);
@@ -287,40 +239,29 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   T* my_kv = sm_kv + warp * kStages * 2 * kTileElems;
   u32* my_mask = sm_mask + warp * kStages;
 
-  // The block-table entry of each lane's token of this warp's tile i (lanes 0..15), loaded one
-  // issue ahead of its use, so that the table's latency overlaps the tile before instead of
-  // stalling the warp in front of every tile's copies.
-  struct TileRows {
-    int entry;  // page (contiguous: the sequence)
-    u32 off;    // token within the page
-    bool in;    // inside the split
-  };
-  auto lookup = [&](int i) {
-    TileRows r{static_cast<int>(b), 0u, false};
-    if (lane < kDecodeTile) {
-      const u32 t = t0 + static_cast<u32>(i * kWarps + warp) * kDecodeTile + lane;
-      r.in = t < t1;
-      if (r.in) {
-        const u32 slot = t / p.page_size;
-        r.off = t - slot * p.page_size;
-        if (table) r.entry = table[slot];
-      }
-    }
-    return r;
-  };
-
-  // Starts the copies of this warp's tile i into stage i % kStages, from its looked-up rows: every
-  // lane copies 16-byte chunks of rows (invalid rows: zeros).
-  auto issue = [&](int i, const TileRows& tr) {
+  // Starts the copies of this warp's tile i into stage i % kStages: lanes 0..15 look up their
+  // token's row, then every lane copies 16-byte chunks of rows (invalid rows: zeros).
+  auto issue = [&](int i) {
     const int stage = i % kStages;
+    const u32 base = t0 + static_cast<u32>(i * kWarps + warp) * kDecodeTile;
     u64 row = 0;
-    bool valid = tr.in;
-    if (valid) {
-      if (table && (tr.entry < 0 || static_cast<u64>(tr.entry) >= p.num_pages)) {
-        atomicOr(p.errors, kErrBlockTable);
-        valid = false;
+    bool valid = false;
+    if (lane < kDecodeTile) {
+      const u32 t = base + lane;
+      valid = t < t1;
+      if (valid) {
+        const u32 slot = t / p.page_size, off = t - slot * p.page_size;
+        u64 page = b;
+        if (table) {
+          const int e = table[slot];
+          if (e < 0 || static_cast<u64>(e) >= p.num_pages) {
+            atomicOr(p.errors, kErrBlockTable);
+            valid = false;
+          }
+          page = static_cast<u64>(e);
+        }
+        row = (page * p.page_size + off) * row_stride;
       }
-      row = (static_cast<u64>(tr.entry) * p.page_size + tr.off) * row_stride;
     }
     const u32 mask = __ballot_sync(kFull, valid);
     if (lane == 0) my_mask[stage] = mask;
@@ -337,14 +278,6 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
       cp_async16(vs + swz<D>(r, c), vbase + src, ok ? 16u : 0u);
     }
   };
-  // Tiles are issued in order 0, 1, ...: `next` holds the rows of the next one, and issuing a tile
-  // first starts the lookup of the one after it.
-  TileRows next = lookup(0);
-  auto issue_next = [&](int i) {
-    const TileRows cur = next;
-    next = lookup(i + 1);
-    issue(i, cur);
-  };
 
   // Warp state, in MMA accumulator layout: row g = lane / 4 (elements 0, 1) and g + 8 (2, 3);
   // o[j] holds dims 8j + 2 (lane % 4) + {0, 1}. m, l per row (l this lane's part until the end).
@@ -359,7 +292,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   // The first tiles are on their way before the query rows are loaded.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < my_tiles) issue_next(s);
+    if (s < my_tiles) issue(s);
     cp_async_commit();
   }
   // The query rows, zero past `heads` (their logits are 0 and their outputs unused).
@@ -375,7 +308,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
 
   for (int i = 0; i < my_tiles; ++i) {
     __syncwarp();  // every lane is done with the stage refilled next (tile i - 1's)
-    if (i + kStages - 1 < my_tiles) issue_next(i + kStages - 1);
+    if (i + kStages - 1 < my_tiles) issue(i + kStages - 1);
     cp_async_commit();
     cp_async_wait<kStages - 1>();  // tile i's group
     __syncwarp();                  // every lane's copies of tile i visible to the warp
@@ -466,7 +399,6 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
     }
   }
   __syncthreads();
-  const bool direct = !kExchange && p.fused && p.num_splits == 1;
   for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
     const int r = i / D, d = i % D;
     float mm = -kInf, ll = 0.f, a = 0.f;
@@ -475,94 +407,9 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
       const float* ml = sm_ml + (w * kMaxHeadsPerCta + r) * 2;
       merge_state<1>(mm, ll, &a, ml[0], ml[1], &sm_o[(w * kMaxHeadsPerCta + r) * D + d]);
     }
-    const u64 item = static_cast<u64>(b) * p.q_heads + h0 + r;
-    if (direct) {  // the only split: the final output
-      static_cast<T*>(p.out)[item * D + d] = coll::from_f32<T>(ll > 0.f ? a / ll : 0.f);
-      if (d == 0 && p.lse) p.lse[item] = ll > 0.f ? (mm + log2f(ll)) * kLn2 : -kInf;
-      continue;
-    }
-    const u64 part = item * p.num_splits + split;
+    const u64 part = (static_cast<u64>(b) * p.q_heads + h0 + r) * p.num_splits + split;
     p.o_part[part * D + d] = ll > 0.f ? a / ll : 0.f;
     if (d == 0) p.lse_part[part] = ll > 0.f ? mm + log2f(ll) : -kInf;
-  }
-  if (!kExchange && (!p.fused || direct)) return;
-
-  // In-kernel merge: every thread publishes its partials before the CTA counts itself done; the
-  // CTA that brings the count to num_splits sees every split's partials (in L2) and merges them,
-  // the same sum as the combine kernel (max of the log2-sums, then weights exp2(lse_s - max)).
-  __threadfence();
-  __syncthreads();
-  u32* sm_last = sm_mask;  // the rings' masks are dead by now
-  if (threadIdx.x == 0) {
-    u32* counter = p.counters + static_cast<u64>(b) * gridDim.y + blockIdx.y;
-    const bool last = atomicAdd(counter, 1u) == p.num_splits - 1;
-    if (last) atomicExch(counter, 0u);  // the next call starts after this grid has completed
-    *sm_last = last ? 1u : 0u;
-  }
-  __syncthreads();
-  if (*sm_last == 0) {
-    if constexpr (kExchange) coll::end_call(p.epoch, call);
-    return;
-  }
-  __threadfence();  // the other CTAs' partials, read through L2 (__ldcg): nothing stale in L1
-  for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
-    const int r = i / D, d = i % D;
-    const u64 item = static_cast<u64>(b) * p.q_heads + h0 + r;
-    const float* lp = p.lse_part + item * p.num_splits;
-    const float* op = p.o_part + item * p.num_splits * D + d;
-    float mx = -kInf;
-    for (u32 s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, __ldcg(lp + s));
-    float sum = 0.f, acc = 0.f;
-    if (mx != -kInf) {
-#pragma unroll 8
-      for (u32 s = 0; s < p.num_splits; ++s) {
-        const float w = exp2f(__ldcg(lp + s) - mx);  // an empty split: exp2(-inf) = 0
-        sum += w;
-        acc = fmaf(w, __ldcg(op + static_cast<u64>(s) * D), acc);
-      }
-    }
-    if constexpr (kExchange) {  // this rank's result for the item, to every rank
-      const u64 par = call & 1;
-      const u32 flag = static_cast<u32>(call);
-      ll_push_word(p, par, flag, static_cast<u32>(item), static_cast<u32>(d), D, mx != -kInf ? acc / sum : 0.f);
-      if (d == 0)
-        ll_push_word(p, par, flag, static_cast<u32>(item), static_cast<u32>(D), D,
-                     mx != -kInf ? mx + log2f(sum) : -kInf);
-    } else {
-      static_cast<T*>(p.out)[item * D + d] = coll::from_f32<T>(mx != -kInf ? acc / sum : 0.f);
-      if (d == 0 && p.lse) p.lse[item] = mx != -kInf ? (mx + log2f(sum)) * kLn2 : -kInf;
-    }
-  }
-  if constexpr (kExchange) {
-    // Every push of the CTA before any of its waits. Then the ranks' lines of each (head, dim),
-    // merged in rank order exactly as the combine kernel does, so every rank writes the same bits
-    // whichever kernel merged on each.
-    __syncthreads();
-    const u64 par = call & 1;
-    const u32 flag = static_cast<u32>(call);
-    const int n = p.heap.num_ranks;
-    for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
-      const int r = i / D, d = i % D;
-      const u32 item = static_cast<u32>(static_cast<u64>(b) * p.q_heads + h0 + r);
-      for (int k = 0; k < 2 * n; ++k)  // one call site of the wait
-        coll::ll_read(ll_line(p, par, k / 2, item, k % 2 ? D : d, D), flag);
-      float mx = -kInf;
-      for (int src = 0; src < n; ++src) mx = fmaxf(mx, line_value(ll_line(p, par, src, item, D, D)));
-      float acc = 0.f, sum = 0.f;
-      if (mx != -kInf) {
-        for (int src = 0; src < n; ++src) {
-          const float ls = line_value(ll_line(p, par, src, item, D, D));
-          if (ls == -kInf) continue;
-          const float w = exp2f(ls - mx);
-          sum += w;
-          acc = fmaf(w, line_value(ll_line(p, par, src, item, d, D)), acc);
-        }
-        acc /= sum;
-      }
-      static_cast<T*>(p.out)[static_cast<u64>(item) * D + d] = coll::from_f32<T>(acc);
-      if (d == 0 && p.lse) p.lse[item] = mx == -kInf ? -kInf : (mx + log2f(sum)) * kLn2;
-    }
-    coll::end_call(p.epoch, call);
   }
 }
 
@@ -611,6 +458,15 @@ TDIST_DEVICE void store_item(const CombineParams& p, u32 item, int lane, const f
   if (lane == 0 && p.lse) p.lse[item] = lse2 == -kInf ? -kInf : lse2 * kLn2;
 }
 
+// The data word of a line already seen with this call's epoch.
+TDIST_DEVICE float line_value(const u64* line) {
+  return __uint_as_float(static_cast<u32>(ld_relaxed<Scope::kSystem>(line)));
+}
+
+// Line w of `item` from rank src, parity `par`, in this rank's buffer.
+TDIST_DEVICE u64* ll_line(const CombineParams& p, u64 par, int src, u32 item, u32 w, int d) {
+  return p.ll + ((par * p.heap.num_ranks + src) * p.max_items + item) * (d + 1) + w;
+}
 
 // Merges the splits of every item (warp per item) and, with p.ll, every rank's result: each rank
 // pushes its merged item to every peer as LL lines {f32 bits, epoch} (data and flag in one 8-byte
