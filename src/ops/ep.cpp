@@ -99,14 +99,14 @@ struct EpSlotBuffers {
   DeviceBuffer recv_x, recv_scales, recv_route, recv_count;
 };
 
-// The four low-latency kernels, each named once here; one module (one header).
-enum class LlKernel { kDispatchSend, kDispatchRecv, kCombineSend, kCombineRecv, kCount };
+// The low-latency kernels, each named once here; one module (one header). kDispatch and kCombine
+// run a whole call in one grid (no receive hook); the send/receive pairs serve the hooks.
+enum class LlKernel { kDispatchSend, kDispatchRecv, kCombineSend, kCombineRecv, kDispatch, kCombine, kCount };
 
 constexpr const char* kLlSymbols[] = {
-    "tdist::kernels::ep::ep_ll_dispatch_send",
-    "tdist::kernels::ep::ep_ll_dispatch_recv",
-    "tdist::kernels::ep::ep_ll_combine_send",
-    "tdist::kernels::ep::ep_ll_combine_recv",
+    "tdist::kernels::ep::ep_ll_dispatch_send", "tdist::kernels::ep::ep_ll_dispatch_recv",
+    "tdist::kernels::ep::ep_ll_combine_send",  "tdist::kernels::ep::ep_ll_combine_recv",
+    "tdist::kernels::ep::ep_ll_dispatch",      "tdist::kernels::ep::ep_ll_combine",
 };
 
 enum class HtKernel { kLayout, kDispatch, kDispatchRecv, kCombineSend, kCombineRecv, kCount };
@@ -399,6 +399,13 @@ void launch_ll(const jit::Kernel& k, unsigned blocks, const EpLlParams& p, cudaS
   launch_ep(k, blocks, static_cast<unsigned>(kernels::ep::kLlThreads), 0, p, stream);
 }
 
+// The grid of a kernel that runs both parts of a low-latency call: enough blocks for either part,
+// never more than one per SM (the receiving blocks spin on flags the sending blocks of the same grid
+// raise, so every block must be resident at once; __launch_bounds__(kLlThreads, 1) makes one fit).
+unsigned fused_blocks(unsigned send_blocks, unsigned recv_blocks, int sms) {
+  return std::clamp(std::max(send_blocks, recv_blocks), 1u, static_cast<unsigned>(std::max(sms, 1)));
+}
+
 unsigned warp_blocks(int64_t warps, int cap) {
   const int64_t b = (warps + kernels::ep::kLlWarps - 1) / kernels::ep::kLlWarps;
   return static_cast<unsigned>(std::clamp<int64_t>(b, 1, cap));
@@ -432,17 +439,17 @@ EpLlHandle EpBuffer::ll_dispatch(const EpLlDispatchArgs& a, cudaStream_t stream)
   h.recv_scales = p.recv_scales;
   h.recv_count = p.recv_count;
   h.recv_route = p.recv_route;
-  // A block per token: every SM (or num_sms) busy even for a few hundred tokens.
-  launch_ll(m.get(LlKernel::kDispatchSend), static_cast<unsigned>(std::clamp<int64_t>(a.num_tokens, 1, sms_)), p,
-            stream);
+  // Sends: a block per token, every SM (or num_sms) busy even for a few hundred tokens. Receives: a
+  // block per local expert.
+  const unsigned send_blocks = static_cast<unsigned>(std::clamp<int64_t>(a.num_tokens, 1, sms_));
   const unsigned recv_blocks = static_cast<unsigned>(std::min(num_local_experts(), all_sms_));
-  auto receive = [this, p, recv_blocks](cudaStream_t s) {
-    launch_ll(impl_->get(LlKernel::kDispatchRecv), recv_blocks, p, s);
-  };
-  if (a.return_hook)
-    h.hook = receive;
-  else
-    receive(stream);
+  if (!a.return_hook) {
+    // One grid for both parts; its blocks wait on each other, so it never exceeds one block per SM.
+    launch_ll(m.get(LlKernel::kDispatch), fused_blocks(send_blocks, recv_blocks, all_sms_), p, stream);
+    return h;
+  }
+  launch_ll(m.get(LlKernel::kDispatchSend), send_blocks, p, stream);
+  h.hook = [this, p, recv_blocks](cudaStream_t s) { launch_ll(impl_->get(LlKernel::kDispatchRecv), recv_blocks, p, s); };
   return h;
 }
 
@@ -461,14 +468,14 @@ std::function<void(cudaStream_t)> EpBuffer::ll_combine(const EpLlCombineArgs& a,
   p.epoch_slot = m.epoch_slot(slot, 1);
   p.recv_route = h.recv_route;
   p.recv_count = h.recv_count;
-  launch_ll(m.get(LlKernel::kCombineSend), static_cast<unsigned>(sms_), p, stream);
+  const unsigned send_blocks = static_cast<unsigned>(sms_);
   const unsigned recv_blocks = static_cast<unsigned>(std::clamp<int64_t>(h.num_tokens, 1, all_sms_));
-  auto receive = [this, p, recv_blocks](cudaStream_t s) {
-    launch_ll(impl_->get(LlKernel::kCombineRecv), recv_blocks, p, s);
-  };
-  if (a.return_hook) return receive;
-  receive(stream);
-  return {};
+  if (!a.return_hook) {
+    launch_ll(m.get(LlKernel::kCombine), fused_blocks(send_blocks, recv_blocks, all_sms_), p, stream);
+    return {};
+  }
+  launch_ll(m.get(LlKernel::kCombineSend), send_blocks, p, stream);
+  return [this, p, recv_blocks](cudaStream_t s) { launch_ll(impl_->get(LlKernel::kCombineRecv), recv_blocks, p, s); };
 }
 
 void EpBuffer::check_ht_dispatch(const EpHtDispatchArgs& a) const {

@@ -26,6 +26,7 @@
 // Prints "rank R: N passed, M failed" last.
 #include <cuda_bf16.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -180,9 +181,20 @@ struct Fixture {
   cudaStream_t stream;
   int W, me, L, K, E;
   int64_t M, H;
+  // The last handle of each output slot, so that a call without a hook (one kernel: no gap in which to
+  // poison) can have its outputs poisoned beforehand.
+  mutable std::array<EpLlHandle, EpBuffer::kSlots> seen{};
   Fixture(World& w, EpBuffer& b, cudaStream_t s)
       : world(w), ep(b), stream(s), W(w.world_size()), me(w.rank()), L(b.num_local_experts()), K(b.config().topk),
         E(b.config().num_experts), M(b.config().max_tokens), H(b.config().hidden) {}
+
+  void poison(const EpLlHandle& h) const {
+    if (h.recv_count == nullptr) return;
+    const size_t rows = static_cast<size_t>(L * W * M);
+    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_x, 0xFF, rows * 2 * static_cast<size_t>(H), stream));
+    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_count, 0xFF, static_cast<size_t>(L) * sizeof(int), stream));
+    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_route, 0xFF, rows * sizeof(int), stream));
+  }
 
   std::vector<RankInput> inputs(uint64_t seed, Routing r, Tokens t, bool errors = false) const {
     std::vector<RankInput> all;
@@ -313,12 +325,12 @@ void round_trip(const Fixture& f, uint64_t seed, Routing r, Tokens tk, bool fp8,
   a.fp8 = fp8;
   a.ue8m0 = ue8m0;
   a.return_hook = hook;
+  if (!hook)
+    for (const EpLlHandle& old : f.seen) f.poison(old);  // whichever slot this call takes
   EpLlHandle h = f.ep.ll_dispatch(a, f.stream);
+  f.seen[static_cast<size_t>(h.slot)] = h;
   if (hook) {
-    const size_t rows = static_cast<size_t>(f.L * f.W * f.M);
-    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_x, 0xFF, rows * 2 * static_cast<size_t>(f.H), f.stream));
-    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_count, 0xFF, static_cast<size_t>(f.L) * sizeof(int), f.stream));
-    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_route, 0xFF, rows * sizeof(int), f.stream));
+    f.poison(h);
     if (!h.hook) TDIST_FAIL("no receive hook returned");
     h.hook(f.stream);
   }
@@ -722,13 +734,19 @@ int main() {
       }
       for (int i = 0; i < kCalls; ++i) {
         const bool fp8 = fp8_ok && i % 3 == 1;
+        // Every fourth call through the hooks, the others one kernel each: the two paths share epochs,
+        // counters and parities, so they must hand over to each other.
+        const bool hook = i % 4 == 3;
         EpLlHandle h = ep.ll_dispatch({.x = ops[i].x.get(), .topk_idx = ops[i].idx.get<int64_t>(),
-                                       .num_tokens = ins[i][me].tokens, .fp8 = fp8},
+                                       .num_tokens = ins[i][me].tokens, .fp8 = fp8, .return_hook = hook},
                                       stream);
+        if (hook) h.hook(stream);
         if (fp8) continue;  // FP8 rows are not bf16 expert outputs; the next call reuses the slot
-        ep.ll_combine({.y = h.recv_x, .topk_idx = ops[i].idx.get<int64_t>(), .topk_weights = ops[i].weights.get<float>(),
-                       .out = ops[i].out.get()},
-                      h, stream);
+        auto combine_hook =
+            ep.ll_combine({.y = h.recv_x, .topk_idx = ops[i].idx.get<int64_t>(),
+                           .topk_weights = ops[i].weights.get<float>(), .out = ops[i].out.get(), .return_hook = hook},
+                          h, stream);
+        if (hook) combine_hook(stream);
       }
       for (int i = 0; i < kCalls; ++i)
         if (!(fp8_ok && i % 3 == 1)) f.check_combine(ops[i].out.get(), ins[i][me], true);

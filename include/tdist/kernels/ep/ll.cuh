@@ -109,10 +109,9 @@ TDIST_DEVICE float fp8_scale(float amax, bool ue8m0) {
   return s;
 }
 
-__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams p) {
-  begin_kernel();
-  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+// Dispatch, sending part (every block of the grid, each a share of the tokens; returns once the
+// block's rows are stored, unfenced: last_block fences them).
+TDIST_DEVICE void ll_dispatch_store_rows(const EpLlParams& p, u64 e) {
   const u64 par = e & 1;
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const int K = p.topk, G = scale_groups(H);
@@ -195,8 +194,13 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
     }
     __syncthreads();  // the next token's rows replace dst_rows
   }
-  if (!last_block(&p.state->dispatch_done)) return;
-  // Every row of this call has been stored: raise the count flag of every (expert, this rank).
+}
+
+// Dispatch, the last block of the sending part (after last_block: every row of this call has been
+// stored and fenced): raises the count flag of every (expert, this rank), then stores the epoch.
+TDIST_DEVICE void ll_dispatch_raise_counts(const EpLlParams& p, u64 e) {
+  const u64 par = e & 1;
+  const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts;
   for (int g = threadIdx.x; g < p.num_experts; g += blockDim.x) {
     const int r = g / L, le = g % L;
     const u32 n = ld_relaxed<Scope::kGpu>(p.send_counts + g);
@@ -210,11 +214,12 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
   }
 }
 
-// One block per local expert (grid-stride): packs its rows source after source.
-__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams p) {
-  begin_kernel();
+// Dispatch, receiving part: one block per local expert (grid-stride) waits for the expert's W count
+// flags and packs its rows source after source, then acknowledges to every source.
+template <int kUnroll>
+TDIST_DEVICE void ll_dispatch_pack(const EpLlParams& p, u64 e) {
   __shared__ int counts[kMaxLsaRanks], offsets[kMaxLsaRanks + 1];
-  const u64 e = *p.epoch_slot, par = e & 1;
+  const u64 par = e & 1;
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const int K = p.topk, G = scale_groups(H);
   const u64 row_stride = 2ull * H, rows_per_expert = static_cast<u64>(W) * M;
@@ -237,7 +242,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams 
       const u64 dst_row = le * rows_per_expert + i;
       const uint4* from = reinterpret_cast<const uint4*>(p.d_rows + src_row * row_stride);
       uint4* to = reinterpret_cast<uint4*>(p.recv_x + dst_row * row_bytes);  // packed rows
-      warp_copy16<16>(to, from, static_cast<long long>(row_bytes / 16), lane);
+      warp_copy16<kUnroll>(to, from, static_cast<long long>(row_bytes / 16), lane);
       if (row_bytes % 16 != 0 && lane == 0) {  // FP8 rows of H = 8 (mod 16) bytes
         reinterpret_cast<uint2*>(to)[row_bytes / 8 - 1] = reinterpret_cast<const uint2*>(from)[row_bytes / 8 - 1];
       }
@@ -257,12 +262,9 @@ constexpr int kLlScanExperts = 2 * kLlThreads;  // local experts whose row count
 // exist, whichever expert they belong to (one hot expert's rows spread over every SM). Beyond
 // kLlScanExperts local experts, blocks take experts (bpe blocks per expert when there are more blocks
 // than experts) and their warps the experts' rows.
-__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p) {
-  begin_kernel();
+TDIST_DEVICE void ll_combine_send_rows(const EpLlParams& p, u64 e) {
   __shared__ int row_begin[kLlScanExperts + 1];
   __shared__ int warp_sums[kLlWarps];
-  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
   const u64 par = e & 1;
   const int W = p.heap.num_ranks, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const u64 rows_per_expert = static_cast<u64>(W) * M, row_bytes = 2ull * H;
@@ -328,20 +330,14 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
       for (int i = part * kLlWarps + warp; i < n; i += bpe * kLlWarps) send_row(le, i);
     }
   }
-  if (!last_block(&p.state->combine_send_done)) return;
-  if (threadIdx.x == 0) {
-    p.state->combine_send_done = 0;
-    st_relaxed<Scope::kGpu>(&p.state->combine_epoch, e);
-  }
 }
 
 constexpr int kLlChunks = 2;  // 256-channel chunks a lane sums at once in the combine receive
 
 // A block per token (grid-stride): warp 0 waits for the token's rows, then every warp sums its
 // share of the 512-channel pieces: out[t] = sum over valid slots j of w[t][j] * c_rows[(t, j)], fp32.
-__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p) {
-  begin_kernel();
-  const u64 e = *p.epoch_slot, par = e & 1;
+TDIST_DEVICE void ll_combine_sum(const EpLlParams& p, u64 e) {
+  const u64 par = e & 1;
   const int M = p.max_tokens, H = p.hidden, K = p.topk;
   const u64 slots = static_cast<u64>(M) * K, row_bytes = 2ull * H;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
@@ -371,11 +367,80 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p
     }
     __syncthreads();  // valid_slots is rewritten for the next token
   }
-  if (!last_block(&p.state->combine_done)) return;
-  // Every rank's rows of this call have been read: the parity is free for call e + 2.
+}
+
+// Combine, the last block of the receiving part (after last_block): every rank's rows of this call
+// have been read, so the parity is free for call e + 2.
+TDIST_DEVICE void ll_combine_acknowledge(const EpLlParams& p, u64 e) {
   if (static_cast<int>(threadIdx.x) < p.heap.num_ranks)
     put_signal(p.heap, p.c_ack + p.heap.rank, e, static_cast<int>(threadIdx.x));
   if (threadIdx.x == 0) p.state->combine_done = 0;
+}
+
+// The kernels. Without a receive hook one kernel runs both parts of a call (ep_ll_dispatch,
+// ep_ll_combine): a block that has sent its share goes on to receive, spinning on flags that other
+// blocks of the same grid (and the peers) raise. That is safe only while every block of the grid is
+// resident at once: the host launches at most one block per SM (kLlThreads threads, __launch_bounds__
+// (kLlThreads, 1)), and the spins time out with a diagnostic. With a hook, the send kernel runs now
+// and the receive kernel later (ep_ll_*_send, ep_ll_*_recv); the send stores its epoch in the call's
+// slot, from which the receive reads it.
+
+// 16-byte loads a lane has in flight in the pack (16: a whole 7 KB FP8 row per warp at once; the
+// fused kernel keeps more registers live and spills beyond 12).
+constexpr int kLlPackUnroll = 16, kLlFusedPackUnroll = 12;
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams p) {
+  begin_kernel();
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  ll_dispatch_store_rows(p, e);
+  if (last_block(&p.state->dispatch_done)) ll_dispatch_raise_counts(p, e);
+}
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams p) {
+  begin_kernel();
+  ll_dispatch_pack<kLlPackUnroll>(p, *p.epoch_slot);
+}
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch(EpLlParams p) {
+  begin_kernel();
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  ll_dispatch_store_rows(p, e);
+  if (last_block(&p.state->dispatch_done)) ll_dispatch_raise_counts(p, e);
+  ll_dispatch_pack<kLlFusedPackUnroll>(p, e);
+}
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p) {
+  begin_kernel();
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  ll_combine_send_rows(p, e);
+  if (!last_block(&p.state->combine_send_done)) return;
+  if (threadIdx.x == 0) {
+    p.state->combine_send_done = 0;
+    st_relaxed<Scope::kGpu>(&p.state->combine_epoch, e);
+  }
+}
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p) {
+  begin_kernel();
+  const u64 e = *p.epoch_slot;
+  ll_combine_sum(p, e);
+  if (last_block(&p.state->combine_done)) ll_combine_acknowledge(p, e);
+}
+
+// Every block reads the epoch before any block can be the last one (last_block waits for all), so
+// the last block may store it back.
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine(EpLlParams p) {
+  begin_kernel();
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  ll_combine_send_rows(p, e);
+  ll_combine_sum(p, e);
+  if (!last_block(&p.state->combine_done)) return;
+  ll_combine_acknowledge(p, e);
+  if (threadIdx.x == 0) st_relaxed<Scope::kGpu>(&p.state->combine_epoch, e);
 }
 
 }  // namespace tdist::kernels::ep
