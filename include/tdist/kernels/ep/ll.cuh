@@ -270,13 +270,17 @@ TDIST_DEVICE void ll_combine_send_rows(const EpLlParams& p, u64 e) {
   const u64 rows_per_expert = static_cast<u64>(W) * M, row_bytes = 2ull * H;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const u64 slots = static_cast<u64>(M) * p.topk;
+  // Parity `par` of rank s's c_rows is free again once s acknowledged call e - 2 (every rank
+  // acknowledges to every rank). Thread s < W waits once per block, while the block loads the counts,
+  // not once per row after the row's route; a block barrier follows before any row is sent.
+  auto wait_acks = [&] {
+    if (e > 2 && static_cast<int>(threadIdx.x) < W) wait_epoch(p.c_ack + threadIdx.x, e - 2);
+  };
   auto send_row = [&](int le, int i) {
     const u64 f = le * rows_per_expert + i;
     const int route = p.recv_route[f];
     const int s = static_cast<int>(route / slots);
     const u64 tk = route % slots;
-    if (e > 2 && lane == 0) wait_epoch(p.c_ack + s, e - 2);  // parity `par` of rank s is free again
-    __syncwarp();
     const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.y) + f * row_bytes);
     uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.c_rows + (par * slots + tk) * row_bytes), s);
     warp_copy16<16>(to, from, static_cast<long long>(row_bytes / 16), lane);
@@ -287,6 +291,7 @@ TDIST_DEVICE void ll_combine_send_rows(const EpLlParams& p, u64 e) {
     // Exclusive prefix of the counts: thread i holds experts 2i and 2i + 1.
     const int x0 = 2 * static_cast<int>(threadIdx.x), x1 = x0 + 1;
     const int a = x0 < L ? p.recv_count[x0] : 0, b = x1 < L ? p.recv_count[x1] : 0;
+    wait_acks();  // beside the count loads; the scan's barriers publish it
     int incl = a + b;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -323,6 +328,8 @@ TDIST_DEVICE void ll_combine_send_rows(const EpLlParams& p, u64 e) {
       send_row(lo, q - row_begin[lo]);
     }
   } else {
+    wait_acks();
+    __syncthreads();
     const int bpe = max(1, static_cast<int>(gridDim.x) / L), groups = static_cast<int>(gridDim.x) / bpe;
     const int group = static_cast<int>(blockIdx.x) / bpe, part = static_cast<int>(blockIdx.x) % bpe;
     for (int le = group; group < groups && le < L; le += groups) {
