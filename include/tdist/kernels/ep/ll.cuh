@@ -214,44 +214,70 @@ TDIST_DEVICE void ll_dispatch_raise_counts(const EpLlParams& p, u64 e) {
   }
 }
 
-// Dispatch, receiving part: one block per local expert (grid-stride) waits for the expert's W count
-// flags and packs its rows source after source, then acknowledges to every source.
-template <int kUnroll>
+// Dispatch, receiving part: a block takes local experts blockIdx.x, blockIdx.x + gridDim.x, ...,
+// up to kLlPackBatch of them at once (when there are more local experts than blocks): it waits for
+// their W count flags each, packs their rows source after source, then acknowledges to every source.
+// A batch pays one flag wait, one copy latency and one acknowledgement fence for all its experts.
+constexpr int kLlPackBatch = 8;
+// 16-byte loads a lane has in flight in the pack: 14 covers a 7168-channel FP8 row in one pass per
+// warp (a bf16 one in two); 16 spills registers in the kernels as they stand.
+constexpr int kLlPackUnroll = 14;
+
 TDIST_DEVICE void ll_dispatch_pack(const EpLlParams& p, u64 e) {
-  __shared__ int counts[kMaxLsaRanks], offsets[kMaxLsaRanks + 1];
+  // offsets[b][s]: the first packed row of source s in the batch's expert b (s = W: its row count);
+  // batch_begin[b]: the first row of expert b in the batch's rows (b = nb: the batch's row count).
+  __shared__ int offsets[kLlPackBatch][kMaxLsaRanks + 1];
+  __shared__ int batch_begin[kLlPackBatch + 1];
   const u64 par = e & 1;
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const int K = p.topk, G = scale_groups(H);
   const u64 row_stride = 2ull * H, rows_per_expert = static_cast<u64>(W) * M;
   const u64 row_bytes = p.fp8 ? static_cast<u64>(H) : 2ull * H;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  for (int le = blockIdx.x; le < L; le += gridDim.x) {
-    if (threadIdx.x < W) counts[threadIdx.x] = static_cast<int>(wait_count_flag(p.d_count + (par * L + le) * W + threadIdx.x, e));
+  const int grid = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
+  const int mine = block < L ? (L - 1 - block) / grid + 1 : 0;         // this block's experts
+  const int batch = max(1, min(kLlPackBatch, kLlThreads / W));         // b * W + s < kLlThreads
+  for (int k0 = 0; k0 < mine; k0 += batch) {
+    const int nb = min(batch, mine - k0);
+    auto expert = [&](int b) { return block + (k0 + b) * grid; };
+    // Thread b * W + s waits for source s's count of expert b.
+    const int tb = static_cast<int>(threadIdx.x) / W, ts = static_cast<int>(threadIdx.x) % W;
+    if (tb < nb)
+      offsets[tb][ts + 1] = static_cast<int>(wait_count_flag(p.d_count + (par * L + expert(tb)) * W + ts, e));
     __syncthreads();
-    if (threadIdx.x == 0) {
-      offsets[0] = 0;
-      for (int s = 0; s < W; ++s) offsets[s + 1] = offsets[s] + counts[s];
-      p.recv_count[le] = offsets[W];
+    if (static_cast<int>(threadIdx.x) < nb) {
+      int* o = offsets[threadIdx.x];
+      o[0] = 0;
+      for (int s = 0; s < W; ++s) o[s + 1] += o[s];
+      p.recv_count[expert(threadIdx.x)] = o[W];
     }
     __syncthreads();
-    const int total = offsets[W];
-    for (int i = warp; i < total; i += kLlWarps) {
+    if (threadIdx.x == 0) {
+      batch_begin[0] = 0;
+      for (int b = 0; b < nb; ++b) batch_begin[b + 1] = batch_begin[b] + offsets[b][W];
+    }
+    __syncthreads();
+    const int total = batch_begin[nb];
+    for (int q = warp; q < total; q += kLlWarps) {
+      int b = 0;
+      while (batch_begin[b + 1] <= q) ++b;
+      const int le = expert(b), i = q - batch_begin[b];
       int s = 0;
-      while (offsets[s + 1] <= i) ++s;
-      const u64 src_row = ((par * L + le) * W + s) * static_cast<u64>(M) + (i - offsets[s]);
+      while (offsets[b][s + 1] <= i) ++s;
+      const u64 src_row = ((par * L + le) * W + s) * static_cast<u64>(M) + (i - offsets[b][s]);
       const u64 dst_row = le * rows_per_expert + i;
       const uint4* from = reinterpret_cast<const uint4*>(p.d_rows + src_row * row_stride);
       uint4* to = reinterpret_cast<uint4*>(p.recv_x + dst_row * row_bytes);  // packed rows
-      warp_copy16<kUnroll>(to, from, static_cast<long long>(row_bytes / 16), lane);
+      warp_copy16<kLlPackUnroll>(to, from, static_cast<long long>(row_bytes / 16), lane);
       if (row_bytes % 16 != 0 && lane == 0) {  // FP8 rows of H = 8 (mod 16) bytes
         reinterpret_cast<uint2*>(to)[row_bytes / 8 - 1] = reinterpret_cast<const uint2*>(from)[row_bytes / 8 - 1];
       }
       if (p.fp8)
-        for (int q = lane; q < G; q += 32) p.recv_scales[dst_row * G + q] = p.d_scales[src_row * G + q];
+        for (int g = lane; g < G; g += 32) p.recv_scales[dst_row * G + g] = p.d_scales[src_row * G + g];
       if (lane == 0) p.recv_route[dst_row] = (s * M) * K + p.d_route[src_row];
     }
-    __syncthreads();  // every read of this expert's parity-`par` rows is done
-    if (threadIdx.x < W) put_signal(p.heap, p.d_ack + (me * L + le), e, threadIdx.x);
+    __syncthreads();  // every read of the batch's parity-`par` rows is done (and offsets may be rewritten)
+    if (tb < nb) put_signal(p.heap, p.d_ack + (me * L + expert(tb)), e, ts);
   }
 }
 
@@ -392,10 +418,6 @@ TDIST_DEVICE void ll_combine_acknowledge(const EpLlParams& p, u64 e) {
 // and the receive kernel later (ep_ll_*_send, ep_ll_*_recv); the send stores its epoch in the call's
 // slot, from which the receive reads it.
 
-// 16-byte loads a lane has in flight in the pack (16: a whole 7 KB FP8 row per warp at once; the
-// fused kernel keeps more registers live and spills beyond 12).
-constexpr int kLlPackUnroll = 16, kLlFusedPackUnroll = 12;
-
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams p) {
   begin_kernel();
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
@@ -406,7 +428,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
 
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams p) {
   begin_kernel();
-  ll_dispatch_pack<kLlPackUnroll>(p, *p.epoch_slot);
+  ll_dispatch_pack(p, *p.epoch_slot);
 }
 
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch(EpLlParams p) {
@@ -415,7 +437,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch(EpLlParams p) {
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
   ll_dispatch_store_rows(p, e);
   if (last_block(&p.state->dispatch_done)) ll_dispatch_raise_counts(p, e);
-  ll_dispatch_pack<kLlFusedPackUnroll>(p, e);
+  ll_dispatch_pack(p, e);
 }
 
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p) {
