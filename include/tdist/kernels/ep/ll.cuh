@@ -19,18 +19,20 @@
 // e - 2 (the previous user of p), so calls may run back to back without host synchronisation.
 //
 // Epochs (CUDA-graph safety): EpState.dispatch_epoch / combine_epoch count the calls in device
-// memory; a send kernel uses e = count + 1 and its last block stores e back. The send kernel also
-// stores e into the call's epoch slot, from which the receive kernel (the hook) reads it, so a graph
-// replays with fresh epochs and two dispatches may be in flight (two slots).
+// memory; a call uses e = count + 1 and the last block of its sending part (of the whole grid in the
+// one-kernel combine) stores e back. The send kernel also stores e into the call's epoch slot, from
+// which the receive kernel (the hook) reads it, so a graph replays with fresh epochs and two
+// dispatches may be in flight (two slots).
 //
 // Dispatch: send (a block per token: lane j of warp 0 claims slot j's row with a local atomic per
 // expert, then the block's warps read the token once in 16-byte pieces, convert them to e4m3 when
 // asked, and store each piece into every destination row); its last block raises the count flags.
-// Receive (a block per local expert) waits for its W count flags, packs the rows source after
+// Receive (a block per local expert, a batch of them at once) waits for its W count flags, packs the rows source after
 // source into the expert-major output recv_x[L][W * M][...], counts them in recv_count[L], and
 // acknowledges. Combine: send (a warp per received row) writes the expert output row back into its
 // source's c_rows[(t, j)] and raises that row's flag; receive (a block per token) waits for its
-// rows' flags and sums w[t][j] * row in fp32; its last block acknowledges to every rank.
+// rows' flags and sums w[t][j] * row in fp32; its last block acknowledges to every rank. Without a
+// receive hook, both parts of a call run in one kernel (ep_ll_dispatch, ep_ll_combine; see there).
 //
 // Invalid top-k entries: -1 is a masked slot (skipped). An id outside [-1, E) or a repeat of an
 // earlier slot's expert in the same token is skipped by dispatch and combine alike (so no wait can
