@@ -52,7 +52,9 @@ struct EpConfig {
   int64_t hidden = 7168;     // channels per token (a multiple of 8; of 128 for FP8 dispatch)
   int num_experts = 256;     // a multiple of the world size
   int topk = 8;              // 1 .. 32
-  int num_sms = 0;           // blocks of the send kernels; 0: every SM (low latency), 24 (high throughput)
+  // Blocks of the send kernels; 0: every SM (low latency), 24 (high throughput). A low-latency call
+  // without a hook runs send and receive in one grid of up to one block per SM (enough for either).
+  int num_sms = 0;
   EpMode mode = EpMode::kLowLatency;
   int expert_alignment = 128;  // high throughput: rows of each expert in the expert-major output padded to it
 };
