@@ -6,7 +6,8 @@
 //   * dispatch bf16, FP8 and FP8 with UE8M0 scales: per-expert counts exact, every expected
 //     (source rank, token, slot) row present once (order-independent: rows are matched by their
 //     route), bf16 rows bit for bit, FP8 rows within e4m3's bound (|err| <= |x| / 16 + scale / 512),
-//     UE8M0 scales powers of two; outputs poisoned first (through the receive hook);
+//     UE8M0 scales powers of two; outputs poisoned before each dispatch (the send stores this
+//     rank's own rows in place, so not between send and hook);
 //   * combine: the expert side answers each row with bf16(x * f(expert)) (rows past the counts are
 //     NaN, so reading one shows), out[t] within bf16 rounding of sum_j w[t][j] * y(t, j);
 //   * routings: uniform, skewed, all to one expert, all to one rank, masked slots (-1); tokens:
@@ -181,8 +182,8 @@ struct Fixture {
   cudaStream_t stream;
   int W, me, L, K, E;
   int64_t M, H;
-  // The last handle of each output slot, so that a call without a hook (one kernel: no gap in which to
-  // poison) can have its outputs poisoned beforehand.
+  // The last handle of each output slot, so that a dispatch's outputs can be poisoned before it (the
+  // send already stores this rank's own rows there).
   mutable std::array<EpLlHandle, EpBuffer::kSlots> seen{};
   Fixture(World& w, EpBuffer& b, cudaStream_t s)
       : world(w), ep(b), stream(s), W(w.world_size()), me(w.rank()), L(b.num_local_experts()), K(b.config().topk),
@@ -325,12 +326,10 @@ void round_trip(const Fixture& f, uint64_t seed, Routing r, Tokens tk, bool fp8,
   a.fp8 = fp8;
   a.ue8m0 = ue8m0;
   a.return_hook = hook;
-  if (!hook)
-    for (const EpLlHandle& old : f.seen) f.poison(old);  // whichever slot this call takes
+  for (const EpLlHandle& old : f.seen) f.poison(old);  // whichever slot this call takes
   EpLlHandle h = f.ep.ll_dispatch(a, f.stream);
   f.seen[static_cast<size_t>(h.slot)] = h;
   if (hook) {
-    f.poison(h);
     if (!h.hook) TDIST_FAIL("no receive hook returned");
     h.hook(f.stream);
   }

@@ -144,10 +144,19 @@ TDIST_DEVICE void ll_dispatch_store_rows(const EpLlParams& p, u64 e) {
         // The claim is local and needs no acknowledgement: issued first, its latency overlaps the wait.
         const u32 slot = atomicAdd(p.send_counts + g, 1u);  // < M: one row per token and expert
         if (e > 2) wait_epoch(p.d_ack + g, e - 2);  // parity `par` of expert g is free again
-        const u64 row = ((par * L + le) * W + me) * static_cast<u64>(M) + slot;
-        dst = peer_ptr(p.heap, p.d_rows + row * row_stride, r);
-        if (p.fp8) dst_s = peer_ptr(p.heap, p.d_scales + row * G, r);
-        *peer_ptr(p.heap, p.d_route + row, r) = t * K + lane;
+        if (r == me) {
+          // This rank's own rows go straight into the packed output, first among the expert's rows
+          // (the receive copies only the peers' rows, after them).
+          const u64 row = le * static_cast<u64>(W) * M + slot;
+          dst = p.recv_x + row * (p.fp8 ? static_cast<u64>(H) : row_stride);
+          if (p.fp8) dst_s = p.recv_scales + row * G;
+          p.recv_route[row] = (me * M + t) * K + lane;
+        } else {
+          const u64 row = ((par * L + le) * W + me) * static_cast<u64>(M) + slot;
+          dst = peer_ptr(p.heap, p.d_rows + row * row_stride, r);
+          if (p.fp8) dst_s = peer_ptr(p.heap, p.d_scales + row * G, r);
+          *peer_ptr(p.heap, p.d_route + row, r) = t * K + lane;
+        }
       }
       if (lane < K) {
         dst_rows[lane] = dst;
@@ -218,7 +227,8 @@ TDIST_DEVICE void ll_dispatch_raise_counts(const EpLlParams& p, u64 e) {
 
 // Dispatch, receiving part: a block takes local experts blockIdx.x, blockIdx.x + gridDim.x, ...,
 // up to kLlPackBatch of them at once (when there are more local experts than blocks): it waits for
-// their W count flags each, packs their rows source after source, then acknowledges to every source.
+// their W count flags each, copies the peers' rows after this rank's own (which the send stored in
+// place), source after source, then acknowledges to every source.
 // A batch pays one flag wait, one copy latency and one acknowledgement fence for all its experts.
 constexpr int kLlPackBatch = 8;
 // 16-byte loads a lane has in flight in the pack: 14 covers a 7168-channel FP8 row in one pass per
@@ -226,8 +236,9 @@ constexpr int kLlPackBatch = 8;
 constexpr int kLlPackUnroll = 14;
 
 TDIST_DEVICE void ll_dispatch_pack(const EpLlParams& p, u64 e) {
-  // offsets[b][s]: the first packed row of source s in the batch's expert b (s = W: its row count);
-  // batch_begin[b]: the first row of expert b in the batch's rows (b = nb: the batch's row count).
+  // offsets[b][o]: the first packed row of source (me + o) % W in the batch's expert b (o = W: its
+  // row count; offsets[b][1]: this rank's own rows, already in place); batch_begin[b]: the first of
+  // expert b's peer rows in the batch's peer rows (b = nb: their count).
   __shared__ int offsets[kLlPackBatch][kMaxLsaRanks + 1];
   __shared__ int batch_begin[kLlPackBatch + 1];
   const u64 par = e & 1;
@@ -238,14 +249,17 @@ TDIST_DEVICE void ll_dispatch_pack(const EpLlParams& p, u64 e) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int grid = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
   const int mine = block < L ? (L - 1 - block) / grid + 1 : 0;         // this block's experts
-  const int batch = max(1, min(kLlPackBatch, kLlThreads / W));         // b * W + s < kLlThreads
+  const int batch = max(1, min(kLlPackBatch, kLlThreads / W));         // b * W + o < kLlThreads
   for (int k0 = 0; k0 < mine; k0 += batch) {
     const int nb = min(batch, mine - k0);
     auto expert = [&](int b) { return block + (k0 + b) * grid; };
-    // Thread b * W + s waits for source s's count of expert b.
+    // Thread b * W + o waits for the count of expert b from source (me + o) % W: the packed order is
+    // this rank's rows (stored there by the send), then the peers' in rank order after this one.
     const int tb = static_cast<int>(threadIdx.x) / W, ts = static_cast<int>(threadIdx.x) % W;
-    if (tb < nb)
-      offsets[tb][ts + 1] = static_cast<int>(wait_count_flag(p.d_count + (par * L + expert(tb)) * W + ts, e));
+    if (tb < nb) {
+      const u64* flag = p.d_count + (par * L + expert(tb)) * W + (me + ts) % W;
+      offsets[tb][ts + 1] = static_cast<int>(wait_count_flag(flag, e));
+    }
     __syncthreads();
     if (static_cast<int>(threadIdx.x) < nb) {
       int* o = offsets[threadIdx.x];
@@ -256,17 +270,18 @@ TDIST_DEVICE void ll_dispatch_pack(const EpLlParams& p, u64 e) {
     __syncthreads();
     if (threadIdx.x == 0) {
       batch_begin[0] = 0;
-      for (int b = 0; b < nb; ++b) batch_begin[b + 1] = batch_begin[b] + offsets[b][W];
+      for (int b = 0; b < nb; ++b) batch_begin[b + 1] = batch_begin[b] + offsets[b][W] - offsets[b][1];
     }
     __syncthreads();
-    const int total = batch_begin[nb];
+    const int total = batch_begin[nb];  // the peers' rows of the batch
     for (int q = warp; q < total; q += kLlWarps) {
       int b = 0;
       while (batch_begin[b + 1] <= q) ++b;
-      const int le = expert(b), i = q - batch_begin[b];
-      int s = 0;
-      while (offsets[b][s + 1] <= i) ++s;
-      const u64 src_row = ((par * L + le) * W + s) * static_cast<u64>(M) + (i - offsets[b][s]);
+      const int le = expert(b), i = offsets[b][1] + (q - batch_begin[b]);  // packed row
+      int o = 1;
+      while (offsets[b][o + 1] <= i) ++o;
+      const int s = (me + o) % W;
+      const u64 src_row = ((par * L + le) * W + s) * static_cast<u64>(M) + (i - offsets[b][o]);
       const u64 dst_row = le * rows_per_expert + i;
       const uint4* from = reinterpret_cast<const uint4*>(p.d_rows + src_row * row_stride);
       uint4* to = reinterpret_cast<uint4*>(p.recv_x + dst_row * row_bytes);  // packed rows
