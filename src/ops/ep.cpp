@@ -94,9 +94,9 @@ int64_t ht_expert_rows(const EpConfig& c, int world) {
 }
 
 // The local (ordinary) memory of one output slot: recv_x [L][W M][2H bytes at most],
-// recv_scales f32[L][W M][G], recv_route i32[L][W M], recv_count i32[L].
+// recv_scales f32[L][W M][G], recv_route i32[L][W M], recv_count i32[L], own_row i32[M][K].
 struct EpSlotBuffers {
-  DeviceBuffer recv_x, recv_scales, recv_route, recv_count;
+  DeviceBuffer recv_x, recv_scales, recv_route, recv_count, own_row;
 };
 
 // The low-latency kernels, each named once here; one module (one header). kDispatch and kCombine
@@ -330,6 +330,7 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
       s.recv_scales = DeviceBuffer(mul(rows, G) * sizeof(float));
       s.recv_route = DeviceBuffer(rows * sizeof(int));
       s.recv_count = zeroed(L * sizeof(int));
+      s.own_row = DeviceBuffer(mul(static_cast<size_t>(config.max_tokens), static_cast<size_t>(config.topk)) * sizeof(int));
     }
     EpLlParams& p = m.base;
     set_common_params(p, heap, config, num_local_experts(), m.state.get<EpState>(), m.error.get<int>());
@@ -369,7 +370,8 @@ void EpBuffer::check_combine(const EpLlCombineArgs& a, const EpLlHandle& h) cons
   TDIST_CHECK_ARG(config_.mode == EpMode::kLowLatency, "config.mode", "a low-latency buffer for ll_combine");
   TDIST_CHECK_ARG(a.y_dtype == DType::kBFloat16, "y_dtype", "bf16, got ", to_string(a.y_dtype));
   TDIST_CHECK_ARG(h.slot >= 0 && h.slot < kSlots && h.recv_count != nullptr &&
-                      h.recv_count == impl_->slots[static_cast<size_t>(h.slot)].recv_count.get<int>(),
+                      h.recv_count == impl_->slots[static_cast<size_t>(h.slot)].recv_count.get<int>() &&
+                      h.own_row == impl_->slots[static_cast<size_t>(h.slot)].own_row.get<int>(),
                   "handle", "a handle returned by this buffer's ll_dispatch");
   TDIST_CHECK_ARG(a.y != nullptr && aligned(a.y, 16), "y", "a 16-byte aligned device pointer");
   if (h.num_tokens > 0) {
@@ -430,6 +432,7 @@ EpLlHandle EpBuffer::ll_dispatch(const EpLlDispatchArgs& a, cudaStream_t stream)
   p.recv_scales = out.recv_scales.get<float>();
   p.recv_route = out.recv_route.get<int>();
   p.recv_count = out.recv_count.get<int>();
+  p.own_row = out.own_row.get<int>();
 
   EpLlHandle h;
   h.slot = slot;
@@ -439,6 +442,7 @@ EpLlHandle EpBuffer::ll_dispatch(const EpLlDispatchArgs& a, cudaStream_t stream)
   h.recv_scales = p.recv_scales;
   h.recv_count = p.recv_count;
   h.recv_route = p.recv_route;
+  h.own_row = p.own_row;
   // Sends: a block per token, every SM (or num_sms) busy even for a few hundred tokens. Receives: a
   // block per local expert.
   const unsigned send_blocks = static_cast<unsigned>(std::clamp<int64_t>(a.num_tokens, 1, sms_));
@@ -468,6 +472,7 @@ std::function<void(cudaStream_t)> EpBuffer::ll_combine(const EpLlCombineArgs& a,
   p.epoch_slot = m.epoch_slot(slot, 1);
   p.recv_route = h.recv_route;
   p.recv_count = h.recv_count;
+  p.own_row = h.own_row;
   const unsigned send_blocks = static_cast<unsigned>(sms_);
   const unsigned recv_blocks = static_cast<unsigned>(std::clamp<int64_t>(h.num_tokens, 1, all_sms_));
   if (!a.return_hook) {

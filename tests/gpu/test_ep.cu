@@ -733,19 +733,20 @@ int main() {
       }
       for (int i = 0; i < kCalls; ++i) {
         const bool fp8 = fp8_ok && i % 3 == 1;
-        // Every fourth call through the hooks, the others one kernel each: the two paths share epochs,
-        // counters and parities, so they must hand over to each other.
-        const bool hook = i % 4 == 3;
+        // Hooks and one-kernel calls mixed in every combination (dispatch hook on i % 4 >= 2, combine
+        // hook on odd i): the paths share epochs, counters and parities, and a one-kernel combine
+        // reads this rank's own rows where a hooked dispatch put them.
+        const bool dispatch_hook = i % 4 >= 2, combine_hook = i % 2 == 1;
         EpLlHandle h = ep.ll_dispatch({.x = ops[i].x.get(), .topk_idx = ops[i].idx.get<int64_t>(),
-                                       .num_tokens = ins[i][me].tokens, .fp8 = fp8, .return_hook = hook},
+                                       .num_tokens = ins[i][me].tokens, .fp8 = fp8, .return_hook = dispatch_hook},
                                       stream);
-        if (hook) h.hook(stream);
+        if (dispatch_hook) h.hook(stream);
         if (fp8) continue;  // FP8 rows are not bf16 expert outputs; the next call reuses the slot
-        auto combine_hook =
-            ep.ll_combine({.y = h.recv_x, .topk_idx = ops[i].idx.get<int64_t>(),
-                           .topk_weights = ops[i].weights.get<float>(), .out = ops[i].out.get(), .return_hook = hook},
-                          h, stream);
-        if (hook) combine_hook(stream);
+        auto receive = ep.ll_combine({.y = h.recv_x, .topk_idx = ops[i].idx.get<int64_t>(),
+                                      .topk_weights = ops[i].weights.get<float>(), .out = ops[i].out.get(),
+                                      .return_hook = combine_hook},
+                                     h, stream);
+        if (combine_hook) receive(stream);
       }
       for (int i = 0; i < kCalls; ++i)
         if (!(fp8_ok && i % 3 == 1)) f.check_combine(ops[i].out.get(), ins[i][me], true);

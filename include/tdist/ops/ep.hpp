@@ -100,6 +100,7 @@ struct EpLlHandle {
   float* recv_scales = nullptr;  // [L][W * max_tokens][hidden / 128] when fp8
   int* recv_count = nullptr;     // [L] rows received per local expert (rows of an expert: 0 .. count)
   int* recv_route = nullptr;     // [L][W * max_tokens] (src_rank * max_tokens + token) * topk + slot
+  int* own_row = nullptr;        // [num_tokens][topk] for the combine: where this rank's own rows are
   // Rows of an expert: this rank's own first, then the peers'; the order is not part of the contract
   // (recv_route names each row). Set when the dispatch was called with return_hook: `hook` launches
   // the receive on `stream`; after it (in stream order) the outputs above hold this dispatch's rows.

@@ -32,7 +32,9 @@
 // acknowledges. Combine: send (a warp per received row) writes the expert output row back into its
 // source's c_rows[(t, j)] and raises that row's flag; receive (a block per token) waits for its
 // rows' flags and sums w[t][j] * row in fp32; its last block acknowledges to every rank. Without a
-// receive hook, both parts of a call run in one kernel (ep_ll_dispatch, ep_ll_combine; see there).
+// receive hook, both parts of a call run in one kernel (ep_ll_dispatch, ep_ll_combine; see there),
+// and that combine reads the rows of this rank's own experts straight from y (own_row) instead of
+// sending them to itself.
 //
 // Invalid top-k entries: -1 is a masked slot (skipped). An id outside [-1, E) or a repeat of an
 // earlier slot's expert in the same token is skipped by dispatch and combine alike (so no wait can
@@ -79,6 +81,9 @@ struct EpLlParams {
   float* recv_scales;
   int* recv_route;
   int* recv_count;
+  // own_row [M][K] (local): for a slot (t, j) whose expert lives on this rank, the row of that
+  // expert's recv_x (and y) holding it; written by the dispatch, read by the one-kernel combine
+  int* own_row;
 };
 
 TDIST_HOST_DEVICE int scale_groups(int hidden) { return (hidden + kFp8GroupSize - 1) / kFp8GroupSize; }
@@ -151,6 +156,7 @@ TDIST_DEVICE void ll_dispatch_store_rows(const EpLlParams& p, u64 e) {
           dst = p.recv_x + row * (p.fp8 ? static_cast<u64>(H) : row_stride);
           if (p.fp8) dst_s = p.recv_scales + row * G;
           p.recv_route[row] = (me * M + t) * K + lane;
+          p.own_row[t * K + lane] = static_cast<int>(slot);
         } else {
           const u64 row = ((par * L + le) * W + me) * static_cast<u64>(M) + slot;
           dst = peer_ptr(p.heap, p.d_rows + row * row_stride, r);
@@ -304,7 +310,9 @@ constexpr int kLlScanExperts = 2 * kLlThreads;  // local experts whose row count
 // scans the local experts' row counts in shared memory, and the grid's warps take the rows that
 // exist, whichever expert they belong to (one hot expert's rows spread over every SM). Beyond
 // kLlScanExperts local experts, blocks take experts (bpe blocks per expert when there are more blocks
-// than experts) and their warps the experts' rows.
+// than experts) and their warps the experts' rows. kSkipOwn: rows whose source is this rank are left
+// where they are (the one-kernel combine reads them from y).
+template <bool kSkipOwn>
 TDIST_DEVICE void ll_combine_send_rows(const EpLlParams& p, u64 e) {
   __shared__ int row_begin[kLlScanExperts + 1];
   __shared__ int warp_sums[kLlWarps];
@@ -323,6 +331,7 @@ TDIST_DEVICE void ll_combine_send_rows(const EpLlParams& p, u64 e) {
     const u64 f = le * rows_per_expert + i;
     const int route = p.recv_route[f];
     const int s = static_cast<int>(route / slots);
+    if (kSkipOwn && s == p.heap.rank) return;  // warp-uniform
     const u64 tk = route % slots;
     const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.y) + f * row_bytes);
     uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.c_rows + (par * slots + tk) * row_bytes), s);
@@ -386,24 +395,38 @@ constexpr int kLlChunks = 2;  // 256-channel chunks a lane sums at once in the c
 
 // A block per token (grid-stride): warp 0 waits for the token's rows, then every warp sums its
 // share of the 512-channel pieces: out[t] = sum over valid slots j of w[t][j] * c_rows[(t, j)], fp32.
+// kOwnFromY: a slot whose expert lives on this rank is read straight from y (at own_row), without a
+// copy or a flag; y is the caller's, so only the one-kernel combine does this (a hook may run after
+// the caller has reused y).
+template <bool kOwnFromY>
 TDIST_DEVICE void ll_combine_sum(const EpLlParams& p, u64 e) {
   const u64 par = e & 1;
-  const int M = p.max_tokens, H = p.hidden, K = p.topk;
+  const int M = p.max_tokens, H = p.hidden, K = p.topk, L = p.num_local_experts;
   const u64 slots = static_cast<u64>(M) * K, row_bytes = 2ull * H;
+  const u64 rows_per_expert = static_cast<u64>(p.heap.num_ranks) * M;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   __shared__ unsigned valid_slots;
+  __shared__ const char* slot_rows[kMaxTopk];
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     if (warp == 0) {
       const int g = slot_expert(p, t, lane, false);
-      if (g >= 0) wait_epoch(p.c_flags + par * slots + static_cast<u64>(t) * K + lane, e);
+      const u64 tk = static_cast<u64>(t) * K + lane;
+      const char* row = nullptr;
+      if (g >= 0 && kOwnFromY && g / L == p.heap.rank) {
+        row = static_cast<const char*>(p.y) + ((g % L) * rows_per_expert + p.own_row[tk]) * row_bytes;
+      } else if (g >= 0) {
+        wait_epoch(p.c_flags + par * slots + tk, e);
+        row = p.c_rows + (par * slots + tk) * row_bytes;
+      }
       const unsigned valid = __ballot_sync(0xffffffffu, g >= 0);
       if (lane == 0) valid_slots = valid;
+      if (lane < K) slot_rows[lane] = row;
     }
     __syncthreads();  // the rows the waits saw are visible to the whole block
     const unsigned valid = valid_slots;
     // Lane k: slot k's row and weight.
     const bool mine = (valid >> lane & 1u) != 0;
-    const char* row = mine ? p.c_rows + (par * slots + static_cast<u64>(t) * K + lane) * row_bytes : nullptr;
+    const char* row = mine ? slot_rows[lane] : nullptr;
     const float wk = mine ? p.topk_weights[static_cast<u64>(t) * K + lane] : 0.f;
     char* out = static_cast<char*>(p.out) + static_cast<u64>(t) * row_bytes;
     for (int c0 = warp * 256 * kLlChunks + lane * 8; c0 - lane * 8 < H; c0 += kLlWarps * 256 * kLlChunks) {
@@ -415,7 +438,7 @@ TDIST_DEVICE void ll_combine_sum(const EpLlParams& p, u64 e) {
       warp_sum_rows<kLlChunks>(acc, row, wk, valid, c0, H);
       store_bf16_chunks<kLlChunks>(out, acc, c0, H);
     }
-    __syncthreads();  // valid_slots is rewritten for the next token
+    __syncthreads();  // valid_slots and slot_rows are rewritten for the next token
   }
 }
 
@@ -461,7 +484,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
   begin_kernel();
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
-  ll_combine_send_rows(p, e);
+  ll_combine_send_rows<false>(p, e);
   if (!last_block(&p.state->combine_send_done)) return;
   if (threadIdx.x == 0) {
     p.state->combine_send_done = 0;
@@ -472,7 +495,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p) {
   begin_kernel();
   const u64 e = *p.epoch_slot;
-  ll_combine_sum(p, e);
+  ll_combine_sum<false>(p, e);
   if (last_block(&p.state->combine_done)) ll_combine_acknowledge(p, e);
 }
 
@@ -482,8 +505,8 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine(EpLlParams p) {
   begin_kernel();
   const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
-  ll_combine_send_rows(p, e);
-  ll_combine_sum(p, e);
+  ll_combine_send_rows<true>(p, e);
+  ll_combine_sum<true>(p, e);
   if (!last_block(&p.state->combine_done)) return;
   ll_combine_acknowledge(p, e);
   if (threadIdx.x == 0) st_relaxed<Scope::kGpu>(&p.state->combine_epoch, e);
