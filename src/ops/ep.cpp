@@ -330,7 +330,8 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
       s.recv_scales = DeviceBuffer(mul(rows, G) * sizeof(float));
       s.recv_route = DeviceBuffer(rows * sizeof(int));
       s.recv_count = zeroed(L * sizeof(int));
-      s.own_row = DeviceBuffer(mul(static_cast<size_t>(config.max_tokens), static_cast<size_t>(config.topk)) * sizeof(int));
+      s.own_row =
+          DeviceBuffer(mul(static_cast<size_t>(config.max_tokens), static_cast<size_t>(config.topk)) * sizeof(int));
     }
     EpLlParams& p = m.base;
     set_common_params(p, heap, config, num_local_experts(), m.state.get<EpState>(), m.error.get<int>());
@@ -453,7 +454,9 @@ EpLlHandle EpBuffer::ll_dispatch(const EpLlDispatchArgs& a, cudaStream_t stream)
     return h;
   }
   launch_ll(m.get(LlKernel::kDispatchSend), send_blocks, p, stream);
-  h.hook = [this, p, recv_blocks](cudaStream_t s) { launch_ll(impl_->get(LlKernel::kDispatchRecv), recv_blocks, p, s); };
+  h.hook = [this, p, recv_blocks](cudaStream_t s) {
+    launch_ll(impl_->get(LlKernel::kDispatchRecv), recv_blocks, p, s);
+  };
   return h;
 }
 

@@ -737,13 +737,18 @@ int main() {
         // hook on odd i): the paths share epochs, counters and parities, and a one-kernel combine
         // reads this rank's own rows where a hooked dispatch put them.
         const bool dispatch_hook = i % 4 >= 2, combine_hook = i % 2 == 1;
-        EpLlHandle h = ep.ll_dispatch({.x = ops[i].x.get(), .topk_idx = ops[i].idx.get<int64_t>(),
-                                       .num_tokens = ins[i][me].tokens, .fp8 = fp8, .return_hook = dispatch_hook},
+        EpLlHandle h = ep.ll_dispatch({.x = ops[i].x.get(),
+                                       .topk_idx = ops[i].idx.get<int64_t>(),
+                                       .num_tokens = ins[i][me].tokens,
+                                       .fp8 = fp8,
+                                       .return_hook = dispatch_hook},
                                       stream);
         if (dispatch_hook) h.hook(stream);
         if (fp8) continue;  // FP8 rows are not bf16 expert outputs; the next call reuses the slot
-        auto receive = ep.ll_combine({.y = h.recv_x, .topk_idx = ops[i].idx.get<int64_t>(),
-                                      .topk_weights = ops[i].weights.get<float>(), .out = ops[i].out.get(),
+        auto receive = ep.ll_combine({.y = h.recv_x,
+                                      .topk_idx = ops[i].idx.get<int64_t>(),
+                                      .topk_weights = ops[i].weights.get<float>(),
+                                      .out = ops[i].out.get(),
                                       .return_hook = combine_hook},
                                      h, stream);
         if (combine_hook) receive(stream);

@@ -254,8 +254,8 @@ TDIST_DEVICE void ll_dispatch_pack(const EpLlParams& p, u64 e) {
   const u64 row_bytes = p.fp8 ? static_cast<u64>(H) : 2ull * H;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const int grid = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
-  const int mine = block < L ? (L - 1 - block) / grid + 1 : 0;         // this block's experts
-  const int batch = max(1, min(kLlPackBatch, kLlThreads / W));         // b * W + o < kLlThreads
+  const int mine = block < L ? (L - 1 - block) / grid + 1 : 0;  // this block's experts
+  const int batch = max(1, min(kLlPackBatch, kLlThreads / W));  // b * W + o < kLlThreads
   for (int k0 = 0; k0 < mine; k0 += batch) {
     const int nb = min(batch, mine - k0);
     auto expert = [&](int b) { return block + (k0 + b) * grid; };
