@@ -94,19 +94,19 @@ int64_t ht_expert_rows(const EpConfig& c, int world) {
 }
 
 // The local (ordinary) memory of one output slot: recv_x [L][W M][2H bytes at most],
-// recv_scales f32[L][W M][G], recv_route i32[L][W M], recv_count i32[L].
+// recv_scales f32[L][W M][G], recv_route i32[L][W M], recv_count i32[L], own_row i32[M][K].
 struct EpSlotBuffers {
-  DeviceBuffer recv_x, recv_scales, recv_route, recv_count;
+  DeviceBuffer recv_x, recv_scales, recv_route, recv_count, own_row;
 };
 
-// The four low-latency kernels, each named once here; one module (one header).
-enum class LlKernel { kDispatchSend, kDispatchRecv, kCombineSend, kCombineRecv, kCount };
+// The low-latency kernels, each named once here; one module (one header). kDispatch and kCombine
+// run a whole call in one grid (no receive hook); the send/receive pairs serve the hooks.
+enum class LlKernel { kDispatchSend, kDispatchRecv, kCombineSend, kCombineRecv, kDispatch, kCombine, kCount };
 
 constexpr const char* kLlSymbols[] = {
-    "tdist::kernels::ep::ep_ll_dispatch_send",
-    "tdist::kernels::ep::ep_ll_dispatch_recv",
-    "tdist::kernels::ep::ep_ll_combine_send",
-    "tdist::kernels::ep::ep_ll_combine_recv",
+    "tdist::kernels::ep::ep_ll_dispatch_send", "tdist::kernels::ep::ep_ll_dispatch_recv",
+    "tdist::kernels::ep::ep_ll_combine_send",  "tdist::kernels::ep::ep_ll_combine_recv",
+    "tdist::kernels::ep::ep_ll_dispatch",      "tdist::kernels::ep::ep_ll_combine",
 };
 
 enum class HtKernel { kLayout, kDispatch, kDispatchRecv, kCombineSend, kCombineRecv, kCount };
@@ -330,6 +330,8 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
       s.recv_scales = DeviceBuffer(mul(rows, G) * sizeof(float));
       s.recv_route = DeviceBuffer(rows * sizeof(int));
       s.recv_count = zeroed(L * sizeof(int));
+      s.own_row =
+          DeviceBuffer(mul(static_cast<size_t>(config.max_tokens), static_cast<size_t>(config.topk)) * sizeof(int));
     }
     EpLlParams& p = m.base;
     set_common_params(p, heap, config, num_local_experts(), m.state.get<EpState>(), m.error.get<int>());
@@ -369,7 +371,8 @@ void EpBuffer::check_combine(const EpLlCombineArgs& a, const EpLlHandle& h) cons
   TDIST_CHECK_ARG(config_.mode == EpMode::kLowLatency, "config.mode", "a low-latency buffer for ll_combine");
   TDIST_CHECK_ARG(a.y_dtype == DType::kBFloat16, "y_dtype", "bf16, got ", to_string(a.y_dtype));
   TDIST_CHECK_ARG(h.slot >= 0 && h.slot < kSlots && h.recv_count != nullptr &&
-                      h.recv_count == impl_->slots[static_cast<size_t>(h.slot)].recv_count.get<int>(),
+                      h.recv_count == impl_->slots[static_cast<size_t>(h.slot)].recv_count.get<int>() &&
+                      h.own_row == impl_->slots[static_cast<size_t>(h.slot)].own_row.get<int>(),
                   "handle", "a handle returned by this buffer's ll_dispatch");
   TDIST_CHECK_ARG(a.y != nullptr && aligned(a.y, 16), "y", "a 16-byte aligned device pointer");
   if (h.num_tokens > 0) {
@@ -399,6 +402,13 @@ void launch_ll(const jit::Kernel& k, unsigned blocks, const EpLlParams& p, cudaS
   launch_ep(k, blocks, static_cast<unsigned>(kernels::ep::kLlThreads), 0, p, stream);
 }
 
+// The grid of a kernel that runs both parts of a low-latency call: enough blocks for either part,
+// never more than one per SM (the receiving blocks spin on flags the sending blocks of the same grid
+// raise, so every block must be resident at once; __launch_bounds__(kLlThreads, 1) makes one fit).
+unsigned fused_blocks(unsigned send_blocks, unsigned recv_blocks, int sms) {
+  return std::clamp(std::max(send_blocks, recv_blocks), 1u, static_cast<unsigned>(std::max(sms, 1)));
+}
+
 unsigned warp_blocks(int64_t warps, int cap) {
   const int64_t b = (warps + kernels::ep::kLlWarps - 1) / kernels::ep::kLlWarps;
   return static_cast<unsigned>(std::clamp<int64_t>(b, 1, cap));
@@ -423,6 +433,7 @@ EpLlHandle EpBuffer::ll_dispatch(const EpLlDispatchArgs& a, cudaStream_t stream)
   p.recv_scales = out.recv_scales.get<float>();
   p.recv_route = out.recv_route.get<int>();
   p.recv_count = out.recv_count.get<int>();
+  p.own_row = out.own_row.get<int>();
 
   EpLlHandle h;
   h.slot = slot;
@@ -432,17 +443,20 @@ EpLlHandle EpBuffer::ll_dispatch(const EpLlDispatchArgs& a, cudaStream_t stream)
   h.recv_scales = p.recv_scales;
   h.recv_count = p.recv_count;
   h.recv_route = p.recv_route;
-  // A block per token: every SM (or num_sms) busy even for a few hundred tokens.
-  launch_ll(m.get(LlKernel::kDispatchSend), static_cast<unsigned>(std::clamp<int64_t>(a.num_tokens, 1, sms_)), p,
-            stream);
+  h.own_row = p.own_row;
+  // Sends: a block per token, every SM (or num_sms) busy even for a few hundred tokens. Receives: a
+  // block per local expert.
+  const unsigned send_blocks = static_cast<unsigned>(std::clamp<int64_t>(a.num_tokens, 1, sms_));
   const unsigned recv_blocks = static_cast<unsigned>(std::min(num_local_experts(), all_sms_));
-  auto receive = [this, p, recv_blocks](cudaStream_t s) {
+  if (!a.return_hook) {
+    // One grid for both parts; its blocks wait on each other, so it never exceeds one block per SM.
+    launch_ll(m.get(LlKernel::kDispatch), fused_blocks(send_blocks, recv_blocks, all_sms_), p, stream);
+    return h;
+  }
+  launch_ll(m.get(LlKernel::kDispatchSend), send_blocks, p, stream);
+  h.hook = [this, p, recv_blocks](cudaStream_t s) {
     launch_ll(impl_->get(LlKernel::kDispatchRecv), recv_blocks, p, s);
   };
-  if (a.return_hook)
-    h.hook = receive;
-  else
-    receive(stream);
   return h;
 }
 
@@ -461,14 +475,15 @@ std::function<void(cudaStream_t)> EpBuffer::ll_combine(const EpLlCombineArgs& a,
   p.epoch_slot = m.epoch_slot(slot, 1);
   p.recv_route = h.recv_route;
   p.recv_count = h.recv_count;
-  launch_ll(m.get(LlKernel::kCombineSend), static_cast<unsigned>(sms_), p, stream);
+  p.own_row = h.own_row;
+  const unsigned send_blocks = static_cast<unsigned>(sms_);
   const unsigned recv_blocks = static_cast<unsigned>(std::clamp<int64_t>(h.num_tokens, 1, all_sms_));
-  auto receive = [this, p, recv_blocks](cudaStream_t s) {
-    launch_ll(impl_->get(LlKernel::kCombineRecv), recv_blocks, p, s);
-  };
-  if (a.return_hook) return receive;
-  receive(stream);
-  return {};
+  if (!a.return_hook) {
+    launch_ll(m.get(LlKernel::kCombine), fused_blocks(send_blocks, recv_blocks, all_sms_), p, stream);
+    return {};
+  }
+  launch_ll(m.get(LlKernel::kCombineSend), send_blocks, p, stream);
+  return [this, p, recv_blocks](cudaStream_t s) { launch_ll(impl_->get(LlKernel::kCombineRecv), recv_blocks, p, s); };
 }
 
 void EpBuffer::check_ht_dispatch(const EpHtDispatchArgs& a) const {

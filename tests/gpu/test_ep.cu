@@ -6,7 +6,8 @@
 //   * dispatch bf16, FP8 and FP8 with UE8M0 scales: per-expert counts exact, every expected
 //     (source rank, token, slot) row present once (order-independent: rows are matched by their
 //     route), bf16 rows bit for bit, FP8 rows within e4m3's bound (|err| <= |x| / 16 + scale / 512),
-//     UE8M0 scales powers of two; outputs poisoned first (through the receive hook);
+//     UE8M0 scales powers of two; outputs poisoned before each dispatch (the send stores this
+//     rank's own rows in place, so not between send and hook);
 //   * combine: the expert side answers each row with bf16(x * f(expert)) (rows past the counts are
 //     NaN, so reading one shows), out[t] within bf16 rounding of sum_j w[t][j] * y(t, j);
 //   * routings: uniform, skewed, all to one expert, all to one rank, masked slots (-1); tokens:
@@ -26,6 +27,7 @@
 // Prints "rank R: N passed, M failed" last.
 #include <cuda_bf16.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -180,9 +182,20 @@ struct Fixture {
   cudaStream_t stream;
   int W, me, L, K, E;
   int64_t M, H;
+  // The last handle of each output slot, so that a dispatch's outputs can be poisoned before it (the
+  // send already stores this rank's own rows there).
+  mutable std::array<EpLlHandle, EpBuffer::kSlots> seen{};
   Fixture(World& w, EpBuffer& b, cudaStream_t s)
       : world(w), ep(b), stream(s), W(w.world_size()), me(w.rank()), L(b.num_local_experts()), K(b.config().topk),
         E(b.config().num_experts), M(b.config().max_tokens), H(b.config().hidden) {}
+
+  void poison(const EpLlHandle& h) const {
+    if (h.recv_count == nullptr) return;
+    const size_t rows = static_cast<size_t>(L * W * M);
+    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_x, 0xFF, rows * 2 * static_cast<size_t>(H), stream));
+    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_count, 0xFF, static_cast<size_t>(L) * sizeof(int), stream));
+    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_route, 0xFF, rows * sizeof(int), stream));
+  }
 
   std::vector<RankInput> inputs(uint64_t seed, Routing r, Tokens t, bool errors = false) const {
     std::vector<RankInput> all;
@@ -313,12 +326,10 @@ void round_trip(const Fixture& f, uint64_t seed, Routing r, Tokens tk, bool fp8,
   a.fp8 = fp8;
   a.ue8m0 = ue8m0;
   a.return_hook = hook;
+  for (const EpLlHandle& old : f.seen) f.poison(old);  // whichever slot this call takes
   EpLlHandle h = f.ep.ll_dispatch(a, f.stream);
+  f.seen[static_cast<size_t>(h.slot)] = h;
   if (hook) {
-    const size_t rows = static_cast<size_t>(f.L * f.W * f.M);
-    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_x, 0xFF, rows * 2 * static_cast<size_t>(f.H), f.stream));
-    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_count, 0xFF, static_cast<size_t>(f.L) * sizeof(int), f.stream));
-    TDIST_CUDA_CHECK(cudaMemsetAsync(h.recv_route, 0xFF, rows * sizeof(int), f.stream));
     if (!h.hook) TDIST_FAIL("no receive hook returned");
     h.hook(f.stream);
   }
@@ -722,13 +733,25 @@ int main() {
       }
       for (int i = 0; i < kCalls; ++i) {
         const bool fp8 = fp8_ok && i % 3 == 1;
-        EpLlHandle h = ep.ll_dispatch({.x = ops[i].x.get(), .topk_idx = ops[i].idx.get<int64_t>(),
-                                       .num_tokens = ins[i][me].tokens, .fp8 = fp8},
+        // Hooks and one-kernel calls mixed in every combination (dispatch hook on i % 4 >= 2, combine
+        // hook on odd i): the paths share epochs, counters and parities, and a one-kernel combine
+        // reads this rank's own rows where a hooked dispatch put them.
+        const bool dispatch_hook = i % 4 >= 2, combine_hook = i % 2 == 1;
+        EpLlHandle h = ep.ll_dispatch({.x = ops[i].x.get(),
+                                       .topk_idx = ops[i].idx.get<int64_t>(),
+                                       .num_tokens = ins[i][me].tokens,
+                                       .fp8 = fp8,
+                                       .return_hook = dispatch_hook},
                                       stream);
+        if (dispatch_hook) h.hook(stream);
         if (fp8) continue;  // FP8 rows are not bf16 expert outputs; the next call reuses the slot
-        ep.ll_combine({.y = h.recv_x, .topk_idx = ops[i].idx.get<int64_t>(), .topk_weights = ops[i].weights.get<float>(),
-                       .out = ops[i].out.get()},
-                      h, stream);
+        auto receive = ep.ll_combine({.y = h.recv_x,
+                                      .topk_idx = ops[i].idx.get<int64_t>(),
+                                      .topk_weights = ops[i].weights.get<float>(),
+                                      .out = ops[i].out.get(),
+                                      .return_hook = combine_hook},
+                                     h, stream);
+        if (combine_hook) receive(stream);
       }
       for (int i = 0; i < kCalls; ++i)
         if (!(fp8_ok && i % 3 == 1)) f.check_combine(ops[i].out.get(), ins[i][me], true);

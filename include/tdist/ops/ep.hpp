@@ -52,7 +52,9 @@ struct EpConfig {
   int64_t hidden = 7168;     // channels per token (a multiple of 8; of 128 for FP8 dispatch)
   int num_experts = 256;     // a multiple of the world size
   int topk = 8;              // 1 .. 32
-  int num_sms = 0;           // blocks of the send kernels; 0: every SM (low latency), 24 (high throughput)
+  // Blocks of the send kernels; 0: every SM (low latency), 24 (high throughput). A low-latency call
+  // without a hook runs send and receive in one grid of up to one block per SM (enough for either).
+  int num_sms = 0;
   EpMode mode = EpMode::kLowLatency;
   int expert_alignment = 128;  // high throughput: rows of each expert in the expert-major output padded to it
 };
@@ -98,8 +100,11 @@ struct EpLlHandle {
   float* recv_scales = nullptr;  // [L][W * max_tokens][hidden / 128] when fp8
   int* recv_count = nullptr;     // [L] rows received per local expert (rows of an expert: 0 .. count)
   int* recv_route = nullptr;     // [L][W * max_tokens] (src_rank * max_tokens + token) * topk + slot
-  // Set when the dispatch was called with return_hook: launches the receive on `stream`; after it
-  // (in stream order) the outputs above hold this dispatch's rows.
+  int* own_row = nullptr;        // [num_tokens][topk] for the combine: where this rank's own rows are
+  // Rows of an expert: this rank's own first, then the peers'; the order is not part of the contract
+  // (recv_route names each row). Set when the dispatch was called with return_hook: `hook` launches
+  // the receive on `stream`; after it (in stream order) the outputs above hold this dispatch's rows.
+  // The send already writes into them (this rank's own rows).
   std::function<void(cudaStream_t)> hook;
 };
 

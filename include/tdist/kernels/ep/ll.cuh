@@ -19,18 +19,22 @@
 // e - 2 (the previous user of p), so calls may run back to back without host synchronisation.
 //
 // Epochs (CUDA-graph safety): EpState.dispatch_epoch / combine_epoch count the calls in device
-// memory; a send kernel uses e = count + 1 and its last block stores e back. The send kernel also
-// stores e into the call's epoch slot, from which the receive kernel (the hook) reads it, so a graph
-// replays with fresh epochs and two dispatches may be in flight (two slots).
+// memory; a call uses e = count + 1 and the last block of its sending part (of the whole grid in the
+// one-kernel combine) stores e back. The send kernel also stores e into the call's epoch slot, from
+// which the receive kernel (the hook) reads it, so a graph replays with fresh epochs and two
+// dispatches may be in flight (two slots).
 //
 // Dispatch: send (a block per token: lane j of warp 0 claims slot j's row with a local atomic per
 // expert, then the block's warps read the token once in 16-byte pieces, convert them to e4m3 when
 // asked, and store each piece into every destination row); its last block raises the count flags.
-// Receive (a block per local expert) waits for its W count flags, packs the rows source after
+// Receive (a block per local expert, a batch of them at once) waits for its W count flags, packs the rows source after
 // source into the expert-major output recv_x[L][W * M][...], counts them in recv_count[L], and
 // acknowledges. Combine: send (a warp per received row) writes the expert output row back into its
 // source's c_rows[(t, j)] and raises that row's flag; receive (a block per token) waits for its
-// rows' flags and sums w[t][j] * row in fp32; its last block acknowledges to every rank.
+// rows' flags and sums w[t][j] * row in fp32; its last block acknowledges to every rank. Without a
+// receive hook, both parts of a call run in one kernel (ep_ll_dispatch, ep_ll_combine; see there),
+// and that combine reads the rows of this rank's own experts straight from y (own_row) instead of
+// sending them to itself.
 //
 // Invalid top-k entries: -1 is a masked slot (skipped). An id outside [-1, E) or a repeat of an
 // earlier slot's expert in the same token is skipped by dispatch and combine alike (so no wait can
@@ -77,6 +81,9 @@ struct EpLlParams {
   float* recv_scales;
   int* recv_route;
   int* recv_count;
+  // own_row [M][K] (local): for a slot (t, j) whose expert lives on this rank, the row of that
+  // expert's recv_x (and y) holding it; written by the dispatch, read by the one-kernel combine
+  int* own_row;
 };
 
 TDIST_HOST_DEVICE int scale_groups(int hidden) { return (hidden + kFp8GroupSize - 1) / kFp8GroupSize; }
@@ -109,10 +116,9 @@ TDIST_DEVICE float fp8_scale(float amax, bool ue8m0) {
   return s;
 }
 
-__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams p) {
-  begin_kernel();
-  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+// Dispatch, sending part (every block of the grid, each a share of the tokens; returns once the
+// block's rows are stored, unfenced: last_block fences them).
+TDIST_DEVICE void ll_dispatch_store_rows(const EpLlParams& p, u64 e) {
   const u64 par = e & 1;
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const int K = p.topk, G = scale_groups(H);
@@ -143,10 +149,20 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
         // The claim is local and needs no acknowledgement: issued first, its latency overlaps the wait.
         const u32 slot = atomicAdd(p.send_counts + g, 1u);  // < M: one row per token and expert
         if (e > 2) wait_epoch(p.d_ack + g, e - 2);  // parity `par` of expert g is free again
-        const u64 row = ((par * L + le) * W + me) * static_cast<u64>(M) + slot;
-        dst = peer_ptr(p.heap, p.d_rows + row * row_stride, r);
-        if (p.fp8) dst_s = peer_ptr(p.heap, p.d_scales + row * G, r);
-        *peer_ptr(p.heap, p.d_route + row, r) = t * K + lane;
+        if (r == me) {
+          // This rank's own rows go straight into the packed output, first among the expert's rows
+          // (the receive copies only the peers' rows, after them).
+          const u64 row = le * static_cast<u64>(W) * M + slot;
+          dst = p.recv_x + row * (p.fp8 ? static_cast<u64>(H) : row_stride);
+          if (p.fp8) dst_s = p.recv_scales + row * G;
+          p.recv_route[row] = (me * M + t) * K + lane;
+          p.own_row[t * K + lane] = static_cast<int>(slot);
+        } else {
+          const u64 row = ((par * L + le) * W + me) * static_cast<u64>(M) + slot;
+          dst = peer_ptr(p.heap, p.d_rows + row * row_stride, r);
+          if (p.fp8) dst_s = peer_ptr(p.heap, p.d_scales + row * G, r);
+          *peer_ptr(p.heap, p.d_route + row, r) = t * K + lane;
+        }
       }
       if (lane < K) {
         dst_rows[lane] = dst;
@@ -195,8 +211,13 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
     }
     __syncthreads();  // the next token's rows replace dst_rows
   }
-  if (!last_block(&p.state->dispatch_done)) return;
-  // Every row of this call has been stored: raise the count flag of every (expert, this rank).
+}
+
+// Dispatch, the last block of the sending part (after last_block: every row of this call has been
+// stored and fenced): raises the count flag of every (expert, this rank), then stores the epoch.
+TDIST_DEVICE void ll_dispatch_raise_counts(const EpLlParams& p, u64 e) {
+  const u64 par = e & 1;
+  const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts;
   for (int g = threadIdx.x; g < p.num_experts; g += blockDim.x) {
     const int r = g / L, le = g % L;
     const u32 n = ld_relaxed<Scope::kGpu>(p.send_counts + g);
@@ -210,43 +231,76 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams 
   }
 }
 
-// One block per local expert (grid-stride): packs its rows source after source.
-__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams p) {
-  begin_kernel();
-  __shared__ int counts[kMaxLsaRanks], offsets[kMaxLsaRanks + 1];
-  const u64 e = *p.epoch_slot, par = e & 1;
+// Dispatch, receiving part: a block takes local experts blockIdx.x, blockIdx.x + gridDim.x, ...,
+// up to kLlPackBatch of them at once (when there are more local experts than blocks): it waits for
+// their W count flags each, copies the peers' rows after this rank's own (which the send stored in
+// place), source after source, then acknowledges to every source.
+// A batch pays one flag wait, one copy latency and one acknowledgement fence for all its experts.
+constexpr int kLlPackBatch = 8;
+// 16-byte loads a lane has in flight in the pack: 14 covers a 7168-channel FP8 row in one pass per
+// warp (a bf16 one in two); 16 spills registers in the kernels as they stand.
+constexpr int kLlPackUnroll = 14;
+
+TDIST_DEVICE void ll_dispatch_pack(const EpLlParams& p, u64 e) {
+  // offsets[b][o]: the first packed row of source (me + o) % W in the batch's expert b (o = W: its
+  // row count; offsets[b][1]: this rank's own rows, already in place); batch_begin[b]: the first of
+  // expert b's peer rows in the batch's peer rows (b = nb: their count).
+  __shared__ int offsets[kLlPackBatch][kMaxLsaRanks + 1];
+  __shared__ int batch_begin[kLlPackBatch + 1];
+  const u64 par = e & 1;
   const int W = p.heap.num_ranks, me = p.heap.rank, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const int K = p.topk, G = scale_groups(H);
   const u64 row_stride = 2ull * H, rows_per_expert = static_cast<u64>(W) * M;
   const u64 row_bytes = p.fp8 ? static_cast<u64>(H) : 2ull * H;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  for (int le = blockIdx.x; le < L; le += gridDim.x) {
-    if (threadIdx.x < W) counts[threadIdx.x] = static_cast<int>(wait_count_flag(p.d_count + (par * L + le) * W + threadIdx.x, e));
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      offsets[0] = 0;
-      for (int s = 0; s < W; ++s) offsets[s + 1] = offsets[s] + counts[s];
-      p.recv_count[le] = offsets[W];
+  const int grid = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
+  const int mine = block < L ? (L - 1 - block) / grid + 1 : 0;  // this block's experts
+  const int batch = max(1, min(kLlPackBatch, kLlThreads / W));  // b * W + o < kLlThreads
+  for (int k0 = 0; k0 < mine; k0 += batch) {
+    const int nb = min(batch, mine - k0);
+    auto expert = [&](int b) { return block + (k0 + b) * grid; };
+    // Thread b * W + o waits for the count of expert b from source (me + o) % W: the packed order is
+    // this rank's rows (stored there by the send), then the peers' in rank order after this one.
+    const int tb = static_cast<int>(threadIdx.x) / W, ts = static_cast<int>(threadIdx.x) % W;
+    if (tb < nb) {
+      const u64* flag = p.d_count + (par * L + expert(tb)) * W + (me + ts) % W;
+      offsets[tb][ts + 1] = static_cast<int>(wait_count_flag(flag, e));
     }
     __syncthreads();
-    const int total = offsets[W];
-    for (int i = warp; i < total; i += kLlWarps) {
-      int s = 0;
-      while (offsets[s + 1] <= i) ++s;
-      const u64 src_row = ((par * L + le) * W + s) * static_cast<u64>(M) + (i - offsets[s]);
+    if (static_cast<int>(threadIdx.x) < nb) {
+      int* o = offsets[threadIdx.x];
+      o[0] = 0;
+      for (int s = 0; s < W; ++s) o[s + 1] += o[s];
+      p.recv_count[expert(threadIdx.x)] = o[W];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      batch_begin[0] = 0;
+      for (int b = 0; b < nb; ++b) batch_begin[b + 1] = batch_begin[b] + offsets[b][W] - offsets[b][1];
+    }
+    __syncthreads();
+    const int total = batch_begin[nb];  // the peers' rows of the batch
+    for (int q = warp; q < total; q += kLlWarps) {
+      int b = 0;
+      while (batch_begin[b + 1] <= q) ++b;
+      const int le = expert(b), i = offsets[b][1] + (q - batch_begin[b]);  // packed row
+      int o = 1;
+      while (offsets[b][o + 1] <= i) ++o;
+      const int s = (me + o) % W;
+      const u64 src_row = ((par * L + le) * W + s) * static_cast<u64>(M) + (i - offsets[b][o]);
       const u64 dst_row = le * rows_per_expert + i;
       const uint4* from = reinterpret_cast<const uint4*>(p.d_rows + src_row * row_stride);
       uint4* to = reinterpret_cast<uint4*>(p.recv_x + dst_row * row_bytes);  // packed rows
-      warp_copy16<16>(to, from, static_cast<long long>(row_bytes / 16), lane);
+      warp_copy16<kLlPackUnroll>(to, from, static_cast<long long>(row_bytes / 16), lane);
       if (row_bytes % 16 != 0 && lane == 0) {  // FP8 rows of H = 8 (mod 16) bytes
         reinterpret_cast<uint2*>(to)[row_bytes / 8 - 1] = reinterpret_cast<const uint2*>(from)[row_bytes / 8 - 1];
       }
       if (p.fp8)
-        for (int q = lane; q < G; q += 32) p.recv_scales[dst_row * G + q] = p.d_scales[src_row * G + q];
+        for (int g = lane; g < G; g += 32) p.recv_scales[dst_row * G + g] = p.d_scales[src_row * G + g];
       if (lane == 0) p.recv_route[dst_row] = (s * M) * K + p.d_route[src_row];
     }
-    __syncthreads();  // every read of this expert's parity-`par` rows is done
-    if (threadIdx.x < W) put_signal(p.heap, p.d_ack + (me * L + le), e, threadIdx.x);
+    __syncthreads();  // every read of the batch's parity-`par` rows is done (and offsets may be rewritten)
+    if (tb < nb) put_signal(p.heap, p.d_ack + (me * L + expert(tb)), e, ts);
   }
 }
 
@@ -256,25 +310,29 @@ constexpr int kLlScanExperts = 2 * kLlThreads;  // local experts whose row count
 // scans the local experts' row counts in shared memory, and the grid's warps take the rows that
 // exist, whichever expert they belong to (one hot expert's rows spread over every SM). Beyond
 // kLlScanExperts local experts, blocks take experts (bpe blocks per expert when there are more blocks
-// than experts) and their warps the experts' rows.
-__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p) {
-  begin_kernel();
+// than experts) and their warps the experts' rows. kSkipOwn: rows whose source is this rank are left
+// where they are (the one-kernel combine reads them from y).
+template <bool kSkipOwn>
+TDIST_DEVICE void ll_combine_send_rows(const EpLlParams& p, u64 e) {
   __shared__ int row_begin[kLlScanExperts + 1];
   __shared__ int warp_sums[kLlWarps];
-  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
   const u64 par = e & 1;
   const int W = p.heap.num_ranks, L = p.num_local_experts, M = p.max_tokens, H = p.hidden;
   const u64 rows_per_expert = static_cast<u64>(W) * M, row_bytes = 2ull * H;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   const u64 slots = static_cast<u64>(M) * p.topk;
+  // Parity `par` of rank s's c_rows is free again once s acknowledged call e - 2 (every rank
+  // acknowledges to every rank). Thread s < W waits once per block, while the block loads the counts,
+  // not once per row after the row's route; a block barrier follows before any row is sent.
+  auto wait_acks = [&] {
+    if (e > 2 && static_cast<int>(threadIdx.x) < W) wait_epoch(p.c_ack + threadIdx.x, e - 2);
+  };
   auto send_row = [&](int le, int i) {
     const u64 f = le * rows_per_expert + i;
     const int route = p.recv_route[f];
     const int s = static_cast<int>(route / slots);
+    if (kSkipOwn && s == p.heap.rank) return;  // warp-uniform
     const u64 tk = route % slots;
-    if (e > 2 && lane == 0) wait_epoch(p.c_ack + s, e - 2);  // parity `par` of rank s is free again
-    __syncwarp();
     const uint4* from = reinterpret_cast<const uint4*>(static_cast<const char*>(p.y) + f * row_bytes);
     uint4* to = peer_ptr(p.heap, reinterpret_cast<uint4*>(p.c_rows + (par * slots + tk) * row_bytes), s);
     warp_copy16<16>(to, from, static_cast<long long>(row_bytes / 16), lane);
@@ -285,6 +343,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
     // Exclusive prefix of the counts: thread i holds experts 2i and 2i + 1.
     const int x0 = 2 * static_cast<int>(threadIdx.x), x1 = x0 + 1;
     const int a = x0 < L ? p.recv_count[x0] : 0, b = x1 < L ? p.recv_count[x1] : 0;
+    wait_acks();  // beside the count loads; the scan's barriers publish it
     int incl = a + b;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
@@ -321,6 +380,8 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
       send_row(lo, q - row_begin[lo]);
     }
   } else {
+    wait_acks();
+    __syncthreads();
     const int bpe = max(1, static_cast<int>(gridDim.x) / L), groups = static_cast<int>(gridDim.x) / bpe;
     const int group = static_cast<int>(blockIdx.x) / bpe, part = static_cast<int>(blockIdx.x) % bpe;
     for (int le = group; group < groups && le < L; le += groups) {
@@ -328,36 +389,44 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p
       for (int i = part * kLlWarps + warp; i < n; i += bpe * kLlWarps) send_row(le, i);
     }
   }
-  if (!last_block(&p.state->combine_send_done)) return;
-  if (threadIdx.x == 0) {
-    p.state->combine_send_done = 0;
-    st_relaxed<Scope::kGpu>(&p.state->combine_epoch, e);
-  }
 }
 
 constexpr int kLlChunks = 2;  // 256-channel chunks a lane sums at once in the combine receive
 
 // A block per token (grid-stride): warp 0 waits for the token's rows, then every warp sums its
 // share of the 512-channel pieces: out[t] = sum over valid slots j of w[t][j] * c_rows[(t, j)], fp32.
-__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p) {
-  begin_kernel();
-  const u64 e = *p.epoch_slot, par = e & 1;
-  const int M = p.max_tokens, H = p.hidden, K = p.topk;
+// kOwnFromY: a slot whose expert lives on this rank is read straight from y (at own_row), without a
+// copy or a flag; y is the caller's, so only the one-kernel combine does this (a hook may run after
+// the caller has reused y).
+template <bool kOwnFromY>
+TDIST_DEVICE void ll_combine_sum(const EpLlParams& p, u64 e) {
+  const u64 par = e & 1;
+  const int M = p.max_tokens, H = p.hidden, K = p.topk, L = p.num_local_experts;
   const u64 slots = static_cast<u64>(M) * K, row_bytes = 2ull * H;
+  const u64 rows_per_expert = static_cast<u64>(p.heap.num_ranks) * M;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   __shared__ unsigned valid_slots;
+  __shared__ const char* slot_rows[kMaxTopk];
   for (int t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     if (warp == 0) {
       const int g = slot_expert(p, t, lane, false);
-      if (g >= 0) wait_epoch(p.c_flags + par * slots + static_cast<u64>(t) * K + lane, e);
+      const u64 tk = static_cast<u64>(t) * K + lane;
+      const char* row = nullptr;
+      if (g >= 0 && kOwnFromY && g / L == p.heap.rank) {
+        row = static_cast<const char*>(p.y) + ((g % L) * rows_per_expert + p.own_row[tk]) * row_bytes;
+      } else if (g >= 0) {
+        wait_epoch(p.c_flags + par * slots + tk, e);
+        row = p.c_rows + (par * slots + tk) * row_bytes;
+      }
       const unsigned valid = __ballot_sync(0xffffffffu, g >= 0);
       if (lane == 0) valid_slots = valid;
+      if (lane < K) slot_rows[lane] = row;
     }
     __syncthreads();  // the rows the waits saw are visible to the whole block
     const unsigned valid = valid_slots;
     // Lane k: slot k's row and weight.
     const bool mine = (valid >> lane & 1u) != 0;
-    const char* row = mine ? p.c_rows + (par * slots + static_cast<u64>(t) * K + lane) * row_bytes : nullptr;
+    const char* row = mine ? slot_rows[lane] : nullptr;
     const float wk = mine ? p.topk_weights[static_cast<u64>(t) * K + lane] : 0.f;
     char* out = static_cast<char*>(p.out) + static_cast<u64>(t) * row_bytes;
     for (int c0 = warp * 256 * kLlChunks + lane * 8; c0 - lane * 8 < H; c0 += kLlWarps * 256 * kLlChunks) {
@@ -369,13 +438,78 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p
       warp_sum_rows<kLlChunks>(acc, row, wk, valid, c0, H);
       store_bf16_chunks<kLlChunks>(out, acc, c0, H);
     }
-    __syncthreads();  // valid_slots is rewritten for the next token
+    __syncthreads();  // valid_slots and slot_rows are rewritten for the next token
   }
-  if (!last_block(&p.state->combine_done)) return;
-  // Every rank's rows of this call have been read: the parity is free for call e + 2.
+}
+
+// Combine, the last block of the receiving part (after last_block): every rank's rows of this call
+// have been read, so the parity is free for call e + 2.
+TDIST_DEVICE void ll_combine_acknowledge(const EpLlParams& p, u64 e) {
   if (static_cast<int>(threadIdx.x) < p.heap.num_ranks)
     put_signal(p.heap, p.c_ack + p.heap.rank, e, static_cast<int>(threadIdx.x));
   if (threadIdx.x == 0) p.state->combine_done = 0;
+}
+
+// The kernels. Without a receive hook one kernel runs both parts of a call (ep_ll_dispatch,
+// ep_ll_combine): a block that has sent its share goes on to receive, spinning on flags that other
+// blocks of the same grid (and the peers) raise. That is safe only while every block of the grid is
+// resident at once: the host launches at most one block per SM (kLlThreads threads, __launch_bounds__
+// (kLlThreads, 1)), and the spins time out with a diagnostic. With a hook, the send kernel runs now
+// and the receive kernel later (ep_ll_*_send, ep_ll_*_recv); the send stores its epoch in the call's
+// slot, from which the receive reads it.
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams p) {
+  begin_kernel();
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  ll_dispatch_store_rows(p, e);
+  if (last_block(&p.state->dispatch_done)) ll_dispatch_raise_counts(p, e);
+}
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams p) {
+  begin_kernel();
+  ll_dispatch_pack(p, *p.epoch_slot);
+}
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch(EpLlParams p) {
+  begin_kernel();
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  ll_dispatch_store_rows(p, e);
+  if (last_block(&p.state->dispatch_done)) ll_dispatch_raise_counts(p, e);
+  ll_dispatch_pack(p, e);
+}
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p) {
+  begin_kernel();
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  ll_combine_send_rows<false>(p, e);
+  if (!last_block(&p.state->combine_send_done)) return;
+  if (threadIdx.x == 0) {
+    p.state->combine_send_done = 0;
+    st_relaxed<Scope::kGpu>(&p.state->combine_epoch, e);
+  }
+}
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p) {
+  begin_kernel();
+  const u64 e = *p.epoch_slot;
+  ll_combine_sum<false>(p, e);
+  if (last_block(&p.state->combine_done)) ll_combine_acknowledge(p, e);
+}
+
+// Every block reads the epoch before any block can be the last one (last_block waits for all), so
+// the last block may store it back.
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine(EpLlParams p) {
+  begin_kernel();
+  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  ll_combine_send_rows<true>(p, e);
+  ll_combine_sum<true>(p, e);
+  if (!last_block(&p.state->combine_done)) return;
+  ll_combine_acknowledge(p, e);
+  if (threadIdx.x == 0) st_relaxed<Scope::kGpu>(&p.state->combine_epoch, e);
 }
 
 }  // namespace tdist::kernels::ep
