@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gpu/collective_reference.cuh"
 #include "gpu/harness.cuh"
 #include "tdist/ops/collectives.hpp"
 
@@ -22,86 +23,10 @@ using tdist::device::u64;
 
 namespace {
 
+using namespace tdist::test::collective_reference;
+
 constexpr size_t kMaxBytes = 64ull << 20;
 constexpr size_t kRegion = kMaxBytes + 4096;  // one buffer of a case, room for offsets
-
-// Input element `i` of `rank`: a multiple of 1/64 in [-1, 1], never zero, exact in bf16, f16 and f32,
-// so sums over up to 8 ranks are exact in fp32 and a reduction's only error is the final rounding.
-__host__ __device__ inline float input_value(u64 seed, int rank, u64 i) {
-  u64 x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed ^ (static_cast<u64>(rank + 1) * 0xD1B54A32D192ED03ull);
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  const int k = static_cast<int>(x % 129) - 64;
-  return static_cast<float>(k == 0 ? 1 : k) / 64.0f;
-}
-
-__device__ inline float load_f(const float* p, u64 i) { return p[i]; }
-__device__ inline float load_f(const __half* p, u64 i) { return __half2float(p[i]); }
-__device__ inline float load_f(const __nv_bfloat16* p, u64 i) { return __bfloat162float(p[i]); }
-template <typename T>
-__device__ inline T store_f(float v) {
-  if constexpr (std::is_same_v<T, float>)
-    return v;
-  else if constexpr (std::is_same_v<T, __half>)
-    return __float2half_rn(v);
-  else
-    return __float2bfloat16_rn(v);
-}
-
-enum class Op { kAllReduce, kAllGather, kReduceScatter };
-
-// p[i] = input_value(seed ^ f(*counter), rank, first + i); `counter` (may be null) gives graph
-// replays fresh inputs.
-template <typename T>
-__global__ void fill_kernel(T* p, u64 count, u64 seed, const u64* counter, int rank, u64 first) {
-  const u64 s = seed ^ (counter ? *counter * 0x2545F4914F6CDD1Dull : 0);
-  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<u64>(gridDim.x) * blockDim.x)
-    p[i] = store_f<T>(input_value(s, rank, first + i));
-}
-
-// Counts the elements of out[0, out_count) that differ from the op's result computed in double.
-template <typename T>
-__global__ void check_kernel(const T* out, u64 out_count, Op op, u64 c, int n, int me, u64 seed, const u64* counter,
-                             double tol, unsigned long long* bad, unsigned long long* first_bad) {
-  const u64 s = seed ^ (counter ? *counter * 0x2545F4914F6CDD1Dull : 0);
-  for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < out_count;
-       i += static_cast<u64>(gridDim.x) * blockDim.x) {
-    double expect = 0;
-    if (op == Op::kAllGather) {
-      expect = input_value(s, static_cast<int>(i / c), i % c);
-    } else {
-      const u64 j = op == Op::kAllReduce ? i : me * c + i;
-      for (int r = 0; r < n; ++r) expect += input_value(s, r, j);
-    }
-    const double got = load_f(out, i);
-    if (!(fabs(got - expect) <= tol * fabs(expect) + 1e-30)) {
-      atomicAdd(bad, 1ull);
-      atomicMin(first_bad, static_cast<unsigned long long>(i));
-    }
-  }
-}
-
-__global__ void bump_kernel(u64* counter) { ++*counter; }
-
-double tolerance(DType t) {
-  return t == DType::kFloat32 ? 1e-6 : t == DType::kFloat16 ? 1.0 / 1024 : 1.0 / 128;  // half an ulp, relative
-}
-
-template <typename F>
-void dispatch(DType t, F&& f) {
-  if (t == DType::kFloat32)
-    f(float{});
-  else if (t == DType::kFloat16)
-    f(__half{});
-  else
-    f(__nv_bfloat16{});
-}
-
-const char* op_name(Op op) {
-  return op == Op::kAllReduce ? "all_reduce" : op == Op::kAllGather ? "all_gather" : "reduce_scatter";
-}
 
 const char* env_of(Op op) {
   return op == Op::kAllReduce   ? kAllReduceMethodEnv
