@@ -34,6 +34,18 @@ def start(what: str):
     return torch, dist
 
 
+def pick(parser, text: str, allowed, what: str) -> list:
+    """The comma-separated names of an option, each one of `allowed`, at least one; otherwise a
+    parser error naming the option."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        parser.error(f"--{what} lists nothing (expected some of {', '.join(allowed)})")
+    for x in items:
+        if x not in allowed:
+            parser.error(f"unknown {what} '{x}' (expected {', '.join(allowed)})")
+    return items
+
+
 def finish(dist, tdist_initialised: bool = True) -> None:
     import tdist
 

@@ -74,17 +74,10 @@ def _parse(argv):
                         "rank's kernel table and GPU busy time to DIR")
     args = p.parse_args(argv)
 
-    def pick(text, allowed, what):
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        for x in items:
-            if x not in allowed:
-                p.error(f"unknown {what} '{x}' (expected {', '.join(allowed)})")
-        return items
-
-    args.models = pick(args.models, tuple(MODELS), "model")
-    args.layers = pick(args.layers, LAYERS, "layer")
-    args.passes = pick(args.passes, PASSES, "pass")
-    args.methods = pick(args.methods, METHODS, "method")
+    args.models = _bench_world.pick(p, args.models, tuple(MODELS), "models")
+    args.layers = _bench_world.pick(p, args.layers, LAYERS, "layers")
+    args.passes = _bench_world.pick(p, args.passes, PASSES, "passes")
+    args.methods = _bench_world.pick(p, args.methods, METHODS, "methods")
     try:
         args.tokens = [int(x) for x in args.tokens.split(",") if x.strip()]
     except ValueError:

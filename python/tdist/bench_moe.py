@@ -83,18 +83,9 @@ def _parse(argv):
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON (rank 0)")
     args = p.parse_args(argv)
 
-    def pick(text, allowed, what):
-        items = [x.strip() for x in text.split(",") if x.strip()]
-        if not items:
-            p.error(f"--{what} lists nothing (expected some of {', '.join(allowed)})")
-        for x in items:
-            if x not in allowed:
-                p.error(f"unknown {what} '{x}' (expected {', '.join(allowed)})")
-        return items
-
-    args.models = pick(args.models, tuple(MODELS), "models")
-    args.routing = pick(args.routing, ROUTINGS, "routing")
-    args.ops = pick(args.ops, tuple(OPS), "ops")
+    args.models = _bench_world.pick(p, args.models, tuple(MODELS), "models")
+    args.routing = _bench_world.pick(p, args.routing, ROUTINGS, "routing")
+    args.ops = _bench_world.pick(p, args.ops, tuple(OPS), "ops")
     try:
         args.m = [int(x) for x in args.m.split(",") if x.strip()]
     except ValueError:
