@@ -314,15 +314,6 @@ void Collectives::barrier(cudaStream_t stream) {
 
 namespace {
 
-bool stream_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-    (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures: treat as capturing
-    return true;
-  }
-  return status != cudaStreamCaptureStatusNone;
-}
-
 // Per method enum: its environment variable, its candidates and its resolution without timing.
 template <typename M>
 struct MethodOf;
@@ -477,7 +468,7 @@ struct ScratchRegion {
 // The ranks first agree on the class and on having scratch (one max-reduction), so that all time
 // the same candidates in the same order or none do.
 int Collectives::tune_class(const Call& call, const CollectiveClass& cls, cudaStream_t stream) {
-  if (stream_capturing(stream)) return -1;  // not remembered: timed at the class's first call outside capture
+  if (stream_is_capturing(stream)) return -1;  // not remembered: timed at the class's first call outside capture
   detail::CollectiveTuner& t = *tuner_;
   const uint64_t key = class_key(cls);
   const char* in = static_cast<const char*>(call.in);

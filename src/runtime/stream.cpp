@@ -78,6 +78,15 @@ void stream_wait_value64(cudaStream_t stream, const device::u64* address, device
   TDIST_CU_CHECK(ops().wait64(stream, as_device_ptr(address), value, wait_flags(cmp)));
 }
 
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+}
+
 void put_async(const SymmetricHeap& heap, void* dst, const void* src, size_t bytes, int peer, cudaStream_t stream) {
   TDIST_CHECK_ARG(heap.contains(dst) && heap.contains(static_cast<char*>(dst) + bytes - (bytes > 0)), "dst",
                   "expected a range inside the symmetric heap, got ", dst, " + ", bytes, " bytes");

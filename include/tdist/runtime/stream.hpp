@@ -26,6 +26,11 @@ void stream_wait_value32(cudaStream_t stream, const device::u32* address, device
 void stream_wait_value64(cudaStream_t stream, const device::u64* address, device::u64 value,
                          StreamWaitCmp cmp = StreamWaitCmp::kGe);
 
+// Whether `stream` is capturing a CUDA graph. A query the driver refuses (the legacy stream while
+// another stream captures in global mode) counts as capturing: nothing that must not run under a
+// capture runs then either.
+bool stream_is_capturing(cudaStream_t stream);
+
 // Copy engine: `bytes` from local `src` to `peer`'s copy of the symmetric buffer `dst`.
 void put_async(const SymmetricHeap& heap, void* dst, const void* src, size_t bytes, int peer, cudaStream_t stream);
 // Copy engine: `bytes` from `peer`'s copy of the symmetric buffer `src` to local `dst`.

@@ -6,6 +6,7 @@
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/runtime/stream.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"  // RowChunks
 #include "tdist/ops/detail/overlap_registry.hpp"
 #include "tdist/ops/overlap_ops.hpp"
@@ -139,15 +140,6 @@ std::string describe(const OverlapOpTraits& op, const OverlapContextConfig& c) {
   return s + ", " + to_string(c.dtype);
 }
 
-bool capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-    (void)cudaGetLastError();  // e.g. the legacy stream while another stream captures: treat as capturing
-    return true;
-  }
-  return status != cudaStreamCaptureStatusNone;
-}
-
 }  // namespace
 
 OverlapContextCache::OverlapContextCache(World& world, SymmetricHeap& heap) : world_(world), heap_(heap) {
@@ -183,7 +175,7 @@ OverlapContext& OverlapContextCache::get(const OverlapOpTraits& op, DType dtype,
   const size_t bytes = op.heap_bytes(c, w, num_sms_);
   const std::string want = describe(op, c);
   const std::string have = slot ? detail::concat("; the current one has ", describe(op, old)) : std::string();
-  TDIST_CHECK(!capturing(stream), "tdist.", op.name, ": this call needs a new context (", want, have,
+  TDIST_CHECK(!stream_is_capturing(stream), "tdist.", op.name, ": this call needs a new context (", want, have,
               ") but the stream is capturing a CUDA graph, and creating a context allocates symmetric memory, "
               "compiles kernels and synchronises every rank. Call the op once with the largest shapes before the "
               "capture (a warm-up, on every rank)");
