@@ -108,16 +108,20 @@ OverlapMethod resolve_moe_method(OverlapMethod requested, int64_t m, int world_s
   return requested;
 }
 
-// What `auto` times (OverlapRuntime::tune_methods): chunked only where there are peers to overlap.
-std::vector<OverlapMethod> moe_candidates(int world_size) {
-  if (world_size < 2) return {OverlapMethod::kBaseline};
-  return {OverlapMethod::kChunked, OverlapMethod::kBaseline};
-}
-
-// The sizes that set a MoE call's speed; the routing's skew is left out (it varies call to call).
-std::string moe_shape_class(const char* op, int64_t m, int64_t n, int64_t k, const MoeConfig& c, int world_size) {
-  return detail::concat(op, ",m<=", overlap_m_bucket(m), ",n=", n, ",k=", k, ",experts=", c.experts,
-                        ",topk=", c.topk, ",", to_string(c.dtype), ",ranks=", world_size);
+// The method a call runs: `resolved` (the requested method, checked), or under auto the winner that
+// OverlapRuntime::tune_methods timed for the call's shape class, chunked only where there are peers
+// to overlap. The class holds the sizes that set a MoE call's speed; the routing's skew is left out
+// (it varies call to call).
+OverlapMethod moe_call_method(OverlapRuntime& rt, const char* op, OverlapMethod requested, OverlapMethod resolved,
+                              int64_t m, int64_t n, int64_t k, const MoeConfig& c, cudaStream_t stream,
+                              const OverlapRuntime::MethodRunner& execute) {
+  if (requested != OverlapMethod::kAuto || m == 0 || n == 0) return resolved;
+  const int world = rt.size();
+  std::vector<OverlapMethod> candidates{OverlapMethod::kBaseline};
+  if (world >= 2) candidates.insert(candidates.begin(), OverlapMethod::kChunked);
+  const std::string shape = detail::concat(op, ",m<=", overlap_m_bucket(m), ",n=", n, ",k=", k, ",experts=", c.experts,
+                                           ",topk=", c.topk, ",", to_string(c.dtype), ",ranks=", world);
+  return rt.tune_methods(shape, candidates, resolved, stream, execute);
 }
 
 }  // namespace
@@ -197,12 +201,9 @@ struct MoeAgGroupGemm::Impl {
   }
 
   void run(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
-    OverlapMethod method = this->method(a, requested);
-    if (requested == OverlapMethod::kAuto && a.m > 0 && a.n > 0)
-      method = rt.tune_methods(moe_shape_class("moe_ag_group_gemm", a.m, a.n, config.k, config, rt.size()),
-                               moe_candidates(rt.size()), method, stream,
-                               [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
-    execute(a, stream, method);
+    execute(a, stream,
+            moe_call_method(rt, "moe_ag_group_gemm", requested, method(a, requested), a.m, a.n, config.k, config,
+                            stream, [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); }));
   }
 
   void execute(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod method) {
@@ -363,12 +364,9 @@ struct MoeGroupGemmRs::Impl {
   size_t elem() const { return dtype_size(config.dtype); }
 
   void run(const MoeGroupGemmRsArgs& a, cudaStream_t stream, OverlapMethod requested) {
-    OverlapMethod method = this->method(a, requested);
-    if (requested == OverlapMethod::kAuto && a.m > 0 && a.n > 0)
-      method = rt.tune_methods(moe_shape_class("moe_group_gemm_rs", a.m, a.n, a.k, config, rt.size()),
-                               moe_candidates(rt.size()), method, stream,
-                               [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); });
-    execute(a, stream, method);
+    execute(a, stream,
+            moe_call_method(rt, "moe_group_gemm_rs", requested, method(a, requested), a.m, a.n, a.k, config, stream,
+                            [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); }));
   }
 
   void execute(const MoeGroupGemmRsArgs& a, cudaStream_t stream, OverlapMethod method) {
