@@ -134,6 +134,20 @@ void agree(Env& env, unsigned long long bad, unsigned long long first, const std
                  r == env.me() ? detail::concat(", first at ", first) : "");
 }
 
+// After a test graph's last replay on `s`: checks the mismatch counters on every rank and returns the
+// rounds the graph's `counter` saw; the graph and the counter are freed.
+u64 finish_graph(Env& env, cudaStream_t s, cudaGraphExec_t exec, u64* counter, const std::string& what) {
+  unsigned long long host[2];
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
+  u64 done = 0;
+  TDIST_CUDA_CHECK(cudaMemcpy(&done, counter, sizeof(done), cudaMemcpyDeviceToHost));
+  TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  TDIST_CUDA_CHECK(cudaFree(counter));
+  agree(env, host[0], host[1], what);
+  return done;
+}
+
 void reset_counters(Env& env, unsigned long long* counters, size_t pairs) {
   std::vector<unsigned long long> init(2 * pairs);
   for (size_t i = 0; i < pairs; ++i) init[2 * i] = 0, init[2 * i + 1] = ~0ull;
@@ -269,15 +283,8 @@ void run_capture_of_new_class(Env& env, tdist::test::Suite& suite, bool symmetri
         for (int r = 0; r < kEager; ++r) round();  // the first times the class
         const size_t after_eager = env.coll.tuned_classes();
         for (int r = 0; r < kReplays; ++r) TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
-        unsigned long long host[2];
-        TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
-        TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
-        u64 done = 0;
-        TDIST_CUDA_CHECK(cudaMemcpy(&done, counter, sizeof(done), cudaMemcpyDeviceToHost));
-        TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
-        TDIST_CUDA_CHECK(cudaFree(counter));
+        const u64 done = finish_graph(env, s, exec, counter, describe(k));
         TDIST_CHECK(done == 2 * kReplays + kEager, "ran ", done, " rounds");
-        agree(env, host[0], host[1], describe(k));
         if (expect_timing(env, Op::kAllReduce))
           TDIST_CHECK(after_eager == before + 1, "the first eager call timed ", after_eager - before,
                       " classes, expected 1");
@@ -340,15 +347,8 @@ void run_tune_before_capture(Env& env, tdist::test::Suite& suite, Op op) {
     tdist::test::sync_all(env.world, "tune before capture");
     constexpr int kReplays = 40;
     for (int r = 0; r < kReplays; ++r) TDIST_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    unsigned long long host[2];
-    TDIST_CUDA_CHECK(cudaMemcpyAsync(host, env.counters, sizeof(host), cudaMemcpyDeviceToHost, s));
-    TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
-    u64 done = 0;
-    TDIST_CUDA_CHECK(cudaMemcpy(&done, counter, sizeof(done), cudaMemcpyDeviceToHost));
-    TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    TDIST_CUDA_CHECK(cudaFree(counter));
+    const u64 done = finish_graph(env, s, exec, counter, describe(k));
     TDIST_CHECK(done == kReplays, "ran ", done, " rounds");
-    agree(env, host[0], host[1], describe(k));
   });
 }
 
