@@ -8,39 +8,19 @@
 #include <cmath>
 
 #include "tdist/common/dtype.hpp"
+#include "gpu/test_values.cuh"
 #include "tdist/device.cuh"
 
 namespace tdist::test::collective_reference {
 
 using tdist::device::u64;
 
-// Input element `i` of `rank`: a multiple of 1/64 in [-1, 1], exact in bf16, f16 and f32, so sums of
-// up to 8 ranks are exact in fp32 and the only error of a reduction is the final rounding.
+// Input element `i` of `rank`: test::input_value with its zero moved to 1/64 (a zero output is then a
+// real error), a multiple of 1/64 in [-1, 1], exact in bf16, f16 and f32, so sums of up to 8 ranks
+// are exact in fp32 and the only error of a reduction is the final rounding.
 __host__ __device__ inline float input_value(u64 seed, int rank, u64 i) {
-  u64 x = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed ^ (static_cast<u64>(rank + 1) * 0xD1B54A32D192ED03ull);
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  const int k = static_cast<int>(x % 129) - 64;
-  return static_cast<float>(k == 0 ? 1 : k) / 64.0f;  // never zero: a zero output is a real error
-}
-
-__device__ inline float load_f(const float* p, u64 i) { return p[i]; }
-__device__ inline float load_f(const __half* p, u64 i) { return __half2float(p[i]); }
-__device__ inline float load_f(const __nv_bfloat16* p, u64 i) { return __bfloat162float(p[i]); }
-template <typename T>
-__device__ inline T store_f(float v);
-template <>
-__device__ inline float store_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ inline __half store_f<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ inline __nv_bfloat16 store_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
+  const float v = test::input_value(seed, rank, i);
+  return v != 0.0f ? v : 1.0f / 64.0f;
 }
 
 enum class Op { kAllReduce, kAllGather, kReduceScatter };
@@ -52,7 +32,7 @@ __global__ void fill_kernel(T* p, u64 count, u64 seed, const u64* counter, int r
   const u64 s = seed ^ (counter ? *counter * 0x2545F4914F6CDD1Dull : 0);
   for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<u64>(gridDim.x) * blockDim.x)
-    p[i] = store_f<T>(input_value(s, rank, first + i));
+    p[i] = to_t<T>(input_value(s, rank, first + i));
 }
 
 // Compares out[0, out_count) with the op's expected result in double, times `scale`; counts the
@@ -71,7 +51,7 @@ __global__ void check_kernel(const T* out, u64 out_count, Op op, u64 c, int n, i
       for (int r = 0; r < n; ++r) expect += input_value(s, r, j);
     }
     expect *= scale;
-    const double got = load_f(out, i);
+    const double got = to_f(out[i]);
     if (!(fabs(got - expect) <= tol * fabs(expect) + 1e-30)) {
       atomicAdd(bad, 1ull);
       atomicMin(first_bad, static_cast<unsigned long long>(i));

@@ -52,19 +52,8 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Inputs: element i of `rank`'s shard is test::input_value(seed, rank, i).
 using test::input_value;
-
-__device__ inline float load_f(const __half* p, u64 i) { return __half2float(p[i]); }
-__device__ inline float load_f(const __nv_bfloat16* p, u64 i) { return __bfloat162float(p[i]); }
-template <typename T>
-__device__ inline T store_f(float v);
-template <>
-__device__ inline __half store_f<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ inline __nv_bfloat16 store_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
+using test::to_f;
+using test::to_t;
 
 #define GRID_STRIDE(i, count)                                                        \
   for (u64 i = blockIdx.x * static_cast<u64>(blockDim.x) + threadIdx.x; i < (count); \
@@ -73,7 +62,7 @@ __device__ inline __nv_bfloat16 store_f<__nv_bfloat16>(float v) {
 // One rank's shard: p[i] = input_value(seed, rank, i).
 template <typename T>
 __global__ void fill_shard(T* p, u64 count, u64 seed, int rank) {
-  GRID_STRIDE(i, count) p[i] = store_f<T>(input_value(seed, rank, i));
+  GRID_STRIDE(i, count) p[i] = to_t<T>(input_value(seed, rank, i));
 }
 
 // The gathered M x K matrix: row i is row i - begin(r) of the shard of the rank r that owns it.
@@ -83,7 +72,7 @@ __global__ void fill_gathered(T* p, u64 m, u64 k, int world, u64 seed) {
   GRID_STRIDE(idx, m * k) {
     const u64 i = idx / k;
     const int r = split.chunk_of(i);
-    p[idx] = store_f<T>(input_value(seed, r, idx - split.begin(r) * k));
+    p[idx] = to_t<T>(input_value(seed, r, idx - split.begin(r) * k));
   }
 }
 
@@ -94,7 +83,7 @@ __global__ void fill_concat(T* p, u64 rows, u64 k, int world, u64 seed) {
   GRID_STRIDE(idx, rows * width) {
     const u64 i = idx / width, c = idx % width;
     const int r = static_cast<int>(c / k);
-    p[idx] = store_f<T>(input_value(seed, r, i * k + c % k));
+    p[idx] = to_t<T>(input_value(seed, r, i * k + c % k));
   }
 }
 
@@ -124,8 +113,8 @@ __global__ void __launch_bounds__(256) reference_gemm(const T* a, const T* b, do
     for (int e = threadIdx.x; e < 1024; e += 256) {
       const int r = e / 16, kk = e % 16;
       const bool kin = k0 + kk < k;
-      sa[kk][r] = row0 + r < m && kin ? load_f(a, (row0 + r) * k + k0 + kk) : 0.0f;
-      sb[kk][r] = col0 + r < n && kin ? load_f(b, (col0 + r) * k + k0 + kk) : 0.0f;
+      sa[kk][r] = row0 + r < m && kin ? to_f(a[(row0 + r) * k + k0 + kk]) : 0.0f;
+      sb[kk][r] = col0 + r < n && kin ? to_f(b[(col0 + r) * k + k0 + kk]) : 0.0f;
     }
     __syncthreads();
 #pragma unroll
@@ -162,7 +151,7 @@ __global__ void compare(const T* d, const double* ref, u64 count, double tol, Ch
   unsigned long long bad = 0, first = ~0ull;
   double worst = 0;
   GRID_STRIDE(i, count) {
-    const double err = fabs(static_cast<double>(load_f(d, i)) - ref[i]);
+    const double err = fabs(static_cast<double>(to_f(d[i])) - ref[i]);
     if (!(err <= limit)) {
       ++bad;
       first = first < i ? first : i;

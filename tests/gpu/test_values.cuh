@@ -1,5 +1,5 @@
-// Inputs of the GEMM-based GPU tests that any rank can recompute for any other rank, and the host
-// conversions between float and the 16-bit element types.
+// Inputs of the GEMM-based GPU tests that any rank can recompute for any other rank, and the
+// conversions between float and the element types (host and device).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,16 +20,21 @@ __host__ __device__ inline float input_value(uint64_t seed, int rank, uint64_t i
 }
 
 template <typename T>
-T to_t(float v);
+__host__ __device__ T to_t(float v);
 template <>
-inline __half to_t<__half>(float v) {
+__host__ __device__ inline float to_t<float>(float v) {
+  return v;
+}
+template <>
+__host__ __device__ inline __half to_t<__half>(float v) {
   return __float2half_rn(v);
 }
 template <>
-inline __nv_bfloat16 to_t<__nv_bfloat16>(float v) {
+__host__ __device__ inline __nv_bfloat16 to_t<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
-inline float to_f(__half v) { return __half2float(v); }
-inline float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__host__ __device__ inline float to_f(float v) { return v; }
+__host__ __device__ inline float to_f(__half v) { return __half2float(v); }
+__host__ __device__ inline float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 }  // namespace tdist::test
