@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 
+#include "runtime_access.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/ops/flash_decode.hpp"
 
@@ -17,21 +18,6 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace {
-
-// Makes `device` current for a scope and gives the caller's back (torch keeps its own current device).
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    TDIST_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) TDIST_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // One op per device (its split workspace and error record), made on the first call there.
 tdist::FlashDecode& decode_for_current_device() {
@@ -82,7 +68,7 @@ void flash_decode(uint64_t q, uint64_t k_cache, uint64_t v_cache, uint64_t block
                 num_pages, page_size, max_pages, softmax_scale, softcap, max_seq_len);
   tdist::check_flash_decode_args(a);  // before touching the device: a bad call fails the same way anywhere
   nb::gil_scoped_release release;
-  DeviceScope scope(device);
+  tdist_python::ScopedDevice scope(device);
   decode_for_current_device().run(a, reinterpret_cast<cudaStream_t>(stream));
 }
 
@@ -108,7 +94,7 @@ class DistributedDecode {
     view.lsa_size = world_size;
     view.size = bytes;
     for (int r = 0; r < world_size; ++r) view.lsa_bases[r] = reinterpret_cast<char*>(bases[r]);
-    DeviceScope scope(device_);
+    tdist_python::ScopedDevice scope(device_);
     op_ = std::make_unique<tdist::DistributedFlashDecode>(view, view.lsa_bases[rank], config);
   }
 
@@ -121,19 +107,19 @@ class DistributedDecode {
                   num_pages, page_size, max_pages, softmax_scale, softcap, max_seq_len);
     tdist::check_flash_decode_args(a);
     nb::gil_scoped_release release;
-    DeviceScope scope(device_);
+    tdist_python::ScopedDevice scope(device_);
     op_->run(a, reinterpret_cast<cudaStream_t>(stream));
   }
 
   void check_errors() {
     nb::gil_scoped_release release;
-    DeviceScope scope(device_);
+    tdist_python::ScopedDevice scope(device_);
     op_->check_errors();
   }
 
   void close() {
     nb::gil_scoped_release release;
-    DeviceScope scope(device_);
+    tdist_python::ScopedDevice scope(device_);
     op_.reset();  // waits for the device: peers' lines may still land in the buffer
   }
 
@@ -153,7 +139,7 @@ void bind_flash_decode(nb::module_& m) {
       "flash_decode_check_errors",
       [](int device) {
         nb::gil_scoped_release release;
-        DeviceScope scope(device);
+        tdist_python::ScopedDevice scope(device);
         decode_for_current_device().check_errors();
       },
       "device"_a,
