@@ -41,6 +41,7 @@ from torch import Tensor
 
 from ._overlap import chunk_begin, chunk_rows
 from ._runtime import runtime
+from ._torch_ops import call_overlap, eager  # defined before _torch_ops imports this module
 
 _ops = torch.ops.tdist
 
@@ -442,9 +443,12 @@ def linear_rows_gathered(x: Tensor, w: Tensor, m: Optional[int], method: str, fu
                          rank: int, world: int) -> Tensor:
     """Column-parallel, sequence-parallel input: gather(x) @ w.T."""
     if fused:
+        x = dense(x)
+        if eager(x, w):  # inference: no gradient, so nothing to save
+            return call_overlap("ag_gemm", (x, w), m, method)[0]
         if save_gathered and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-            return _ops.ag_gemm_gathered.default(dense(x), w, m, method)[0]
-        return _ops.ag_gemm.default(dense(x), w, m, method)
+            return _ops.ag_gemm_gathered.default(x, w, m, method)[0]
+        return _ops.ag_gemm.default(x, w, m, method)
     total = x.shape[0] * world if m is None else m
     return torch.mm(GatherRows.apply(x, total, rank, world), w.t())
 
@@ -452,14 +456,16 @@ def linear_rows_gathered(x: Tensor, w: Tensor, m: Optional[int], method: str, fu
 def linear_rows_scattered(x: Tensor, w: Tensor, method: str, fused: bool, rank: int, world: int) -> Tensor:
     """Row-parallel, sequence-parallel output: this rank's rows of sum_r x_r @ w_r.T."""
     if fused:
-        return _ops.gemm_rs.default(dense(x), w, method)
+        x = dense(x)
+        return call_overlap("gemm_rs", (x, w), None, method)[0] if eager(x, w) else _ops.gemm_rs.default(x, w, method)
     return ScatterRows.apply(torch.mm(x, w.t()), rank, world)
 
 
 def linear_reduced(x: Tensor, w: Tensor, method: str, fused: bool) -> Tensor:
     """Row-parallel, replicated output: sum_r x_r @ w_r.T on every rank."""
     if fused:
-        return _ops.gemm_ar.default(dense(x), w, method)
+        x = dense(x)
+        return call_overlap("gemm_ar", (x, w), None, method)[0] if eager(x, w) else _ops.gemm_ar.default(x, w, method)
     return ReduceReplicated.apply(torch.mm(x, w.t()))
 
 

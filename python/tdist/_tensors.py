@@ -44,8 +44,15 @@ def is_torch_tensor(x) -> bool:
     return _torch is not None and isinstance(x, _torch.Tensor)
 
 
+_dtype_names: dict = {}
+
+
 def torch_dtype_name(dtype) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
+    """"bfloat16" for torch.bfloat16 (memoised: str() of a dtype costs a microsecond a call)."""
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).rsplit(".", 1)[-1]
+    return name
 
 
 def tensor_shape(t) -> tuple:
@@ -114,8 +121,20 @@ def current_stream(device: int | None = None) -> int:
     if _torch is None:
         return 0
     if device is None or device < 0:
-        return _torch.cuda.current_stream().cuda_stream
-    return _torch.cuda.current_stream(device).cuda_stream
+        device = _torch.cuda.current_device()
+    return raw_stream(device)
+
+
+# torch._C._cuda_getCurrentRawStream (what torch.compile's generated code calls) returns the handle
+# without building a torch.cuda.Stream object: a fraction of a microsecond against 6 us on an H200 host.
+_get_raw_stream = getattr(getattr(_torch, "_C", None), "_cuda_getCurrentRawStream", None)
+
+
+def raw_stream(device: int) -> int:
+    """torch's current CUDA stream on device index `device`, as an int cudaStream_t."""
+    if _get_raw_stream is None:
+        return _torch.cuda.current_stream(device).cuda_stream
+    return _get_raw_stream(device)
 
 
 def stream_handle(stream) -> int:

@@ -54,12 +54,15 @@ def _gather_or_scatter(op: str, input, output, method):
     method = _check_method(method)
     if is_torch_tensor(input) and (output is None or is_torch_tensor(output)):
         if op == "all_gather":
-            functional, out_variant = _all_gather, _all_gather_out
+            functional, new, out_variant = _all_gather, _tops.all_gather_new, _all_gather_out
         else:
-            functional, out_variant = _reduce_scatter, _reduce_scatter_out
+            functional, new, out_variant = _reduce_scatter, _tops.reduce_scatter_new, _reduce_scatter_out
         if output is None:
-            return functional(input, method)
-        out_variant(input, output, method)
+            return new(input, method) if _tops.eager(input) else functional(input, method)
+        if _tops.eager(input, output):
+            _tops.run_collective(op, input, output, method)
+        else:
+            out_variant(input, output, method)
         return output
     if output is None:
         raise Error(f"tdist.{op}: 'output' is required for arrays that are not torch tensors")
@@ -89,11 +92,14 @@ def all_reduce(tensor, output=None, method: str = "auto"):
     """
     method = _check_method(method)
     if is_torch_tensor(tensor) and (output is None or is_torch_tensor(output)):
-        if output is None:
+        target = tensor if output is None else output
+        if _tops.eager(tensor, target):
+            _tops.run_collective("all_reduce", tensor, target, method)
+        elif output is None:
             _all_reduce_inplace(tensor, method)
-            return tensor
-        _all_reduce_out(tensor, output, method)
-        return output
+        else:
+            _all_reduce_out(tensor, output, method)
+        return target
     _direct("all_reduce", tensor, tensor if output is None else output, method)
     return tensor if output is None else output
 
@@ -217,6 +223,9 @@ def ag_gemm(a_local, b, *, m=None, method: str = "auto", return_gathered: bool =
     _overlap.check_m("ag_gemm", m)
     if not isinstance(return_gathered, bool):
         raise Error(f"tdist.ag_gemm: return_gathered must be a bool, got {type(return_gathered).__name__}")
+    if _tops.eager(a_local, b):
+        out = _tops.call_overlap("ag_gemm", (a_local, b), m, method, ("gathered",) if return_gathered else ())
+        return tuple(out) if return_gathered else out[0]
     if return_gathered:
         return _ag_gemm_gathered(a_local, b, m, method)
     return _ag_gemm(a_local, b, m, method)
@@ -242,6 +251,8 @@ def gemm_rs(a, b, *, method: str = "auto"):
     """
     method = _overlap.check_method("gemm_rs", method)
     _gemm_operands("gemm_rs", a=a, b=b)
+    if _tops.eager(a, b):
+        return _tops.call_overlap("gemm_rs", (a, b), None, method)[0]
     return _gemm_rs(a, b, method)
 
 
@@ -262,6 +273,8 @@ def gemm_ar(a, b, *, method: str = "auto"):
     """
     method = _overlap.check_method("gemm_ar", method)
     _gemm_operands("gemm_ar", a=a, b=b)
+    if _tops.eager(a, b):
+        return _tops.call_overlap("gemm_ar", (a, b), None, method)[0]
     return _gemm_ar(a, b, method)
 
 
@@ -296,6 +309,9 @@ def overlap(op: str, *inputs, m=None, method: str = "auto", optional_outputs=())
             raise Error(f"tdist.{op}: has no optional output {name!r} (it has: {', '.join(known) or 'none'})")
     if len(optional) > 1:
         raise Error(f"tdist.{op}: returns at most one optional output per call, got {optional}")
+    if _tops.eager(*inputs):
+        out = _tops.call_overlap(op, inputs, m, method, optional)
+        return out[0] if len(out) == 1 else tuple(out)
     torch_op = _tops.catalogue_ops[f"{op}_{optional[0]}" if optional else op]
     return torch_op(*inputs, m, method) if traits.takes_m else torch_op(*inputs, method)
 

@@ -651,11 +651,52 @@ def test_gemm_argument_errors():
     assert tdist.gemm_ar(x[:0], w).shape == (0, 24)
 
 
+def test_eager_path_skips_only_what_it_may():
+    """Plain eager calls skip the dispatcher (python/tdist/_torch_ops.py, "the eager path") and the
+    Python checks of a signature seen before; what depends on the tensors themselves is still
+    checked on every call, and every other context goes through torch.ops.tdist.*."""
+    bf = torch.bfloat16
+    m, n, k = 8 * world(), 24, 64
+    x, w = gemm_inputs("gemm_ar", m, n, k, bf, 4242)
+    assert _torch_ops.eager(x, w)
+    eager = tdist.gemm_ar(x, w, method="baseline")  # the signature is now known
+    dispatched = torch.ops.tdist.gemm_ar.default(x, w, "baseline")
+    assert torch.equal(eager, dispatched), "the eager path and the registered op disagree"
+    check_gemm("gemm_ar", eager, x, w, m, bf, "gemm_ar eager path")
+    # the same shapes, dtypes and devices, so the Python checks are skipped: the C++ checks still refuse
+    strided = torch.zeros(k, m, device="cuda", dtype=bf).t()
+    expect_error(lambda: tdist.gemm_ar(strided, w, method="baseline"), "'a' must be contiguous")
+    unaligned = torch.zeros(m * k + 4, device="cuda", dtype=bf)[4:].view(m, k)
+    expect_error(lambda: tdist.gemm_ar(unaligned, w, method="baseline"), "16-byte aligned")
+    expect_error(lambda: tdist.gemm_ar(x, w.half(), method="baseline"), "'b' has dtype float16 but 'a' has bfloat16")
+    # contexts that must see the registered op
+    wg = w.clone().requires_grad_(True)
+    assert not _torch_ops.eager(x, wg), "an input needing a gradient must go through autograd"
+    with torch.no_grad():
+        assert _torch_ops.eager(x, wg)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fx, fw = mode.from_tensor(x), mode.from_tensor(w)
+        assert not _torch_ops.eager(fx, fw)
+        assert tdist.gemm_ar(fx, fw).shape == (m, n)  # the fake implementation
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert not _torch_ops.eager(x, w)
+        tdist.gemm_ar(x, w, method="baseline")
+        torch.cuda.synchronize()
+    assert any("tdist::gemm_ar" in e.key for e in prof.key_averages()), "the profiler must see the op"
+    # collectives take the same path
+    t = rand(1001, bf, 77)
+    want = gathered_fp64(t).sum(0)
+    got = tdist.all_reduce(t.clone())
+    check_close(got, want, bf, "all_reduce eager path")
+
+
 TESTS = [test_all_reduce_eager, test_all_gather_eager, test_reduce_scatter_eager, test_barrier_orders_streams,
          test_other_stream, test_torch_compile_fullgraph, test_cuda_graph_capture, test_empty_and_peer,
          test_jit_launch_on_tensors, test_argument_errors_on_gpu, test_gemm_eager, test_gemm_contexts_grow,
          test_gemm_torch_compile, test_gemm_cuda_graph, test_gemm_capture_without_warmup_is_refused,
-         test_gemm_argument_errors, test_catalogue_op_swiglu, test_finalize_and_reinit_as_context_manager]
+         test_gemm_argument_errors, test_catalogue_op_swiglu, test_eager_path_skips_only_what_it_may,
+         test_finalize_and_reinit_as_context_manager]
 
 
 # pytest: one init for the module
