@@ -80,6 +80,9 @@ void check_flash_decode_args(const FlashDecodeArgs& a) {
                   capacity, " (the capacity), got ", a.max_seq_len);
 }
 
+static_assert(FlashDecodeSplitModel::kTokensPerStep == attn::kDecodeWarps * attn::kDecodeTile,
+              "the split model's step is the split kernel's (its warps x their tiles)");
+
 int flash_decode_heads_per_cta(int64_t group) {
   for (int g = attn::kMaxHeadsPerCta; g > 1; --g) {
     if (group % g == 0) return g;
@@ -104,7 +107,14 @@ FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t k
   const int64_t wave = static_cast<int64_t>(num_sms) * ctas_per_sm;
   const int64_t want = wave / ctas;  // rounded down: a CTA past the wave would run alone in a second one
   const int64_t by_length = std::max<int64_t>(1, (max_seq_len + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit);
-  plan.num_splits = static_cast<int>(std::clamp<int64_t>(std::min(want, by_length), 1, M::kMaxSplits));
+  int64_t splits = std::clamp<int64_t>(std::min(want, by_length), 1, M::kMaxSplits);
+  // The kernel cuts a sequence into pieces of whole steps: fewer splits may cover max_seq_len (e.g.
+  // 32K tokens in 33 splits are 32 pieces of 1024), and a split left empty would still be a CTA and
+  // a partial to merge.
+  const int64_t per = ((std::max<int64_t>(max_seq_len, 1) + splits - 1) / splits + M::kTokensPerStep - 1) /
+                      M::kTokensPerStep * M::kTokensPerStep;
+  splits = std::max<int64_t>(1, (max_seq_len + per - 1) / per);
+  plan.num_splits = static_cast<int>(splits);
   return plan;
 }
 

@@ -105,7 +105,15 @@ TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 131072, 78).num_splits, 78 * M::kCtasPerSm / 8);
   // Short sequences: no split below kMinTokensPerSplit tokens.
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 1000, 132).num_splits, (1000 + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit);
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 1000, 132).num_splits, 8);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 1000, 132).num_splits, 4);
+  // Pieces are whole steps of the kernel: 32K tokens in one wave of 33 splits would be 32 pieces of
+  // 1024 tokens and an empty 33rd; it is not launched.
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 32768, 132).num_splits, 32);
+  for (int64_t len : {1, 63, 64, 65, 255, 256, 257, 1000, 4096, 32768, 131071, 131072, 1 << 20}) {
+    const int64_t splits = plan_flash_decode(1, 32, 8, len, 132).num_splits;
+    const int64_t per = ((len + splits - 1) / splits + M::kTokensPerStep - 1) / M::kTokensPerStep * M::kTokensPerStep;
+    EXPECT_GT(len, (splits - 1) * per) << "len " << len << ": split " << splits - 1 << " would be empty";
+  }
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 1, 132).num_splits, 1);
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 0, 132).num_splits, 1);
   // A big batch fills the GPU by itself.
