@@ -31,7 +31,7 @@ import math
 from typing import Optional
 
 from . import _C
-from ._tensors import Error, torch_dtype_name, torch_module
+from ._tensors import Error, raw_stream, torch_dtype_name, torch_module
 
 _DTYPES = {"bfloat16": "bf16", "float16": "f16"}
 
@@ -146,7 +146,7 @@ def _run(q, k_cache, v_cache, seq_lens, block_table, softmax_scale, softcap, max
             seq_lens.data_ptr(), out.data_ptr(), lse.data_ptr(), s["dtype"], s["batch"], s["q_heads"], s["kv_heads"],
             s["head_dim"], s["num_pages"], s["page_size"], s["max_pages"], float(scale), float(softcap),
             int(max_seq_len))
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    stream = raw_stream(device)
     if distributed:
         _exchange(device, s["batch"], s["q_heads"], s["head_dim"]).op.run(*args, stream)
     else:
@@ -194,9 +194,13 @@ def flash_decode(q, k_cache, v_cache, seq_lens, block_table=None, *, softmax_sca
     torch = torch_module()
     if torch is None:
         raise Error("tdist.flash_decode needs PyTorch, which is not installed")
+    scale = 0.0 if softmax_scale is None else float(softmax_scale)
+    from ._torch_ops import eager  # the eager path: python/tdist/_torch_ops.py
+
+    if eager(*(t for t in (q, k_cache, v_cache, seq_lens, block_table) if t is not None)):
+        return _run(q, k_cache, v_cache, seq_lens, block_table, scale, float(softcap), int(max_seq_len), distributed)
     op = torch.ops.tdist.flash_decode_distributed if distributed else torch.ops.tdist.flash_decode
-    return op(q, k_cache, v_cache, seq_lens, block_table, 0.0 if softmax_scale is None else float(softmax_scale),
-              float(softcap), int(max_seq_len))
+    return op(q, k_cache, v_cache, seq_lens, block_table, scale, float(softcap), int(max_seq_len))
 
 
 def check_errors(device=None) -> None:
