@@ -89,6 +89,28 @@ def check_args(q, k_cache, v_cache, seq_lens, block_table=None) -> dict:
                 page_size=page_size, max_pages=max_pages, dtype=_DTYPES[name])
 
 
+_ARG_NAMES = ("q", "k_cache", "v_cache", "seq_lens", "block_table")
+_checked: dict = {}  # check_args' sizes by the tensors' (shape, dtype, device); bounded
+
+
+def _sizes(q, k_cache, v_cache, seq_lens, block_table) -> dict:
+    """check_args of a call, its shape checks remembered per (shape, dtype, device) of the tensors:
+    only contiguity, which those do not fix, is checked again on every call."""
+    tensors = (q, k_cache, v_cache, seq_lens, block_table)
+    key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
+    sizes = _checked.get(key)
+    if sizes is None:
+        sizes = check_args(*tensors)
+        if len(_checked) >= 1024:
+            _checked.clear()
+        _checked[key] = sizes
+        return sizes
+    for arg, t in zip(_ARG_NAMES, tensors):
+        if t is not None and not t.is_contiguous():
+            _fail(arg, "a contiguous tensor", f"strides {tuple(t.stride())}")
+    return sizes
+
+
 class _Exchange:
     """The sequence-parallel op of one (device, q_heads, head_dim) on the runtime's symmetric heap:
     its buffer (collective allocation) and the C++ op over it."""
@@ -137,7 +159,7 @@ def _exchange(device: int, batch: int, q_heads: int, head_dim: int) -> _Exchange
 
 def _run(q, k_cache, v_cache, seq_lens, block_table, softmax_scale, softcap, max_seq_len, distributed=False):
     torch = torch_module()
-    s = check_args(q, k_cache, v_cache, seq_lens, block_table)
+    s = _sizes(q, k_cache, v_cache, seq_lens, block_table)
     out = torch.empty_like(q)
     lse = torch.empty((s["batch"], s["q_heads"]), dtype=torch.float32, device=q.device)
     scale = 1.0 / math.sqrt(s["head_dim"]) if softmax_scale is None or softmax_scale <= 0 else softmax_scale

@@ -197,6 +197,12 @@ def test_argument_errors():
     expect_error(lambda: fd(q, k, v, sl, table, max_seq_len=10 ** 6), "'max_seq_len'")
     expect_error(lambda: fd(q, k, v, sl, None), "'k_cache'")  # pages are not one row per sequence
     expect_error(lambda: fd(q, k.cpu(), v, sl, table), "'k_cache'")  # not on q's device
+    # a call of a known signature skips the shape checks, never the contiguity check
+    fd(q, k, v, sl, table)
+    q_strided = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=q.dtype, device="cuda").transpose(1, 2)
+    expect_error(lambda: fd(q_strided, k, v, sl, table), "'q'", "contiguous")
+    v_strided = torch.empty(v.shape[0], v.shape[2], v.shape[1], v.shape[3], dtype=v.dtype, device="cuda").transpose(1, 2)
+    expect_error(lambda: fd(q, k, v_strided, sl, table), "'v_cache'", "contiguous")
 
 
 def test_bad_block_table_is_reported():
