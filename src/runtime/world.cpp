@@ -366,7 +366,20 @@ void World::compare_call(uint64_t key, cudaStream_t stream, const std::string& c
   // Without a store the comparison is an NCCL all-gather with host synchronisation, which a graph
   // capture must not see: left to the first call outside capture (not remembered).
   if (!store_ && stream_is_capturing(stream)) return;
-  check_same_on_all_ranks(kCallTag, call);
+  try {
+    check_same_on_all_ranks(kCallTag, call);
+  } catch (const DeviceTimeoutError&) {
+    throw;
+  } catch (const TimeoutError& e) {
+    // A rank that did not come may be running a call it had seen before while this one is new
+    // here: say so, since the timeout alone does not.
+    if (call_checker_.mode() != CallCheckMode::kFirst) throw;
+    throw TimeoutError(detail::concat(
+        e.what(), "; this rank's call: ", call,
+        ". Under TDIST_CHECK_CALLS=first a rank compares a call only the first time it sees its signature: a rank "
+        "absent here may be running another call it has seen before (a mismatch); TDIST_CHECK_CALLS=always compares "
+        "every call"));
+  }
   call_checker_.record(key);
 }
 
