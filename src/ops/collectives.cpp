@@ -353,10 +353,6 @@ M choose_method(M requested, CollectiveOp op, const CollectiveShape& s, bool in_
 
 constexpr auto kNoTiming = [](const CollectiveClass&) { return -1; };
 
-}  // namespace
-
-namespace {
-
 // Compares a collective call with the other ranks' (World::check_same_call): op, count, dtype, the
 // method asked for and the buffer kinds. It runs before the method is chosen, since choosing may
 // time candidates together with the other ranks, which mismatched calls would turn into a device
