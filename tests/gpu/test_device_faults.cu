@@ -220,6 +220,31 @@ int main() {
                     {"rank 0=all_reduce(count=" + std::to_string(count) + ",",
                      last_is + "all_reduce(count=" + std::to_string(count - 16) + ","});
               });
+    suite.run("call checking (first): AllGather-GEMM with a different N on rank " + std::to_string(last) +
+                  " raises on every rank, naming both",
+              [&] {
+                const int64_t m = 64 * n, k = 256, nn = world.rank() == last ? 136 : 128;
+                AllGatherGemm op(world, heap, AllGatherGemmConfig{m, k, DType::kBFloat16});
+                __nv_bfloat16 *a = nullptr, *b = nullptr, *d = nullptr;
+                TDIST_CUDA_CHECK(cudaMalloc(&a, m / n * k * sizeof(*a)));
+                TDIST_CUDA_CHECK(cudaMalloc(&b, nn * k * sizeof(*b)));
+                TDIST_CUDA_CHECK(cudaMalloc(&d, m * nn * sizeof(*d)));
+                const std::string call = std::string("overlap ") + to_string(OverlapComm::kGatherA) +
+                                         "(m=" + std::to_string(m) + ", n=";
+                const std::string tail = ", k=" + std::to_string(k) + ", " + to_string(DType::kBFloat16) + ", method " +
+                                         to_string(OverlapMethod::kFused) + ")";
+                std::string failure;
+                try {
+                  expect_mismatch([&] { op.run(AllGatherGemmArgs{a, b, d, nullptr, m, nn}, stream, OverlapMethod::kFused); },
+                                  {"rank 0=" + call + "128" + tail, last_is + call + "136" + tail});
+                } catch (const std::exception& e) {
+                  failure = e.what();
+                }
+                TDIST_CUDA_CHECK(cudaFree(a));
+                TDIST_CUDA_CHECK(cudaFree(b));
+                TDIST_CUDA_CHECK(cudaFree(d));
+                if (!failure.empty()) TDIST_FAIL(failure);
+              });
     test::sync_all(world, "faults: call checks done");
   }
   suite.run("a call check setting that differs on rank " + std::to_string(last) +
