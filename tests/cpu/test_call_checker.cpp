@@ -20,8 +20,8 @@
 
 namespace {
 
-using tdist::CallCheckMode;
 using tdist::CallChecker;
+using tdist::CallCheckMode;
 using tdist::CallKey;
 using tdist::test::ScopedEnv;
 
@@ -95,7 +95,8 @@ TEST(CallKey, EqualFieldsEqualKeysAnyChangedFieldAnotherKey) {
 
 TEST(CallKey, FieldBoundariesAndOrderCount) {
   EXPECT_NE(CallKey("ab").add(std::string_view("c")).value(), CallKey("a").add(std::string_view("bc")).value());
-  EXPECT_NE(CallKey("op").add(int64_t{1}).add(int64_t{2}).value(), CallKey("op").add(int64_t{2}).add(int64_t{1}).value());
+  EXPECT_NE(CallKey("op").add(int64_t{1}).add(int64_t{2}).value(),
+            CallKey("op").add(int64_t{2}).add(int64_t{1}).value());
   EXPECT_NE(CallKey("op").add(int64_t{-1}).value(), CallKey("op").add(int64_t{1}).value());
   EXPECT_NE(CallKey("op").value(), CallKey("op").add(int64_t{0}).value());
 }
@@ -109,8 +110,7 @@ TEST(CallKey, NoCollisionsAmongManyRandomSignatures) {
     const unsigned kinds = static_cast<unsigned>(rng() % 16);
     const uint64_t fields = count << 12 | uint64_t(dtype) << 8 | uint64_t(method) << 4 | kinds;
     if (!fields_seen.insert(fields).second) continue;  // the same signature drawn twice
-    const uint64_t key =
-        collective_key("all_gather", count, dtype, method, kinds & 1, kinds & 2, kinds & 4, kinds & 8);
+    const uint64_t key = collective_key("all_gather", count, dtype, method, kinds & 1, kinds & 2, kinds & 4, kinds & 8);
     EXPECT_TRUE(keys.insert(key).second) << "two signatures share key " << key;
   }
 }

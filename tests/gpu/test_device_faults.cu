@@ -125,7 +125,8 @@ int main() {
     for (const std::string& part : parts)
       TDIST_CHECK(error.find(part) != std::string::npos, "the error lacks '", part, "': ", error);
     TDIST_CHECK(seconds < 1.0, "the mismatch was reported after ", seconds, " s, expected within 1 s");
-    TDIST_CHECK(!device_fault_message(), "a device fault after the call check refused the call: ", *device_fault_message());
+    TDIST_CHECK(!device_fault_message(),
+                "a device fault after the call check refused the call: ", *device_fault_message());
   };
   const std::string last_is = "rank " + std::to_string(last) + "=";
   const std::string f32 = to_string(DType::kFloat32);
@@ -142,18 +143,20 @@ int main() {
               [&] {
                 const size_t remembered = world.call_checker().remembered();
                 const size_t mine = world.rank() == last ? 1008 : 1000;
-                expect_mismatch([&] { coll->all_reduce(in, out, mine, DType::kFloat32, stream); },
-                                {"rank 0=all_reduce(count=1000,", last_is + "all_reduce(count=1008,", "TDIST_CHECK_CALLS"});
+                expect_mismatch(
+                    [&] { coll->all_reduce(in, out, mine, DType::kFloat32, stream); },
+                    {"rank 0=all_reduce(count=1000,", last_is + "all_reduce(count=1008,", "TDIST_CHECK_CALLS"});
                 TDIST_CHECK(world.call_checker().remembered() == remembered, "a mismatched call was remembered");
               });
-    suite.run("call checking (first): one_shot on some ranks, two_shot on rank " + std::to_string(last) +
-                  " raises on every rank, naming both methods",
-              [&] {
-                const AllReduceMethod mine = world.rank() == last ? AllReduceMethod::kTwoShot : AllReduceMethod::kOneShot;
-                expect_mismatch([&] { coll->all_reduce(in, out, count, DType::kFloat32, stream, mine); },
-                                {"rank 0=all_reduce(count=" + std::to_string(count) + ", " + f32 + ", method one_shot",
-                                 last_is + "all_reduce(count=" + std::to_string(count) + ", " + f32 + ", method two_shot"});
-              });
+    suite.run(
+        "call checking (first): one_shot on some ranks, two_shot on rank " + std::to_string(last) +
+            " raises on every rank, naming both methods",
+        [&] {
+          const AllReduceMethod mine = world.rank() == last ? AllReduceMethod::kTwoShot : AllReduceMethod::kOneShot;
+          expect_mismatch([&] { coll->all_reduce(in, out, count, DType::kFloat32, stream, mine); },
+                          {"rank 0=all_reduce(count=" + std::to_string(count) + ", " + f32 + ", method one_shot",
+                           last_is + "all_reduce(count=" + std::to_string(count) + ", " + f32 + ", method two_shot"});
+        });
     suite.run("call checking (first): all_reduce on some ranks, all_gather on rank " + std::to_string(last) +
                   " raises on every rank",
               [&] {
@@ -166,26 +169,28 @@ int main() {
                     },
                     {"rank 0=all_reduce(", last_is + "all_gather("});
               });
-    suite.run("call checking (first): an ordinary input on rank " + std::to_string(last) +
-                  ", a symmetric one elsewhere, raises naming both kinds",
-              [&] {
-                float* plain = nullptr;
-                TDIST_CUDA_CHECK(cudaMalloc(&plain, count * sizeof(float)));
-                std::string failure;
-                try {
-                  expect_mismatch(
-                      [&] {
-                        coll->all_reduce(world.rank() == last ? plain : in, out, count, DType::kFloat32, stream,
-                                         AllReduceMethod::kOneShot);
-                      },
-                      {"rank 0=all_reduce(count=" + std::to_string(count) + ", " + f32 + ", method one_shot, in symmetric",
-                       last_is + "all_reduce(count=" + std::to_string(count) + ", " + f32 + ", method one_shot, in ordinary"});
-                } catch (const std::exception& e) {
-                  failure = e.what();
-                }
-                TDIST_CUDA_CHECK(cudaFree(plain));
-                if (!failure.empty()) TDIST_FAIL(failure);
-              });
+    suite.run(
+        "call checking (first): an ordinary input on rank " + std::to_string(last) +
+            ", a symmetric one elsewhere, raises naming both kinds",
+        [&] {
+          float* plain = nullptr;
+          TDIST_CUDA_CHECK(cudaMalloc(&plain, count * sizeof(float)));
+          std::string failure;
+          try {
+            expect_mismatch(
+                [&] {
+                  coll->all_reduce(world.rank() == last ? plain : in, out, count, DType::kFloat32, stream,
+                                   AllReduceMethod::kOneShot);
+                },
+                {"rank 0=all_reduce(count=" + std::to_string(count) + ", " + f32 + ", method one_shot, in symmetric",
+                 last_is + "all_reduce(count=" + std::to_string(count) + ", " + f32 +
+                     ", method one_shot, in ordinary"});
+          } catch (const std::exception& e) {
+            failure = e.what();
+          }
+          TDIST_CUDA_CHECK(cudaFree(plain));
+          if (!failure.empty()) TDIST_FAIL(failure);
+        });
     // Input: (i % 97) + rank on each rank; the sum over n ranks is n * (i % 97) + n(n-1)/2, exact in
     // float32. The output is poisoned first.
     auto run_matching = [&](AllReduceMethod method) {
@@ -198,7 +203,8 @@ int main() {
       TDIST_CUDA_CHECK(cudaMemcpy(host.data(), out, count * sizeof(float), cudaMemcpyDeviceToHost));
       for (size_t i = 0; i < count; ++i) {
         const float want = static_cast<float>(n * (i % 97) + n * (n - 1) / 2);
-        TDIST_CHECK(host[i] == want, "all_reduce under call checking: element ", i, " is ", host[i], ", expected ", want);
+        TDIST_CHECK(host[i] == want, "all_reduce under call checking: element ", i, " is ", host[i], ", expected ",
+                    want);
       }
     };
     suite.run("call checking (first): matching calls run and are correct; a signature is compared once", [&] {
@@ -229,14 +235,17 @@ int main() {
                 TDIST_CUDA_CHECK(cudaMalloc(&a, m / n * k * sizeof(*a)));
                 TDIST_CUDA_CHECK(cudaMalloc(&b, nn * k * sizeof(*b)));
                 TDIST_CUDA_CHECK(cudaMalloc(&d, m * nn * sizeof(*d)));
-                const std::string call = std::string("overlap ") + to_string(OverlapComm::kGatherA) +
-                                         "(m=" + std::to_string(m) + ", n=";
+                const std::string call =
+                    std::string("overlap ") + to_string(OverlapComm::kGatherA) + "(m=" + std::to_string(m) + ", n=";
                 const std::string tail = ", k=" + std::to_string(k) + ", " + to_string(DType::kBFloat16) + ", method " +
                                          to_string(OverlapMethod::kFused) + ")";
                 std::string failure;
                 try {
-                  expect_mismatch([&] { op.run(AllGatherGemmArgs{a, b, d, nullptr, m, nn}, stream, OverlapMethod::kFused); },
-                                  {"rank 0=" + call + "128" + tail, last_is + call + "136" + tail});
+                  expect_mismatch(
+                      [&] {
+                        op.run(AllGatherGemmArgs{a, b, d, nullptr, m, nn}, stream, OverlapMethod::kFused);
+                      },
+                      {"rank 0=" + call + "128" + tail, last_is + call + "136" + tail});
                 } catch (const std::exception& e) {
                   failure = e.what();
                 }
@@ -247,24 +256,24 @@ int main() {
               });
     test::sync_all(world, "faults: call checks done");
   }
-  suite.run("a call check setting that differs on rank " + std::to_string(last) +
-                " fails every rank at World construction",
-            [&] {
-              std::string error;
-              {
-                test::ScopedEnv env(kCheckCallsEnv, world.rank() == last ? "off" : "first");
-                try {
-                  World wrapped(world.comm());  // compares TDIST_CHECK_CALLS through NCCL
-                } catch (const Error& e) {
-                  error = e.what();
-                }
-              }
-              TDIST_CHECK(error.find("TDIST_CHECK_CALLS") != std::string::npos &&
-                              error.find("rank 0=first") != std::string::npos &&
-                              error.find(last_is + "off") != std::string::npos,
-                          "expected an error naming each rank's TDIST_CHECK_CALLS, got: '", error, "'");
-              world.barrier("faults: call check settings compared");
-            });
+  suite.run(
+      "a call check setting that differs on rank " + std::to_string(last) + " fails every rank at World construction",
+      [&] {
+        std::string error;
+        {
+          test::ScopedEnv env(kCheckCallsEnv, world.rank() == last ? "off" : "first");
+          try {
+            World wrapped(world.comm());  // compares TDIST_CHECK_CALLS through NCCL
+          } catch (const Error& e) {
+            error = e.what();
+          }
+        }
+        TDIST_CHECK(error.find("TDIST_CHECK_CALLS") != std::string::npos &&
+                        error.find("rank 0=first") != std::string::npos &&
+                        error.find(last_is + "off") != std::string::npos,
+                    "expected an error naming each rank's TDIST_CHECK_CALLS, got: '", error, "'");
+        world.barrier("faults: call check settings compared");
+      });
 
   // The faults below have the last rank skip an op: with call checking on, the others would wait for
   // it in the comparison (host timeout) instead of in the op's device waits, which these cases test.
