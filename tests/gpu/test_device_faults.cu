@@ -3,6 +3,10 @@
 // DeviceTimeoutError naming its rank, keep a usable CUDA context (its data copies out), and have
 // tdist refuse further launches until the fault is cleared. The skipping rank sees no fault.
 // Every case builds its own op objects: after an abort the flags of the old ones are out of step.
+// First, with TDIST_CHECK_CALLS unset (call checking's default, first): calls that differ between
+// ranks (count, method, op, buffer kind, an overlapped op's N) raise on every rank within a second,
+// naming each rank's call; under always, so does a call seen before; a differing TDIST_CHECK_CALLS
+// fails World's construction. The fault cases then run with call checking off.
 #include <cuda_bf16.h>
 
 #include <chrono>
