@@ -223,7 +223,7 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
       detail::concat(env::text(kAllReduceMethodEnv), "|", env::text(kAllGatherMethodEnv), "|",
                      env::text(kReduceScatterMethodEnv), "|", tuner_->on, "|", env::text("TDIST_OVERLAP_METHOD"), "|",
                      env::text("TDIST_OVERLAP_PIECES"), "|", env::text("TDIST_OVERLAP_TUNE"), "|",
-                     world.check_calls()));
+                     to_string(world.call_check_mode())));
 }
 
 Collectives::~Collectives() {
@@ -353,6 +353,32 @@ M choose_method(M requested, CollectiveOp op, const CollectiveShape& s, bool in_
 
 constexpr auto kNoTiming = [](const CollectiveClass&) { return -1; };
 
+// Compares a collective call with the other ranks' (World::check_same_call): op, count, dtype, the
+// method asked for and the buffer kinds. It runs before the method is chosen, since choosing may
+// time candidates together with the other ranks, which mismatched calls would turn into a device
+// timeout. What `auto` resolves to follows from these fields, the settings the constructor compared
+// and the timed winners the ranks agree on. Alignment steers only auto's choice, so it is part of
+// the signature under auto alone (an explicit method runs alike on buffers of either alignment).
+template <typename M>
+void check_call(World& world, cudaStream_t stream, const char* op, size_t count, const char* count_unit, DType dtype,
+                M method, const CollectiveShape& s, bool in_place) {
+  const bool is_auto = method == M::kAuto;
+  CallKey key(op);
+  key.add(static_cast<uint64_t>(count))
+      .add(static_cast<int>(dtype))
+      .add(static_cast<int>(method))
+      .add(s.in_symmetric)
+      .add(s.out_symmetric)
+      .add(in_place)
+      .add(is_auto && s.aligned16);
+  world.check_same_call(key.value(), stream, [&] {
+    return detail::concat(op, "(count=", count, count_unit, ", ", to_string(dtype), ", method ", to_string(method),
+                          ", in ", s.in_symmetric ? "symmetric" : "ordinary", ", out ",
+                          s.out_symmetric ? "symmetric" : "ordinary", in_place ? ", in place" : "",
+                          !is_auto ? "" : s.aligned16 ? ", 16-byte aligned" : ", not 16-byte aligned", ")");
+  });
+}
+
 }  // namespace
 
 bool Collectives::tuning() const { return tuner_->on; }
@@ -435,20 +461,6 @@ ReduceScatterMethod Collectives::tune_reduce_scatter(const void* in, void* out, 
 }
 
 namespace {
-
-// Restores World::check_calls on leaving: the timed calls are not compared across ranks one by one
-// (the class was agreed once), which would add a host exchange to every timed call.
-class CallChecksOff {
- public:
-  explicit CallChecksOff(World& w) : world_(w), was_(w.check_calls()) { w.set_check_calls(false); }
-  ~CallChecksOff() { world_.set_check_calls(was_); }
-  CallChecksOff(const CallChecksOff&) = delete;
-  CallChecksOff& operator=(const CallChecksOff&) = delete;
-
- private:
-  World& world_;
-  bool was_;
-};
 
 // One buffer of a call as its scratch copy must reproduce it: [lo, lo + extent) in the caller's
 // memory, symmetric or not. In place, input and output are one region.
@@ -579,7 +591,9 @@ int Collectives::tune_class(const Call& call, const CollectiveClass& cls, cudaSt
   int winner = -1;
   std::string failure;
   {
-    const CallChecksOff checks_off(world_);
+    // The timed calls are not compared one by one: the class was agreed once, and a host exchange
+    // per timed call would be timed with it.
+    const ScopedCallCheckMode checks_off(world_, CallCheckMode::kOff);
     try {
       winner = static_cast<int>(t.autotuner->tune(req).params.at("method"));
     } catch (const std::exception& e) {
@@ -611,11 +625,9 @@ void Collectives::all_reduce(const void* in, void* out, size_t count, DType dtyp
                              AllReduceMethod method) {
   check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
   const Call call = all_reduce_call(in, out, count, dtype);
+  check_call(world_, stream, "all_reduce", count, "", dtype, method, call.shape, call.in_place);
   const AllReduceMethod m = choose_method(method, call.op, call.shape, call.in_place, limits(), *tuner_,
                                           [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
-  if (world_.check_calls())
-    world_.check_same_call(detail::concat("all_reduce(count=", count, ", ", to_string(dtype), ", method ", to_string(m),
-                                          in == out ? ", in place)" : ")"));
   TDIST_NVTX_RANGE("tdist::Collectives::all_reduce", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const size_t bytes = count * dtype_size(dtype);
   const CollectiveShape& s = call.shape;
@@ -671,11 +683,9 @@ void Collectives::all_gather(const void* in, void* out, size_t count, DType dtyp
                              AllGatherMethod method) {
   check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
   const Call call = all_gather_call(in, out, count, dtype);
+  check_call(world_, stream, "all_gather", count, " per rank", dtype, method, call.shape, call.in_place);
   const AllGatherMethod m = choose_method(method, call.op, call.shape, call.in_place, limits(), *tuner_,
                                           [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
-  if (world_.check_calls())
-    world_.check_same_call(
-        detail::concat("all_gather(count=", count, " per rank, ", to_string(dtype), ", method ", to_string(m), ")"));
   TDIST_NVTX_RANGE("tdist::Collectives::all_gather", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const int n = world_.world_size(), me = world_.rank();
   const size_t b = count * dtype_size(dtype);
@@ -768,12 +778,10 @@ void Collectives::reduce_scatter(const void* in, void* out, size_t count, DType 
                                  ReduceScatterMethod method) {
   check_device_faults();  // NCCL's methods launch nothing of tdist's: refuse them here too
   const Call call = reduce_scatter_call(in, out, count, dtype);
+  check_call(world_, stream, "reduce_scatter", count, " per rank", dtype, method, call.shape, call.in_place);
   const ReduceScatterMethod m =
       choose_method(method, call.op, call.shape, call.in_place, limits(), *tuner_,
                     [&](const CollectiveClass& cls) { return tune_class(call, cls, stream); });
-  if (world_.check_calls())
-    world_.check_same_call(detail::concat("reduce_scatter(count=", count, " per rank, ", to_string(dtype), ", method ",
-                                          to_string(m), ")"));
   TDIST_NVTX_RANGE("tdist::Collectives::reduce_scatter", "count=", count, " ", to_string(dtype), " ", to_string(m));
   const int n = world_.world_size(), me = world_.rank();
   const size_t b = count * dtype_size(dtype);

@@ -14,6 +14,7 @@
 #include "tdist/common/process.hpp"
 #include "src/runtime/nccl_watchdog.hpp"
 #include "tdist/runtime/device_fault.hpp"
+#include "tdist/runtime/stream.hpp"
 #include "tdist/version.hpp"
 
 namespace tdist {
@@ -48,7 +49,7 @@ int select_device(int requested, int local_rank) {
 
 }  // namespace
 
-World::World(const WorldOptions& options) : timeout_(options.timeout), check_calls_(env::flag("TDIST_CHECK_CALLS")) {
+World::World(const WorldOptions& options) : timeout_(options.timeout), call_checker_(call_check_mode_from_env()) {
   const LaunchEnv env = options.env ? *options.env : launch_env_from_process();
   rank_ = env.rank;
   world_size_ = env.world_size;
@@ -208,7 +209,7 @@ ncclUniqueId World::new_unique_id() {
 }
 
 World::World(const ncclUniqueId& id, int rank, int world_size, int device, std::chrono::milliseconds timeout)
-    : timeout_(timeout), check_calls_(env::flag("TDIST_CHECK_CALLS")) {
+    : timeout_(timeout), call_checker_(call_check_mode_from_env()) {
   TDIST_CHECK_ARG(world_size >= 1 && rank >= 0 && rank < world_size, "rank", "expected 0 <= rank < world_size (",
                   world_size, "), got ", rank);
   TDIST_CHECK_ARG(device >= 0, "device", "expected a CUDA device index, got ", device);
@@ -235,7 +236,7 @@ World::World(const ncclUniqueId& id, int rank, int world_size, int device, std::
 }
 
 World::World(ncclComm_t existing, std::chrono::milliseconds timeout)
-    : timeout_(timeout), comm_(existing), check_calls_(env::flag("TDIST_CHECK_CALLS")) {
+    : timeout_(timeout), comm_(existing), call_checker_(call_check_mode_from_env()) {
   TDIST_CHECK_ARG(existing != nullptr, "existing", "expected an initialised ncclComm_t, got nullptr");
   TDIST_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
   TDIST_NCCL_CHECK(ncclCommCount(comm_, &world_size_));
@@ -309,6 +310,7 @@ void World::init_from_comm() {
   const ncclTeam_t lsa = ncclTeamLsa(comm_);
   lsa_rank_ = lsa.rank;
   lsa_size_ = lsa.nRanks;
+  check_same_call_mode();
 }
 
 std::vector<Bytes> World::all_gather(const std::string& tag, const Bytes& mine) {
@@ -351,9 +353,40 @@ void World::check_same_on_all_ranks(const std::string& what, const std::string& 
   TDIST_FAIL(os.str());
 }
 
+namespace {
+// One tag for every op, so that ranks calling different ops meet here and see each other's call.
+const std::string kCallTag = "the op called (TDIST_CHECK_CALLS)";
+}  // namespace
+
 void World::check_same_call(const std::string& call) {
-  // One tag for every op, so that ranks calling different ops meet here and see each other's call.
-  if (check_calls_) check_same_on_all_ranks("the op called (TDIST_CHECK_CALLS)", call);
+  check_same_call(CallKey(call).value(), nullptr, [&] { return call; });
+}
+
+void World::compare_call(uint64_t key, cudaStream_t stream, const std::string& call) {
+  // Without a store the comparison is an NCCL all-gather with host synchronisation, which a graph
+  // capture must not see: left to the first call outside capture (not remembered).
+  if (!store_ && stream_is_capturing(stream)) return;
+  try {
+    check_same_on_all_ranks(kCallTag, call);
+  } catch (const DeviceTimeoutError&) {
+    throw;
+  } catch (const TimeoutError& e) {
+    // A rank that did not come may be running a call it had seen before while this one is new
+    // here: say so, since the timeout alone does not.
+    if (call_checker_.mode() != CallCheckMode::kFirst) throw;
+    throw TimeoutError(detail::concat(
+        e.what(), "; this rank's call: ", call,
+        ". Under TDIST_CHECK_CALLS=first a rank compares a call only the first time it sees its signature: a rank "
+        "absent here may be running another call it has seen before (a mismatch); TDIST_CHECK_CALLS=always compares "
+        "every call"));
+  }
+  call_checker_.record(key);
+}
+
+void World::check_same_call_mode() {
+  // A rank that compares while another does not would wait in the comparison until the host
+  // timeout: agree once, at construction.
+  check_same_on_all_ranks("the call check setting (TDIST_CHECK_CALLS)", to_string(call_checker_.mode()));
 }
 
 // Two NCCL all-gathers (lengths, then padded payloads) on a private stream, polled with a deadline.

@@ -3,6 +3,10 @@
 // DeviceTimeoutError naming its rank, keep a usable CUDA context (its data copies out), and have
 // tdist refuse further launches until the fault is cleared. The skipping rank sees no fault.
 // Every case builds its own op objects: after an abort the flags of the old ones are out of step.
+// First, with TDIST_CHECK_CALLS unset (call checking's default, first): calls that differ between
+// ranks (count, method, op, buffer kind, an overlapped op's N) raise on every rank within a second,
+// naming each rank's call; under always, so does a call seen before; a differing TDIST_CHECK_CALLS
+// fails World's construction. The fault cases then run with call checking off.
 #include <cuda_bf16.h>
 
 #include <chrono>
@@ -91,6 +95,7 @@ void skip_on_last_rank(World& world, cudaStream_t stream, const std::string& tag
 int main() {
   setenv("TDIST_WAIT_TIMEOUT_S", "2", 1);  // read when the op's kernels load
   unsetenv("TDIST_WAIT_TIMEOUT_ACTION");   // the default: abort
+  unsetenv("TDIST_CHECK_CALLS");           // the default: first
   World world;
   test::Suite suite(world);
   if (world.world_size() < 2) {
@@ -101,10 +106,185 @@ int main() {
   cudaStream_t stream;
   TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const int n = world.world_size();
+  const size_t count = 1 << 16;
+
+  // Call checking, in the default mode (TDIST_CHECK_CALLS unset: first): mismatched calls raise
+  // tdist::Error on every rank within a second, naming each rank's call, before anything is
+  // launched; a mismatch is never remembered as seen. Run first, while every rank has seen the same
+  // calls (none).
+  const int last = n - 1;
+  auto expect_mismatch = [&](const std::function<void()>& call, const std::vector<std::string>& parts) {
+    world.barrier("faults: before a mismatched call");  // the ranks start together: the time is the check's
+    const auto start = std::chrono::steady_clock::now();
+    std::string error;
+    try {
+      call();
+    } catch (const DeviceTimeoutError& e) {
+      TDIST_FAIL("a device timeout instead of the call check's error: ", e.what());
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    const double seconds = seconds_since(start);
+    TDIST_CHECK(!error.empty(), "mismatched calls ran without an error");
+    for (const std::string& part : parts)
+      TDIST_CHECK(error.find(part) != std::string::npos, "the error lacks '", part, "': ", error);
+    TDIST_CHECK(seconds < 1.0, "the mismatch was reported after ", seconds, " s, expected within 1 s");
+    TDIST_CHECK(!device_fault_message(),
+                "a device fault after the call check refused the call: ", *device_fault_message());
+  };
+  const std::string last_is = "rank " + std::to_string(last) + "=";
+  const std::string f32 = to_string(DType::kFloat32);
+  {
+    auto coll = std::make_unique<Collectives>(world, heap, count * sizeof(float));
+    auto* in = heap.allocate_array<float>(count);
+    auto* out = heap.allocate_array<float>(count);
+    suite.run("call checking is on by default (TDIST_CHECK_CALLS unset: first)", [&] {
+      TDIST_CHECK(world.call_check_mode() == CallCheckMode::kFirst, "the default mode is ",
+                  to_string(world.call_check_mode()), ", expected first");
+    });
+    suite.run("call checking (first): all_reduce with a different count on rank " + std::to_string(last) +
+                  " raises on every rank, naming both counts",
+              [&] {
+                const size_t remembered = world.call_checker().remembered();
+                const size_t mine = world.rank() == last ? 1008 : 1000;
+                expect_mismatch(
+                    [&] { coll->all_reduce(in, out, mine, DType::kFloat32, stream); },
+                    {"rank 0=all_reduce(count=1000,", last_is + "all_reduce(count=1008,", "TDIST_CHECK_CALLS"});
+                TDIST_CHECK(world.call_checker().remembered() == remembered, "a mismatched call was remembered");
+              });
+    suite.run(
+        "call checking (first): one_shot on some ranks, two_shot on rank " + std::to_string(last) +
+            " raises on every rank, naming both methods",
+        [&] {
+          const AllReduceMethod mine = world.rank() == last ? AllReduceMethod::kTwoShot : AllReduceMethod::kOneShot;
+          expect_mismatch([&] { coll->all_reduce(in, out, count, DType::kFloat32, stream, mine); },
+                          {"rank 0=all_reduce(count=" + std::to_string(count) + ", " + f32 + ", method one_shot",
+                           last_is + "all_reduce(count=" + std::to_string(count) + ", " + f32 + ", method two_shot"});
+        });
+    suite.run("call checking (first): all_reduce on some ranks, all_gather on rank " + std::to_string(last) +
+                  " raises on every rank",
+              [&] {
+                expect_mismatch(
+                    [&] {
+                      if (world.rank() == last)
+                        coll->all_gather(in, out, count / n, DType::kFloat32, stream);
+                      else
+                        coll->all_reduce(in, out, count, DType::kFloat32, stream);
+                    },
+                    {"rank 0=all_reduce(", last_is + "all_gather("});
+              });
+    suite.run(
+        "call checking (first): an ordinary input on rank " + std::to_string(last) +
+            ", a symmetric one elsewhere, raises naming both kinds",
+        [&] {
+          float* plain = nullptr;
+          TDIST_CUDA_CHECK(cudaMalloc(&plain, count * sizeof(float)));
+          std::string failure;
+          try {
+            expect_mismatch(
+                [&] {
+                  coll->all_reduce(world.rank() == last ? plain : in, out, count, DType::kFloat32, stream,
+                                   AllReduceMethod::kOneShot);
+                },
+                {"rank 0=all_reduce(count=" + std::to_string(count) + ", " + f32 + ", method one_shot, in symmetric",
+                 last_is + "all_reduce(count=" + std::to_string(count) + ", " + f32 +
+                     ", method one_shot, in ordinary"});
+          } catch (const std::exception& e) {
+            failure = e.what();
+          }
+          TDIST_CUDA_CHECK(cudaFree(plain));
+          if (!failure.empty()) TDIST_FAIL(failure);
+        });
+    // Input: (i % 97) + rank on each rank; the sum over n ranks is n * (i % 97) + n(n-1)/2, exact in
+    // float32. The output is poisoned first.
+    auto run_matching = [&](AllReduceMethod method) {
+      std::vector<float> host(count);
+      for (size_t i = 0; i < count; ++i) host[i] = static_cast<float>((i % 97) + world.rank());
+      TDIST_CUDA_CHECK(cudaMemcpy(in, host.data(), count * sizeof(float), cudaMemcpyHostToDevice));
+      TDIST_CUDA_CHECK(cudaMemset(out, 0xff, count * sizeof(float)));
+      coll->all_reduce(in, out, count, DType::kFloat32, stream, method);
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+      TDIST_CUDA_CHECK(cudaMemcpy(host.data(), out, count * sizeof(float), cudaMemcpyDeviceToHost));
+      for (size_t i = 0; i < count; ++i) {
+        const float want = static_cast<float>(n * (i % 97) + n * (n - 1) / 2);
+        TDIST_CHECK(host[i] == want, "all_reduce under call checking: element ", i, " is ", host[i], ", expected ",
+                    want);
+      }
+    };
+    suite.run("call checking (first): matching calls run and are correct; a signature is compared once", [&] {
+      const size_t remembered = world.call_checker().remembered();
+      run_matching(AllReduceMethod::kOneShot);
+      TDIST_CHECK(world.call_checker().remembered() == remembered + 1, "after the first matching call ",
+                  world.call_checker().remembered(), " signatures are remembered, expected ", remembered + 1);
+      run_matching(AllReduceMethod::kOneShot);
+      TDIST_CHECK(world.call_checker().remembered() == remembered + 1, "the second call of a signature added one");
+    });
+    suite.run("call checking (always): a count differing on rank " + std::to_string(last) +
+                  " in a call seen before on the others raises on every rank",
+              [&] {
+                const ScopedCallCheckMode always(world, CallCheckMode::kAlways);
+                run_matching(AllReduceMethod::kOneShot);  // seen: compared again under always, and correct
+                const size_t mine = world.rank() == last ? count - 16 : count;
+                expect_mismatch(
+                    [&] { coll->all_reduce(in, out, mine, DType::kFloat32, stream, AllReduceMethod::kOneShot); },
+                    {"rank 0=all_reduce(count=" + std::to_string(count) + ",",
+                     last_is + "all_reduce(count=" + std::to_string(count - 16) + ","});
+              });
+    suite.run("call checking (first): AllGather-GEMM with a different N on rank " + std::to_string(last) +
+                  " raises on every rank, naming both",
+              [&] {
+                const int64_t m = 64 * n, k = 256, nn = world.rank() == last ? 136 : 128;
+                AllGatherGemm op(world, heap, AllGatherGemmConfig{m, k, DType::kBFloat16});
+                __nv_bfloat16 *a = nullptr, *b = nullptr, *d = nullptr;
+                TDIST_CUDA_CHECK(cudaMalloc(&a, m / n * k * sizeof(*a)));
+                TDIST_CUDA_CHECK(cudaMalloc(&b, nn * k * sizeof(*b)));
+                TDIST_CUDA_CHECK(cudaMalloc(&d, m * nn * sizeof(*d)));
+                const std::string call =
+                    std::string("overlap ") + to_string(OverlapComm::kGatherA) + "(m=" + std::to_string(m) + ", n=";
+                const std::string tail = ", k=" + std::to_string(k) + ", " + to_string(DType::kBFloat16) + ", method " +
+                                         to_string(OverlapMethod::kFused) + ")";
+                std::string failure;
+                try {
+                  expect_mismatch(
+                      [&] {
+                        op.run(AllGatherGemmArgs{a, b, d, nullptr, m, nn}, stream, OverlapMethod::kFused);
+                      },
+                      {"rank 0=" + call + "128" + tail, last_is + call + "136" + tail});
+                } catch (const std::exception& e) {
+                  failure = e.what();
+                }
+                TDIST_CUDA_CHECK(cudaFree(a));
+                TDIST_CUDA_CHECK(cudaFree(b));
+                TDIST_CUDA_CHECK(cudaFree(d));
+                if (!failure.empty()) TDIST_FAIL(failure);
+              });
+    test::sync_all(world, "faults: call checks done");
+  }
+  suite.run(
+      "a call check setting that differs on rank " + std::to_string(last) + " fails every rank at World construction",
+      [&] {
+        std::string error;
+        {
+          test::ScopedEnv env(kCheckCallsEnv, world.rank() == last ? "off" : "first");
+          try {
+            World wrapped(world.comm());  // compares TDIST_CHECK_CALLS through NCCL
+          } catch (const Error& e) {
+            error = e.what();
+          }
+        }
+        TDIST_CHECK(error.find("TDIST_CHECK_CALLS") != std::string::npos &&
+                        error.find("rank 0=first") != std::string::npos &&
+                        error.find(last_is + "off") != std::string::npos,
+                    "expected an error naming each rank's TDIST_CHECK_CALLS, got: '", error, "'");
+        world.barrier("faults: call check settings compared");
+      });
+
+  // The faults below have the last rank skip an op: with call checking on, the others would wait for
+  // it in the comparison (host timeout) instead of in the op's device waits, which these cases test.
+  world.set_call_check_mode(CallCheckMode::kOff);
 
   // Collectives: every kernel method, each with objects of its own.
   std::vector<std::unique_ptr<Collectives>> retired;  // kept: peers may still write into their buffers
-  const size_t count = 1 << 16;
   for (AllReduceMethod method : {AllReduceMethod::kOneShot, AllReduceMethod::kTwoShot, AllReduceMethod::kLowLatency,
                                  AllReduceMethod::kLowLatency128}) {
     const std::string name = std::string("all_reduce ") + to_string(method) + " with rank " + std::to_string(n - 1) +
@@ -163,64 +343,6 @@ int main() {
       ep->ll_dispatch({.x = x, .topk_idx = idx, .num_tokens = cfg.max_tokens}, stream);
     });
   });
-
-  // Call checking: mismatched calls raise tdist::Error on every rank, naming each rank's call,
-  // before anything is launched.
-  const int last = n - 1;
-  auto expect_mismatch = [&](const std::function<void()>& call, const std::vector<std::string>& parts) {
-    std::string error;
-    try {
-      call();
-    } catch (const DeviceTimeoutError& e) {
-      TDIST_FAIL("a device timeout instead of the call check's error: ", e.what());
-    } catch (const Error& e) {
-      error = e.what();
-    }
-    TDIST_CHECK(!error.empty(), "mismatched calls ran without an error");
-    for (const std::string& part : parts)
-      TDIST_CHECK(error.find(part) != std::string::npos, "the error lacks '", part, "': ", error);
-  };
-  {
-    auto coll = std::make_unique<Collectives>(world, heap, count * sizeof(float));
-    auto* in = heap.allocate_array<float>(count);
-    auto* out = heap.allocate_array<float>(count);
-    world.set_check_calls(true);
-    suite.run("call checking: all_reduce with a different count on rank " + std::to_string(last) +
-                  " raises on every rank, naming both counts",
-              [&] {
-                const size_t mine = world.rank() == last ? 1008 : 1000;
-                expect_mismatch([&] { coll->all_reduce(in, out, mine, DType::kFloat32, stream); },
-                                {"rank 0=all_reduce(count=1000", "rank " + std::to_string(last) + "=all_reduce(count=1008",
-                                 "TDIST_CHECK_CALLS"});
-                TDIST_CHECK(!device_fault_message(), "a device fault after the call check refused the call");
-              });
-    suite.run("call checking: all_reduce on some ranks, all_gather on rank " + std::to_string(last) +
-                  " raises on every rank",
-              [&] {
-                expect_mismatch(
-                    [&] {
-                      if (world.rank() == last)
-                        coll->all_gather(in, out, count / n, DType::kFloat32, stream);
-                      else
-                        coll->all_reduce(in, out, count, DType::kFloat32, stream);
-                    },
-                    {"=all_reduce(", "=all_gather("});
-              });
-    suite.run("call checking: matching calls run and are correct", [&] {
-      std::vector<float> host(count);
-      for (size_t i = 0; i < count; ++i) host[i] = static_cast<float>((i % 97) + world.rank());
-      TDIST_CUDA_CHECK(cudaMemcpy(in, host.data(), count * sizeof(float), cudaMemcpyHostToDevice));
-      coll->all_reduce(in, out, count, DType::kFloat32, stream);
-      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-      TDIST_CUDA_CHECK(cudaMemcpy(host.data(), out, count * sizeof(float), cudaMemcpyDeviceToHost));
-      for (size_t i = 0; i < count; ++i) {
-        const float want = static_cast<float>(n * (i % 97) + n * (n - 1) / 2);
-        TDIST_CHECK(host[i] == want, "all_reduce under call checking: element ", i, " is ", host[i], ", expected ", want);
-      }
-    });
-    world.set_check_calls(false);
-    test::sync_all(world, "faults: call checks done");
-  }
 
   suite.run("a method setting that differs on rank " + std::to_string(last) + " fails every rank at construction", [&] {
     test::ScopedEnv env(kAllReduceMethodEnv, world.rank() == last ? "ll" : "one_shot");

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "tdist/runtime/call_checker.hpp"
 #include "tdist/runtime/launch_env.hpp"
 #include "tdist/runtime/tcp_store.hpp"
 
@@ -81,14 +82,27 @@ class World {
   // Throws tdist::Error naming `what` and each rank's value when the ranks disagree.
   void check_same_on_all_ranks(const std::string& what, const std::string& value);
 
-  // Call checking (TDIST_CHECK_CALLS=1, or set_check_calls on every rank alike): before each
-  // collective or overlapped op runs, the ranks compare the op and its arguments (counts, shapes,
-  // dtype, method) over the store, about 0.1-1 ms a call; a mismatch raises tdist::Error on every
-  // rank naming each rank's call, instead of a device timeout on some ranks and wrong data on the
-  // others. `call` is the op's name and arguments as text. Not for calls inside a graph capture.
+  // Call checking (call_checker.hpp; TDIST_CHECK_CALLS=first by default, always, off): before a
+  // collective or overlapped op runs, the ranks compare its signature (op, counts, dtype, method
+  // requested, buffer kinds) over the store, or through NCCL without one; a mismatch raises
+  // tdist::Error on every rank naming each rank's call, instead of a device timeout on some ranks
+  // and wrong data on the others. `key` is the call's CallKey; `describe()` gives its text and
+  // runs only when the call is compared (the first call of a signature under `first`, every call
+  // under `always`). A comparison that finds every rank alike remembers the key. `stream` is the
+  // op's: a World without a store does not compare calls while it captures a graph (its
+  // comparison would run on the GPU inside the capture); they are compared at their first call
+  // outside capture. Collective: every rank calls it with the same mode.
+  template <typename Describe>
+  void check_same_call(uint64_t key, cudaStream_t stream, Describe&& describe) {
+    if (call_checker_.must_compare(key)) compare_call(key, stream, describe());
+  }
+  // The same, keyed by the call's text.
   void check_same_call(const std::string& call);
-  void set_check_calls(bool on) { check_calls_ = on; }
-  bool check_calls() const { return check_calls_; }
+  // The mode must be the same on every rank (World's constructors compare TDIST_CHECK_CALLS);
+  // changing it keeps the signatures seen so far.
+  void set_call_check_mode(CallCheckMode mode) { call_checker_.set_mode(mode); }
+  CallCheckMode call_check_mode() const { return call_checker_.mode(); }
+  const CallChecker& call_checker() const { return call_checker_; }
 
   // Gives the NCCL work enqueued on `stream` so far a deadline (TDIST_NCCL_TIMEOUT_S seconds; 0, the
   // default, turns it off): past it, a watchdog thread aborts the communicator, which makes NCCL's kernels
@@ -114,6 +128,9 @@ class World {
   std::string failed_ranks_message();
   void init_from_comm();
   std::vector<Bytes> all_gather_nccl(const Bytes& mine);
+  void compare_call(uint64_t key, cudaStream_t stream, const std::string& call);
+  // Every rank's TDIST_CHECK_CALLS alike, or an error naming each rank's value.
+  void check_same_call_mode();
 
   int rank_ = 0, world_size_ = 1, local_rank_ = 0, local_world_size_ = 1, device_ = 0;
   int lsa_rank_ = 0, lsa_size_ = 1;
@@ -125,7 +142,24 @@ class World {
   std::mutex watchdog_mu_;
   std::unique_ptr<detail::NcclWatchdog> nccl_watchdog_;  // started at the first watched NCCL call
   uint64_t collective_count_ = 0;  // makes store tags unique per call
-  bool check_calls_ = false;
+  CallChecker call_checker_;
+};
+
+// Sets `world`'s call check mode for a scope, then restores it (every rank alike): e.g. off around
+// timed candidate calls, which the ranks agreed on as a whole and which a host exchange per call
+// would slow down. The signatures seen stay remembered.
+class ScopedCallCheckMode {
+ public:
+  ScopedCallCheckMode(World& world, CallCheckMode mode) : world_(world), was_(world.call_check_mode()) {
+    world.set_call_check_mode(mode);
+  }
+  ~ScopedCallCheckMode() { world_.set_call_check_mode(was_); }
+  ScopedCallCheckMode(const ScopedCallCheckMode&) = delete;
+  ScopedCallCheckMode& operator=(const ScopedCallCheckMode&) = delete;
+
+ private:
+  World& world_;
+  CallCheckMode was_;
 };
 
 }  // namespace tdist

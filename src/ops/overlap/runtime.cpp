@@ -212,7 +212,11 @@ OverlapMethod OverlapRuntime::tune_methods(const std::string& shape, const std::
     tuner_ = std::make_unique<jit::Autotuner>(
         "", jit::Autotuner::Timer{},
         [this](const std::vector<double>& v) { return world_.max_across_ranks("tdist overlap method tuning", v); });
-  winner = static_cast<OverlapMethod>(tuner_->tune(req).params.at("method"));
+  {
+    // The candidates' nested collective calls (sequential) are not compared one by one while timed.
+    const ScopedCallCheckMode checks_off(world_, CallCheckMode::kOff);
+    winner = static_cast<OverlapMethod>(tuner_->tune(req).params.at("method"));
+  }
   TDIST_INFO(TUNE, "overlap ", shape, ": method ", to_string(winner), " (auto, timed on this machine; untimed it is ",
              to_string(fallback), ")");
   std::lock_guard<std::mutex> lock(tuned_mu_);
@@ -220,10 +224,23 @@ OverlapMethod OverlapRuntime::tune_methods(const std::string& shape, const std::
   return winner;
 }
 
-void OverlapRuntime::check_call(OverlapComm comm, int64_t m, int64_t n, int64_t k, OverlapMethod method) const {
-  if (world_.check_calls())
-    world_.check_same_call(detail::concat("overlap ", to_string(comm), "(m=", m, ", n=", n, ", k=", k, ", ",
-                                          to_string(dtype_), ", method ", to_string(method), ")"));
+void OverlapRuntime::check_call(OverlapComm comm, int64_t m, int64_t n, int64_t k, OverlapMethod method,
+                                cudaStream_t stream) const {
+  // The method asked for, not the one chosen: choosing may time candidates with the other ranks,
+  // which must not start on mismatched calls (auto's choice follows from the compared fields, the
+  // settings Collectives and the tuner agree on, and the timed winners the ranks agree on).
+  const uint64_t key = CallKey("overlap")
+                           .add(static_cast<int>(comm))
+                           .add(m)
+                           .add(n)
+                           .add(k)
+                           .add(static_cast<int>(dtype_))
+                           .add(static_cast<int>(method))
+                           .value();
+  world_.check_same_call(key, stream, [&] {
+    return detail::concat("overlap ", to_string(comm), "(m=", m, ", n=", n, ", k=", k, ", ", to_string(dtype_),
+                          ", method ", to_string(method), ")");
+  });
 }
 
 OverlapMethod OverlapRuntime::resolve(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k,

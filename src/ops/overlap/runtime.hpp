@@ -137,7 +137,7 @@ class OverlapRuntime {
   // A dense op's run: check_call before any launch, then run(choose(...), stream).
   void run_call(OverlapMethod requested, OverlapComm comm, int64_t m, int64_t n, int64_t k, bool sequential_ok,
                 cudaStream_t stream, const MethodRunner& run) {
-    check_call(comm, m, n, k, requested);
+    check_call(comm, m, n, k, requested, stream);
     run(choose(requested, comm, m, n, k, sequential_ok, stream, run), stream);
   }
 
@@ -149,7 +149,7 @@ class OverlapRuntime {
                              OverlapMethod fallback, cudaStream_t stream, const MethodRunner& run);
 
   // Under call checking (World::check_same_call), compares this call with the other ranks'.
-  void check_call(OverlapComm comm, int64_t m, int64_t n, int64_t k, OverlapMethod method) const;
+  void check_call(OverlapComm comm, int64_t m, int64_t n, int64_t k, OverlapMethod method, cudaStream_t stream) const;
 
  private:
   std::string shape_class(OverlapComm comm, int64_t m, int64_t n, int64_t k) const;
