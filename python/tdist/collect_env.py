@@ -21,6 +21,7 @@ SETTINGS = {
     "TDIST_JIT_VERBOSE": ("0", "JIT log at TRACE (alias)"),
     "TDIST_HOST_TIMEOUT_S": ("300", "host waits: rendezvous, barriers (s)"),
     "TDIST_WAIT_TIMEOUT_S": ("60", "device spin-waits (s)"),
+    "TDIST_CHECK_CALLS": ("first", "compare collective calls across ranks: first (new signatures), always, off"),
     "TDIST_SYMMETRIC_HEAP_SIZE": ("1G", "default symmetric heap per rank"),
     "TDIST_STORE_SECRET": ("none", "key of the rendezvous store (tdistrun sets a random one)"),
     "TDIST_OVERLAP_METHOD": ("auto", "method of the overlapped GEMM layers"),
