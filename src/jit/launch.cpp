@@ -11,6 +11,7 @@
 #include "detail.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/process.hpp"
+#include "tdist/runtime/kernel_profiler.hpp"
 #include "tdist/runtime/wait_config.hpp"
 
 namespace tdist::jit {
@@ -159,6 +160,14 @@ std::shared_ptr<Module> Module::load(std::shared_ptr<const CompiledKernel> compi
     const device::WaitConfig config = make_wait_config(process_rank(), wait_timeout_seconds_from_env());
     TDIST_JIT_CU(d.MemcpyHtoD(config_ptr, &config, sizeof(config)));
   }
+  // Modules compiled with the intra-kernel profiler: launch() points them at its buffer.
+  if (cubin.find(device::kProfileConfigSymbol) != std::string::npos &&
+      d.LibraryGetGlobal(&config_ptr, &config_bytes, lib, device::kProfileConfigSymbol) == CUDA_SUCCESS) {
+    TDIST_CHECK(config_bytes == sizeof(device::ProfileConfig), "module ", m->compiled_->file_name, " has a ",
+                device::kProfileConfigSymbol, " of ", config_bytes, " bytes, expected ",
+                sizeof(device::ProfileConfig));
+    m->profile_config_ = static_cast<unsigned long long>(config_ptr);
+  }
   return m;
 }
 
@@ -206,6 +215,17 @@ void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args) {
       TDIST_JIT_CU(
           d.KernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(cfg.shared_bytes), k, dev));
       cur = cfg.shared_bytes;
+    }
+  }
+  if (kernel.module_->profile_config_ != 0) {
+    // The profiler's buffer changed since this module last saw it (enable, disable): write it first.
+    const Module& module = *kernel.module_;
+    const uint64_t generation = KernelProfiler::generation();
+    std::lock_guard<std::mutex> lock(module.smem_mu_);
+    if (module.profile_generation_ != generation) {
+      const device::ProfileConfig config = KernelProfiler::config();
+      TDIST_JIT_CU(d.MemcpyHtoD(static_cast<CUdeviceptr>(module.profile_config_), &config, sizeof(config)));
+      module.profile_generation_ = generation;
     }
   }
   CUlaunchAttribute attrs[2];
