@@ -351,3 +351,41 @@ TEST(KernelProfiler, RecorderIsCompiledOutByDefault) {
   EXPECT_EQ(gemms, 1);
   EXPECT_EQ(pushes, 1);
 }
+
+// bench/plot_trace.py draws a trace the writer made (where python3 has matplotlib).
+TEST(KernelProfiler, PlotScriptDrawsATrace) {
+  if (std::system("python3 -c 'import matplotlib' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "python3 with matplotlib missing: bench/plot_trace.py not run";
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<ProfileSnapshot> ranks;
+  for (int r = 0; r < 2; ++r) {
+    FakeBuffer buf(4, 2, 128);
+    for (uint32_t b = 0; b < 4; ++b) {
+      buf.put(ProfileKernel::kAllGatherGemm, b, 0, gemm_track(rng, 1000 + b, 5, static_cast<int>(b), 4, true));
+      buf.put(ProfileKernel::kAllGatherGemm, b, 1, gemm_track(rng, 1500 + b, 5, static_cast<int>(b), 4, false));
+    }
+    buf.put(ProfileKernel::kAllGatherPush, 0, 0,
+            {rec(900, ProfileEvent::kWaitBegin, 0), rec(950, ProfileEvent::kWaitEnd, 0),
+             rec(960, ProfileEvent::kCopyIssue, 1), rec(2000, ProfileEvent::kCopyLand, 1),
+             rec(2100, ProfileEvent::kMark, 3)});
+    ranks.push_back(ProfileSnapshot::from_buffer(buf.bytes.data(), buf.bytes.size(), r));
+  }
+  tdist::test::TempDir dir;
+  write_chrome_trace(dir.file("trace.json"), ranks);
+  const std::string cmd = std::string("python3 ") + TDIST_SOURCE_DIR + "/bench/plot_trace.py " + dir.file("trace.json") +
+                          " " + dir.file("trace.png") + " >" + dir.file("plot.log") + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream log(dir.file("plot.log"));
+  std::stringstream ss;
+  ss << log.rdbuf();
+  ASSERT_EQ(rc, 0) << ss.str();
+  EXPECT_NE(ss.str().find("18 tracks"), std::string::npos) << ss.str();  // 2 ranks x (4 blocks x 2 + 1)
+  std::ifstream png(dir.file("trace.png"), std::ios::binary);
+  char magic[8] = {};
+  png.read(magic, 8);
+  EXPECT_EQ(std::string(magic + 1, 3), "PNG");
+  // A filter that leaves nothing is an error, not an empty picture.
+  const std::string none = std::string("python3 ") + TDIST_SOURCE_DIR + "/bench/plot_trace.py " +
+                           dir.file("trace.json") + " " + dir.file("none.png") + " --kernel nothing >/dev/null 2>&1";
+  EXPECT_NE(std::system(none.c_str()), 0);
+}
