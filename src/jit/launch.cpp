@@ -30,6 +30,8 @@ struct Driver {
   decltype(&::cuLibraryGetModule) LibraryGetModule = nullptr;
   decltype(&::cuKernelGetFunction) KernelGetFunction = nullptr;
   decltype(&::cuMemcpyHtoD) MemcpyHtoD = nullptr;
+  decltype(&::cuMemcpyHtoDAsync) MemcpyHtoDAsync = nullptr;
+  decltype(&::cuStreamSynchronize) StreamSynchronize = nullptr;
   decltype(&::cuKernelSetAttribute) KernelSetAttribute = nullptr;
   decltype(&::cuLaunchKernelEx) LaunchKernelEx = nullptr;
   decltype(&::cuDeviceGetName) DeviceGetName = nullptr;
@@ -62,6 +64,8 @@ const Driver& driver() {
     sym(d.LibraryGetModule, "cuLibraryGetModule");
     sym(d.KernelGetFunction, "cuKernelGetFunction");
     sym(d.MemcpyHtoD, "cuMemcpyHtoD_v2");
+    sym(d.MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+    sym(d.StreamSynchronize, "cuStreamSynchronize");
     sym(d.KernelSetAttribute, "cuKernelSetAttribute");
     sym(d.LaunchKernelEx, "cuLaunchKernelEx");
     sym(d.DeviceGetName, "cuDeviceGetName");
@@ -218,13 +222,16 @@ void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args) {
     }
   }
   if (kernel.module_->profile_config_ != 0) {
-    // The profiler's buffer changed since this module last saw it (enable, disable): write it first.
+    // The profiler's buffer changed since this module last saw it (enable, disable): write it first,
+    // in this stream's order, and wait for the write, so that launches on other streams see it too.
     const Module& module = *kernel.module_;
     const uint64_t generation = KernelProfiler::generation();
     std::lock_guard<std::mutex> lock(module.smem_mu_);
     if (module.profile_generation_ != generation) {
       const device::ProfileConfig config = KernelProfiler::config();
-      TDIST_JIT_CU(d.MemcpyHtoD(static_cast<CUdeviceptr>(module.profile_config_), &config, sizeof(config)));
+      const auto stream = reinterpret_cast<CUstream>(cfg.stream);
+      TDIST_JIT_CU(d.MemcpyHtoDAsync(static_cast<CUdeviceptr>(module.profile_config_), &config, sizeof(config), stream));
+      TDIST_JIT_CU(d.StreamSynchronize(stream));
       module.profile_generation_ = generation;
     }
   }

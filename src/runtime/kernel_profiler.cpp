@@ -236,7 +236,9 @@ void KernelProfiler::enable(const KernelProfilerOptions& o) {
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());
   TDIST_CUDA_CHECK(cudaMalloc(&p, bytes));
   const ProfileHeader h = make_header(c);
-  if (cudaMemset(p, 0, bytes) != cudaSuccess || cudaMemcpy(p, &h, sizeof h, cudaMemcpyHostToDevice) != cudaSuccess) {
+  // Synchronised: the kernels that will record run on other (non-blocking) streams.
+  if (cudaMemset(p, 0, bytes) != cudaSuccess || cudaMemcpy(p, &h, sizeof h, cudaMemcpyHostToDevice) != cudaSuccess ||
+      cudaDeviceSynchronize() != cudaSuccess) {
     cudaFree(p);
     TDIST_FAIL("KernelProfiler::enable: cannot initialise the ", bytes, "-byte buffer");
   }
@@ -274,6 +276,9 @@ void KernelProfiler::reset() {
   const ProfileHeader h = make_header(st.config);
   TDIST_CUDA_CHECK(cudaMemset(st.buffer, 0, st.bytes));
   TDIST_CUDA_CHECK(cudaMemcpy(st.buffer, &h, sizeof h, cudaMemcpyHostToDevice));
+  // The memset and the copy may still be in flight on the legacy stream, which the recording
+  // kernels' non-blocking streams do not wait for.
+  TDIST_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 ProfileSnapshot KernelProfiler::read(int rank) {
