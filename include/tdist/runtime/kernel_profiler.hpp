@@ -109,12 +109,17 @@ json::Value chrome_trace(const std::vector<ProfileSnapshot>& ranks, TraceStats* 
 // Writes chrome_trace(ranks) to `path` (through a renamed temporary file).
 TraceStats write_chrome_trace(const std::string& path, const std::vector<ProfileSnapshot>& ranks);
 
-#if defined(__CUDACC__) && defined(TDIST_KERNEL_PROFILE)
+#if defined(__CUDACC__)
 // Points this translation unit's nvcc-compiled kernels at the profiler's buffer (or at none when it
-// is off). Call it from the same .cu file as the kernels after enable() or disable().
+// is off). Call it from the same .cu file as the kernels after enable() or disable(). Without
+// TDIST_KERNEL_PROFILE the unit has no recorder and this does nothing.
 static inline cudaError_t configure_kernel_profile() {
+#if defined(TDIST_KERNEL_PROFILE)
   const device::ProfileConfig config = KernelProfiler::config();
   return cudaMemcpyToSymbol(tdist_profile_config, &config, sizeof(config));
+#else
+  return cudaSuccess;
+#endif
 }
 #endif
 
