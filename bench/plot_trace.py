@@ -4,12 +4,13 @@ tdist::write_chrome_trace, docs/profiling.md) as a timeline picture: one row per
 producer or math thread, a collective block), grouped by rank, time on the x axis; spans coloured by
 kind (tile, wait, copy, user), a span nested in another drawn thinner on top of it, instants as ticks.
 
-    python3 bench/plot_trace.py trace.json out.png [--kernel ag_gemm] [--max-rows 64] [--ranks 0,1]
+    python3 bench/plot_trace.py trace.json out.png [--kernel ag_gemm] [--blocks 16] [--max-rows 96] [--ranks 0,1]
 
 Any Chrome trace with B/E pairs or X events draws; other phases are left out.
 """
 import argparse
 import json
+import re
 import sys
 from collections import defaultdict
 
@@ -67,6 +68,8 @@ def main(argv=None):
     ap.add_argument("out", help="picture to write (.png, .svg, .pdf)")
     ap.add_argument("--kernel", help="only tracks whose name starts with this (e.g. ag_gemm, ag_push)")
     ap.add_argument("--ranks", help="only these pids, a comma list")
+    ap.add_argument("--blocks", type=int, default=16,
+                    help="only tracks of blocks below this, per kernel (default 16; 0: every block)")
     ap.add_argument("--max-rows", type=int, default=96, help="tracks drawn per rank at most (default 96)")
     ap.add_argument("--title", help="the picture's title (default: the file name)")
     args = ap.parse_args(argv)
@@ -84,6 +87,9 @@ def main(argv=None):
         if ranks is not None and pid not in ranks:
             continue
         if args.kernel and not (tr["name"] or "").startswith(args.kernel):
+            continue
+        m = re.search(r"\bblock (\d+)\b", tr["name"] or "")
+        if args.blocks > 0 and m and int(m.group(1)) >= args.blocks:
             continue
         by_rank[pid].append((tr["sort"] if tr["sort"] is not None else tid, tid, tr))
     if not by_rank:
