@@ -168,8 +168,7 @@ std::shared_ptr<Module> Module::load(std::shared_ptr<const CompiledKernel> compi
   if (cubin.find(device::kProfileConfigSymbol) != std::string::npos &&
       d.LibraryGetGlobal(&config_ptr, &config_bytes, lib, device::kProfileConfigSymbol) == CUDA_SUCCESS) {
     TDIST_CHECK(config_bytes == sizeof(device::ProfileConfig), "module ", m->compiled_->file_name, " has a ",
-                device::kProfileConfigSymbol, " of ", config_bytes, " bytes, expected ",
-                sizeof(device::ProfileConfig));
+                device::kProfileConfigSymbol, " of ", config_bytes, " bytes, expected ", sizeof(device::ProfileConfig));
     m->profile_config_ = static_cast<unsigned long long>(config_ptr);
   }
   return m;
@@ -230,7 +229,8 @@ void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args) {
     if (module.profile_generation_ != generation) {
       const device::ProfileConfig config = KernelProfiler::config();
       const auto stream = reinterpret_cast<CUstream>(cfg.stream);
-      TDIST_JIT_CU(d.MemcpyHtoDAsync(static_cast<CUdeviceptr>(module.profile_config_), &config, sizeof(config), stream));
+      TDIST_JIT_CU(
+          d.MemcpyHtoDAsync(static_cast<CUdeviceptr>(module.profile_config_), &config, sizeof(config), stream));
       TDIST_JIT_CU(d.StreamSynchronize(stream));
       module.profile_generation_ = generation;
     }

@@ -78,8 +78,8 @@ void append(std::string& out, const T& v) {
 
 template <typename T>
 T take(const std::string& in, size_t& at, const char* what) {
-  TDIST_CHECK_ARG(in.size() - at >= sizeof(T) && at <= in.size(), "bytes", "a profile snapshot cut short in its ",
-                  what, " (", in.size(), " bytes)");
+  TDIST_CHECK_ARG(in.size() - at >= sizeof(T) && at <= in.size(), "bytes", "a profile snapshot cut short in its ", what,
+                  " (", in.size(), " bytes)");
   T v;
   std::memcpy(&v, in.data() + at, sizeof(T));
   at += sizeof(T);
@@ -117,8 +117,8 @@ uint64_t ProfileSnapshot::dropped_records() const {
 }
 
 ProfileSnapshot ProfileSnapshot::from_buffer(const void* bytes, size_t size, int rank) {
-  TDIST_CHECK_ARG(bytes != nullptr && size >= sizeof(ProfileHeader), "bytes",
-                  "a profile buffer of at least its ", sizeof(ProfileHeader), "-byte header, got ", size, " bytes");
+  TDIST_CHECK_ARG(bytes != nullptr && size >= sizeof(ProfileHeader), "bytes", "a profile buffer of at least its ",
+                  sizeof(ProfileHeader), "-byte header, got ", size, " bytes");
   ProfileHeader h;
   std::memcpy(&h, bytes, sizeof h);
   TDIST_CHECK_ARG(h.magic == device::kProfileMagic, "bytes", "a profile buffer (magic ", device::kProfileMagic,
@@ -163,8 +163,8 @@ ProfileSnapshot ProfileSnapshot::from_buffer(const void* bytes, size_t size, int
 
 std::string ProfileSnapshot::serialize() const {
   std::string out;
-  append(out, CompactHeader{kCompactMagic, rank, max_blocks, num_tracks, capacity,
-                            static_cast<uint32_t>(tracks.size()), lost_records});
+  append(out, CompactHeader{kCompactMagic, rank, max_blocks, num_tracks, capacity, static_cast<uint32_t>(tracks.size()),
+                            lost_records});
   for (const ProfileTrack& t : tracks) {
     append(out, CompactTrack{static_cast<uint32_t>(t.kernel), t.block, t.track, t.claimed,
                              static_cast<uint32_t>(t.records.size())});
@@ -219,8 +219,8 @@ void KernelProfiler::enable(const KernelProfilerOptions& o) {
     max_blocks = 2 * sms;
   }
   const int records = o.records_per_track == 0 ? kernel_profile_records_from_env() : o.records_per_track;
-  TDIST_CHECK_ARG(max_blocks >= 1 && max_blocks <= kMaxBlocks, "options.max_blocks", "expected 0 (twice the SMs) or 1 to ",
-                  kMaxBlocks, ", got ", o.max_blocks);
+  TDIST_CHECK_ARG(max_blocks >= 1 && max_blocks <= kMaxBlocks, "options.max_blocks",
+                  "expected 0 (twice the SMs) or 1 to ", kMaxBlocks, ", got ", o.max_blocks);
   TDIST_CHECK_ARG(o.num_tracks >= 1 && o.num_tracks <= kMaxTracks, "options.num_tracks", "expected 1 to ", kMaxTracks,
                   ", got ", o.num_tracks);
   TDIST_CHECK_ARG(records >= 16 && records <= kMaxRecordsPerTrack, "options.records_per_track",
@@ -344,25 +344,37 @@ json::Value chrome_trace(const std::vector<ProfileSnapshot>& ranks, TraceStats* 
   for (const ProfileSnapshot& s : ranks) {
     stats.dropped += s.dropped_records();
     stats.lost += s.lost_records;
-    events.push_back(json::Object{{"name", "process_name"}, {"ph", "M"}, {"pid", s.rank}, {"tid", 0},
+    events.push_back(json::Object{{"name", "process_name"},
+                                  {"ph", "M"},
+                                  {"pid", s.rank},
+                                  {"tid", 0},
                                   {"args", json::Object{{"name", "rank " + std::to_string(s.rank)}}}});
-    events.push_back(json::Object{
-        {"name", "process_sort_index"}, {"ph", "M"}, {"pid", s.rank}, {"tid", 0}, {"args", json::Object{{"sort_index", s.rank}}}});
+    events.push_back(json::Object{{"name", "process_sort_index"},
+                                  {"ph", "M"},
+                                  {"pid", s.rank},
+                                  {"tid", 0},
+                                  {"args", json::Object{{"sort_index", s.rank}}}});
     for (const ProfileTrack& t : s.tracks) {
       // One tid per slot: kernel-major, then block, then track (the slot index).
       const uint64_t tid = (static_cast<uint64_t>(t.kernel) * s.max_blocks + t.block) * s.num_tracks + t.track;
       const char* kernel = profile_kernel_name(t.kernel);
-      events.push_back(json::Object{
-          {"name", "thread_name"}, {"ph", "M"}, {"pid", s.rank}, {"tid", tid},
-          {"args", json::Object{{"name", std::string(kernel) + " block " + std::to_string(t.block) + " " +
-                                             track_name(t.kernel, t.track)}}}});
-      events.push_back(json::Object{
-          {"name", "thread_sort_index"}, {"ph", "M"}, {"pid", s.rank}, {"tid", tid}, {"args", json::Object{{"sort_index", tid}}}});
+      events.push_back(
+          json::Object{{"name", "thread_name"},
+                       {"ph", "M"},
+                       {"pid", s.rank},
+                       {"tid", tid},
+                       {"args", json::Object{{"name", std::string(kernel) + " block " + std::to_string(t.block) + " " +
+                                                          track_name(t.kernel, t.track)}}}});
+      events.push_back(json::Object{{"name", "thread_sort_index"},
+                                    {"ph", "M"},
+                                    {"pid", s.rank},
+                                    {"tid", tid},
+                                    {"args", json::Object{{"sort_index", tid}}}});
       if (t.records.empty()) continue;
       auto event = [&](const ProfileRecord& r, const char* ph) {
         const auto e = static_cast<ProfileEvent>(r.event);
         json::Value v = json::Object{{"name", profile_event_name(e)}, {"cat", kernel}, {"ph", ph},
-                                     {"ts", us(r.time_ns)}, {"pid", s.rank}, {"tid", tid}};
+                                     {"ts", us(r.time_ns)},           {"pid", s.rank}, {"tid", tid}};
         ++stats.events;
         return v;
       };

@@ -14,8 +14,8 @@
 
 #include <cstddef>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <regex>
@@ -38,9 +38,9 @@ using device::ProfileRecord;
 namespace {
 
 // `expr` throws a tdist::Error whose message holds `text`.
-#define EXPECT_ERROR_HOLDS(expr, text)                                                                  \
-  do {                                                                                                  \
-    const std::string tdist_msg_ = tdist::test::error_of([&] { (void)(expr); });                        \
+#define EXPECT_ERROR_HOLDS(expr, text)                                                                \
+  do {                                                                                                \
+    const std::string tdist_msg_ = tdist::test::error_of([&] { (void)(expr); });                      \
     EXPECT_NE(tdist_msg_.find(text), std::string::npos) << #expr << " threw: '" << tdist_msg_ << "'"; \
   } while (0)
 
@@ -72,7 +72,8 @@ struct FakeBuffer {
     const uint32_t count = static_cast<uint32_t>(records.size());
     std::memcpy(s, &count, sizeof count);
     for (uint32_t i = 0; i < count && i < c.capacity; ++i)
-      std::memcpy(s + sizeof(device::ProfileSlotHeader) + i * sizeof(ProfileRecord), &records[i], sizeof(ProfileRecord));
+      std::memcpy(s + sizeof(device::ProfileSlotHeader) + i * sizeof(ProfileRecord), &records[i],
+                  sizeof(ProfileRecord));
   }
   void set_lost(uint32_t lost) {
     std::memcpy(bytes.data() + offsetof(device::ProfileHeader, lost_records), &lost, sizeof lost);
@@ -156,8 +157,8 @@ print("ok", counts.get("B", 0), counts.get("E", 0), counts.get("i", 0), len(name
 TEST(KernelProfiler, BufferParsesBackWithOverflowCounted) {
   std::mt19937_64 rng(std::random_device{}());
   FakeBuffer buf(5, 2, 64);
-  const auto a = gemm_track(rng, 1000, 7, 3, 5, true);            // fits
-  const auto b = gemm_track(rng, 2000, 40, 1, 5, true);           // > 64 records: overflows
+  const auto a = gemm_track(rng, 1000, 7, 3, 5, true);   // fits
+  const auto b = gemm_track(rng, 2000, 40, 1, 5, true);  // > 64 records: overflows
   buf.put(ProfileKernel::kAllGatherGemm, 3, 0, a);
   buf.put(ProfileKernel::kAllGatherGemm, 1, 1, b);
   buf.put(ProfileKernel::kAllGatherPush, 4, 0, {rec(5, ProfileEvent::kMark, 9)});
@@ -275,7 +276,8 @@ TEST(KernelProfiler, TraceRepairsOverflowAndStrayEnds) {
   // A stray end, a crossing pair and an unknown kind on another slot.
   buf.put(ProfileKernel::kUser1, 1, 0,
           {rec(5, ProfileEvent::kWaitEnd, 0), rec(6, ProfileEvent::kTileBegin, 0), rec(7, ProfileEvent::kWaitBegin, 0),
-           rec(8, ProfileEvent::kTileEnd, 0), rec(9, ProfileEvent::kWaitEnd, 0), rec(10, static_cast<ProfileEvent>(77), 0)});
+           rec(8, ProfileEvent::kTileEnd, 0), rec(9, ProfileEvent::kWaitEnd, 0),
+           rec(10, static_cast<ProfileEvent>(77), 0)});
   buf.set_lost(4);
   const ProfileSnapshot s = ProfileSnapshot::from_buffer(buf.bytes.data(), buf.bytes.size(), 0);
   TraceStats stats;
@@ -337,7 +339,8 @@ TEST(KernelProfiler, RecorderIsCompiledOutByDefault) {
       EXPECT_NE(plain->cubin, with->cubin);
       EXPECT_EQ(with->spill_stores + with->spill_loads, 0) << with->log;
       if (gemm) {
-        EXPECT_EQ(with->log.find("Potential Performance Loss"), std::string::npos) << "wgmma serialised:\n" << with->log;
+        EXPECT_EQ(with->log.find("Potential Performance Loss"), std::string::npos) << "wgmma serialised:\n"
+                                                                                   << with->log;
         const std::regex stack(R"((\d+) bytes stack frame)");
         for (auto it = std::sregex_iterator(with->log.begin(), with->log.end(), stack); it != std::sregex_iterator();
              ++it)
@@ -372,8 +375,8 @@ TEST(KernelProfiler, PlotScriptDrawsATrace) {
   }
   tdist::test::TempDir dir;
   write_chrome_trace(dir.file("trace.json"), ranks);
-  const std::string cmd = std::string("python3 ") + TDIST_SOURCE_DIR + "/bench/plot_trace.py " + dir.file("trace.json") +
-                          " " + dir.file("trace.png") + " >" + dir.file("plot.log") + " 2>&1";
+  const std::string cmd = std::string("python3 ") + TDIST_SOURCE_DIR + "/bench/plot_trace.py " +
+                          dir.file("trace.json") + " " + dir.file("trace.png") + " >" + dir.file("plot.log") + " 2>&1";
   const int rc = std::system(cmd.c_str());
   std::ifstream log(dir.file("plot.log"));
   std::stringstream ss;

@@ -112,7 +112,8 @@ GemmTiles parse_gemm_track(const ProfileTrack& t, int rank, int world, std::map<
     ++i;
     while (producer && i < r.size() && r[i].event == static_cast<unsigned short>(ProfileEvent::kWaitBegin)) {
       const uint32_t chunk = r[i].payload;
-      if (chunk >= static_cast<uint32_t>(world) || chunk == static_cast<uint32_t>(rank)) fail("a wait for no peer chunk");
+      if (chunk >= static_cast<uint32_t>(world) || chunk == static_cast<uint32_t>(rank))
+        fail("a wait for no peer chunk");
       ++i;
       if (i >= r.size() || r[i].event != static_cast<unsigned short>(ProfileEvent::kWaitEnd) || r[i].payload != chunk)
         fail("expected the wait's end");
@@ -164,10 +165,18 @@ void check_gemm_events(const ProfileSnapshot& s, int rank, int world) {
   if (world > 1) TDIST_CHECK(waits > 0, "ag_gemm: no tile waited for a peer's chunk");
 }
 
-void check_push_events(const ProfileSnapshot& s, int rank, int world) {
+// `bytes`: the push's bytes per rank. Every block records its exchanges, so the tracks count the
+// blocks; block b's range and chunks follow block_range (collectives/common.cuh) and kPushChunkBytes.
+void check_push_events(const ProfileSnapshot& s, int rank, int world, u64 bytes) {
   const auto tracks = tracks_of(s, ProfileKernel::kAllGatherPush);
   TDIST_CHECK(!tracks.empty(), "no ag_push track recorded");
+  const u64 blocks = tracks.size();
+  const u64 piece = ((bytes + blocks - 1) / blocks + 15) / 16 * 16;
   for (const auto& [key, t] : tracks) {
+    TDIST_CHECK(key.first < blocks, "ag_push: block ", key.first, " recorded, but only ", blocks,
+                " blocks have tracks");
+    const u64 lo = std::min<u64>(key.first * piece, bytes), hi = std::min<u64>(lo + piece, bytes);
+    const u64 chunks = (hi - lo + (64 << 10) - 1) / (64 << 10);
     check_common(*t, "ag_push");
     TDIST_CHECK(key.second == 0, "ag_push: track ", key.second, " (expected 0)");
     const auto& r = t->records;
@@ -186,8 +195,8 @@ void check_push_events(const ProfileSnapshot& s, int rank, int world) {
       i += 2;
       ++copies;
     }
-    if (world > 1) TDIST_CHECK(copies > 0 && copies % (world - 1) == 0, "ag_push block ", key.first, ": ", copies,
-                               " copies, expected a positive multiple of ", world - 1);
+    TDIST_CHECK(static_cast<u64>(copies) == chunks * (world - 1), "ag_push block ", key.first, ": ", copies,
+                " copies, expected ", chunks, " chunks x ", world - 1, " peers");
     TDIST_CHECK(is(i, ProfileEvent::kWaitBegin, 1) && is(i + 1, ProfileEvent::kWaitEnd, 1) && i + 2 == r.size(),
                 "ag_push block ", key.first, ": no closing exchange as its last records");
   }
@@ -224,8 +233,8 @@ struct AgGemmCase {
                                                    rank);
     TDIST_CUDA_CHECK(cudaGetLastError());
     ref_host.resize(kM * kN);
-    TDIST_CUDA_CHECK(cudaMemcpyAsync(ref_host.data(), ref.get(), kM * kN * sizeof(double), cudaMemcpyDeviceToHost,
-                                     env.stream));
+    TDIST_CUDA_CHECK(
+        cudaMemcpyAsync(ref_host.data(), ref.get(), kM * kN * sizeof(double), cudaMemcpyDeviceToHost, env.stream));
   }
 
   void run_and_check() {
@@ -242,9 +251,8 @@ struct AgGemmCase {
       if (!(err <= max_err)) max_err = err, worst = i;  // NaN counts as the worst
       if (std::isnan(err)) break;
     }
-    TDIST_CHECK(max_err <= 1e-2 * max_ref, "ag_gemm: D[", worst / kN, "][", worst % kN, "] = ",
-                test::to_f(out[worst]), ", reference ", ref_host[worst], " (max |err| ", max_err, ", max |ref| ",
-                max_ref, ")");
+    TDIST_CHECK(max_err <= 1e-2 * max_ref, "ag_gemm: D[", worst / kN, "][", worst % kN, "] = ", test::to_f(out[worst]),
+                ", reference ", ref_host[worst], " (max |err| ", max_err, ", max |ref| ", max_ref, ")");
   }
 };
 
@@ -315,7 +323,8 @@ int main(int argc, char** argv) {
   });
   suite.run("ag_gemm events: tiles, waits inside them, monotonic, nothing dropped",
             [&] { check_gemm_events(snap, rank, w); });
-  suite.run("ag_push events: exchanges around the copies to each peer", [&] { check_push_events(snap, rank, w); });
+  suite.run("ag_push events: exchanges around the copies to each peer",
+            [&] { check_push_events(snap, rank, w, PushCase::kBytes); });
   suite.run("no record lost", [&] {
     TDIST_CHECK(snap.lost_records == 0 && snap.dropped_records() == 0, snap.lost_records, " lost, ",
                 snap.dropped_records(), " dropped");
@@ -338,13 +347,14 @@ int main(int argc, char** argv) {
     }
     TraceStats stats;
     const json::Value doc = chrome_trace(ranks, &stats);
-    TDIST_CHECK(stats.unmatched == 0 && stats.truncated == 0 && stats.dropped == 0 && stats.lost == 0, "repairs: ",
-                stats.unmatched, " unmatched, ", stats.truncated, " truncated, ", stats.dropped, " dropped");
+    TDIST_CHECK(stats.unmatched == 0 && stats.truncated == 0 && stats.dropped == 0 && stats.lost == 0,
+                "repairs: ", stats.unmatched, " unmatched, ", stats.truncated, " truncated, ", stats.dropped,
+                " dropped");
     TDIST_CHECK(stats.events == records, stats.events, " events for ", records, " records");
     if (!trace_path.empty()) {
       write_chrome_trace(trace_path, ranks);
-      std::printf("wrote %s: %llu events, %zu ranks\n", trace_path.c_str(), static_cast<unsigned long long>(stats.events),
-                  ranks.size());
+      std::printf("wrote %s: %llu events, %zu ranks\n", trace_path.c_str(),
+                  static_cast<unsigned long long>(stats.events), ranks.size());
     }
     (void)marks;
   });
@@ -363,7 +373,7 @@ int main(int argc, char** argv) {
     push.run_and_check(env.seed + 4);
     const ProfileSnapshot again = KernelProfiler::read(rank);
     check_gemm_events(again, rank, w);
-    check_push_events(again, rank, w);
+    check_push_events(again, rank, w, PushCase::kBytes);
   });
   test::sync_all(world, "end");
   KernelProfiler::disable();

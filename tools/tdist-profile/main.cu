@@ -133,11 +133,11 @@ int run(const Options& o) {
     std::vector<ProfileSnapshot> ranks;
     for (const Bytes& b : all) ranks.push_back(ProfileSnapshot::deserialize(std::string(b.begin(), b.end())));
     const TraceStats st = write_chrome_trace(o.out, ranks);
-    std::printf("wrote %s: %d ranks, %llu events (AllGather-GEMM M=%lld N=%lld K=%lld bf16 fused, AllGather push %llu "
-                "bytes per rank, %d profiled calls)\n",
-                o.out.c_str(), w, static_cast<unsigned long long>(st.events), static_cast<long long>(o.m),
-                static_cast<long long>(o.n), static_cast<long long>(o.k), static_cast<unsigned long long>(o.bytes),
-                o.calls);
+    std::printf(
+        "wrote %s: %d ranks, %llu events (AllGather-GEMM M=%lld N=%lld K=%lld bf16 fused, AllGather push %llu "
+        "bytes per rank, %d profiled calls)\n",
+        o.out.c_str(), w, static_cast<unsigned long long>(st.events), static_cast<long long>(o.m),
+        static_cast<long long>(o.n), static_cast<long long>(o.k), static_cast<unsigned long long>(o.bytes), o.calls);
   }
   world.barrier("tdist-profile done");
   heap.free(out);

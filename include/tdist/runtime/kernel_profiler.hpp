@@ -29,9 +29,9 @@
 namespace tdist {
 
 struct KernelProfilerOptions {
-  int max_blocks = 0;          // blocks with a slot, per kernel; 0: twice the device's SM count
-  int num_tracks = 2;          // tracks per block (the GEMM uses 2: producer and math)
-  int records_per_track = 0;   // 0: TDIST_KERNEL_PROFILE_RECORDS (16 .. 1048576), else 4096
+  int max_blocks = 0;         // blocks with a slot, per kernel; 0: twice the device's SM count
+  int num_tracks = 2;         // tracks per block (the GEMM uses 2: producer and math)
+  int records_per_track = 0;  // 0: TDIST_KERNEL_PROFILE_RECORDS (16 .. 1048576), else 4096
 };
 
 // Records per track from TDIST_KERNEL_PROFILE_RECORDS, else 4096; a malformed or out-of-range

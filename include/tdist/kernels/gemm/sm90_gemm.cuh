@@ -217,7 +217,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   for (u32 t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
     if constexpr (Profile::kEnabled)
-      if (math_thread == 0) tdist::device::profile_record(Profile::kKernel, 1, tdist::device::ProfileEvent::kTileBegin, t);
+      if (math_thread == 0)
+        tdist::device::profile_record(Profile::kKernel, 1, tdist::device::ProfileEvent::kTileBegin, t);
 
     for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
       const u32 s = st.stage();
@@ -306,7 +307,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
       hooks.after_store(info, math_thread, kNumMathThreads);  // NoTileHooks: nothing
     }
     if constexpr (Profile::kEnabled)
-      if (math_thread == 0) tdist::device::profile_record(Profile::kKernel, 1, tdist::device::ProfileEvent::kTileEnd, t);
+      if (math_thread == 0)
+        tdist::device::profile_record(Profile::kKernel, 1, tdist::device::ProfileEvent::kTileEnd, t);
   }
   // The shared memory must outlive the stores' reads; the writes finish before the kernel does.
   if (store_issuer) ptx::bulk_wait_group<0>();
