@@ -19,6 +19,7 @@
 #include "tdist/common/log.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/paths.hpp"
+#include "tdist/runtime/kernel_profiler.hpp"
 
 namespace tdist::jit {
 
@@ -256,6 +257,8 @@ Plan make_plan(const CompileRequest& req) {
   // One program per module under either compiler: the device API's per-module settings get
   // external linkage, so the loader can find and write them.
   p.options.push_back("-DTDIST_JIT_MODULE=1");
+  // The intra-kernel profiler's recorder (device/profile.cuh), in the key like any define.
+  if (KernelProfiler::jit_define()) p.options.push_back("-DTDIST_KERNEL_PROFILE=1");
   for (const auto& d : req.defines) p.options.push_back("-D" + d);
   p.options.insert(p.options.end(), user.begin(), user.end());
 

@@ -11,6 +11,7 @@
 #include "detail.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/process.hpp"
+#include "tdist/runtime/kernel_profiler.hpp"
 #include "tdist/runtime/wait_config.hpp"
 
 namespace tdist::jit {
@@ -29,6 +30,8 @@ struct Driver {
   decltype(&::cuLibraryGetModule) LibraryGetModule = nullptr;
   decltype(&::cuKernelGetFunction) KernelGetFunction = nullptr;
   decltype(&::cuMemcpyHtoD) MemcpyHtoD = nullptr;
+  decltype(&::cuMemcpyHtoDAsync) MemcpyHtoDAsync = nullptr;
+  decltype(&::cuStreamSynchronize) StreamSynchronize = nullptr;
   decltype(&::cuKernelSetAttribute) KernelSetAttribute = nullptr;
   decltype(&::cuLaunchKernelEx) LaunchKernelEx = nullptr;
   decltype(&::cuDeviceGetName) DeviceGetName = nullptr;
@@ -61,6 +64,8 @@ const Driver& driver() {
     sym(d.LibraryGetModule, "cuLibraryGetModule");
     sym(d.KernelGetFunction, "cuKernelGetFunction");
     sym(d.MemcpyHtoD, "cuMemcpyHtoD_v2");
+    sym(d.MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+    sym(d.StreamSynchronize, "cuStreamSynchronize");
     sym(d.KernelSetAttribute, "cuKernelSetAttribute");
     sym(d.LaunchKernelEx, "cuLaunchKernelEx");
     sym(d.DeviceGetName, "cuDeviceGetName");
@@ -159,6 +164,13 @@ std::shared_ptr<Module> Module::load(std::shared_ptr<const CompiledKernel> compi
     const device::WaitConfig config = make_wait_config(process_rank(), wait_timeout_seconds_from_env());
     TDIST_JIT_CU(d.MemcpyHtoD(config_ptr, &config, sizeof(config)));
   }
+  // Modules compiled with the intra-kernel profiler: launch() points them at its buffer.
+  if (cubin.find(device::kProfileConfigSymbol) != std::string::npos &&
+      d.LibraryGetGlobal(&config_ptr, &config_bytes, lib, device::kProfileConfigSymbol) == CUDA_SUCCESS) {
+    TDIST_CHECK(config_bytes == sizeof(device::ProfileConfig), "module ", m->compiled_->file_name, " has a ",
+                device::kProfileConfigSymbol, " of ", config_bytes, " bytes, expected ", sizeof(device::ProfileConfig));
+    m->profile_config_ = static_cast<unsigned long long>(config_ptr);
+  }
   return m;
 }
 
@@ -206,6 +218,21 @@ void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args) {
       TDIST_JIT_CU(
           d.KernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(cfg.shared_bytes), k, dev));
       cur = cfg.shared_bytes;
+    }
+  }
+  if (kernel.module_->profile_config_ != 0) {
+    // The profiler's buffer changed since this module last saw it (enable, disable): write it first,
+    // in this stream's order, and wait for the write, so that launches on other streams see it too.
+    const Module& module = *kernel.module_;
+    const uint64_t generation = KernelProfiler::generation();
+    std::lock_guard<std::mutex> lock(module.smem_mu_);
+    if (module.profile_generation_ != generation) {
+      const device::ProfileConfig config = KernelProfiler::config();
+      const auto stream = reinterpret_cast<CUstream>(cfg.stream);
+      TDIST_JIT_CU(
+          d.MemcpyHtoDAsync(static_cast<CUdeviceptr>(module.profile_config_), &config, sizeof(config), stream));
+      TDIST_JIT_CU(d.StreamSynchronize(stream));
+      module.profile_generation_ = generation;
     }
   }
   CUlaunchAttribute attrs[2];

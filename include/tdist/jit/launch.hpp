@@ -119,6 +119,10 @@ class Module : public std::enable_shared_from_this<Module> {
   // kernel at the same address would skip its own opt-in.
   mutable std::mutex smem_mu_;
   mutable std::map<std::pair<void*, int>, std::size_t> smem_raised_;
+  // Address of the module's tdist_profile_config (0: compiled without the profiler) and the
+  // KernelProfiler::generation() last written there (under smem_mu_).
+  unsigned long long profile_config_ = 0;
+  mutable std::uint64_t profile_generation_ = 0;
 };
 
 void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args);

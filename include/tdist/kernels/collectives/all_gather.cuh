@@ -25,6 +25,7 @@
 // stream barrier of barrier.cuh between their phases.
 #pragma once
 
+#include "tdist/device/profile.cuh"
 #include "tdist/kernels/collectives/common.cuh"
 
 namespace tdist::kernels::coll {
@@ -54,7 +55,16 @@ __global__ void __launch_bounds__(kThreads, 1) tdist_ag_sm(CollParams p) {
   end_call(p.epoch, e);
 }
 
+// Profiled (device/profile.cuh): thread 0 of each block records on track 0 the two exchanges as
+// waits (payload: the phase) and each chunk's stores to a peer as a copy (payload: the peer; the
+// span is the block's issue of the stores as thread 0 sees it: they have landed at the peer once the
+// closing exchange ends).
+TDIST_DEVICE void ag_push_record(tdist::device::ProfileEvent event, u32 payload) {
+  if (threadIdx.x == 0) tdist::device::profile_record(tdist::device::ProfileKernel::kAllGatherPush, 0, event, payload);
+}
+
 __global__ void __launch_bounds__(kThreads, 1) tdist_ag_push(CollParams p) {
+  using tdist::device::ProfileEvent;
   const u64 e = begin_call(p.epoch);
   const int n = p.heap.num_ranks, me = p.heap.rank;
   const u64 B = p.count;
@@ -62,16 +72,22 @@ __global__ void __launch_bounds__(kThreads, 1) tdist_ag_push(CollParams p) {
   block_range(B, blockIdx.x, gridDim.x, 16, lo, hi);
   const char* in = static_cast<const char*>(p.in);
   char* mine = static_cast<char*>(p.out) + me * B;  // this rank's part, at the same offset on every peer
+  ag_push_record(ProfileEvent::kWaitBegin, 0);
   exchange(p, 0, e);
+  ag_push_record(ProfileEvent::kWaitEnd, 0);
   for (u64 c = lo; c < hi; c += kPushChunkBytes) {
     const u64 len = hi - c < kPushChunkBytes ? hi - c : kPushChunkBytes;
     for (int k = 1; k < n; ++k) {
       const int peer = (me + k) % n;  // staggered, so ranks do not all write one peer at once
+      ag_push_record(ProfileEvent::kCopyIssue, static_cast<u32>(peer));
       tdist::device::detail::group_copy<BlockGroup>(p.heap.symm_at(mine, peer) + c, in + c, len);
+      ag_push_record(ProfileEvent::kCopyLand, static_cast<u32>(peer));
     }
     block_copy(mine + c, in + c, len);  // no-op in place
   }
+  ag_push_record(ProfileEvent::kWaitBegin, 1);
   exchange(p, 1, e);
+  ag_push_record(ProfileEvent::kWaitEnd, 1);
   end_call(p.epoch, e);
 }
 

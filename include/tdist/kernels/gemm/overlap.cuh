@@ -9,6 +9,7 @@
 
 #include "tdist/device/common.cuh"
 #include "tdist/device/memory_order.cuh"
+#include "tdist/device/profile.cuh"
 #include "tdist/device/signal.cuh"
 #include "tdist/kernels/gemm/overlap_params.cuh"
 
@@ -40,14 +41,22 @@ TDIST_DEVICE void gemm_wait_flag(const u64* flag, int chunk) {
 
 // AllGather-GEMM (fused): before a tile's loads, the producer waits for every chunk of A the tile
 // reads, except this rank's own (written before the launch, in stream order).
+// Profiled (device/profile.cuh, sm90_gemm.cuh): each wait is a span on the producer's track
+// (payload: the chunk), inside the tile's.
 struct AllGatherWaitHooks : AllGatherWaitParams {
   static constexpr bool kNeedsStoredTile = false;  // nothing to publish: no wait for the tile's stores
+  static constexpr tdist::device::ProfileKernel kProfileKernel = tdist::device::ProfileKernel::kAllGatherGemm;
 
   template <typename Info>
   TDIST_DEVICE void before_loads(const Info& info) const {
+    using tdist::device::ProfileEvent;
     const ChunkRange r = tile_chunks(split, info.m0, info.rows);
     for (int c = r.first; c < r.first + r.count; ++c)
-      if (c != rank) gemm_wait_flag(chunk_flags + c, c);
+      if (c != rank) {
+        tdist::device::profile_record(kProfileKernel, 0, ProfileEvent::kWaitBegin, static_cast<u32>(c));
+        gemm_wait_flag(chunk_flags + c, c);
+        tdist::device::profile_record(kProfileKernel, 0, ProfileEvent::kWaitEnd, static_cast<u32>(c));
+      }
   }
   template <typename Info>
   TDIST_DEVICE void after_store(const Info&, u32, u32) const {}

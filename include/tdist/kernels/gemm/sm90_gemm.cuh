@@ -46,6 +46,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "tdist/device/profile.cuh"
 #include "tdist/kernels/gemm/config.cuh"
 #include "tdist/kernels/gemm/grouped_scheduler.cuh"
 #include "tdist/kernels/gemm/pipeline.cuh"
@@ -84,6 +85,23 @@ struct HooksNeedStoredTile<Hooks, decltype(void(Hooks::kNeedsStoredTile))> {
 template <>
 struct HooksNeedStoredTile<NoTileHooks, void> {
   static constexpr bool value = false;
+};
+
+// Intra-kernel profiler (device/profile.cuh): hook types that declare
+//   static constexpr tdist::device::ProfileKernel kProfileKernel = ...;
+// get each tile recorded as a span on two tracks of the block: track 0 by the producer thread (from
+// before before_loads, whose waits the hooks record inside it, to the tile's last load issued) and
+// track 1 by the first consumer thread (from its first wait for a stage to the end of the epilogue
+// and after_store). Payload: the tile's index in the schedule. Nothing without TDIST_KERNEL_PROFILE.
+template <typename Hooks, typename = void>
+struct HooksProfile {
+  static constexpr bool kEnabled = false;
+  static constexpr tdist::device::ProfileKernel kKernel = tdist::device::ProfileKernel::kUser0;
+};
+template <typename Hooks>
+struct HooksProfile<Hooks, decltype(void(Hooks::kProfileKernel))> {
+  static constexpr bool kEnabled = tdist::device::kKernelProfileCompiled;
+  static constexpr tdist::device::ProfileKernel kKernel = Hooks::kProfileKernel;
 };
 
 // Register split of the warp-specialised kernel (see the top of this file).
@@ -128,6 +146,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   static_assert(kEpiBuffers == 1 || kEpiBuffers == 2, "one or two epilogue chunk buffers");
   using Regs = RegisterSplit<kNumMathWarpgroups>;
   using Mma = Wgmma<T, BLOCK_N>;
+  using Profile = HooksProfile<Hooks>;
 
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (ptx::smem_addr(smem_raw) + kSmemAlign - 1) & ~(kSmemAlign - 1);
@@ -162,6 +181,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
       PipeState st;  // running count of K blocks
       for (u32 t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
+        if constexpr (Profile::kEnabled)
+          tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileBegin, t);
         hooks.before_loads(info);
         ptx::fence_proxy_async_global();  // what the hook waited for is visible to the TMA loads
         const int m0 = static_cast<int>(info.m0), b_row = static_cast<int>(info.b_row);
@@ -173,6 +194,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
           ptx::tma_load_2d(smem_a + s * kTileABytes, &tmap_a, full, k0, m0);
           ptx::tma_load_2d(smem_b + s * kTileBBytes, &tmap_b, full, k0, b_row);
         }
+        if constexpr (Profile::kEnabled)
+          tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileEnd, t);
       }
     }
     return;
@@ -193,6 +216,9 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   u32 epi_iter = 0;  // running count of this warpgroup's D chunks: buffer = epi_iter % kEpiBuffers
   for (u32 t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
+    if constexpr (Profile::kEnabled)
+      if (math_thread == 0)
+        tdist::device::profile_record(Profile::kKernel, 1, tdist::device::ProfileEvent::kTileBegin, t);
 
     for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
       const u32 s = st.stage();
@@ -280,6 +306,9 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     } else {
       hooks.after_store(info, math_thread, kNumMathThreads);  // NoTileHooks: nothing
     }
+    if constexpr (Profile::kEnabled)
+      if (math_thread == 0)
+        tdist::device::profile_record(Profile::kKernel, 1, tdist::device::ProfileEvent::kTileEnd, t);
   }
   // The shared memory must outlive the stores' reads; the writes finish before the kernel does.
   if (store_issuer) ptx::bulk_wait_group<0>();
