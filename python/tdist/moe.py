@@ -43,6 +43,10 @@ The grouped GEMM alone (one GPU, not collective; tdist/ops/grouped_gemm.hpp), on
              outside a, w and d). Padding rows are computed like the others; rows past offsets[G] of d
              are not written. routing_reference's offsets have this form.
 Registered as torch.ops.tdist.grouped_gemm with a fake implementation.
+
+All three ops have autograd (python/tdist/_autograd.py, docs/moe.md "Training"): gradients of x_rows,
+h, w, topk_weights (summed over ranks) and a; none of topk_ids or offsets. The backward rebuilds the
+routing with routing(topk_ids, E, world, rank), torch ops on the GPU equal to routing_reference.
 """
 
 # No `from __future__ import annotations`: torch.library.custom_op reads the annotations as types.
