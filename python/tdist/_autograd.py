@@ -625,8 +625,8 @@ def moe_group_gemm_rs_backward(grad: Tensor, h: Tensor, w: Tensor, topk_ids: Ten
     main = torch.cuda.current_stream(grad.device)
     side = _side_stream(grad.device)
     g_all = grad  # [M, N]: every token's output gradient (replicated for _ar)
+    side.wait_stream(main)  # forked in every case, so that the join below is one (also in a capture)
     if not all_reduce:
-        side.wait_stream(main)
         with torch.cuda.stream(side):
             g_all = gather_rows(grad, m, world)
             gathered_ready = side.record_event()
