@@ -68,6 +68,29 @@ def routing_ids(m, topk, experts, kind, seed):
     return scores.topk(topk, dim=1).indices.to(torch.int32)
 
 
+class Checks:
+    """Collects failed checks and raises them at the end of a test: a rank whose check fails still runs
+    every later case, so the ranks keep calling the collectives together (a rank leaving the loop
+    early would leave the others waiting)."""
+
+    def __init__(self):
+        self.failed = []
+
+    def __call__(self, fn, *args):
+        try:
+            fn(*args)
+        except AssertionError as e:
+            self.failed.append(str(e))
+
+    def raise_failed(self):
+        if self.failed:
+            raise AssertionError(f"{len(self.failed)} checks failed:\n" + "\n".join(self.failed[:20]))
+
+
+def check_zero(t, what):
+    assert bool((t == 0).all()), what
+
+
 def all_ranks_sum(t):
     t = t.detach().clone()
     dist.all_reduce(t)
@@ -121,6 +144,7 @@ def ag_reference(x_all, w, g, routing):
 def test_moe_ag_group_gemm_grad():
     W, me = world(), rank()
     seed = 100
+    check = Checks()
     for dtype in DTYPES:
         for (m, topk, E, K, N, kind) in CASES:
             for style in (("auto", "tiles") if dtype == torch.bfloat16 else ("auto",)):
@@ -143,13 +167,14 @@ def test_moe_ag_group_gemm_grad():
                     d.backward(g)
                     dx_ref, dw_ref = ag_reference(x_all, w, g, routing)
                     dx_ref = all_ranks_sum(dx_ref)[first:first + rows]
-                    check_close(x_rows.grad, dx_ref.cpu(), what + " x_rows", OP_TOL)
-                    check_close(w_.grad, dw_ref.cpu(), what + " w", OP_TOL)
+                    check(check_close, x_rows.grad, dx_ref.cpu(), what + " x_rows", OP_TOL)
+                    check(check_close, w_.grad, dw_ref.cpu(), what + " w", OP_TOL)
                     empty = [e for e in range(E) if routing["counts"][e] == 0]
                     if empty:
-                        assert bool((w_.grad[empty] == 0).all()), f"{what}: an empty expert's w gradient is not 0"
+                        check(check_zero, w_.grad[empty], f"{what}: an empty expert's w gradient is not 0")
                 finally:
                     restore()
+    check.raise_failed()
 
 
 # --- moe_group_gemm_rs / _ar -------------------------------------------------------------------------
@@ -174,6 +199,7 @@ def rs_reference(h_, w, ids, p, g_all, routing):
 def test_moe_group_gemm_rs_and_ar_grad():
     W, me = world(), rank()
     seed = 2000
+    check = Checks()
     for dtype in DTYPES:
         for (m, topk, E, K, N, kind) in CASES:
             for variant in ("rs", "ar"):
@@ -198,11 +224,11 @@ def test_moe_group_gemm_rs_and_ar_grad():
                 y.backward(grad)
                 dh_ref, dw_ref, dp_ref = rs_reference(h_, w, ids, p, g_all, routing)
                 dp_ref = all_ranks_sum(dp_ref)
-                check_close(hh.grad, dh_ref.cpu(), what + " h", OP_TOL)
-                outside = torch.isnan(h_).any(1)
-                assert bool((hh.grad[outside] == 0).all()), f"{what}: h gradient not 0 outside the pairs"
-                check_close(ww.grad, dw_ref.cpu(), what + " w", OP_TOL)
-                check_close(pp.grad, dp_ref.cpu(), what + " topk_weights", OP_TOL)
+                check(check_close, hh.grad, dh_ref.cpu(), what + " h", OP_TOL)
+                check(check_zero, hh.grad[torch.isnan(h_).any(1)], f"{what}: h gradient not 0 outside the pairs")
+                check(check_close, ww.grad, dw_ref.cpu(), what + " w", OP_TOL)
+                check(check_close, pp.grad, dp_ref.cpu(), what + " topk_weights", OP_TOL)
+    check.raise_failed()
 
 
 # --- grouped_gemm ------------------------------------------------------------------------------------
@@ -210,6 +236,7 @@ def test_moe_group_gemm_rs_and_ar_grad():
 def test_grouped_gemm_grad():
     align = moe.grouped_gemm_alignment()
     seed = 3000 + rank()
+    check = Checks()
     for dtype in DTYPES:
         for counts, K, N, idx in (([0, 129, 1, 300, 0], 136, 104, torch.int32), ([5], 72, 200, torch.int64),
                                   ([200, 0, 0, 17, 128, 3, 1], 264, 136, torch.int32)):
@@ -233,8 +260,9 @@ def test_grouped_gemm_grad():
             ref = torch.cat([a64[offsets[i]:offsets[i + 1]] @ w64[i].T for i in range(len(counts))])
             (ref * g[:end].double()).sum().backward()
             da_ref = torch.cat([a64.grad, a64.grad.new_zeros((m_total - end, K))])
-            check_close(aa.grad, da_ref.cpu(), what + " a", OP_TOL)
-            check_close(ww.grad, w64.grad.cpu(), what + " w", OP_TOL)
+            check(check_close, aa.grad, da_ref.cpu(), what + " a", OP_TOL)
+            check(check_close, ww.grad, w64.grad.cpu(), what + " w", OP_TOL)
+    check.raise_failed()
 
 
 # --- the layer of docs/moe.md ------------------------------------------------------------------------
@@ -271,16 +299,16 @@ def layer_reference(ids, p, x_all, g_all, w13, w2):
             all_ranks_sum(p64.grad))
 
 
-def check_layer(what, y, y_ref_rows, x, w13, w2, p, refs):
+def check_layer(check, what, y, y_ref_rows, x, w13, w2, p, refs):
     _, dx_ref, dw13_ref, dw2_ref, dp_ref = refs
-    check_close(y, y_ref_rows.cpu(), what + " output", LAYER_TOL)
-    check_close(x.grad, dx_ref.cpu(), what + " x_rows", LAYER_TOL)
-    check_close(w13.grad, dw13_ref.cpu(), what + " w13", LAYER_TOL)
-    check_close(w2.grad, dw2_ref.cpu(), what + " w2", LAYER_TOL)
-    check_close(p.grad, dp_ref.cpu(), what + " topk_weights", LAYER_TOL)
+    check(check_close, y, y_ref_rows.cpu(), what + " output", LAYER_TOL)
+    check(check_close, x.grad, dx_ref.cpu(), what + " x_rows", LAYER_TOL)
+    check(check_close, w13.grad, dw13_ref.cpu(), what + " w13", LAYER_TOL)
+    check(check_close, w2.grad, dw2_ref.cpu(), what + " w2", LAYER_TOL)
+    check(check_close, p.grad, dp_ref.cpu(), what + " topk_weights", LAYER_TOL)
 
 
-def run_layer(what, m, kind, seed, run):
+def run_layer(check, what, m, kind, seed, run):
     ids, p, x_all, g_all, w13, w2 = layer_inputs(m, kind, seed)
     first, rows = moe.rows_of(m, world(), rank())
     x = x_all[first:first + rows].clone().requires_grad_()
@@ -289,24 +317,30 @@ def run_layer(what, m, kind, seed, run):
     poison_allocator()
     y.backward(g_all[first:first + rows])
     refs = layer_reference(ids, p, x_all, g_all, w13, w2)
-    check_layer(what, y.detach(), refs[0][first:first + rows], x, w13_, w2_, p_, refs)
+    check_layer(check, what, y.detach(), refs[0][first:first + rows], x, w13_, w2_, p_, refs)
 
 
 def test_layer_eager():
+    check = Checks()
     for m, kind in ((64, "random"), (777, "half_empty")):
-        run_layer(f"layer m={m} {kind}", m, kind, 4000 + m, moe_layer)
+        run_layer(check, f"layer m={m} {kind}", m, kind, 4000 + m, moe_layer)
+    check.raise_failed()
 
 
 def test_layer_torch_compile():
     torch._dynamo.reset()
     compiled = torch.compile(moe_layer, fullgraph=True)
+    check = Checks()
     for m, kind in ((100, "random"), (333, "hot")):
-        run_layer(f"compiled layer m={m} {kind}", m, kind, 5000 + m, compiled)
+        run_layer(check, f"compiled layer m={m} {kind}", m, kind, 5000 + m, compiled)
+    check.raise_failed()
 
 
 def test_layer_activation_checkpointing():
-    run_layer("checkpointed layer", 250, "half_empty", 6000,
+    check = Checks()
+    run_layer(check, "checkpointed layer", 250, "half_empty", 6000,
               lambda *args: checkpoint(moe_layer, *args, use_reentrant=False))
+    check.raise_failed()
 
 
 def test_layer_cuda_graph_forward_backward():
@@ -314,6 +348,7 @@ def test_layer_cuda_graph_forward_backward():
     side-stream collectives inside the capture), replayed with fresh routing, tokens and gradients."""
     W, me = world(), rank()
     m = 600
+    check = Checks()
     first, rows = moe.rows_of(m, W, me)
     ids0, p0, x0, g0, w13, w2 = layer_inputs(m, "random", 7000)
     x = x0[first:first + rows].clone().requires_grad_()
@@ -346,10 +381,11 @@ def test_layer_cuda_graph_forward_backward():
         graph.replay()
         torch.cuda.synchronize()
         refs = layer_reference(ids_r, p_r, x_all, g_all, w13, w2)
-        check_layer(f"graph layer replay {replay} {kind}", y.detach(), refs[0][first:first + rows], x, w13_, w2_,
-                    p, refs)
+        check_layer(check, f"graph layer replay {replay} {kind}", y.detach(), refs[0][first:first + rows], x, w13_,
+                    w2_, p, refs)
     del graph
     torch.cuda.synchronize()
+    check.raise_failed()
 
 
 TESTS = [
