@@ -481,9 +481,10 @@ def linear_replicated_input(x: Tensor, w: Tensor, method: str, fused: bool) -> T
 #
 # Backward, with dY the output's gradient (docs/moe.md, "Training"):
 #
-#   ag   dA[r] = dY[r] @ w_e (tdist's grouped GEMM on w's experts transposed); dx_all[t] = sum_j
-#        dA[rop[t, j]] (fp32); dx_rows = ReduceScatter(dx_all), the AllGather's adjoint;
-#        dw_e = dY_e.T @ X_e, X_e = the expert's rows x[tok[r]] (x gathered again: beside dA's GEMM)
+#   ag   dx_rows = this rank's rows of sum_ranks dx, dx[t] = sum_j dY[rop[t, j]] @ w_e (the
+#        ReduceScatter is the AllGather's adjoint): exactly moe_group_gemm_rs(dY, w_e.T, ids, 1), the
+#        tdist op, which overlaps the ReduceScatter with its grouped GEMM;
+#        dw_e = dY_e.T @ X_e, X_e = the expert's rows x[tok[r]] (x gathered again, beside the routing)
 #   rs   G = AllGather(dy) (_ar: G = dy, replicated as in gemm_ar); U[r] = G[tok[r]] @ w_e;
 #        dh[r] = p(r) U[r]; dp[t, j] = <G[t], h[r] @ w_e.T> = <U[r], h[r]> with r = rop[t, j],
 #        summed over ranks (an AllReduce: p is the same on every rank and each rank holds a slice of
@@ -560,10 +561,10 @@ def _zero_rows(t: Tensor, valid: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("tdist::moe_ag_group_gemm_backward", mutates_args=())
-def moe_ag_group_gemm_backward(grad: Tensor, x_rows: Tensor, topk_ids: Tensor, w: Tensor, need_x: bool,
+def moe_ag_group_gemm_backward(grad: Tensor, x_rows: Tensor, topk_ids: Tensor, w: Tensor, method: str, need_x: bool,
                                need_w: bool) -> Tuple[Tensor, Tensor]:
-    """Backward of d = moe_ag_group_gemm(x_rows, topk_ids, w): (grad of x_rows, grad of w); an empty
-    tensor where not needed."""
+    """Backward of d = moe_ag_group_gemm(x_rows, topk_ids, w, method): (grad of x_rows, grad of w); an
+    empty tensor where not needed."""
     rank, world = rank_world()
     m, topk = topk_ids.shape
     experts, n, k = w.shape
@@ -575,33 +576,30 @@ def moe_ag_group_gemm_backward(grad: Tensor, x_rows: Tensor, topk_ids: Tensor, w
     main = torch.cuda.current_stream(grad.device)
     side = _side_stream(grad.device)
     side.wait_stream(main)
-    gathered_ready = None
     if need_w:
         with torch.cuda.stream(side):
             gathered = gather_rows(x_rows, m, world)  # [M, K]: every token, again
-            gathered_ready = side.record_event()
         gathered.record_stream(main)
+    # Beside the AllGather: the routing and the transposed weights; the collective below waits for it.
     r = _moe.routing(topk_ids, experts, world, rank)
-    offsets, token_of_row, row_of_pair = r["offsets"], r["token_of_row"], r["row_of_pair"]
+    offsets, token_of_row = r["offsets"], r["token_of_row"]
+    w_t = _experts_transposed(w) if need_x else None
+    main.wait_stream(side)
     if need_x:
-        rows = _moe.grouped_gemm(grad, _experts_transposed(w), offsets)  # [R, K]: dY[r] @ w_e
-        # This rank's term of every token's gradient: its pairs' rows summed (fp32).
-        partial = rows[row_of_pair.reshape(-1)].view(m, topk, k).sum(1, dtype=torch.float32).to(grad.dtype)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            grad_x = scatter_rows(partial, m, world, rank)
-        grad_x.record_stream(main)
+        # dx_rows[t] = this rank's rows of sum_ranks sum_j dY[rop[t, j]] @ w_e: the second projection's
+        # op on dY (expert-ordered rows of the same routing) and w_e.T with every weight 1, its
+        # ReduceScatter overlapped with its grouped GEMM; it reads no padding row of dY.
+        ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=grad.device)
+        grad_x = _ops.moe_group_gemm_rs.default(grad, w_t, topk_ids, ones, method, False)
     if need_w:
-        main.wait_event(gathered_ready)
         valid = _rows_valid(token_of_row)
         a = _zero_rows(gathered[token_of_row.clamp(min=0)], valid)  # [R, K] in expert order
         grad_w = grouped_weight_grad(_zero_rows(grad, valid), a, offsets, experts)
-    main.wait_stream(side)
     return grad_x, grad_w
 
 
 @moe_ag_group_gemm_backward.register_fake
-def _(grad, x_rows, topk_ids, w, need_x, need_w):
+def _(grad, x_rows, topk_ids, w, method, need_x, need_w):
     grad_x = x_rows.new_empty(x_rows.shape) if need_x else grad.new_empty((0,))
     grad_w = w.new_empty(w.shape) if need_w else grad.new_empty((0,))
     return grad_x, grad_w
@@ -703,13 +701,15 @@ def _(grad, a, w, offsets, need_a, need_w):
 
 def _moe_ag_setup(ctx, inputs, output):
     x_rows, topk_ids, w, method = inputs
+    ctx.method = method
     ctx.save_for_backward(x_rows, topk_ids, w)  # this rank's tokens only: backward gathers them again
 
 
 def _moe_ag_backward(ctx, grad_d):
     x_rows, topk_ids, w = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-    grad_x, grad_w = _ops.moe_ag_group_gemm_backward.default(dense(grad_d), x_rows, topk_ids, w, need_x, need_w)
+    grad_x, grad_w = _ops.moe_ag_group_gemm_backward.default(dense(grad_d), x_rows, topk_ids, w, ctx.method, need_x,
+                                                             need_w)
     return _or_none(grad_x, need_x), None, _or_none(grad_w, need_w), None
 
 

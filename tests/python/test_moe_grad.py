@@ -82,9 +82,9 @@ def test_backward_fakes(stand_in_runtime):
     cap = moe.capacity(m, topk, experts)
     ids = meta((m, topk), torch.int32)
     x, w, d = meta((150, k)), meta((experts, n, k)), meta((cap, n))
-    gx, gw = torch.ops.tdist.moe_ag_group_gemm_backward(d, x, ids, w, True, True)
+    gx, gw = torch.ops.tdist.moe_ag_group_gemm_backward(d, x, ids, w, "auto", True, True)
     assert gx.shape == (150, k) and gw.shape == (experts, n, k) and gx.dtype == gw.dtype == torch.bfloat16
-    gx, gw = torch.ops.tdist.moe_ag_group_gemm_backward(d, x, ids, w, False, True)
+    gx, gw = torch.ops.tdist.moe_ag_group_gemm_backward(d, x, ids, w, "chunked", False, True)
     assert gx.numel() == 0 and gw.shape == (experts, n, k)
     h, w2, p, y = meta((cap, k)), meta((experts, n, k)), meta((m, topk), torch.float32), meta((150, n))
     gh, gw, gp = torch.ops.tdist.moe_group_gemm_rs_backward(y, h, w2, ids, p, False, True, True, True)
