@@ -493,8 +493,8 @@ def linear_replicated_input(x: Tensor, w: Tensor, method: str, fused: bool) -> T
 #
 # dw is a grouped GEMM whose groups split the reduction dimension, which tdist's grouped GEMM (groups
 # of output rows) does not do: torch._grouped_mm does (bfloat16 on sm90+); elsewhere a batched GEMM
-# per 128-row tile (every tile is one expert's) summed into its expert, which moves E x N x K fp32
-# partials per tile and so is the fallback. No per-expert loop: the experts' row counts live on the
+# per 128-row tile (every tile is one expert's) summed into its expert, which moves an N x K fp32
+# partial per tile and so is the fallback. No per-expert loop: the experts' row counts live on the
 # GPU, and reading them would be a host synchronisation. TDIST_MOE_WGRAD: auto, grouped_mm or tiles.
 #
 # The routing is rebuilt on the GPU from topk_ids (tdist.moe.routing, a few small kernels): the ops
