@@ -474,3 +474,277 @@ def linear_replicated_input(x: Tensor, w: Tensor, method: str, fused: bool) -> T
     if fused:
         return ReplicatedColumnLinear.apply(dense(x), w, method)
     return torch.mm(CopyReplicated.apply(x), w.t())
+
+
+# --- MoE (tdist.moe): the grouped GEMMs' backward ------------------------------------------------------
+# Forward ops (docs/moe.md; W ranks, M tokens, rows in expert order, R = capacity(M, topk, E); the
+# routing's offsets, token_of_row tok, row_of_pair rop; w [E, N, K] this rank's shard):
+#
+#   moe_ag_group_gemm  d [R, N]: d[r] = x[tok[r]] @ w_e.T for the pairs' rows, 0 for padding rows
+#   moe_group_gemm_rs  y [rows(rank), N] = this rank's rows of sum_ranks z_s, z_s[t] = sum_j
+#                      p[t, j] h[rop[t, j]] @ w_e.T (p: topk_weights); _ar: all of sum_ranks z_s
+#   grouped_gemm       d [R, N]: d[r] = a[r] @ w_g.T for rows r < offsets[G]
+#
+# Backward, with dY the output's gradient (docs/moe.md, "Training"):
+#
+#   ag   dx_rows = this rank's rows of sum_ranks dx, dx[t] = sum_j dY[rop[t, j]] @ w_e (the
+#        ReduceScatter is the AllGather's adjoint): exactly moe_group_gemm_rs(dY, w_e.T, ids, 1), the
+#        tdist op, which overlaps the ReduceScatter with its grouped GEMM;
+#        dw_e = dY_e.T @ X_e, X_e = the expert's rows x[tok[r]] (x gathered again, beside the routing)
+#   rs   G = AllGather(dy) (_ar: G = dy, replicated as in gemm_ar); U[r] = G[tok[r]] @ w_e;
+#        dh[r] = p(r) U[r]; dp[t, j] = <G[t], h[r] @ w_e.T> = <U[r], h[r]> with r = rop[t, j],
+#        summed over ranks (an AllReduce: p is the same on every rank and each rank holds a slice of
+#        the features); dw_e = (p G[tok])_e.T @ h_e
+#   gg   da[r] = dY[r] @ w_g (rows past offsets[G]: 0); dw_g = dY_g.T @ a_g
+#
+# dw is a grouped GEMM whose groups split the reduction dimension, which tdist's grouped GEMM (groups
+# of output rows) does not do: torch._grouped_mm does (bfloat16 on sm90+); elsewhere a batched GEMM
+# per 128-row tile (every tile is one expert's) summed into its expert, which moves an N x K fp32
+# partial per tile and so is the fallback. No per-expert loop: the experts' row counts live on the
+# GPU, and reading them would be a host synchronisation. TDIST_MOE_WGRAD: auto, grouped_mm or tiles.
+#
+# The routing is rebuilt on the GPU from topk_ids (tdist.moe.routing, a few small kernels): the ops
+# keep it in their context, which the next call overwrites. Rows outside the pairs (padding, past
+# offsets[E], or unwritten rows the user's loss may have touched) are masked before they enter a sum.
+
+from . import moe as _moe
+
+_MOE_TILE = _moe.grouped_gemm_alignment()
+_DW_CHUNK_BYTES = 256 << 20  # fp32 per-tile partials kept at once by the tile fallback
+
+
+def _moe_wgrad_style(dtype, device) -> str:
+    style = os.environ.get("TDIST_MOE_WGRAD", "auto")
+    if style not in ("auto", "grouped_mm", "tiles"):
+        raise ValueError(f"TDIST_MOE_WGRAD must be 'auto', 'grouped_mm' or 'tiles', got '{style}'")
+    if style == "auto":
+        usable = (hasattr(torch, "_grouped_mm") and dtype == torch.bfloat16 and device.type == "cuda" and
+                  torch.cuda.get_device_capability(device)[0] in (9, 10))
+        style = "grouped_mm" if usable else "tiles"
+    return style
+
+
+def grouped_weight_grad(dy: Tensor, a: Tensor, offsets: Tensor, groups: int) -> Tensor:
+    """[G, N, K]: dy[rows of g].T @ a[rows of g] per group g (rows [offsets[g], offsets[g + 1]), each
+    offset a multiple of the grouped GEMM's alignment); dy [R, N] and a [R, K] are 0 in every row
+    outside the groups (the caller masks them)."""
+    rows, n, k = dy.shape[0], dy.shape[1], a.shape[1]
+    if _moe_wgrad_style(dy.dtype, dy.device) == "grouped_mm":
+        out = torch._grouped_mm(dy.t(), a, offs=offsets[1:].to(torch.int32))
+        # An empty group sums nothing: 0, whatever the kernel leaves there.
+        nonempty = (offsets[1:] > offsets[:-1]).view(groups, 1, 1)
+        return torch.where(nonempty, out, out.new_zeros(()))
+    tiles = -(-rows // _MOE_TILE)
+    out = torch.zeros((groups, n, k), dtype=torch.float32, device=dy.device)
+    if tiles == 0:
+        return out.to(dy.dtype)
+    if tiles * _MOE_TILE != rows:
+        extra = tiles * _MOE_TILE - rows
+        dy = torch.cat([dy, dy.new_zeros((extra, n))])
+        a = torch.cat([a, a.new_zeros((extra, k))])
+    dy_tiles, a_tiles = dy.view(tiles, _MOE_TILE, n), a.view(tiles, _MOE_TILE, k)
+    starts = torch.arange(tiles, device=dy.device, dtype=torch.long) * _MOE_TILE
+    # A tile's group: the first g with offsets[g + 1] > its first row (tiles past offsets[G] are 0).
+    group = torch.searchsorted(offsets[1:].long().contiguous(), starts, right=True).clamp_(max=groups - 1)
+    step = max(1, _DW_CHUNK_BYTES // max(1, n * k * 4))
+    for first in range(0, tiles, step):
+        part = torch.bmm(dy_tiles[first:first + step].transpose(1, 2), a_tiles[first:first + step])
+        out.index_add_(0, group[first:first + step], part.float())
+    return out.to(dy.dtype)
+
+
+def _experts_transposed(w: Tensor) -> Tensor:
+    """[E, K, N]: every expert's w_e.T, contiguous (the grouped GEMM's weight operand for dY @ w_e)."""
+    return w.transpose(1, 2).contiguous()
+
+
+def _rows_valid(token_of_row: Tensor) -> Tensor:
+    return (token_of_row >= 0).unsqueeze(1)
+
+
+def _zero_rows(t: Tensor, valid: Tensor) -> Tensor:
+    return torch.where(valid, t, t.new_zeros(()))
+
+
+@torch.library.custom_op("tdist::moe_ag_group_gemm_backward", mutates_args=())
+def moe_ag_group_gemm_backward(grad: Tensor, x_rows: Tensor, topk_ids: Tensor, w: Tensor, method: str, need_x: bool,
+                               need_w: bool) -> Tuple[Tensor, Tensor]:
+    """Backward of d = moe_ag_group_gemm(x_rows, topk_ids, w, method): (grad of x_rows, grad of w); an
+    empty tensor where not needed."""
+    rank, world = rank_world()
+    m, topk = topk_ids.shape
+    experts, n, k = w.shape
+    if m == 0 or n == 0:  # the forward ran no collective either (every rank has the same M)
+        return (x_rows.new_zeros(x_rows.shape) if need_x else _no_grad_placeholder(grad),
+                w.new_zeros(w.shape) if need_w else _no_grad_placeholder(grad))
+    grad_x = grad_w = _no_grad_placeholder(grad)
+    grad = dense(grad)
+    main = torch.cuda.current_stream(grad.device)
+    side = _side_stream(grad.device)
+    side.wait_stream(main)
+    if need_w:
+        with torch.cuda.stream(side):
+            gathered = gather_rows(x_rows, m, world)  # [M, K]: every token, again
+        gathered.record_stream(main)
+    # Beside the AllGather: the routing and the transposed weights; the collective below waits for it.
+    r = _moe.routing(topk_ids, experts, world, rank)
+    offsets, token_of_row = r["offsets"], r["token_of_row"]
+    w_t = _experts_transposed(w) if need_x else None
+    main.wait_stream(side)
+    if need_x:
+        # dx_rows[t] = this rank's rows of sum_ranks sum_j dY[rop[t, j]] @ w_e: the second projection's
+        # op on dY (expert-ordered rows of the same routing) and w_e.T with every weight 1, its
+        # ReduceScatter overlapped with its grouped GEMM; it reads no padding row of dY.
+        ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=grad.device)
+        grad_x = _ops.moe_group_gemm_rs.default(grad, w_t, topk_ids, ones, method, False)
+    if need_w:
+        valid = _rows_valid(token_of_row)
+        a = _zero_rows(gathered[token_of_row.clamp(min=0)], valid)  # [R, K] in expert order
+        grad_w = grouped_weight_grad(_zero_rows(grad, valid), a, offsets, experts)
+    return grad_x, grad_w
+
+
+@moe_ag_group_gemm_backward.register_fake
+def _(grad, x_rows, topk_ids, w, method, need_x, need_w):
+    grad_x = x_rows.new_empty(x_rows.shape) if need_x else grad.new_empty((0,))
+    grad_w = w.new_empty(w.shape) if need_w else grad.new_empty((0,))
+    return grad_x, grad_w
+
+
+@torch.library.custom_op("tdist::moe_group_gemm_rs_backward", mutates_args=())
+def moe_group_gemm_rs_backward(grad: Tensor, h: Tensor, w: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+                               all_reduce: bool, need_h: bool, need_w: bool,
+                               need_weights: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """Backward of y = moe_group_gemm_rs(h, w, topk_ids, topk_weights, method, all_reduce): (grad of h,
+    grad of w, grad of topk_weights, summed over ranks); an empty tensor where not needed."""
+    rank, world = rank_world()
+    m, topk = topk_ids.shape
+    experts, n, k = w.shape
+    if m == 0 or n == 0:
+        return (h.new_zeros(h.shape) if need_h else _no_grad_placeholder(grad),
+                w.new_zeros(w.shape) if need_w else _no_grad_placeholder(grad),
+                topk_weights.new_zeros(topk_weights.shape) if need_weights else _no_grad_placeholder(grad))
+    grad_h = grad_w = grad_p = _no_grad_placeholder(grad)
+    grad = dense(grad)
+    main = torch.cuda.current_stream(grad.device)
+    side = _side_stream(grad.device)
+    g_all = grad  # [M, N]: every token's output gradient (replicated for _ar)
+    side.wait_stream(main)  # forked in every case, so that the join below is one (also in a capture)
+    if not all_reduce:
+        with torch.cuda.stream(side):
+            g_all = gather_rows(grad, m, world)
+            gathered_ready = side.record_event()
+        g_all.record_stream(main)
+    # Beside the AllGather: the routing and the transposed weights.
+    r = _moe.routing(topk_ids, experts, world, rank)
+    offsets, token_of_row, row_of_pair = r["offsets"], r["token_of_row"], r["row_of_pair"]
+    w_t = _experts_transposed(w) if (need_h or need_weights) else None
+    valid = _rows_valid(token_of_row)
+    pairs = row_of_pair.reshape(-1)
+    # p of each row (fp32 [R]); 0 in padding rows and past offsets[E].
+    p_row = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device).scatter_(0, pairs,
+                                                                                    topk_weights.reshape(-1))
+    if not all_reduce:
+        main.wait_event(gathered_ready)
+    g_rows = g_all[token_of_row.clamp(min=0)]  # [R, N]: G[tok[r]] (token 0 in rows outside the pairs)
+    if need_h or need_weights:
+        u = _moe.grouped_gemm(g_rows, w_t, offsets)  # [R, K]: G[tok[r]] @ w_e; rows past offsets[E] unwritten
+        if need_h:
+            grad_h = _zero_rows((u.float() * p_row.unsqueeze(1)).to(h.dtype), valid)
+        if need_weights:
+            # <U[r], h[r]> per row (fp32, in chunks of rows), then the pairs' rows; rows outside the
+            # pairs (garbage in h, unwritten in u) are computed but never read.
+            dots = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+            step = max(1, (64 << 20) // max(1, k * 8))
+            for first in range(0, h.shape[0], step):
+                dots[first:first + step] = (u[first:first + step].float() * h[first:first + step].float()).sum(1)
+            partial = dots[pairs].view(m, topk)
+            if world > 1:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    grad_p = _ops.all_reduce.default(partial, "auto")
+                grad_p.record_stream(main)
+            else:
+                grad_p = partial
+    if need_w:
+        dz = _zero_rows((g_rows.float() * p_row.unsqueeze(1)).to(h.dtype), valid)
+        grad_w = grouped_weight_grad(dz, _zero_rows(h, valid), offsets, experts)
+    main.wait_stream(side)
+    return grad_h, grad_w, grad_p
+
+
+@moe_group_gemm_rs_backward.register_fake
+def _(grad, h, w, topk_ids, topk_weights, all_reduce, need_h, need_w, need_weights):
+    return (h.new_empty(h.shape) if need_h else grad.new_empty((0,)),
+            w.new_empty(w.shape) if need_w else grad.new_empty((0,)),
+            topk_weights.new_empty(topk_weights.shape) if need_weights else grad.new_empty((0,)))
+
+
+@torch.library.custom_op("tdist::grouped_gemm_backward", mutates_args=())
+def grouped_gemm_backward(grad: Tensor, a: Tensor, w: Tensor, offsets: Tensor, need_a: bool,
+                          need_w: bool) -> Tuple[Tensor, Tensor]:
+    """Backward of d = tdist.moe.grouped_gemm(a, w, offsets): (grad of a, grad of w); an empty tensor
+    where not needed. Rows past offsets[G] take no part (d's are unwritten): their a gradient is 0."""
+    groups, n, k = w.shape
+    if a.shape[0] == 0 or n == 0:
+        return (a.new_zeros(a.shape) if need_a else _no_grad_placeholder(grad),
+                w.new_zeros(w.shape) if need_w else _no_grad_placeholder(grad))
+    grad_a = grad_w = _no_grad_placeholder(grad)
+    grad = dense(grad)
+    inside = (torch.arange(a.shape[0], device=a.device) < offsets[groups]).unsqueeze(1)
+    if need_a:
+        grad_a = _zero_rows(_moe.grouped_gemm(grad, _experts_transposed(w), offsets), inside)
+    if need_w:
+        grad_w = grouped_weight_grad(_zero_rows(grad, inside), _zero_rows(a, inside), offsets, groups)
+    return grad_a, grad_w
+
+
+@grouped_gemm_backward.register_fake
+def _(grad, a, w, offsets, need_a, need_w):
+    return (a.new_empty(a.shape) if need_a else grad.new_empty((0,)),
+            w.new_empty(w.shape) if need_w else grad.new_empty((0,)))
+
+
+def _moe_ag_setup(ctx, inputs, output):
+    x_rows, topk_ids, w, method = inputs
+    ctx.method = method
+    ctx.save_for_backward(x_rows, topk_ids, w)  # this rank's tokens only: backward gathers them again
+
+
+def _moe_ag_backward(ctx, grad_d):
+    x_rows, topk_ids, w = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    grad_x, grad_w = _ops.moe_ag_group_gemm_backward.default(dense(grad_d), x_rows, topk_ids, w, ctx.method, need_x,
+                                                             need_w)
+    return _or_none(grad_x, need_x), None, _or_none(grad_w, need_w), None
+
+
+def _moe_rs_setup(ctx, inputs, output):
+    h, w, topk_ids, topk_weights, method, all_reduce = inputs
+    ctx.all_reduce = all_reduce
+    ctx.save_for_backward(h, w, topk_ids, topk_weights)
+
+
+def _moe_rs_backward(ctx, grad_y):
+    h, w, topk_ids, topk_weights = ctx.saved_tensors
+    need_h, need_w, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+    grad_h, grad_w, grad_p = _ops.moe_group_gemm_rs_backward.default(dense(grad_y), h, w, topk_ids, topk_weights,
+                                                                     ctx.all_reduce, need_h, need_w, need_p)
+    return _or_none(grad_h, need_h), _or_none(grad_w, need_w), None, _or_none(grad_p, need_p), None, None
+
+
+def _grouped_gemm_setup(ctx, inputs, output):
+    a, w, offsets = inputs
+    ctx.save_for_backward(a, w, offsets)
+
+
+def _grouped_gemm_backward(ctx, grad_d):
+    a, w, offsets = ctx.saved_tensors
+    need_a, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_a, grad_w = _ops.grouped_gemm_backward.default(dense(grad_d), a, w, offsets, need_a, need_w)
+    return _or_none(grad_a, need_a), _or_none(grad_w, need_w), None
+
+
+torch.library.register_autograd("tdist::moe_ag_group_gemm", _moe_ag_backward, setup_context=_moe_ag_setup)
+torch.library.register_autograd("tdist::moe_group_gemm_rs", _moe_rs_backward, setup_context=_moe_rs_setup)
+torch.library.register_autograd("tdist::grouped_gemm", _grouped_gemm_backward, setup_context=_grouped_gemm_setup)

@@ -43,6 +43,10 @@ The grouped GEMM alone (one GPU, not collective; tdist/ops/grouped_gemm.hpp), on
              outside a, w and d). Padding rows are computed like the others; rows past offsets[G] of d
              are not written. routing_reference's offsets have this form.
 Registered as torch.ops.tdist.grouped_gemm with a fake implementation.
+
+All three ops have autograd (python/tdist/_autograd.py, docs/moe.md "Training"): gradients of x_rows,
+h, w, topk_weights (summed over ranks) and a; none of topk_ids or offsets. The backward rebuilds the
+routing with routing(topk_ids, E, world, rank), torch ops on the GPU equal to routing_reference.
 """
 
 # No `from __future__ import annotations`: torch.library.custom_op reads the annotations as types.
@@ -84,6 +88,38 @@ def routing_reference(topk_ids, experts: int, world_size: int = 1, rank: int = 0
                                                                           int(world_size), int(rank))
     return dict(offsets=offsets, counts=counts, token_of_row=token_of_row,
                 row_of_pair=[row_of_pair[t * topk:(t + 1) * topk] for t in range(m)])
+
+
+def routing(topk_ids, experts: int, world_size: int = 1, rank: int = 0) -> dict:
+    """routing_reference's layout built with torch ops on topk_ids' device, with no host
+    synchronisation (CUDA-graph safe; the MoE ops' backward uses it): offsets int64 [E + 1], counts
+    int64 [E], token_of_row int64 [capacity(M, topk, E)] (-1: padding and the rows past offsets[E]),
+    row_of_pair int64 [M, topk]. topk_ids: an int32 or int64 tensor [M, topk] with ids in [0, experts)
+    (not checked here: that would need a synchronisation; the ops' routing kernel checks them)."""
+    torch = _torch("moe.routing")
+    op = "moe.routing"
+    check_tensor_kind(lambda *a: _fail(op, *a), "topk_ids", topk_ids, ("int32", "int64"), (None, None))
+    m, topk = _shape(topk_ids)
+    _C.moe_check_routing(m, topk, int(experts), int(world_size), int(rank))
+    dev = topk_ids.device
+    tile = grouped_gemm_alignment()
+    rows = capacity(m, topk, experts)
+    # The rotated pair order (docs/moe.md): this rank's tokens first, then rank + 1's, ...; pair q is
+    # token rotated[q // topk], slot q % topk. A stable sort by expert keeps that order per expert.
+    rotated = (torch.arange(m, device=dev) + rows_of(m, world_size, rank)[0]) % max(m, 1)
+    flat = topk_ids.long()[rotated].reshape(-1)
+    by_expert = torch.sort(flat, stable=True)
+    expert_of, pair = by_expert.values, by_expert.indices
+    # scatter_add, not bincount: bincount sizes its output from the largest id (a synchronisation).
+    counts = torch.zeros(experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.zeros(experts + 1, dtype=torch.long, device=dev)
+    offsets[1:] = torch.cumsum((counts + tile - 1) // tile * tile, 0)
+    first_of = torch.cumsum(counts, 0) - counts  # the expert's first position in the sorted pairs
+    row = offsets[expert_of] + torch.arange(flat.numel(), device=dev) - first_of[expert_of]
+    token = rotated[pair // topk]
+    row_of_pair = torch.empty(m * topk, dtype=torch.long, device=dev).scatter_(0, token * topk + pair % topk, row)
+    token_of_row = torch.full((rows,), -1, dtype=torch.long, device=dev).scatter_(0, row, token)
+    return dict(offsets=offsets, counts=counts, token_of_row=token_of_row, row_of_pair=row_of_pair.view(m, topk))
 
 
 def grouped_gemm_alignment() -> int:

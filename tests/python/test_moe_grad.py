@@ -1,0 +1,149 @@
+"""CPU tests of the MoE ops' autograd (python/tdist/_autograd.py, MoE section) and of
+tdist.moe.routing: no GPU. They need torch and skip, saying so, without it.
+
+* tdist.moe.routing on CPU tensors equals the host reference (tdist.moe.routing_reference) for random,
+  skewed (empty experts) and single-expert routings, several world sizes and every rank, M = 0 and 1;
+  its argument errors name the argument;
+* the backward ops' fake implementations give the gradients' shapes and dtypes, an empty tensor for
+  a gradient not asked for;
+* backward through the forward ops on meta tensors (a stand-in runtime of 2 ranks, rank 1): every
+  differentiable input gets a gradient of its own shape, topk_ids and offsets none.
+The gradients' values are checked on GPUs: tests/python/gpu_test_moe_grad.py.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the MoE autograd tests need torch")
+
+import tdist  # noqa: E402
+from tdist import _runtime, moe  # noqa: E402
+
+
+def routing_ids(m, topk, experts, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand((m, experts), generator=g)
+    if kind == "skewed":  # every token on the first topk experts: the others get none
+        scores = scores + (torch.arange(experts) < topk) * 10.0
+    elif kind == "single":
+        scores = scores + (torch.arange(experts) == experts - 1) * 10.0
+    return scores.topk(topk, dim=1).indices.to(torch.int32)
+
+
+@pytest.mark.parametrize("m,topk,experts,world", [(0, 2, 4, 2), (1, 2, 4, 2), (301, 2, 8, 3), (517, 4, 6, 2),
+                                                  (1000, 3, 130, 8), (129, 1, 1, 1)])
+@pytest.mark.parametrize("kind", ["random", "skewed", "single"])
+def test_routing_equals_host_reference(m, topk, experts, world, kind):
+    ids = routing_ids(m, topk, experts, kind, m + topk + experts)
+    for rank in range(world):
+        ref = moe.routing_reference(ids, experts, world, rank)
+        got = moe.routing(ids.long() if rank % 2 else ids, experts, world, rank)
+        cap = moe.capacity(m, topk, experts)
+        assert got["offsets"].tolist() == list(ref["offsets"])
+        assert got["counts"].tolist() == list(ref["counts"])
+        assert tuple(got["token_of_row"].shape) == (cap,)
+        assert got["token_of_row"].tolist() == list(ref["token_of_row"]) + [-1] * (cap - ref["offsets"][experts])
+        assert tuple(got["row_of_pair"].shape) == (m, topk)
+        assert got["row_of_pair"].tolist() == [list(r) for r in ref["row_of_pair"]]
+
+
+def test_routing_argument_errors():
+    ids = routing_ids(10, 2, 4, "random", 1)
+    with pytest.raises(tdist.Error, match="'topk_ids'"):
+        moe.routing(ids.float(), 4)
+    with pytest.raises(tdist.Error, match="'topk_ids'"):
+        moe.routing(ids.reshape(-1), 4)
+    with pytest.raises(tdist.Error, match="'topk_ids'"):
+        moe.routing(ids.tolist(), 4)
+    with pytest.raises(tdist.Error, match="'topk'"):
+        moe.routing(ids, 1)
+    with pytest.raises(tdist.Error, match="'experts'"):
+        moe.routing(ids, 0)
+    with pytest.raises(tdist.Error, match="'rank'"):
+        moe.routing(ids, 4, 2, 2)
+
+
+class _StandInRuntime:
+    world_size, rank, device, closed = 2, 1, 0, False
+
+
+@pytest.fixture
+def stand_in_runtime():
+    _runtime._state.runtime = _StandInRuntime()
+    yield
+    _runtime._state.runtime = None
+
+
+def meta(shape, dtype=torch.bfloat16, grad=False):
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=grad)
+
+
+def test_backward_fakes(stand_in_runtime):
+    m, topk, experts, k, n = 301, 2, 8, 200, 136
+    cap = moe.capacity(m, topk, experts)
+    ids = meta((m, topk), torch.int32)
+    x, w, d = meta((150, k)), meta((experts, n, k)), meta((cap, n))
+    gx, gw = torch.ops.tdist.moe_ag_group_gemm_backward(d, x, ids, w, "auto", True, True)
+    assert gx.shape == (150, k) and gw.shape == (experts, n, k) and gx.dtype == gw.dtype == torch.bfloat16
+    gx, gw = torch.ops.tdist.moe_ag_group_gemm_backward(d, x, ids, w, "chunked", False, True)
+    assert gx.numel() == 0 and gw.shape == (experts, n, k)
+    h, w2, p, y = meta((cap, k)), meta((experts, n, k)), meta((m, topk), torch.float32), meta((150, n))
+    gh, gw, gp = torch.ops.tdist.moe_group_gemm_rs_backward(y, h, w2, ids, p, False, True, True, True)
+    assert gh.shape == (cap, k) and gw.shape == (experts, n, k) and gp.shape == (m, topk)
+    assert gp.dtype == torch.float32 and gh.dtype == torch.bfloat16
+    gh, gw, gp = torch.ops.tdist.moe_group_gemm_rs_backward(meta((m, n)), h, w2, ids, p, True, False, False, True)
+    assert gh.numel() == 0 and gw.numel() == 0 and gp.shape == (m, topk)
+    a, offs = meta((cap + 37, k), torch.float16), meta((experts + 1,), torch.int64)
+    ga, gw = torch.ops.tdist.grouped_gemm_backward(meta((cap + 37, n), torch.float16), a,
+                                                  meta((experts, n, k), torch.float16), offs, True, False)
+    assert ga.shape == (cap + 37, k) and ga.dtype == torch.float16 and gw.numel() == 0
+
+
+def test_backward_through_forward_ops_on_meta(stand_in_runtime):
+    m, topk, experts, k, f, hidden = 301, 2, 8, 200, 72, 200
+    cap = moe.capacity(m, topk, experts)
+    ids = meta((m, topk), torch.int64)
+    x = meta((150, k), grad=True)  # rank 1 of 2: tokens 151 .. 300
+    w13, w2 = meta((experts, 2 * f, k), grad=True), meta((experts, hidden, f), grad=True)
+    p = meta((m, topk), torch.float32, grad=True)
+    h13 = tdist.moe_ag_group_gemm(x, ids, w13)
+    h = torch.nn.functional.silu(h13[:, :f]) * h13[:, f:]
+    y = tdist.moe_group_gemm_rs(h, w2, ids, p)
+    assert y.shape == (150, hidden)
+    y.sum().backward()
+    for t in (x, w13, w2, p):
+        assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
+    x.grad = w13.grad = w2.grad = p.grad = None
+    h = meta((cap, f), grad=True)
+    tdist.moe_group_gemm_ar(h, w2, ids, p).sum().backward()
+    assert h.grad.shape == (cap, f) and w2.grad.shape == w2.shape and p.grad.shape == (m, topk)
+    a, w = meta((cap + 5, k), grad=True), meta((experts, f, k), grad=True)
+    offs = meta((experts + 1,), torch.int32)
+    moe.grouped_gemm(a, w, offs).sum().backward()
+    assert a.grad.shape == a.shape and w.grad.shape == w.shape
+
+
+def test_weight_grad_style_is_checked(monkeypatch):
+    from tdist import _autograd
+    monkeypatch.setenv("TDIST_MOE_WGRAD", "loop")
+    with pytest.raises(ValueError, match="TDIST_MOE_WGRAD"):
+        _autograd.grouped_weight_grad(torch.zeros((128, 8)), torch.zeros((128, 8)), torch.tensor([0, 128]), 1)
+
+
+def test_weight_grad_tiles_on_cpu(monkeypatch):
+    """The tile fallback of the experts' weight gradient (device-agnostic) against float64: empty
+    groups, rows past offsets[G], a row count not a multiple of the tile."""
+    from tdist import _autograd
+    monkeypatch.setenv("TDIST_MOE_WGRAD", "tiles")
+    monkeypatch.setattr(_autograd, "_DW_CHUNK_BYTES", 3 * 24 * 16 * 4)  # three tiles per chunk: several chunks
+    tile = moe.grouped_gemm_alignment()
+    offsets = [0, 0, 2 * tile, 2 * tile, 5 * tile, 6 * tile, 6 * tile]
+    rows = offsets[-1] + 37
+    g = torch.Generator().manual_seed(3)
+    dy, a = torch.randn((rows, 24), generator=g), torch.randn((rows, 16), generator=g)
+    dy[offsets[-1]:] = 0
+    a[offsets[-1]:] = 0
+    got = _autograd.grouped_weight_grad(dy, a, torch.tensor(offsets), len(offsets) - 1)
+    assert got.shape == (6, 24, 16)
+    for e in range(6):
+        ref = dy[offsets[e]:offsets[e + 1]].double().T @ a[offsets[e]:offsets[e + 1]].double()
+        assert torch.allclose(got[e].double(), ref, atol=1e-4, rtol=1e-4), e
