@@ -81,6 +81,7 @@ _compiling = torch.compiler.is_compiling
 _profiling = torch._C._autograd._profiler_enabled
 _function_modes = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_increment_version = torch.autograd.graph.increment_version
 
 
 def eager(*tensors) -> bool:
@@ -99,9 +100,13 @@ def _world_size(op: str) -> int:
 
 
 def run_collective(op: str, input: Tensor, output: Tensor, method: str) -> None:
-    """The C++ collective `op` from `input` into `output` on torch's current stream."""
+    """The C++ collective `op` from `input` into `output` on torch's current stream. `output`'s
+    version counter is bumped, as the dispatcher does for a mutated argument: on the eager path an
+    in-place call on a tensor that autograd saved (x in y = x * w) must make backward refuse, not
+    use the new values."""
     d_in, d_out = describe_checked(input, op, "input"), describe_checked(output, op, "output")
     getattr(runtime(op), op)(d_in, d_out, _stream(input), method)
+    _increment_version(output)
 
 
 def _gathered_shape(input: Tensor, world: int):

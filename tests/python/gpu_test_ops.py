@@ -689,6 +689,13 @@ def test_eager_path_skips_only_what_it_may():
     want = gathered_fp64(t).sum(0)
     got = tdist.all_reduce(t.clone())
     check_close(got, want, bf, "all_reduce eager path")
+    # an in-place call on a tensor autograd saved (it needs no gradient itself, so the eager path
+    # runs) bumps its version: backward refuses instead of using the summed values
+    saved, scale = t.float(), torch.ones(1001, device="cuda", requires_grad=True)
+    y = (saved * scale).sum()
+    assert _torch_ops.eager(saved)
+    tdist.all_reduce(saved)
+    expect_error(y.backward, "modified by an inplace operation", cls=RuntimeError)
 
 
 TESTS = [test_all_reduce_eager, test_all_gather_eager, test_reduce_scatter_eager, test_barrier_orders_streams,
