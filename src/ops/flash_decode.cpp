@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <regex>
 #include <utility>
 
@@ -255,8 +256,11 @@ struct FlashDecode::Impl {
 
   Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
 
-  // Launches the split kernel and fills the combine parameters (all but the exchange's).
-  attn::CombineParams launch_split(const FlashDecodeArgs& a, cudaStream_t stream, const FlashDecodeKernels*& kernels) {
+  // Launches the split kernel and fills the combine parameters (all but the exchange's). With
+  // `may_finish` and a plan of one split, the split kernel writes out and lse itself; returns
+  // nullopt then: there is nothing to combine.
+  std::optional<attn::CombineParams> launch_split(const FlashDecodeArgs& a, cudaStream_t stream,
+                                                  const FlashDecodeKernels*& kernels, bool may_finish) {
     check_flash_decode_args(a);
     const int64_t capacity = flash_decode_capacity(a);
     const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : capacity;
@@ -265,7 +269,10 @@ struct FlashDecode::Impl {
     const FlashDecodeSplitPlan plan =
         plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, kernels->resident());
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
-    const size_t need = items * plan.num_splits * (d + 1) * sizeof(float);
+    // One split and nothing to exchange: the split's normalised output is the result, which the
+    // combine kernel would only copy (a second launch, and the partials written and read again).
+    const bool finish = may_finish && plan.num_splits == 1;
+    const size_t need = finish ? 0 : items * plan.num_splits * (d + 1) * sizeof(float);
     if (need > partial_bytes) {
       cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
       TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
@@ -284,7 +291,9 @@ struct FlashDecode::Impl {
     p.block_table = a.block_table;
     p.seq_lens = a.seq_lens;
     p.o_part = partials.get<float>();
-    p.lse_part = p.o_part + items * plan.num_splits * d;
+    p.lse_part = p.o_part ? p.o_part + items * plan.num_splits * d : nullptr;
+    p.out = finish ? a.out : nullptr;
+    p.lse = finish ? a.lse : nullptr;
     p.errors = errors.get<u32>();
     p.num_pages = static_cast<u64>(a.block_table ? a.num_pages : a.batch);
     p.page_size = static_cast<u32>(a.page_size);
@@ -310,6 +319,7 @@ struct FlashDecode::Impl {
     cfg.stream = stream;
     cfg.programmatic_dependent_launch = true;  // the kernel waits for the one before it on the device
     jit::launch(kernels->split(), cfg, jit::make_args(p));
+    if (finish) return std::nullopt;
 
     attn::CombineParams c{};
     c.o_part = p.o_part;
@@ -340,8 +350,8 @@ FlashDecode::~FlashDecode() = default;
 void FlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) {
   TDIST_NVTX_RANGE("tdist::flash_decode", "batch=", a.batch, " heads=", a.q_heads, "/", a.kv_heads, " d=", a.head_dim);
   const FlashDecodeKernels* kernels = nullptr;
-  attn::CombineParams c = impl_->launch_split(a, stream, kernels);
-  jit::launch(kernels->combine(), impl_->combine_config(c.items, stream), jit::make_args(c));
+  const std::optional<attn::CombineParams> c = impl_->launch_split(a, stream, kernels, /*may_finish=*/true);
+  if (c) jit::launch(kernels->combine(), impl_->combine_config(c->items, stream), jit::make_args(*c));
 }
 
 void FlashDecode::check_errors() { report_errors(impl_->errors.get<u32>()); }
@@ -437,7 +447,7 @@ void DistributedFlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) 
   TDIST_CHECK_ARG(a.head_dim == cfg.head_dim, "head_dim", "expected config.head_dim = ", cfg.head_dim, ", got ",
                   a.head_dim);
   const FlashDecodeKernels* kernels = nullptr;
-  attn::CombineParams c = impl_->local.launch_split(a, stream, kernels);
+  attn::CombineParams c = *impl_->local.launch_split(a, stream, kernels, /*may_finish=*/false);
   c.heap = impl_->view;
   c.ll = impl_->ll;
   c.epoch = impl_->epoch.get<kernels::coll::EpochState>();

@@ -78,6 +78,8 @@ struct DecodeParams {
   const int* seq_lens;
   float* o_part;
   float* lse_part;
+  void* out;   // non-null with one split and no exchange: the result, written here (no combine)
+  float* lse;  // with out: the log-sum-exp (natural log), may be nullptr
   u32* errors;
   u64 num_pages;
   u32 page_size;
@@ -408,8 +410,14 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
       merge_state<1>(mm, ll, &a, ml[0], ml[1], &sm_o[(w * kMaxHeadsPerCta + r) * D + d]);
     }
     const u64 part = (static_cast<u64>(b) * p.q_heads + h0 + r) * p.num_splits + split;
-    p.o_part[part * D + d] = ll > 0.f ? a / ll : 0.f;
-    if (d == 0) p.lse_part[part] = ll > 0.f ? mm + log2f(ll) : -kInf;
+    const float o = ll > 0.f ? a / ll : 0.f, lse2 = ll > 0.f ? mm + log2f(ll) : -kInf;
+    if (p.out != nullptr) {  // one split: the combine's result for it, bit for bit (part = the item)
+      static_cast<T*>(p.out)[part * D + d] = coll::from_f32<T>(o);
+      if (d == 0 && p.lse != nullptr) p.lse[part] = lse2 == -kInf ? -kInf : lse2 * kLn2;
+    } else {
+      p.o_part[part * D + d] = o;
+      if (d == 0) p.lse_part[part] = lse2;
+    }
   }
 }
 
