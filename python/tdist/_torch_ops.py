@@ -73,7 +73,7 @@ def _stream(t: Tensor) -> int:
 # Through torch.ops.tdist.*, a call pays the dispatcher and torch.library's custom-op layers (autograd
 # wrapper, dynamo guard, alias checks): about 60 us of host time on an H200 host, more than the C++
 # op itself. A plain eager call (no tracing or compiling, no dispatch or function mode, no functorch
-# transform, no profiler, no input needing a gradient, plain torch.Tensor inputs) calls the real
+# transform, no profiler, no input needing a gradient, plain tensors or parameters) calls the real
 # implementation directly instead; it is the same code the dispatcher would reach. Everything
 # else keeps going through the registered ops, so torch.compile, FakeTensor, autograd and the
 # profiler see them as before.
@@ -82,6 +82,9 @@ _profiling = torch._C._autograd._profiler_enabled
 _function_modes = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _increment_version = torch.autograd.graph.increment_version
+# Tensor types the eager path takes: plain tensors and parameters (a Parameter overrides neither
+# __torch_function__ nor __torch_dispatch__; tdist.nn's weights are Parameters).
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def eager(*tensors) -> bool:
@@ -90,7 +93,7 @@ def eager(*tensors) -> bool:
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
-        if type(t) is not Tensor or (grad and t.requires_grad):
+        if type(t) not in _PLAIN or (grad and t.requires_grad):
             return False
     return True
 

@@ -674,6 +674,7 @@ def test_eager_path_skips_only_what_it_may():
     assert not _torch_ops.eager(x, wg), "an input needing a gradient must go through autograd"
     with torch.no_grad():
         assert _torch_ops.eager(x, wg)
+    assert _torch_ops.eager(x, torch.nn.Parameter(w, requires_grad=False)), "a frozen weight takes the eager path"
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode() as mode:
         fx, fw = mode.from_tensor(x), mode.from_tensor(w)
