@@ -277,17 +277,27 @@ def test_errors():
     torch.cuda.synchronize()
 
 
-def test_grouped_gemm():
+# grouped_gemm's cases: rows per group (empty groups, one row, more than a tile), K, N, offsets' dtype
+GROUPED_GEMM_CASES = (([0, 129, 1, 300, 0], 136, 104, torch.int32), ([5], 72, 200, torch.int64),
+                      ([200, 0, 0, 17, 128, 3, 1], 264, 136, torch.int32))
+
+
+def padded_offsets(counts):
+    """offsets [G + 1] of groups of `counts` rows, each padded to the grouped GEMM's alignment."""
     align = moe.grouped_gemm_alignment()
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + (c + align - 1) // align * align)
+    return offsets
+
+
+def test_grouped_gemm():
     seed = 8000 + rank()
     for dtype in (torch.bfloat16, torch.float16):
-        for counts, K, N, idx in (([0, 129, 1, 300, 0], 136, 104, torch.int32), ([5], 72, 200, torch.int64),
-                                  ([200, 0, 0, 17, 128, 3, 1], 264, 136, torch.int32)):
+        for counts, K, N, idx in GROUPED_GEMM_CASES:
             seed += 1
             what = f"grouped_gemm {dtype} counts={counts} K={K} N={N} {idx}"
-            offsets = [0]
-            for c in counts:
-                offsets.append(offsets[-1] + (c + align - 1) // align * align)
+            offsets = padded_offsets(counts)
             m_total = offsets[-1] + 37  # rows past offsets[G]: neither read into a group nor written
             a = rand((m_total, K), dtype, seed)
             w = rand((len(counts), N, K), dtype, seed + 50, scale=0.1)

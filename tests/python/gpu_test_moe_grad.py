@@ -34,7 +34,7 @@ import sys
 
 import gpu_harness as h
 from gpu_harness import check_close, rank, world
-from gpu_test_moe import moe_layer, poison_allocator, rand
+from gpu_test_moe import GROUPED_GEMM_CASES, moe_layer, padded_offsets, poison_allocator, rand
 
 import tdist
 
@@ -234,17 +234,13 @@ def test_moe_group_gemm_rs_and_ar_grad():
 # --- grouped_gemm ------------------------------------------------------------------------------------
 
 def test_grouped_gemm_grad():
-    align = moe.grouped_gemm_alignment()
     seed = 3000 + rank()
     check = Checks()
     for dtype in DTYPES:
-        for counts, K, N, idx in (([0, 129, 1, 300, 0], 136, 104, torch.int32), ([5], 72, 200, torch.int64),
-                                  ([200, 0, 0, 17, 128, 3, 1], 264, 136, torch.int32)):
+        for counts, K, N, idx in GROUPED_GEMM_CASES:
             seed += 1
             what = f"grouped_gemm grad {dtype} counts={counts} K={K} N={N} {idx}"
-            offsets = [0]
-            for c in counts:
-                offsets.append(offsets[-1] + (c + align - 1) // align * align)
+            offsets = padded_offsets(counts)
             end, m_total = offsets[-1], offsets[-1] + 37
             a = rand((m_total, K), dtype, seed).cuda()
             a[end:] = float("nan")  # rows past offsets[G] take no part
