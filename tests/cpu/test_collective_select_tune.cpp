@@ -8,25 +8,17 @@
 #include <string>
 #include <vector>
 
+#include "cpu/collective_shapes.hpp"
 #include "tdist/ops/detail/collective_select.hpp"
 
 using namespace tdist;
 
 namespace {
 
-constexpr size_t KiB = 1024, MiB = 1024 * KiB;
-
-CollectiveShape shape(size_t bytes, int n = 2, bool in_sym = false, bool out_sym = false, bool aligned16 = true) {
-  CollectiveShape s;
-  s.bytes = bytes;
-  s.world_size = n;
-  s.in_symmetric = in_sym;
-  s.out_symmetric = out_sym;
-  s.aligned16 = aligned16;
-  return s;
-}
-
-const CollectiveLimits kLimits{256 * MiB, 256 * KiB, 1 * MiB};  // the default LL and LL128 buffers
+using test::KiB;
+using test::kLimits;
+using test::MiB;
+using test::shape;
 
 template <typename M>
 unsigned bits(std::initializer_list<M> ms) {

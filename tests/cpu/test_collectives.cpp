@@ -10,6 +10,7 @@
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/registry.hpp"
+#include "cpu/collective_shapes.hpp"
 #include "tdist/ops/detail/collective_select.hpp"
 #include "tdist/ops/collectives.hpp"
 
@@ -19,18 +20,10 @@ using tdist::test::error_of;
 
 namespace {
 
-constexpr size_t KiB = 1024, MiB = 1024 * KiB;
-
-CollectiveShape shape(size_t bytes, int n = 2, bool in_sym = false, bool out_sym = false) {
-  CollectiveShape s;
-  s.bytes = bytes;
-  s.world_size = n;
-  s.in_symmetric = in_sym;
-  s.out_symmetric = out_sym;
-  return s;
-}
-
-const CollectiveLimits kLimits{256 * MiB, 256 * KiB, 1 * MiB};  // the default LL and LL128 buffers
+using test::KiB;
+using test::kLimits;
+using test::MiB;
+using test::shape;
 
 }  // namespace
 
