@@ -252,22 +252,15 @@ def _dims(op: str, inputs, m, method, real: bool) -> _overlap.Dims:
     return _overlap.call_dims(op, named, m, rt.world_size, rt.rank)
 
 
-def _outputs(op: str, dims: _overlap.Dims, like: Tensor, optional: Tuple[str, ...] = (), fake: bool = False):
-    """New output tensors of a call: the required ones, then the optional ones named in `optional`."""
+def _wanted_outputs(op: str, optional: Tuple[str, ...]) -> tuple:
+    """The catalogue outputs a call returns: the required ones, then the optional ones named in `optional`."""
     traits = _overlap.op_traits(op)
-    wanted = traits.outputs + tuple(o for o in traits.optional_outputs if o[0] in optional)
-    make = like.new_empty if fake else (lambda shape: torch.empty(shape, dtype=like.dtype, device=like.device))
-    return [make(_overlap.shape_of(o[1:3], dims)) for o in wanted]
+    return traits.outputs + tuple(o for o in traits.optional_outputs if o[0] in optional)
 
 
-def _run_overlap(op: str, dims: _overlap.Dims, method: str, inputs, outputs, optional: Tuple[str, ...] = (),
-                 run: bool = True) -> str:
-    """The C++ call on torch's current stream (after the Python checks; C++ checks the descriptors)."""
-    traits = _overlap.op_traits(op)
-    given = dict(zip([o[0] for o in traits.inputs], inputs))
-    given.update(zip([o[0] for o in traits.outputs] + list(optional), outputs))
-    descs = [describe_checked(given[o[0]], op, o[0]) if o[0] in given else None for o in traits.operands]
-    return runtime(op).overlap(op, descs, dims.m, dims.n, dims.k, _stream(inputs[0]), method, run)
+def _fake_outputs(op: str, dims: _overlap.Dims, like: Tensor, optional: Tuple[str, ...] = ()):
+    """The outputs of a call as the fake implementations return them (shapes only)."""
+    return [like.new_empty(_overlap.shape_of(o[1:3], dims)) for o in _wanted_outputs(op, optional)]
 
 
 class _Signature(NamedTuple):
@@ -295,7 +288,7 @@ def _signature(op: str, inputs, m, method: str, optional: Tuple[str, ...]) -> _S
         return sig
     dims = _dims(op, inputs, m, method, True)  # raises naming the argument; failures are not remembered
     traits = _overlap.op_traits(op)
-    wanted = traits.outputs + tuple(o for o in traits.optional_outputs if o[0] in optional)
+    wanted = _wanted_outputs(op, optional)
     out_shapes = tuple(_overlap.shape_of(o[1:3], dims) for o in wanted)
     names = [o[0] for o in traits.inputs] + [o[0] for o in wanted]
     shapes = [tuple(t.shape) for t in inputs] + list(out_shapes)
@@ -308,9 +301,10 @@ def _signature(op: str, inputs, m, method: str, optional: Tuple[str, ...]) -> _S
     return sig
 
 
-def call_overlap(op: str, inputs, m, method: str, optional: Tuple[str, ...] = ()):
-    """One call of a catalogue op on real tensors: new outputs, then the C++ op on torch's current
-    stream. The real implementation of every catalogue op, and the eager path."""
+def _overlap_call(op: str, inputs, m, method: str, optional: Tuple[str, ...], run: bool):
+    """New outputs of a call of a catalogue op on real tensors, then the C++ op on torch's current
+    stream (with `run` false it only resolves the method, creating or growing the op's context like a
+    call). Returns (outputs, the method that ran or would run)."""
     sig = _signature(op, inputs, m, method, optional)
     like = inputs[0]
     outputs = [torch.empty(shape, dtype=like.dtype, device=like.device) for shape in sig.out_shapes]
@@ -318,17 +312,20 @@ def call_overlap(op: str, inputs, m, method: str, optional: Tuple[str, ...] = ()
     descs = [None if i < 0 else (tensors[i].data_ptr(), n, sig.dtype, "cuda", sig.device, tensors[i].is_contiguous())
              for i, n in zip(sig.sources, sig.numels)]
     d = sig.dims
-    runtime(op).overlap(op, descs, d.m, d.n, d.k, raw_stream(sig.device), method, True)
-    return outputs
+    return outputs, runtime(op).overlap(op, descs, d.m, d.n, d.k, raw_stream(sig.device), method, run)
+
+
+def call_overlap(op: str, inputs, m, method: str, optional: Tuple[str, ...] = ()):
+    """One call of a catalogue op: its new outputs. The real implementation of every catalogue op,
+    and the eager path."""
+    return _overlap_call(op, inputs, m, method, optional, True)[0]
 
 
 def gemm_method(op: str, a: Tensor, b: Tensor, m: Optional[int] = None, method: str = "auto") -> str:
     """The method a call of ``op`` with these operands would run ("auto" and TDIST_OVERLAP_METHOD
     resolved), without running it. Collective when the op's context has to be created or grown, like
     a call."""
-    inputs = (a, b)
-    dims = _dims(op, inputs, m, method, True)
-    return _run_overlap(op, dims, method, inputs, _outputs(op, dims, a), run=False)
+    return _overlap_call(op, (a, b), m, method, (), False)[1]
 
 
 @torch.library.custom_op("tdist::ag_gemm", mutates_args=())
@@ -338,7 +335,7 @@ def ag_gemm(a_local: Tensor, b: Tensor, m: Optional[int] = None, method: str = "
 
 @ag_gemm.register_fake
 def _(a_local, b, m=None, method="auto"):
-    return _outputs("ag_gemm", _dims("ag_gemm", (a_local, b), m, method, False), a_local, fake=True)[0]
+    return _fake_outputs("ag_gemm", _dims("ag_gemm", (a_local, b), m, method, False), a_local)[0]
 
 
 @torch.library.custom_op("tdist::ag_gemm_gathered", mutates_args=())
@@ -351,7 +348,7 @@ def ag_gemm_gathered(a_local: Tensor, b: Tensor, m: Optional[int] = None,
 @ag_gemm_gathered.register_fake
 def _(a_local, b, m=None, method="auto"):
     dims = _dims("ag_gemm", (a_local, b), m, method, False)
-    d, gathered = _outputs("ag_gemm", dims, a_local, ("gathered",), fake=True)
+    d, gathered = _fake_outputs("ag_gemm", dims, a_local, ("gathered",))
     return d, gathered
 
 
@@ -362,7 +359,7 @@ def gemm_rs(a: Tensor, b: Tensor, method: str = "auto") -> Tensor:
 
 @gemm_rs.register_fake
 def _(a, b, method="auto"):
-    return _outputs("gemm_rs", _dims("gemm_rs", (a, b), None, method, False), a, fake=True)[0]
+    return _fake_outputs("gemm_rs", _dims("gemm_rs", (a, b), None, method, False), a)[0]
 
 
 @torch.library.custom_op("tdist::gemm_ar", mutates_args=())
@@ -372,7 +369,7 @@ def gemm_ar(a: Tensor, b: Tensor, method: str = "auto") -> Tensor:
 
 @gemm_ar.register_fake
 def _(a, b, method="auto"):
-    return _outputs("gemm_ar", _dims("gemm_ar", (a, b), None, method, False), a, fake=True)[0]
+    return _fake_outputs("gemm_ar", _dims("gemm_ar", (a, b), None, method, False), a)[0]
 
 
 _HAND_WRITTEN = ("ag_gemm", "gemm_rs", "gemm_ar")
@@ -405,7 +402,7 @@ def _register(name: str, op: str, optional: Tuple[str, ...]) -> None:
 
     def fake(*args):
         inputs, m, method = split(args)
-        out = _outputs(op, _dims(op, inputs, m, method, False), inputs[0], optional, fake=True)
+        out = _fake_outputs(op, _dims(op, inputs, m, method, False), inputs[0], optional)
         return out[0] if n_out == 1 else tuple(out)
 
     torch.library.custom_op(f"tdist::{name}", real, mutates_args=(), schema=schema).register_fake(fake)
