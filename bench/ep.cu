@@ -187,6 +187,21 @@ void max_bytes_across_ranks(World& world, Result& r) {
   r.nccl_combine_bytes = m[3];
 }
 
+// The NCCL send/recv baseline of one case into `res`, beside tdist's times (rows_to[r] rows to rank
+// r, dispatch_row / combine_row bytes each), and the bytes each side moves to other ranks
+// (remote_rows of this rank's rows for tdist), the largest over the ranks.
+void with_nccl_baseline(World& world, cudaStream_t stream, int iters, const std::vector<int>& rows_to,
+                        double remote_rows, size_t dispatch_row, size_t combine_row, Result& res) {
+  PlainAllToAll plain_dispatch(world, rows_to, dispatch_row), plain_combine(world, rows_to, combine_row);
+  res.nccl_dispatch_us = 1e3 * slowest_rank_median_ms(world, stream, iters, [&] { plain_dispatch.run(stream); });
+  res.nccl_combine_us = 1e3 * slowest_rank_median_ms(world, stream, iters, [&] { plain_combine.run(stream); });
+  res.dispatch_bytes = remote_rows * static_cast<double>(dispatch_row);
+  res.combine_bytes = remote_rows * static_cast<double>(combine_row);
+  res.nccl_dispatch_bytes = plain_dispatch.remote_bytes();
+  res.nccl_combine_bytes = plain_combine.remote_bytes();
+  max_bytes_across_ranks(world, res);
+}
+
 Result bench_ll(World& world, SymmetricHeap& heap, cudaStream_t stream, const Case& c, int sms, int iters,
                 bool graph) {
   const int W = world.world_size(), me = world.rank();
@@ -237,14 +252,7 @@ Result bench_ll(World& world, SymmetricHeap& heap, cudaStream_t stream, const Ca
   }
   ep.check_errors(stream);
 
-  PlainAllToAll plain_dispatch(world, rows_to, dispatch_row), plain_combine(world, rows_to, combine_row);
-  res.nccl_dispatch_us = 1e3 * slowest_rank_median_ms(world, stream, iters, [&] { plain_dispatch.run(stream); });
-  res.nccl_combine_us = 1e3 * slowest_rank_median_ms(world, stream, iters, [&] { plain_combine.run(stream); });
-  res.dispatch_bytes = remote_rows * static_cast<double>(dispatch_row);
-  res.combine_bytes = remote_rows * static_cast<double>(combine_row);
-  res.nccl_dispatch_bytes = plain_dispatch.remote_bytes();
-  res.nccl_combine_bytes = plain_combine.remote_bytes();
-  max_bytes_across_ranks(world, res);
+  with_nccl_baseline(world, stream, iters, rows_to, remote_rows, dispatch_row, combine_row, res);
   return res;
 }
 
@@ -272,15 +280,7 @@ Result bench_ht(World& world, SymmetricHeap& heap, cudaStream_t stream, const Ca
   const EpHtCombineArgs ca{.y = h.expert_x, .topk_idx = idx.get<int64_t>(), .out = out.get()};
   res.combine_us = 1e3 * slowest_rank_median_ms(world, stream, iters, [&] { ep.ht_combine(ca, h, stream); });
   ep.check_errors(stream);
-  PlainAllToAll plain_dispatch(world, counts.tokens_per_rank, dispatch_row),
-      plain_combine(world, counts.tokens_per_rank, combine_row);
-  res.nccl_dispatch_us = 1e3 * slowest_rank_median_ms(world, stream, iters, [&] { plain_dispatch.run(stream); });
-  res.nccl_combine_us = 1e3 * slowest_rank_median_ms(world, stream, iters, [&] { plain_combine.run(stream); });
-  res.dispatch_bytes = remote_tokens * static_cast<double>(dispatch_row);
-  res.combine_bytes = remote_tokens * static_cast<double>(combine_row);
-  res.nccl_dispatch_bytes = plain_dispatch.remote_bytes();
-  res.nccl_combine_bytes = plain_combine.remote_bytes();
-  max_bytes_across_ranks(world, res);
+  with_nccl_baseline(world, stream, iters, counts.tokens_per_rank, remote_tokens, dispatch_row, combine_row, res);
   return res;
 }
 
