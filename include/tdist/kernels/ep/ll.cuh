@@ -458,12 +458,25 @@ TDIST_DEVICE void ll_combine_acknowledge(const EpLlParams& p, u64 e) {
 // and the receive kernel later (ep_ll_*_send, ep_ll_*_recv); the send stores its epoch in the call's
 // slot, from which the receive reads it.
 
-__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams p) {
-  begin_kernel();
-  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
+// This call's epoch (the calls of `completed` so far, plus one), kept in the call's slot for its
+// receive kernel.
+TDIST_DEVICE u64 ll_call_epoch(const EpLlParams& p, const u64* completed) {
+  const u64 e = ld_relaxed<Scope::kGpu>(completed) + 1;
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  return e;
+}
+
+// The sending part of a dispatch: this block's rows stored, the counts raised by the last block.
+TDIST_DEVICE u64 ll_dispatch_send(const EpLlParams& p) {
+  const u64 e = ll_call_epoch(p, &p.state->dispatch_epoch);
   ll_dispatch_store_rows(p, e);
   if (last_block(&p.state->dispatch_done)) ll_dispatch_raise_counts(p, e);
+  return e;
+}
+
+__global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_send(EpLlParams p) {
+  begin_kernel();
+  ll_dispatch_send(p);
 }
 
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams p) {
@@ -473,17 +486,12 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch_recv(EpLlParams 
 
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_dispatch(EpLlParams p) {
   begin_kernel();
-  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->dispatch_epoch) + 1;
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
-  ll_dispatch_store_rows(p, e);
-  if (last_block(&p.state->dispatch_done)) ll_dispatch_raise_counts(p, e);
-  ll_dispatch_pack(p, e);
+  ll_dispatch_pack(p, ll_dispatch_send(p));
 }
 
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_send(EpLlParams p) {
   begin_kernel();
-  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  const u64 e = ll_call_epoch(p, &p.state->combine_epoch);
   ll_combine_send_rows<false>(p, e);
   if (!last_block(&p.state->combine_send_done)) return;
   if (threadIdx.x == 0) {
@@ -503,8 +511,7 @@ __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine_recv(EpLlParams p
 // the last block may store it back.
 __global__ void __launch_bounds__(kLlThreads, 1) ep_ll_combine(EpLlParams p) {
   begin_kernel();
-  const u64 e = ld_relaxed<Scope::kGpu>(&p.state->combine_epoch) + 1;
-  if (blockIdx.x == 0 && threadIdx.x == 0) *p.epoch_slot = e;
+  const u64 e = ll_call_epoch(p, &p.state->combine_epoch);
   ll_combine_send_rows<true>(p, e);
   ll_combine_sum<true>(p, e);
   if (!last_block(&p.state->combine_done)) return;
