@@ -170,6 +170,16 @@ inline std::vector<unsigned long long> all_gather_u64(World& world, const std::s
   return out;
 }
 
+// Fails on every rank when any rank counted wrong elements (`bad`), so that all ranks pass or fail a
+// case together (a rank that left a group early would desynchronise the collectives of the next
+// one): "<prefix>rank R has N wrong elements", with `mine` appended on rank R itself.
+inline void fail_unless_every_rank_clean(World& world, const std::string& tag, unsigned long long bad,
+                                         const std::string& prefix, const std::string& mine) {
+  const auto all = all_gather_u64(world, tag, bad);
+  for (int r = 0; r < world.world_size(); ++r)
+    if (all[r] != 0) TDIST_FAIL(prefix, "rank ", r, " has ", all[r], " wrong elements", r == world.rank() ? mine : "");
+}
+
 // Waits for this rank's GPU work, then for every rank.
 inline void sync_all(World& world, const char* tag) {
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());

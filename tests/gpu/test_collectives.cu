@@ -57,14 +57,10 @@ struct Env {
   int me() const { return world.rank(); }
 };
 
-// Every rank's mismatch count, so that all ranks pass or fail a case together (a rank that left a
-// group early would desynchronise the collectives of the next one).
+// Every rank's mismatch count: all ranks pass or fail a case together.
 void agree(Env& env, unsigned long long bad, unsigned long long first, const std::string& what) {
-  const auto all = tdist::test::all_gather_u64(env.world, "coll check", bad);
-  for (int r = 0; r < env.n(); ++r)
-    if (all[r] != 0)
-      TDIST_FAIL(what, ": rank ", r, " has ", all[r], " wrong elements",
-                 r == env.me() ? detail::concat(", first at ", first) : "");
+  tdist::test::fail_unless_every_rank_clean(env.world, "coll check", bad, what + ": ",
+                                            detail::concat(", first at ", first));
 }
 
 void reset_counters(Env& env, cudaStream_t s) {
@@ -234,11 +230,8 @@ void run_small_sweep(Env& env, tdist::test::Suite& suite, Op op) {
                                              " elements: ", host[2 * i], " wrong, first at ", host[2 * i + 1]);
                     bad += host[2 * i];
                   }
-                  const auto all = tdist::test::all_gather_u64(env.world, "coll small sweep", bad);
-                  for (int r = 0; r < env.n(); ++r)
-                    if (all[r] != 0)
-                      TDIST_FAIL("rank ", r, " has ", all[r], " wrong elements",
-                                 r == env.me() ? detail::concat(" (first case: ", first, ")") : "");
+                  tdist::test::fail_unless_every_rank_clean(env.world, "coll small sweep", bad, "",
+                                                            detail::concat(" (first case: ", first, ")"));
                   TDIST_CHECK(std::count(ran.begin(), ran.end(), true) > 0, "no size was runnable");
                 });
     }

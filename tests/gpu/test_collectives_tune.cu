@@ -125,13 +125,10 @@ void enqueue_case(Env& env, const Case& k, unsigned long long* counters, int met
   TDIST_CUDA_CHECK(cudaGetLastError());
 }
 
-// Every rank's mismatch count, so that all ranks pass or fail together.
+// Every rank's mismatch count: all ranks pass or fail together.
 void agree(Env& env, unsigned long long bad, unsigned long long first, const std::string& what) {
-  const auto all = tdist::test::all_gather_u64(env.world, "tune check", bad);
-  for (int r = 0; r < env.n(); ++r)
-    if (all[r] != 0)
-      TDIST_FAIL(what, ": rank ", r, " has ", all[r], " wrong elements",
-                 r == env.me() ? detail::concat(", first at ", first) : "");
+  tdist::test::fail_unless_every_rank_clean(env.world, "tune check", bad, what + ": ",
+                                            detail::concat(", first at ", first));
 }
 
 // After a test graph's last replay on `s`: checks the mismatch counters on every rank and returns the
@@ -236,11 +233,8 @@ void run_back_to_back(Env& env, tdist::test::Suite& suite, Op op) {
       if (bad == 0) first = detail::concat(describe(cases[i]), ": ", host[2 * i], " wrong, first at ", host[2 * i + 1]);
       bad += host[2 * i];
     }
-    const auto all = tdist::test::all_gather_u64(env.world, "tune back to back", bad);
-    for (int r = 0; r < env.n(); ++r)
-      if (all[r] != 0)
-        TDIST_FAIL("rank ", r, " has ", all[r], " wrong elements",
-                   r == env.me() ? detail::concat(" (", first, ")") : "");
+    tdist::test::fail_unless_every_rank_clean(env.world, "tune back to back", bad, "",
+                                              detail::concat(" (", first, ")"));
     for (const Case& k : cases) check_ranks_agree_on_method(env, k);
   });
 }

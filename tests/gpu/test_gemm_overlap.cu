@@ -397,10 +397,7 @@ void agree(Env& env, int first, int count, const std::string& what) {
     }
     bad += c.bad + c.gathered_bad;
   }
-  const auto all = tdist::test::all_gather_u64(env.world, "overlap check", bad);
-  for (int r = 0; r < env.n(); ++r)
-    if (all[r] != 0)
-      TDIST_FAIL(what, ": rank ", r, " has ", all[r], " wrong elements", r == env.me() ? ": " + first_problem : "");
+  tdist::test::fail_unless_every_rank_clean(env.world, "overlap check", bad, what + ": ", ": " + first_problem);
   if (env.me() == 0) std::printf("  %s: max |err| / max |ref| = %.3g on rank 0\n", what.c_str(), worst);
 }
 
