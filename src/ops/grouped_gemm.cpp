@@ -18,6 +18,7 @@ namespace kg = kernels::gemm;
 namespace {
 
 using GroupedRuntime = detail::GemmRuntime<kg::GroupedScheduler, kg::NoTileHooks>;
+using GatherRuntime = detail::GemmRuntime<kg::GatherGroupedScheduler, kg::NoTileHooks>;
 
 constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // TMA coordinates and the kernel's indices are 32-bit
 
@@ -27,6 +28,25 @@ bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p
 
 GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
   GroupedGemmArgs a = in;
+  if (a.a_gather) {
+    // A is read through the index: `a` and lda only shape the (unread) A tensor map.
+    const kg::RowGather& g = *a.a_gather;
+    a.a = g.gathered;
+    a.lda = a.k;
+    if (a.m > 0 && a.n > 0) {
+      const int64_t row_bytes = a.k * static_cast<int64_t>(dtype_size(a.dtype));
+      TDIST_CHECK_ARG(g.token_of_row != nullptr && aligned(g.token_of_row, 4), "a_gather.token_of_row",
+                      "expected a 4-byte aligned device pointer to int32 [m], got ",
+                      static_cast<const void*>(g.token_of_row));
+      TDIST_CHECK_ARG(g.gathered != nullptr && aligned(g.gathered, 16), "a_gather.gathered",
+                      "expected a 16-byte aligned device pointer, got ", g.gathered);
+      TDIST_CHECK_ARG(g.local_rows == 0 || (g.local != nullptr && aligned(g.local, 16)), "a_gather.local",
+                      "expected a 16-byte aligned device pointer for ", g.local_rows, " local rows, got ", g.local);
+      TDIST_CHECK_ARG(g.ld_bytes % 16 == 0 && static_cast<int64_t>(g.ld_bytes) >= row_bytes, "a_gather.ld_bytes",
+                      "expected a multiple of 16 bytes of at least k elements (", row_bytes, " bytes), got ",
+                      g.ld_bytes);
+    }
+  }
   // The dense GEMM's checks of the fields both share (M is M_total), leading dimensions filled in.
   const GemmArgs dense = check_gemm_args(grouped_gemm_problem(a));
   a.lda = dense.lda;
@@ -103,10 +123,14 @@ void check_grouped_gemm_offsets(const std::vector<int64_t>& offsets, int64_t m_t
                   " exceeds m (M_total) = ", m_total);
 }
 
-std::vector<jit::CompileRequest> grouped_gemm_compile_requests() { return GroupedRuntime::compile_requests(); }
+std::vector<jit::CompileRequest> grouped_gemm_compile_requests() {
+  std::vector<jit::CompileRequest> v = GroupedRuntime::compile_requests();
+  for (auto& r : GatherRuntime::compile_requests()) v.push_back(std::move(r));
+  return v;
+}
 
-std::string grouped_gemm_kernel_name(DType dtype, const GemmTile& tile) {
-  return GroupedRuntime::kernel_name(dtype, tile);
+std::string grouped_gemm_kernel_name(DType dtype, const GemmTile& tile, bool gathered_a) {
+  return gathered_a ? GatherRuntime::kernel_name(dtype, tile) : GroupedRuntime::kernel_name(dtype, tile);
 }
 
 TDIST_JIT_REGISTER_KERNELS(grouped_gemm, grouped_gemm_compile_requests);
@@ -119,6 +143,7 @@ GroupedGemm::GroupedGemm() {
   TDIST_CHECK(cc == kGemmComputeCapability, "tdist::GroupedGemm needs a Hopper GPU (sm_90a); device ", device,
               " is sm_", cc);
   runtime_ = std::make_unique<GroupedRuntime>(num_sms_);
+  gather_ = std::make_unique<GatherRuntime>(num_sms_);
 }
 
 GroupedGemm::~GroupedGemm() = default;
@@ -135,8 +160,12 @@ void GroupedGemm::run(const GroupedGemmArgs& raw, cudaStream_t stream, const Gro
   const GemmTile tile = tile_for(args, options);
   const kg::GroupedScheduler sched = grouped_gemm_schedule(args, tile, options);
   // The grid is sized for M_total (the offsets are on the device); CTAs past the real tiles exit.
-  runtime_->launch(grouped_gemm_problem(args), tile, static_cast<int64_t>(args.num_groups) * args.n, sched,
-                   kg::NoTileHooks{}, options.max_ctas, stream);
+  const int64_t b_rows = static_cast<int64_t>(args.num_groups) * args.n;
+  if (args.a_gather)
+    gather_->launch(grouped_gemm_problem(args), tile, b_rows, kg::GatherGroupedScheduler{sched, *args.a_gather},
+                    kg::NoTileHooks{}, options.max_ctas, stream);
+  else
+    runtime_->launch(grouped_gemm_problem(args), tile, b_rows, sched, kg::NoTileHooks{}, options.max_ctas, stream);
 }
 
 }  // namespace tdist

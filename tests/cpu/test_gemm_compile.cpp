@@ -526,12 +526,19 @@ TEST(GemmRuntime, NamesAndRequests) {
   EXPECT_EQ(tdist::grouped_gemm_kernel_name(DType::kBFloat16, t),
             "tdist::kernels::gemm::sm90_gemm_tn<__nv_bfloat16, 128, 192, 64, 5, 1, tdist::kernels::gemm::NoTileHooks, "
             "tdist::kernels::gemm::GroupedScheduler>");
+  EXPECT_EQ(tdist::grouped_gemm_kernel_name(DType::kFloat16, t, /*gathered_a=*/true),
+            "tdist::kernels::gemm::sm90_gemm_tn<__half, 128, 192, 64, 5, 1, tdist::kernels::gemm::NoTileHooks, "
+            "tdist::kernels::gemm::GatherGroupedScheduler>");
+  // One plain and one gathered-A instance per shipped tile.
   const auto reqs = tdist::grouped_gemm_compile_requests();
-  ASSERT_EQ(reqs.size(), tdist::gemm_tiles().size());
+  ASSERT_EQ(reqs.size(), 2 * tdist::gemm_tiles().size());
+  size_t gathered = 0;
   for (const auto& r : reqs) {
     EXPECT_TRUE(r.arch.empty());
     EXPECT_NE(r.file_name.find("_grouped"), std::string::npos) << r.file_name;
+    gathered += r.file_name.find("_grouped_gather") != std::string::npos;
   }
+  EXPECT_EQ(gathered, tdist::gemm_tiles().size());
   bool found = false;
   for (const auto& f : jit::registered_kernels()) found = found || f.name == "grouped_gemm";
   EXPECT_TRUE(found) << "the grouped_gemm family is not registered";
@@ -589,6 +596,10 @@ TEST(GroupedGemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
     EXPECT_NE(ptx.find("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"), std::string::npos);
     EXPECT_EQ(ptx.find("st.local"), std::string::npos);
     EXPECT_EQ(ptx.find("ld.local"), std::string::npos);
+    // The gathered-A instances load A with zero-filling cp.async that arrive on the stage's barrier.
+    const bool gathers = e.path().filename().string().find("_grouped_gather") != std::string::npos;
+    EXPECT_EQ(ptx.find("cp.async.cg.shared.global") != std::string::npos, gathers);
+    EXPECT_EQ(ptx.find("cp.async.mbarrier.arrive.noinc.shared::cta.b64") != std::string::npos, gathers);
   }
-  EXPECT_EQ(ptx_files, static_cast<int>(tdist::gemm_tiles().size()));
+  EXPECT_EQ(ptx_files, static_cast<int>(2 * tdist::gemm_tiles().size()));
 }

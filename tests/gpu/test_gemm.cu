@@ -204,6 +204,8 @@ struct GroupedCase {
   int group_m = 8;
   int max_ctas = 0;
   bool reversed_order = false;  // m_tile_order: the m-tiles last to first
+  bool gather = false;          // A's rows gathered from token rows (RowGather): random tokens, padding
+                                // rows -1, a third of the tokens read from a separate `local` buffer
 };
 
 template <typename T>
@@ -249,6 +251,45 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   }
   fill_random<<<264, 256, 0, stream>>>(a, static_cast<size_t>(std::max(m_total, 1L)) * lda, seed);
   fill_random<<<264, 256, 0, stream>>>(b, static_cast<size_t>(c.groups) * c.n * ldb, seed + 1);
+  // Gathered A: A's rows come from random tokens; `a` is then written with what the kernel must see
+  // (the reference's input), and the gathered copy of the local tokens is poisoned, so reading a
+  // local token from the wrong place shows.
+  T *tokens = nullptr, *local = nullptr;
+  int* token_of_row = nullptr;
+  tdist::kernels::gemm::RowGather gather;
+  if (c.gather) {
+    const long num_tokens = 50 + rows / 3, ld_tok = c.k + 16;
+    const long local_begin = num_tokens / 3, local_rows = num_tokens / 3;
+    std::vector<int> tor(std::max(m_total, 1L), -1);
+    for (int g = 0; g < c.groups; ++g)
+      for (long i = 0; i < counts[g]; ++i) {
+        r = mix(r + 0x9E3779B97F4A7C15ull);
+        tor[offsets[g] + i] = static_cast<int>(r % num_tokens);
+      }
+    TDIST_CUDA_CHECK(cudaMalloc(&tokens, sizeof(T) * num_tokens * ld_tok));
+    TDIST_CUDA_CHECK(cudaMalloc(&local, sizeof(T) * local_rows * ld_tok));
+    TDIST_CUDA_CHECK(cudaMalloc(&token_of_row, sizeof(int) * tor.size()));
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(token_of_row, tor.data(), sizeof(int) * tor.size(), cudaMemcpyHostToDevice, stream));
+    fill_random<<<264, 256, 0, stream>>>(tokens, static_cast<size_t>(num_tokens) * ld_tok, seed + 2);
+    std::vector<T> host_tokens(num_tokens * ld_tok), host_a(std::max(m_total, 1L) * lda);
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(host_tokens.data(), tokens, sizeof(T) * host_tokens.size(), cudaMemcpyDeviceToHost,
+                                     stream));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    TDIST_CUDA_CHECK(cudaMemcpy(local, host_tokens.data() + local_begin * ld_tok, sizeof(T) * local_rows * ld_tok,
+                                cudaMemcpyHostToDevice));
+    fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(tokens + local_begin * ld_tok),
+                                      static_cast<size_t>(local_rows) * ld_tok, 0x7FC1);
+    for (long row = 0; row < m_total; ++row)
+      for (long j = 0; j < lda; ++j)
+        host_a[row * lda + j] = tor[row] >= 0 && j < c.k ? host_tokens[tor[row] * ld_tok + j] : T(0.0f);
+    TDIST_CUDA_CHECK(cudaMemcpy(a, host_a.data(), sizeof(T) * m_total * lda, cudaMemcpyHostToDevice));
+    gather.token_of_row = token_of_row;
+    gather.local = local;
+    gather.gathered = tokens;
+    gather.local_begin = static_cast<unsigned long long>(local_begin);
+    gather.local_rows = static_cast<unsigned long long>(local_rows);
+    gather.ld_bytes = sizeof(T) * ld_tok;
+  }
   const unsigned short poison = 0x7FC1;  // a NaN in bf16 and fp16 alike
   fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(d),
                                     static_cast<size_t>(std::max(m_total, 1L)) * ldd, poison);
@@ -284,6 +325,7 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   o.first_row = c.first_row;
   o.max_ctas = c.max_ctas;
   o.m_tile_order = order;
+  if (c.gather) args.a_gather = gather;
   gg.run(args, stream, o);
   TDIST_CUDA_CHECK(cudaGetLastError());
 
@@ -307,7 +349,8 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   TDIST_CUDA_CHECK(cudaMemcpyAsync(&max_err, stats + 1, sizeof(double), cudaMemcpyDeviceToHost, stream));
   TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
   for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(d), static_cast<void*>(ref),
-                  static_cast<void*>(stats), static_cast<void*>(counters), offs, static_cast<void*>(order)})
+                  static_cast<void*>(stats), static_cast<void*>(counters), offs, static_cast<void*>(order),
+                  static_cast<void*>(tokens), static_cast<void*>(local), static_cast<void*>(token_of_row)})
     TDIST_CUDA_CHECK(cudaFree(p));
 
   int non_empty = 0;
@@ -400,13 +443,19 @@ int main(int argc, char** argv) {
     gcases[1].counts[11] = 3000;
     if (quick) gcases.resize(4);
     if (small) gcases = {gcases[0], gcases[2], gcases[5]};
+    // The same cases with A gathered through a token index (the MoE ops' path).
+    for (size_t i = 0, count = gcases.size(); i < count; ++i) {
+      GroupedCase g = gcases[i];
+      g.gather = true;
+      gcases.push_back(g);
+    }
     for (tdist::DType dtype : {tdist::DType::kBFloat16, tdist::DType::kFloat16}) {
       if (small && dtype != tdist::DType::kBFloat16) continue;
       for (const tdist::GemmTile& tile : tdist::gemm_tiles()) {
         for (const GroupedCase& c : gcases) {
           char name[240];
-          std::snprintf(name, sizeof(name), "grouped %s %s G=%d n=%d k=%d (%s)", tdist::to_string(dtype),
-                        tile.name().c_str(), c.groups, c.n, c.k, c.what);
+          std::snprintf(name, sizeof(name), "grouped%s %s %s G=%d n=%d k=%d (%s)", c.gather ? " gathered-A" : "",
+                        tdist::to_string(dtype), tile.name().c_str(), c.groups, c.n, c.k, c.what);
           const auto start = std::chrono::steady_clock::now();
           Result r{false, ""};
           try {

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "tdist/kernels/gemm/grouped_scheduler.cuh"
@@ -53,6 +54,12 @@ struct GroupedGemmArgs {
   int num_groups = 0;  // G >= 1
   DType dtype = DType::kBFloat16;
   int64_t lda = 0, ldb = 0, ldd = 0;  // 0: dense (K, K, N)
+  // Optional: A's rows read through an index instead of from `a` (which is then ignored; lda too):
+  // row r of A is token a_gather->token_of_row[r]'s row, -1 a padding row read as zeros
+  // (kernels/gemm/grouped_scheduler.cuh, RowGather: token rows in `local` and `gathered`, ld_bytes
+  // apart, a multiple of 16 and at least K elements). The MoE ops use it to skip materialising the
+  // expert-ordered copy of their tokens.
+  std::optional<kernels::gemm::RowGather> a_gather = std::nullopt;
 };
 
 struct GroupedGemmRunOptions {
@@ -85,8 +92,9 @@ void check_grouped_gemm_offsets(const std::vector<int64_t>& offsets, int64_t m_t
 
 // The JIT requests of the grouped instances (one per shipped tile, both dtypes), as registered for
 // tdist-compile, and the name expression of one.
+// (With gathered A: the gather instances, named after GatherGroupedScheduler.)
 std::vector<jit::CompileRequest> grouped_gemm_compile_requests();
-std::string grouped_gemm_kernel_name(DType dtype, const GemmTile& tile);
+std::string grouped_gemm_kernel_name(DType dtype, const GemmTile& tile, bool gathered_a = false);
 
 class GroupedGemm {
  public:
@@ -107,6 +115,7 @@ class GroupedGemm {
  private:
   int num_sms_ = 0;
   std::unique_ptr<detail::GemmRuntime<kernels::gemm::GroupedScheduler, kernels::gemm::NoTileHooks>> runtime_;
+  std::unique_ptr<detail::GemmRuntime<kernels::gemm::GatherGroupedScheduler, kernels::gemm::NoTileHooks>> gather_;
 };
 
 }  // namespace tdist

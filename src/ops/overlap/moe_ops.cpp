@@ -6,8 +6,9 @@
 //      `gathered`, nearest rank first, each push followed by flags[rank] = 1 on the receiver;
 //   2. meanwhile, on the caller's stream, the routing (MoeRouter) sorts the pairs by expert and lists
 //      the tiles per source chunk (ag order);
-//   3. for j = 0 .. world - 1: wait for chunk (rank + j) (j > 0), gather the rows of list j's tiles
-//      into the expert-ordered A (zeros for padding), grouped GEMM over list j's tiles only.
+//   3. for j = 0 .. world - 1: wait for chunk (rank + j) (j > 0), grouped GEMM over list j's tiles
+//      only, its A rows read from the tokens through the routing's token_of_row (gathered-A grouped
+//      GEMM: this rank's tokens from a_local, the others from `gathered`; padding rows zeros).
 // List j's tiles need chunks rank .. rank + j only, so list 0 (this rank's tokens) runs while the
 // first transfer is under way.
 //
@@ -147,11 +148,9 @@ struct MoeAgGroupGemm::Impl {
   SymmetricBlock block;
   char* gathered = nullptr;
   u64* flags = nullptr;
-  moe::MoeKernels kernels;
   MoeRouter router;
   GroupedGemm gemm;
-  DeviceBuffer a_rows;  // T[moe_capacity(max_m)][k]: the tokens in expert order, the GEMM's A
-  DeviceBuffer plain;   // T[max_m][k]: the baseline's NCCL AllGather output
+  DeviceBuffer plain;  // T[max_m][k]: the baseline's NCCL AllGather output
 
   Impl(World& world, SymmetricHeap& heap, const MoeConfig& c)
       : config((check_moe_config(c, true, world.world_size()), c)),
@@ -160,9 +159,7 @@ struct MoeAgGroupGemm::Impl {
         block(heap, layout.layout),
         gathered(block[layout.gathered]),
         flags(block[layout.flags]),
-        kernels(c.dtype),
         router(c.max_m, c.topk, c.experts, world.world_size(), world.rank()),
-        a_rows(static_cast<size_t>(moe_capacity(c.max_m, c.topk, c.experts)) * c.k * dtype_size(c.dtype)),
         plain(layout.gathered.bytes()) {}
   ~Impl() { cudaDeviceSynchronize(); }
 
@@ -187,9 +184,10 @@ struct MoeAgGroupGemm::Impl {
     return resolve_moe_method(requested, a.m, rt.size(), "MoE AllGather + grouped GEMM");
   }
 
-  GroupedGemmArgs gemm_args(const MoeAgGroupGemmArgs& a, const MoeRouting& r) const {
-    return GroupedGemmArgs{.a = a_rows.get(),
-                           .b = a.b,
+  // The grouped GEMM over the expert-ordered rows, read from the tokens through the routing's index
+  // (`gather`: where the tokens are) rather than from a copy in expert order.
+  GroupedGemmArgs gemm_args(const MoeAgGroupGemmArgs& a, const MoeRouting& r, const kg::RowGather& gather) const {
+    return GroupedGemmArgs{.b = a.b,
                            .d = a.d,
                            .offsets = r.offsets,
                            .offsets_type = IndexType::kInt32,
@@ -197,7 +195,8 @@ struct MoeAgGroupGemm::Impl {
                            .n = a.n,
                            .k = config.k,
                            .num_groups = config.experts,
-                           .dtype = config.dtype};
+                           .dtype = config.dtype,
+                           .a_gather = gather};
   }
 
   void run(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
@@ -216,27 +215,16 @@ struct MoeAgGroupGemm::Impl {
       return;
     }
     const GemmTile tile = moe_tile(moe_capacity(a.m, config.topk, config.experts), a.n, config.k, rt.num_sms());
-    km::GatherRowsParams g{};
-    g.out = a_rows.get();
-    g.k = static_cast<u32>(config.k);
-    g.local = a.a_local;
-    g.local_begin = rows.begin(rank);
-    g.local_rows = rows.rows(rank);
+    kg::RowGather g;
+    g.ld_bytes = row_bytes();
 
     if (method == OverlapMethod::kBaseline) {
-      // One rank: the gather reads a_local itself (every token is local), no copy through NCCL.
+      // One rank: the GEMM reads a_local itself (every token is local), no copy through NCCL.
       if (world > 1) nccl_all_gather_rows(a.a_local, plain.get(), rows, config.k, config.dtype, rt.world(), stream);
       const MoeRouting& r = router.route(a.topk_ids, a.m, stream);
-      g.gathered = plain.get();
-      if (world > 1) g.local_rows = 0;
       g.token_of_row = r.token_of_row;
-      // Every tile, list by list (the lists' total is known on the device only).
-      for (int j = 0; j < world; ++j) {
-        g.order = r.ag_order + static_cast<size_t>(j) * r.max_tiles;
-        g.count = r.ag_count + j;
-        kernels.gather_rows(g, r.capacity, stream);
-      }
-      gemm.run(gemm_args(a, r), stream, GroupedGemmRunOptions{.tile = tile});
+      g.gathered = world > 1 ? plain.get() : a.a_local;
+      gemm.run(gemm_args(a, r, g), stream, GroupedGemmRunOptions{.tile = tile});
       return;
     }
 
@@ -248,16 +236,18 @@ struct MoeAgGroupGemm::Impl {
     for (int i = 1; i < world; ++i)
       put_signal_async(rt.heap(), local, a.a_local, local_bytes, flags + rank, 1, (rank + i) % world, rt.side().get());
     const MoeRouting& r = router.route(a.topk_ids, a.m, stream);
-    g.gathered = gathered;
     g.token_of_row = r.token_of_row;
+    g.gathered = gathered;
+    g.local = a.a_local;  // this rank's tokens from the caller's rows, not from the pushed copy
+    g.local_begin = rows.begin(rank);
+    g.local_rows = rows.rows(rank);
     for (int j = 0; j < world; ++j) {
       const int source = (rank + j) % world;
       if (j > 0) rt.wait_flags(flags, source, 1, -1, stream);
-      g.order = r.ag_order + static_cast<size_t>(j) * r.max_tiles;
-      g.count = r.ag_count + j;
-      kernels.gather_rows(g, r.capacity, stream);
-      gemm.run(gemm_args(a, r), stream,
-               GroupedGemmRunOptions{.tile = tile, .m_tile_order = g.order, .m_tile_count = g.count});
+      gemm.run(gemm_args(a, r, g), stream,
+               GroupedGemmRunOptions{.tile = tile,
+                                     .m_tile_order = r.ag_order + static_cast<size_t>(j) * r.max_tiles,
+                                     .m_tile_count = r.ag_count + j});
     }
     rt.side().join(stream);
   }

@@ -126,4 +126,42 @@ struct GroupedScheduler {
   }
 };
 
+// A rows of the m-grouped GEMM read through an index instead of from a materialised matrix (the MoE
+// ops' expert-ordered tokens, without the copy): row r of A is token token_of_row[r]'s row; -1 marks
+// a padding row, read as zeros. The tokens live in two places:
+//   local     T[local_rows][ld]   tokens [local_begin, local_begin + local_rows) (this rank's own)
+//   gathered  T[tokens][ld]       every other token t at row t (the rows of local's range unread)
+// Token rows are 16-byte aligned: ld_bytes a multiple of 16, both bases 16-byte aligned.
+struct RowGather {
+  const int* token_of_row = nullptr;  // device, int32[M_total]
+  const void* local = nullptr;        // may be null when local_rows == 0
+  const void* gathered = nullptr;
+  u64 local_begin = 0, local_rows = 0;
+  u64 ld_bytes = 0;  // bytes between consecutive token rows of both places (>= K elements)
+
+  // The row of token `t` (>= 0).
+  TDIST_HOST_DEVICE const char* row(u64 t) const {
+    return t - local_begin < local_rows ? static_cast<const char*>(local) + (t - local_begin) * ld_bytes
+                                        : static_cast<const char*>(gathered) + t * ld_bytes;
+  }
+};
+
+// The m-grouped walk (GroupedScheduler) whose A rows are gathered (RowGather): sm90_gemm_tn's
+// producer warpgroup then loads A with cp.async through the index (kGathersA) and B with TMA.
+struct GatherGroupedScheduler {
+  static constexpr bool kGathersA = true;
+  GroupedScheduler walk;
+  RowGather gather;
+
+  TDIST_HOST_DEVICE GatherGroupedScheduler prepare() const {
+    GatherGroupedScheduler s = *this;
+    s.walk = walk.prepare();
+    return s;
+  }
+  TDIST_HOST_DEVICE u32 num_tiles() const { return walk.num_tiles(); }
+  TDIST_HOST_DEVICE TileInfo tile_info(u32 t, u32 bm, u32 bn, u32 m, u32 n) const {
+    return walk.tile_info(t, bm, bn, m, n);
+  }
+};
+
 }  // namespace tdist::kernels::gemm

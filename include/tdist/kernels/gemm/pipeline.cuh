@@ -4,7 +4,8 @@
 // same tile list, so both see the same (stage, phase) sequence across tiles.
 //
 // Ring protocol, per stage s (kNumStages stages, shared memory layout in config.cuh):
-//   full[s]   count 1: the producer's arrive.expect_tx(bytes) plus the TMA loads' complete_tx.
+//   full[s]   count 1: the producer's arrive.expect_tx(bytes) plus the TMA loads' complete_tx (with A
+//             gathered by cp.async: count 1 + 128, each producer thread's loads arriving once).
 //   empty[s]  count `consumer_arrivals`: one arrive per consumer warp once it has finished reading.
 // Pass p over the ring (count / kNumStages = p) uses phase parity p & 1 of both barriers: consumers
 // wait for full's phase p; the producer waits for empty's phase p - 1, i.e. parity (p & 1) ^ 1, which
@@ -54,9 +55,11 @@ struct TmaPipeline {
   TDIST_DEVICE u32 empty(const State& st) const { return empty_bar + 8 * st.stage(); }
 
   // One thread, before the barrier that starts the CTA (the caller fences with fence_mbar_init).
-  TDIST_DEVICE void init(u32 consumer_arrivals) const {
+  // `producer_arrivals`: 1 (the producer's arrive.expect_tx), plus one per thread whose cp.async
+  // loads arrive on the stage (the gathered-A producer).
+  TDIST_DEVICE void init(u32 consumer_arrivals, u32 producer_arrivals = 1) const {
     for (int s = 0; s < kNumStages; ++s) {
-      ptx::mbar_init(full_bar + 8 * s, 1);                   // the producer's arrive.expect_tx
+      ptx::mbar_init(full_bar + 8 * s, producer_arrivals);
       ptx::mbar_init(empty_bar + 8 * s, consumer_arrivals);  // one arrive per consumer warp
     }
   }

@@ -104,6 +104,17 @@ struct HooksProfile<Hooks, decltype(void(Hooks::kProfileKernel))> {
   static constexpr tdist::device::ProfileKernel kKernel = Hooks::kProfileKernel;
 };
 
+// Schedulers that declare `static constexpr bool kGathersA = true;` (GatherGroupedScheduler) have A's
+// rows gathered through their RowGather `gather` by the whole producer warpgroup with cp.async.
+template <typename Scheduler, typename = void>
+struct SchedulerGathersA {
+  static constexpr bool value = false;
+};
+template <typename Scheduler>
+struct SchedulerGathersA<Scheduler, decltype(void(Scheduler::kGathersA))> {
+  static constexpr bool value = Scheduler::kGathersA;
+};
+
 // Register split of the warp-specialised kernel (see the top of this file).
 template <int kNumMathWarpgroups>
 struct RegisterSplit {
@@ -111,6 +122,75 @@ struct RegisterSplit {
   static constexpr int kProducer = 40;
   static constexpr int kConsumer = kNumMathWarpgroups == 2 ? 232 : 160;
 };
+
+// The producer of a gathering scheduler, run by the whole producer warpgroup (128 threads). Per K
+// block: thread 0 arms the stage with B's bytes and issues B's TMA load; every thread copies its
+// share of A's BLOCK_M x 128-byte block with cp.async (16 bytes each: thread i takes 16-byte column
+// i % 8 of rows i / 8 + 16 j) into the 128-byte swizzled layout TMA would write (16-byte unit c of
+// row r at r * 128 + ((c ^ r % 8) * 16), the tile base 1024-byte aligned), zeros for padding rows and
+// for K past its end, then one cp.async arrive per thread on the stage's full barrier (count 129).
+// Hooks run on thread 0 before a tile's loads; the warpgroup meets after them (named barrier
+// kGatherBarrier) so that no thread loads before what they waited for.
+constexpr u32 kGatherBarrier = 15;  // consumers use 1 .. 1 + BLOCK_M / 64
+template <typename Hooks>
+struct IsNoTileHooks {
+  static constexpr bool value = false;
+};
+template <>
+struct IsNoTileHooks<NoTileHooks> {
+  static constexpr bool value = true;
+};
+template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, typename Scheduler, typename Hooks>
+TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks, const TmaPipeline<kNumStages>& pipe,
+                                    const CUtensorMap& tmap_b, u32 smem_a, u32 smem_b, u32 tile_b_bytes,
+                                    u32 num_k_blocks, u32 m, u32 n, u32 k) {
+  constexpr u32 kUnits = BLOCK_K * sizeof(T) / 16;                // 16-byte units per row: 8
+  constexpr u32 kRowStep = kWarpgroupThreads / kUnits;            // 16
+  constexpr int kRowsPerThread = BLOCK_M / static_cast<int>(kRowStep);  // 8 (BLOCK_M 128) or 4
+  constexpr u32 kTileABytes = BLOCK_M * BLOCK_K * sizeof(T);
+  static_assert(kUnits == 8 && BLOCK_M % kRowStep == 0, "128-byte rows, 16 rows per pass of the warpgroup");
+  const u32 tid = threadIdx.x;  // 0 .. 127
+  const u32 unit = tid % kUnits, row_first = tid / kUnits;
+  const RowGather& g = tiles.gather;
+  PipelineState<kNumStages> st;
+  for (u32 t = blockIdx.x; t < tiles.num_tiles(); t += gridDim.x) {
+    const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
+    if constexpr (!IsNoTileHooks<Hooks>::value) {
+      if (tid == 0) hooks.before_loads(info);
+      ptx::named_barrier(kGatherBarrier, kWarpgroupThreads);
+    }
+    // This thread's rows: their source addresses at this unit, null for padding rows.
+    const char* src[kRowsPerThread];
+#pragma unroll
+    for (int j = 0; j < kRowsPerThread; ++j) {
+      const u32 row = info.m0 + row_first + j * kRowStep;
+      const int token = row < m ? g.token_of_row[row] : -1;
+      src[j] = token >= 0 ? g.row(static_cast<u64>(token)) + unit * 16 : nullptr;
+    }
+    const int b_row = static_cast<int>(info.b_row);
+    for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
+      const u32 s = st.stage();
+      pipe.producer_acquire(st);
+      const u32 full = pipe.full(st);
+      if (tid == 0) {
+        ptx::mbar_arrive_expect_tx(full, tile_b_bytes);
+        ptx::tma_load_2d(smem_b + s * tile_b_bytes, &tmap_b, full, static_cast<int>(kb * BLOCK_K), b_row);
+      }
+      const bool k_inside = kb * BLOCK_K + unit * (16 / sizeof(T)) < k;
+      const u32 k_bytes = kb * BLOCK_K * sizeof(T);
+      const u32 stage_a = smem_a + s * kTileABytes;
+#pragma unroll
+      for (int j = 0; j < kRowsPerThread; ++j) {
+        const u32 r = row_first + j * kRowStep;
+        const u32 dst = stage_a + r * (BLOCK_K * sizeof(T)) + ((unit ^ (r % 8)) * 16);
+        const bool load = src[j] != nullptr && k_inside;
+        ptx::cp_async_16(dst, load ? src[j] + k_bytes : static_cast<const void*>(g.token_of_row), load ? 16 : 0);
+      }
+      ptx::cp_async_mbar_arrive_noinc(full);
+    }
+  }
+  ptx::cp_async_wait_all();  // no copy outlives its thread
+}
 
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, int kClusterM,
           typename Hooks = NoTileHooks, typename Scheduler = TileScheduler>
@@ -143,6 +223,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   constexpr u32 kEpiBuffers = gemm_epi_buffers(BLOCK_M, BLOCK_N, BLOCK_K, kNumStages, sizeof(T));
   constexpr int kEpiChunks = BLOCK_N / kEpiN;
   constexpr bool kStoredTileBeforeHook = HooksNeedStoredTile<Hooks>::value;
+  constexpr bool kGatherA = SchedulerGathersA<Scheduler>::value;
   static_assert(kEpiBuffers == 1 || kEpiBuffers == 2, "one or two epilogue chunk buffers");
   using Regs = RegisterSplit<kNumMathWarpgroups>;
   using Mma = Wgmma<T, BLOCK_N>;
@@ -165,7 +246,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     ptx::prefetch_tensor_map(&tmap_a);
     ptx::prefetch_tensor_map(&tmap_b);
     ptx::prefetch_tensor_map(&tmap_d);
-    pipe.init(kNumMathWarps);  // one release per consumer warp
+    pipe.init(kNumMathWarps, kGatherA ? 1 + kWarpgroupThreads : 1);  // one release per consumer warp
     ptx::fence_mbar_init();
   }
   __syncthreads();
@@ -177,7 +258,10 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   if (warpgroup == 0) {
     // ---------------- producer ----------------
     if constexpr (Regs::kEnabled) ptx::setmaxnreg_dec<Regs::kProducer>();
-    if (threadIdx.x == 0) {
+    if constexpr (kGatherA) {
+      gather_a_producer<T, BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_b, smem_a, smem_b, kTileBBytes,
+                                                         num_k_blocks, m, n, k);
+    } else if (threadIdx.x == 0) {
       PipeState st;  // running count of K blocks
       for (u32 t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
@@ -223,6 +307,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
       const u32 s = st.stage();
       pipe.consumer_wait(st);
+      // Gathered A was written by cp.async (generic proxy); wgmma reads through the async proxy.
+      if constexpr (kGatherA) ptx::fence_proxy_async_shared();
       const u32 a_tile = smem_a + s * kTileABytes + math_wg * (kWgmmaM * BLOCK_K * sizeof(T));
       const u32 b_tile = smem_b + s * kTileBBytes;
 #pragma unroll

@@ -1,5 +1,5 @@
 // sm_90a building blocks of the GEMM, as inline PTX: mbarriers, TMA tensor loads and stores, bulk
-// async-groups, stmatrix, wgmma fences and shared-memory matrix descriptors, setmaxnreg, named barriers.
+// async-groups, cp.async, stmatrix, wgmma fences and shared-memory matrix descriptors, setmaxnreg, named barriers.
 // Compiles under nvcc and NVRTC.
 #pragma once
 
@@ -107,6 +107,21 @@ TDIST_DEVICE void bulk_wait_group() {
 // Orders this thread's earlier generic-proxy shared-memory writes before later async-proxy (TMA
 // store) reads of them (each writing thread fences, then a barrier, then one thread issues the store).
 TDIST_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// ---- cp.async (the gathered-A loads) ----
+// 16 bytes global -> shared; `src_bytes` 0 writes 16 zero bytes and reads nothing (padding rows and
+// K past its end). .cg: through L2 only, as TMA's loads.
+TDIST_DEVICE void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// One arrive on `bar` once every cp.async this thread issued before has landed; .noinc: the arrive
+// counts against the barrier's expected arrivals (init counts each such thread).
+TDIST_DEVICE void cp_async_mbar_arrive_noinc(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// Waits until every cp.async this thread issued has landed.
+TDIST_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // ---- stmatrix ----
 // Stores four 8x8 matrices of 16-bit elements: lanes 8i .. 8i+7 give the shared addresses of the 8

@@ -5,7 +5,8 @@
 //
 // API
 //   GemmSchedulerTraits<Scheduler>  device type name of a scheduler (kernels::gemm::TileScheduler,
-//                                   kernels::gemm::GroupedScheduler) and its file-name tag.
+//                                   kernels::gemm::GroupedScheduler, GatherGroupedScheduler) and its
+//                                   file-name tag.
 //   GemmHooksTraits<Params>         maps the parameter struct of a hooks type, as the host fills it, to
 //                                   the device hooks type (which derives from it, same layout) and the
 //                                   header that defines it. Shipped: kernels::gemm::NoTileHooks (plain
@@ -63,6 +64,12 @@ template <>
 struct GemmSchedulerTraits<kernels::gemm::GroupedScheduler> {
   static constexpr const char* kDeviceType = "tdist::kernels::gemm::GroupedScheduler";
   static constexpr const char* kTag = "grouped";
+};
+
+template <>
+struct GemmSchedulerTraits<kernels::gemm::GatherGroupedScheduler> {
+  static constexpr const char* kDeviceType = "tdist::kernels::gemm::GatherGroupedScheduler";
+  static constexpr const char* kTag = "grouped_gather";
 };
 
 template <typename Params>
