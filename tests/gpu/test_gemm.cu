@@ -257,10 +257,11 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   T *tokens = nullptr, *local = nullptr;
   int* token_of_row = nullptr;
   tdist::kernels::gemm::RowGather gather;
+  std::vector<int> tor;  // token of each row, -1 for padding (gathered A)
   if (c.gather) {
     const long num_tokens = 50 + rows / 3, ld_tok = c.k + 16;
     const long local_begin = num_tokens / 3, local_rows = num_tokens / 3;
-    std::vector<int> tor(std::max(m_total, 1L), -1);
+    tor.assign(std::max(m_total, 1L), -1);
     for (int g = 0; g < c.groups; ++g)
       for (long i = 0; i < counts[g]; ++i) {
         r = mix(r + 0x9E3779B97F4A7C15ull);
@@ -275,14 +276,17 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
     TDIST_CUDA_CHECK(cudaMemcpyAsync(host_tokens.data(), tokens, sizeof(T) * host_tokens.size(), cudaMemcpyDeviceToHost,
                                      stream));
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-    TDIST_CUDA_CHECK(cudaMemcpy(local, host_tokens.data() + local_begin * ld_tok, sizeof(T) * local_rows * ld_tok,
-                                cudaMemcpyHostToDevice));
+    // Copies on the (non-blocking) test stream, then a sync: a pageable cudaMemcpy may return before
+    // its DMA lands, and nothing would order it before the kernels on `stream`.
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(local, host_tokens.data() + local_begin * ld_tok,
+                                     sizeof(T) * local_rows * ld_tok, cudaMemcpyHostToDevice, stream));
     fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(tokens + local_begin * ld_tok),
                                       static_cast<size_t>(local_rows) * ld_tok, 0x7FC1);
     for (long row = 0; row < m_total; ++row)
       for (long j = 0; j < lda; ++j)
         host_a[row * lda + j] = tor[row] >= 0 && j < c.k ? host_tokens[tor[row] * ld_tok + j] : T(0.0f);
-    TDIST_CUDA_CHECK(cudaMemcpy(a, host_a.data(), sizeof(T) * m_total * lda, cudaMemcpyHostToDevice));
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(a, host_a.data(), sizeof(T) * m_total * lda, cudaMemcpyHostToDevice, stream));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
     gather.token_of_row = token_of_row;
     gather.local = local;
     gather.gathered = tokens;
@@ -366,6 +370,12 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   if (host[0] > 0) {
     std::snprintf(buf, sizeof(buf), ", first bad at (%llu, %llu)", host[2] >> 32, host[2] & 0xFFFFFFFFull);
     detail += buf;
+    if (c.gather && (host[2] >> 32) < tor.size()) {
+      const int t = tor[host[2] >> 32];
+      std::snprintf(buf, sizeof(buf), " (token %d%s)", t,
+                    t < 0 ? ", padding" : (t - gather.local_begin < gather.local_rows ? ", local" : ""));
+      detail += buf;
+    }
   }
   return {host[0] == 0 && host[1] == 0 && host[4] == 0 && (rows == 0 || ref_max > 0), detail};
 }

@@ -1,4 +1,4 @@
-// The typed launcher of kernels/moe/routing.cuh (routing, row gather, top-k weighted reduce): the
+// The typed launcher of kernels/moe/routing.cuh (routing, top-k weighted reduce): the
 // kernels' names live here only. Shared by MoeRouter (moe_routing.cpp) and the MoE ops (moe_ops.cpp).
 #pragma once
 
@@ -17,23 +17,20 @@ namespace tdist::moe {
 class MoeKernels {
  public:
   static jit::CompileRequest compile_request();
-  // Compiles (or loads) the module; gather_rows and combine take `dtype` (bf16 or fp16).
+  // Compiles (or loads) the module; combine takes `dtype` (bf16 or fp16).
   explicit MoeKernels(DType dtype);
 
   // The two routing kernels (count; scan, tile lists and place in one launch) on `stream`.
   void route(const kernels::moe::RouteParams& p, cudaStream_t stream) const;
-  // Rows of the listed tiles; max_rows bounds the rows (the grid's size).
-  void gather_rows(const kernels::moe::GatherRowsParams& p, int64_t max_rows, cudaStream_t stream) const;
   void combine(const kernels::moe::CombineParams& p, cudaStream_t stream) const;
 
  private:
   static constexpr const char* kCount = "tdist::kernels::moe::moe_route_count";
   static constexpr const char* kBuild = "tdist::kernels::moe::moe_route_build";
-  static std::string gather_instance(DType dtype);
   static std::string combine_instance(DType dtype);
 
   std::shared_ptr<jit::Module> module_;
-  jit::Kernel count_, build_, gather_, combine_;
+  jit::Kernel count_, build_, combine_;
   int num_sms_ = 0;
 };
 

@@ -1,6 +1,6 @@
 // MoE routing: the host reference and checks (ops/moe.hpp), and MoeRouter, which runs the routing
-// kernels of kernels/moe/routing.cuh on the GPU. The kernels' module also holds the row gather and
-// the top-k weighted reduce the MoE ops launch (MoeKernels, src/ops/overlap/moe_kernels.hpp).
+// kernels of kernels/moe/routing.cuh on the GPU. The kernels' module also holds the top-k weighted
+// reduce the MoE ops launch (MoeKernels, src/ops/overlap/moe_kernels.hpp).
 #include <algorithm>
 
 #include "src/ops/overlap/moe_kernels.hpp"
@@ -80,9 +80,6 @@ MoeRoutingHost moe_routing_reference(const std::vector<int>& ids, int64_t m, int
 
 namespace moe {
 
-std::string MoeKernels::gather_instance(DType dtype) {
-  return detail::concat("tdist::kernels::moe::moe_gather_rows<", kernel_type_name(dtype), ">");
-}
 std::string MoeKernels::combine_instance(DType dtype) {
   return detail::concat("tdist::kernels::moe::moe_combine<", kernel_type_name(dtype), ">");
 }
@@ -92,10 +89,7 @@ jit::CompileRequest MoeKernels::compile_request() {
   r.source = "#include \"tdist/kernels/moe/routing.cuh\"\n";
   r.file_name = "moe_routing.cu";
   r.name_expressions = {kCount, kBuild};
-  for (DType t : {DType::kBFloat16, DType::kFloat16}) {
-    r.name_expressions.push_back(gather_instance(t));
-    r.name_expressions.push_back(combine_instance(t));
-  }
+  for (DType t : {DType::kBFloat16, DType::kFloat16}) r.name_expressions.push_back(combine_instance(t));
   return r;
 }
 
@@ -105,10 +99,7 @@ MoeKernels::MoeKernels(DType dtype) : module_(jit::Module::load(jit::compile(com
   TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
   count_ = module_->kernel(kCount);
   build_ = module_->kernel(kBuild);
-  if (dtype == DType::kBFloat16 || dtype == DType::kFloat16) {
-    gather_ = module_->kernel(gather_instance(dtype));
-    combine_ = module_->kernel(combine_instance(dtype));
-  }
+  if (dtype == DType::kBFloat16 || dtype == DType::kFloat16) combine_ = module_->kernel(combine_instance(dtype));
 }
 
 void MoeKernels::route(const km::RouteParams& p, cudaStream_t stream) const {
@@ -120,18 +111,6 @@ void MoeKernels::route(const km::RouteParams& p, cudaStream_t stream) const {
   if (p.num_segments > 0) jit::launch(count_, cfg, jit::make_args(p));
   cfg.grid = {std::max<unsigned>(p.num_segments, 1)};  // no tokens: one block writes empty experts and lists
   jit::launch(build_, cfg, jit::make_args(p));
-}
-
-void MoeKernels::gather_rows(const km::GatherRowsParams& p, int64_t max_rows, cudaStream_t stream) const {
-  if (max_rows <= 0) return;
-  jit::LaunchConfig cfg;
-  cfg.stream = stream;
-  cfg.programmatic_dependent_launch = true;
-  cfg.block = {km::kMoeCopyThreads};  // a warp per row
-  constexpr int64_t kWarps = km::kMoeCopyThreads / 32;
-  cfg.grid = {static_cast<unsigned>(
-      std::min<int64_t>((max_rows + kWarps - 1) / kWarps, int64_t{num_sms_} * km::kGatherBlocksPerSm))};
-  jit::launch(gather_, cfg, jit::make_args(p));
 }
 
 void MoeKernels::combine(const km::CombineParams& p, cudaStream_t stream) const {

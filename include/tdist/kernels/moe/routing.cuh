@@ -45,11 +45,9 @@ constexpr u32 kMaxMoeRanks = 8;
 constexpr u32 kRouteSegment = 2048;     // pairs per block of the count and build kernels, at least
 constexpr u32 kMaxRouteSegments = 128;  // past this many, segments grow (each build block reads them all)
 constexpr u32 kRouteThreads = 256;
-constexpr u32 kMoeCopyThreads = 256;  // the gather and combine kernels: a warp per row / (token, columns)
-constexpr u32 kMoeCopyUnroll = 8;     // 16-byte vectors in flight per lane (gather)
+constexpr u32 kMoeCopyThreads = 256;  // the combine kernel: a warp per (token, columns)
 // Blocks per SM the launch bounds guarantee room for (registers): the grids' size per SM, so that
 // every block of the grid-stride loops is resident from the start (no second, thinner wave).
-constexpr u32 kGatherBlocksPerSm = 4;
 constexpr u32 kCombineBlocksPerSm = 3;
 constexpr u32 kCombineCols = 2;  // 16-byte column vectors per lane per work item of the combine
 
@@ -174,21 +172,6 @@ struct RouteParams {
   u32* rs_order;         // u32[world][max_tiles]
   u32* rs_count;         // u32[world]
   u32 max_tiles;
-};
-
-// Rows of the expert-ordered matrix gathered from token rows: out[row] = tokens[token_of_row[row]]
-// for the tiles order[0, *count) (order null: tiles 0, 1, ...), zeros for padding rows. Tokens of
-// [local_begin, +local_rows) are read from `local` (this rank's rows), the others from `gathered`
-// (T[M][k], every rank's rows at their RowChunks place).
-struct GatherRowsParams {
-  const void* gathered;
-  const void* local;
-  u64 local_begin, local_rows;
-  const int* token_of_row;
-  const u32* order;
-  const u32* count;
-  void* out;  // T[capacity][k]
-  u32 k;
 };
 
 // out[i][c] = sum_k weight[t][k] d_rows[row_of_pair[t][k]][c] + sum_s extra[s][i][c], in fp32, for the
@@ -460,57 +443,6 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
     }
     __syncthreads();
     q = q_next, t = t_next, k = k_next, valid = valid_next, e = e_next;
-  }
-}
-
-// Grid-stride over the listed tiles' rows, a warp per row: the warp's next 32 rows located at once
-// (lane l loads the tile and token of its l-th row; the rows then go one by one, broadcast), so the
-// index loads cost two round trips per 32 rows; kMoeCopyUnroll 16-byte vectors in flight per lane
-// (k = 2048 bf16: 256 vectors, the whole row in one pass). Rows are int32 (moe_capacity < 2^31).
-template <typename T>
-__global__ void __launch_bounds__(kMoeCopyThreads, kGatherBlocksPerSm) moe_gather_rows(GatherRowsParams p) {
-  constexpr u32 kWarps = kMoeCopyThreads / 32;
-  const u32 lane = threadIdx.x % 32;
-  device::wait_for_prior_grid();  // the routing, or the tokens' arrival (a flag wait kernel)
-  device::allow_dependent_launch();
-  const u64 rows = static_cast<u64>(*p.count) * kMoeTile;
-  const u32 vectors = p.k / 8;
-  const u64 warps = static_cast<u64>(gridDim.x) * kWarps;
-  for (u64 x0 = static_cast<u64>(blockIdx.x) * kWarps + threadIdx.x / 32; x0 < rows; x0 += 32 * warps) {
-    // Rows x0 + l warps, l = 0 .. 31 (the grid-stride rows of this warp).
-    const u64 mine = x0 + lane * warps;
-    u32 my_row = 0;
-    int my_token = -1;
-    if (mine < rows) {
-      const u32 tile = p.order != nullptr ? p.order[mine / kMoeTile] : static_cast<u32>(mine / kMoeTile);
-      my_row = tile * kMoeTile + static_cast<u32>(mine % kMoeTile);
-      my_token = p.token_of_row[my_row];
-    }
-    const u64 left = (rows - x0 + warps - 1) / warps;  // rows of this batch: min(32, left)
-    const u32 batch = left < 32 ? static_cast<u32>(left) : 32u;
-    for (u32 l = 0; l < batch; ++l) {  // warp-uniform
-      const u64 row = __shfl_sync(0xffffffffu, my_row, l);
-      const int t = __shfl_sync(0xffffffffu, my_token, l);
-      uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + row * p.k);
-      if (t < 0) {
-        for (u32 v = lane; v < vectors; v += 32) dst[v] = make_uint4(0, 0, 0, 0);
-        continue;
-      }
-      const u64 tu = static_cast<u64>(t);
-      const T* src = tu - p.local_begin < p.local_rows
-                         ? static_cast<const T*>(p.local) + (tu - p.local_begin) * p.k
-                         : static_cast<const T*>(p.gathered) + tu * p.k;
-      const uint4* s = reinterpret_cast<const uint4*>(src);
-      for (u32 v0 = lane; v0 < vectors; v0 += 32 * kMoeCopyUnroll) {
-        uint4 r[kMoeCopyUnroll];
-#pragma unroll
-        for (u32 u = 0; u < kMoeCopyUnroll; ++u)
-          if (v0 + u * 32 < vectors) r[u] = s[v0 + u * 32];
-#pragma unroll
-        for (u32 u = 0; u < kMoeCopyUnroll; ++u)
-          if (v0 + u * 32 < vectors) dst[v0 + u * 32] = r[u];
-      }
-    }
   }
 }
 
