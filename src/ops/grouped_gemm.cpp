@@ -47,12 +47,13 @@ GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
                       g.ld_bytes);
     }
   }
+  // The group count first (a scalar), so that it is named whatever the pointers are.
+  TDIST_CHECK_ARG(a.num_groups >= 1, "num_groups", "expected at least one group, got ", a.num_groups);
   // The dense GEMM's checks of the fields both share (M is M_total), leading dimensions filled in.
   const GemmArgs dense = check_gemm_args(grouped_gemm_problem(a));
   a.lda = dense.lda;
   a.ldb = dense.ldb;
   a.ldd = dense.ldd;
-  TDIST_CHECK_ARG(a.num_groups >= 1, "num_groups", "expected at least one group, got ", a.num_groups);
   // B is a (G N) x K matrix addressed with 32-bit row coordinates.
   TDIST_CHECK_ARG(static_cast<int64_t>(a.num_groups) * std::max<int64_t>(a.n, 1) <= kMaxDim, "num_groups",
                   "num_groups x n must be < 2^31 (rows of B), got ", a.num_groups, " x ", a.n);

@@ -456,6 +456,44 @@ TEST(GroupedGemmArgs, ErrorsNameTheArgument) {
   expect_arg_error(with([](GroupedGemmArgs& a) { a.offsets = reinterpret_cast<const void*>(0x40002); }), "offsets");
   expect_arg_error(with([](GroupedGemmArgs& a) { a.offsets_type = tdist::IndexType::kInt64; }),
                    "offsets");  // 4-aligned only
+  expect_arg_error(with([](GroupedGemmArgs& a) {
+                     a.num_groups = 0;
+                     a.a = nullptr;
+                   }),
+                   "num_groups");  // named before the pointers
+  // Gathered A: `a` is not read (null accepted); the index and the token rows are checked instead.
+  auto gathered = [](GroupedGemmArgs& a) {
+    a.a = nullptr;
+    a.a_gather = tdist::kernels::gemm::RowGather{.token_of_row = reinterpret_cast<const int*>(0x50000),
+                                                 .gathered = reinterpret_cast<const void*>(0x60000),
+                                                 .ld_bytes = static_cast<uint64_t>(a.k) * 2};
+  };
+  EXPECT_NO_THROW(with(gathered)());
+  expect_arg_error(with([&](GroupedGemmArgs& a) {
+                     gathered(a);
+                     a.a_gather->token_of_row = reinterpret_cast<const int*>(0x50002);
+                   }),
+                   "a_gather.token_of_row");
+  expect_arg_error(with([&](GroupedGemmArgs& a) {
+                     gathered(a);
+                     a.a_gather->gathered = nullptr;
+                   }),
+                   "a_gather.gathered");
+  expect_arg_error(with([&](GroupedGemmArgs& a) {
+                     gathered(a);
+                     a.a_gather->local_rows = 3;  // local rows without a local pointer
+                   }),
+                   "a_gather.local");
+  expect_arg_error(with([&](GroupedGemmArgs& a) {
+                     gathered(a);
+                     a.a_gather->ld_bytes = static_cast<uint64_t>(a.k) * 2 - 16;  // shorter than a row
+                   }),
+                   "a_gather.ld_bytes");
+  expect_arg_error(with([&](GroupedGemmArgs& a) {
+                     gathered(a);
+                     a.a_gather->ld_bytes += 8;  // not 16-byte rows
+                   }),
+                   "a_gather.ld_bytes");
   // Schedule options.
   const GroupedGemmArgs ok = tdist::check_grouped_gemm_args(valid_grouped());
   expect_arg_error([&] { tdist::grouped_gemm_schedule(ok, GemmTile{}, {.group_m = 0}); }, "group_m");
