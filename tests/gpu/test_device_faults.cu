@@ -6,10 +6,15 @@
 // First, with TDIST_CHECK_CALLS unset (call checking's default, first): calls that differ between
 // ranks (count, method, op, buffer kind, an overlapped op's N) raise on every rank within a second,
 // naming each rank's call; under always, so does a call seen before; a differing TDIST_CHECK_CALLS
-// fails World's construction. The fault cases then run with call checking off.
+// fails World's construction. The fault cases then run with call checking off: the collectives, the
+// fused AllGather-GEMM, the MoE tensor-parallel pair (chunked), the EP buffer's low-latency and
+// high-throughput dispatch and combine, and the distributed flash-decode. Where the op has no case of
+// its own for a first call (the older cases), every rank first makes a matching call, so that its
+// kernels are compiled and the time measured is the wait's; a combine's case has every rank dispatch.
 #include <cuda_bf16.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -17,9 +22,12 @@
 
 #include "harness.cuh"
 #include "scoped_env.hpp"
+#include "tdist/common/device_buffer.hpp"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/ops/ep.hpp"
+#include "tdist/ops/flash_decode.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
+#include "tdist/ops/moe.hpp"
 #include "tdist/runtime/device_fault.hpp"
 
 using namespace tdist;
@@ -88,6 +96,40 @@ void skip_on_last_rank(World& world, cudaStream_t stream, const std::string& tag
   clear_device_fault();
   world.barrier(tag);
   if (!failure.empty()) TDIST_FAIL(failure);
+}
+
+// Device memory holding `host`.
+template <typename T>
+DeviceBuffer upload(const std::vector<T>& host) {
+  DeviceBuffer d(host.size() * sizeof(T));
+  TDIST_CUDA_CHECK(cudaMemcpy(d.get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+
+// `count` bf16 values in [-0.5, 0.5), a pattern of `seed`: finite inputs (what they compute is not checked).
+DeviceBuffer bf16_values(size_t count, unsigned seed) {
+  std::vector<__nv_bfloat16> host(count);
+  for (size_t i = 0; i < count; ++i)
+    host[i] = __float2bfloat16(static_cast<float>((i * 2654435761u + seed * 40503u) % 1024u) / 1024.0f - 0.5f);
+  return upload(host);
+}
+
+// Top-k ids of `tokens` tokens, `topk` distinct experts each: token t's slot j holds (t + j) % experts.
+template <typename Id>
+std::vector<Id> distinct_ids(int64_t tokens, int topk, int experts) {
+  std::vector<Id> ids(static_cast<size_t>(tokens * topk));
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int j = 0; j < topk; ++j) ids[t * topk + j] = static_cast<Id>((t + j) % experts);
+  return ids;
+}
+
+// Op objects of the faulted cases, kept to the end whatever happens: destroying them is collective
+// (their symmetric memory goes back to the heap), and the ranks part ways in these cases.
+template <typename T, typename... Args>
+T& keep(std::vector<std::shared_ptr<void>>& kept, Args&&... args) {
+  auto p = std::make_shared<T>(std::forward<Args>(args)...);
+  kept.push_back(p);
+  return *p;
 }
 
 }  // namespace
@@ -342,6 +384,138 @@ int main() {
     skip_on_last_rank(world, stream, "faults: ep", x, cfg.max_tokens * cfg.hidden * sizeof(*x), [&] {
       ep->ll_dispatch({.x = x, .topk_idx = idx, .num_tokens = cfg.max_tokens}, stream);
     });
+  });
+
+  std::vector<std::shared_ptr<void>> kept;
+  const std::string absent = " with rank " + std::to_string(n - 1) + " absent: the others abort and raise";
+
+  // MoE AllGather + grouped GEMM, chunked (baseline runs an NCCL AllGather, which has no device wait
+  // timeout): its waits are begin_call's barrier and the wait for each peer's chunk flag.
+  suite.run("MoE AllGather + grouped GEMM (chunked)" + absent, [&] {
+    const int64_t m = 301, k = 136, nn = 200;
+    const int experts = 6, topk = 2;
+    auto& op = keep<MoeAgGroupGemm>(kept, world, heap, MoeConfig{.max_m = m, .k = k, .experts = experts, .topk = topk});
+    const int64_t rows = m / n + (world.rank() < m % n ? 1 : 0);
+    const DeviceBuffer x = bf16_values(static_cast<size_t>(rows * k), 1);
+    const DeviceBuffer ids = upload(distinct_ids<int>(m, topk, experts));  // the same on every rank
+    const DeviceBuffer w = bf16_values(static_cast<size_t>(experts * nn * k), 2 + world.rank());
+    const DeviceBuffer d(static_cast<size_t>(moe_capacity(m, topk, experts) * nn) * sizeof(__nv_bfloat16));
+    const MoeAgGroupGemmArgs args{.a_local = x.get(), .topk_ids = ids.get<int>(), .b = w.get(), .d = d.get(), .m = m,
+                                  .n = nn};
+    op.run(args, stream, OverlapMethod::kChunked);  // every rank
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    world.barrier("faults: moe ag ready");
+    skip_on_last_rank(world, stream, "faults: moe ag", x.get(), rows * k * sizeof(__nv_bfloat16),
+                      [&] { op.run(args, stream, OverlapMethod::kChunked); });
+  });
+
+  // MoE grouped GEMM + ReduceScatter, chunked: begin_call's barrier, then the wait for every peer's
+  // partial of this rank's tokens.
+  suite.run("MoE grouped GEMM + ReduceScatter (chunked)" + absent, [&] {
+    const int64_t m = 301, k = 200, nn = 136;
+    const int experts = 10, topk = 2;
+    auto& op = keep<MoeGroupGemmRs>(kept, world, heap,
+                                    MoeConfig{.max_m = m, .max_n = nn, .experts = experts, .topk = topk});
+    MoeRouter router(m, topk, experts, n, world.rank());
+    const DeviceBuffer ids = upload(distinct_ids<int>(m, topk, experts));
+    const MoeRouting& routing = router.route(ids.get<int>(), m, stream);
+    const DeviceBuffer h = bf16_values(static_cast<size_t>(routing.capacity * k), 3 + world.rank());
+    const DeviceBuffer w = bf16_values(static_cast<size_t>(experts * nn * k), 4 + world.rank());
+    const DeviceBuffer weights = upload(std::vector<float>(static_cast<size_t>(m * topk), 0.5f));
+    const int64_t rows = m / n + (world.rank() < m % n ? 1 : 0);
+    const DeviceBuffer d(static_cast<size_t>(rows * nn) * sizeof(__nv_bfloat16));
+    const MoeGroupGemmRsArgs args{.h = h.get(), .b = w.get(), .topk_weights = weights.get<float>(),
+                                  .routing = &routing, .d = d.get(), .m = m, .n = nn, .k = k};
+    op.run(args, stream, OverlapMethod::kChunked);
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    world.barrier("faults: moe rs ready");
+    skip_on_last_rank(world, stream, "faults: moe rs", h.get(), routing.capacity * k * sizeof(__nv_bfloat16),
+                      [&] { op.run(args, stream, OverlapMethod::kChunked); });
+  });
+
+  // The EP buffer's other calls: the low-latency combine, the high-throughput dispatch and combine.
+  const int64_t ep_tokens = 13;
+  auto ep_config = [&](EpMode mode) {
+    return EpConfig{.max_tokens = 16, .hidden = 256, .num_experts = 2 * n, .topk = 2, .mode = mode};
+  };
+  suite.run("EP low-latency combine" + absent, [&] {
+    const EpConfig cfg = ep_config(EpMode::kLowLatency);
+    auto& ep = keep<EpBuffer>(kept, world, heap, cfg);
+    const DeviceBuffer x = bf16_values(static_cast<size_t>(ep_tokens * cfg.hidden), 5 + world.rank());
+    const DeviceBuffer idx = upload(distinct_ids<int64_t>(ep_tokens, cfg.topk, cfg.num_experts));
+    const DeviceBuffer weights = upload(std::vector<float>(static_cast<size_t>(ep_tokens * cfg.topk), 0.5f));
+    const DeviceBuffer y = bf16_values(
+        static_cast<size_t>(cfg.num_experts / n * n * cfg.max_tokens * cfg.hidden), 6 + world.rank());
+    const DeviceBuffer out(static_cast<size_t>(ep_tokens * cfg.hidden) * sizeof(__nv_bfloat16));
+    const EpLlDispatchArgs dispatch{.x = x.get(), .topk_idx = idx.get<int64_t>(), .num_tokens = ep_tokens};
+    const EpLlCombineArgs combine{.y = y.get(), .topk_idx = idx.get<int64_t>(), .topk_weights = weights.get<float>(),
+                                  .out = out.get()};
+    ep.ll_combine(combine, ep.ll_dispatch(dispatch, stream), stream);  // every rank: a whole round
+    const EpLlHandle handle = ep.ll_dispatch(dispatch, stream);        // every rank: the combine's dispatch
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    world.barrier("faults: ep ll combine ready");
+    skip_on_last_rank(world, stream, "faults: ep ll combine", x.get(), ep_tokens * cfg.hidden * sizeof(__nv_bfloat16),
+                      [&] { ep.ll_combine(combine, handle, stream); });
+  });
+
+  auto ht_case = [&](bool skip_combine) {
+    const EpConfig cfg = ep_config(EpMode::kHighThroughput);
+    auto& ep = keep<EpBuffer>(kept, world, heap, cfg);
+    const DeviceBuffer x = bf16_values(static_cast<size_t>(ep_tokens * cfg.hidden), 7 + world.rank());
+    const DeviceBuffer idx = upload(distinct_ids<int64_t>(ep_tokens, cfg.topk, cfg.num_experts));
+    const DeviceBuffer weights = upload(std::vector<float>(static_cast<size_t>(ep_tokens * cfg.topk), 0.5f));
+    const DeviceBuffer out(static_cast<size_t>(ep_tokens * cfg.hidden) * sizeof(__nv_bfloat16));
+    const EpHtDispatchArgs dispatch{.x = x.get(), .topk_idx = idx.get<int64_t>(), .topk_weights = weights.get<float>(),
+                                    .num_tokens = ep_tokens};
+    EpHtHandle handle = ep.ht_dispatch(dispatch, stream);  // every rank: a whole round
+    const DeviceBuffer y = bf16_values(static_cast<size_t>(handle.max_expert_rows * cfg.hidden), 8 + world.rank());
+    const EpHtCombineArgs combine{.y = y.get(), .topk_idx = idx.get<int64_t>(), .out = out.get()};
+    ep.ht_combine(combine, handle, stream);
+    if (skip_combine) handle = ep.ht_dispatch(dispatch, stream);  // every rank: the combine's dispatch
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    world.barrier("faults: ep ht ready");
+    skip_on_last_rank(world, stream, "faults: ep ht", x.get(), ep_tokens * cfg.hidden * sizeof(__nv_bfloat16), [&] {
+      if (skip_combine)
+        ep.ht_combine(combine, handle, stream);
+      else
+        ep.ht_dispatch(dispatch, stream);
+    });
+  };
+  suite.run("EP high-throughput dispatch" + absent, [&] { ht_case(false); });
+  suite.run("EP high-throughput combine" + absent, [&] { ht_case(true); });
+
+  // Sequence-parallel flash-decode: the merge waits for every rank's low-latency lines.
+  suite.run("distributed flash_decode" + absent, [&] {
+    const int64_t batch = 3, q_heads = 8, kv_heads = 2, head_dim = 128, capacity = 40;
+    auto& fd = keep<DistributedFlashDecode>(
+        kept, world, heap, DistributedFlashDecodeConfig{.max_batch = batch, .q_heads = q_heads, .head_dim = head_dim});
+    const DeviceBuffer q = bf16_values(static_cast<size_t>(batch * q_heads * head_dim), 9);  // the same on every rank
+    const size_t cache = static_cast<size_t>(batch * capacity * kv_heads * head_dim);
+    const DeviceBuffer k = bf16_values(cache, 10 + world.rank()), v = bf16_values(cache, 11 + world.rank());
+    // This rank's part of each sequence: all of the cache, none, and a few tokens.
+    const DeviceBuffer lens = upload(std::vector<int32_t>{int32_t(capacity), 0, 17 + world.rank() % 8});
+    const DeviceBuffer out(static_cast<size_t>(batch * q_heads * head_dim) * sizeof(__nv_bfloat16));
+    const DeviceBuffer lse(static_cast<size_t>(batch * q_heads) * sizeof(float));
+    FlashDecodeArgs a;
+    a.dtype = DType::kBFloat16;
+    a.batch = batch;
+    a.q_heads = q_heads;
+    a.kv_heads = kv_heads;
+    a.head_dim = head_dim;
+    a.q = q.get();
+    a.k_cache = k.get();
+    a.v_cache = v.get();
+    a.num_pages = batch;  // contiguous: one "page" of `capacity` tokens per sequence
+    a.page_size = capacity;
+    a.seq_lens = lens.get<int32_t>();
+    a.out = out.get();
+    a.lse = lse.get<float>();
+    a.softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+    fd.run(a, stream);  // every rank
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    world.barrier("faults: flash_decode ready");
+    skip_on_last_rank(world, stream, "faults: flash_decode", q.get(), batch * q_heads * head_dim * sizeof(__nv_bfloat16),
+                      [&] { fd.run(a, stream); });
   });
 
   suite.run("a method setting that differs on rank " + std::to_string(last) + " fails every rank at construction", [&] {
