@@ -6,7 +6,9 @@
 // First, with TDIST_CHECK_CALLS unset (call checking's default, first): calls that differ between
 // ranks (count, method, op, buffer kind, an overlapped op's N) raise on every rank within a second,
 // naming each rank's call; under always, so does a call seen before; a differing TDIST_CHECK_CALLS
-// fails World's construction. The fault cases then run with call checking off: the collectives, the
+// fails World's construction; a rank absent from a comparison (it runs a call it has seen before) makes
+// the others raise TimeoutError naming their call at the device wait timeout, not the host timeout.
+// The fault cases then run with call checking off: the collectives, the
 // fused AllGather-GEMM, the MoE tensor-parallel pair (chunked), the EP buffer's low-latency and
 // high-throughput dispatch and combine, and the distributed flash-decode. Where the op has no case of
 // its own for a first call (the older cases), every rank first makes a matching call, so that its
@@ -18,6 +20,7 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "harness.cuh"
@@ -531,6 +534,78 @@ int main() {
                 "expected an error naming the differing settings, got: '", error, "'");
     world.barrier("faults: settings checked");
   });
+
+  // Call checking (first) with a rank absent from the comparison: the last rank runs an all_reduce it
+  // has seen (no comparison; its kernels wait for the others), the others one that is new to them
+  // (they wait in the comparison). They must give up at the device wait timeout, not the host
+  // timeout, with a TimeoutError naming their call, and launch nothing; the last rank's kernels abort.
+  // Last of all: the comparison that timed out leaves the World's store collectives one call out of
+  // step, which the last rank then makes up with a comparison of its own, made once the others have
+  // given up (two timeouts after the start): it finds their call there and raises naming it.
+  suite.run("call checking (first): a call seen before on rank " + std::to_string(last) +
+                " and new on the others: they raise within the wait timeout, naming their call",
+            [&] {
+              const ScopedCallCheckMode first(world, CallCheckMode::kFirst);
+              auto& coll = keep<Collectives>(kept, world, heap, count * sizeof(float));
+              auto* in = heap.allocate_array<float>(count);
+              auto* out = heap.allocate_array<float>(count);
+              const size_t seen = 4096, fresh = 4096 + 8;  // element counts
+              coll.all_reduce(in, out, seen, DType::kFloat32, stream, AllReduceMethod::kOneShot);  // every rank
+              TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+              world.barrier("faults: call comparison ready");
+              const auto start = std::chrono::steady_clock::now();
+              std::string failure;
+              try {
+                if (world.rank() != last) {
+                  std::string error;
+                  bool device = false;
+                  try {
+                    coll.all_reduce(in, out, fresh, DType::kFloat32, stream, AllReduceMethod::kOneShot);
+                  } catch (const DeviceTimeoutError& e) {
+                    device = true;
+                    error = e.what();
+                  } catch (const TimeoutError& e) {
+                    error = e.what();
+                  }
+                  const double seconds = seconds_since(start);
+                  TDIST_CHECK(!device, "a device timeout instead of the comparison's: ", error);
+                  TDIST_CHECK(!error.empty(), "the comparison returned without rank ", last);
+                  TDIST_CHECK(seconds >= 0.9 * kTimeoutSeconds && seconds < kTimeoutSeconds + 5.0,
+                              "the comparison gave up after ", seconds, " s, expected the wait timeout (",
+                              kTimeoutSeconds, " s): ", error);
+                  for (const std::string& part :
+                       {"this rank compared its call all_reduce(count=" + std::to_string(fresh) + ",",
+                        std::string("within 2000 ms (the device wait timeout, TDIST_WAIT_TIMEOUT_S)"),
+                        "ranks that never arrived: " + std::to_string(last), std::string("Under TDIST_CHECK_CALLS=first")})
+                    TDIST_CHECK(error.find(part) != std::string::npos, "the error lacks '", part, "': ", error);
+                  TDIST_CHECK(!device_fault_message(), "a device fault on a rank that launched nothing: ",
+                              *device_fault_message());
+                } else {
+                  try {
+                    coll.all_reduce(in, out, seen, DType::kFloat32, stream, AllReduceMethod::kOneShot);  // not compared
+                  } catch (const DeviceTimeoutError&) {
+                    // a launch behind the first one found the fault recorded: checked below
+                  }
+                  const cudaError_t result = cudaStreamSynchronize(stream);
+                  TDIST_CHECK(result == cudaSuccess, "the aborted all_reduce ended with ", cudaGetErrorName(result));
+                  TDIST_CHECK(device_fault_message().has_value(), "no device fault on the rank the others never met");
+                  std::this_thread::sleep_until(start + std::chrono::duration<double>(2 * kTimeoutSeconds));
+                  std::string error;
+                  try {
+                    world.check_same_call("the comparison the other ranks gave up on");
+                  } catch (const Error& e) {
+                    error = e.what();
+                  }
+                  TDIST_CHECK(error.find("rank 0=all_reduce(count=" + std::to_string(fresh) + ",") != std::string::npos,
+                              "the catch-up comparison did not find the others' call: '", error, "'");
+                }
+              } catch (const std::exception& e) {
+                failure = e.what();
+              }
+              clear_device_fault();
+              world.barrier("faults: call comparison done");
+              if (!failure.empty()) TDIST_FAIL(failure);
+            });
 
   world.barrier("faults: done");
   return suite.finish();
