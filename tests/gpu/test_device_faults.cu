@@ -10,9 +10,9 @@
 // the others raise TimeoutError naming their call at the device wait timeout, not the host timeout.
 // The fault cases then run with call checking off: the collectives, the
 // fused AllGather-GEMM, the MoE tensor-parallel pair (chunked), the EP buffer's low-latency and
-// high-throughput dispatch and combine, and the distributed flash-decode. Where the op has no case of
-// its own for a first call (the older cases), every rank first makes a matching call, so that its
-// kernels are compiled and the time measured is the wait's; a combine's case has every rank dispatch.
+// high-throughput dispatch and combine, and the distributed flash-decode. In the MoE, EP combine and
+// high-throughput and flash-decode cases every rank first makes a matching call (kernels compiled,
+// flags used once), so that the time measured is the wait's; a combine's case has every rank dispatch.
 #include <cuda_bf16.h>
 
 #include <chrono>
@@ -581,14 +581,19 @@ int main() {
                   TDIST_CHECK(!device_fault_message(), "a device fault on a rank that launched nothing: ",
                               *device_fault_message());
                 } else {
+                  std::string aborted;  // the catch-up below runs whatever happened here
                   try {
-                    coll.all_reduce(in, out, seen, DType::kFloat32, stream, AllReduceMethod::kOneShot);  // not compared
-                  } catch (const DeviceTimeoutError&) {
-                    // a launch behind the first one found the fault recorded: checked below
+                    try {
+                      coll.all_reduce(in, out, seen, DType::kFloat32, stream, AllReduceMethod::kOneShot);  // not compared
+                    } catch (const DeviceTimeoutError&) {
+                      // a launch behind the first one found the fault recorded: checked below
+                    }
+                    const cudaError_t result = cudaStreamSynchronize(stream);
+                    TDIST_CHECK(result == cudaSuccess, "the aborted all_reduce ended with ", cudaGetErrorName(result));
+                    TDIST_CHECK(device_fault_message().has_value(), "no device fault on the rank the others never met");
+                  } catch (const std::exception& e) {
+                    aborted = e.what();
                   }
-                  const cudaError_t result = cudaStreamSynchronize(stream);
-                  TDIST_CHECK(result == cudaSuccess, "the aborted all_reduce ended with ", cudaGetErrorName(result));
-                  TDIST_CHECK(device_fault_message().has_value(), "no device fault on the rank the others never met");
                   std::this_thread::sleep_until(start + std::chrono::duration<double>(2 * kTimeoutSeconds));
                   std::string error;
                   try {
@@ -596,6 +601,7 @@ int main() {
                   } catch (const Error& e) {
                     error = e.what();
                   }
+                  TDIST_CHECK(aborted.empty(), aborted);
                   TDIST_CHECK(error.find("rank 0=all_reduce(count=" + std::to_string(fresh) + ",") != std::string::npos,
                               "the catch-up comparison did not find the others' call: '", error, "'");
                 }
