@@ -377,7 +377,7 @@ std::vector<Bytes> TcpStore::Impl::wait_for(const std::vector<std::string>& keys
   if (status == Status::timeout) {
     std::vector<uint32_t> missing(r.u32());
     for (auto& m : missing) m = r.u32();
-    TDIST_STORE_TIMEOUT(who, ": ", what, " timed out after ", opt.timeout.count(), " ms; ", describe_missing(missing));
+    TDIST_STORE_TIMEOUT(who, ": ", what, " timed out after ", timeout.count(), " ms; ", describe_missing(missing));
   }
   std::vector<Bytes> values(r.u32());
   for (auto& v : values) v = r.blob();
@@ -516,6 +516,11 @@ void TcpStore::note_position(const std::string& what) {
 }
 
 std::vector<Bytes> TcpStore::all_gather(const std::string& tag, const Bytes& mine) {
+  return all_gather(tag, mine, impl_->opt.timeout);
+}
+
+std::vector<Bytes> TcpStore::all_gather(const std::string& tag, const Bytes& mine, std::chrono::milliseconds timeout) {
+  TDIST_CHECK_ARG(timeout.count() > 0, "timeout", "expected a positive duration, got ", timeout.count(), " ms");
   const std::string what = "all_gather('" + tag + "')";
   note_position(what);
   const auto keys = per_rank_keys("all_gather", tag, impl_->opt.world_size);
@@ -528,7 +533,7 @@ std::vector<Bytes> TcpStore::all_gather(const std::string& tag, const Bytes& min
       [&](const std::vector<uint32_t>& missing) {
         return "ranks that never arrived: " + format_rank_list(as_ranks(missing)) + positions_of(*this, missing);
       },
-      impl_->opt.timeout);
+      timeout);
 }
 
 void TcpStore::barrier(const std::string& tag) {

@@ -4,6 +4,7 @@
 #include <nccl_device.h>  // ncclTeamLsa (host part of the device API)
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
@@ -15,6 +16,7 @@
 #include "src/runtime/nccl_watchdog.hpp"
 #include "tdist/runtime/device_fault.hpp"
 #include "tdist/runtime/stream.hpp"
+#include "tdist/runtime/wait_config.hpp"
 #include "tdist/version.hpp"
 
 namespace tdist {
@@ -314,15 +316,19 @@ void World::init_from_comm() {
 }
 
 std::vector<Bytes> World::all_gather(const std::string& tag, const Bytes& mine) {
+  return all_gather(tag, mine, timeout_);
+}
+
+std::vector<Bytes> World::all_gather(const std::string& tag, const Bytes& mine, std::chrono::milliseconds timeout) {
   ++collective_count_;
-  if (store_) return store_->all_gather(detail::concat("tdist/ag/", collective_count_, "/", tag), mine);
-  return all_gather_nccl(mine);
+  if (store_) return store_->all_gather(detail::concat("tdist/ag/", collective_count_, "/", tag), mine, timeout);
+  return all_gather_nccl(mine, timeout);
 }
 
 void World::barrier(const std::string& tag) {
   ++collective_count_;
   if (store_) return store_->barrier(detail::concat("tdist/barrier/", collective_count_, "/", tag));
-  all_gather_nccl({});
+  all_gather_nccl({}, timeout_);
 }
 
 std::vector<double> World::max_across_ranks(const std::string& tag, const std::vector<double>& values) {
@@ -342,7 +348,12 @@ std::vector<double> World::max_across_ranks(const std::string& tag, const std::v
 }
 
 void World::check_same_on_all_ranks(const std::string& what, const std::string& value) {
-  const auto values = all_gather(what, to_bytes(value.data(), value.size()));
+  check_same_on_all_ranks(what, value, timeout_);
+}
+
+void World::check_same_on_all_ranks(const std::string& what, const std::string& value,
+                                    std::chrono::milliseconds timeout) {
+  const auto values = all_gather(what, to_bytes(value.data(), value.size()), timeout);
   bool same = true;
   for (const auto& v : values) same = same && v == values[rank_];
   if (same) return;
@@ -358,6 +369,35 @@ namespace {
 const std::string kCallTag = "the op called (TDIST_CHECK_CALLS)";
 }  // namespace
 
+CallCompareBound call_compare_bound(std::chrono::milliseconds host_timeout, double wait_timeout_seconds) {
+  TDIST_CHECK_ARG(host_timeout.count() > 0, "host_timeout", "expected a positive duration, got ",
+                  host_timeout.count(), " ms");
+  TDIST_CHECK_ARG(std::isfinite(wait_timeout_seconds) && wait_timeout_seconds > 0, "wait_timeout_seconds",
+                  "expected a positive number of seconds, got ", wait_timeout_seconds);
+  // Whole milliseconds (the store's unit), rounded up so as never to give up before the device waits
+  // would (the slack absorbs 0.007 * 1000 = 7.000000000000001); at least 1 ms.
+  const auto wait = std::chrono::milliseconds(
+      std::max<int64_t>(1, static_cast<int64_t>(std::ceil(wait_timeout_seconds * 1000.0 - 1e-6))));
+  if (host_timeout < wait) return {host_timeout, "the host timeout, TDIST_HOST_TIMEOUT_S"};
+  return {wait, "the device wait timeout, TDIST_WAIT_TIMEOUT_S"};
+}
+
+std::string call_compare_timeout_message(const std::string& error, const std::string& call,
+                                         const CallCompareBound& bound, CallCheckMode mode) {
+  std::string out = detail::concat("this rank compared its call ", call,
+                                   " with the other ranks' (TDIST_CHECK_CALLS), and they did not arrive within ",
+                                   bound.timeout.count(), " ms (", bound.setting, "): ", error);
+  // A rank that did not come may be running a call it had seen before while this one is new here:
+  // say so, since the timeout alone does not.
+  if (mode == CallCheckMode::kFirst)
+    out += ". Under TDIST_CHECK_CALLS=first a rank compares a call only the first time it sees its signature: a "
+           "rank absent here may be running another call it has seen before (a mismatch); TDIST_CHECK_CALLS=always "
+           "compares every call";
+  else
+    out += ". A rank absent here died, hung, or skipped the call";
+  return out;
+}
+
 void World::check_same_call(const std::string& call) {
   check_same_call(CallKey(call).value(), nullptr, [&] { return call; });
 }
@@ -366,19 +406,18 @@ void World::compare_call(uint64_t key, cudaStream_t stream, const std::string& c
   // Without a store the comparison is an NCCL all-gather with host synchronisation, which a graph
   // capture must not see: left to the first call outside capture (not remembered).
   if (!store_ && stream_is_capturing(stream)) return;
+  // A peer that does not come here would leave the op's kernels waiting for it: give up when they
+  // would (the setting read now, as each kernel module reads it when it loads), not at the host
+  // timeout. The NCCL path aborts the communicator then, so that its queued all-gather does not
+  // block finalize.
+  const CallCompareBound bound = call_compare_bound(timeout_, wait_timeout_seconds_from_env());
   try {
-    check_same_on_all_ranks(kCallTag, call);
+    check_same_on_all_ranks(kCallTag, call, bound.timeout);
   } catch (const DeviceTimeoutError&) {
     throw;
   } catch (const TimeoutError& e) {
-    // A rank that did not come may be running a call it had seen before while this one is new
-    // here: say so, since the timeout alone does not.
-    if (call_checker_.mode() != CallCheckMode::kFirst) throw;
-    throw TimeoutError(detail::concat(
-        e.what(), "; this rank's call: ", call,
-        ". Under TDIST_CHECK_CALLS=first a rank compares a call only the first time it sees its signature: a rank "
-        "absent here may be running another call it has seen before (a mismatch); TDIST_CHECK_CALLS=always compares "
-        "every call"));
+    throw TimeoutError(detail::concat(__FILE__, ":", __LINE__, ": rank ", rank_, ": ",
+                                      call_compare_timeout_message(e.what(), call, bound, call_checker_.mode())));
   }
   call_checker_.record(key);
 }
@@ -390,8 +429,8 @@ void World::check_same_call_mode() {
 }
 
 // Two NCCL all-gathers (lengths, then padded payloads) on a private stream, polled with a deadline.
-std::vector<Bytes> World::all_gather_nccl(const Bytes& mine) {
-  const auto deadline = Clock::now() + timeout_;
+std::vector<Bytes> World::all_gather_nccl(const Bytes& mine, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
   cudaStream_t stream;
   TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   auto run = [&](const void* send, size_t bytes, std::vector<uint8_t>& host_out) {
@@ -410,7 +449,7 @@ std::vector<Bytes> World::all_gather_nccl(const Bytes& mine) {
         const std::string why =
             failed
                 ? detail::concat("host all-gather through NCCL failed on rank ", rank_, ": ", ncclGetErrorString(state))
-                : detail::concat("host all-gather through NCCL did not finish within ", timeout_.count(),
+                : detail::concat("host all-gather through NCCL did not finish within ", timeout.count(),
                                  " ms on rank ", rank_, ": a rank did not join or died");
         // The queued all-gather would never finish and would block every later NCCL call and the
         // finalize: abort the communicator; the stream then drains and is released.

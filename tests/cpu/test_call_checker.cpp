@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <optional>
@@ -17,6 +18,7 @@
 #include "cpu/errors.hpp"
 #include "cpu/test_env.hpp"
 #include "tdist/runtime/call_checker.hpp"
+#include "tdist/runtime/world.hpp"  // call_compare_bound, call_compare_timeout_message
 
 namespace {
 
@@ -240,6 +242,61 @@ TEST(CallChecker, CostPerSeenCallIsWellUnderAMicrosecond) {
               c.remembered());
   RecordProperty("ns_per_call", std::to_string(best_ns));
   EXPECT_LT(best_ns, 1000.0);
+}
+
+// The comparison's bound: the device wait timeout in whole milliseconds, rounded up, unless the host
+// timeout is shorter; bad inputs name the argument.
+TEST(CallCompareBound, IsTheWaitTimeoutUnlessTheHostTimeoutIsShorter) {
+  using namespace std::chrono_literals;
+  auto b = tdist::call_compare_bound(300s, 60.0);  // the defaults
+  EXPECT_EQ(b.timeout, 60s);
+  EXPECT_STREQ(b.setting, "the device wait timeout, TDIST_WAIT_TIMEOUT_S");
+  b = tdist::call_compare_bound(300s, 2.0);
+  EXPECT_EQ(b.timeout, 2s);
+  b = tdist::call_compare_bound(5s, 60.0);
+  EXPECT_EQ(b.timeout, 5s);
+  EXPECT_STREQ(b.setting, "the host timeout, TDIST_HOST_TIMEOUT_S");
+  b = tdist::call_compare_bound(2s, 2.0);  // equal: the wait timeout's name
+  EXPECT_EQ(b.timeout, 2s);
+  EXPECT_STREQ(b.setting, "the device wait timeout, TDIST_WAIT_TIMEOUT_S");
+  // Rounded up, never below the device waits' timeout nor to 0; exact decimals stay exact.
+  EXPECT_EQ(tdist::call_compare_bound(300s, 0.001).timeout, 1ms);
+  EXPECT_EQ(tdist::call_compare_bound(300s, 0.0001).timeout, 1ms);
+  EXPECT_EQ(tdist::call_compare_bound(300s, 0.007).timeout, 7ms);
+  EXPECT_EQ(tdist::call_compare_bound(300s, 1.5).timeout, 1500ms);
+  EXPECT_EQ(tdist::call_compare_bound(300s, 1.2345).timeout, 1235ms);
+  EXPECT_EQ(tdist::call_compare_bound(100000000ms, 86400.0).timeout, 86400s);
+  std::mt19937_64 rng(std::random_device{}());
+  for (int i = 0; i < 1000; ++i) {
+    const double s = std::uniform_real_distribution<double>(0.001, 86400.0)(rng);
+    const auto t = tdist::call_compare_bound(100000000ms, s).timeout;
+    EXPECT_GE(t.count() / 1000.0, s - 1e-9) << s;
+    EXPECT_LT(t.count() / 1000.0, s + 0.001 + 1e-9) << s;
+  }
+  tdist::test::expect_arg_error([] { tdist::call_compare_bound(0ms, 1.0); }, "host_timeout");
+  tdist::test::expect_arg_error([] { tdist::call_compare_bound(1s, 0.0); }, "wait_timeout_seconds");
+  tdist::test::expect_arg_error([] { tdist::call_compare_bound(1s, -1.0); }, "wait_timeout_seconds");
+  tdist::test::expect_arg_error([] { tdist::call_compare_bound(1s, std::nan("")); }, "wait_timeout_seconds");
+}
+
+TEST(CallCompareBound, TimeoutMessageNamesTheCallTheBoundAndUnderFirstTheHint) {
+  using namespace std::chrono_literals;
+  const std::string store_error = "rank 0: all_gather('x') timed out after 2000 ms; ranks that never arrived: 1";
+  const std::string call = "all_gather(count=4096, bf16, method auto)";
+  const tdist::CallCompareBound bound{2000ms, "the device wait timeout, TDIST_WAIT_TIMEOUT_S"};
+  const std::string first = tdist::call_compare_timeout_message(store_error, call, bound, CallCheckMode::kFirst);
+  EXPECT_NE(first.find("this rank compared its call " + call), std::string::npos) << first;
+  EXPECT_NE(first.find("did not arrive within 2000 ms (the device wait timeout, TDIST_WAIT_TIMEOUT_S)"),
+            std::string::npos)
+      << first;
+  EXPECT_NE(first.find(store_error), std::string::npos) << first;
+  EXPECT_NE(first.find("Under TDIST_CHECK_CALLS=first"), std::string::npos) << first;
+  EXPECT_NE(first.find("TDIST_CHECK_CALLS=always compares every call"), std::string::npos) << first;
+  const std::string always = tdist::call_compare_timeout_message(store_error, call, bound, CallCheckMode::kAlways);
+  EXPECT_NE(always.find("this rank compared its call " + call), std::string::npos) << always;
+  EXPECT_NE(always.find(store_error), std::string::npos) << always;
+  EXPECT_EQ(always.find("Under TDIST_CHECK_CALLS=first"), std::string::npos) << always;
+  EXPECT_NE(always.find("died, hung, or skipped the call"), std::string::npos) << always;
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "cpu/test_env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/runtime/tcp_store.hpp"
+#include "tdist/runtime/world.hpp"  // call_compare_bound: the call comparison's store wait
 
 namespace {
 
@@ -357,6 +358,82 @@ TEST(TcpStore, AllGatherTimeoutNamesMissingRanks) {
     EXPECT_EQ(out[r].kind, "timeout") << out[r].message;
     EXPECT_CONTAINS(out[r].message, "all_gather('ag') timed out after 1000 ms; ranks that never arrived: 2-3");
   }
+}
+
+TEST(TcpStore, AllGatherWithItsOwnTimeoutGivesUpThenAndNamesIt) {
+  // The store's timeout is 30 s; the all_gather's own 1 s bounds it, and its error says 1000 ms.
+  const int port = free_port();
+  std::vector<std::function<Outcome()>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back([=] {
+      TcpStore store(options(port, r, 2, 30s));
+      if (r == 1) {
+        std::this_thread::sleep_for(2500ms);
+        return Outcome{"ok", "", 0};
+      }
+      return timed([&] { store.all_gather("short", Bytes{1}, 1s); });
+    });
+  }
+  auto out = run_processes(ranks);
+  EXPECT_EQ(out[0].kind, "timeout") << out[0].message;
+  EXPECT_CONTAINS(out[0].message, "all_gather('short') timed out after 1000 ms; ranks that never arrived: 1");
+  EXPECT_GE(out[0].seconds, 0.9);
+  EXPECT_LT(out[0].seconds, 2.4);  // well before rank 1 would have come, and 29 s before the store's timeout
+}
+
+TEST(TcpStore, AllGatherWithItsOwnTimeoutReturnsWhenAllArrive) {
+  const int port = free_port();
+  const int n = 3;
+  std::vector<std::function<Outcome()>> ranks;
+  for (int r = 0; r < n; ++r) {
+    ranks.push_back([=] {
+      TcpStore store(options(port, r, n, 30s));
+      return timed([&] {
+        if (r == 2) std::this_thread::sleep_for(300ms);  // late, but within the bound
+        const auto all = store.all_gather("t", bytes("v" + std::to_string(r)), 5s);
+        require(all.size() == size_t(n), "all_gather returned " + std::to_string(all.size()) + " values");
+        for (int i = 0; i < n; ++i) require(text(all[i]) == "v" + std::to_string(i), "value of rank " + std::to_string(i));
+        const Outcome bad = timed([&] { store.all_gather("t2", Bytes{}, 0ms); });
+        require(bad.kind == "error" && contains(bad.message, "'timeout'"), "a zero timeout: " + bad.message);
+      });
+    });
+  }
+  for (const Outcome& o : run_processes(ranks)) EXPECT_EQ(o.kind, "ok") << o.message;
+}
+
+// World's call comparison over the store (World::compare_call, which needs a GPU to build a World):
+// each rank all-gathers its call under the bound of call_compare_bound; a rank that skipped the call
+// (here: it waits in the next store collective, as a rank running a call it had seen before would
+// wait in its next comparison) makes the comparing rank give up at the device wait timeout, not at the
+// host timeout, with the message World raises.
+TEST(TcpStore, CallComparisonGivesUpAtTheWaitTimeoutNotTheHostTimeout) {
+  const int port = free_port();
+  const auto bound = tdist::call_compare_bound(60s, 1.0);
+  ASSERT_EQ(bound.timeout, 1s);
+  const std::string call = "all_reduce(count=1000, f32, method auto)";
+  std::vector<std::function<Outcome()>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.push_back([=] {
+      TcpStore store(options(port, r, 2, 60s));
+      if (r == 1) {  // ran the op without comparing, then waits at its next comparison
+        timed([&] { store.all_gather("call/2", Bytes{}, 2s); });
+        return Outcome{"ok", "", 0};
+      }
+      Outcome o = timed([&] { store.all_gather("call/1", bytes(call), bound.timeout); });
+      if (o.kind == "timeout")
+        o.message = tdist::call_compare_timeout_message(o.message, call, bound, tdist::CallCheckMode::kFirst);
+      return o;
+    });
+  }
+  auto out = run_processes(ranks);
+  EXPECT_EQ(out[0].kind, "timeout") << out[0].message;
+  EXPECT_GE(out[0].seconds, 0.9);
+  EXPECT_LT(out[0].seconds, 1.9);
+  const std::string& m = out[0].message;
+  EXPECT_CONTAINS(m, "this rank compared its call " + call);
+  EXPECT_CONTAINS(m, "did not arrive within 1000 ms (the device wait timeout, TDIST_WAIT_TIMEOUT_S)");
+  EXPECT_CONTAINS(m, "ranks that never arrived: 1; rank 1 last entered all_gather('call/2')");
+  EXPECT_CONTAINS(m, "Under TDIST_CHECK_CALLS=first");
 }
 
 TEST(TcpStore, DeadRankMakesOthersFailFast) {

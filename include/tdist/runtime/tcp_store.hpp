@@ -69,6 +69,8 @@ class TcpStore {
   // Every rank contributes one value under `tag`; returns all, indexed by rank. Each tag may be
   // used once per job, so callers pass a unique tag (a counter suffix).
   std::vector<Bytes> all_gather(const std::string& tag, const Bytes& mine);
+  // The same, waiting at most `timeout` instead of the store's (a shorter bound for one call).
+  std::vector<Bytes> all_gather(const std::string& tag, const Bytes& mine, std::chrono::milliseconds timeout);
   // All ranks meet; the timeout error lists the ranks that never reached it.
   void barrier(const std::string& tag);
   // (Both timeout errors also say which collective each missing rank last entered, e.g. another

@@ -10,6 +10,9 @@
 // the parent, which is waited for first). TDIST_NCCL_BOUNDED_INIT=0 falls back to a plain
 // blocking ncclCommInitRank. A host all-gather through NCCL that times out
 // aborts the communicator, after which the destructor does not finalize (it would block).
+// The comparison of an op's call across ranks (check_same_call) is bounded by the device wait
+// timeout instead (call_compare_bound): a peer that does not come is one the op's own kernels
+// would wait for.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -41,6 +44,22 @@ struct WorldOptions {
   // Bound on every host wait (rendezvous, NCCL init, host barriers).
   std::chrono::milliseconds timeout = TcpStoreOptions::default_timeout();
 };
+
+// How long a call comparison (World::check_same_call) waits for the other ranks: the device wait
+// timeout (TDIST_WAIT_TIMEOUT_S), which the op's own kernels would hit waiting for a peer that did not
+// come, or the host timeout when that is shorter. Init, barriers and the other host collectives keep
+// the host timeout: there peers may legitimately be slow (loading, compiling). `setting` names the
+// variable that set `timeout`, for the error.
+struct CallCompareBound {
+  std::chrono::milliseconds timeout;
+  const char* setting;
+};
+CallCompareBound call_compare_bound(std::chrono::milliseconds host_timeout, double wait_timeout_seconds);
+// The error of a comparison that timed out: the store's or NCCL's timeout error (`error`: the ranks
+// missing), this rank's call, the bound, and under `first` the hint that an absent rank may be running
+// a call it has seen before.
+std::string call_compare_timeout_message(const std::string& error, const std::string& call,
+                                         const CallCompareBound& bound, CallCheckMode mode);
 
 class World {
  public:
@@ -88,7 +107,9 @@ class World {
   // tdist::Error on every rank naming each rank's call, instead of a device timeout on some ranks
   // and wrong data on the others. `key` is the call's CallKey; `describe()` gives its text and
   // runs only when the call is compared (the first call of a signature under `first`, every call
-  // under `always`). A comparison that finds every rank alike remembers the key. `stream` is the
+  // under `always`). A comparison that finds every rank alike remembers the key. One whose peers do
+  // not arrive within call_compare_bound (the device wait timeout) raises tdist::TimeoutError naming
+  // this rank's call and the missing ranks. `stream` is the
   // op's: a World without a store does not compare calls while it captures a graph (its
   // comparison would run on the GPU inside the capture); they are compared at their first call
   // outside capture. Collective: every rank calls it with the same mode.
@@ -127,7 +148,10 @@ class World {
   [[noreturn]] void fail_init(const char* stage, const std::string& why, bool timed_out);
   std::string failed_ranks_message();
   void init_from_comm();
-  std::vector<Bytes> all_gather_nccl(const Bytes& mine);
+  // all_gather / check_same_on_all_ranks bounded by `timeout` rather than the host timeout.
+  std::vector<Bytes> all_gather(const std::string& tag, const Bytes& mine, std::chrono::milliseconds timeout);
+  void check_same_on_all_ranks(const std::string& what, const std::string& value, std::chrono::milliseconds timeout);
+  std::vector<Bytes> all_gather_nccl(const Bytes& mine, std::chrono::milliseconds timeout);
   void compare_call(uint64_t key, cudaStream_t stream, const std::string& call);
   // Every rank's TDIST_CHECK_CALLS alike, or an error naming each rank's value.
   void check_same_call_mode();
