@@ -444,12 +444,16 @@ def _bump_versions(refs) -> None:
 
 
 def _own_rows(handle):
-    """expert_x copied out of the buffer (its rows past the counts, unused, left as they come)."""
+    """expert_x copied out of the buffer (its rows past the counts, unused, left as they come), and
+    handle.info too, which a differentiated computation of the rows may keep for its backward (as
+    torch.compile's recomputation does). The handle then holds the copies."""
     rows = handle.expert_x
     if handle.num_expert_rows < 0:
-        return rows.clone()
-    out = torch_module().empty_like(rows)
-    out[:handle.num_expert_rows].copy_(rows[:handle.num_expert_rows])
+        out = rows.clone()
+    else:
+        out = torch_module().empty_like(rows)
+        out[:handle.num_expert_rows].copy_(rows[:handle.num_expert_rows])
+    handle.expert_x, handle.info = out, handle.info.clone()
     return out
 
 

@@ -268,3 +268,110 @@ def test_layer_gradients_match_float64(monkeypatch, world_size, tokens, sync, la
         assert (dexp.double() - ref).abs().max().item() <= 3e-2 * max(ref.abs().max().item(), 1e-3), \
             f"rank {r} experts' weights"
 
+
+
+def test_layer_under_torch_compile(monkeypatch):
+    """The layer compiled (the EP calls break the graph, as the forward does); gradients as eagerly."""
+    H, E, K, M = 24, 4, 3, 12
+    bufs = _ranks(1, M, H, E, K, monkeypatch)
+    inputs = [_draw(3, 0, 9, H, E, K)]
+    experts_w = (torch.randn((1, E, H, H), generator=torch.Generator().manual_seed(5)) / H ** 0.5).to(torch.bfloat16)
+
+    def step(r, buf):
+        x_in, idx, w_in, proj = inputs[r]
+        x, w = x_in.clone().requires_grad_(), w_in.clone().requires_grad_()
+        w_local = experts_w[0].clone().requires_grad_()
+        loss = torch.compile(lambda x, w, wl: (_layer(buf, x, idx, w, wl).float() * proj).sum())
+        loss(x, w, w_local).backward()
+        return x.grad, w.grad, w_local.grad
+
+    (dx, dw, dexp), = _run(bufs, step)
+    gx, gw, gexp = _reference(inputs, experts_w, E)
+    for got, ref, what in ((dx, gx[0], "x"), (dw, gw[0], "topk_weights"), (dexp, gexp[0], "experts' weights")):
+        assert (got.double() - ref).abs().max().item() <= 3e-2 * ref.abs().max().item(), what
+
+
+def _one_rank(monkeypatch, mode="high_throughput", hidden=24, experts=4, topk=3, max_tokens=12):
+    buf = _ranks(1, max_tokens, hidden, experts, topk, monkeypatch)[0]
+    buf.mode = mode
+    buf.thread = threading.current_thread()
+    return buf
+
+
+def test_low_latency_calls_refuse_grad(monkeypatch):
+    buf = _one_rank(monkeypatch, mode="low_latency")
+    x, idx, w, _ = _draw(1, 0, 5, 24, 4, 3)
+    for fp8 in (False, True):
+        with pytest.raises(tdist.Error, match=r"'x' requires grad.*low_latency_\* has no backward; use dispatch / "
+                                              r"combine"):
+            buf.low_latency_dispatch(x.clone().requires_grad_(), idx, use_fp8=fp8)
+    handle = ep.LowLatencyHandle(buf.id, 1, 5, False, None, None)
+    y = torch.zeros((4, 12, 24), dtype=torch.bfloat16)
+    with pytest.raises(tdist.Error, match=r"'y' requires grad.*has no backward"):
+        buf.low_latency_combine(y.requires_grad_(), idx, w, handle)
+    with pytest.raises(tdist.Error, match=r"'topk_weights' requires grad.*has no backward"):
+        buf.low_latency_combine(y.detach(), idx, w.clone().requires_grad_(), handle)
+
+
+def test_autograd_argument_errors(monkeypatch):
+    buf = _one_rank(monkeypatch)
+    x, idx, w, _ = _draw(2, 0, 7, 24, 4, 3)
+    expert_x, first = buf.dispatch(x, idx, w)
+    assert expert_x.data_ptr() == first.expert_x.data_ptr()  # no autograd: the buffer's own rows
+    y = expert_x.clone().requires_grad_()
+    with pytest.raises(tdist.Error, match="'out'.*differentiated"):
+        buf.combine(y, first, out=torch.empty((7, 24), dtype=torch.bfloat16))
+    buf.dispatch(x, idx, w)
+    with pytest.raises(tdist.Error, match="'handle'.*latest dispatch"):
+        buf.combine(y, first)
+    with pytest.raises(tdist.Error, match="'handle'.*latest dispatch"):
+        buf.combine(None, first, y_compact=torch.zeros((12, 24), dtype=torch.bfloat16, requires_grad=True))
+    # A backward that kept the buffer's expert_x, which its own dispatch then overwrote, raises.
+    expert_x, handle = buf.dispatch(x, idx, w)
+    s = torch.ones((), dtype=torch.bfloat16, requires_grad=True)
+    out = buf.combine(expert_x * s, handle)  # mul keeps expert_x (the buffer's rows) for s's gradient
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()
+    # With x or topk_weights requiring grad the rows and info are copies, which nothing overwrites.
+    expert_x, handle = buf.dispatch(x, idx, w.clone().requires_grad_())
+    assert expert_x.data_ptr() == handle.expert_x.data_ptr() != buf.sim["expert_x"].data_ptr()
+    assert handle.info.data_ptr() != buf.sim["info"].data_ptr()
+
+
+def test_gradients_of_parts(monkeypatch):
+    """Dispatch alone (its backward dispatches again for a layout) and the compact combine (y_compact's
+    gradient: the output gradient of each row's source token, 0 past the rows) at two ranks."""
+    H, E, K, M = 16, 8, 3, 10
+    bufs = _ranks(2, M, H, E, K, monkeypatch)
+    inputs = [_draw(11, r, [7, 3][r], H, E, K) for r in range(2)]
+    c = torch.randn((E, H), generator=torch.Generator().manual_seed(4))
+
+    def step(r, buf):
+        x_in, idx, w, proj = inputs[r]
+        x = x_in.clone().requires_grad_()
+        expert_x, handle = buf.dispatch(x, idx, w)
+        L = buf.num_local_experts
+        rows = torch.zeros(expert_x.shape[0], dtype=torch.long)
+        valid = handle.expert_src >= 0
+        for le in range(L):
+            rows[int(handle.info[2 + L + le]):int(handle.info[2 + L + le]) + int(handle.info[2 + le])] = r * L + le
+        (torch.where(valid.view(-1, 1), expert_x.float(), 0) * c[rows]).sum().backward()
+        _, handle = buf.dispatch(x_in, idx, w, sync_counts=True)
+        yc = torch.randn((handle.max_recv_rows, H)).to(torch.bfloat16).requires_grad_()
+        src = handle.recv_src[:handle.num_recv].clone()
+        (buf.combine(None, handle, y_compact=yc).float() * proj).sum().backward()
+        return x.grad, yc.grad, src
+
+    results = _run(bufs, step)
+    for r, (dx, dyc, src) in enumerate(results):
+        x_in, idx, _, _ = inputs[r]
+        ref = torch.zeros((x_in.shape[0], H), dtype=torch.float64)
+        for t in range(x_in.shape[0]):
+            for j in range(K):
+                if _sent(idx[t], j, E):
+                    ref[t] += c[int(idx[t, j])].double()
+        assert (dx.double() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+        want = torch.zeros_like(dyc)
+        for i, s in enumerate(src.tolist()):
+            want[i] = inputs[s // M][3][s % M].to(torch.bfloat16)
+        assert torch.equal(dyc, want)
