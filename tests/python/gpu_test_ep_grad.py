@@ -82,15 +82,14 @@ def reference(every, wexp, layers=1):
             out = torch.zeros_like(hcur)
             for j in range(K):
                 tok = torch.tensor([t for t in range(idx.shape[0]) if sent(idx[t], j, E)], dtype=torch.long)
-                if tok.numel() == 0:
-                    continue
                 rows = torch.bmm(hcur[tok].unsqueeze(1), wx[layer][idx[tok, j]]).squeeze(1)
                 out = out.index_add(0, tok, w64[tok, j].view(-1, 1) * rows)
             hcur = out
         outs.append(hcur.detach())
         loss = loss + (hcur * proj.double()).sum()
     loss.backward()
-    return outs, [x.grad for x in xs], [w.grad for w in ws], wx.grad
+    grad = lambda t: t.grad if t.grad is not None else torch.zeros_like(t)  # noqa: E731 (unused inputs)
+    return outs, [grad(x) for x in xs], [grad(w) for w in ws], grad(wx)
 
 
 def expert_layer(buf, x, idx, w, w_local, sync):
