@@ -32,8 +32,11 @@ handle.info (int32, on the device) holds [compact rows, expert-major rows, L cou
 combine(y, handle) takes expert outputs in expert_x's rows (each token's local slots summed with
 their weights on the expert's rank, then summed over ranks); combine(None, handle, y_compact=g)
 sends compact rows as they are (dispatch's backward: a token's gradient is the sum of its copies').
-No torch.autograd.Function: a backward would combine with a handle of an earlier layer's dispatch,
-and a buffer keeps only its last one (see docs/ep.md).
+Autograd (docs/ep.md, "Training"): dispatch gives x its gradient, combine gives y (or y_compact) and
+the dispatch's topk_weights theirs; the backward dispatches and combines with the same buffer along
+the forward's routing, copied out of the buffer (which keeps only its last dispatch). Under autograd
+expert_x and handle.info are copies. The low-latency calls have no backward and refuse tensors that
+require grad.
 
 Expert ids outside [-1, num_experts) and repeats within a token are skipped and recorded on the
 device; check_errors() synchronises and raises tdist.Error naming topk_idx.
