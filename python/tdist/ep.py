@@ -185,7 +185,7 @@ class Buffer:
         torch = torch_module()
         self._check_mode("low_latency_dispatch", "low_latency")
         self._check_tokens("low_latency_dispatch", x, topk_idx)
-        _no_grad("low_latency_dispatch", x=x)
+        _refuse_grad("low_latency_dispatch", x=x)
         if round_scale and not use_fp8:
             _fail("low_latency_dispatch", "round_scale", "use_fp8=True (UE8M0 scales are FP8 scales)", True)
         recv_x, recv_scales, recv_count, recv_route, meta = torch.ops.tdist.ep_ll_dispatch(
@@ -208,7 +208,7 @@ class Buffer:
         self._tensor("low_latency_combine", "topk_idx", topk_idx, ("int64",), (handle.num_tokens, self.topk))
         self._tensor("low_latency_combine", "topk_weights", topk_weights, ("float32",),
                      (handle.num_tokens, self.topk))
-        _no_grad("low_latency_combine", y=y, topk_weights=topk_weights)
+        _refuse_grad("low_latency_combine", y=y, topk_weights=topk_weights)
         if out is not None:
             self._tensor("low_latency_combine", "out", out, ("bfloat16",), (handle.num_tokens, self.hidden))
             meta = torch.ops.tdist.ep_ll_combine_out(self.id, y, topk_idx, topk_weights, handle.recv_count, out,
@@ -424,7 +424,7 @@ def _wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _no_grad(op: str, **tensors) -> None:
+def _refuse_grad(op: str, **tensors) -> None:
     """The low-latency calls have no backward: a tensor requiring grad would lose its gradient silently."""
     if not _wants_grad(*tensors.values()):
         return
