@@ -667,3 +667,17 @@ def _autograd_functions(torch):
 
 
 _grad_fns = _autograd_functions(torch_module()) if torch_module() is not None else None
+
+
+def _run_eagerly_under_compile(torch):
+    # torch.compile must not trace into the high-throughput calls: they hand raw pointers and the stream
+    # to the C++ buffer and return views of its memory. Dynamo would trace torch.cuda.current_stream into
+    # a proxy without a handle; marked, the calls break the graph and run as they do eagerly.
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    if disable is not None:
+        for name in ("dispatch", "combine"):
+            setattr(Buffer, name, disable(getattr(Buffer, name)))
+
+
+if torch_module() is not None:
+    _run_eagerly_under_compile(torch_module())
