@@ -121,10 +121,11 @@ def test_ag_gemm_configs_compile_pipelined(cfg, even_k, a_tma, b_tma, c_tma, pee
         # The waits keep the timeout, the record of the abort action and the trap; the pushes their release.
         assert "%globaltimer" in ptx and "atom.cas.sys.b32" in ptx and "trap;" in ptx
         assert "st.release.sys.u64" in ptx
-    else:
-        # One rank: nothing pushed, nothing waited for; the tile loop and the K loop fused into one
-        # loop, so the loads of the next tile are issued in the loop that holds this tile's epilogue.
+    else:  # one rank: nothing pushed, nothing waited for
         assert "%globaltimer" not in ptx and "ld.acquire" not in ptx and "st.release" not in ptx
+    if a_tma or not peers:
+        # The tile loop and the K loop fused into one loop, so the loads of the next tile are issued in the
+        # loop that holds this tile's epilogue (not with A by pointers and peers: their wait's bar.sync).
         loop = _loop_around(c.asm["ttgir"], "ttng.warp_group_dot ")
         store = "ttng.async_tma_copy_local_to_global" if c_tma else "tt.store"
         assert store in loop, "the epilogue is not in the loop of the wgmma: tile and K loops not fused"
@@ -140,34 +141,73 @@ def _body(ptx):
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("c_tma", [True, False])
 def test_ag_gemm_tma_loads_of_peer_rows_follow_the_wait(cfg, c_tma):
-    # A peer tile: the spin on its chunk's flag, bar.sync, every thread's acquire of the flag into T, then
-    # fence.proxy.async.global (the acquired rows visible to the async proxy) and a zero from T; the row
-    # coordinate of A's TMA loads is computed from that zero, so no load of the tile is issued before the
-    # wait, and every TMA load of A comes after the fence in program order.
-    body = _body(_compile_ag(cfg, True, True, True, c_tma).asm["ptx"])
-    m = re.search(r"bar\.sync\s+0;\s*ld\.acquire\.sys\.u64 (%rd\d+), \[[^\]]+\];\s*"
-                  r"fence\.proxy\.async\.global;\s*and\.b64 (%rd\d+), \1, 0;", body)
-    assert m, "no acquire, proxy fence and zero from the acquired value after the spin"
-    assert body.index("tdist_done:") < m.start()
-    deps = {m.group(2)}
-    for line in body[m.end():].splitlines():
-        line = line.strip()
-        if line.startswith(("cp.async.bulk.tensor", "@")):
-            break
-        dst = re.match(r"[\w.]+\s+(%r[d]?\d+),(.*)", line)
-        if dst and any(re.search(rf"{re.escape(d)}\b", dst.group(2)) for d in deps):
-            deps.add(dst.group(1))
-    # TMA loads: [smem], [descriptor, {k, row}]. A's descriptor is the one whose loads use a coordinate from
-    # the zero (B's row coordinate is the tile's column).
-    loads = re.findall(r"cp\.async\.bulk\.tensor\.2d\S* \[[^\]]+\], \[(%rd\d+), \{(%r\d+), (%r\d+)\}\]", body)
+    # A peer tile: every thread spins on its chunk's flag and acquires it into T, then fence.proxy.async.global
+    # (the acquired rows visible to the async proxy) and a zero from T; the row coordinate of A's TMA loads
+    # is computed from that zero, so no load of the tile is issued before the wait, and every TMA load of A
+    # comes after a fence in program order. The tile and K loops are fused and pipelined, so the wait has
+    # several copies (the pipeline's prologue issues the first tiles' loads before the loop): each holds.
+    c = _compile_ag(cfg, True, True, True, c_tma)
+    body = _body(c.asm["ptx"])
+    waits = list(re.finditer(r"ld\.acquire\.sys\.u64 (%rd\d+), \[[^\]]+\];\s*tdist_done:\s*\}\s*"
+                             r"fence\.proxy\.async\.global;\s*and\.b64 (%rd\d+), \1, 0;", body))
+    assert waits, "no acquire, proxy fence and zero from the acquired value after the spin"
+    assert body.count("fence.proxy.async.global") == len(waits), "a proxy fence that does not follow a wait"
+    assert "bar.sync" not in body[waits[0].start() - 3000:waits[0].start()].split("tdist_poll:")[-1]
+    # Registers computed from a zero (to a fixed point: the fused loop carries values around its back edge).
+    lines = [line.strip() for line in body.splitlines()]
+    deps = {m.group(2) for m in waits}
+    grown = True
+    while grown:
+        grown = False
+        for line in lines:
+            dst = re.match(r"[\w.]+\s+(%r[d]?\d+),(.*)", line)
+            if dst and dst.group(1) not in deps and any(re.search(rf"{re.escape(d)}\b", dst.group(2)) for d in deps):
+                deps.add(dst.group(1))
+                grown = True
+    # TMA loads: [smem], [descriptor, {k, row}]. A's descriptors are those whose loads use a coordinate from
+    # a zero (B's row coordinate is the tile's column, never from a wait).
+    loads = [(i, desc, row) for i, line in enumerate(lines) for desc, _, row in
+             re.findall(r"cp\.async\.bulk\.tensor\.2d\S* \[[^\]]+\], \[(%rd\d+), \{(%r\d+), (%r\d+)\}\]", line)]
     assert loads, "no TMA loads"
-    a_desc = {desc for desc, _, row in loads if row in deps}
-    assert len(a_desc) == 1, (sorted(deps), loads)
-    a_loads = [i for i, line in enumerate(body.splitlines()) if "cp.async.bulk.tensor" in line
-               and any(f"[{d}," in line for d in a_desc)]
-    fence = body[:m.end()].count("\n")
-    assert all(i > fence for i in a_loads), "a TMA load of A precedes the proxy fence"
-    assert all(row in deps for desc, _, row in loads if desc in a_desc), "an A load's row does not depend on the wait"
+    a_desc = {desc for _, desc, row in loads if row in deps}
+    b_desc = {desc for _, desc, row in loads if row not in deps}
+    assert a_desc and b_desc and not a_desc & b_desc, (sorted(deps), loads)
+    first_fence = body[:waits[0].end()].count("\n")
+    assert all(i > first_fence for i, desc, _ in loads if desc in a_desc), "a TMA load of A precedes the proxy fence"
+    # At the TTGIR level (SSA, structured): the branch that waits is the one that takes the peer's
+    # descriptor. Each wait lies in an scf.if whose condition also selects between A's two descriptors
+    # (x's and the gathered buffer's), the gathered one when the condition holds; the if yields the row
+    # computed from the zero.
+    ttgir = c.asm["ttgir"]
+    a_type = f"!tt.tensordesc<tensor<{cfg['BLOCK_M']}x{cfg['BLOCK_K']}xbf16"
+    signature = ttgir[ttgir.index("tt.func public @_ag_gemm_kernel("):].split("\n")[0]
+    # a_own and a_peer come first in the signature (the small tiles' halved output has their block shape too).
+    a_own, a_peer = re.findall(rf"(%[\w]+): {re.escape(a_type)}", signature)[:2]
+    tt_lines = ttgir.splitlines()
+    spins = [i for i, line in enumerate(tt_lines) if "tdist_poll" in line]
+    assert spins
+    yielding = 0
+    for at in spins:
+        zero = re.search(r"(%\w+) = tt\.elementwise_inline_asm \"fence\.proxy", "\n".join(tt_lines[at:at + 4])).group(1)
+        head = next(i for i in range(at, -1, -1) if "scf.if %" in tt_lines[i])
+        if "= scf.if" not in tt_lines[head]:
+            # The copy for K <= 0 (no K step: Triton keeps the loops unfused for it) loads nothing: the zero
+            # is used nowhere in the if's region (names repeat across regions).
+            indent = len(tt_lines[head]) - len(tt_lines[head].lstrip())
+            end = next(i for i in range(head + 1, len(tt_lines))
+                       if tt_lines[i].strip() and len(tt_lines[i]) - len(tt_lines[i].lstrip()) <= indent)
+            region = "\n".join(tt_lines[head:end])
+            assert len(re.findall(rf"{re.escape(zero)}\b", region)) == 1, region
+            continue
+        yielding += 1
+        cond = re.search(r"scf\.if (%\w+)", tt_lines[head]).group(1)
+        assert re.search(rf"arith\.select {re.escape(cond)}, {re.escape(a_peer)}, {re.escape(a_own)} :",
+                         "\n".join(tt_lines[head - 3:head])), f"the wait's branch ({cond}) does not take the gathered buffer"
+        rest = "\n".join(tt_lines[at:at + 8])
+        row = re.search(rf"(%\w+) = arith\.trunci {re.escape(zero)} ", rest).group(1)
+        added = re.search(rf"(%\w+) = arith\.addi %\w+, {re.escape(row)} ", rest).group(1)
+        assert re.search(rf"scf\.yield {re.escape(added)} ", rest), "the waited branch does not yield the row from the zero"
+    assert yielding, "no wait in the loop that loads"
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)

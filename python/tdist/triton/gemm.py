@@ -83,6 +83,17 @@ def _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, wor
 
 
 @triton.jit
+def _wait_every_thread(heap, flag, expected):
+    # tdl.wait on one flag (greater or equal, system scope), every thread spinning on it and acquiring it
+    # itself rather than thread 0 spinning before a bar.sync: the tile loop then holds no barrier, so
+    # Triton 3.6 fuses it with the K loop and pipelines across tiles (it pipelines no loop holding a
+    # barrier). The same bounded spin, diagnostic and abort: the first thread to time out records the
+    # fault, the others return quietly. Heap words 2 and 3: the timeout in ns and the fault record (the
+    # descriptor's layout in language.py); the kernel calls tdl._declare_vprintf once, outside the loop.
+    return tdl._spin(flag, expected, tl.load(heap + 2), tdl.rank(heap), tl.load(heap + 3), "sys", "ge", False)
+
+
+@triton.jit
 def _async_proxy_after(token):
     # fence.proxy.async.global, then a zero computed from the waited value: the rows acquired by the wait
     # (written through the generic proxy: a peer's stores over NVLink) are seen by TMA loads (async proxy)
@@ -108,16 +119,19 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M,
     # Else A by pointer loads, one flag per row (a block wait) and consume_token; a_own and a_peer unused.
     # b: w [N, K], a TMA descriptor when B_TMA, else a pointer. out: [M, N], a TMA descriptor with blocks
     # [BLOCK_M, BLOCK_N / 2] when C_TMA (rows and columns past the ends are not written), else a pointer.
-    # PEERS (world > 1): the pushes and the waits are compiled in. Without them (one rank) the tile loop
-    # and the K loop are fused into one pipelined loop (flatten), so the next tile's first loads are in
-    # flight while this tile's last wgmma and its epilogue run. With them the loops stay nested: a wait
-    # ends with a bar.sync, and Triton 3.6 does not pipeline a loop holding a barrier (the fused loop
-    # would lose its multi-buffering altogether, far slower than nested loops).
+    # PEERS (world > 1): the pushes and the waits are compiled in. The tile loop and the K loop are fused
+    # into one pipelined loop (flatten), so the next tile's first loads are in flight while this tile's
+    # last wgmma and its epilogue run; with A through TMA the wait of a peer tile is then issued a few K
+    # steps ahead of its loads, which depend on it (_async_proxy_after) and so stay behind it. Not with
+    # A by pointers and peers: their block wait ends with a bar.sync, and Triton 3.6 does not pipeline a
+    # loop holding a barrier (the fused loop would lose its multi-buffering, far slower than nested loops).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     if PEERS and pid < num_push:
         _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, pid, num_push, CHUNK, PUSH_K)
     me = tdl.rank(heap)
+    if PEERS:
+        tdl._declare_vprintf(tl.load(heap + 2))  # the waits' diagnostics call vprintf
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -127,9 +141,10 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M,
     # programs start their tiles late, so they take the last positions of each wave (r in [P - num_push, P))
     # and, when the tile count is not a multiple of P, the ones that carry one tile fewer; the programs
     # that start at once take the first tiles, this rank's own rows. One rank: num_push = 0, plain grid
-    # stride. Static rather than taken from a counter: Triton fuses and pipelines only a counted loop.
+    # stride. Static rather than taken from a counter: Triton fuses loops only of a counted loop.
     first = (pid + num_programs - num_push) % num_programs
-    for tile in tl.range(first, num_tiles, num_programs, flatten=not PEERS):
+    FUSED: tl.constexpr = A_TMA or not PEERS
+    for tile in tl.range(first, num_tiles, num_programs, flatten=FUSED):
         pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, shift, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,9 +156,10 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M,
             if PEERS:
                 src = row0 // m_local
                 if src != me:
-                    # One flag: thread 0 spins, then every thread acquires it. After an aborted wait the TMA
-                    # reads stale rows (garbage, as the contract says), never out of bounds (TMA clips).
-                    seen = tdl.wait(heap, flags + src * num_chunks + (row0 - src * m_local) // CHUNK, epoch)
+                    # One flag, every thread acquiring it. After an aborted wait the TMA reads stale rows
+                    # (garbage, as the contract says), never out of bounds (TMA clips).
+                    seen = _wait_every_thread(heap, flags + src * num_chunks + (row0 - src * m_local) // CHUNK,
+                                              epoch)
                     a = a_peer
                     a_row = row0 + _async_proxy_after(seen).to(tl.int32)
             # A[a_row : a_row + BLOCK_M, :] @ B[cols, :].T, both through TMA (blocks [BLOCK_M, BLOCK_K] and
