@@ -10,8 +10,9 @@ AG-GEMM: one persistent kernel. Its first few programs push this rank's rows, CH
 into every peer's gathered buffer and set that peer's chunk flag to the call's epoch; then every
 program computes GEMM tiles on a static grid-stride schedule (the pushing programs take the last tile of
 each wave), in an order that starts with this rank's own rows (read from x, no wait); a tile holding a
-peer's rows waits on the flags of the chunks holding them, then loads A. One rank: no pushes, no waits,
-the tile and K loops fused into one pipelined loop.
+peer's rows waits on the flags of the chunks holding them, then loads A. Where A goes through TMA (and
+always on one rank, which neither pushes nor waits) the tile and K loops are fused into one pipelined
+loop: the next tile's loads overlap this tile's last steps and its stores.
 A, B and the output tile go through TMA where the layouts allow and each tile's rows lie in one rank's
 chunk (a wait on that chunk's flag, then a proxy fence); otherwise A by pointer loads after one flag per
 row of the tile (a block wait) and consume_token.
@@ -141,7 +142,8 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M,
     # programs start their tiles late, so they take the last positions of each wave (r in [P - num_push, P))
     # and, when the tile count is not a multiple of P, the ones that carry one tile fewer; the programs
     # that start at once take the first tiles, this rank's own rows. One rank: num_push = 0, plain grid
-    # stride. Static rather than taken from a counter: Triton fuses loops only of a counted loop.
+    # stride. Static rather than taken from a counter: Triton fuses and pipelines across tiles only a
+    # counted loop.
     first = (pid + num_programs - num_push) % num_programs
     FUSED: tl.constexpr = A_TMA or not PEERS
     for tile in tl.range(first, num_tiles, num_programs, flatten=FUSED):
