@@ -201,12 +201,12 @@ def test_ag_gemm_tma_loads_of_peer_rows_follow_the_wait(cfg, c_tma):
             continue
         yielding += 1
         cond = re.search(r"scf\.if (%\w+)", tt_lines[head]).group(1)
-        assert re.search(rf"arith\.select {re.escape(cond)}, {re.escape(a_peer)}, {re.escape(a_own)} :",
-                         "\n".join(tt_lines[head - 3:head])), f"the wait's branch ({cond}) does not take the gathered buffer"
+        select = rf"arith\.select {re.escape(cond)}, {re.escape(a_peer)}, {re.escape(a_own)} :"
+        assert re.search(select, "\n".join(tt_lines[head - 12:head])), f"the wait's branch ({cond}) reads not gathered"
         rest = "\n".join(tt_lines[at:at + 8])
         row = re.search(rf"(%\w+) = arith\.trunci {re.escape(zero)} ", rest).group(1)
         added = re.search(rf"(%\w+) = arith\.addi %\w+, {re.escape(row)} ", rest).group(1)
-        assert re.search(rf"scf\.yield {re.escape(added)} ", rest), "the waited branch does not yield the row from the zero"
+        assert re.search(rf"scf\.yield {re.escape(added)} ", rest), "the waited branch yields a row not from the zero"
     assert yielding, "no wait in the loop that loads"
 
 
