@@ -587,8 +587,10 @@ def _poison_pool(shape, count):
 
 
 def test_ag_gemm_tile_schedule():
-    # The persistent schedule over several waves of tiles, the last wave partial (one rank: the tile and
-    # K loops fused, so one tile's epilogue runs beside the next tile's loads), on the large tiles:
+    # The persistent schedule over several waves of tiles, the last wave partial (the tile and K loops
+    # fused where A goes through TMA, and on one rank always: one tile's epilogue runs beside the next
+    # tile's loads; with several ranks the pushing programs take the last tile of each wave), on the
+    # large tiles:
     # A through TMA with K = 520 (the last K block zero-filled) and N = 2920 (the last column block 104
     # wide: its second half-tile store lies wholly past N and is clipped away); odd rows (A by pointers,
     # the output by masked stores) with N = 3400 and K = 1000 (B through TMA, the last K block masked);
@@ -626,6 +628,7 @@ def test_ag_gemm_200_back_to_back():
     for i, (x, out) in enumerate(zip(xs, outs)):
         ref = torch.cat([p.double() for p in _gathered(x)]) @ wt
         torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2, msg=lambda m, i=i: f"call {i}: {m}")
+
 
 def test_gemm_rs_against_float64():
     # K = 99: rows not 16-byte aligned, so both operands go through pointers rather than TMA.
