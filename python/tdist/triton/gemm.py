@@ -116,11 +116,11 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M,
     # its chunks, then loads A.
     # A_TMA (B_TMA too; BLOCK_M divides m_local and CHUNK, so a tile's rows come from one rank and one chunk):
     # a_own, a_peer: TMA descriptors of x [m_local, K] and of gathered [M, K]; own tiles read a_own, the
-    # others wait on their chunk's one flag, fence the async proxy and read a_peer.
-    # Else A by pointer loads, one flag per row (a block wait) and consume_token; a_own and a_peer unused.
+    # others wait on their chunk's one flag (_wait_every_thread: no barrier), fence the async proxy and read
+    # a_peer. Else A by pointer loads, one flag per row (a block wait) and consume_token; a_own and a_peer unused.
     # b: w [N, K], a TMA descriptor when B_TMA, else a pointer. out: [M, N], a TMA descriptor with blocks
     # [BLOCK_M, BLOCK_N / 2] when C_TMA (rows and columns past the ends are not written), else a pointer.
-    # PEERS (world > 1): the pushes and the waits are compiled in. The tile loop and the K loop are fused
+    # PEERS (world > 1): the pushes and the waits are compiled in (one rank has neither). The tile loop and the K loop are fused
     # into one pipelined loop (flatten), so the next tile's first loads are in flight while this tile's
     # last wgmma and its epilogue run; with A through TMA the wait of a peer tile is then issued a few K
     # steps ahead of its loads, which depend on it (_async_proxy_after) and so stay behind it. Not with
