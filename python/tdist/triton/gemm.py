@@ -120,12 +120,13 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M,
     # a_peer. Else A by pointer loads, one flag per row (a block wait) and consume_token; a_own and a_peer unused.
     # b: w [N, K], a TMA descriptor when B_TMA, else a pointer. out: [M, N], a TMA descriptor with blocks
     # [BLOCK_M, BLOCK_N / 2] when C_TMA (rows and columns past the ends are not written), else a pointer.
-    # PEERS (world > 1): the pushes and the waits are compiled in (one rank has neither). The tile loop and the K loop are fused
-    # into one pipelined loop (flatten), so the next tile's first loads are in flight while this tile's
-    # last wgmma and its epilogue run; with A through TMA the wait of a peer tile is then issued a few K
-    # steps ahead of its loads, which depend on it (_async_proxy_after) and so stay behind it. Not with
-    # A by pointers and peers: their block wait ends with a bar.sync, and Triton 3.6 does not pipeline a
-    # loop holding a barrier (the fused loop would lose its multi-buffering, far slower than nested loops).
+    # PEERS (world > 1): the pushes and the waits are compiled in (one rank has neither). The tile loop
+    # and the K loop are fused into one pipelined loop (flatten), so the next tile's first loads are in
+    # flight while this tile's last wgmma and its epilogue run; with A through TMA the wait of a peer tile
+    # is then issued a few K steps ahead of its loads, which depend on it (_async_proxy_after) and so stay
+    # behind it. Not with A by pointers and peers: their block wait ends with a bar.sync, and Triton 3.6
+    # does not pipeline a loop holding a barrier (the fused loop would lose its multi-buffering, far
+    # slower than nested loops).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     if PEERS and pid < num_push:
