@@ -571,6 +571,65 @@ def test_ag_gemm_back_to_back():
             torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
 
 
+def _ag_config(x, w):
+    from tdist.triton import gemm
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return gemm._ag_gemm_config(world() * x.shape[0], w.shape[0], num_sms)
+
+
+def _poison_pool(shape, count):
+    # ag_gemm allocates its output: fill `count` blocks of the output's size with poison and free them, so
+    # that torch's caching allocator hands those blocks back to the next outputs of that size; a cell the
+    # kernel never writes then reads -7777 instead of whatever happened to be there.
+    blocks = [torch.full(shape, kPoison, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+    del blocks
+
+
+def test_ag_gemm_tile_schedule():
+    # The persistent schedule over several waves of tiles, the last wave partial (the tile and K loops
+    # fused where A goes through TMA, and on one rank always: one tile's epilogue runs beside the next
+    # tile's loads; with several ranks the pushing programs take the last tile of each wave), on the
+    # large tiles:
+    # A through TMA with K = 520 (the last K block zero-filled) and N = 2920 (the last column block 104
+    # wide: its second half-tile store lies wholly past N and is clipped away); odd rows (A by pointers,
+    # the output by masked stores) with N = 3400 and K = 1000 (B through TMA, the last K block masked);
+    # A through TMA with N = 3000 (the last block's second half-tile partly past N).
+    from tdist.triton import gemm
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m_local, n, k, via_tma in ((2304, 2920, 520, True), (4097, 3400, 1000, False), (1536, 3000, 520, True)):
+        x = (fresh((m_local, k), seed=m_local + 5) / k ** 0.5).to(torch.bfloat16)
+        w = fresh((n, k), seed=n + 11).to(torch.bfloat16)
+        assert _ag_config(x, w) == gemm.kAgLargeConfig and _a_through_tma(x, w) == via_tma
+        tiles = triton.cdiv(world() * m_local, 128) * triton.cdiv(n, 256)
+        assert tiles > num_sms, (tiles, num_sms)
+        _poison_pool((world() * m_local, n), 2)
+        out = tdist.triton.ag_gemm(x, w)
+        torch.cuda.synchronize()
+        ref = torch.cat([p.double() for p in _gathered(x)]) @ w.double().T
+        assert out.shape == (world() * m_local, n) and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_ag_gemm_200_back_to_back():
+    # 200 calls with no host work between them, on the large tiles with A and the output through TMA (two
+    # waves of tiles, the second partial; N = 8000 not a multiple of the tile); every output kept and
+    # checked, so a call that overlapped its predecessor's buffers (or, across ranks, read a chunk of the
+    # wrong epoch) shows.
+    m_local, n, k, calls = 128 * max(1, 8 // world()), 8000, 256, 200
+    w = fresh((n, k), seed=201).to(torch.bfloat16)
+    xs = [(fresh((m_local, k), seed=300 + i) / k ** 0.5).to(torch.bfloat16) for i in range(calls)]
+    assert _a_through_tma(xs[0], w)
+    _poison_pool((world() * m_local, n), calls)
+    outs = [tdist.triton.ag_gemm(x, w) for x in xs]
+    torch.cuda.synchronize()
+    wt = w.double().T
+    for i, (x, out) in enumerate(zip(xs, outs)):
+        ref = torch.cat([p.double() for p in _gathered(x)]) @ wt
+        torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2, msg=lambda m, i=i: f"call {i}: {m}")
+
+
 def test_gemm_rs_against_float64():
     # K = 99: rows not 16-byte aligned, so both operands go through pointers rather than TMA.
     for m_local, n, k in ((1, 40, 64), (65, 333, 136), (33, 100, 99), (512, 1000, 520), (1100, 2048, 512),
@@ -624,7 +683,8 @@ TESTS = [test_rank_world_symm_at, test_ring_put_signal_wait_sys, test_signal_add
          test_notify_wait_both_scopes_on_one_gpu, test_get, test_barriers, test_200_back_to_back_calls,
          test_wait_times_out_and_aborts, test_wait_times_out_and_traps,
          test_triton_and_cpp_kernels_share_flags,
-         test_ag_gemm_against_float64, test_ag_gemm_views, test_ag_gemm_back_to_back, test_gemm_rs_against_float64,
+         test_ag_gemm_against_float64, test_ag_gemm_views, test_ag_gemm_back_to_back,
+         test_ag_gemm_tile_schedule, test_ag_gemm_200_back_to_back, test_gemm_rs_against_float64,
          test_tutorial_notify_wait, test_tutorial_allgather, test_tutorial_all_to_all, test_tutorial_ag_gemm]
 
 

@@ -8,8 +8,11 @@ current stream; rows are split evenly over the ranks (M divisible by the world s
 
 AG-GEMM: one persistent kernel. Its first few programs push this rank's rows, CHUNK rows at a time,
 into every peer's gathered buffer and set that peer's chunk flag to the call's epoch; then every
-program takes GEMM tiles from a counter, in an order that starts with this rank's own rows (read from
-x, no wait); a tile holding a peer's rows waits on the flags of the chunks holding them, then loads A.
+program computes GEMM tiles on a static grid-stride schedule (the pushing programs take the last tile of
+each wave), in an order that starts with this rank's own rows (read from x, no wait); a tile holding a
+peer's rows waits on the flags of the chunks holding them, then loads A. Where A goes through TMA (and
+always on one rank, which neither pushes nor waits) the tile and K loops are fused into one pipelined
+loop: the next tile's loads overlap this tile's last steps and its stores.
 A, B and the output tile go through TMA where the layouts allow and each tile's rows lie in one rank's
 chunk (a wait on that chunk's flag, then a proxy fence); otherwise A by pointer loads after one flag per
 row of the tile (a block wait) and consume_token.
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import language as tdl
@@ -39,10 +41,9 @@ def _barrier_kernel(heap, pad):
 
 
 @triton.jit
-def _ag_start(heap, pad, tile_counter):
+def _ag_start(heap, pad):
     # Starts an AG-GEMM call: a barrier across ranks (nobody pushes into rows a peer's previous GEMM may
-    # still read), and the tile counter of this call's GEMM back to 0 (stream order puts it before the GEMM).
-    tl.store(tile_counter, 0)
+    # still read).
     tdl.barrier_all(heap, pad)
 
 
@@ -83,6 +84,17 @@ def _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, wor
 
 
 @triton.jit
+def _wait_every_thread(heap, flag, expected):
+    # tdl.wait on one flag (greater or equal, system scope), every thread spinning on it and acquiring it
+    # itself rather than thread 0 spinning before a bar.sync: the tile loop then holds no barrier, so
+    # Triton 3.6 fuses it with the K loop and pipelines across tiles (it pipelines no loop holding a
+    # barrier). The same bounded spin, diagnostic and abort: the first thread to time out records the
+    # fault, the others return quietly. Heap words 2 and 3: the timeout in ns and the fault record (the
+    # descriptor's layout in language.py); the kernel calls tdl._declare_vprintf once, outside the loop.
+    return tdl._spin(flag, expected, tl.load(heap + 2), tdl.rank(heap), tl.load(heap + 3), "sys", "ge", False)
+
+
+@triton.jit
 def _async_proxy_after(token):
     # fence.proxy.async.global, then a zero computed from the waited value: the rows acquired by the wait
     # (written through the generic proxy: a peer's stores over NVLink) are seen by TMA loads (async proxy)
@@ -93,74 +105,87 @@ def _async_proxy_after(token):
 
 
 @triton.jit
-def _tma_k_loop(a, b, row, col, K, acc, BLOCK_K: tl.constexpr):
-    # acc + A[row : row + BLOCK_M, :] @ B[col : col + BLOCK_N, :].T, both operands through TMA (descriptors
-    # with blocks [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]; K and rows past the ends read 0).
-    for k0 in range(0, K, BLOCK_K):
-        acc = tl.dot(a.load([row, k0]), b.load([col, k0]).T, acc)
-    return acc
-
-
-@triton.jit
-def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, tile_counter, x_delta, M, N, K, m_local,
-                    num_chunks, epoch, stride_bn, num_push, CHUNK: tl.constexpr, PUSH_K: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    EVEN_K: tl.constexpr, B_TMA: tl.constexpr, A_TMA: tl.constexpr, C_TMA: tl.constexpr):
+def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M, N, K, m_local, num_chunks, epoch,
+                    stride_bn, num_push, CHUNK: tl.constexpr, PUSH_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+                    B_TMA: tl.constexpr, A_TMA: tl.constexpr, C_TMA: tl.constexpr, PEERS: tl.constexpr):
     # Persistent: as many programs per SM as fit at once, no more. Programs [0, num_push) first push this
     # rank's rows to the peers (no wait before: the pushes progress whatever the peers do); then every
-    # program takes GEMM tiles from a counter (dynamic: the pushing programs join late without leaving a
-    # tail). Tiles go in grouped order starting with this rank's own rows, which are read from x and never
-    # wait; a tile holding a peer's rows waits for the flags of their chunks, then loads A.
+    # program computes GEMM tiles on a static schedule. Tiles go in grouped order starting with this rank's
+    # own rows, which are read from x and never wait; a tile holding a peer's rows waits for the flags of
+    # its chunks, then loads A.
     # A_TMA (B_TMA too; BLOCK_M divides m_local and CHUNK, so a tile's rows come from one rank and one chunk):
     # a_own, a_peer: TMA descriptors of x [m_local, K] and of gathered [M, K]; own tiles read a_own, the
-    # others wait on their chunk's one flag, fence the async proxy and read a_peer.
-    # Else A by pointer loads, one flag per row (a block wait) and consume_token; a_own and a_peer unused.
+    # others wait on their chunk's one flag (_wait_every_thread: no barrier), fence the async proxy and read
+    # a_peer. Else A by pointer loads, one flag per row (a block wait) and consume_token; a_own and a_peer unused.
     # b: w [N, K], a TMA descriptor when B_TMA, else a pointer. out: [M, N], a TMA descriptor with blocks
-    # [BLOCK_M, BLOCK_N] when C_TMA (rows and columns past the ends are not written), else a pointer.
+    # [BLOCK_M, BLOCK_N / 2] when C_TMA (rows and columns past the ends are not written), else a pointer.
+    # PEERS (world > 1): the pushes and the waits are compiled in (one rank has neither). The tile loop
+    # and the K loop are fused into one pipelined loop (flatten), so the next tile's first loads are in
+    # flight while this tile's last wgmma and its epilogue run; with A through TMA the wait of a peer tile
+    # is then issued a few K steps ahead of its loads, which depend on it (_async_proxy_after) and so stay
+    # behind it. Not with A by pointers and peers: their block wait ends with a bar.sync, and Triton 3.6
+    # does not pipeline a loop holding a barrier (the fused loop would lose its multi-buffering, far
+    # slower than nested loops).
     pid = tl.program_id(0)
-    if pid < num_push:
+    num_programs = tl.num_programs(0)
+    if PEERS and pid < num_push:
         _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, pid, num_push, CHUNK, PUSH_K)
     me = tdl.rank(heap)
+    if PEERS:
+        tdl._declare_vprintf(tl.load(heap + 2))  # the waits' diagnostics call vprintf
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     shift = (me * m_local) // BLOCK_M
     offs_k = tl.arange(0, BLOCK_K)
-    tile = tl.atomic_add(tile_counter, 1, sem="relaxed")
-    while tile < num_tiles:
-        next_tile = tl.atomic_add(tile_counter, 1, sem="relaxed")  # fetched early: its latency hides
+    # Program p takes tiles r, r + P, r + 2P, ... with r = (p - num_push) mod P (P programs): the pushing
+    # programs start their tiles late, so they take the last positions of each wave (r in [P - num_push, P))
+    # and, when the tile count is not a multiple of P, the ones that carry one tile fewer; the programs
+    # that start at once take the first tiles, this rank's own rows. One rank: num_push = 0, plain grid
+    # stride. Static rather than taken from a counter: Triton fuses and pipelines across tiles only a
+    # counted loop.
+    first = (pid + num_programs - num_push) % num_programs
+    FUSED: tl.constexpr = A_TMA or not PEERS
+    for tile in tl.range(first, num_tiles, num_programs, flatten=FUSED):
         pid_m, pid_n = _tile_ids(tile, num_pid_m, num_pid_n, shift, GROUP_M)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if A_TMA:
             row0 = pid_m * BLOCK_M
-            src = row0 // m_local
-            if src == me:
-                a = a_own
-                a_row = row0 - me * m_local
-            else:
-                # One flag: thread 0 spins, then every thread acquires it. After an aborted wait the TMA
-                # reads stale rows (garbage, as the contract says), never out of bounds (TMA clips).
-                seen = tdl.wait(heap, flags + src * num_chunks + (row0 - src * m_local) // CHUNK, epoch)
-                a = a_peer
-                a_row = row0 + _async_proxy_after(seen).to(tl.int32)
-            acc = _tma_k_loop(a, b, a_row, pid_n * BLOCK_N, K, acc, BLOCK_K)
+            a = a_own
+            a_row = row0 - me * m_local
+            if PEERS:
+                src = row0 // m_local
+                if src != me:
+                    # One flag, every thread acquiring it. After an aborted wait the TMA reads stale rows
+                    # (garbage, as the contract says), never out of bounds (TMA clips).
+                    seen = _wait_every_thread(heap, flags + src * num_chunks + (row0 - src * m_local) // CHUNK,
+                                              epoch)
+                    a = a_peer
+                    a_row = row0 + _async_proxy_after(seen).to(tl.int32)
+            # A[a_row : a_row + BLOCK_M, :] @ B[cols, :].T, both through TMA (blocks [BLOCK_M, BLOCK_K] and
+            # [BLOCK_N, BLOCK_K]; K and rows past the ends read 0).
+            for k0 in range(0, K, BLOCK_K):
+                acc = tl.dot(a.load([a_row, k0]), b.load([pid_n * BLOCK_N, k0]).T, acc)
         else:
             rows_c = tl.minimum(rows, M - 1)
             src = rows_c // m_local
             local_row = rows_c - src * m_local
             own = src == me
-            # Expected 0 always holds: own rows never wait. After an aborted wait the loads below read stale
-            # rows (garbage, as the contract says), never out of bounds: addresses come from the row numbers.
-            seen = tdl.wait(heap, flags + src * num_chunks + local_row // CHUNK, tl.where(own, 0, epoch))
             # One base: row r of the gathered buffer, or for this rank's own rows the same row of x, which
             # lies x_delta - me * m_local * K elements further. Arithmetic rather than tl.where: a select (of
             # pointers or of offsets) loses the alignment facts in Triton 3.9, and with them the vector loads
             # and the pipelined K loop; a product and a sum keep them.
             own_shift = x_delta.to(tl.int64) - (me * m_local).to(tl.int64) * K
             a_rows = gathered + (rows_c.to(tl.int64) * K + own.to(tl.int64) * own_shift)
-            a_rows = tdl.consume_token(a_rows, seen)
+            if PEERS:
+                # Expected 0 always holds: own rows never wait. After an aborted wait the loads read stale
+                # rows (garbage, as the contract says), never out of bounds: addresses come from the row
+                # numbers.
+                seen = tdl.wait(heap, flags + src * num_chunks + local_row // CHUNK, tl.where(own, 0, epoch))
+                a_rows = tdl.consume_token(a_rows, seen)
             cols_c = tl.minimum(cols, N - 1)
             a_ptrs = a_rows[:, None] + offs_k[None, :]
             if B_TMA:
@@ -186,13 +211,15 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, tile_counte
                     a_ptrs += BLOCK_K
                     b_ptrs += BLOCK_K
         if C_TMA:
-            # Through shared memory (stmatrix) and one TMA store; the program waits only until the store has
-            # read shared memory, so the next tile's loads start while the tile's writes drain.
-            out.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out.dtype))
+            # Two TMA stores of [BLOCK_M, BLOCK_N / 2]: half the staging tile in shared memory (room for a
+            # fourth stage), and the first half's store drains while the second half is converted.
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            c0, c1 = tl.split(halves)
+            out.store([pid_m * BLOCK_M, pid_n * BLOCK_N], c0.to(out.dtype))
+            out.store([pid_m * BLOCK_M, pid_n * BLOCK_N + BLOCK_N // 2], c1.to(out.dtype))
         else:
             omask = (rows[:, None] < M) & (cols[None, :] < N)
             tl.store(out + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out.dtype.element_ty), mask=omask)
-        tile = next_tile
 
 
 @triton.jit
@@ -261,10 +288,9 @@ def _rs_reduce(heap, recv, out, counters, target, m_local, N, BLOCK_M: tl.conste
 # 64 x 256 bf16 take 144 KiB of shared memory); smaller tiles keep enough programs for small M.
 kLargeConfig = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 kSmallConfig = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
-# The AG-GEMM's large tile with four stages in flight, as the C++ GEMM keeps: 617 TFLOP/s against 492
-# (pointer-loaded A, three stages) at M = 4096, N = 28672, K = 8192 on one H200 with Triton 3.6. Its
-# shared memory fits only where Triton reuses the pipeline's buffers for the TMA-stored output tile
-# (3.6 does, 3.9 does not): a launch the GPU refuses for shared memory is retried with three stages.
+# The AG-GEMM's large tile with four stages in flight, as the C++ GEMM keeps: 192 KiB of stages plus a
+# 32 KiB half of the output tile staged for its TMA store (the store is split in two halves) fit in the
+# 227 KiB a block may take, whether or not Triton reuses the stages' buffers for the output.
 kAgLargeConfig = dict(kLargeConfig, num_stages=4)
 kPushPrograms = 16  # AG-GEMM programs that push before they compute (about 8 SMs fill NVLink: DESIGN.md)
 
@@ -314,15 +340,17 @@ def _num_sms(device, torch) -> int:
 
 
 def _programs_per_sm(cfg: dict) -> int:
-    # Shared memory decides (228 KiB per H100 / H200 SM): the large tiles' 144 KiB leave room for one
-    # program, the small tiles' 96 KiB for two.
+    # Shared memory decides (228 KiB per H100 / H200 SM): the large tiles' 144 KiB (GEMM-RS) or 224 KiB
+    # (AG-GEMM: four stages and half an output tile) leave room for one program, the small tiles' 96 KiB
+    # (104 KiB with the AG-GEMM's half output tile) for two.
     return 1 if cfg["BLOCK_M"] * cfg["BLOCK_N"] >= 128 * 256 else 2
 
 
 def _ag_launch_shape(num_sms: int, per_sm: int, world: int, num_chunks: int, num_tiles: int) -> tuple[int, int]:
     """(programs, pushing programs) of the persistent AG-GEMM: at most per_sm programs per SM (as many as
-    fit at once); the pushing programs are a few (an eighth of the SMs at most, one per work item at
-    most), none for one rank."""
+    fit at once: a program waits only for pushes, and every pushing program runs), and no more than one
+    per tile beside the pushing programs (which take the last tile positions, so then none); the pushing
+    programs are a few (an eighth of the SMs at most, one per work item at most), none for one rank."""
     push = 0 if world == 1 else max(1, min(kPushPrograms, num_sms // 8, (world - 1) * num_chunks))
     return max(1, min(num_sms * per_sm, num_tiles + push)), push
 
@@ -350,7 +378,6 @@ class _Workspace:
         self.tensors = {}
         self.epoch = 0
         self.pad = None
-        self.tile_counter = None  # int32 [1], local: the AG-GEMM's next tile, set to 0 by each call's start
         self.num_sms = 0
         self.runtime = None
         self.shape = None
@@ -373,7 +400,6 @@ class _Workspace:
 
 
 _ag = _Workspace()
-_ag_stages = {}  # (constexprs, config) -> the stages the GPU accepted, where fewer than the config's
 _rs = _Workspace()
 
 
@@ -388,7 +414,6 @@ def _start_call(ws, torch):
         ws.runtime = view._runtime
     if ws.pad is None:
         ws.pad = tdist.empty((view.world_size + 2,), torch.int64)
-        ws.tile_counter = torch.zeros((1,), dtype=torch.int32, device=view.tensor.device)
         ws.num_sms = _num_sms(view.tensor.device, torch)
     ws.epoch += 1
     return view
@@ -431,33 +456,20 @@ def ag_gemm(x, w):
     if a_tma:
         a_own = TensorDescriptor.from_tensor(x, [bm, bk])
         a_peer = TensorDescriptor.from_tensor(gathered, [bm, bk])
-    # The output tile through one TMA store where A is read through TMA (the configurations the shared
-    # memory is checked for: 64 KiB more beside the large tiles' 144) and out's rows are 16-byte aligned.
+    # The output tile through two TMA stores of half a tile each where A is read through TMA (the
+    # configurations the shared memory is checked for) and out's rows are 16-byte aligned.
     c_tma = a_tma and _tma_ok(out)
-    c = TensorDescriptor.from_tensor(out, [bm, cfg["BLOCK_N"]]) if c_tma else out
-    _ag_start[(1,)](view.tensor, _ag.pad, _ag.tile_counter)
+    c = TensorDescriptor.from_tensor(out, [bm, cfg["BLOCK_N"] // 2]) if c_tma else out
+    _ag_start[(1,)](view.tensor, _ag.pad)
     # x as an offset from gathered, in elements (both are 2-byte aligned, so the division is exact).
     x_delta = (x.data_ptr() - gathered.data_ptr()) // x.element_size()
     # One kernel on the current stream: no side stream, so nothing depends on how the block scheduler
     # interleaves two kernels. The pushing programs have the lowest ids (dispatched first) and wait for
     # nothing before their pushes: the GEMM's waits always end.
-    args = (view.tensor, x, gathered, a_own, a_peer, b, c, flags, _ag.tile_counter, x_delta, m, n, k, m_local,
-            num_chunks, _ag.epoch, w.stride(0), push)
-    consts = dict(CHUNK=kChunkRows, PUSH_K=16 * cfg["num_warps"], EVEN_K=k % bk == 0, B_TMA=b_tma, A_TMA=a_tma,
-                  C_TMA=c_tma)
-    key = tuple(sorted(consts.items())) + tuple(sorted(cfg.items()))
-    stages = _ag_stages.get(key, cfg["num_stages"])
-    while True:
-        try:
-            _ag_gemm_kernel[(programs,)](*args, **consts, **dict(cfg, num_stages=stages))
-            break
-        except OutOfResources:
-            # Refused at compile time, before anything was enqueued: the start kernel above stays the
-            # call's only launch so far, and every rank (the same Triton) retries alike.
-            if stages <= 2:
-                raise
-            stages -= 1
-            _ag_stages[key] = stages
+    _ag_gemm_kernel[(programs,)](view.tensor, x, gathered, a_own, a_peer, b, c, flags, x_delta, m, n, k, m_local,
+                                 num_chunks, _ag.epoch, w.stride(0), push, CHUNK=kChunkRows,
+                                 PUSH_K=16 * cfg["num_warps"], EVEN_K=k % bk == 0, B_TMA=b_tma, A_TMA=a_tma,
+                                 C_TMA=c_tma, PEERS=world > 1, **cfg)
     return out
 
 
