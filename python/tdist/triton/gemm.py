@@ -84,17 +84,6 @@ def _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, wor
 
 
 @triton.jit
-def _wait_every_thread(heap, flag, expected):
-    # tdl.wait on one flag (greater or equal, system scope), every thread spinning on it and acquiring it
-    # itself rather than thread 0 spinning before a bar.sync: the tile loop then holds no barrier, so
-    # Triton 3.6 fuses it with the K loop and pipelines across tiles (it pipelines no loop holding a
-    # barrier). The same bounded spin, diagnostic and abort: the first thread to time out records the
-    # fault, the others return quietly. Heap words 2 and 3: the timeout in ns and the fault record (the
-    # descriptor's layout in language.py); the kernel calls tdl._declare_vprintf once, outside the loop.
-    return tdl._spin(flag, expected, tl.load(heap + 2), tdl.rank(heap), tl.load(heap + 3), "sys", "ge", False)
-
-
-@triton.jit
 def _async_proxy_after(token):
     # fence.proxy.async.global, then a zero computed from the waited value: the rows acquired by the wait
     # (written through the generic proxy: a peer's stores over NVLink) are seen by TMA loads (async proxy)
@@ -116,7 +105,7 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M,
     # its chunks, then loads A.
     # A_TMA (B_TMA too; BLOCK_M divides m_local and CHUNK, so a tile's rows come from one rank and one chunk):
     # a_own, a_peer: TMA descriptors of x [m_local, K] and of gathered [M, K]; own tiles read a_own, the
-    # others wait on their chunk's one flag (_wait_every_thread: no barrier), fence the async proxy and read
+    # others wait on their chunk's one flag (tdl._wait_each_thread: no barrier), fence the async proxy and read
     # a_peer. Else A by pointer loads, one flag per row (a block wait) and consume_token; a_own and a_peer unused.
     # b: w [N, K], a TMA descriptor when B_TMA, else a pointer. out: [M, N], a TMA descriptor with blocks
     # [BLOCK_M, BLOCK_N / 2] when C_TMA (rows and columns past the ends are not written), else a pointer.
@@ -161,8 +150,8 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M,
                 if src != me:
                     # One flag, every thread acquiring it. After an aborted wait the TMA reads stale rows
                     # (garbage, as the contract says), never out of bounds (TMA clips).
-                    seen = _wait_every_thread(heap, flags + src * num_chunks + (row0 - src * m_local) // CHUNK,
-                                              epoch)
+                    flag = flags + src * num_chunks + (row0 - src * m_local) // CHUNK
+                    seen = tdl._wait_each_thread(heap, flag, epoch)
                     a = a_peer
                     a_row = row0 + _async_proxy_after(seen).to(tl.int32)
             # A[a_row : a_row + BLOCK_M, :] @ B[cols, :].T, both through TMA (blocks [BLOCK_M, BLOCK_K] and

@@ -228,6 +228,15 @@ def wait(heap, flags, expected, scope: tl.constexpr = _SYS, cmp: tl.constexpr = 
 
 
 @triton.jit
+def _wait_each_thread(heap, flag, expected, scope: tl.constexpr = _SYS, cmp: tl.constexpr = _GE):
+    # wait on one flag with every thread spinning on it and acquiring it itself, and no bar.sync: a loop
+    # holding it can still be pipelined (Triton 3.6 pipelines no loop holding a barrier). The same bounded
+    # spin, diagnostic and abort; the first thread to time out records the fault, the others return quietly
+    # (under the trap action several may print). The kernel calls _declare_vprintf once, outside its loop.
+    return _spin(flag, expected, tl.load(heap + 2), tl.load(heap).to(tl.int32), tl.load(heap + 3), scope, cmp, False)
+
+
+@triton.jit
 def notify(flag, value, scope: tl.constexpr = _SYS, op: tl.constexpr = _SET):
     """Raises the flag at `flag` (a local or already translated peer address) with release at `scope`:
     st.release (op='set') or red.release.add (op='add'), by thread 0 after a bar.sync."""
