@@ -243,10 +243,13 @@ def test_rs_reduce_compiles():
     assert "ld.acquire.sys.u64" in c.asm["ptx"]
 
 
-def test_config_choice():
-    assert gemm._gemm_config(8192, 14336) == gemm.kLargeConfig
-    assert gemm._gemm_config(1024, 14336) == gemm.kSmallConfig
-    assert gemm._gemm_config(8192, 1000) == gemm.kSmallConfig
+@pytest.mark.parametrize("m,n,expected", [
+    (8192, 8192, gemm.kLargeConfig),  # LLaMA-3-70B's MLP down-projection at M = 8192, 1024
+    (1024, 8192, gemm.kLargeConfig),  # 256 large tiles fill 97% of 2 waves on 132 SMs, and reuse more
+    (64, 1000, gemm.kSmallConfig),    # 4 large tiles would be half empty
+])
+def test_rs_config_choice(m, n, expected):
+    assert gemm._rs_gemm_config(m, n, 132) == expected
 
 
 @pytest.mark.parametrize("m,n,expected", [
