@@ -45,23 +45,50 @@ def _parse(argv):
     return args
 
 
-def _time(fn, torch, dist, warmup, iters):
-    for _ in range(warmup):
-        fn()
+def _time_alternating(fns: dict, torch, dist, warmup, iters) -> dict:
+    """{name: (ms, error)}: every method warmed up, then timed once per round, round after round, so that
+    clock and temperature drift falls on every method alike. A method that raises is reported and leaves
+    the rotation; the others go on."""
+    errors = {}
+
+    def failed(name, e):
+        errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        torch.cuda.synchronize()
+
+    for name, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                fn()
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+            failed(name, e)
     torch.cuda.synchronize()
     dist.barrier()
-    times = []
+    times = {name: [] for name in fns if name not in errors}
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    # Every rank's median, then the slowest rank: a collective op is as fast as its slowest member.
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+        for name in list(times):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            try:
+                start.record()
+                fns[name]()
+                end.record()
+                end.synchronize()
+            except Exception as e:  # noqa: BLE001
+                failed(name, e)
+                del times[name]
+                continue
+            times[name].append(start.elapsed_time(end))
+    # Every rank's median, then the slowest rank: a collective op is as fast as its slowest member. Every
+    # rank reduces every method (a method that failed here reports -1), so the collectives stay in step.
+    out = {}
+    for name in fns:
+        mine = statistics.median(times[name]) if name in times and times[name] else -1.0
+        t = torch.tensor([mine], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        low = torch.tensor([mine], device="cuda")
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        ok = low.item() >= 0
+        out[name] = (t.item(), None) if ok else (None, errors.get(name, "failed on another rank"))
+    return out
 
 
 def _methods(op, torch, dist, world, group_name):
@@ -120,17 +147,11 @@ def main(argv=None) -> int:
                 a = torch.randn((m, k), generator=g, device="cuda").to(torch.bfloat16)
             b = (torch.randn((n, k), generator=g, device="cuda") / k ** 0.5).to(torch.bfloat16)
             flops = 2.0 * m * n * k  # per rank (AG: all rows x this rank's N; RS: all rows x this rank's K)
-            results = {}
-            for name, fn in _methods(op, torch, dist, world, group_name).items():
-                if name == "torch_fused" and fused_error:
-                    results[name] = (None, fused_error)
-                    continue
-                try:
-                    results[name] = (_time(lambda: fn(a, b), torch, dist, args.warmup, args.iters), None)
-                except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
-                    results[name] = (None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                    torch.cuda.synchronize()
-                    dist.barrier()
+            methods = _methods(op, torch, dist, world, group_name)
+            runnable = {name: (lambda fn=fn: fn(a, b)) for name, fn in methods.items()
+                        if not (name == "torch_fused" and fused_error)}
+            timed = _time_alternating(runnable, torch, dist, args.warmup, args.iters)
+            results = {name: timed[name] if name in timed else (None, fused_error) for name in methods}
             base = results["triton"][0]
             for name, (ms, err) in results.items():
                 row = {"op": op, "m": m, "n": n, "k": k, "world": world, "method": name, "ms": ms,
