@@ -404,60 +404,45 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
   }
   __syncthreads();  // scratch becomes warp_count
 
-  // 4. Place this segment's pairs, stable in the rotated order. Each warp takes a contiguous share of
-  //    the segment: pass 1 counts the warp's pairs per expert, a prefix over the warps turns the counts
-  //    into each warp's first row per expert, pass 2 places. Inside the passes a warp meets only
-  //    itself (match_any groups a round's lanes by expert; the group's lowest lane updates the warp's
-  //    counter), so the block meets twice, not three times per 256 pairs.
-  u32* warp_row = scratch;  // [kRouteWarps][E]: pass 1 counts, then each warp's next row per expert
-  for (u32 e = tid; e < E; e += kRouteThreads)
-    for (u32 w = 0; w < kRouteWarps; ++w) warp_row[w * E + e] = 0;
+  // 4. Place this segment's pairs.
+  u32* warp_count = scratch;
+  for (u32 e = tid; e < E; e += kRouteThreads) {
+    running[e] += static_cast<u32>(offs[e]);
+    for (u32 w = 0; w < kRouteWarps; ++w) warp_count[w * E + e] = 0;
+  }
   __syncthreads();
   const u32 warp = tid / 32, lane = tid % 32;
-  const u32 below = (1u << lane) - 1;
   const u32 topk = p.segments.pairs.topk;
   u64 begin, end;
   p.segments.range(my, &begin, &end);
-  const u64 share = (end - begin + kRouteWarps - 1) / kRouteWarps;
-  const u64 w_begin = begin + share * warp < end ? begin + share * warp : end;
-  const u64 w_end = w_begin + share < end ? w_begin + share : end;
-  u32* my_rows = warp_row + warp * E;
-  for (int pass = 0; pass < 2; ++pass) {
-    u64 q = w_begin + lane, t = 0;
-    u32 k = 0;
-    u32 e = q < w_end ? static_cast<u32>(route_expert<false>(p, q, &t, &k)) : 0xffffffffu;
-    for (u64 round = w_begin; round < w_end; round += 32) {
-      // The next round's id loads while this round's pairs are counted or placed.
-      const u64 q_next = q + 32;
-      u64 t_next = 0;
-      u32 k_next = 0;
-      const u32 e_next = q_next < w_end ? static_cast<u32>(route_expert<false>(p, q_next, &t_next, &k_next))
-                                        : 0xffffffffu;
-      const bool valid = q < w_end;
-      const u32 same = __match_any_sync(0xffffffffu, e);
-      const bool leader = (same & below) == 0;
-      if (pass == 1 && valid) {
-        const u32 row = my_rows[e] + __popc(same & below);
-        p.token_of_row[row] = static_cast<int>(t);
-        p.row_of_pair[t * topk + k] = static_cast<int>(row);
-      }
-      __syncwarp();  // every lane has read my_rows[e] before its leader moves it
-      if (valid && leader) my_rows[e] += __popc(same);
-      __syncwarp();
-      q = q_next, t = t_next, k = k_next, e = e_next;
+  u64 q = begin + tid, t = 0;
+  u32 k = 0;
+  bool valid = q < end;
+  u32 e = valid ? static_cast<u32>(route_expert<false>(p, q, &t, &k)) : 0xffffffffu;
+  for (u64 step = begin; step < end; step += kRouteThreads) {
+    // The next 256 pairs' ids load while this step's rows are placed.
+    const u64 q_next = q + kRouteThreads;
+    u64 t_next = 0;
+    u32 k_next = 0;
+    const bool valid_next = q_next < end;
+    const u32 e_next = valid_next ? static_cast<u32>(route_expert<false>(p, q_next, &t_next, &k_next)) : 0xffffffffu;
+    const u32 same = __match_any_sync(0xffffffffu, e);
+    const bool leader = (same & ((1u << lane) - 1)) == 0;
+    if (valid && leader) warp_count[warp * E + e] = __popc(same);
+    __syncthreads();
+    if (valid) {
+      u32 row = running[e] + __popc(same & ((1u << lane) - 1));
+      for (u32 w = 0; w < warp; ++w) row += warp_count[w * E + e];
+      p.token_of_row[row] = static_cast<int>(t);
+      p.row_of_pair[t * topk + k] = static_cast<int>(row);
     }
-    if (pass == 0) {
-      __syncthreads();  // every warp's counts
-      for (u32 x = tid; x < E; x += kRouteThreads) {
-        u32 row = running[x] + static_cast<u32>(offs[x]);
-        for (u32 w = 0; w < kRouteWarps; ++w) {
-          const u32 c = warp_row[w * E + x];
-          warp_row[w * E + x] = row;
-          row += c;
-        }
-      }
-      __syncthreads();
+    __syncthreads();
+    if (valid && leader) {
+      atomicAdd(&running[e], static_cast<u32>(__popc(same)));
+      warp_count[warp * E + e] = 0;
     }
+    __syncthreads();
+    q = q_next, t = t_next, k = k_next, valid = valid_next, e = e_next;
   }
 }
 
