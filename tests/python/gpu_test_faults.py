@@ -19,6 +19,7 @@ At world size 1 every case is skipped, saying so.
     TDIST_WAIT_TIMEOUT_S=2 python -m torch.distributed.run --nproc-per-node 2 tests/python/gpu_test_faults.py [case ...]
 """
 
+import functools
 import os
 import sys
 import time
@@ -40,19 +41,23 @@ TIMEOUT_S = float(os.environ["TDIST_WAIT_TIMEOUT_S"])
 _retired = []  # the faulted cases' objects, kept to the end: destroying them is collective
 
 
-def skipped(name: str) -> bool:
-    if h.world() >= 2:
-        return False
-    print(f"[rank {h.rank()}] SKIP {name}: a rank must skip the call while another makes it; needs 2 or more "
-          f"ranks, the world has {h.world()}", flush=True)
-    return True
+def needs_peers(test):
+    """`test`, skipped (saying why) at world size 1: a rank must skip the call while another makes it."""
+    @functools.wraps(test)
+    def run():
+        if h.world() < 2:
+            print(f"[rank {h.rank()}] SKIP {test.__name__}: a rank must skip the call while another makes it; "
+                  f"needs 2 or more ranks, the world has {h.world()}", flush=True)
+            return
+        test()
+    return run
 
 
-def skip_on_last_rank(what: str, call, again):
+def skip_on_last_rank(what: str, call):
     """Every rank but the last runs `call`, the op whose peer is absent: its work must end without a CUDA
-    error within a few timeouts (not before one), the fault must name this rank, the next call
-    (`again`) must be refused with DeviceTimeoutError, and a tensor must still copy out. The
-    last rank must have no fault. Clears the fault on every rank afterwards."""
+    error within a few timeouts (not before one), the fault must name this rank, the next call (`call`
+    again) must be refused with DeviceTimeoutError, and a tensor must still copy out. The last rank
+    must have no fault. Clears the fault on every rank afterwards."""
     last = h.world() - 1
     state = torch.randn(4096, device="cuda")  # what a training job would want to save
     torch.cuda.synchronize()
@@ -73,7 +78,7 @@ def skip_on_last_rank(what: str, call, again):
         assert 0.9 * TIMEOUT_S <= took < 15 * TIMEOUT_S, f"{what}: the aborted call took {took:.2f} s"
         h.expect_error(tdist.check_device_faults, f"on rank {h.rank()}", "timed out", cls=tdist.DeviceTimeoutError)
         print(f"[rank {h.rank()}] {what}: aborted after {took:.2f} s: {tdist._C.device_fault_message()}", flush=True)
-        h.expect_error(again, "timed out", cls=tdist.DeviceTimeoutError)
+        h.expect_error(call, "timed out", cls=tdist.DeviceTimeoutError)
         saved = state.cpu()  # the context is intact: copies and kernels work
         assert torch.equal(saved.cuda(), state)
         assert torch.allclose((state * 2).sum(), state.sum() * 2)
@@ -93,9 +98,8 @@ def moe_ids(m, topk, experts, seed):
     return torch.rand((m, experts), generator=g).topk(topk, dim=1).indices.to(torch.int32)
 
 
+@needs_peers
 def test_peer_skips_moe_ag_group_gemm():
-    if skipped("test_peer_skips_moe_ag_group_gemm"):
-        return
     m, topk, experts, k, n = 301, 2, 6, 136, 200
     first, rows = tdist.moe.rows_of(m, h.world(), h.rank())
     x_rows = rand((m, k), torch.bfloat16, 1)[first:first + rows].cuda()
@@ -106,12 +110,11 @@ def test_peer_skips_moe_ag_group_gemm():
         return tdist.moe_ag_group_gemm(x_rows, ids, w, method="chunked")
 
     call()  # every rank: the context and the kernels
-    skip_on_last_rank("moe_ag_group_gemm (chunked)", call, call)
+    skip_on_last_rank("moe_ag_group_gemm (chunked)", call)
 
 
+@needs_peers
 def test_peer_skips_moe_group_gemm_rs():
-    if skipped("test_peer_skips_moe_group_gemm_rs"):
-        return
     m, topk, experts, k, n = 301, 2, 10, 200, 136
     ids = moe_ids(m, topk, experts, 4).cuda()
     weights = torch.rand((m, topk), generator=torch.Generator().manual_seed(5)).cuda()
@@ -122,7 +125,7 @@ def test_peer_skips_moe_group_gemm_rs():
         return tdist.moe_group_gemm_rs(hidden, w2, ids, weights, method="chunked")
 
     call()
-    skip_on_last_rank("moe_group_gemm_rs (chunked)", call, call)
+    skip_on_last_rank("moe_group_gemm_rs (chunked)", call)
 
 
 def ep_tokens(buf, tokens, seed):
@@ -150,9 +153,8 @@ def ht_round(buf, x, idx, weights):
     return buf.combine(expert_x.clone(), handle)
 
 
+@needs_peers
 def test_peer_skips_ep_low_latency_dispatch():
-    if skipped("test_peer_skips_ep_low_latency_dispatch"):
-        return
     buf = ep_buffer("low_latency")
     x, idx, weights = ep_tokens(buf, 13, 10)
     ll_round(buf, x, idx, weights)
@@ -160,12 +162,11 @@ def test_peer_skips_ep_low_latency_dispatch():
     def call():
         return buf.low_latency_dispatch(x, idx)
 
-    skip_on_last_rank("EP low_latency_dispatch", call, call)
+    skip_on_last_rank("EP low_latency_dispatch", call)
 
 
+@needs_peers
 def test_peer_skips_ep_low_latency_combine():
-    if skipped("test_peer_skips_ep_low_latency_combine"):
-        return
     buf = ep_buffer("low_latency")
     x, idx, weights = ep_tokens(buf, 13, 11)
     ll_round(buf, x, idx, weights)
@@ -175,12 +176,11 @@ def test_peer_skips_ep_low_latency_combine():
     def call():
         return buf.low_latency_combine(y, idx, weights, handle)
 
-    skip_on_last_rank("EP low_latency_combine", call, call)
+    skip_on_last_rank("EP low_latency_combine", call)
 
 
+@needs_peers
 def test_peer_skips_ep_dispatch():
-    if skipped("test_peer_skips_ep_dispatch"):
-        return
     buf = ep_buffer("high_throughput")
     x, idx, weights = ep_tokens(buf, 13, 12)
     ht_round(buf, x, idx, weights)
@@ -188,12 +188,11 @@ def test_peer_skips_ep_dispatch():
     def call():
         return buf.dispatch(x, idx, weights)
 
-    skip_on_last_rank("EP (high-throughput) dispatch", call, call)
+    skip_on_last_rank("EP (high-throughput) dispatch", call)
 
 
+@needs_peers
 def test_peer_skips_ep_combine():
-    if skipped("test_peer_skips_ep_combine"):
-        return
     buf = ep_buffer("high_throughput")
     x, idx, weights = ep_tokens(buf, 13, 13)
     ht_round(buf, x, idx, weights)
@@ -203,12 +202,11 @@ def test_peer_skips_ep_combine():
     def call():
         return buf.combine(y, handle)
 
-    skip_on_last_rank("EP (high-throughput) combine", call, call)
+    skip_on_last_rank("EP (high-throughput) combine", call)
 
 
+@needs_peers
 def test_peer_skips_flash_decode():
-    if skipped("test_peer_skips_flash_decode"):
-        return
     batch, q_heads, kv_heads, head_dim, capacity = 3, 8, 2, 128, 40
     q = rand((batch, q_heads, head_dim), torch.bfloat16, 20).cuda()  # the same on every rank
     k = rand((batch, capacity, kv_heads, head_dim), torch.bfloat16, 21 + h.rank()).cuda()
@@ -219,19 +217,18 @@ def test_peer_skips_flash_decode():
         return tdist.flash_decode(q, k, v, lens, distributed=True)
 
     call()
-    skip_on_last_rank("flash_decode(distributed=True)", call, call)
+    skip_on_last_rank("flash_decode(distributed=True)", call)
 
 
+@needs_peers
 def test_peer_skips_all_reduce():
-    if skipped("test_peer_skips_all_reduce"):
-        return
     x = tdist.empty((1 << 14,), dtype=torch.float32)
     x.fill_(h.rank() + 1)
 
     def call():
         tdist.all_reduce(x, method="one_shot")
 
-    skip_on_last_rank("all_reduce (one_shot)", call, call)
+    skip_on_last_rank("all_reduce (one_shot)", call)
 
 
 TESTS = [test_peer_skips_moe_ag_group_gemm, test_peer_skips_moe_group_gemm_rs, test_peer_skips_ep_low_latency_dispatch,
