@@ -489,7 +489,7 @@ def gemm_rs(a, b):
     # recv: [world (source rank), m_local, N]; counters[0]: tile arrivals, growing over calls.
     recv = _rs.get("recv", (world, m_local, n), a.dtype)
     counters = _rs.get("counters", (1,), torch.int64)
-    cfg = _rs_gemm_config(m, n, _num_sms(a.device, torch))
+    cfg = _rs_gemm_config(m, n, _rs.num_sms)
     bm = cfg["BLOCK_M"]
     tiles_n = triton.cdiv(n, cfg["BLOCK_N"])
     if _rs.shape != (m, n, bm, tiles_n):
