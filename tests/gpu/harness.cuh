@@ -97,6 +97,13 @@ inline void fill_pattern(void* p, size_t bytes, unsigned long long seed, cudaStr
   TDIST_CUDA_CHECK(cudaGetLastError());
 }
 
+// Host to device, landed on return: a cudaMemcpy from pageable memory may return before its DMA is
+// done, and work on a non-blocking stream is not ordered after it.
+inline void copy_to_device(void* dst, const void* src, size_t bytes) {
+  TDIST_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+}
+
 // Device counters for the check kernels.
 class MismatchCounter {
  public:

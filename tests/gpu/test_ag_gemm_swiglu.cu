@@ -86,8 +86,8 @@ struct Case {
   }
 
   void upload() {
-    TDIST_CUDA_CHECK(cudaMemcpy(d_a.get(), a_local.data(), a_local.size() * sizeof(T), cudaMemcpyHostToDevice));
-    TDIST_CUDA_CHECK(cudaMemcpy(d_b.get(), b.data(), b.size() * sizeof(T), cudaMemcpyHostToDevice));
+    test::copy_to_device(d_a.get(), a_local.data(), a_local.size() * sizeof(T));
+    test::copy_to_device(d_b.get(), b.data(), b.size() * sizeof(T));
   }
 
   void poison() {

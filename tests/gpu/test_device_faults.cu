@@ -105,7 +105,7 @@ void skip_on_last_rank(World& world, cudaStream_t stream, const std::string& tag
 template <typename T>
 DeviceBuffer upload(const std::vector<T>& host) {
   DeviceBuffer d(host.size() * sizeof(T));
-  TDIST_CUDA_CHECK(cudaMemcpy(d.get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  test::copy_to_device(d.get(), host.data(), host.size() * sizeof(T));
   return d;
 }
 
@@ -245,7 +245,7 @@ int main() {
     auto run_matching = [&](AllReduceMethod method) {
       std::vector<float> host(count);
       for (size_t i = 0; i < count; ++i) host[i] = static_cast<float>((i % 97) + world.rank());
-      TDIST_CUDA_CHECK(cudaMemcpy(in, host.data(), count * sizeof(float), cudaMemcpyHostToDevice));
+      test::copy_to_device(in, host.data(), count * sizeof(float));
       TDIST_CUDA_CHECK(cudaMemset(out, 0xff, count * sizeof(float)));
       coll->all_reduce(in, out, count, DType::kFloat32, stream, method);
       TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -381,7 +381,7 @@ int main() {
     std::vector<int64_t> ids(cfg.max_tokens * cfg.topk);
     for (int64_t t = 0; t < cfg.max_tokens; ++t)
       for (int j = 0; j < cfg.topk; ++j) ids[t * cfg.topk + j] = (t + j) % cfg.num_experts;
-    TDIST_CUDA_CHECK(cudaMemcpy(idx, ids.data(), ids.size() * sizeof(int64_t), cudaMemcpyHostToDevice));
+    test::copy_to_device(idx, ids.data(), ids.size() * sizeof(int64_t));
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
     world.barrier("faults: ep ready");
     skip_on_last_rank(world, stream, "faults: ep", x, cfg.max_tokens * cfg.hidden * sizeof(*x), [&] {

@@ -164,8 +164,7 @@ double e4m3(unsigned char b) {
 template <typename T>
 DeviceBuffer upload(const std::vector<T>& v) {
   DeviceBuffer d(v.size() * sizeof(T));
-  if (!v.empty()) TDIST_CUDA_CHECK(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  TDIST_CUDA_CHECK(cudaDeviceSynchronize());  // the legacy stream's copy is done before the test's stream reads
+  if (!v.empty()) test::copy_to_device(d.get(), v.data(), v.size() * sizeof(T));
   return d;
 }
 
@@ -273,8 +272,7 @@ struct Fixture {
           rows[i * H + c] = __float2bfloat16_rn(__bfloat162float(all[s].x[static_cast<size_t>(t * H + c)]) * f);
       }
       if (n)
-        TDIST_CUDA_CHECK(cudaMemcpy(y.get<bf16>() + le * rows_per_expert * H, rows.data(), rows.size() * sizeof(bf16),
-                                    cudaMemcpyHostToDevice));
+        test::copy_to_device(y.get<bf16>() + le * rows_per_expert * H, rows.data(), rows.size() * sizeof(bf16));
     }
     TDIST_CUDA_CHECK(cudaDeviceSynchronize());
     return y;
@@ -455,7 +453,7 @@ DeviceBuffer ht_expert_outputs(const EpBuffer& ep, const EpHtHandle& h, const st
         y[q * H + c] = __float2bfloat16_rn(__bfloat162float(ex[q * H + c]) * f);
   }
   DeviceBuffer d(y.size() * sizeof(bf16));
-  if (!y.empty()) TDIST_CUDA_CHECK(cudaMemcpy(d.get(), y.data(), y.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+  if (!y.empty()) test::copy_to_device(d.get(), y.data(), y.size() * sizeof(bf16));
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());
   return d;
 }
@@ -572,10 +570,9 @@ void ht_suite(test::Suite& suite, World& world, SymmetricHeap& heap, cudaStream_
         for (int s = 0; s < W; ++s)
           all.push_back(make_input(cfg, W, seed + 1000 + replay, s, replay % 2 ? Routing::kSkewed : Routing::kMasked,
                                    Tokens::kFull));
-        TDIST_CUDA_CHECK(cudaMemcpy(ops.x.get(), all[me].x.data(), all[me].x.size() * sizeof(bf16), cudaMemcpyHostToDevice));
-        TDIST_CUDA_CHECK(cudaMemcpy(ops.idx.get(), all[me].idx.data(), all[me].idx.size() * 8, cudaMemcpyHostToDevice));
-        TDIST_CUDA_CHECK(cudaMemcpy(ops.weights.get(), all[me].weights.data(), all[me].weights.size() * 4,
-                                    cudaMemcpyHostToDevice));
+        test::copy_to_device(ops.x.get(), all[me].x.data(), all[me].x.size() * sizeof(bf16));
+        test::copy_to_device(ops.idx.get(), all[me].idx.data(), all[me].idx.size() * 8);
+        test::copy_to_device(ops.weights.get(), all[me].weights.data(), all[me].weights.size() * 4);
         TDIST_CUDA_CHECK(cudaMemset(ops.out.get(), 0xFF, static_cast<size_t>(T * cfg.hidden) * sizeof(bf16)));
         test::sync_all(world, "ep ht graph inputs");
         TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
@@ -766,9 +763,9 @@ int main() {
         std::vector<bf16> xs(in.x.begin(), in.x.begin() + T * cfg.hidden);
         std::vector<int64_t> is(in.idx.begin(), in.idx.begin() + T * cfg.topk);
         std::vector<float> ws(in.weights.begin(), in.weights.begin() + T * cfg.topk);
-        TDIST_CUDA_CHECK(cudaMemcpy(x.get(), xs.data(), xs.size() * sizeof(bf16), cudaMemcpyHostToDevice));
-        TDIST_CUDA_CHECK(cudaMemcpy(idx.get(), is.data(), is.size() * 8, cudaMemcpyHostToDevice));
-        TDIST_CUDA_CHECK(cudaMemcpy(w.get(), ws.data(), ws.size() * 4, cudaMemcpyHostToDevice));
+        test::copy_to_device(x.get(), xs.data(), xs.size() * sizeof(bf16));
+        test::copy_to_device(idx.get(), is.data(), is.size() * 8);
+        test::copy_to_device(w.get(), ws.data(), ws.size() * 4);
         TDIST_CUDA_CHECK(cudaMemset(out.get(), 0xFF, static_cast<size_t>(T * cfg.hidden) * sizeof(bf16)));
         TDIST_CUDA_CHECK(cudaDeviceSynchronize());
       };

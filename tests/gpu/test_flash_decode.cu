@@ -201,11 +201,11 @@ struct Case {
   }
 
   void upload() {
-    TDIST_CUDA_CHECK(cudaMemcpy(d_q.get(), q.data(), q.size() * sizeof(T), cudaMemcpyHostToDevice));
-    TDIST_CUDA_CHECK(cudaMemcpy(d_k.get(), k.data(), k.size() * sizeof(T), cudaMemcpyHostToDevice));
-    TDIST_CUDA_CHECK(cudaMemcpy(d_v.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-    TDIST_CUDA_CHECK(cudaMemcpy(d_table.get(), table.data(), table.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-    TDIST_CUDA_CHECK(cudaMemcpy(d_lens.get(), lens_local.data(), g.batch * sizeof(int32_t), cudaMemcpyHostToDevice));
+    test::copy_to_device(d_q.get(), q.data(), q.size() * sizeof(T));
+    test::copy_to_device(d_k.get(), k.data(), k.size() * sizeof(T));
+    test::copy_to_device(d_v.get(), v.data(), v.size() * sizeof(T));
+    test::copy_to_device(d_table.get(), table.data(), table.size() * sizeof(int32_t));
+    test::copy_to_device(d_lens.get(), lens_local.data(), g.batch * sizeof(int32_t));
   }
 
   void poison() {
@@ -431,13 +431,13 @@ int main() {
     // On the device: an entry outside the cache, then a length beyond the capacity.
     std::vector<int32_t> bad = c.table;
     bad[1] = static_cast<int32_t>(c.num_pages);
-    TDIST_CUDA_CHECK(cudaMemcpy(c.d_table.get(), bad.data(), bad.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    test::copy_to_device(c.d_table.get(), bad.data(), bad.size() * sizeof(int32_t));
     single.run(a, stream);
     expect_error("block_table", [&] { single.check_errors(); });
     single.check_errors();  // cleared
     c.upload();
     const int32_t too_long[2] = {50, 113};
-    TDIST_CUDA_CHECK(cudaMemcpy(c.d_lens.get(), too_long, sizeof(too_long), cudaMemcpyHostToDevice));
+    test::copy_to_device(c.d_lens.get(), too_long, sizeof(too_long));
     single.run(a, stream);
     expect_error("seq_lens", [&] { single.check_errors(); });
     c.upload();

@@ -249,6 +249,8 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
     TDIST_CUDA_CHECK(cudaMalloc(&order, 4 * o.size()));
     TDIST_CUDA_CHECK(cudaMemcpy(order, o.data(), 4 * o.size(), cudaMemcpyHostToDevice));
   }
+  // A pageable cudaMemcpy may return before its DMA lands; `stream` is not ordered after it.
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   fill_random<<<264, 256, 0, stream>>>(a, static_cast<size_t>(std::max(m_total, 1L)) * lda, seed);
   fill_random<<<264, 256, 0, stream>>>(b, static_cast<size_t>(c.groups) * c.n * ldb, seed + 1);
   // Gathered A: A's rows come from random tokens; `a` is then written with what the kernel must see

@@ -100,7 +100,7 @@ void draw_routing(const Shape& s, uint64_t seed, std::vector<int>& ids, std::vec
 template <typename T>
 DeviceBuffer upload(const std::vector<T>& v) {
   DeviceBuffer b(std::max<size_t>(v.size(), 1) * sizeof(T));
-  if (!v.empty()) TDIST_CUDA_CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  if (!v.empty()) test::copy_to_device(b.get(), v.data(), v.size() * sizeof(T));
   return b;
 }
 template <typename T>
@@ -437,7 +437,7 @@ int main() {
             std::vector<float> weights;
             draw_routing(s, ++case_seed, ids, weights);
             if (m > 0)
-              TDIST_CUDA_CHECK(cudaMemcpy(d_ids.get(), ids.data(), ids.size() * sizeof(int), cudaMemcpyHostToDevice));
+              test::copy_to_device(d_ids.get(), ids.data(), ids.size() * sizeof(int));
             const MoeRouting& got = router.route(d_ids.get<int>(), m, stream);
             TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
             check_same_routing(got, moe_routing_reference(ids, m, rc.topk, rc.experts, w, r),

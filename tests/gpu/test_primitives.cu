@@ -305,7 +305,7 @@ void expect_wait(Context& ctx, T* flag, T* seen, T initial, T value, SignalOp op
   cudaStream_t waiter, signaler;
   TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&waiter, cudaStreamNonBlocking));
   TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&signaler, cudaStreamNonBlocking));
-  TDIST_CUDA_CHECK(cudaMemcpy(flag, &initial, sizeof(T), cudaMemcpyHostToDevice));
+  test::copy_to_device(flag, &initial, sizeof(T));
   tdist::test::sync_all(ctx.world, "flag initialised");
   wait_cmp_kernel<T><<<1, 1, 0, waiter>>>(flag, cmp, target, seen);
   signal_kernel<T><<<1, 1, 0, signaler>>>(ctx.heap.view(), flag, value, op, ctx.next());

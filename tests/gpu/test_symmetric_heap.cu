@@ -160,7 +160,8 @@ int run_all(int argc, char** argv) {
                                  detail::concat("put_async ", bytes, " bytes +", off));
           counter.expect_value(buf, off, 0xCD, "put_async guard");
           // Get the next rank's received data back: it holds this rank's pattern.
-          TDIST_CUDA_CHECK(cudaMemset(local, 0xCD, bytes));
+          // On the copy's stream: a legacy-stream memset is not ordered before a non-blocking stream.
+          TDIST_CUDA_CHECK(cudaMemsetAsync(local, 0xCD, bytes, stream));
           get_async(heap, local, buf + off, bytes, next, stream);
           TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
           counter.expect_pattern(local, bytes, seeds[rank], 0, detail::concat("get_async ", bytes, " bytes +", off));
