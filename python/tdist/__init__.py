@@ -59,6 +59,9 @@ from .moe import moe_ag_group_gemm, moe_group_gemm_ar, moe_group_gemm_rs
 # Every other op of the C++ catalogue of overlapped ops, as tdist.<name> (e.g. tdist.ag_gemm_swiglu).
 globals().update(_catalogue_functions)
 
+# TDIST_SHARE_GPUS (a test mode): NCCL_HOSTID set before torch or tdist creates a communicator.
+_runtime._claim_own_nccl_host()
+
 
 __all__ = [
     "Error",

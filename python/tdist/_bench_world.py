@@ -13,7 +13,7 @@ def start(what: str):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    import tdist  # noqa: F401
+    import tdist
 
     try:
         import torch
@@ -28,7 +28,7 @@ def start(what: str):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = tdist._runtime._launcher_device()  # LOCAL_RANK (modulo the GPUs under TDIST_SHARE_GPUS)
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     return torch, dist

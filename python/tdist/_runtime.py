@@ -74,6 +74,29 @@ class Session:
         return runtime("world_size").world_size
 
 
+def _shares_gpus() -> bool:
+    """TDIST_SHARE_GPUS=1, a test mode (World::shares_gpus in C++): ranks may time-share a GPU."""
+    return os.environ.get("TDIST_SHARE_GPUS", "") in ("1", "true", "TRUE", "True", "on", "ON", "yes", "YES")
+
+
+def _claim_own_nccl_host() -> None:
+    """Under TDIST_SHARE_GPUS each rank names an NCCL host of its own (NCCL refuses two ranks on one
+    GPU of one host); set at import, before torch or tdist creates an NCCL communicator. A value the
+    user set is kept. The C++ World does the same for C++ programs."""
+    if _shares_gpus():
+        os.environ.setdefault("NCCL_HOSTID", "tdist-shared-gpu-rank-" + os.environ.get("RANK", "0"))
+
+
+def _launcher_device() -> int:
+    """This rank's GPU under a launcher: LOCAL_RANK, modulo the visible GPUs when ranks share them."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if _shares_gpus():
+        torch = torch_module()
+        count = torch.cuda.device_count() if torch is not None else 0
+        local %= max(count, 1)
+    return local
+
+
 def _local_device(device) -> int:
     if device is not None:
         if isinstance(device, int):
@@ -84,7 +107,7 @@ def _local_device(device) -> int:
             raise Error(f"tdist.init: device must be a CUDA device index or 'cuda:N', got {device!r}")
         return d.index
     if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"])
+        return _launcher_device()
     torch = torch_module()
     if torch is not None and torch.cuda.is_available():
         return torch.cuda.current_device()

@@ -323,7 +323,7 @@ def main(argv=None) -> int:
               "e.g. torchrun --nproc-per-node 2 -m tdist.bench", file=sys.stderr)
         return 2
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = tdist._runtime._launcher_device()  # LOCAL_RANK (modulo the GPUs under TDIST_SHARE_GPUS)
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     tdist.init(process_group=dist.group.WORLD, heap_size=args.heap_size)

@@ -23,6 +23,7 @@ SETTINGS = {
     "TDIST_WAIT_TIMEOUT_S": ("60", "device spin-waits (s)"),
     "TDIST_CHECK_CALLS": ("first", "compare collective calls across ranks: first (new signatures), always, off"),
     "TDIST_SYMMETRIC_HEAP_SIZE": ("1G", "default symmetric heap per rank"),
+    "TDIST_SHARE_GPUS": ("0", "test mode: ranks time-share GPUs (docs/testing.md)"),
     "TDIST_STORE_SECRET": ("none", "key of the rendezvous store (tdistrun sets a random one)"),
     "TDIST_OVERLAP_METHOD": ("auto", "method of the overlapped GEMM layers"),
     "TDIST_OVERLAP_PIECES": ("auto", "row pieces of the chunked GEMM-RS / GEMM-AR (1 to 4)"),

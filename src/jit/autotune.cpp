@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "detail.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/cache.hpp"
 #include "tdist/jit/hash.hpp"
@@ -44,7 +45,8 @@ Autotuner::Autotuner(std::string cache_dir, Timer timer, Reduce reduce, std::str
       gpu_(std::move(gpu_name)) {}
 
 const std::string& Autotuner::gpu_name() {
-  if (gpu_.empty()) gpu_ = current_device_name();
+  // Timings of ranks that time-share a GPU (TDIST_SHARE_GPUS) are not the GPU's: kept apart.
+  if (gpu_.empty()) gpu_ = current_device_name() + (env::flag("TDIST_SHARE_GPUS") ? " (shared by ranks)" : "");
   return gpu_;
 }
 

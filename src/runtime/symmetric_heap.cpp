@@ -82,23 +82,26 @@ SymmetricHeap::SymmetricHeap(World& world, size_t capacity) : world_(world) {
               " ranks; SymmetricHeapView addresses at most ", device::kMaxLsaRanks);
 
   TDIST_CUDA_CHECK(cudaSetDevice(world_.device()));
-  ncclResult_t result = ncclMemAlloc(&base_, capacity_);
-  if (result != ncclSuccess) {
-    size_t free_bytes = 0, total = 0;
-    cudaMemGetInfo(&free_bytes, &total);
-    TDIST_FAIL("ncclMemAlloc of a ", capacity_, "-byte symmetric heap failed (", ncclGetErrorString(result), "); ",
-               free_bytes, " of ", total, " bytes of GPU memory are free");
-  }
-  TDIST_NCCL_CHECK(ncclCommWindowRegister(world_.comm(), base_, capacity_, &window_, NCCL_WIN_COLL_SYMMETRIC));
-
   view_.rank = world_.rank();
   view_.num_ranks = world_.world_size();
   view_.lsa_rank = world_.lsa_rank();
   view_.lsa_size = world_.lsa_size();
   view_.size = capacity_;
-  // A team of one has no peer to look up, and NCCL's single-rank window is not for device use
-  // (ncclGetLsaPointer on it faults): the local entry below is the whole table.
-  if (view_.lsa_size > 1) detail::fetch_lsa_bases(window_, view_.lsa_size, view_.lsa_bases);
+  if (world_.shares_gpus()) {
+    map_with_cuda_ipc();
+  } else {
+    ncclResult_t result = ncclMemAlloc(&base_, capacity_);
+    if (result != ncclSuccess) {
+      size_t free_bytes = 0, total = 0;
+      cudaMemGetInfo(&free_bytes, &total);
+      TDIST_FAIL("ncclMemAlloc of a ", capacity_, "-byte symmetric heap failed (", ncclGetErrorString(result), "); ",
+                 free_bytes, " of ", total, " bytes of GPU memory are free");
+    }
+    TDIST_NCCL_CHECK(ncclCommWindowRegister(world_.comm(), base_, capacity_, &window_, NCCL_WIN_COLL_SYMMETRIC));
+    // A team of one has no peer to look up, and NCCL's single-rank window is not for device use
+    // (ncclGetLsaPointer on it faults): the local entry below is the whole table.
+    if (view_.lsa_size > 1) detail::fetch_lsa_bases(window_, view_.lsa_size, view_.lsa_bases);
+  }
   // NCCL maps the window again, this rank's own memory included, in a range of its own; the local
   // entry stays the caller-visible allocation, so that symm_at(ptr, rank) == ptr.
   view_.lsa_bases[view_.lsa_rank] = static_cast<char*>(base_);
@@ -110,11 +113,44 @@ SymmetricHeap::~SymmetricHeap() {
     // No peer may still be reading or writing this heap when its memory goes away.
     TDIST_CUDA_CHECK(cudaDeviceSynchronize());
     world_.barrier("symmetric heap destruction");
+    if (world_.shares_gpus()) {
+      for (int i = 0; i < view_.lsa_size; ++i)
+        if (i != view_.lsa_rank) TDIST_CUDA_CHECK(cudaIpcCloseMemHandle(view_.lsa_bases[i]));
+      TDIST_CUDA_CHECK(cudaFree(base_));
+      return;
+    }
     if (world_.aborted()) return;  // the communicator and its window are gone with the abort
     TDIST_NCCL_CHECK(ncclCommWindowDeregister(world_.comm(), window_));
     TDIST_NCCL_CHECK(ncclMemFree(base_));
   } catch (const std::exception& e) {
     std::cerr << "tdist: rank " << world_.rank() << ": freeing the symmetric heap failed: " << e.what() << "\n";
+  }
+}
+
+// Ranks that share GPUs (World::shares_gpus) are in one process each, so NCCL maps no peer memory
+// for them: every rank exports its heap as a CUDA IPC handle and opens the others' (also on another
+// GPU of the machine, through peer access).
+void SymmetricHeap::map_with_cuda_ipc() {
+  const cudaError_t err = cudaMalloc(&base_, capacity_);
+  if (err != cudaSuccess) {
+    size_t free_bytes = 0, total = 0;
+    cudaMemGetInfo(&free_bytes, &total);
+    TDIST_FAIL("cudaMalloc of a ", capacity_, "-byte symmetric heap failed (", cudaGetErrorString(err), "); ",
+               free_bytes, " of ", total, " bytes of GPU memory are free");
+  }
+  cudaIpcMemHandle_t mine;
+  TDIST_CUDA_CHECK(cudaIpcGetMemHandle(&mine, base_));
+  const auto* p = reinterpret_cast<const uint8_t*>(&mine);
+  const auto all = world_.all_gather("symmetric heap IPC handles", Bytes(p, p + sizeof(mine)));
+  for (int i = 0; i < view_.lsa_size; ++i) {
+    if (i == view_.lsa_rank) continue;
+    cudaIpcMemHandle_t theirs;
+    TDIST_CHECK(all[i].size() == sizeof(theirs), "rank ", i, " sent a ", all[i].size(), "-byte IPC handle, expected ",
+                sizeof(theirs));
+    std::memcpy(&theirs, all[i].data(), sizeof(theirs));
+    void* mapped = nullptr;
+    TDIST_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, theirs, cudaIpcMemLazyEnablePeerAccess));
+    view_.lsa_bases[i] = static_cast<char*>(mapped);
   }
 }
 

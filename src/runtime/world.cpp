@@ -2,10 +2,12 @@
 
 #include <cuda_runtime_api.h>
 #include <nccl_device.h>  // ncclTeamLsa (host part of the device API)
+#include <unistd.h>       // gethostname
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -36,28 +38,49 @@ Bytes to_bytes(const void* data, size_t size) {
   return Bytes(p, p + size);
 }
 
-int select_device(int requested, int local_rank) {
+int select_device(int requested, int local_rank, bool share_gpus) {
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0)
     TDIST_FAIL("no CUDA device is usable (", cudaGetErrorString(err), "); tdist needs one GPU per rank");
-  const int device = requested >= 0 ? requested : local_rank;
+  const int device = requested >= 0 ? requested : share_gpus ? local_rank % count : local_rank;
   if (device >= count)
     TDIST_FAIL("this rank wants GPU ", device, (requested >= 0 ? " (WorldOptions::device)" : " (LOCAL_RANK)"),
-               " but only ", count, " are visible; start at most one rank per GPU");
+               " but only ", count,
+               " are visible; start at most one rank per GPU (or set TDIST_SHARE_GPUS=1 to test with "
+               "several ranks on one GPU)");
   TDIST_CUDA_CHECK(cudaSetDevice(device));
   return device;
 }
 
+// NCCL refuses two ranks on one GPU of one host. Under TDIST_SHARE_GPUS each rank names a host of
+// its own (NCCL_HOSTID, read by NCCL at init; a value the user set is kept), so NCCL connects the
+// ranks over sockets and never compares their GPUs; the load/store team is then tdist's to form
+// (World::init_from_comm, SymmetricHeap).
+void claim_own_nccl_host(int rank) {
+  const std::string host_id = detail::concat("tdist-shared-gpu-rank-", rank);
+  setenv("NCCL_HOSTID", host_id.c_str(), /*overwrite=*/0);
+}
+
+std::string host_name() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "(unknown host)";
+  return name;
+}
+
 }  // namespace
 
-World::World(const WorldOptions& options) : timeout_(options.timeout), call_checker_(call_check_mode_from_env()) {
+World::World(const WorldOptions& options)
+    : timeout_(options.timeout),
+      shares_gpus_(env::flag("TDIST_SHARE_GPUS")),
+      call_checker_(call_check_mode_from_env()) {
   const LaunchEnv env = options.env ? *options.env : launch_env_from_process();
   rank_ = env.rank;
   world_size_ = env.world_size;
   local_rank_ = env.local_rank;
   local_world_size_ = env.local_world_size;
-  device_ = select_device(options.device, local_rank_);
+  device_ = select_device(options.device, local_rank_, shares_gpus_);
+  if (shares_gpus_) claim_own_nccl_host(rank_);
 
   TcpStoreOptions store_options;
   store_options.host = env.master_addr;
@@ -211,7 +234,7 @@ ncclUniqueId World::new_unique_id() {
 }
 
 World::World(const ncclUniqueId& id, int rank, int world_size, int device, std::chrono::milliseconds timeout)
-    : timeout_(timeout), call_checker_(call_check_mode_from_env()) {
+    : timeout_(timeout), shares_gpus_(env::flag("TDIST_SHARE_GPUS")), call_checker_(call_check_mode_from_env()) {
   TDIST_CHECK_ARG(world_size >= 1 && rank >= 0 && rank < world_size, "rank", "expected 0 <= rank < world_size (",
                   world_size, "), got ", rank);
   TDIST_CHECK_ARG(device >= 0, "device", "expected a CUDA device index, got ", device);
@@ -223,6 +246,7 @@ World::World(const ncclUniqueId& id, int rank, int world_size, int device, std::
   world_size_ = world_size;
   device_ = device;
   TDIST_CUDA_CHECK(cudaSetDevice(device_));
+  if (shares_gpus_) claim_own_nccl_host(rank_);
   if (env::flag("TDIST_NCCL_BOUNDED_INIT", true)) {
     init_comm_bounded(id);
   } else {
@@ -238,7 +262,10 @@ World::World(const ncclUniqueId& id, int rank, int world_size, int device, std::
 }
 
 World::World(ncclComm_t existing, std::chrono::milliseconds timeout)
-    : timeout_(timeout), comm_(existing), call_checker_(call_check_mode_from_env()) {
+    : timeout_(timeout),
+      shares_gpus_(env::flag("TDIST_SHARE_GPUS")),
+      comm_(existing),
+      call_checker_(call_check_mode_from_env()) {
   TDIST_CHECK_ARG(existing != nullptr, "existing", "expected an initialised ncclComm_t, got nullptr");
   TDIST_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
   TDIST_NCCL_CHECK(ncclCommCount(comm_, &world_size_));
@@ -312,6 +339,14 @@ void World::init_from_comm() {
   const ncclTeam_t lsa = ncclTeamLsa(comm_);
   lsa_rank_ = lsa.rank;
   lsa_size_ = lsa.nRanks;
+  check_same_on_all_ranks("TDIST_SHARE_GPUS", shares_gpus_ ? "1" : "0");
+  if (shares_gpus_) {
+    // NCCL sees a host per rank (a team of one each); the ranks share this machine's GPUs, so all of
+    // them form the load/store team (the heap maps the peers' memory with CUDA IPC).
+    check_same_on_all_ranks("the host of each rank (TDIST_SHARE_GPUS=1 needs every rank on one machine)", host_name());
+    lsa_rank_ = rank_;
+    lsa_size_ = world_size_;
+  }
   check_same_call_mode();
 }
 

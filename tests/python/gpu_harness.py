@@ -16,7 +16,7 @@ HEAP = "8G"
 
 def setup():
     """init_process_group (NCCL) + tdist.init over it. Idempotent."""
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = tdist._runtime._launcher_device()  # LOCAL_RANK (modulo the GPUs under TDIST_SHARE_GPUS)
     torch.cuda.set_device(local)
     if not dist.is_initialized():
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))

@@ -259,7 +259,7 @@ def main():
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: the sequence-parallel op too
         import torch.distributed as dist
 
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = tdist._runtime._launcher_device()
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
         tdist.init(process_group=dist.group.WORLD)

@@ -61,6 +61,26 @@ def test_import_does_not_need_a_gpu():
     assert out.stdout.strip() == tdist.__version__
 
 
+def test_share_gpus_names_a_host_per_rank():
+    # TDIST_SHARE_GPUS: each rank claims its own NCCL host at import (NCCL refuses two ranks on one
+    # GPU of one host); a value the user set stays; without the mode nothing is set.
+    code = ("import os, tdist\n"
+            "print(os.environ.get('NCCL_HOSTID', '-'), tdist._runtime._launcher_device())\n")
+    base = {k: v for k, v in os.environ.items() if k not in ("NCCL_HOSTID", "TDIST_SHARE_GPUS")}
+    base.update(RANK="3", LOCAL_RANK="3", CUDA_VISIBLE_DEVICES="")
+
+    def run(**extra):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
+                             env=dict(base, **extra))
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert run() == ["-", "3"]
+    # No GPU visible: LOCAL_RANK modulo max(0 GPUs, 1).
+    assert run(TDIST_SHARE_GPUS="1") == ["tdist-shared-gpu-rank-3", "0"]
+    assert run(TDIST_SHARE_GPUS="1", NCCL_HOSTID="mine") == ["mine", "0"]
+
+
 def test_package_ships_headers_next_to_libtdist():
     pkg = os.path.dirname(tdist.__file__)
     assert os.path.exists(os.path.join(pkg, "include", "tdist", "device.cuh"))

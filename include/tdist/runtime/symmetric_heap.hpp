@@ -2,11 +2,13 @@
 // peer's copy of any object through tdist::device::SymmetricHeapView::symm_at.
 //
 // Layout: one NCCL window per heap (ncclMemAlloc + ncclCommWindowRegister, NCCL_WIN_COLL_SYMMETRIC),
-// of a capacity fixed at creation. allocate() carves buffers from it first-fit in offset order;
-// because every rank makes the same calls in the same order, a buffer has the same offset on every
-// rank. Each collective call checks that the ranks agree (same size, same pointer) and names the
-// ranks that differ. Buffers come back zeroed, and every rank has finished zeroing before any rank
-// returns, so a peer's first signal cannot be wiped by a late zeroing.
+// of a capacity fixed at creation; ranks that share GPUs (World::shares_gpus, a test mode) use a
+// cudaMalloc mapped into the peers with CUDA IPC instead, and have no window. allocate() carves
+// buffers from it first-fit in offset order; because every rank makes the same calls in the same
+// order, a buffer has the same offset on every rank. Each collective call checks that the ranks
+// agree (same size, same pointer) and names the ranks that differ. Buffers come back zeroed, and
+// every rank has finished zeroing before any rank returns, so a peer's first signal cannot be wiped
+// by a late zeroing.
 //
 // Thread safety: one thread at a time per heap (the calls are collective anyway).
 #pragma once
@@ -77,6 +79,7 @@ class SymmetricHeap {
 
  private:
   void zero_and_meet(void* ptr, size_t bytes, const char* tag);
+  void map_with_cuda_ipc();
 
   World& world_;
   size_t capacity_ = 0;

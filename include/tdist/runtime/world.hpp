@@ -89,6 +89,11 @@ class World {
   // Ranks reachable with loads and stores (NCCL's LSA team): [lsa_first_rank, + lsa_size).
   int lsa_size() const { return lsa_size_; }
   int lsa_rank() const { return lsa_rank_; }
+  // TDIST_SHARE_GPUS=1 (the same on every rank; a test mode): ranks may share a GPU (rank on GPU
+  // LOCAL_RANK % count) and time-slice it, so kernels are correct but their timings mean nothing.
+  // NCCL runs over sockets (each rank names its own NCCL_HOSTID), the symmetric heap is mapped with
+  // CUDA IPC and every rank is in the load/store team; all ranks must run on one machine.
+  bool shares_gpus() const { return shares_gpus_; }
 
   // Host collectives, for bootstrap-sized data. `tag` names the call in timeout errors.
   std::vector<Bytes> all_gather(const std::string& tag, const Bytes& mine);
@@ -159,6 +164,7 @@ class World {
   int rank_ = 0, world_size_ = 1, local_rank_ = 0, local_world_size_ = 1, device_ = 0;
   int lsa_rank_ = 0, lsa_size_ = 1;
   std::chrono::milliseconds timeout_;
+  bool shares_gpus_ = false;
   std::unique_ptr<TcpStore> store_;  // null when wrapping an existing communicator
   std::atomic<ncclComm_t> comm_{nullptr};  // null once aborted (the watchdog's thread may abort)
   bool owns_comm_ = false;
