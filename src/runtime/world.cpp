@@ -339,15 +339,13 @@ void World::init_from_comm() {
   const ncclTeam_t lsa = ncclTeamLsa(comm_);
   lsa_rank_ = lsa.rank;
   lsa_size_ = lsa.nRanks;
-  check_same_on_all_ranks("TDIST_SHARE_GPUS", shares_gpus_ ? "1" : "0");
+  check_same_settings();
   if (shares_gpus_) {
     // NCCL sees a host per rank (a team of one each); the ranks share this machine's GPUs, so all of
     // them form the load/store team (the heap maps the peers' memory with CUDA IPC).
-    check_same_on_all_ranks("the host of each rank (TDIST_SHARE_GPUS=1 needs every rank on one machine)", host_name());
     lsa_rank_ = rank_;
     lsa_size_ = world_size_;
   }
-  check_same_call_mode();
 }
 
 std::vector<Bytes> World::all_gather(const std::string& tag, const Bytes& mine) {
@@ -457,10 +455,13 @@ void World::compare_call(uint64_t key, cudaStream_t stream, const std::string& c
   call_checker_.record(key);
 }
 
-void World::check_same_call_mode() {
-  // A rank that compares while another does not would wait in the comparison until the host
-  // timeout: agree once, at construction.
-  check_same_on_all_ranks("the call check setting (TDIST_CHECK_CALLS)", to_string(call_checker_.mode()));
+void World::check_same_settings() {
+  // One exchange at construction. A rank that compares calls while another does not would wait in
+  // the comparison until the host timeout; ranks that share GPUs must all do so, on one machine.
+  std::string value = to_string(call_checker_.mode());
+  if (shares_gpus_) value += ", GPUs shared (TDIST_SHARE_GPUS=1) on " + host_name();
+  check_same_on_all_ranks("the call check setting (TDIST_CHECK_CALLS) and, under TDIST_SHARE_GPUS=1, the machine",
+                          value);
 }
 
 // Two NCCL all-gathers (lengths, then padded payloads) on a private stream, polled with a deadline.

@@ -158,8 +158,9 @@ class World {
   void check_same_on_all_ranks(const std::string& what, const std::string& value, std::chrono::milliseconds timeout);
   std::vector<Bytes> all_gather_nccl(const Bytes& mine, std::chrono::milliseconds timeout);
   void compare_call(uint64_t key, cudaStream_t stream, const std::string& call);
-  // Every rank's TDIST_CHECK_CALLS alike, or an error naming each rank's value.
-  void check_same_call_mode();
+  // Every rank's TDIST_CHECK_CALLS alike, and TDIST_SHARE_GPUS with its host name, or an error naming
+  // each rank's values.
+  void check_same_settings();
 
   int rank_ = 0, world_size_ = 1, local_rank_ = 0, local_world_size_ = 1, device_ = 0;
   int lsa_rank_ = 0, lsa_size_ = 1;
