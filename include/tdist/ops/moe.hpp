@@ -9,8 +9,8 @@
 // (int32 [M][topk], the same on every rank) are sorted by expert on the GPU, each expert's rows
 // padded to whole tiles of kMoeTile rows; the rows of one expert keep this rank's tokens first.
 // Row r of the expert-ordered matrices holds token token_of_row[r] (-1: padding, read as zeros by
-// the first projection's gathered-A GEMM); pair (t, k) sits at row row_of_pair[t][k]. Expert-ordered matrices have
-// moe_capacity(M, topk, E) rows; rows past offsets[E] are not written.
+// the first projection's gathered-A GEMM); pair (t, k) sits at row row_of_pair[t][k].
+// Expert-ordered matrices have moe_capacity(M, topk, E) rows; rows past offsets[E] are not written.
 //
 //   tdist::MoeAgGroupGemm up(world, heap, {.max_m = 16384, .k = 4096, .experts = 8, .topk = 2});
 //   up.run({.a_local = x, .topk_ids = ids, .b = w13, .d = h13, .m = m, .n = 2 * 14336 / world}, stream);
