@@ -60,16 +60,17 @@ __host__ __device__ inline unsigned char pattern_byte(unsigned long long seed, u
   return static_cast<unsigned char>(x);
 }
 
-__global__ void fill_pattern_kernel(unsigned char* p, unsigned long long bytes, unsigned long long seed) {
+// Grid-stride bodies, for kernels of their own and for tests' kernels that do more around them.
+__device__ inline void fill_pattern_kernel_body(unsigned char* p, unsigned long long bytes, unsigned long long seed) {
   for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x; i < bytes;
        i += static_cast<unsigned long long>(gridDim.x) * blockDim.x)
     p[i] = pattern_byte(seed, i);
 }
 
 // Counts bytes of p[0, bytes) that differ from pattern(seed, first_index + i); records the first.
-__global__ void check_pattern_kernel(const unsigned char* p, unsigned long long bytes, unsigned long long seed,
-                                     unsigned long long first_index, unsigned long long* mismatches,
-                                     unsigned long long* first_bad) {
+__device__ inline void check_pattern_kernel_body(const unsigned char* p, unsigned long long bytes,
+                                                 unsigned long long seed, unsigned long long first_index,
+                                                 unsigned long long* mismatches, unsigned long long* first_bad) {
   for (unsigned long long i = blockIdx.x * static_cast<unsigned long long>(blockDim.x) + threadIdx.x; i < bytes;
        i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
     if (p[i] != pattern_byte(seed, first_index + i)) {
@@ -77,6 +78,16 @@ __global__ void check_pattern_kernel(const unsigned char* p, unsigned long long 
       atomicMin(first_bad, i);
     }
   }
+}
+
+__global__ void fill_pattern_kernel(unsigned char* p, unsigned long long bytes, unsigned long long seed) {
+  fill_pattern_kernel_body(p, bytes, seed);
+}
+
+__global__ void check_pattern_kernel(const unsigned char* p, unsigned long long bytes, unsigned long long seed,
+                                     unsigned long long first_index, unsigned long long* mismatches,
+                                     unsigned long long* first_bad) {
+  check_pattern_kernel_body(p, bytes, seed, first_index, mismatches, first_bad);
 }
 
 // Counts bytes of p[0, bytes) that differ from `value`.
