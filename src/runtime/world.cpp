@@ -280,11 +280,13 @@ World::World(ncclComm_t existing, std::chrono::milliseconds timeout)
 World::~World() {
   nccl_watchdog_.reset();  // first: its thread may abort the communicator
   if (!owns_comm_ || comm_ == nullptr || aborted_) return;  // aborted: nothing left to release
-  // With an asynchronous error pending, NCCL work may never finish: finalize would block on it,
-  // so abort instead (ncclCommAbort never blocks). Otherwise finalize flushes
-  // the outstanding work. A failure must not throw from a destructor.
+  // With an asynchronous error pending, or after a device wait gave up (a peer may be dead), NCCL
+  // work may never finish: finalize would block on it, so abort instead (ncclCommAbort never
+  // blocks). Otherwise finalize flushes the outstanding work. A failure must not throw from a
+  // destructor.
   ncclResult_t state = ncclSuccess;
-  const bool healthy = ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclSuccess;
+  const bool healthy = ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclSuccess &&
+                       !device_fault_message().has_value();
   if (healthy && ncclCommFinalize(comm_) == ncclSuccess)
     ncclCommDestroy(comm_);
   else
@@ -354,14 +356,25 @@ std::vector<Bytes> World::all_gather(const std::string& tag, const Bytes& mine) 
 
 std::vector<Bytes> World::all_gather(const std::string& tag, const Bytes& mine, std::chrono::milliseconds timeout) {
   ++collective_count_;
+  timeout = host_wait_bound(timeout);
   if (store_) return store_->all_gather(detail::concat("tdist/ag/", collective_count_, "/", tag), mine, timeout);
   return all_gather_nccl(mine, timeout);
 }
 
 void World::barrier(const std::string& tag) {
   ++collective_count_;
+  // The store tells a dead rank at once; NCCL cannot, so its barrier is bounded.
   if (store_) return store_->barrier(detail::concat("tdist/barrier/", collective_count_, "/", tag));
-  all_gather_nccl({}, timeout_);
+  all_gather_nccl({}, host_wait_bound(timeout_));
+}
+
+std::chrono::milliseconds World::host_wait_bound(std::chrono::milliseconds timeout) const {
+  // After a device wait gave up, a peer may be dead, and each free and barrier of the teardown would
+  // wait for it up to the host timeout (minutes, at a survivor's exit): they give up at the device
+  // wait timeout instead, as call comparisons do. The first to give up aborts the communicator, and
+  // the later ones fail at once.
+  if (!device_fault_message()) return timeout;
+  return std::min(timeout, call_compare_bound(timeout, wait_timeout_seconds_from_env()).timeout);
 }
 
 std::vector<double> World::max_across_ranks(const std::string& tag, const std::vector<double>& values) {

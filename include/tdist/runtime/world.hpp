@@ -48,8 +48,9 @@ struct WorldOptions {
 // How long a call comparison (World::check_same_call) waits for the other ranks: the device wait
 // timeout (TDIST_WAIT_TIMEOUT_S), which the op's own kernels would hit waiting for a peer that did not
 // come, or the host timeout when that is shorter. Init, barriers and the other host collectives keep
-// the host timeout: there peers may legitimately be slow (loading, compiling). `setting` names the
-// variable that set `timeout`, for the error.
+// the host timeout: there peers may legitimately be slow (loading, compiling); after a device wait
+// gave up (a peer may be dead) they take this bound too. `setting` names the variable that set
+// `timeout`, for the error.
 struct CallCompareBound {
   std::chrono::milliseconds timeout;
   const char* setting;
@@ -157,6 +158,8 @@ class World {
   std::vector<Bytes> all_gather(const std::string& tag, const Bytes& mine, std::chrono::milliseconds timeout);
   void check_same_on_all_ranks(const std::string& what, const std::string& value, std::chrono::milliseconds timeout);
   std::vector<Bytes> all_gather_nccl(const Bytes& mine, std::chrono::milliseconds timeout);
+  // `timeout`, or the device wait timeout when shorter and a device fault is recorded.
+  std::chrono::milliseconds host_wait_bound(std::chrono::milliseconds timeout) const;
   void compare_call(uint64_t key, cudaStream_t stream, const std::string& call);
   // Every rank's TDIST_CHECK_CALLS alike, and TDIST_SHARE_GPUS with its host name, or an error naming
   // each rank's values.
