@@ -202,6 +202,9 @@ def init(process_group=None, *, device=None, heap_size=None, max_bytes=None, tim
     if torch is not None and torch.cuda.is_available():
         torch.cuda.set_device(dev)
 
+    # A fault of an earlier world (tdist.DeviceTimeoutError) concerned that world's flags; this one
+    # starts in step, and its construction meets the other ranks without the bound a fault sets.
+    _C.clear_device_fault()
     if group is not None:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         if rank < 0:
@@ -214,9 +217,6 @@ def init(process_group=None, *, device=None, heap_size=None, max_bytes=None, tim
         rt = _C.Runtime.from_unique_id(uid, rank, world, dev, heap_bytes, max_b, timeout_s)
     else:
         rt = _C.Runtime.from_env(-1 if device is None else dev, heap_bytes, max_b, timeout_s)
-    # A fault of an earlier world (tdist.DeviceTimeoutError) concerned that world's flags; this one
-    # starts in step.
-    _C.clear_device_fault()
     _state.inits += 1
     _state.runtime = rt
     _state.process_group = group

@@ -112,14 +112,20 @@ SymmetricHeap::~SymmetricHeap() {
   try {
     // No peer may still be reading or writing this heap when its memory goes away.
     TDIST_CUDA_CHECK(cudaDeviceSynchronize());
-    world_.barrier("symmetric heap destruction");
+    const bool out_of_step = world_.out_of_step();
+    if (!out_of_step) world_.barrier("symmetric heap destruction");
     if (world_.shares_gpus()) {
       for (int i = 0; i < view_.lsa_size; ++i)
         if (i != view_.lsa_rank) TDIST_CUDA_CHECK(cudaIpcCloseMemHandle(view_.lsa_bases[i]));
       TDIST_CUDA_CHECK(cudaFree(base_));
       return;
     }
-    if (world_.aborted()) return;  // the communicator and its window are gone with the abort
+    if (out_of_step) {
+      // Deregistering the window is collective: abort instead; the window and its memory go with
+      // the communicator.
+      world_.abort("the symmetric heap is released after a device fault");
+      return;
+    }
     TDIST_NCCL_CHECK(ncclCommWindowDeregister(world_.comm(), window_));
     TDIST_NCCL_CHECK(ncclMemFree(base_));
   } catch (const std::exception& e) {
@@ -204,10 +210,12 @@ void SymmetricHeap::free(void* ptr) {
   auto live = live_blocks_.find(offset);
   TDIST_CHECK_ARG(live != live_blocks_.end(), "ptr", ptr, " (offset ", offset,
                   ") is not the start of a live allocation of this heap (double free?)");
-  world_.check_same_on_all_ranks("offset of the symmetric buffer being freed", std::to_string(offset));
-  // Kernels of this rank may still use the buffer, and peers' kernels may still write it.
+  // Kernels of this rank may still use the buffer, and peers' kernels may still write it. After a
+  // device fault the block is only released here (World::out_of_step).
+  const bool meet = !world_.out_of_step();
+  if (meet) world_.check_same_on_all_ranks("offset of the symmetric buffer being freed", std::to_string(offset));
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());
-  world_.barrier("symmetric free");
+  if (meet) world_.barrier("symmetric free");
 
   size_t start = offset, size = live->second;
   in_use_ -= size;

@@ -285,8 +285,7 @@ World::~World() {
   // blocks). Otherwise finalize flushes the outstanding work. A failure must not throw from a
   // destructor.
   ncclResult_t state = ncclSuccess;
-  const bool healthy = ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclSuccess &&
-                       !device_fault_message().has_value();
+  const bool healthy = ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state == ncclSuccess && !out_of_step();
   if (healthy && ncclCommFinalize(comm_) == ncclSuccess)
     ncclCommDestroy(comm_);
   else
@@ -309,6 +308,8 @@ void World::abort(const std::string& why) noexcept {
   // communicator: later calls find no communicator rather than a freed one.
   ncclCommAbort(comm_.exchange(nullptr));
 }
+
+bool World::out_of_step() const { return aborted_ || device_fault_message().has_value(); }
 
 void World::watch_nccl(cudaStream_t stream, const std::string& what) {
   // Off by default: on 2 x H200 the abort named the stuck op but the survivor's stream did not drain

@@ -144,6 +144,10 @@ class World {
   // so on stderr. Idempotent.
   void abort(const std::string& why) noexcept;
   bool aborted() const { return aborted_; }
+  // Aborted, or a device wait of this process gave up (runtime/device_fault.hpp): peers may be dead
+  // and the ranks' flags are out of step, so teardown releases this rank's resources without meeting
+  // the others (a meeting through NCCL would queue a kernel that a dead peer never lets finish).
+  bool out_of_step() const;
 
  private:
   using Clock = std::chrono::steady_clock;
