@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <map>
 #include <mutex>
 
 #include "tdist/common/cuda_check.hpp"
@@ -28,6 +29,16 @@ const char* site_name(device::u32 site) {
 std::atomic<device::FaultRecord*> g_record{nullptr};
 std::mutex g_detail_mu;
 std::string g_detail;  // what the host said about a fault it recorded itself
+
+struct NamedRange {
+  uint64_t end;
+  std::string owner;
+};
+std::mutex g_names_mu;
+std::map<uint64_t, NamedRange>& names() {  // by start address
+  static auto* m = new std::map<uint64_t, NamedRange>;  // never destroyed: heaps may outlive statics
+  return *m;
+}
 
 }  // namespace
 
@@ -65,10 +76,11 @@ std::string describe_device_fault(const device::FaultRecord& f) {
   }
   char address[32];
   std::snprintf(address, sizeof(address), "0x%llx", f.address);
+  const auto owner = memory_owner(f.address);
   return detail::concat("a device wait timed out after ", static_cast<double>(f.timeout_ns) * 1e-9, " s on rank ",
                         f.rank, ": ", site_name(f.site), " in block (", f.block[0], ",", f.block[1], ",", f.block[2],
                         "), thread (", f.thread[0], ",", f.thread[1], ",", f.thread[2], ") waited at address ", address,
-                        " for a value ", device::cmp_name(static_cast<device::Cmp>(f.cmp)), " ", f.expected,
+                        owner ? " (" + *owner + ")" : std::string(), " for a value ", device::cmp_name(static_cast<device::Cmp>(f.cmp)), " ", f.expected,
                         " and saw ", f.seen,
                         ". A peer never signalled (it died, hung, or called a different operation). Every wait of "
                         "this process has been aborted and its kernels returned; the CUDA context is still usable "
@@ -105,6 +117,35 @@ void record_host_fault(device::WaitSite site, int rank, double timeout_seconds, 
   for (int i = 0; i < 3; ++i) r->block[i] = r->thread[i] = 0;
   r->timeout_ns = static_cast<device::u64>(timeout_seconds * 1e9);
   __atomic_store_n(state, device::kFaultRecorded, __ATOMIC_RELEASE);
+}
+
+void name_memory(const void* base, size_t bytes, const std::string& owner) {
+  const auto start = reinterpret_cast<uint64_t>(base);
+  std::lock_guard<std::mutex> lock(g_names_mu);
+  auto& m = names();
+  // Drop every range that overlaps [start, start + bytes): the one starting before it, if it reaches in,
+  // and those starting inside it.
+  auto it = m.lower_bound(start);
+  if (it != m.begin() && std::prev(it)->second.end > start) it = std::prev(it);
+  while (it != m.end() && it->first < start + bytes) it = m.erase(it);
+  m[start] = NamedRange{start + bytes, owner};
+}
+
+void forget_memory_names(const void* base, size_t bytes) {
+  const auto start = reinterpret_cast<uint64_t>(base);
+  std::lock_guard<std::mutex> lock(g_names_mu);
+  auto& m = names();
+  m.erase(m.lower_bound(start), m.lower_bound(start + bytes));
+}
+
+std::optional<std::string> memory_owner(uint64_t address) {
+  std::lock_guard<std::mutex> lock(g_names_mu);
+  const auto& m = names();
+  auto it = m.upper_bound(address);
+  if (it == m.begin()) return std::nullopt;
+  --it;
+  if (address >= it->second.end) return std::nullopt;
+  return it->second.owner;
 }
 
 void clear_device_fault() {

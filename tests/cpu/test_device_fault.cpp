@@ -51,6 +51,31 @@ TEST(DeviceFault, MessageNamesEverythingRecorded) {
     EXPECT_NE(m.find(part), std::string::npos) << "missing '" << part << "' in: " << m;
 }
 
+TEST(DeviceFault, MessageNamesTheOwnerOfTheAddress) {
+  FaultRecord r{};
+  r.state = tdist::device::kFaultRecorded;
+  r.site = static_cast<unsigned>(tdist::device::WaitSite::kSignalWaitUntil);
+  r.address = 0x7f00deadbe08ull;
+  auto* base = reinterpret_cast<const void*>(0x7f00deadbe00ull);
+  EXPECT_EQ(tdist::describe_device_fault(r).find("(tdist's"), std::string::npos);  // nothing named yet
+
+  tdist::name_memory(base, 0x100, "tdist's AllGather-GEMM");
+  EXPECT_NE(tdist::describe_device_fault(r).find("0x7f00deadbe08 (tdist's AllGather-GEMM) for a value"),
+            std::string::npos)
+      << tdist::describe_device_fault(r);
+  r.address = 0x7f00deadbf00ull;  // one past the range
+  EXPECT_FALSE(tdist::memory_owner(r.address).has_value());
+  EXPECT_EQ(tdist::describe_device_fault(r).find("AllGather-GEMM"), std::string::npos);
+
+  // A later name over part of the range replaces the whole earlier one; forgetting removes it.
+  tdist::name_memory(reinterpret_cast<const void*>(0x7f00deadbe80ull), 0x100, "tdist's collectives");
+  EXPECT_FALSE(tdist::memory_owner(0x7f00deadbe08ull).has_value());
+  EXPECT_EQ(tdist::memory_owner(0x7f00deadbf00ull).value_or(""), "tdist's collectives");
+  EXPECT_EQ(tdist::memory_owner(0x7f00deadbe80ull).value_or(""), "tdist's collectives");
+  tdist::forget_memory_names(base, 0x1000);
+  EXPECT_FALSE(tdist::memory_owner(0x7f00deadbe80ull).has_value());
+}
+
 TEST(DeviceFault, NothingReportedWithoutARecord) {
   // No CUDA context here: the record is never allocated, and checking is free of side effects.
   EXPECT_FALSE(tdist::device_fault_message().has_value());

@@ -8,6 +8,8 @@
 // (after a stream synchronise, it sees every fault of the work synchronised).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -44,6 +46,16 @@ void check_device_faults();
 // process give up as after a timed-out wait, and the error names `detail`. No-op when a fault is
 // already recorded.
 void record_host_fault(device::WaitSite site, int rank, double timeout_seconds, const std::string& detail);
+
+// Names of device memory, so that a fault's message can name the op whose flag a wait watched: the
+// device record holds only the address. The symmetric heap names each block it hands out
+// (SymmetricHeap::name_block: "tdist's AllGather-GEMM"), in this rank's mapping and the peers'.
+// Ranges do not overlap (a later name replaces every earlier one it touches). Thread-safe.
+void name_memory(const void* base, size_t bytes, const std::string& owner);
+// Forgets the names of every range that starts in [base, base + bytes).
+void forget_memory_names(const void* base, size_t bytes);
+// The name of the range holding `address`, if any.
+std::optional<std::string> memory_owner(uint64_t address);
 
 // Forgets a recorded fault, so waits wait again. Only for a process that has rebuilt its world
 // (or a test): the flags of the old world are still out of step.
