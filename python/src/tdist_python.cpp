@@ -413,13 +413,14 @@ class Runtime {
   size_t heap_bytes_in_use() const { return heap().bytes_in_use(); }
   size_t max_bytes() const { return coll().max_bytes(); }
 
-  // Collective: a zeroed symmetric buffer; returns its address.
-  uint64_t allocate(size_t bytes) {
+  // Collective: a zeroed symmetric buffer; returns its address. `owner` names it in fault messages.
+  uint64_t allocate(size_t bytes, const std::string& owner) {
     if (bytes == 0) bytes = 1;  // an empty tensor still gets a distinct address
     void* p;
     {
       nb::gil_scoped_release release;
       p = heap().allocate(bytes);
+      heap().name_block(p, owner);
     }
     buffers_[reinterpret_cast<uint64_t>(p)] = bytes;
     return reinterpret_cast<uint64_t>(p);
@@ -928,7 +929,7 @@ NB_MODULE(_C, m) {
       .def_prop_ro("heap_capacity", &Runtime::heap_capacity)
       .def_prop_ro("heap_bytes_in_use", &Runtime::heap_bytes_in_use)
       .def_prop_ro("max_bytes", &Runtime::max_bytes)
-      .def("allocate", &Runtime::allocate, "bytes"_a)
+      .def("allocate", &Runtime::allocate, "bytes"_a, "owner"_a = "a symmetric tensor (tdist.empty)")
       .def("free", &Runtime::free, "ptr"_a)
       .def("is_symmetric", &Runtime::is_symmetric, "ptr"_a)
       .def("peer_ptr", &Runtime::peer_ptr, "ptr"_a, "peer"_a)

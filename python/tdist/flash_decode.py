@@ -118,7 +118,7 @@ class _Exchange:
     def __init__(self, rt, device: int, max_batch: int, q_heads: int, head_dim: int):
         self.rt, self.max_batch = rt, max_batch
         nbytes = _C.distributed_flash_decode_bytes(max_batch, q_heads, head_dim, rt.world_size)
-        self.ptr = rt.allocate(nbytes)  # collective, zeroed
+        self.ptr = rt.allocate(nbytes, "tdist.flash_decode's exchange")  # collective, zeroed
         bases = [rt.peer_ptr(self.ptr, r) for r in range(rt.world_size)]
         self.op = _C.DistributedFlashDecode(rt.rank, rt.world_size, bases, nbytes, max_batch, q_heads, head_dim,
                                             device)

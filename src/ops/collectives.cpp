@@ -204,7 +204,7 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   ll_bytes_ = round_up(options.ll_bytes, 16);
   ll128_bytes_ = kernels::coll::ll128_lines(options.ll128_bytes) * kernels::coll::kLl128Payload;
   const CollectivesLayout layout(n, max_bytes_, ll_bytes_, ll128_bytes_, max_blocks_, kCePieces);
-  block_ = SymmetricBlock(heap, layout.layout);
+  block_ = SymmetricBlock(heap, layout.layout, options.owner);
   workspace_ = block_[layout.workspace];
   flags_ = block_[layout.flags];
   barrier_pads_ = block_[layout.barrier_pads];

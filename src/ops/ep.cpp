@@ -287,7 +287,7 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
   m.error = zeroed(4 * sizeof(int));
   if (ht) {
     const EpHtLayout layout(config, world_size_);
-    m.block = SymmetricBlock(heap, layout.layout);
+    m.block = SymmetricBlock(heap, layout.layout, "tdist's EP buffer (high-throughput dispatch and combine)");
     const size_t X = static_cast<size_t>(ht_expert_rows(config, world_size_));
     m.send_base = zeroed(W * sizeof(int));
     m.exp_base = zeroed(E * sizeof(int));
@@ -320,7 +320,7 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
     for (size_t k = 0; k < m.ht_kernels.size(); ++k) m.ht_kernels[k] = m.ht_module->kernel(kHtSymbols[k]);
   } else {
     const EpLlLayout layout(config, world_size_);
-    m.block = SymmetricBlock(heap, layout.layout);
+    m.block = SymmetricBlock(heap, layout.layout, "tdist's EP buffer (low-latency dispatch and combine)");
     const size_t rows = L * static_cast<size_t>(recv_rows_per_expert());
     const size_t G = static_cast<size_t>(kernels::ep::scale_groups(config.hidden));
     m.send_counts = zeroed(sizeof(u32) * E);

@@ -14,6 +14,7 @@
 #include "tdist/common/checked.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/env.hpp"
+#include "tdist/runtime/device_fault.hpp"
 
 namespace tdist {
 namespace {
@@ -112,6 +113,7 @@ SymmetricHeap::~SymmetricHeap() {
   try {
     // No peer may still be reading or writing this heap when its memory goes away.
     TDIST_CUDA_CHECK(cudaDeviceSynchronize());
+    for (int i = 0; i < view_.lsa_size; ++i) forget_memory_names(view_.lsa_bases[i], capacity_);
     const bool out_of_step = world_.out_of_step();
     if (!out_of_step) world_.barrier("symmetric heap destruction");
     if (world_.shares_gpus()) {
@@ -218,6 +220,7 @@ void SymmetricHeap::free(void* ptr) {
   if (meet) world_.barrier("symmetric free");
 
   size_t start = offset, size = live->second;
+  for_each_mapping(ptr, [&](void* p, int) { forget_memory_names(p, size); });
   in_use_ -= size;
   live_blocks_.erase(live);
   // Coalesce with the free neighbours on both sides.
@@ -235,6 +238,21 @@ void SymmetricHeap::free(void* ptr) {
     }
   }
   free_blocks_[start] = size;
+}
+
+void SymmetricHeap::name_block(void* ptr, const std::string& owner) {
+  TDIST_CHECK_ARG(contains(ptr), "ptr", ptr, " is not inside this symmetric heap");
+  const auto live = live_blocks_.find(static_cast<size_t>(static_cast<char*>(ptr) - static_cast<char*>(base_)));
+  TDIST_CHECK_ARG(live != live_blocks_.end(), "ptr", ptr, " is not the start of a live allocation of this heap");
+  for_each_mapping(ptr, [&](void* p, int rank) {
+    name_memory(p, live->second, rank == view_.rank ? owner : detail::concat(owner, ", rank ", rank, "'s copy"));
+  });
+}
+
+template <typename Fn>
+void SymmetricHeap::for_each_mapping(void* ptr, Fn&& fn) const {
+  for (int rank = 0; rank < view_.num_ranks; ++rank)
+    if (void* p = view_.symm_at(ptr, rank)) fn(p, rank);
 }
 
 size_t SymmetricHeap::largest_free_block() const {

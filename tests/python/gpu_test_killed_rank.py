@@ -8,8 +8,9 @@ its signature has been compared), then the last rank ends its process with os._e
 the op again. Exit code 0 so that the launcher, which stops every rank when one fails (torchrun and
 tdistrun both do), leaves the survivors running: as they would run on other nodes until their agents
 notice. Each survivor must:
-  - get its work back without a CUDA error and tdist.DeviceTimeoutError naming its rank (from the call
-    or from tdist.check_device_faults()) within the wait timeout plus a few seconds;
+  - get its work back without a CUDA error and tdist.DeviceTimeoutError naming its rank and the op whose
+    flag its wait watched (from the call or from tdist.check_device_faults()) within the wait timeout plus
+    a few seconds;
   - copy a tensor to the host and run a kernel (a checkpoint can be saved);
   - leave through tdist.finalize() within the wait timeout plus a few seconds (its frees and barriers
     would otherwise wait for the dead rank up to the host timeout), then end with exit code 0.
@@ -105,6 +106,12 @@ def triton_ag_gemm():
     return lambda: tdist.triton.ag_gemm(x, w)
 
 
+# What each case's error must name: the owner of the flag the survivor's wait watched (its op).
+OWNERS = {"all_reduce": "tdist's collectives", "ag_gemm": "AllGather-GEMM", "gemm_rs": "GEMM-ReduceScatter",
+          "moe_ag_group_gemm": "MoE AllGather + grouped GEMM", "moe_group_gemm_rs": "MoE grouped GEMM + ReduceScatter",
+          "ep_low_latency_dispatch": "EP buffer (low-latency", "ep_dispatch": "EP buffer (high-throughput",
+          "flash_decode": "flash", "triton_ag_gemm": "symmetric tensor (tdist.empty)"}
+
 OP_CASES = {f.__name__: f for f in (all_reduce, ag_gemm, gemm_rs, moe_ag_group_gemm, moe_group_gemm_rs,
                                     ep_low_latency_dispatch, ep_dispatch, flash_decode, triton_ag_gemm)}
 
@@ -145,6 +152,7 @@ def survive_op(name: str):
     took = time.monotonic() - start
     assert raised is not None, f"{name}: no DeviceTimeoutError after the peer died ({took:.2f} s)"
     assert f"on rank {h.rank()}" in raised, f"{name}: the error does not name rank {h.rank()}: {raised}"
+    assert OWNERS[name] in raised, f"{name}: the error does not name '{OWNERS[name]}': {raised}"
     assert took < TIMEOUT_S + SLACK_S, f"{name}: the error came after {took:.2f} s"
     torch.cuda.synchronize()
     saved = state.cpu()

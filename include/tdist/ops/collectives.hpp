@@ -62,6 +62,8 @@ struct CollectivesOptions {
   // the kernel before it on the stream finishes and waits on the GPU for it to end, which takes the
   // launch latency (about 1 us) off back-to-back small collectives. Off: plain stream order.
   bool programmatic_launch = true;
+  // What fault messages call the context's buffers (SymmetricHeap::name_block).
+  std::string owner = "tdist's collectives";
 };
 
 class Collectives {

@@ -49,6 +49,10 @@ class SymmetricHeap {
   device::u64* allocate_signals64(size_t count) { return allocate_array<device::u64>(count); }
   // Collective: returns a buffer from allocate(); every rank passes its pointer to the same buffer.
   void free(void* ptr);
+  // Names the buffer at `ptr` (from allocate) after what owns it, in this rank's mapping and each
+  // load/store peer's, so that a timed-out wait on it names its op (runtime/device_fault.hpp).
+  // Local; free() forgets the name.
+  void name_block(void* ptr, const std::string& owner);
 
   // Descriptor for kernels, taken by value.
   const device::SymmetricHeapView& view() const { return view_; }
@@ -78,6 +82,9 @@ class SymmetricHeap {
   static std::optional<size_t> first_fit(const std::map<size_t, size_t>& free_blocks, size_t bytes, size_t alignment);
 
  private:
+  // fn(address, rank) for the copy of `ptr` at each load/store-reachable rank, this one included.
+  template <typename Fn>
+  void for_each_mapping(void* ptr, Fn&& fn) const;
   void zero_and_meet(void* ptr, size_t bytes, const char* tag);
   void map_with_cuda_ipc();
 

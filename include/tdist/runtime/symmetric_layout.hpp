@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <string>
 
 #include "tdist/common/error.hpp"
 #include "tdist/runtime/symmetric_heap.hpp"
@@ -70,12 +71,15 @@ class SymmetricLayout {
 };
 
 // One allocation of a layout on a heap (collective), returned to the heap when destroyed
-// (collective too). Move-only.
+// (collective too), named after its `owner` for fault messages (SymmetricHeap::name_block).
+// Move-only.
 class SymmetricBlock {
  public:
   SymmetricBlock() = default;
-  SymmetricBlock(SymmetricHeap& heap, const SymmetricLayout& layout)
-      : heap_(&heap), base_(heap.allocate(layout.bytes())) {}
+  SymmetricBlock(SymmetricHeap& heap, const SymmetricLayout& layout, const std::string& owner)
+      : heap_(&heap), base_(heap.allocate(layout.bytes())) {
+    heap.name_block(base_, owner);
+  }
   ~SymmetricBlock() { reset(); }
   SymmetricBlock(SymmetricBlock&& o) noexcept : heap_(o.heap_), base_(o.base_) { o.base_ = nullptr; }
   SymmetricBlock& operator=(SymmetricBlock&& o) noexcept {

@@ -66,6 +66,7 @@ void check_all_gather_gemm_args(const AllGatherGemmArgs& a, const AllGatherGemmC
 }
 
 struct AllGatherGemm::Impl {
+  static constexpr const char* kOwner = "tdist's AllGather-GEMM";  // fault messages name it
   AllGatherGemmConfig config;
   AllGatherGemmLayout layout;
   OverlapRuntime rt;
@@ -77,8 +78,8 @@ struct AllGatherGemm::Impl {
   Impl(World& world, SymmetricHeap& heap, const AllGatherGemmConfig& c)
       : config(c),
         layout(c, world.world_size()),
-        rt(world, heap, c.dtype, sequential_bytes(c), /*with_addend=*/false),
-        block(heap, layout.layout),
+        rt(world, heap, c.dtype, sequential_bytes(c), /*with_addend=*/false, kOwner),
+        block(heap, layout.layout, kOwner),
         gathered(block[layout.gathered]),
         flags(block[layout.flags]),
         plain(layout.gathered.bytes()) {}

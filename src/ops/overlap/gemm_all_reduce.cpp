@@ -43,6 +43,7 @@ void check_gemm_all_reduce_args(const GemmAllReduceArgs& a, const GemmAllReduceC
 }
 
 struct GemmAllReduce::Impl {
+  static constexpr const char* kOwner = "tdist's GEMM-AllReduce";  // fault messages name it
   ReduceScatterCore core;
   AllReduceLayout layout;
   SymmetricBlock block;
@@ -51,9 +52,9 @@ struct GemmAllReduce::Impl {
   SideStream pulls;  // the peers' pieces, beside the core's side stream (sends, local copies)
 
   Impl(World& world, SymmetricHeap& heap, const GemmAllReduceConfig& c)
-      : core(world, heap, c),
+      : core(world, heap, c, kOwner),
         layout(c, world.world_size()),
-        block(heap, layout.layout),
+        block(heap, layout.layout, kOwner),
         reduced(block[layout.reduced]),
         ar_flags(block[layout.ar_flags]) {}
   ~Impl() { cudaDeviceSynchronize(); }

@@ -31,7 +31,8 @@ void check_gemm_reduce_scatter_args(const GemmReduceScatterArgs& a, const GemmRe
 
 struct GemmReduceScatter::Impl {
   ReduceScatterCore core;
-  Impl(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c) : core(world, heap, c) {}
+  Impl(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c)
+      : core(world, heap, c, "tdist's GEMM-ReduceScatter") {}
 
   bool sequential_ok(const GemmReduceScatterArgs& a) const {
     const OverlapRuntime& rt = core.rt;

@@ -142,6 +142,7 @@ size_t moe_group_gemm_rs_heap_bytes(const MoeConfig& c, int world_size, int num_
 // AllGather + grouped GEMM
 
 struct MoeAgGroupGemm::Impl {
+  static constexpr const char* kOwner = "tdist's MoE AllGather + grouped GEMM";  // fault messages name it
   MoeConfig config;
   MoeAgLayout layout;
   OverlapRuntime rt;
@@ -155,8 +156,8 @@ struct MoeAgGroupGemm::Impl {
   Impl(World& world, SymmetricHeap& heap, const MoeConfig& c)
       : config((check_moe_config(c, true, world.world_size()), c)),
         layout(c, world.world_size()),
-        rt(world, heap, c.dtype, 1, /*with_addend=*/false),
-        block(heap, layout.layout),
+        rt(world, heap, c.dtype, 1, /*with_addend=*/false, kOwner),
+        block(heap, layout.layout, kOwner),
         gathered(block[layout.gathered]),
         flags(block[layout.flags]),
         router(c.max_m, c.topk, c.experts, world.world_size(), world.rank()),
@@ -271,6 +272,7 @@ const MoeConfig& MoeAgGroupGemm::config() const { return impl_->config; }
 // Grouped GEMM + ReduceScatter / AllReduce
 
 struct MoeGroupGemmRs::Impl {
+  static constexpr const char* kOwner = "tdist's MoE grouped GEMM + ReduceScatter";  // fault messages name it
   MoeConfig config;
   MoeRsLayout layout;
   OverlapRuntime rt;
@@ -286,8 +288,8 @@ struct MoeGroupGemmRs::Impl {
   Impl(World& world, SymmetricHeap& heap, const MoeConfig& c)
       : config((check_moe_config(c, false, world.world_size()), c)),
         layout(c, world.world_size()),
-        rt(world, heap, c.dtype, kMoeCollectiveBytes, /*with_addend=*/false),
-        block(heap, layout.layout),
+        rt(world, heap, c.dtype, kMoeCollectiveBytes, /*with_addend=*/false, kOwner),
+        block(heap, layout.layout, kOwner),
         recv(block[layout.recv]),
         flags(block[layout.flags]),
         kernels(c.dtype),

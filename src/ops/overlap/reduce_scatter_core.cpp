@@ -24,11 +24,12 @@ ReduceScatterLayout::ReduceScatterLayout(const GemmReduceScatterConfig& c, int w
       recv(layout.add<char>(static_cast<size_t>(world_size) * cap_rows * c.max_n * dtype_size(c.dtype), "recv")),
       flags(layout.add<u64>(static_cast<size_t>(kMaxOverlapPieces) * world_size, "piece flags")) {}
 
-ReduceScatterCore::ReduceScatterCore(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c)
+ReduceScatterCore::ReduceScatterCore(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c,
+                                     const std::string& op)
     : config(c),
       layout(c, world.world_size()),
-      rt(world, heap, c.dtype, reduce_sequential_bytes(c), /*with_addend=*/true),
-      block_(heap, layout.layout),
+      rt(world, heap, c.dtype, reduce_sequential_bytes(c), /*with_addend=*/true, op),
+      block_(heap, layout.layout, op),
       recv_(block_[layout.recv]),
       flags_(block_[layout.flags]),
       staging_(static_cast<size_t>(c.max_m) * c.max_n * dtype_size(c.dtype)),

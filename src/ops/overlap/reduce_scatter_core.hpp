@@ -36,7 +36,8 @@ size_t reduce_sequential_bytes(const GemmReduceScatterConfig& c);
 
 class ReduceScatterCore {
  public:
-  ReduceScatterCore(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c);
+  // `op`: the op's name, for fault messages.
+  ReduceScatterCore(World& world, SymmetricHeap& heap, const GemmReduceScatterConfig& c, const std::string& op);
   ~ReduceScatterCore();
 
   GemmReduceScatterConfig config;

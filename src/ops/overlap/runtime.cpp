@@ -102,7 +102,7 @@ size_t OverlapRuntime::collectives_heap_bytes(size_t sequential_bytes, int world
 }
 
 OverlapRuntime::OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, size_t sequential_bytes,
-                               bool with_addend)
+                               bool with_addend, const std::string& op)
     : world_(world),
       heap_(heap),
       dtype_(dtype),
@@ -122,7 +122,9 @@ OverlapRuntime::OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, s
   TDIST_CHECK(world.lsa_size() == world.world_size(),
               "the overlap ops need every rank in one NVLink (LSA) domain; the LSA team has ", world.lsa_size(), " of ",
               world.world_size(), " ranks");
-  coll_ = std::make_unique<Collectives>(world, heap, collectives_bytes(sequential_bytes));
+  CollectivesOptions coll_options;
+  coll_options.owner = "the barrier and collectives of " + op;
+  coll_ = std::make_unique<Collectives>(world, heap, collectives_bytes(sequential_bytes), coll_options);
   // cuBLAS now, not at the first chunked or baseline call: creating a handle inside a CUDA-graph
   // capture would fail.
   cublas_ = std::make_unique<CublasGemm>(with_addend);

@@ -74,8 +74,10 @@ class OverlapKernels {
 class OverlapRuntime {
  public:
   // `sequential_bytes`: the largest collective the sequential method hands to tdist's collectives
-  // (capped); `with_addend`: cuBLAS's D = A x B^T + C too (the ReduceScatter ops' chunked pieces).
-  OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, size_t sequential_bytes, bool with_addend);
+  // (capped); `with_addend`: cuBLAS's D = A x B^T + C too (the ReduceScatter ops' chunked pieces);
+  // `op`: the op's name, for fault messages ("tdist's AllGather-GEMM").
+  OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, size_t sequential_bytes, bool with_addend,
+                 const std::string& op);
   ~OverlapRuntime();
 
   // The Collectives context's bytes for a sequential method of `sequential_bytes` (what the heap
