@@ -404,7 +404,11 @@ struct DistributedFlashDecode::Impl {
   DeviceBuffer epoch{sizeof(kernels::coll::EpochState)};  // this rank's call count, device memory
 
   Impl(World& w, SymmetricHeap& h, const DistributedFlashDecodeConfig& c)
-      : view(h.view()), config(c), layout(c, w.world_size()), block(h, layout.layout, "tdist's distributed flash-decode exchange"), ll(block[layout.ll]) {
+      : view(h.view()),
+        config(c),
+        layout(c, w.world_size()),
+        block(h, layout.layout, "tdist's distributed flash-decode exchange"),
+        ll(block[layout.ll]) {
     TDIST_CUDA_CHECK(cudaMemset(epoch.get(), 0, sizeof(kernels::coll::EpochState)));
   }
   Impl(const device::SymmetricHeapView& v, void* buffer, const DistributedFlashDecodeConfig& c)

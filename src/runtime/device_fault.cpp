@@ -35,7 +35,7 @@ struct NamedRange {
   std::string owner;
 };
 std::mutex g_names_mu;
-std::map<uint64_t, NamedRange>& names() {  // by start address
+std::map<uint64_t, NamedRange>& names() {               // by start address
   static auto* m = new std::map<uint64_t, NamedRange>;  // never destroyed: heaps may outlive statics
   return *m;
 }
@@ -77,15 +77,15 @@ std::string describe_device_fault(const device::FaultRecord& f) {
   char address[32];
   std::snprintf(address, sizeof(address), "0x%llx", f.address);
   const auto owner = memory_owner(f.address);
-  return detail::concat("a device wait timed out after ", static_cast<double>(f.timeout_ns) * 1e-9, " s on rank ",
-                        f.rank, ": ", site_name(f.site), " in block (", f.block[0], ",", f.block[1], ",", f.block[2],
-                        "), thread (", f.thread[0], ",", f.thread[1], ",", f.thread[2], ") waited at address ", address,
-                        owner ? " (" + *owner + ")" : std::string(), " for a value ", device::cmp_name(static_cast<device::Cmp>(f.cmp)), " ", f.expected,
-                        " and saw ", f.seen,
-                        ". A peer never signalled (it died, hung, or called a different operation). Every wait of "
-                        "this process has been aborted and its kernels returned; the CUDA context is still usable "
-                        "(tensors can be copied out), but the world's flags are out of step: save what is needed and end the "
-                        "process. TDIST_WAIT_TIMEOUT_S sets the timeout.");
+  return detail::concat(
+      "a device wait timed out after ", static_cast<double>(f.timeout_ns) * 1e-9, " s on rank ", f.rank, ": ",
+      site_name(f.site), " in block (", f.block[0], ",", f.block[1], ",", f.block[2], "), thread (", f.thread[0], ",",
+      f.thread[1], ",", f.thread[2], ") waited at address ", address, owner ? " (" + *owner + ")" : std::string(),
+      " for a value ", device::cmp_name(static_cast<device::Cmp>(f.cmp)), " ", f.expected, " and saw ", f.seen,
+      ". A peer never signalled (it died, hung, or called a different operation). Every wait of "
+      "this process has been aborted and its kernels returned; the CUDA context is still usable "
+      "(tensors can be copied out), but the world's flags are out of step: save what is needed and end the "
+      "process. TDIST_WAIT_TIMEOUT_S sets the timeout.");
 }
 
 std::optional<std::string> device_fault_message() {

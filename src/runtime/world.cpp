@@ -183,7 +183,8 @@ void World::wait_comm(ncclComm_t comm, const char* stage, Clock::time_point dead
       const char* last = ncclGetLastError(comm);
       why = detail::concat(ncclGetErrorString(state), last && *last ? std::string(" (") + last + ")" : "");
     } else if (Clock::now() > deadline) {
-      why = detail::concat("not finished within ", timeout_.count(), " ms (the host timeout: the one passed to init, or TDIST_HOST_TIMEOUT_S)");
+      why = detail::concat("not finished within ", timeout_.count(),
+                           " ms (the host timeout: the one passed to init, or TDIST_HOST_TIMEOUT_S)");
       timed_out = true;
     } else if (store_ && Clock::now() >= next_peer_check) {
       next_peer_check = Clock::now() + kPeerCheckInterval;

@@ -241,77 +241,81 @@ int run_all(int argc, char** argv) {
       heap.free(flag);
       heap.free(buf);
     });
-    suite.run("put_signal_async seen by kernels: a reader that acquires the flag reads every byte; a source "
-              "produced by a running kernel", [&] {
-      // Sizes of the fused GEMM-ReduceScatter's slots (3000 x 1784 rows halved, bf16) and odd ones.
-      const size_t sizes[] = {5352000, 5352000 + 3, (size_t{1} << 20) + 7, 4097, (size_t{64} << 20) + 11};
-      const size_t offsets[] = {0, 5, 96};
-      const size_t max_bytes = (size_t{64} << 20) + 11 + 96;
-      char* buf = heap.allocate_array<char>(max_bytes);
-      device::u64* flag = heap.allocate_signals64(1);
-      device::u64* ready;
-      device::u32* blocks_done;
-      unsigned long long* counters;
-      char* local;
-      TDIST_CUDA_CHECK(cudaMalloc(&local, max_bytes));
-      TDIST_CUDA_CHECK(cudaMalloc(&ready, sizeof(device::u64)));
-      TDIST_CUDA_CHECK(cudaMemset(ready, 0, sizeof(device::u64)));
-      TDIST_CUDA_CHECK(cudaMalloc(&blocks_done, sizeof(device::u32)));
-      TDIST_CUDA_CHECK(cudaMalloc(&counters, 2 * sizeof(unsigned long long)));
-      cudaStream_t produce, send, recv;
-      for (cudaStream_t* s : {&produce, &send, &recv}) TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking));
-      // Loaded now: under lazy loading, a kernel's first launch can wait for the running kernels,
-      // which here spin until that kernel has run.
-      for (const void* kernel : {reinterpret_cast<const void*>(check_after_flag_kernel),
-                                 reinterpret_cast<const void*>(produce_then_publish_kernel),
-                                 reinterpret_cast<const void*>(wait_ready_kernel)}) {
-        cudaFuncAttributes attributes;
-        TDIST_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-      }
-      device::u64 epoch = 0;
-      for (int produced = 0; produced < 2; ++produced) {
-        for (size_t bytes : sizes) {
-          for (size_t off : offsets) {
-            ++epoch;
-            const auto seeds = tdist::test::all_gather_u64(world, "ks seeds", tdist::test::fresh_seed(rank));
-            const unsigned long long init[2] = {0, ~0ull};
-            tdist::test::copy_to_device(counters, init, sizeof(init));
-            TDIST_CUDA_CHECK(cudaMemset(buf, 0xCD, max_bytes));
-            TDIST_CUDA_CHECK(cudaMemset(blocks_done, 0, sizeof(device::u32)));
-            if (!produced) tdist::test::fill_pattern(local, bytes, seeds[rank]);
-            tdist::test::sync_all(world, "ks ready");
-            // The reader is resident and spinning before the put starts.
-            check_after_flag_kernel<<<256, 256, 0, recv>>>(flag, epoch, reinterpret_cast<unsigned char*>(buf + off),
-                                                            bytes, seeds[prev], counters, counters + 1);
-            TDIST_CUDA_CHECK(cudaGetLastError());
-            if (produced) {
-              // The copy is enqueued before its source exists; only the flag orders it after the producer.
-              wait_ready_kernel<<<1, 1, 0, send>>>(ready, epoch);
-              TDIST_CUDA_CHECK(cudaGetLastError());
-              put_signal_async(heap, buf + off, local, bytes, flag, epoch, next, send);
-              produce_then_publish_kernel<<<64, 256, 0, produce>>>(reinterpret_cast<unsigned char*>(local), bytes,
-                                                                    seeds[rank], blocks_done, ready, epoch);
-              TDIST_CUDA_CHECK(cudaGetLastError());
-            } else {
-              put_signal_async(heap, buf + off, local, bytes, flag, epoch, next, send);
-            }
-            tdist::test::sync_all(world, "ks done");
-            unsigned long long host[2];
-            TDIST_CUDA_CHECK(cudaMemcpy(host, counters, sizeof(host), cudaMemcpyDeviceToHost));
-            tdist::test::fail_unless_every_rank_clean(
-                world, "ks result", host[0], detail::concat(produced ? "produced source, " : "", bytes, " bytes +", off, ": "),
-                detail::concat(" (first at byte ", host[1], ")"));
+    suite.run(
+        "put_signal_async seen by kernels: a reader that acquires the flag reads every byte; a source "
+        "produced by a running kernel",
+        [&] {
+          // Sizes of the fused GEMM-ReduceScatter's slots (3000 x 1784 rows halved, bf16) and odd ones.
+          const size_t sizes[] = {5352000, 5352000 + 3, (size_t{1} << 20) + 7, 4097, (size_t{64} << 20) + 11};
+          const size_t offsets[] = {0, 5, 96};
+          const size_t max_bytes = (size_t{64} << 20) + 11 + 96;
+          char* buf = heap.allocate_array<char>(max_bytes);
+          device::u64* flag = heap.allocate_signals64(1);
+          device::u64* ready;
+          device::u32* blocks_done;
+          unsigned long long* counters;
+          char* local;
+          TDIST_CUDA_CHECK(cudaMalloc(&local, max_bytes));
+          TDIST_CUDA_CHECK(cudaMalloc(&ready, sizeof(device::u64)));
+          TDIST_CUDA_CHECK(cudaMemset(ready, 0, sizeof(device::u64)));
+          TDIST_CUDA_CHECK(cudaMalloc(&blocks_done, sizeof(device::u32)));
+          TDIST_CUDA_CHECK(cudaMalloc(&counters, 2 * sizeof(unsigned long long)));
+          cudaStream_t produce, send, recv;
+          for (cudaStream_t* s : {&produce, &send, &recv})
+            TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking));
+          // Loaded now: under lazy loading, a kernel's first launch can wait for the running kernels,
+          // which here spin until that kernel has run.
+          for (const void* kernel : {reinterpret_cast<const void*>(check_after_flag_kernel),
+                                     reinterpret_cast<const void*>(produce_then_publish_kernel),
+                                     reinterpret_cast<const void*>(wait_ready_kernel)}) {
+            cudaFuncAttributes attributes;
+            TDIST_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
           }
-        }
-      }
-      for (cudaStream_t s : {produce, send, recv}) TDIST_CUDA_CHECK(cudaStreamDestroy(s));
-      cudaFree(local);
-      cudaFree(ready);
-      cudaFree(blocks_done);
-      cudaFree(counters);
-      heap.free(flag);
-      heap.free(buf);
-    });
+          device::u64 epoch = 0;
+          for (int produced = 0; produced < 2; ++produced) {
+            for (size_t bytes : sizes) {
+              for (size_t off : offsets) {
+                ++epoch;
+                const auto seeds = tdist::test::all_gather_u64(world, "ks seeds", tdist::test::fresh_seed(rank));
+                const unsigned long long init[2] = {0, ~0ull};
+                tdist::test::copy_to_device(counters, init, sizeof(init));
+                TDIST_CUDA_CHECK(cudaMemset(buf, 0xCD, max_bytes));
+                TDIST_CUDA_CHECK(cudaMemset(blocks_done, 0, sizeof(device::u32)));
+                if (!produced) tdist::test::fill_pattern(local, bytes, seeds[rank]);
+                tdist::test::sync_all(world, "ks ready");
+                // The reader is resident and spinning before the put starts.
+                check_after_flag_kernel<<<256, 256, 0, recv>>>(flag, epoch, reinterpret_cast<unsigned char*>(buf + off),
+                                                               bytes, seeds[prev], counters, counters + 1);
+                TDIST_CUDA_CHECK(cudaGetLastError());
+                if (produced) {
+                  // The copy is enqueued before its source exists; only the flag orders it after the producer.
+                  wait_ready_kernel<<<1, 1, 0, send>>>(ready, epoch);
+                  TDIST_CUDA_CHECK(cudaGetLastError());
+                  put_signal_async(heap, buf + off, local, bytes, flag, epoch, next, send);
+                  produce_then_publish_kernel<<<64, 256, 0, produce>>>(reinterpret_cast<unsigned char*>(local), bytes,
+                                                                       seeds[rank], blocks_done, ready, epoch);
+                  TDIST_CUDA_CHECK(cudaGetLastError());
+                } else {
+                  put_signal_async(heap, buf + off, local, bytes, flag, epoch, next, send);
+                }
+                tdist::test::sync_all(world, "ks done");
+                unsigned long long host[2];
+                TDIST_CUDA_CHECK(cudaMemcpy(host, counters, sizeof(host), cudaMemcpyDeviceToHost));
+                tdist::test::fail_unless_every_rank_clean(
+                    world, "ks result", host[0],
+                    detail::concat(produced ? "produced source, " : "", bytes, " bytes +", off, ": "),
+                    detail::concat(" (first at byte ", host[1], ")"));
+              }
+            }
+          }
+          for (cudaStream_t s : {produce, send, recv}) TDIST_CUDA_CHECK(cudaStreamDestroy(s));
+          cudaFree(local);
+          cudaFree(ready);
+          cudaFree(blocks_done);
+          cudaFree(counters);
+          heap.free(flag);
+          heap.free(buf);
+        });
   }
 
   suite.run(detail::concat(heap_cycles, " heap create/destroy cycles return device memory to its starting level"), [&] {
