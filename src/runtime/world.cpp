@@ -371,10 +371,10 @@ void World::barrier(const std::string& tag) {
 }
 
 std::chrono::milliseconds World::host_wait_bound(std::chrono::milliseconds timeout) const {
-  // After a device wait gave up, a peer may be dead, and each free and barrier of the teardown would
-  // wait for it up to the host timeout (minutes, at a survivor's exit): they give up at the device
-  // wait timeout instead, as call comparisons do. The first to give up aborts the communicator, and
-  // the later ones fail at once.
+  // After a device wait gave up, a peer may be dead: a host collective that still runs (an op set up
+  // or compared after the fault) gives up at the device wait timeout, as call comparisons do, not
+  // minutes later. Through NCCL the first to give up aborts the communicator, and later ones fail at
+  // once. Teardown does not meet at all then (out_of_step).
   if (!device_fault_message()) return timeout;
   return std::min(timeout, call_compare_bound(timeout, wait_timeout_seconds_from_env()).timeout);
 }
