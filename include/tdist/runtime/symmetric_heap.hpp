@@ -33,7 +33,8 @@ class SymmetricHeap {
   // Collective. `capacity` bytes per rank (rounded up to 2 MiB); 0 reads TDIST_SYMMETRIC_HEAP_SIZE
   // (bytes, with an optional K/M/G suffix), default 1 GiB.
   explicit SymmetricHeap(World& world, size_t capacity = 0);
-  // Collective: synchronises the device, deregisters the window and frees its memory.
+  // Collective: synchronises the device, deregisters the window and frees its memory. After a
+  // device fault (World::out_of_step) it meets no other rank and aborts the communicator instead.
   ~SymmetricHeap();
   SymmetricHeap(const SymmetricHeap&) = delete;
   SymmetricHeap& operator=(const SymmetricHeap&) = delete;
@@ -48,6 +49,7 @@ class SymmetricHeap {
   device::u32* allocate_signals32(size_t count) { return allocate_array<device::u32>(count); }
   device::u64* allocate_signals64(size_t count) { return allocate_array<device::u64>(count); }
   // Collective: returns a buffer from allocate(); every rank passes its pointer to the same buffer.
+  // After a device fault (World::out_of_step) it only releases the block on this rank.
   void free(void* ptr);
   // Names the buffer at `ptr` (from allocate) after what owns it, in this rank's mapping and each
   // load/store peer's, so that a timed-out wait on it names its op (runtime/device_fault.hpp).
