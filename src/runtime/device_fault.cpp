@@ -88,12 +88,17 @@ std::string describe_device_fault(const device::FaultRecord& f) {
       "process. TDIST_WAIT_TIMEOUT_S sets the timeout.");
 }
 
-std::optional<std::string> device_fault_message() {
+bool device_fault_recorded() {
   const device::FaultRecord* r = g_record.load(std::memory_order_acquire);
-  if (r == nullptr) return std::nullopt;
-  if (reinterpret_cast<const volatile device::u32&>(r->state) != device::kFaultRecorded) return std::nullopt;
+  if (r == nullptr) return false;
+  if (reinterpret_cast<const volatile device::u32&>(r->state) != device::kFaultRecorded) return false;
   std::atomic_thread_fence(std::memory_order_acquire);
-  return describe_device_fault(*r);
+  return true;
+}
+
+std::optional<std::string> device_fault_message() {
+  if (!device_fault_recorded()) return std::nullopt;
+  return describe_device_fault(*g_record.load(std::memory_order_acquire));
 }
 
 void check_device_faults() {

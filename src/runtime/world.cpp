@@ -310,7 +310,7 @@ void World::abort(const std::string& why) noexcept {
   ncclCommAbort(comm_.exchange(nullptr));
 }
 
-bool World::out_of_step() const { return aborted_ || device_fault_message().has_value(); }
+bool World::out_of_step() const { return aborted_ || device_fault_recorded(); }
 
 void World::watch_nccl(cudaStream_t stream, const std::string& what) {
   // Off by default: on 2 x H200 the abort named the stuck op but the survivor's stream did not drain
@@ -375,7 +375,7 @@ std::chrono::milliseconds World::host_wait_bound(std::chrono::milliseconds timeo
   // or compared after the fault) gives up at the device wait timeout, as call comparisons do, not
   // minutes later. Through NCCL the first to give up aborts the communicator, and later ones fail at
   // once. Teardown does not meet at all then (out_of_step).
-  if (!device_fault_message()) return timeout;
+  if (!device_fault_recorded()) return timeout;
   return std::min(timeout, call_compare_bound(timeout, wait_timeout_seconds_from_env()).timeout);
 }
 

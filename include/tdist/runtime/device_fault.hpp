@@ -33,6 +33,9 @@ device::FaultRecord* device_fault_record();
 // The action that TDIST_WAIT_TIMEOUT_ACTION asks for ("abort", the default, or "trap").
 device::TimeoutAction wait_timeout_action_from_env();
 
+// Whether a device wait of this process has given up (a plain read of the record).
+bool device_fault_recorded();
+
 // The message of a recorded fault, or nothing while no wait has given up.
 std::optional<std::string> device_fault_message();
 
