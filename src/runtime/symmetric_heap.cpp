@@ -109,11 +109,17 @@ SymmetricHeap::SymmetricHeap(World& world, size_t capacity) : world_(world) {
   free_blocks_[0] = capacity_;
 }
 
+template <typename Fn>
+void SymmetricHeap::for_each_mapping(void* ptr, Fn&& fn) const {
+  for (int rank = 0; rank < view_.num_ranks; ++rank)
+    if (void* p = view_.symm_at(ptr, rank)) fn(p, rank);
+}
+
 SymmetricHeap::~SymmetricHeap() {
   try {
     // No peer may still be reading or writing this heap when its memory goes away.
     TDIST_CUDA_CHECK(cudaDeviceSynchronize());
-    for (int i = 0; i < view_.lsa_size; ++i) forget_memory_names(view_.lsa_bases[i], capacity_);
+    for_each_mapping(base_, [&](void* p, int) { forget_memory_names(p, capacity_); });
     const bool out_of_step = world_.out_of_step();
     if (!out_of_step) world_.barrier("symmetric heap destruction");
     if (world_.shares_gpus()) {
@@ -247,12 +253,6 @@ void SymmetricHeap::name_block(void* ptr, const std::string& owner) {
   for_each_mapping(ptr, [&](void* p, int rank) {
     name_memory(p, live->second, rank == view_.rank ? owner : detail::concat(owner, ", rank ", rank, "'s copy"));
   });
-}
-
-template <typename Fn>
-void SymmetricHeap::for_each_mapping(void* ptr, Fn&& fn) const {
-  for (int rank = 0; rank < view_.num_ranks; ++rank)
-    if (void* p = view_.symm_at(ptr, rank)) fn(p, rank);
 }
 
 size_t SymmetricHeap::largest_free_block() const {
