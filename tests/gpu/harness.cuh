@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -140,16 +141,25 @@ class MismatchCounter {
     report(what, bytes);
   }
 
- private:
+  // For a test's own check kernel: reset(), pass mismatches() and first_bad(), then read() the
+  // {mismatches, first bad index} pair after the kernel.
   void reset() {
     const unsigned long long init[2] = {0, ~0ull};
-    TDIST_CUDA_CHECK(cudaMemcpy(counters_, init, sizeof(init), cudaMemcpyHostToDevice));
+    copy_to_device(counters_, init, sizeof(init));  // landed: a test's kernel may run on another stream
   }
+  unsigned long long* mismatches() const { return counters_; }
+  unsigned long long* first_bad() const { return counters_ + 1; }
+  std::array<unsigned long long, 2> read() const {
+    std::array<unsigned long long, 2> host;
+    TDIST_CUDA_CHECK(cudaMemcpy(host.data(), counters_, sizeof(host), cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+ private:
   void report(const std::string& what, size_t bytes) {
     TDIST_CUDA_CHECK(cudaGetLastError());
-    unsigned long long host[2];
-    TDIST_CUDA_CHECK(cudaMemcpy(host, counters_, sizeof(host), cudaMemcpyDeviceToHost));
-    if (host[0] != 0) TDIST_FAIL(what, ": ", host[0], " of ", bytes, " bytes wrong, first at byte ", host[1]);
+    const auto [wrong, first] = read();
+    if (wrong != 0) TDIST_FAIL(what, ": ", wrong, " of ", bytes, " bytes wrong, first at byte ", first);
   }
   unsigned long long* counters_ = nullptr;
 };

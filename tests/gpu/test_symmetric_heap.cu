@@ -253,13 +253,11 @@ int run_all(int argc, char** argv) {
           device::u64* flag = heap.allocate_signals64(1);
           device::u64* ready;
           device::u32* blocks_done;
-          unsigned long long* counters;
           char* local;
           TDIST_CUDA_CHECK(cudaMalloc(&local, max_bytes));
           TDIST_CUDA_CHECK(cudaMalloc(&ready, sizeof(device::u64)));
           TDIST_CUDA_CHECK(cudaMemset(ready, 0, sizeof(device::u64)));
           TDIST_CUDA_CHECK(cudaMalloc(&blocks_done, sizeof(device::u32)));
-          TDIST_CUDA_CHECK(cudaMalloc(&counters, 2 * sizeof(unsigned long long)));
           cudaStream_t produce, send, recv;
           for (cudaStream_t* s : {&produce, &send, &recv})
             TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(s, cudaStreamNonBlocking));
@@ -277,15 +275,15 @@ int run_all(int argc, char** argv) {
               for (size_t off : offsets) {
                 ++epoch;
                 const auto seeds = tdist::test::all_gather_u64(world, "ks seeds", tdist::test::fresh_seed(rank));
-                const unsigned long long init[2] = {0, ~0ull};
-                tdist::test::copy_to_device(counters, init, sizeof(init));
+                counter.reset();
                 TDIST_CUDA_CHECK(cudaMemset(buf, 0xCD, max_bytes));
                 TDIST_CUDA_CHECK(cudaMemset(blocks_done, 0, sizeof(device::u32)));
                 if (!produced) tdist::test::fill_pattern(local, bytes, seeds[rank]);
                 tdist::test::sync_all(world, "ks ready");
                 // The reader is resident and spinning before the put starts.
                 check_after_flag_kernel<<<256, 256, 0, recv>>>(flag, epoch, reinterpret_cast<unsigned char*>(buf + off),
-                                                               bytes, seeds[prev], counters, counters + 1);
+                                                               bytes, seeds[prev], counter.mismatches(),
+                                                               counter.first_bad());
                 TDIST_CUDA_CHECK(cudaGetLastError());
                 if (produced) {
                   // The copy is enqueued before its source exists; only the flag orders it after the producer.
@@ -299,12 +297,11 @@ int run_all(int argc, char** argv) {
                   put_signal_async(heap, buf + off, local, bytes, flag, epoch, next, send);
                 }
                 tdist::test::sync_all(world, "ks done");
-                unsigned long long host[2];
-                TDIST_CUDA_CHECK(cudaMemcpy(host, counters, sizeof(host), cudaMemcpyDeviceToHost));
+                const auto [wrong, first] = counter.read();
                 tdist::test::fail_unless_every_rank_clean(
-                    world, "ks result", host[0],
+                    world, "ks result", wrong,
                     detail::concat(produced ? "produced source, " : "", bytes, " bytes +", off, ": "),
-                    detail::concat(" (first at byte ", host[1], ")"));
+                    detail::concat(" (first at byte ", first, ")"));
               }
             }
           }
@@ -312,7 +309,6 @@ int run_all(int argc, char** argv) {
           cudaFree(local);
           cudaFree(ready);
           cudaFree(blocks_done);
-          cudaFree(counters);
           heap.free(flag);
           heap.free(buf);
         });
