@@ -48,12 +48,71 @@ def on_init(rt) -> None:
     global _token
     _token = torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", rt.device))
     _signatures.clear()
+    tag_compile_caches(rt.world_size, rt.rank)
 
 
 def on_finalize() -> None:
     global _token
     _token = None
     _signatures.clear()  # they hold this world's rank and size
+    untag_compile_caches()
+
+
+# --- torch.compile's caches -----------------------------------------------------------------------
+#
+# The fake implementations' output shapes depend on the world's size and this rank (an AllGather's
+# rows, a GEMM-ReduceScatter's share of M), which the traced graph's text does not show. torch.compile's
+# on-disk caches (FX graph, AOTAutograd) are keyed by that text and shared by every process of a user,
+# so a graph compiled at world size 1 was loaded at world size 2 and failed its shape asserts (and
+# rank 1 could load rank 0's, where their shares of M differ). While a world is up, its size and this rank are part of their key
+# (torch.compiler.config.cache_key_tag, appended to the user's own tag); torch without the setting
+# gets those two caches turned off instead. Dynamo's in-process cache does not read the tag: a world
+# of another size or rank in the same process resets it.
+_TAG_SEPARATOR = "|"
+_compile_tag = None      # what tag_compile_caches appended, while a world is up
+_last_world = None       # (world_size, rank) of the last world of this process
+
+
+def _compiler_config():
+    """torch.compiler.config where the installed torch has cache_key_tag, else None."""
+    try:
+        import torch.compiler.config as config
+    except ImportError:
+        return None
+    return config if hasattr(config, "cache_key_tag") else None
+
+
+def tag_compile_caches(world_size: int, rank: int) -> None:
+    """Makes this world's size and rank part of torch.compile's cache keys (see above)."""
+    global _compile_tag, _last_world
+    untag_compile_caches()
+    if _last_world is not None and _last_world != (world_size, rank):
+        import torch._dynamo
+        torch._dynamo.reset()
+    _last_world = (world_size, rank)
+    config = _compiler_config()
+    if config is None:
+        import torch._functorch.config
+        import torch._inductor.config
+        torch._inductor.config.fx_graph_cache = False
+        if hasattr(torch._functorch.config, "enable_autograd_cache"):
+            torch._functorch.config.enable_autograd_cache = False
+        return
+    _compile_tag = f"tdist world_size={world_size} rank={rank}"
+    config.cache_key_tag = _TAG_SEPARATOR.join(t for t in (config.cache_key_tag, _compile_tag) if t)
+
+
+def untag_compile_caches() -> None:
+    """Takes this world's part out of the cache tag (what the user set meanwhile stays)."""
+    global _compile_tag
+    if _compile_tag is None:
+        return
+    config = _compiler_config()
+    parts = config.cache_key_tag.split(_TAG_SEPARATOR)
+    if _compile_tag in parts:
+        parts.remove(_compile_tag)
+        config.cache_key_tag = _TAG_SEPARATOR.join(parts)
+    _compile_tag = None
 
 
 def barrier_token() -> Tensor:
