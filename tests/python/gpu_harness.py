@@ -62,7 +62,15 @@ def check_close(got, ref, what, tol=1e-2):
 
 
 def run_tests(tests) -> int:
-    """Runs every test on every rank in order; returns the exit status."""
+    """Runs every test on every rank in order; returns the exit status. TDIST_GPU_TESTS (names,
+    comma-separated) runs only those, in the same order on every rank; a name that matches none fails."""
+    wanted = [n for n in os.environ.get("TDIST_GPU_TESTS", "").split(",") if n]
+    unknown = sorted(set(wanted) - {t.__name__ for t in tests})
+    if unknown:
+        print(f"TDIST_GPU_TESTS names no test of this file: {', '.join(unknown)}\n0 passed, 1 failed", flush=True)
+        return 1
+    if wanted:
+        tests = [t for t in tests if t.__name__ in wanted]
     setup()
     passed = failed = 0
     for t in tests:
