@@ -157,7 +157,8 @@ Options parse(int argc, char** argv) {
   p.option("--seed", "S", "seed of --sizes random:N: the same S gives the same sizes (default 1)", &o.seed, 0,
            std::numeric_limits<int64_t>::max());
   p.flag("--print-sweep", "print the sizes, one per line, and exit", &o.print_sweep);
-  p.option("--method,--methods", "NAME", "auto, a method name of the op, or all (default auto)", &o.method);
+  p.option("--method,--methods", "NAME",
+           "auto, a method name of the op, or all: auto, then every method of the op (default auto)", &o.method);
   p.option("--iters", "N", "timings per figure, the median is kept (default 20)", &o.iters, 3, 1000000);
   p.option("--json", "FILE", "also write the results as JSON (rank 0)", &o.json);
   p.flag("--quick", "a short sweep: 8K, 256K, 4M, 64M, at most 10 iterations", &o.quick);
@@ -189,10 +190,11 @@ Options parse(int argc, char** argv) {
 }
 
 std::vector<std::string> methods_for(const std::string& op, const std::string& choice) {
+  // "all" times auto beside every method, so one run shows auto against the best of them.
   if (choice != "all") return {choice};
-  if (op == "all_reduce") return {"ll", "ll128", "one_shot", "two_shot", "ce"};
-  if (op == "all_gather") return {"ll", "sm", "sm_push", "ce_push", "ce_pull"};
-  return {"ll", "fused", "ce"};
+  if (op == "all_reduce") return {"auto", "ll", "ll128", "one_shot", "two_shot", "ce"};
+  if (op == "all_gather") return {"auto", "ll", "sm", "sm_push", "ce_push", "ce_pull"};
+  return {"auto", "ll", "fused", "ce"};
 }
 
 double bus_factor(const std::string& op, int n) {
@@ -374,7 +376,7 @@ int run(const Options& opt, int argc, char** argv) {
         nccl_us = n_best;
         const double algbw = static_cast<double>(bytes) / 1e3;  // bytes / us = MB/s; / 1e3 = GB/s
         const double busbw = bus_factor(op, n) * algbw;
-        const std::string method = opt.method == "auto" ? "auto:" + resolved : resolved;
+        const std::string method = mname == "auto" ? "auto:" + resolved : resolved;
         for (size_t c = 0; c < contexts.size(); ++c) {
           const double t = t_best[c];
           json::Value row = json::Object{{"op", op},
