@@ -212,12 +212,18 @@ void* SymmetricHeap::allocate(size_t bytes, size_t alignment) {
   return ptr;
 }
 
-void SymmetricHeap::free(void* ptr) {
+std::map<size_t, size_t>::iterator SymmetricHeap::live_block(void* ptr, const char* hint) {
   TDIST_CHECK_ARG(contains(ptr), "ptr", ptr, " is not inside this symmetric heap [", base_, ", +", capacity_, ")");
   const size_t offset = static_cast<char*>(ptr) - static_cast<char*>(base_);
   auto live = live_blocks_.find(offset);
   TDIST_CHECK_ARG(live != live_blocks_.end(), "ptr", ptr, " (offset ", offset,
-                  ") is not the start of a live allocation of this heap (double free?)");
+                  ") is not the start of a live allocation of this heap", hint);
+  return live;
+}
+
+void SymmetricHeap::free(void* ptr) {
+  auto live = live_block(ptr, " (double free?)");
+  const size_t offset = live->first;
   // Kernels of this rank may still use the buffer, and peers' kernels may still write it. After a
   // device fault the block is only released here (World::out_of_step).
   const bool meet = !world_.out_of_step();
@@ -247,9 +253,7 @@ void SymmetricHeap::free(void* ptr) {
 }
 
 void SymmetricHeap::name_block(void* ptr, const std::string& owner) {
-  TDIST_CHECK_ARG(contains(ptr), "ptr", ptr, " is not inside this symmetric heap");
-  const auto live = live_blocks_.find(static_cast<size_t>(static_cast<char*>(ptr) - static_cast<char*>(base_)));
-  TDIST_CHECK_ARG(live != live_blocks_.end(), "ptr", ptr, " is not the start of a live allocation of this heap");
+  const auto live = live_block(ptr, "");
   for_each_mapping(ptr, [&](void* p, int rank) {
     name_memory(p, live->second, rank == view_.rank ? owner : detail::concat(owner, ", rank ", rank, "'s copy"));
   });

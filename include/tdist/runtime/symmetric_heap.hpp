@@ -87,6 +87,8 @@ class SymmetricHeap {
   // fn(address, rank) for the copy of `ptr` at each load/store-reachable rank, this one included.
   template <typename Fn>
   void for_each_mapping(void* ptr, Fn&& fn) const;
+  // The live allocation that starts at `ptr` (offset -> bytes), or an error naming `ptr` (+ `hint`).
+  std::map<size_t, size_t>::iterator live_block(void* ptr, const char* hint);
   void zero_and_meet(void* ptr, size_t bytes, const char* tag);
   void map_with_cuda_ipc();
 
