@@ -60,8 +60,9 @@ TDIST_HOST_DEVICE constexpr int decode_stages(int head_dim) { return head_dim ==
 //   kv    T[kDecodeWarps][stages][2][kDecodeTile][D]   each warp's ring of K, V tiles
 //   q     T[kMaxHeadsPerCta][D]                        the CTA's query rows, zero past `heads`
 //   mask  u32[kDecodeWarps][stages]                    valid tokens of each staged tile (bit per token)
-//   ml    f32[kDecodeWarps][kMaxHeadsPerCta][2]        each warp's final (max, sum) per head
-// and, once the pipelines have drained, o f32[kDecodeWarps][kMaxHeadsPerCta][D] over kv. Rows of
+//   ml    f32[kDecodeWarps][kMaxHeadsPerCta][2]        each warp's final (max, sum) per head, then
+//                                                      (its weight in the merge, unused)
+// and, once the pipelines have drained, o f32[kDecodeWarps][kMaxHeadsPerCta][D + 8] over kv. Rows of
 // kv and q are swizzled: 16-byte chunk c of row r is stored at chunk c ^ (r % 8), so that the eight
 // rows an ldmatrix reads fall in distinct banks.
 TDIST_HOST_DEVICE constexpr size_t decode_smem_bytes(int head_dim, int elem_bytes) {
@@ -180,17 +181,11 @@ TDIST_DEVICE int swz(int r, int c) {
   return r * D + ((c ^ (r & 7)) << 3);
 }
 
-// Merges the running state (m, l, acc) with another (m2, l2, acc2), all in base 2.
-template <int N>
-TDIST_DEVICE void merge_state(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
-  const float mn = fmaxf(m, m2);
-  if (mn == -kInf) return;  // both empty
-  const float a = exp2f(m - mn), b = exp2f(m2 - mn);
-  l = l * a + l2 * b;
-#pragma unroll
-  for (int i = 0; i < N; ++i) acc[i] = acc[i] * a + acc2[i] * b;
-  m = mn;
-}
+// Four elements of T, stored as one 8-byte access.
+template <typename T>
+struct alignas(4 * sizeof(T)) T4 {
+  T v[4];
+};
 
 // grid (num_splits, kv_heads * head_chunks, batch), block kDecodeThreads, dynamic shared memory
 // decode_smem_bytes(D, sizeof(T)).
@@ -383,40 +378,76 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
     l[h] += __shfl_xor_sync(kFull, l[h], 2);
   }
 
-  // Then the warps, through shared memory (over the drained pipelines): sm_o[warp][row][D],
-  // sm_ml[warp][row][2].
+  // Then the warps, through shared memory over the drained pipelines: each warp's rows below
+  // `heads` to sm_o[warp][row][kORow] (rows padded by 8 floats, so that the float2 stores of a
+  // half-warp fall in distinct banks) and its (max, sum) to sm_ml[warp][row].
+  constexpr int kORow = D + 8;
+  static_assert(sizeof(float) * kWarps * kMaxHeadsPerCta * kORow <= sizeof(T) * kWarps * kStages * 2 * kTileElems,
+                "the warps' outputs fit over the drained K, V rings");
   cp_async_wait<0>();
   __syncthreads();
-  float* wo = sm_o + warp * kMaxHeadsPerCta * D;
+  float* wo = sm_o + warp * kMaxHeadsPerCta * kORow;
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
+  for (int h = 0; h < 2; ++h) {
+    const int row = g + 8 * h;
+    if (row < heads) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) wo[(g + 8 * (e >> 1)) * D + 8 * j + 2 * q4 + (e & 1)] = o[j][e];
-  }
-  if (q4 == 0) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      sm_ml[(warp * kMaxHeadsPerCta + g + 8 * h) * 2] = m[h];
-      sm_ml[(warp * kMaxHeadsPerCta + g + 8 * h) * 2 + 1] = l[h];
+      for (int j = 0; j < D / 8; ++j)
+        *reinterpret_cast<float2*>(wo + row * kORow + 8 * j + 2 * q4) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+      if (q4 == 0) {
+        sm_ml[(warp * kMaxHeadsPerCta + row) * 2] = m[h];
+        sm_ml[(warp * kMaxHeadsPerCta + row) * 2 + 1] = l[h];
+      }
     }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < heads * D; i += kDecodeThreads) {
-    const int r = i / D, d = i % D;
-    float mm = -kInf, ll = 0.f, a = 0.f;
+  // A thread per row turns the warps' (max, sum) into their weights exp2(m_w - max) / sum, in place
+  // of m_w, and writes the row's log-sum-exp: the per-element merge below is then a weighted sum,
+  // with no exponential or dependent chain per element.
+  const u64 part0 = (static_cast<u64>(b) * p.q_heads + h0) * p.num_splits + split;  // row r: + r * num_splits
+  if (threadIdx.x < heads) {
+    const int r = threadIdx.x;
+    float* ml = sm_ml + r * 2;  // warp w's pair at ml[w * kMaxHeadsPerCta * 2]
+    float mx = -kInf, sum = 0.f, e[kWarps];
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml[w * kMaxHeadsPerCta * 2]);
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float* ml = sm_ml + (w * kMaxHeadsPerCta + r) * 2;
-      merge_state<1>(mm, ll, &a, ml[0], ml[1], &sm_o[(w * kMaxHeadsPerCta + r) * D + d]);
+      e[w] = mx == -kInf ? 0.f : exp2f(ml[w * kMaxHeadsPerCta * 2] - mx);
+      sum += ml[w * kMaxHeadsPerCta * 2 + 1] * e[w];
     }
-    const u64 part = (static_cast<u64>(b) * p.q_heads + h0 + r) * p.num_splits + split;
-    const float o = ll > 0.f ? a / ll : 0.f, lse2 = ll > 0.f ? mm + log2f(ll) : -kInf;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) ml[w * kMaxHeadsPerCta * 2] = sum > 0.f ? e[w] / sum : 0.f;
+    const float lse2 = sum > 0.f ? mx + log2f(sum) : -kInf;
+    const u64 part = part0 + static_cast<u64>(r) * p.num_splits;
+    if (p.out == nullptr)
+      p.lse_part[part] = lse2;
+    else if (p.lse != nullptr)
+      p.lse[part] = lse2 == -kInf ? -kInf : lse2 * kLn2;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < heads * D / 4; i += kDecodeThreads) {
+    const int r = i / (D / 4), d = i % (D / 4) * 4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = sm_ml[(w * kMaxHeadsPerCta + r) * 2];
+      const float4 v = *reinterpret_cast<const float4*>(sm_o + (w * kMaxHeadsPerCta + r) * kORow + d);
+      acc.x = fmaf(f, v.x, acc.x);
+      acc.y = fmaf(f, v.y, acc.y);
+      acc.z = fmaf(f, v.z, acc.z);
+      acc.w = fmaf(f, v.w, acc.w);
+    }
+    const u64 at = (part0 + static_cast<u64>(r) * p.num_splits) * D + d;
     if (p.out != nullptr) {  // one split: the combine's result for it, bit for bit (part = the item)
-      static_cast<T*>(p.out)[part * D + d] = coll::from_f32<T>(o);
-      if (d == 0 && p.lse != nullptr) p.lse[part] = lse2 == -kInf ? -kInf : lse2 * kLn2;
+      T4<T> v;
+      v.v[0] = coll::from_f32<T>(acc.x);
+      v.v[1] = coll::from_f32<T>(acc.y);
+      v.v[2] = coll::from_f32<T>(acc.z);
+      v.v[3] = coll::from_f32<T>(acc.w);
+      *reinterpret_cast<T4<T>*>(static_cast<T*>(p.out) + at) = v;
     } else {
-      p.o_part[part * D + d] = o;
-      if (d == 0) p.lse_part[part] = lse2;
+      *reinterpret_cast<float4*>(p.o_part + at) = acc;
     }
   }
 }
