@@ -236,9 +236,17 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   T* my_kv = sm_kv + warp * kStages * 2 * kTileElems;
   u32* my_mask = sm_mask + warp * kStages;
 
-  // Starts the copies of this warp's tile i into stage i % kStages: lanes 0..15 look up their
-  // token's row, then every lane copies 16-byte chunks of rows (invalid rows: zeros).
-  auto issue = [&](int i) {
+  // The block-table entry of this lane's token in tile i (lanes 0..15; 0 where there is none). The
+  // main loop loads it one tile before the tile's copies start, so that its L2 round trip overlaps
+  // a tile's compute instead of stalling the warp before every issue.
+  auto entry_of = [&](int i) -> int {
+    if (table == nullptr || lane >= kDecodeTile || i >= my_tiles) return 0;
+    const u32 t = t0 + static_cast<u32>(i * kWarps + warp) * kDecodeTile + lane;
+    return t < t1 ? table[t / p.page_size] : 0;
+  };
+  // Starts the copies of this warp's tile i into stage i % kStages, `entry` its entry_of(i): lanes
+  // 0..15 find their token's row, then every lane copies 16-byte chunks of rows (invalid rows: zeros).
+  auto issue = [&](int i, int entry) {
     const int stage = i % kStages;
     const u32 base = t0 + static_cast<u32>(i * kWarps + warp) * kDecodeTile;
     u64 row = 0;
@@ -250,12 +258,11 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
         const u32 slot = t / p.page_size, off = t - slot * p.page_size;
         u64 page = b;
         if (table) {
-          const int e = table[slot];
-          if (e < 0 || static_cast<u64>(e) >= p.num_pages) {
+          if (entry < 0 || static_cast<u64>(entry) >= p.num_pages) {
             atomicOr(p.errors, kErrBlockTable);
             valid = false;
           }
-          page = static_cast<u64>(e);
+          page = static_cast<u64>(entry);
         }
         row = (page * p.page_size + off) * row_stride;
       }
@@ -289,9 +296,10 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   // The first tiles are on their way before the query rows are loaded.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < my_tiles) issue(s);
+    if (s < my_tiles) issue(s, entry_of(s));
     cp_async_commit();
   }
+  int next_entry = entry_of(kStages - 1);
   // The query rows, zero past `heads` (their logits are 0 and their outputs unused).
   for (int i = threadIdx.x; i < kMaxHeadsPerCta * kChunks; i += kDecodeThreads) {
     const int r = i / kChunks, c = i % kChunks;
@@ -305,8 +313,9 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
 
   for (int i = 0; i < my_tiles; ++i) {
     __syncwarp();  // every lane is done with the stage refilled next (tile i - 1's)
-    if (i + kStages - 1 < my_tiles) issue(i + kStages - 1);
+    if (i + kStages - 1 < my_tiles) issue(i + kStages - 1, next_entry);
     cp_async_commit();
+    next_entry = entry_of(i + kStages);
     cp_async_wait<kStages - 1>();  // tile i's group
     __syncwarp();                  // every lane's copies of tile i visible to the warp
     const int stage = i % kStages;
