@@ -238,6 +238,6 @@ def check_errors(device=None) -> None:
             x.op.check_errors()
 
 
-def plan(batch: int, q_heads: int, kv_heads: int, max_seq_len: int, num_sms: int) -> tuple:
+def plan(batch: int, q_heads: int, kv_heads: int, max_seq_len: int, num_sms: int, head_dim: int = 128) -> tuple:
     """The split model: (query heads per CTA, head chunks, splits per sequence)."""
-    return _C.flash_decode_plan(batch, q_heads, kv_heads, max_seq_len, num_sms)
+    return _C.flash_decode_plan(batch, q_heads, kv_heads, head_dim, max_seq_len, num_sms)

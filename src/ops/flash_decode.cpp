@@ -91,11 +91,13 @@ int flash_decode_heads_per_cta(int64_t group) {
   return 1;
 }
 
-FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t max_seq_len,
-                                       int num_sms, int ctas_per_sm) {
+FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                       int64_t max_seq_len, int num_sms, int ctas_per_sm) {
   TDIST_CHECK_ARG(batch > 0 && kv_heads > 0 && q_heads > 0 && q_heads % kv_heads == 0, "q_heads",
                   "expected positive batch and heads with q_heads a multiple of kv_heads, got batch ", batch,
                   ", q_heads ", q_heads, ", kv_heads ", kv_heads);
+  TDIST_CHECK_ARG(head_dim == 64 || head_dim == 128 || head_dim == 256, "head_dim", "expected 64, 128 or 256, got ",
+                  head_dim);
   TDIST_CHECK_ARG(num_sms > 0, "num_sms", "expected a positive SM count, got ", num_sms);
   TDIST_CHECK_ARG(ctas_per_sm > 0, "ctas_per_sm", "expected a positive count, got ", ctas_per_sm);
   TDIST_CHECK_ARG(max_seq_len >= 0, "max_seq_len", "expected >= 0, got ", max_seq_len);
@@ -107,8 +109,10 @@ FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t k
   const int64_t ctas = batch * kv_heads * plan.head_chunks;
   const int64_t wave = static_cast<int64_t>(num_sms) * ctas_per_sm;
   const int64_t want = wave / ctas;  // rounded down: a CTA past the wave would run alone in a second one
-  const int64_t by_length = std::max<int64_t>(1, (max_seq_len + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit);
-  int64_t splits = std::clamp<int64_t>(std::min(want, by_length), 1, M::kMaxSplits);
+  const auto pieces_of = [&](int64_t tokens) { return std::max<int64_t>(1, (max_seq_len + tokens - 1) / tokens); };
+  int64_t splits = std::clamp<int64_t>(std::min(want, pieces_of(M::kTokensPerStep)), 1, M::kMaxSplits);
+  const int64_t one_round = attn::combine_batch_splits(static_cast<int>(head_dim));
+  if (splits > one_round && pieces_of(M::kMaxTokensInOneMergeRound) <= one_round) splits = one_round;
   // The kernel cuts a sequence into pieces of whole steps: fewer splits may cover max_seq_len (e.g.
   // 32K tokens in 33 splits are 32 pieces of 1024), and a split left empty would still be a CTA and
   // a partial to merge.
@@ -267,7 +271,7 @@ struct FlashDecode::Impl {
     const int d = static_cast<int>(a.head_dim);
     kernels = &FlashDecodeKernels::get(a.dtype, d);
     const FlashDecodeSplitPlan plan =
-        plan_flash_decode(a.batch, a.q_heads, a.kv_heads, max_len, num_sms, kernels->resident());
+        plan_flash_decode(a.batch, a.q_heads, a.kv_heads, a.head_dim, max_len, num_sms, kernels->resident());
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
     // One split and nothing to exchange: the split's normalised output is the result, which the
     // combine kernel would only copy (a second launch, and the partials written and read again).

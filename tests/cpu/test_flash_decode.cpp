@@ -96,59 +96,68 @@ TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
   using M = FlashDecodeSplitModel;
   // Llama-3-8B (32 / 8 heads), batch 1, 128K tokens, 132 SMs, 2 CTAs per SM: GQA 4 in one CTA,
   // 8 KV heads x S CTAs filling one wave of 264.
-  FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 131072, 132);
+  FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 128, 131072, 132);
   EXPECT_EQ(p.heads_per_cta, 4);
   EXPECT_EQ(p.head_chunks, 1);
   EXPECT_EQ(p.num_splits, 132 * M::kCtasPerSm / 8);
   EXPECT_LE(8 * p.num_splits, 132 * M::kCtasPerSm);  // one wave, no straggler
   // Another SM count scales the splits: no table, a model.
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 131072, 78).num_splits, 78 * M::kCtasPerSm / 8);
-  // Short sequences: no split below kMinTokensPerSplit tokens.
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 1000, 132).num_splits, (1000 + M::kMinTokensPerSplit - 1) / M::kMinTokensPerSplit);
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 1000, 132).num_splits, 4);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 131072, 78).num_splits, 78 * M::kCtasPerSm / 8);
+  // Short sequences: pieces down to one step (64 tokens), within one merge round (16 splits at head
+  // dim 128) while pieces stay at most kMaxTokensInOneMergeRound; beyond that, the wave.
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 1000, 132).num_splits, 16);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 200, 132).num_splits, 4);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 16 * M::kMaxTokensInOneMergeRound, 132).num_splits, 16);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 16 * M::kMaxTokensInOneMergeRound + 64, 132).num_splits, 33);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 6144, 132).num_splits, 32);  // 33 pieces of 187 round up to 192
+  // The merge round is the combine kernel's: 8 splits at head dim 256, 32 at 64.
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 256, 2048, 132).num_splits, 8);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 64, 4096, 132, 3).num_splits, 32);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 64, 131072, 132, 3).num_splits, 49);
   // Pieces are whole steps of the kernel: 32K tokens in one wave of 33 splits would be 32 pieces of
   // 1024 tokens and an empty 33rd; it is not launched.
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 32768, 132).num_splits, 32);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 32768, 132).num_splits, 32);
   for (int64_t len : {1, 63, 64, 65, 255, 256, 257, 1000, 4096, 32768, 131071, 131072, 1 << 20}) {
-    const int64_t splits = plan_flash_decode(1, 32, 8, len, 132).num_splits;
+    const int64_t splits = plan_flash_decode(1, 32, 8, 128, len, 132).num_splits;
     const int64_t per = ((len + splits - 1) / splits + M::kTokensPerStep - 1) / M::kTokensPerStep * M::kTokensPerStep;
     EXPECT_GT(len, (splits - 1) * per) << "len " << len << ": split " << splits - 1 << " would be empty";
   }
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 1, 132).num_splits, 1);
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 0, 132).num_splits, 1);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 1, 132).num_splits, 1);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 0, 132).num_splits, 1);
   // A big batch fills the GPU by itself.
-  EXPECT_EQ(plan_flash_decode(32, 64, 8, 131072, 132).num_splits, 1);
-  EXPECT_EQ(plan_flash_decode(64, 64, 8, 131072, 132).num_splits, 1);
+  EXPECT_EQ(plan_flash_decode(32, 64, 8, 128, 131072, 132).num_splits, 1);
+  EXPECT_EQ(plan_flash_decode(64, 64, 8, 128, 131072, 132).num_splits, 1);
   // GQA ratios: the largest divisor up to 16 (the MMA's rows), the rest as chunks.
-  p = plan_flash_decode(2, 64, 8, 4096, 132);
+  p = plan_flash_decode(2, 64, 8, 128, 4096, 132);
   EXPECT_EQ(p.heads_per_cta, 8);
   EXPECT_EQ(p.head_chunks, 1);
-  p = plan_flash_decode(2, 48, 8, 4096, 132);  // group 6
+  p = plan_flash_decode(2, 48, 8, 128, 4096, 132);  // group 6
   EXPECT_EQ(p.heads_per_cta, 6);
   EXPECT_EQ(p.head_chunks, 1);
-  p = plan_flash_decode(2, 128, 8, 4096, 132);  // group 16
+  p = plan_flash_decode(2, 128, 8, 128, 4096, 132);  // group 16
   EXPECT_EQ(p.heads_per_cta, 16);
   EXPECT_EQ(p.head_chunks, 1);
-  p = plan_flash_decode(1, 256, 8, 4096, 132);  // group 32
+  p = plan_flash_decode(1, 256, 8, 128, 4096, 132);  // group 32
   EXPECT_EQ(p.heads_per_cta, 16);
   EXPECT_EQ(p.head_chunks, 2);
-  p = plan_flash_decode(1, 34, 1, 4096, 132);  // group 34 = 2 x 17
+  p = plan_flash_decode(1, 34, 1, 128, 4096, 132);  // group 34 = 2 x 17
   EXPECT_EQ(p.heads_per_cta, 2);
   EXPECT_EQ(p.head_chunks, 17);
-  p = plan_flash_decode(2, 7, 7, 4096, 132);  // MHA
+  p = plan_flash_decode(2, 7, 7, 128, 4096, 132);  // MHA
   EXPECT_EQ(p.heads_per_cta, 1);
   // Never more than kMaxSplits.
-  EXPECT_EQ(plan_flash_decode(1, 1, 1, int64_t{1} << 30, 100000).num_splits, M::kMaxSplits);
-  EXPECT_THROW(plan_flash_decode(1, 30, 8, 100, 132), Error);
-  EXPECT_THROW(plan_flash_decode(1, 32, 8, 100, 0), Error);
+  EXPECT_EQ(plan_flash_decode(1, 1, 1, 128, int64_t{1} << 30, 100000).num_splits, M::kMaxSplits);
+  EXPECT_THROW(plan_flash_decode(1, 30, 8, 128, 100, 132), Error);
+  EXPECT_THROW(plan_flash_decode(1, 32, 8, 128, 100, 0), Error);
+  EXPECT_THROW(plan_flash_decode(1, 32, 8, 96, 100, 132), Error);
 }
 
 TEST(FlashDecodeSplitPlan, OneWaveOfWhatFitsOnTheGpu) {
   // 3 CTAs per SM resident: 8 KV heads x 49 splits <= 396.
-  FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 131072, 132, 3);
+  FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 128, 131072, 132, 3);
   EXPECT_EQ(p.num_splits, 49);
-  EXPECT_EQ(plan_flash_decode(4, 64, 8, 131072, 132, 2).num_splits, 8);  // 32 CTAs x 8 <= 264
-  EXPECT_THROW(plan_flash_decode(1, 32, 8, 100, 132, 0), Error);
+  EXPECT_EQ(plan_flash_decode(4, 64, 8, 128, 131072, 132, 2).num_splits, 8);  // 32 CTAs x 8 <= 264
+  EXPECT_THROW(plan_flash_decode(1, 32, 8, 128, 100, 132, 0), Error);
   EXPECT_EQ(flash_decode_heads_per_cta(4), 4);
   EXPECT_EQ(flash_decode_heads_per_cta(6), 6);
   EXPECT_EQ(flash_decode_heads_per_cta(24), 12);

@@ -70,26 +70,30 @@ struct FlashDecodeSplitPlan {
   int num_splits = 1;     // pieces of each sequence
 };
 
-// The split model: one wave of the CTAs that fit on the GPU at once (ctas_per_sm x num_sms, from the
-// kernel's registers and shared memory), but no piece shorter than kMinTokensPerSplit tokens of
-// max_seq_len, and at most kMaxSplits; pieces are whole CTA steps (kTokensPerStep tokens), and
-// splits that this rounding would leave empty are not launched.
+// The split model. A split CTA's time is mostly a chain of round trips to memory (its length, its
+// block-table entries, then its pages, two tiles in flight per warp), so shorter pieces finish
+// sooner, down to one CTA step (kTokensPerStep); but more splits than the combine kernel loads in one
+// round (combine_batch_splits(head_dim): 16 at head dim 128) cost the merge another dependent round
+// trip. So: one wave of the CTAs that fit on the GPU at once (ctas_per_sm x num_sms, from the
+// kernel's registers and shared memory), pieces of at least one step, at most kMaxSplits, and no
+// more splits than one merge round while that still leaves each piece at most
+// kMaxTokensInOneMergeRound. Pieces are whole steps, and splits that this rounding would leave
+// empty are not launched.
 struct FlashDecodeSplitModel {
-  static constexpr int kCtasPerSm = 2;  // when the kernel's occupancy is not known
-  // Four 16-token tiles per warp of a 4-warp CTA. A split has a fixed latency (its length, block-table
-  // entries and first pages in a chain of reads, then one more partial to merge) that shorter pieces
-  // do not amortise: on an H200 at batch 1, 256 against 128 tokens took 4K from 13.0 to 11.8 us
-  // (Llama-3-8B heads) and 14.6 to 13.3 us (70B), 8K from 17.1 to 16.3 and 19.1 to 17.9 us; 512
-  // was slower at 4K (14.7 / 16.4 us).
-  static constexpr int64_t kMinTokensPerSplit = 256;
+  static constexpr int kCtasPerSm = 2;           // when the kernel's occupancy is not known
   static constexpr int64_t kTokensPerStep = 64;  // a CTA's step: 4 warps x one 16-token tile
+  // Four tiles per warp. On an H200 at batch 1 with Llama-3-8B heads (head dim 128): 4K tokens in 16
+  // pieces of 256 took 11.1 us, in 32 of 128 11.5 us (a second merge round); 6K tokens in 32 pieces
+  // of 192 13.1 us, in 24 of 256 13.5 us; 1K tokens in 16 pieces of 64 6.1 us, in 4 of 256 9.2 us.
+  static constexpr int64_t kMaxTokensInOneMergeRound = 256;
   static constexpr int kMaxSplits = 256;
 };
 // Query heads of one KV head that a CTA computes: the largest divisor of the group up to 16 (the
 // rows of the kernel's MMA tile).
 int flash_decode_heads_per_cta(int64_t group);
-FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t max_seq_len,
-                                       int num_sms, int ctas_per_sm = FlashDecodeSplitModel::kCtasPerSm);
+FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                                       int64_t max_seq_len, int num_sms,
+                                       int ctas_per_sm = FlashDecodeSplitModel::kCtasPerSm);
 
 // An SM's limits (cudaDeviceProp: regsPerMultiprocessor, maxThreadsPerMultiProcessor,
 // maxBlocksPerMultiProcessor, sharedMemPerMultiprocessor, reservedSharedMemPerBlock); Hopper's here.

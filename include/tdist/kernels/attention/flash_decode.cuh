@@ -71,6 +71,10 @@ TDIST_HOST_DEVICE constexpr size_t decode_smem_bytes(int head_dim, int elem_byte
          static_cast<size_t>(kDecodeWarps) * decode_stages(head_dim) * 4 + kDecodeWarps * kMaxHeadsPerCta * 2 * 4;
 }
 
+// Splits whose partials a lane of the combine kernel loads in one round (64 registers of them): 32
+// at head dim 64, 16 at 128, 8 at 256. Each further round is one more dependent L2 round trip.
+TDIST_HOST_DEVICE constexpr int combine_batch_splits(int head_dim) { return 64 * 32 / head_dim; }
+
 struct DecodeParams {
   const void* q;
   const void* k_cache;
@@ -477,7 +481,7 @@ template <int D>
 TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, float* o) {
   constexpr int kPer = D / 32;
   constexpr int kVec = kPer >= 4 ? 4 : kPer;  // floats per load: 16 bytes (8 at D = 64)
-  constexpr int kBatch = 64 / kPer;           // splits per batch: 64 registers of partials a lane
+  constexpr int kBatch = combine_batch_splits(D);  // splits per batch: 64 registers of partials a lane
   using Vec = PartialVec<kVec>;
   const float* lse = p.lse_part + static_cast<u64>(item) * p.num_splits;
   float mx = -kInf;
