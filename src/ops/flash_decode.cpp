@@ -316,7 +316,7 @@ struct FlashDecode::Impl {
     p.cap_out = a.softcap * attn::kLog2e;
 
     jit::LaunchConfig cfg;
-    cfg.grid = {static_cast<unsigned>(plan.num_splits), static_cast<unsigned>(a.kv_heads * plan.head_chunks),
+    cfg.grid = {static_cast<unsigned>(a.kv_heads * plan.head_chunks), static_cast<unsigned>(plan.num_splits),
                 static_cast<unsigned>(a.batch)};
     cfg.block = {static_cast<unsigned>(attn::kDecodeThreads)};
     cfg.shared_bytes = kernels->split_smem();

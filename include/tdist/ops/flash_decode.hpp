@@ -63,7 +63,7 @@ int64_t flash_decode_capacity(const FlashDecodeArgs& a);
 // argument. Block-table entries and lengths are checked on the device (check_errors()).
 void check_flash_decode_args(const FlashDecodeArgs& a);
 
-// How a call is cut into CTAs: grid (num_splits, kv_heads * head_chunks, batch).
+// How a call is cut into CTAs: grid (kv_heads * head_chunks, num_splits, batch).
 struct FlashDecodeSplitPlan {
   int heads_per_cta = 1;  // query heads sharing a KV head that one CTA computes (1..16, divides the group)
   int head_chunks = 1;    // group / heads_per_cta

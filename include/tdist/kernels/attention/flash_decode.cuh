@@ -191,8 +191,10 @@ struct alignas(4 * sizeof(T)) T4 {
   T v[4];
 };
 
-// grid (num_splits, kv_heads * head_chunks, batch), block kDecodeThreads, dynamic shared memory
-// decode_smem_bytes(D, sizeof(T)).
+// grid (kv_heads * head_chunks, num_splits, batch), block kDecodeThreads, dynamic shared memory
+// decode_smem_bytes(D, sizeof(T)). The heads vary fastest, so that the CTAs of one piece of a
+// sequence start side by side and read each token's row of all KV heads (contiguous in a page) at
+// about the same time.
 template <typename T, int D>
 __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParams p) {
   static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
@@ -210,9 +212,9 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   float* sm_o = reinterpret_cast<float*>(smem);  // after the pipelines drain
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const u32 split = blockIdx.x, b = blockIdx.z;
-  const u32 kv_head = blockIdx.y / p.head_chunks;
-  const u32 h0 = kv_head * p.group + (blockIdx.y % p.head_chunks) * p.heads;  // first query head
+  const u32 split = blockIdx.y, b = blockIdx.z;
+  const u32 kv_head = blockIdx.x / p.head_chunks;
+  const u32 h0 = kv_head * p.group + (blockIdx.x % p.head_chunks) * p.heads;  // first query head
   const int heads = static_cast<int>(p.heads);
 
   // Launched with programmatic dependent launch: start once the kernel before it (which may write
@@ -222,7 +224,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   allow_dependent_launch();
   int len = p.seq_lens[b];
   if (len < 0 || static_cast<u32>(len) > p.capacity) {
-    if (threadIdx.x == 0 && split == 0 && blockIdx.y == 0) atomicOr(p.errors, kErrSeqLen);
+    if (threadIdx.x == 0 && split == 0 && blockIdx.x == 0) atomicOr(p.errors, kErrSeqLen);
     len = len < 0 ? 0 : static_cast<int>(p.capacity);
   }
   // This split's tokens [t0, t1): the length cut in num_splits pieces of a multiple of a CTA step.
