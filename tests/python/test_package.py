@@ -445,6 +445,18 @@ def test_row_chunks():
             assert begins == [sum(rows[:r]) for r in range(world)]
 
 
+def test_flash_decode_split_plan():
+    from tdist.flash_decode import plan  # the module (tdist.flash_decode is the op)
+    # Llama-3-8B heads (GQA 4 in one CTA), batch 1, 132 SMs: a wave of 8 x 33 CTAs at 128K; at 4K one
+    # merge round of 16 splits (pieces of 256 tokens); at 1000 tokens pieces of one 64-token step.
+    assert plan(1, 32, 8, 131072, 132) == (4, 1, 33)
+    assert plan(1, 32, 8, 4096, 132) == (4, 1, 16)
+    assert plan(1, 32, 8, 1000, 132) == (4, 1, 16)
+    assert plan(1, 32, 8, 2048, 132, head_dim=256) == (4, 1, 8)  # the combine's round is 8 splits there
+    with pytest.raises(tdist.Error, match="head_dim"):
+        plan(1, 32, 8, 4096, 132, head_dim=96)
+
+
 def test_ag_gemm_shape_checks():
     a, b = op_((5, 64)), op_((24, 64), ptr=1 << 30)
     # m derived: equal rows on every rank
