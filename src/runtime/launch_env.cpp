@@ -71,6 +71,11 @@ std::string require(const EnvLookup& lookup, const std::string& name, const std:
   return *value;
 }
 
+// A launcher's integer variable that must be set; errors name it.
+int require_int(const EnvLookup& lookup, const std::string& name, const std::string& why) {
+  return parse_int_var(name, require(lookup, name, why));
+}
+
 int port_from_env(const EnvLookup& lookup, int fallback) {
   auto port = lookup("MASTER_PORT");
   return port ? parse_int_var("MASTER_PORT", *port) : fallback;
@@ -125,11 +130,10 @@ LaunchEnv parse_openmpi(const EnvLookup& lookup) {
       "together (is this process started by mpirun?)";
   LaunchEnv env;
   env.launcher = "openmpi";
-  env.rank = parse_int_var("OMPI_COMM_WORLD_RANK", require(lookup, "OMPI_COMM_WORLD_RANK", why));
-  env.world_size = parse_int_var("OMPI_COMM_WORLD_SIZE", require(lookup, "OMPI_COMM_WORLD_SIZE", why));
-  env.local_rank = parse_int_var("OMPI_COMM_WORLD_LOCAL_RANK", require(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", why));
-  env.local_world_size =
-      parse_int_var("OMPI_COMM_WORLD_LOCAL_SIZE", require(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE", why));
+  env.rank = require_int(lookup, "OMPI_COMM_WORLD_RANK", why);
+  env.world_size = require_int(lookup, "OMPI_COMM_WORLD_SIZE", why);
+  env.local_rank = require_int(lookup, "OMPI_COMM_WORLD_LOCAL_RANK", why);
+  env.local_world_size = require_int(lookup, "OMPI_COMM_WORLD_LOCAL_SIZE", why);
   env.master_addr = master_addr_or_loopback(lookup, env, "Open MPI");
   env.master_port = port_from_env(lookup, kDefaultMasterPort);
   validate(env, kOpenMpiNames);
@@ -214,9 +218,9 @@ LaunchEnv parse_slurm(const EnvLookup& lookup) {
       "(is this process started by srun?)";
   LaunchEnv env;
   env.launcher = "slurm";
-  env.rank = parse_int_var("SLURM_PROCID", require(lookup, "SLURM_PROCID", why));
-  env.world_size = parse_int_var("SLURM_NTASKS", require(lookup, "SLURM_NTASKS", why));
-  env.local_rank = parse_int_var("SLURM_LOCALID", require(lookup, "SLURM_LOCALID", why));
+  env.rank = require_int(lookup, "SLURM_PROCID", why);
+  env.world_size = require_int(lookup, "SLURM_NTASKS", why);
+  env.local_rank = require_int(lookup, "SLURM_LOCALID", why);
 
   std::string tpn_name = "SLURM_STEP_TASKS_PER_NODE";
   auto tpn = lookup(tpn_name);
