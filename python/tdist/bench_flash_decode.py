@@ -4,12 +4,14 @@ beside what a serving engine runs without tdist, all from one run.
     torchrun --nproc-per-node 2 -m tdist.bench_flash_decode [--models 8b,70b] [--batch 1,8,32]
         [--kv-len 4K,32K,128K,512K,1M] [--page-size 16,64] [--flashinfer-path DIR] [--json FILE] [--plot FILE]
     python -m tdist.bench_flash_decode ...        (world size 1: the single-GPU rows only)
+    python -m tdist.bench_flash_decode --random 40 --seed 7    (cases nobody tuned on, then a summary)
 
 Cases: Llama-3-8B (32 query heads, 8 KV heads) and Llama-3-70B (64, 8), head dim 128, bf16, one
 query token per sequence, every sequence kv_len tokens long (kv_len is the whole sequence; at world
 size W each rank holds 1 / W of it, whole pages). A case whose cache does not fit in this GPU's free
 memory is skipped and said so; SDPA, which needs its own contiguous copy, is left out alone where
-only the paged cache fits.
+only the paged cache fits. --random N runs N drawn cases (random_cases: model, batch, length, page
+size) in place of the --batch x --kv-len grid, and ends with the baseline / tdist ratios over them.
 
 Methods, all on the same cache:
   tdist             tdist.flash_decode over the paged cache (block table, pages in random order)
@@ -94,9 +96,13 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m tdist.bench_flash_decode", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--models", default="8b,70b", help="comma-separated: " + ", ".join(MODELS))
-    p.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
-    p.add_argument("--kv-len", default="4K,32K,128K,512K,1M",
-                   help="comma-separated tokens per sequence (the whole sequence, over all ranks)")
+    p.add_argument("--batch", default=None, help="comma-separated batch sizes (default 1,8,32)")
+    p.add_argument("--kv-len", default=None,
+                   help="comma-separated tokens per sequence, the whole sequence over all ranks (default "
+                        "4K,32K,128K,512K,1M)")
+    p.add_argument("--random", type=int, default=0, metavar="N",
+                   help="N cases drawn from --seed (model, batch, length, page size; see random_cases) in "
+                        "place of the --batch x --kv-len grid")
     p.add_argument("--page-size", default="16,64", help="comma-separated page sizes (1..256)")
     p.add_argument("--baseline", default="auto", choices=("auto", "flashinfer", "sdpa"),
                    help="auto: FlashInfer where it imports and compiles, else SDPA; flashinfer: fail without it")
@@ -124,13 +130,19 @@ def _parse(argv):
     if not items:
         p.error("--models: expected at least one model")
     args.models = items
-    args.batch = _int_list(args.batch, "batch", p)
-    args.kv_len = _int_list(args.kv_len, "kv-len", p)
+    if args.random and (args.batch is not None or args.kv_len is not None):
+        p.error("--random N draws the batches and lengths: leave out --batch and --kv-len")
+    if args.random and args.plot:
+        p.error("--plot draws the --batch x --kv-len grid; with --random, write --json")
+    if not 0 <= args.random <= 10000:
+        p.error(f"--random: expected 0 (off) to 10000 cases, got {args.random}")
+    args.batch = _int_list(args.batch or "1,8,32", "batch", p)
+    args.kv_len = _int_list(args.kv_len or "4K,32K,128K,512K,1M", "kv-len", p)
     args.page_size = _int_list(args.page_size, "page-size", p)
     for ps in args.page_size:
         if ps > 256:
             p.error(f"--page-size: expected 1..256, got {ps}")
-    for n in args.kv_len:
+    for n in args.kv_len if not args.random else ():
         for ps in args.page_size:
             if n % ps:
                 p.error(f"--kv-len {n} must be a multiple of every --page-size (got {ps})")
@@ -141,6 +153,30 @@ def _parse(argv):
 
 def _fmt_len(n):
     return f"{n // (1 << 20)}M" if n % (1 << 20) == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def random_cases(count, seed, models, page_sizes):
+    """`count` cases (model, batch, kv_len, page_size) off the swept grid, drawn from `seed`
+    (splitmix64, as tdist.bench's random sweeps): the model and page size uniformly from the lists,
+    the batch in [1, 64) and the cache's tokens (batch x kv_len) in [4K, 4M) log-uniform by octave
+    (up to 16 GiB of bf16 K and V at 8 KV heads), kv_len rounded down to whole pages, at least 8 (so
+    that each of up to 8 ranks holds one); in the order drawn."""
+    from .bench import SplitMix64
+
+    if count < 1 or not models or not page_sizes:
+        raise ValueError(f"random_cases: expected count >= 1 and models and page sizes, got {count}, "
+                         f"{models}, {page_sizes}")
+    r = SplitMix64(seed)
+    cases = []
+    for _ in range(count):
+        model = models[r.below(len(models))]
+        page = page_sizes[r.below(len(page_sizes))]
+        lo = 1 << r.below(6)
+        batch = lo + r.below(lo)
+        lo = 4096 << r.below(10)
+        tokens = lo + r.below(lo)
+        cases.append((model, batch, max(8 * page, tokens // batch // page * page), page))
+    return cases
 
 
 # ----------------------------------------------------------------------------------------------
@@ -628,6 +664,24 @@ def _print_row(r):
           + _fmt(r["hbm_floor_us"]) + f"{100.0 * r['hbm_floor_us'] / r['tdist_us']:>8.0f}%" + ratio, flush=True)
 
 
+def _print_random_summary(rows):
+    """FlashInfer (or SDPA) / tdist over the drawn cases at world 1, and per rank + NCCL / tdist at
+    the run's world size: lowest, median, and the cases below 0.95."""
+    for world in sorted({r["world"] for r in rows}):
+        key = "baseline_1gpu_us" if world == 1 else "per_rank_nccl_us"
+        got = [(r[key] / r["tdist_us"], r) for r in rows if r["world"] == world and r.get(key)]
+        if not got:
+            continue
+        got.sort(key=lambda x: x[0])
+        worst, r = got[0]
+        below = [f"{x['model']} b{x['batch']} {_fmt_len(x['kv_len'])} p{x['page_size']}: {v:.3f}"
+                 for v, x in got if v < 0.95]
+        what = "baseline / tdist" if world == 1 else "per rank + NCCL / tdist"
+        print(f"random cases, world {world}, {what} over {len(got)}: lowest {worst:.3f} ({r['model']} batch "
+              f"{r['batch']} kv_len {_fmt_len(r['kv_len'])} page {r['page_size']}), median "
+              f"{statistics.median(v for v, _ in got):.3f}; below 0.95: {', '.join(below) or 'none'}", flush=True)
+
+
 def _write_json(args, ctx, rows, skipped, argv, complete):
     timer, fi_tcs, fi, why = ctx["timer"], ctx["fi_tcs"], ctx["fi"], ctx["fi_why"]
     doc = {"bench": "flash_decode_summary", "gpu": ctx["gpu"], "world_size": ctx["world"], "dtype": "bf16",
@@ -686,45 +740,50 @@ def main(argv=None) -> int:
     rows, skipped = [], []
     if me == 0:
         _print_header(ctx)
+    if args.random:
+        cases = [(m, b, n, [ps]) for m, b, n, ps in random_cases(args.random, args.seed, args.models,
+                                                                 args.page_size)]
+    else:
+        cases = [(m, b, n, args.page_size) for m in args.models for b in args.batch for n in args.kv_len]
     try:
-        for model in args.models:
-            for batch in args.batch:
-                for kv_len in args.kv_len:
-                    _, _, kv_heads = MODELS[model]
-                    kv_bytes = 2 * batch * kv_len * kv_heads * HEAD_DIM * ELEM_BYTES
-                    sets = max(1, min(MAX_SETS, math.ceil(3 * l2 / kv_bytes)))
-                    torch.cuda.empty_cache()  # what the allocator caches counts as free here
-                    free, _ = torch.cuda.mem_get_info()
-                    budget = torch.tensor([free - args.mem_margin_gib * (1 << 30) - 2 * WORKSPACE_BYTES],
-                                          dtype=torch.float64, device="cuda")
-                    if pdist is not None:
-                        dist.all_reduce(budget, op=dist.ReduceOp.MIN)
-                    budget = budget.item()
-                    label = f"{MODELS[model][0]} batch {batch} kv_len {_fmt_len(kv_len)}"
-                    if sets * kv_bytes > budget:
-                        skipped.append(f"{label}: cache {kv_bytes / 2**30:.1f} GiB does not fit "
-                                       f"({max(budget, 0) / 2**30:.1f} GiB free)")
-                        if me == 0:
-                            print(f"  skipped {skipped[-1]}", flush=True)
-                        continue
-                    case = _Case(torch, model, batch, kv_len, world, me, args, l2)
-                    if 2 * sets * kv_bytes <= budget:
-                        case.make_contig()
-                    elif me == 0:
-                        print(f"  {label}: SDPA left out (no room for its contiguous copy beside the pages)",
-                              flush=True)
-                    sdpa_cached = None
-                    for page_size in args.page_size:
-                        case_rows, sdpa_cached = _run_case(ctx, case, page_size, sdpa_cached)
-                        for r in case_rows:
-                            rows.append(r)
-                            if me == 0:
-                                _print_row(r)
-                    del case
-                    if me == 0 and args.json:  # so far: a run stopped later keeps what it measured
-                        _write_json(args, ctx, rows, skipped, argv, complete=False)
-                    torch.cuda.synchronize()
-                    torch.cuda.empty_cache()
+        for model, batch, kv_len, page_sizes in cases:
+            _, _, kv_heads = MODELS[model]
+            kv_bytes = 2 * batch * kv_len * kv_heads * HEAD_DIM * ELEM_BYTES
+            sets = max(1, min(MAX_SETS, math.ceil(3 * l2 / kv_bytes)))
+            torch.cuda.empty_cache()  # what the allocator caches counts as free here
+            free, _ = torch.cuda.mem_get_info()
+            budget = torch.tensor([free - args.mem_margin_gib * (1 << 30) - 2 * WORKSPACE_BYTES],
+                                  dtype=torch.float64, device="cuda")
+            if pdist is not None:
+                dist.all_reduce(budget, op=dist.ReduceOp.MIN)
+            budget = budget.item()
+            label = f"{MODELS[model][0]} batch {batch} kv_len {_fmt_len(kv_len)}"
+            if sets * kv_bytes > budget:
+                skipped.append(f"{label}: cache {kv_bytes / 2**30:.1f} GiB does not fit "
+                               f"({max(budget, 0) / 2**30:.1f} GiB free)")
+                if me == 0:
+                    print(f"  skipped {skipped[-1]}", flush=True)
+                continue
+            case = _Case(torch, model, batch, kv_len, world, me, args, l2)
+            if 2 * sets * kv_bytes <= budget:
+                case.make_contig()
+            elif me == 0:
+                print(f"  {label}: SDPA left out (no room for its contiguous copy beside the pages)",
+                      flush=True)
+            sdpa_cached = None
+            for page_size in page_sizes:
+                case_rows, sdpa_cached = _run_case(ctx, case, page_size, sdpa_cached)
+                for r in case_rows:
+                    rows.append(r)
+                    if me == 0:
+                        _print_row(r)
+            del case
+            if me == 0 and args.json:  # so far: a run stopped later keeps what it measured
+                _write_json(args, ctx, rows, skipped, argv, complete=False)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        if me == 0 and args.random:
+            _print_random_summary(rows)
         if me == 0 and args.json:
             _write_json(args, ctx, rows, skipped, argv, complete=True)
             print(f"tdist.bench_flash_decode: wrote {args.json}")

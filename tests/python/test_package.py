@@ -363,6 +363,26 @@ def test_model_benchmarks_help_and_bad_options(module, option):
     assert out.returncode != 0 and "--no-such-option" in out.stderr
 
 
+def test_flash_decode_random_cases():
+    from tdist import bench_flash_decode as fd
+    cases = fd.random_cases(300, 7, ["8b", "70b"], [1, 16, 64, 256])
+    assert cases == fd.random_cases(300, 7, ["8b", "70b"], [1, 16, 64, 256])  # the seed fixes the list
+    assert cases != fd.random_cases(300, 8, ["8b", "70b"], [1, 16, 64, 256])
+    for model, batch, kv_len, page in cases:
+        assert model in ("8b", "70b") and page in (1, 16, 64, 256)
+        assert 1 <= batch < 64 and kv_len % page == 0 and kv_len >= 8 * page
+        assert batch * kv_len < (4 << 20) or kv_len == 8 * page
+    # spread over the draws: both models, every page size, batch 1 and batches above 32, short and long
+    assert {c[0] for c in cases} == {"8b", "70b"} and {c[3] for c in cases} == {1, 16, 64, 256}
+    assert min(c[1] for c in cases) == 1 and max(c[1] for c in cases) > 32
+    assert min(c[2] for c in cases) < 4096 and max(c[2] for c in cases) > (512 << 10)
+    assert fd._parse(["--random", "12", "--seed", "3"]).random == 12
+    for bad in (["--random", "5", "--batch", "1"], ["--random", "5", "--kv-len", "4K"],
+                ["--random", "5", "--plot", "x.png"], ["--random", "-1"]):
+        with pytest.raises(SystemExit):
+            fd._parse(bad)
+
+
 def test_bench_graph_options():
     from tdist import bench
     assert bench._parse(["--graph-max", "4M"]).graph_max == 4 << 20
