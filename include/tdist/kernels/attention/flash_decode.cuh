@@ -185,10 +185,11 @@ TDIST_DEVICE int swz(int r, int c) {
   return r * D + ((c ^ (r & 7)) << 3);
 }
 
-// Four elements of T, stored as one 8-byte access.
-template <typename T>
-struct alignas(4 * sizeof(T)) T4 {
-  T v[4];
+// N elements of T moved as one access of N x sizeof(T) bytes (a partial output's floats, an
+// output's four T).
+template <typename T, int N>
+struct alignas(N * sizeof(T)) Packed {
+  T v[N];
 };
 
 // grid (kv_heads * head_chunks, num_splits, batch), block kDecodeThreads, dynamic shared memory
@@ -455,12 +456,12 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
     }
     const u64 at = (part0 + static_cast<u64>(r) * p.num_splits) * D + d;
     if (p.out != nullptr) {  // one split: the combine's result for it, bit for bit (part = the item)
-      T4<T> v;
+      Packed<T, 4> v;
       v.v[0] = coll::from_f32<T>(acc.x);
       v.v[1] = coll::from_f32<T>(acc.y);
       v.v[2] = coll::from_f32<T>(acc.z);
       v.v[3] = coll::from_f32<T>(acc.w);
-      *reinterpret_cast<T4<T>*>(static_cast<T*>(p.out) + at) = v;
+      *reinterpret_cast<Packed<T, 4>*>(static_cast<T*>(p.out) + at) = v;
     } else {
       *reinterpret_cast<float4*>(p.o_part + at) = acc;
     }
@@ -473,18 +474,13 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
 // kBatch splits, every load of a batch issued (into its own registers, 16 or 8 bytes a lane) before
 // the first is used: the merge costs a few L2 round trips, not one per split (a loop that loads
 // and accumulates split by split was compiled into one round trip per split, 5-6 us at 32 splits).
-// kN floats of a partial output, loaded as one 8- or 16-byte access.
-template <int kN>
-struct alignas(4 * kN) PartialVec {
-  float v[kN];
-};
 
 template <int D>
 TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, float* o) {
   constexpr int kPer = D / 32;
   constexpr int kVec = kPer >= 4 ? 4 : kPer;  // floats per load: 16 bytes (8 at D = 64)
   constexpr int kBatch = combine_batch_splits(D);  // splits per batch: 64 registers of partials a lane
-  using Vec = PartialVec<kVec>;
+  using Vec = Packed<float, kVec>;                 // 8 or 16 bytes
   const float* lse = p.lse_part + static_cast<u64>(item) * p.num_splits;
   float mx = -kInf;
   for (u32 s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse[s]);
