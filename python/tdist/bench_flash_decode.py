@@ -161,11 +161,11 @@ def random_cases(count, seed, models, page_sizes):
     the batch in [1, 64) and the cache's tokens (batch x kv_len) in [4K, 4M) log-uniform by octave
     (up to 16 GiB of bf16 K and V at 8 KV heads), kv_len rounded down to whole pages, at least 8 (so
     that each of up to 8 ranks holds one); in the order drawn."""
-    from .bench import SplitMix64
+    from .bench import SplitMix64, _check_count
 
-    if count < 1 or not models or not page_sizes:
-        raise ValueError(f"random_cases: expected count >= 1 and models and page sizes, got {count}, "
-                         f"{models}, {page_sizes}")
+    _check_count(count)
+    if not models or not page_sizes:
+        raise ValueError(f"random_cases: expected models and page sizes, got {models}, {page_sizes}")
     r = SplitMix64(seed)
     cases = []
     for _ in range(count):
