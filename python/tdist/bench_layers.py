@@ -2,7 +2,7 @@
 PyTorch's ways of running the same layer.
 
     torchrun --nproc-per-node 2 -m tdist.bench_layers [--models 8b,70b] [--tokens 2048,4096,8192,16384]
-        [--layers decoder,attention,mlp] [--passes fwd,fwd+bwd] [--iters 20] [--json FILE]
+        [--layers decoder,attention,mlp] [--passes fwd,fwd+bwd] [--iters 20] [--json FILE] [--summary FILE]
 
 The layer (this rank's shard at TP = world size; activations between blocks sequence-sharded):
 RMSNorm -> qkv projection (colwise, q/k/v weights fused into one) -> causal SDPA over this rank's
@@ -27,8 +27,12 @@ Methods, all on the same weights and inputs:
 
 Timing: CUDA events around each call; --warmup calls of every method first; then --iters rounds, each
 calling every method once in an order that rotates from round to round, on inputs rotated over three
-sets; the median per method, the slowest rank's. fwd runs under torch.no_grad(); fwd+bwd runs the
-forward and backward of a fixed output gradient. NVLink multicast stays off.
+sets; the median per method, the slowest rank's. fwd runs under torch.no_grad(); fwd+bwd (also
+spelt fwd_bwd) runs the forward and backward of a fixed output gradient. NVLink multicast stays off.
+
+--summary FILE writes the rows alone as a JSON list, one flat row per (layer, model, tokens, pass):
+{"layer", "model", "tokens", "pass" ("fwd" or "fwd_bwd"), "tdist_us", "no_comm_us",
+"torch_eager_tp_us", "torch_async_tp_us"}, null where a method did not run.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ HEAD_DIM = 128
 METHODS = ("tdist", "no_comm", "torch_eager_tp", "torch_async_tp")
 LAYERS = ("decoder", "attention", "mlp")
 PASSES = ("fwd", "fwd+bwd")
+# The pass names of --summary (fwd+bwd is not a plain identifier); --passes takes either spelling.
+SUMMARY_PASS = {"fwd": "fwd", "fwd+bwd": "fwd_bwd"}
 
 
 def _parse(argv):
@@ -69,6 +75,8 @@ def _parse(argv):
     p.add_argument("--iters", type=int, default=20, help="timed rounds (one call of every method each)")
     p.add_argument("--heap-size", default="8G", help="tdist's symmetric heap per rank")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON (rank 0)")
+    p.add_argument("--summary", default=None, metavar="FILE",
+                   help="also write the flat summary rows as a JSON list (rank 0; pass fwd or fwd_bwd)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after timing, profile 3 calls of every method (torch.profiler) and write each "
                         "rank's kernel table and GPU busy time to DIR")
@@ -76,15 +84,37 @@ def _parse(argv):
 
     args.models = _bench_world.pick(p, args.models, tuple(MODELS), "models")
     args.layers = _bench_world.pick(p, args.layers, LAYERS, "layers")
-    args.passes = _bench_world.pick(p, args.passes, PASSES, "passes")
+    args.passes = _bench_world.pick(p, args.passes.replace("fwd_bwd", "fwd+bwd"), PASSES, "passes")
     args.methods = _bench_world.pick(p, args.methods, METHODS, "methods")
     try:
         args.tokens = [int(x) for x in args.tokens.split(",") if x.strip()]
     except ValueError:
         p.error(f"--tokens must be comma-separated integers, got '{args.tokens}'")
+    # a repeated name or size would time the same case twice (and give two summary rows for it)
+    for what in ("models", "layers", "passes", "methods", "tokens"):
+        setattr(args, what, list(dict.fromkeys(getattr(args, what))))
     if args.scale < 1 or args.iters < 1 or args.warmup < 0:
         p.error("--scale and --iters must be at least 1, --warmup at least 0")
     return args
+
+
+def summary_rows(rows) -> list:
+    """The --summary rows of the benchmark's rows (main's, or a --json file's "rows"): layer, model,
+    tokens, pass (named as in SUMMARY_PASS) and every method's time, None where it has none; nothing
+    else (no errors). One row per (layer, model, tokens, pass)."""
+    out, seen = [], set()
+    for r in rows:
+        pas = SUMMARY_PASS.get(r["pass"], r["pass"])
+        if pas not in SUMMARY_PASS.values():
+            raise ValueError(f"bench_layers: unknown pass {r['pass']!r} (expected {', '.join(SUMMARY_PASS)})")
+        row = {"layer": r["layer"], "model": r["model"], "tokens": r["tokens"], "pass": pas}
+        row.update((f"{m}_us", r.get(f"{m}_us")) for m in METHODS)
+        key = (row["layer"], row["model"], row["tokens"], pas)
+        if key in seen:
+            raise ValueError(f"bench_layers: two rows for {key}")
+        seen.add(key)
+        out.append(row)
+    return out
 
 
 def _shapes(model: str, scale: int, world: int):
@@ -439,6 +469,10 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(doc, f, indent=1)
             print(f"tdist.bench_layers: wrote {args.json}")
+        if me == 0 and args.summary:
+            with open(args.summary, "w") as f:
+                json.dump(summary_rows(results), f, indent=1)
+            print(f"tdist.bench_layers: wrote {args.summary}")
     finally:
         _bench_world.finish(dist)
     return 0
