@@ -7,7 +7,9 @@ K = 28672 / world; M (all rows) = 1024 ... 8192.
 
 Rank 0 prints one line per (op, M, method): median ms over --iters timed calls (CUDA events, after
 --warmup calls), TFLOP/s and the time relative to the Triton op; --json writes the same rows with the
-GPU, world size and command.
+GPU, world size and command; --summary writes one flat row per (op, M, N, K, world) as a JSON list:
+{"op", "m", "n", "k", "world", "triton_us", "cpp_us", "torch_fused_us", "baseline_us"} (baseline:
+NCCL + cuBLAS), null where a method did not run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,30 @@ import tdist  # before torch: tdist's NCCL is the one the process loads
 from . import _bench_world
 
 
+# --summary's field for each method's time
+SUMMARY_FIELDS = {"triton": "triton_us", "tdist_cpp": "cpp_us", "torch_fused": "torch_fused_us",
+                  "nccl_cublas": "baseline_us"}
+
+
+def summary_rows(rows) -> list:
+    """The --summary rows of the benchmark's rows (one per method, times in ms): one row per (op, m, n,
+    k, world), in the order first seen, each method's time in us, None where it has no time or no row."""
+    out, seen = {}, set()
+    for r in rows:
+        key = (r["op"], r["m"], r["n"], r["k"], r["world"])
+        field = SUMMARY_FIELDS.get(r["method"])
+        if field is None:
+            raise ValueError(f"bench_triton: unknown method {r['method']!r} (expected {', '.join(SUMMARY_FIELDS)})")
+        if (key, field) in seen:
+            raise ValueError(f"bench_triton: two {r['method']} rows for {key}")
+        seen.add((key, field))
+        row = out.setdefault(key, dict(zip(("op", "m", "n", "k", "world"), key),
+                                       **dict.fromkeys(SUMMARY_FIELDS.values())))
+        ms = r.get("ms")
+        row[field] = None if ms is None else ms * 1e3
+    return list(out.values())
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m tdist.bench_triton", description=__doc__.split("\n\n")[0])
     p.add_argument("--op", choices=("ag_gemm", "gemm_rs", "all"), default="all")
@@ -35,9 +61,11 @@ def _parse(argv):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None, help="write the rows to this file (rank 0)")
+    p.add_argument("--summary", default=None, metavar="FILE",
+                   help="write one row per shape, every method's time in us, as a JSON list (rank 0)")
     args = p.parse_args(argv)
     try:
-        args.m = [int(v) for v in args.m.split(",")]
+        args.m = list(dict.fromkeys(int(v) for v in args.m.split(",")))  # a repeat would be timed twice
     except ValueError:
         p.error(f"--rows must be comma-separated integers, got {args.m!r}")
     if any(v <= 0 for v in args.m) or args.warmup < 0 or args.iters < 1:
@@ -176,6 +204,9 @@ def main(argv=None) -> int:
             pass
         with open(args.json, "w") as f:
             json.dump({"header": header, "rows": rows}, f, indent=1)
+    if rank == 0 and args.summary:
+        with open(args.summary, "w") as f:
+            json.dump(summary_rows(rows), f, indent=1)
     _bench_world.finish(dist)
     return 0
 
