@@ -24,6 +24,13 @@ Ops and what each row times (median us, slowest rank):
                            padded per expert to 128, as the op computes them)
       torch_grouped_mm_us  torch._grouped_mm alone on the same rows, unpadded, int32 offsets
 
+Where this torch has no torch._grouped_mm that runs bf16 on this GPU and matches a loop of per-expert
+matmuls on a small problem (checked once, on every rank), the baseline and torch_grouped_mm_us use
+that loop instead (grouped_mm_loop: one torch.matmul per non-empty expert; the AllGather baseline
+reads the experts' row counts to the host, a synchronisation any loop over experts needs). The
+table's header and the JSON's grouped_mm_baseline field (with grouped_mm_fallback_reason) say which
+ran.
+
 Goals checked in the table (2 x H200): grouped GEMM >= 0.95x torch._grouped_mm's throughput (same
 useful rows); at M >= 4096 tdist_us <= 1.10x (ag) / 1.12x (rs) group_gemm_us and >= 1.25x faster than
 the baseline; at smaller M never slower than the baseline.
@@ -33,8 +40,8 @@ every rank; every output is cross-checked before timing (tdist's op against the 
 tdist's grouped GEMM against torch._grouped_mm: max |diff| / max |reference|, worst rank); then
 --warmup calls of each method, and --iters rounds each calling every method once in an order that
 rotates from round to round, round r on set r mod --sets; CUDA events around each call; the median per
-method, the slowest rank's. A method that cannot run (no torch._grouped_mm in this torch, a shape it
-refuses) is reported as null with its error, and the others go on. NVLink multicast stays off.
+method, the slowest rank's. A method that cannot run (a shape it refuses) is reported as null with its
+error, and the others go on. NVLink multicast stays off.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ kOverhead = {"ag": 1.10, "rs": 1.12}
 kSpeedupLarge, kSpeedupSmall = 1.25, 1.0
 kLargeM = 4096
 kCheckTol = 2e-2  # max |diff| / max |ref| between two bf16 results of fp32 accumulation
+GROUPED_MM = "torch._grouped_mm"
+GROUPED_MM_LOOP = "loop of per-expert torch.matmul"
 
 
 def _parse(argv):
@@ -110,12 +119,63 @@ def _routing(torch, m, topk, experts, kind, seed):
     return ids, weights
 
 
+def grouped_mm_loop(torch, a, w_t, counts, out=None):
+    """torch._grouped_mm(a, w_t, offs) as a loop: rows [start(e), start(e) + counts[e]) of a times
+    w_t[e] for every expert e (counts: ints on the host, adding up to a's rows; w_t [E, K, N]), into
+    `out` [rows, N] (a new tensor when None)."""
+    counts = [int(c) for c in counts]
+    if len(counts) != w_t.shape[0] or any(c < 0 for c in counts) or sum(counts) != a.shape[0]:
+        raise ValueError(f"grouped_mm_loop: counts {counts} do not split {a.shape[0]} rows over "
+                         f"{w_t.shape[0]} experts")
+    if out is None:
+        out = a.new_empty((a.shape[0], w_t.shape[2]))
+    start = 0
+    for e, c in enumerate(counts):
+        if c:  # an empty expert launches nothing
+            torch.matmul(a[start:start + c], w_t[e], out=out[start:start + c])
+        start += c
+    return out
+
+
+def counts_of_ends(ends):
+    """Rows per expert from the end offsets torch._grouped_mm takes (ints, non-decreasing)."""
+    ends = [int(v) for v in ends]
+    return [b - a for a, b in zip([0] + ends[:-1], ends)]
+
+
+def pick_grouped_mm(torch, grouped_mm, device):
+    """(GROUPED_MM or GROUPED_MM_LOOP, reason or None): torch._grouped_mm (passed in, None when this
+    torch lacks it) if it runs bf16 on `device` and agrees with grouped_mm_loop on a small problem
+    with an empty expert, otherwise the loop and why."""
+    if grouped_mm is None:
+        return GROUPED_MM_LOOP, f"torch {torch.__version__} has no torch._grouped_mm"
+    g = torch.Generator(device="cpu").manual_seed(5)
+    counts = [40, 0, 88, 128]  # rows of each expert: one empty, one not a multiple of 16
+    a = torch.randn((sum(counts), 64), generator=g).to(device=device, dtype=torch.bfloat16)
+    w = torch.randn((len(counts), 48, 64), generator=g).to(device=device, dtype=torch.bfloat16)
+    w_t = w.transpose(1, 2)  # as the benchmark passes it: [E, K, N], column-major per expert
+    ends = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(device)
+    try:
+        got = grouped_mm(a, w_t, offs=ends)
+    except Exception as e:  # noqa: BLE001 - any refusal means: not usable here
+        return GROUPED_MM_LOOP, f"torch._grouped_mm fails on bf16 here: {_error_text(e)}"
+    ref = grouped_mm_loop(torch, a, w_t, counts).float()
+    if tuple(got.shape) != tuple(ref.shape) or got.dtype != torch.bfloat16:
+        return GROUPED_MM_LOOP, (f"torch._grouped_mm gave {got.dtype} {tuple(got.shape)}, expected bf16 "
+                                 f"{tuple(ref.shape)}")
+    err = _rel_err(torch, got, ref)
+    if not err <= kCheckTol:
+        return GROUPED_MM_LOOP, f"torch._grouped_mm differs from the per-expert loop (max rel. error {err:.2g})"
+    return GROUPED_MM, None
+
+
 class _Set:
     """One input set of a (model, M, routing): the routing as both sides lay it out, and its tokens.
 
     ids / wts      int32 / float32 [M, topk] on the device (every rank alike)
     order          int64 [P = M topk]: the pairs (t k + slot) sorted by expert, stable (PyTorch's rows)
     offs           int32 [E]: the end of each expert's rows in that order (torch._grouped_mm's offs)
+    counts         [E] ints on the host: each expert's rows in that order (the loop's split)
     offsets        int32 [E + 1]: tdist's expert-ordered rows, each expert padded to 128 (this rank's)
     perm           int64 [P]: tdist's row of PyTorch's row i (row_of_pair[order[i]])
     x_all, x_rows  bf16 [M, H] every token (every rank alike) and [M / W, H] this rank's
@@ -127,6 +187,7 @@ class _Set:
         dev = torch.device("cuda", torch.cuda.current_device())
         ids, wts = _routing(torch, m, topk, experts, kind, seed)
         ref = moe.routing_reference(ids, experts, world, rank)
+        self.counts = torch.bincount(ids.view(-1).long(), minlength=experts).tolist()
         self.ids, self.wts = ids.to(dev), wts.to(dev)
         sorted_ids, self.order = torch.sort(self.ids.view(-1), stable=True)
         ends = torch.arange(1, experts + 1, dtype=torch.int32, device=dev)
@@ -161,15 +222,20 @@ def _methods(torch, dist, tdist, op, sets, w, dims, args):
     world, m, topk, experts = dims["world"], dims["m"], dims["topk"], dims["experts"]
     w_t = w.transpose(1, 2)  # [E, K, N], column-major per expert: torch._grouped_mm's mat_b
     ends = torch.arange(1, experts + 1, dtype=torch.int32, device=w.device)
-    grouped_mm = getattr(torch, "_grouped_mm", None)
+
+    def grouped_mm(a, offs, counts=None):
+        """PyTorch's grouped GEMM of the sorted rows: torch._grouped_mm, or the loop (counts: the
+        host's split; None: read from offs, a synchronisation)."""
+        if dims["grouped_mm"] == GROUPED_MM:
+            return torch._grouped_mm(a, w_t, offs=offs)
+        return grouped_mm_loop(torch, a, w_t, counts if counts is not None else counts_of_ends(offs.tolist()))
 
     def group_gemm(i):
         return moe.grouped_gemm(sets[i]["a_pad"], w, sets[i]["s"].offsets)
 
     def torch_grouped_mm(i):
-        if grouped_mm is None:
-            raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm")
-        return grouped_mm(sets[i]["a_sorted"], w_t, offs=sets[i]["s"].offs)
+        s = sets[i]["s"]
+        return grouped_mm(sets[i]["a_sorted"], s.offs, s.counts)
 
     if op == "ag":
         def tdist_op(i):
@@ -182,7 +248,7 @@ def _methods(torch, dist, tdist, op, sets, w, dims, args):
             dist.all_gather_into_tensor(full, s.x_rows)
             sorted_ids, order = torch.sort(s.ids.view(-1), stable=True)
             offs = torch.searchsorted(sorted_ids, ends, out_int32=True)
-            return grouped_mm(full.index_select(0, order // topk), w_t, offs=offs)
+            return grouped_mm(full.index_select(0, order // topk), offs)
     else:
         def tdist_op(i):
             s = sets[i]
@@ -192,7 +258,7 @@ def _methods(torch, dist, tdist, op, sets, w, dims, args):
 
         def baseline(i):
             s = sets[i]
-            y = grouped_mm(s["a_sorted"], w_t, offs=s["s"].offs)             # [P, H] in expert order
+            y = grouped_mm(s["a_sorted"], s["s"].offs, s["s"].counts)        # [P, H] in expert order
             y = y.index_select(0, s["inverse"])                                # pair order: t topk + slot
             out = torch.bmm(s["s"].wts.to(w.dtype).view(m, 1, topk), y.view(m, topk, -1)).view(m, -1)
             if op == "ar":
@@ -244,12 +310,12 @@ def _bench_op(torch, dist, tdist, op, sets, w, dims, args):
             failed[name] = _error_text(e)
             torch.cuda.synchronize()
 
-    # Local methods first: the baseline needs torch._grouped_mm, and a collective must start on every
-    # rank or on none.
+    # Local methods first: the baseline needs PyTorch's grouped GEMM, and a collective must start on
+    # every rank or on none.
     for name in ("group_gemm", "torch_grouped_mm"):
         try_call(name)
     if "torch_grouped_mm" in failed:
-        failed["baseline"] = "needs torch._grouped_mm: " + failed["torch_grouped_mm"]
+        failed["baseline"] = f"needs {dims['grouped_mm']}: " + failed["torch_grouped_mm"]
     ok = torch.tensor([0.0 if name in failed else 1.0 for name in METHODS], device=w.device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     for name in COLLECTIVE:
@@ -318,6 +384,9 @@ def main(argv=None) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     try:
+        grouped_mm, why = _pick_everywhere(torch, dist, dev)
+        if me == 0 and why:
+            print(f"tdist.bench_moe: PyTorch's grouped GEMM is a {grouped_mm} ({why})", file=sys.stderr, flush=True)
         for mi, model in enumerate(args.models):
             name, hidden, inter, experts, topk = MODELS[model]
             if inter % world or (inter // world) % 8:
@@ -337,7 +406,8 @@ def main(argv=None) -> int:
                               "all_gather_into_tensor needs equal parts); skipped", file=sys.stderr)
                     continue
                 for ri, kind in enumerate(args.routing):
-                    dims = dict(hidden=hidden, f=f, experts=experts, topk=topk, m=m, world=world)
+                    dims = dict(hidden=hidden, f=f, experts=experts, topk=topk, m=m, world=world,
+                                grouped_mm=grouped_mm)
                     seed0 = ((args.seed * 131 + mi) * 131 + m) * 7 + ri
                     bases = [_Set(torch, tdist.moe, dims, m, kind, seed0 * 16 + i, world, me) for i in range(args.sets)]
                     for op in args.ops:
@@ -353,6 +423,7 @@ def main(argv=None) -> int:
                         row = {"op": OPS[op], "model": name, "m": m, "routing": kind,
                                "tdist_us": times["tdist"], "group_gemm_us": times["group_gemm"],
                                "baseline_us": times["baseline"], "torch_grouped_mm_us": times["torch_grouped_mm"],
+                               "grouped_mm_baseline": grouped_mm,
                                "n": w.shape[1], "k": w.shape[2], "experts": experts, "topk": topk,
                                "max_rel_err": {k: rel[k] for k in ("tdist", "group_gemm") if k in rel}}
                         goals, gg, over, speed = _goals(op, m, row)
@@ -366,7 +437,7 @@ def main(argv=None) -> int:
                             row["check_failed"] = bad
                         rows.append(row)
                         if me == 0:
-                            _print_row(row, len(rows) == 1, world, args)
+                            _print_row(row, len(rows) == 1, world, args, grouped_mm)
                             for k, e in failed.items():
                                 print(f"    {k}: {e}", file=sys.stderr, flush=True)
                         del sets
@@ -381,6 +452,7 @@ def main(argv=None) -> int:
                    "tdist": tdist.__version__, "dtype": "bf16", "command": " ".join(sys.argv),
                    "tdist_method": args.tdist_method, "sets": args.sets, "iters": args.iters,
                    "warmup": args.warmup, "seed": args.seed,
+                   "grouped_mm_baseline": grouped_mm, "grouped_mm_fallback_reason": why,
                    "statistic": "median of per-call CUDA-event times, methods alternating, max over ranks (us)",
                    "goals": {"group_gemm_vs_torch": f">= {kGroupGemmVsTorch}",
                              "tdist_over_group_gemm": {OPS[k]: f"<= {v} at m >= {kLargeM}"
@@ -396,6 +468,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def _pick_everywhere(torch, dist, dev):
+    """pick_grouped_mm on every rank; the loop everywhere if any rank cannot use torch._grouped_mm (the
+    baseline is collective, so every rank runs the same sequence)."""
+    name, why = pick_grouped_mm(torch, getattr(torch, "_grouped_mm", None), dev)
+    ok = torch.tensor([1.0 if name == GROUPED_MM else 0.0], device=dev)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if ok.item() > 0:
+        return GROUPED_MM, None
+    return GROUPED_MM_LOOP, why or "torch._grouped_mm is not usable on another rank"
+
+
 def _fmt(v, width=10, spec=".1f"):
     return f"{v:>{width}{spec}}" if v is not None else f"{'-':>{width}}"
 
@@ -404,11 +487,12 @@ def _mark(ok):
     return " " if ok is None or ok else "!"
 
 
-def _print_row(row, first, world, args):
+def _print_row(row, first, world, args, grouped_mm=GROUPED_MM):
     if first:
         print(f"tdist.bench_moe: {world} ranks, bf16, median of {args.iters} alternating rounds over {args.sets} "
-              f"input sets after {args.warmup} warm-up, slowest rank; tdist method={args.tdist_method}")
-        print(f"gg/torch: torch._grouped_mm time over tdist's grouped GEMM (goal >= {kGroupGemmVsTorch}); "
+              f"input sets after {args.warmup} warm-up, slowest rank; tdist method={args.tdist_method}; "
+              f"PyTorch's grouped GEMM (baseline, torch gg): {grouped_mm}")
+        print(f"gg/torch: torch gg time over tdist's grouped GEMM (goal >= {kGroupGemmVsTorch}); "
               f"op/gg: op over the grouped GEMM alone (goal <= {kOverhead['ag']} ag, {kOverhead['rs']} rs at "
               f"M >= {kLargeM}); base/op: PyTorch sequence over the op (goal >= {kSpeedupLarge} at M >= "
               f"{kLargeM}, >= {kSpeedupSmall} below); ! misses its goal; err: max rel. error op / gg")
