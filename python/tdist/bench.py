@@ -7,11 +7,14 @@ them.
     torchrun --nproc-per-node 2 -m tdist.bench --ops ag_gemm,gemm_rs,gemm_ar [--rows 1024,4096,8192,16384]
         [--methods auto,chunked] [--json FILE]
     torchrun --nproc-per-node 2 -m tdist.bench --sizes random:40 --seed 7          (random sweeps: sizes
-    torchrun --nproc-per-node 2 -m tdist.bench --ops gemm_rs --shapes random:12    and shapes nobody tuned on)
+    torchrun --nproc-per-node 2 -m tdist.bench --ops gemm_rs --shapes random:12    and shapes nobody tuned
+                                                                  on, every method beside auto)
 
 Collectives: sizes follow nccl-tests (the AllReduce buffer, the AllGather output, the ReduceScatter
 input); bus bandwidth as nccl-tests: AllReduce 2(n-1)/n x size / time, AllGather and ReduceScatter
-(n-1)/n x size / time; beside NCCL and, for AllReduce, symm_mem one-shot / two-shot.
+(n-1)/n x size / time; tdist with each method of --methods (default auto; "all": auto and every
+method of the op, the default of a random sweep; a method the size refuses is left out) beside NCCL
+and, for AllReduce, symm_mem one-shot / two-shot.
 
 Overlapped GEMMs, shapes as bench/gemm_overlap.cu (LLaMA-3-70B at TP = world size): ag_gemm
 M x 14336 (total, N = 14336 / world per rank) x 8192, gemm_rs / gemm_ar M x 8192 x 14336 (total,
@@ -28,9 +31,12 @@ FILE of schema "tdist.bench/1" (one row per op, size or shape, and implementatio
 the seed; bench/plot.py draws it).
 
 Each cell is the median over --iters launches of one call timed with CUDA events (after --warmup
-calls), the slowest rank's median. Collectives up to --graph-max bytes are timed as CUDA-graph
-replays instead, --ops-per-graph calls per graph, as tdist-bench does: the per-call time without the
-launch floor that event timing of single calls keeps. NVLink multicast stays off.
+calls), the slowest rank's median. A size's collectives take turns, --rounds times (3), each turn
+timing its share of the --iters calls, so that tdist's methods, NCCL and symm_mem see the same
+clocks and neighbours; the median is over all of a variant's calls. Collectives up to --graph-max
+bytes are timed as CUDA-graph replays instead, --ops-per-graph calls per graph, as tdist-bench does:
+the per-call time without the launch floor that event timing of single calls keeps. NVLink
+multicast stays off.
 """
 
 from __future__ import annotations
@@ -48,6 +54,14 @@ SCHEMA = "tdist.bench/1"
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 GEMMS = ("ag_gemm", "gemm_rs", "gemm_ar")
+# --methods all: auto and then every method of the op, as tdist-bench --method all and the
+# --methods of scripts/bench-random's bench_gemm_overlap. "nccl" (tdist's call of NCCL) only when named.
+COLLECTIVE_METHODS = {
+    "all_reduce": ("auto", "ll", "ll128", "one_shot", "two_shot", "ce"),
+    "all_gather": ("auto", "ll", "sm", "sm_push", "ce_push", "ce_pull"),
+    "reduce_scatter": ("auto", "ll", "fused", "ce"),
+}
+GEMM_METHODS = ("auto", "fused", "chunked", "sequential", "baseline")
 
 
 def _size(text: str) -> int:
@@ -190,6 +204,25 @@ def _fmt_size(n: int) -> str:
     return str(n)
 
 
+def _op_methods(op: str, spec: str):
+    """The tdist methods of `op` that --methods `spec` names, in its order ("all": every method of
+    the op, auto first); auto when it names none of them. ValueError on a name no op has."""
+    every = COLLECTIVE_METHODS[op] if op in COLLECTIVES else GEMM_METHODS
+    own = every + ("nccl",) if op in COLLECTIVES else every
+    known = {m for ms in COLLECTIVE_METHODS.values() for m in ms} | set(GEMM_METHODS) | {"nccl", "all"}
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    for name in names:
+        if name not in known:
+            raise ValueError(f"--methods: unknown method '{name}' (expected all or a method of "
+                             f"{', '.join(COLLECTIVES + GEMMS)}; see --help)")
+    out = []
+    for name in names:
+        for m in every if name == "all" else (name,):
+            if m in own and m not in out:
+                out.append(m)
+    return out or ["auto"]
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m tdist.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -205,12 +238,17 @@ def _parse(argv):
                    help="overlapped GEMMs instead of --rows: random:N (M 128..16384, N and K multiples of 8 in "
                    "1024..28672) or MxNxK,... (whole-layer N and K)")
     p.add_argument("--seed", type=int, default=1, help="seed of --sizes random:N and --shapes random:N")
-    p.add_argument("--methods", "--method", default="auto",
-                   help="overlapped GEMMs: tdist methods to time (auto, fused, chunked, sequential, baseline)")
+    each = "; ".join(f"{op}: {', '.join(ms)}" for op, ms in COLLECTIVE_METHODS.items())
+    p.add_argument("--methods", "--method", default=None,
+                   help="tdist methods to time beside the baselines, comma-separated, or all (auto and every method "
+                   f"of the op); each op takes the names it has ({each}; collectives also nccl; GEMMs: "
+                   f"{', '.join(GEMM_METHODS)}) and auto when it has none; default auto, all for a random sweep")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "f16", "fp32", "f32"),
                    help="element type (the overlapped GEMMs: bf16 or fp16)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls first")
     p.add_argument("--iters", type=int, default=20, help="timed calls (graph replays below --graph-max)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="collectives: the variants take turns this many times, each timing its share of --iters")
     p.add_argument("--graph-max", default="0",
                    help="collectives up to this many bytes are timed as CUDA-graph replays (0: none)")
     p.add_argument("--ops-per-graph", type=int, default=50, help="calls captured per graph (--graph-max)")
@@ -231,12 +269,24 @@ def _parse(argv):
         p.error(f"--graph-max: {e}")
     if args.ops_per_graph < 1:
         p.error("--ops-per-graph must be at least 1")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if not 0 <= args.seed < 1 << 63:
         p.error(f"--seed expects an integer in [0, {(1 << 63) - 1}], got {args.seed}")
     if args.shapes is not None and args.rows is not None:
         p.error("--shapes and --rows are exclusive: --shapes gives M too")
     if args.rows is None:
         args.rows = "1024,4096,8192,16384"
+    # A random sweep compares auto with every method in the same run (bench/random_summary.py's best).
+    default = {op: "auto" for op in args.ops}
+    for op in args.ops:
+        if isinstance(args.sizes if op in COLLECTIVES else args.shapes, _Random):
+            default[op] = "all"
+    try:
+        args.op_methods = {op: _op_methods(op, args.methods or default[op]) for op in args.ops}
+        args.op_all = {op: "all" in [x.strip() for x in (args.methods or default[op]).split(",")] for op in args.ops}
+    except ValueError as e:
+        p.error(str(e))
     if isinstance(args.sizes, _Random):
         args.sizes = random_sizes(args.sizes.count, args.seed, 4 if args.dtype == "fp32" else 2)
     if isinstance(args.shapes, _Random):
@@ -264,25 +314,67 @@ def _time_us(fn, warmup: int, iters: int, torch, dist) -> float:
     return float(t.item())
 
 
-def _time_us_graph(fn, ops_per_graph: int, warmup: int, iters: int, torch, dist) -> float:
-    """Median per-call time (us) of `fn` captured `ops_per_graph` times in one CUDA graph, over `iters`
-    replays, the slowest rank's."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture (lazy initialisation, allocations)
-        for _ in range(max(1, warmup)):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+def _time_rounds(fns, warmup: int, iters: int, rounds: int, torch, dist, ops_per_graph: int = 0):
+    """{name: median per-call time (us), the slowest rank's} of the callables of `fns`, which take turns
+    round by round, each round timing its share of `iters` calls: a clock or a neighbour that drifts
+    during the run weighs on every variant alike. The median is over all of a variant's calls, as one
+    run of `iters` calls gives it. ops_per_graph > 0: each callable captured that many times in one
+    CUDA graph (after its warm-up, off the capture), a timed call being one replay / ops_per_graph."""
+    names = list(fns)
+    runs = {}
+    for name in names:
+        fn = fns[name]
+        if not ops_per_graph:
+            for _ in range(warmup):
+                fn()
+            runs[name] = fn
+            continue
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # lazy initialisation and allocations stay out of the capture
+            for _ in range(max(1, warmup)):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(ops_per_graph):
+                fn()
+        graph.replay()
+        runs[name] = graph.replay
+    rounds = max(1, min(rounds, iters))
+    events = {name: [] for name in names}
+    for r in range(rounds):
+        share = iters // rounds + (r < iters % rounds)
+        for name in names:
+            torch.cuda.synchronize()
+            dist.barrier()  # ranks start each variant's turn together
+            pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(share)]
+            for start, end in pairs:
+                start.record()
+                runs[name]()
+                end.record()
+            events[name] += pairs
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ops_per_graph):
+    per = ops_per_graph or 1
+    medians = [statistics.median(s.elapsed_time(e) * 1000.0 for s, e in events[name]) / per for name in names]
+    t = torch.tensor(medians, device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(names, (float(x) for x in t.tolist())))
+
+
+def _runnable(fns, me: int, what: str, quiet=()):
+    """The callables of `fns` that run once without an error (a method the size refuses: every rank
+    refuses alike); the others named on rank 0's stderr unless their name is in `quiet`."""
+    out = {}
+    for name, fn in fns.items():
+        try:
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    per_replay = _time_us(graph.replay, 1, iters, torch, dist)
-    del graph
-    return per_replay / ops_per_graph
+            out[name] = fn
+        except Exception as e:  # noqa: BLE001 - report, keep benchmarking
+            if me == 0 and name not in quiet:
+                print(f"{what} {name}: {type(e).__name__}: {e}", file=sys.stderr)
+    return out
 
 
 def _symm_mem(torch, dist, *ops):
@@ -331,7 +423,6 @@ def main(argv=None) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     elem = torch.tensor([], dtype=dtype).element_size()
     symm = _symm_mem(torch, dist, "one_shot_all_reduce", "two_shot_all_reduce_")
-    cols = ["tdist", "nccl"] + (["symm_mem 1-shot", "symm_mem 2-shot"] if symm and "all_reduce" in args.ops else [])
     rows = []
     gemm_rows = []
     try:
@@ -339,34 +430,34 @@ def main(argv=None) -> int:
             if op in GEMMS:
                 gemm_rows += _bench_gemm(op, args, dtype, tdist, torch, dist)
                 continue
+            methods = args.op_methods[op]
+            cols = [f"tdist {m}" for m in methods] + ["nccl"]
+            if op == "all_reduce" and symm is not None:
+                cols += ["symm_mem 1-shot", "symm_mem 2-shot"]
+            # the methods of "all" that a size refuses are left out quietly, as tdist-bench does
+            quiet = {f"tdist {m}" for m in methods if m != "auto"} if args.op_all[op] else set()
+            printed = False
             for size in args.sizes:
                 # AllReduce: every element (odd counts stay odd, as tdist-bench); AllGather and
                 # ReduceScatter: divisible by the world size.
                 count = max(1, size // elem) if op == "all_reduce" else max(n, size // elem // n * n)
                 bytes_ = count * elem
-                cells = {}
-
-                def timed(fn):
-                    if bytes_ <= args.graph_max:
-                        return _time_us_graph(fn, args.ops_per_graph, args.warmup, args.iters, torch, dist)
-                    return _time_us(fn, args.warmup, args.iters, torch, dist)
-
+                fns = {}
                 if op == "all_reduce":
                     x = torch.randn(count, device="cuda").to(dtype)
                     out = torch.empty_like(x)
                     y = x.clone()
-                    cells["tdist"] = timed(lambda: tdist.all_reduce(x, output=out))
-                    cells["nccl"] = timed(lambda: dist.all_reduce(y))
+                    for m in methods:
+                        fns[f"tdist {m}"] = lambda m=m: tdist.all_reduce(x, output=out, method=m)
+                    fns["nccl"] = lambda: dist.all_reduce(y)
                     if symm is not None:
                         symm_mem, group = symm
                         try:
                             buf = symm_mem.empty(count, dtype=dtype, device="cuda")
                             symm_mem.rendezvous(buf, group)
                             buf.copy_(x)
-                            cells["symm_mem 1-shot"] = timed(
-                                lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group))
-                            cells["symm_mem 2-shot"] = timed(
-                                lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group))
+                            fns["symm_mem 1-shot"] = lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group)
+                            fns["symm_mem 2-shot"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group)
                         except Exception as e:  # noqa: BLE001 - report, keep benchmarking
                             if me == 0:
                                 print(f"symm_mem all_reduce at {_fmt_size(bytes_)}: {type(e).__name__}: {e}",
@@ -375,20 +466,27 @@ def main(argv=None) -> int:
                 elif op == "all_gather":
                     x = torch.randn(count // n, device="cuda").to(dtype)
                     out = torch.empty(count, device="cuda", dtype=dtype)
-                    cells["tdist"] = timed(lambda: tdist.all_gather(x, out))
-                    cells["nccl"] = timed(lambda: dist.all_gather_into_tensor(out, x))
+                    for m in methods:
+                        fns[f"tdist {m}"] = lambda m=m: tdist.all_gather(x, out, method=m)
+                    fns["nccl"] = lambda: dist.all_gather_into_tensor(out, x)
                     busbw_factor = (n - 1) / n
                 elif op == "reduce_scatter":
                     x = torch.randn(count, device="cuda").to(dtype)
                     out = torch.empty(count // n, device="cuda", dtype=dtype)
-                    cells["tdist"] = timed(lambda: tdist.reduce_scatter(x, out))
-                    cells["nccl"] = timed(lambda: dist.reduce_scatter_tensor(out, x))
+                    for m in methods:
+                        fns[f"tdist {m}"] = lambda m=m: tdist.reduce_scatter(x, out, method=m)
+                    fns["nccl"] = lambda: dist.reduce_scatter_tensor(out, x)
                     busbw_factor = (n - 1) / n
+                fns = _runnable(fns, me, f"{op} at {_fmt_size(bytes_)}:", quiet)
+                cells = _time_rounds(fns, args.warmup, args.iters, args.rounds, torch, dist,
+                                     args.ops_per_graph if bytes_ <= args.graph_max else 0)
                 rows.append((op, bytes_, cells, busbw_factor))
                 if me == 0:  # as it is measured
-                    if len(rows) == 1:
+                    if not printed:
                         _print_header(cols, n, args)
+                        printed = True
                     _print_row(rows[-1], cols)
+                del fns
                 torch.cuda.synchronize()
         if me == 0:
             if gemm_rows:
@@ -446,7 +544,7 @@ def _bench_gemm(op: str, args, dtype, tdist, torch, dist):
     from . import _torch_ops
 
     world, me = dist.get_world_size(), dist.get_rank()
-    methods = [x.strip() for x in args.methods.split(",") if x.strip()]
+    methods = args.op_methods[op]
     ms = [int(_size(x)) for x in args.rows.split(",") if x.strip()]
     group = dist.group.WORLD
     symm = _symm_mem(torch, dist, "fused_all_gather_matmul" if op == "ag_gemm" else "fused_matmul_reduce_scatter")
@@ -570,6 +668,7 @@ def result_document(args, n, rows, gemm_rows, gpu="", command=None):
         "dtype": args.dtype, "command": command if command is not None else " ".join(sys.argv),
         "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
         "statistic": "median of per-call CUDA-event times, max over ranks (us)",
+        "collective_rounds": args.rounds,
         "graph_max_bytes": args.graph_max, "ops_per_graph": args.ops_per_graph,
         "graph_statistic": "up to graph_max_bytes: median per-replay time / ops_per_graph, max over ranks (us)",
         "rows": [],
@@ -578,7 +677,7 @@ def result_document(args, n, rows, gemm_rows, gpu="", command=None):
         for name, us in cells.items():
             impl, method = _impl(name)
             doc["rows"].append({
-                "op": op, "bytes": bytes_, "impl": impl, "method": "auto" if impl == "tdist" else method,
+                "op": op, "bytes": bytes_, "impl": impl, "method": "auto" if name == "tdist" else method,
                 "timing": "graph" if bytes_ <= args.graph_max else "events", "us": _finite(us),
                 "algbw_gbps": _finite(bytes_ / (us * 1e3)) if us else None,
                 "busbw_gbps": _finite(bytes_ * factor / (us * 1e3)) if us else None,
@@ -614,10 +713,22 @@ def _write_json(args, n, rows, gemm_rows) -> None:
 
 def _print_header(cols, n, args) -> None:
     print(f"tdist.bench: {n} ranks, {args.dtype}, median of {args.iters} after {args.warmup} warm-up, slowest rank"
+          + (f", variants alternating in {min(args.rounds, args.iters)} rounds" if args.rounds > 1 and len(cols) > 1
+             else "")
           + (f"; graph replays of {args.ops_per_graph} calls up to {_fmt_size(args.graph_max)}" if args.graph_max else ""))
-    head = f"{'op':<15}{'size':>8}" + "".join(f"{c + ' us':>18}" for c in cols) + f"{'nccl/tdist':>12}{'tdist busbw GB/s':>18}"
+    head = (f"{'op':<15}{'size':>8}" + "".join(f"{c + ' us':>18}" for c in cols)
+            + f"{'nccl/tdist':>12}{'tdist busbw GB/s':>18}")
     print(head)
     print("-" * len(head), flush=True)
+
+
+def _auto_cell(cells):
+    """The time the nccl/tdist column compares: auto's ("tdist" in rows of before the methods were
+    named), else the first method's."""
+    for name in ("tdist auto", "tdist"):
+        if name in cells:
+            return cells[name]
+    return next((us for name, us in cells.items() if name.startswith("tdist ")), None)
 
 
 def _print_row(row, cols) -> None:
@@ -625,8 +736,9 @@ def _print_row(row, cols) -> None:
     line = f"{op:<15}{_fmt_size(bytes_):>8}"
     for c in cols:
         line += f"{cells[c]:>18.1f}" if c in cells else f"{'-':>18}"
-    ratio = cells["nccl"] / cells["tdist"]
-    busbw = bytes_ * factor / (cells["tdist"] * 1e-6) / 1e9
+    auto = _auto_cell(cells)
+    ratio = cells["nccl"] / auto if auto and "nccl" in cells else float("nan")
+    busbw = bytes_ * factor / (auto * 1e-6) / 1e9 if auto else float("nan")
     line += f"{ratio:>11.2f}x{busbw:>18.1f}"
     print(line, flush=True)
 
