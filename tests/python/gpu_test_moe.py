@@ -15,10 +15,22 @@ rank's partial sums added through torch.distributed.
 * a CUDA graph of the layer replayed with fresh routing and tokens; torch.compile(fullgraph=True);
 * the grouped GEMM alone (tdist.moe.grouped_gemm): every group's rows, padding included, against
   float64 x w[g]^T; empty groups, int32 and int64 offsets, rows past offsets[G]; its argument errors;
-* argument errors naming the argument.
-Outputs come from torch's allocator, poisoned with NaN before each call.
+* argument errors naming the argument;
+* 200 back-to-back calls of each op (the test waits for none before the last), every call with
+  fresh routing, tokens and router weights, M from 1 to 384, methods and bf16 / fp16 alternating,
+  each output allocated where a NaN block of its size was just freed, every call against float64;
+* an expert id out of range (== E, negative) in topk_ids: the host reference raises naming topk_ids;
+  the ops' routing kernel prints a message naming topk_ids[t][k] and traps (no device error flag
+  yet: the CUDA context is lost), so each op meets it in a child process of one rank, which must
+  end (not hang) with that message, and this process's GPU work goes on.
+Outputs come from torch's allocator, poisoned with NaN before each call. TDIST_GPU_TESTS (names,
+comma-separated) runs only the tests named.
 """
 
+import os
+import re
+import socket
+import subprocess
 import sys
 
 import gpu_harness as h
@@ -277,6 +289,181 @@ def test_errors():
     torch.cuda.synchronize()
 
 
+class Call:
+    """One back-to-back call's inputs (host and device) and the routing of this rank."""
+
+    def __init__(self, i, E, topk, K, N, m_max, W, me):
+        g = torch.Generator().manual_seed(9000 + i)  # the same draws on every rank
+        self.m = m_max if i == 0 else (1, 2, 127, 128, 129)[i % 5] if i % 7 == 0 else int(
+            torch.randint(1, m_max + 1, (1,), generator=g))
+        self.dtype = (torch.bfloat16, torch.float16)[i % 2]
+        self.method = ("auto", "chunked", "baseline")[i % 3]
+        kind = ("random", "skewed", "single")[i % 3 if i % 4 else 0]
+        self.what = f"call {i}: m={self.m} {self.dtype} {self.method} {kind}"
+        self.ids = routing_ids(self.m, topk, E, kind, 9100 + i)
+        self.weights = torch.rand((self.m, topk), generator=g)
+        self.x_all = rand((self.m, K), self.dtype, 9200 + i)
+        self.cap = moe.capacity(self.m, topk, E)
+        self.routing = moe.routing_reference(self.ids, E, W, me)
+        self.h = rand((self.cap, N), self.dtype, 9300 + 7 * i + me)  # this rank's activations
+        first, self.rows = moe.rows_of(self.m, W, me)
+        self.first = first
+        self.x_d = self.x_all[first:first + self.rows].cuda()
+        self.ids_d = self.ids.to(torch.int64).cuda() if i % 4 == 3 else self.ids.cuda()  # int64 converted
+        self.w_d = self.weights.cuda()
+        self.h_d = garbage_padding(self.h, self.routing, self.cap).cuda()
+
+
+def poisoned(shape, dtype, call):
+    """(call()'s output, whether it took the block a NaN tensor of `shape` had just freed): the op's
+    output of that shape comes from torch's allocator, which hands back the block it was given last."""
+    junk = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    ptr = junk.data_ptr()
+    del junk
+    out = call()
+    return out, out.numel() == 0 or out.data_ptr() == ptr
+
+
+def test_back_to_back_fresh_routing():
+    W, me = world(), rank()
+    E, topk, K, N, m_max, calls = 8, 2, 200, 136, 384, 200
+    # This rank's shards, fixed: w13 [E, N, K] for the first projection, w2 [E, K, N] for the second.
+    w13 = {dt: rand((E, N, K), dt, 9400 + me, scale=0.1) for dt in (torch.bfloat16, torch.float16)}
+    w2 = {dt: rand((E, K, N), dt, 9500 + me, scale=0.1) for dt in (torch.bfloat16, torch.float16)}
+    w13_d = {dt: w.cuda() for dt, w in w13.items()}
+    w2_d = {dt: w.cuda() for dt, w in w2.items()}
+    inputs = [Call(i, E, topk, K, N, m_max, W, me) for i in range(calls)]
+    c = inputs[0]  # m_max tokens: every context made at its full size before the loop (a new one syncs)
+    for dt in w13_d:
+        tdist.moe_ag_group_gemm(c.x_d.to(dt), c.ids_d, w13_d[dt])
+        tdist.moe_group_gemm_rs(c.h_d.to(dt), w2_d[dt], c.ids_d, c.w_d)
+        tdist.moe_group_gemm_ar(c.h_d.to(dt), w2_d[dt], c.ids_d, c.w_d)
+    torch.cuda.synchronize()
+    dist.barrier()
+    outs, landed = [], [0, 0, 0]
+    for c in inputs:  # no host synchronisation from here to the end of the loop
+        ag, l0 = poisoned((c.cap, N), c.dtype, lambda: tdist.moe_ag_group_gemm(c.x_d, c.ids_d, w13_d[c.dtype],
+                                                                               method=c.method))
+        rs, l1 = poisoned((c.rows, K), c.dtype, lambda: tdist.moe_group_gemm_rs(c.h_d, w2_d[c.dtype], c.ids_d, c.w_d,
+                                                                                method=c.method))
+        ar, l2 = poisoned((c.m, K), c.dtype, lambda: tdist.moe_group_gemm_ar(c.h_d, w2_d[c.dtype], c.ids_d, c.w_d))
+        outs.append((ag, rs, ar))
+        landed = [n + int(ok) for n, ok in zip(landed, (l0, l1, l2))]
+    torch.cuda.synchronize()
+    # The poison reached the outputs (else an unwritten row could hold an earlier call's right value).
+    assert min(landed) >= calls // 2, f"outputs on the poisoned blocks (ag, rs, ar): {landed} of {calls}"
+    for c, (ag, rs, ar) in zip(inputs, outs):
+        offsets = c.routing["offsets"]
+        assert tuple(ag.shape) == (c.cap, N), c.what
+        check_close(ag[:offsets[E]], ag_reference(c.x_all, c.ids, w13[c.dtype], c.routing), f"ag {c.what}",
+                    TOL[c.dtype])
+        pad = torch.tensor([r for r, t in enumerate(c.routing["token_of_row"]) if t < 0], dtype=torch.long)
+        if pad.numel():
+            assert bool((ag[:offsets[E]].cpu()[pad] == 0).all()), f"ag {c.what}: padding rows not 0"
+        ref = all_ranks_sum(rs_partial(c.h, w2[c.dtype], c.ids, c.weights, c.routing))  # collective, same order
+        check_close(rs, ref[c.first:c.first + c.rows], f"rs {c.what}", TOL[c.dtype])
+        check_close(ar, ref, f"ar {c.what}", TOL[c.dtype])
+    if me == 0:
+        print(f"back to back: {calls} calls of each op checked; outputs on the poisoned blocks (ag, rs, ar): "
+              f"{landed}", flush=True)
+
+
+_BAD_ID_CHILD = r"""
+import ctypes, os, sys
+import tdist, torch
+
+def out(*args):
+    print(*args, flush=True)
+    ctypes.CDLL(None).fflush(None)  # the device printf goes through C stdio, buffered on a pipe
+
+op, t, k, bad = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+tdist.init(heap_size="512M")
+m, topk, E, K, N = 40, 2, 4, 64, 72
+g = torch.Generator().manual_seed(3)
+ids = torch.rand((m, E), generator=g).topk(topk, dim=1).indices.to(torch.int32).cuda()
+x = torch.randn((m, K), generator=g).to(torch.bfloat16).cuda()
+w = torch.randn((E, N, K), generator=g).to(torch.bfloat16).cuda()
+h = torch.randn((tdist.moe.capacity(m, topk, E), K), generator=g).to(torch.bfloat16).cuda()
+wts = torch.rand((m, topk), generator=g).cuda()
+calls = {"ag": lambda i: tdist.moe_ag_group_gemm(x, i, w),
+         "rs": lambda i: tdist.moe_group_gemm_rs(h, w, i, wts),
+         "ar": lambda i: tdist.moe_group_gemm_ar(h, w, i, wts)}
+calls[op](ids)  # a good call first: the context exists, the kernels are loaded
+torch.cuda.synchronize()
+out("good call done")
+ids[t, k] = bad
+try:
+    calls[op](ids)
+    torch.cuda.synchronize()
+    out("bad call returned")
+except Exception as e:
+    out("bad call raised", type(e).__name__ + ":", (str(e).splitlines() or [""])[0])
+    os._exit(3)  # the context is lost (trap): no teardown
+tdist.finalize()
+os._exit(0)
+"""
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run_bad_id_child(op, t, k, bad):
+    """(exit status, output) of a one-rank process on this GPU that calls `op` with topk_ids[t][k] = bad."""
+    env = {key: v for key, v in os.environ.items()
+           if not key.startswith(("TORCHELASTIC", "MASTER_", "GROUP_", "ROLE_", "LOCAL_WORLD", "TORCH_NCCL",
+                                  "TDIST_SHARE_GPUS", "NCCL_HOSTID"))}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    device = torch.cuda.current_device()
+    device = visible.split(",")[device] if visible else str(device)
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", CUDA_VISIBLE_DEVICES=device,
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    try:
+        proc = subprocess.run([sys.executable, "-c", _BAD_ID_CHILD, op, str(t), str(k), str(bad)],
+                              capture_output=True, text=True, env=env, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{op} with topk_ids[{t}][{k}] = {bad}: the process hung (300 s)\n"
+                             f"{e.stdout}{e.stderr}") from None
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_expert_id_out_of_range():
+    W, me = world(), rank()
+    m, topk, E, K, N = 40, 2, 4, 64, 72  # the children's shapes: their kernels are then in the JIT cache
+    ids = routing_ids(m, topk, E, "random", 9600)
+    for bad in (E, -1):  # the host reference checks every id
+        host = ids.clone()
+        host[7, 1] = bad
+        expect_error(lambda: moe.routing_reference(host, E, W, me), "topk_ids", str(bad))
+    first, rows = moe.rows_of(m, W, me)
+    x_all = rand((m, K), torch.bfloat16, 9601)
+    w = rand((E, N, K), torch.bfloat16, 9602 + me, scale=0.1)
+    x_d, ids_d, w_d = x_all[first:first + rows].cuda(), ids.cuda(), w.cuda()
+    routing = moe.routing_reference(ids, E, W, me)
+    ref = ag_reference(x_all, ids, w, routing)
+
+    def good_call(what):
+        d, _ = poisoned((moe.capacity(m, topk, E), N), torch.bfloat16, lambda: tdist.moe_ag_group_gemm(x_d, ids_d, w_d))
+        check_close(d[:routing["offsets"][E]], ref, what, TOL[torch.bfloat16])
+
+    good_call("good call before the children")
+    torch.cuda.synchronize()
+    if me == 0:  # one rank's children are enough: they run alone, at world size 1
+        for op, t, k, bad in (("ag", 17, 1, E), ("ag", 0, 0, -1), ("rs", 39, 0, E), ("ar", 5, 1, -7)):
+            what = f"{op} with topk_ids[{t}][{k}] = {bad}"
+            code, text = _run_bad_id_child(op, t, k, bad)
+            assert "good call done" in text, f"{what}: the good call failed\n{text}"
+            assert "bad call returned" not in text, f"{what}: the call went through\n{text}"
+            assert code == 3, f"{what}: exit status {code}, expected 3 (the call raised)\n{text}"
+            msg = f"tdist moe routing: topk_ids[{t}][{k}] = {bad} is outside [0, {E}) (the number of experts)"
+            assert msg in text, f"{what}: no '{msg}'\n{text}"
+            print(f"[rank 0] {what}: {re.search(r'bad call raised .*', text).group(0)}", flush=True)
+    dist.barrier()
+    good_call("good call after the children")  # their traps left this process's context alone
+
+
 # grouped_gemm's cases: rows per group (empty groups, one row, more than a tile), K, N, offsets' dtype
 GROUPED_GEMM_CASES = (([0, 129, 1, 300, 0], 136, 104, torch.int32), ([5], 72, 200, torch.int64),
                       ([200, 0, 0, 17, 128, 3, 1], 264, 136, torch.int32))
@@ -334,6 +521,8 @@ TESTS = [
     test_torch_compile,
     test_errors,
     test_grouped_gemm,
+    test_back_to_back_fresh_routing,
+    test_expert_id_out_of_range,
 ]
 
 if __name__ == "__main__":
