@@ -4,6 +4,7 @@
 #include "tdist/ops/flash_decode.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -13,6 +14,7 @@
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/nvtx.hpp"
 #include "tdist/jit/jit.hpp"
@@ -91,6 +93,41 @@ int flash_decode_heads_per_cta(int64_t group) {
   return 1;
 }
 
+namespace {
+
+int64_t piece_tokens(int64_t max_seq_len, int64_t splits) {
+  using M = FlashDecodeSplitModel;
+  return ((std::max<int64_t>(max_seq_len, 1) + splits - 1) / splits + M::kTokensPerStep - 1) / M::kTokensPerStep *
+         M::kTokensPerStep;
+}
+
+}  // namespace
+
+double flash_decode_estimate_us(int64_t cta_groups, int64_t head_dim, int64_t max_seq_len, int64_t splits,
+                                int num_sms, int ctas_per_sm) {
+  using M = FlashDecodeSplitModel;
+  splits = flash_decode_nonempty_splits(max_seq_len, splits);
+  const double per = static_cast<double>(piece_tokens(max_seq_len, splits));
+  const double avg = static_cast<double>(std::max<int64_t>(max_seq_len, 1)) / static_cast<double>(splits);
+  const double sms = static_cast<double>(num_sms);
+  const auto wave_tokens = [&](int64_t n) {  // the wave's time in tokens at an SM's share of the bandwidth
+    const int64_t k = std::min<int64_t>((n + num_sms - 1) / num_sms, ctas_per_sm);
+    const double rate = static_cast<double>(k) * M::kLoneCtaRate / (1.0 + M::kSharedSmFalloff * static_cast<double>(k - 1));
+    const double slowest_sm = per * static_cast<double>(k) / rate, bandwidth = static_cast<double>(n) * avg / sms;
+    return std::pow(std::pow(slowest_sm, M::kBoundBlend) + std::pow(bandwidth, M::kBoundBlend), 1.0 / M::kBoundBlend);
+  };
+  const int64_t slots = static_cast<int64_t>(num_sms) * ctas_per_sm, ctas = cta_groups * splits;
+  const int64_t full = ctas / slots, rest = ctas % slots;
+  double tokens = static_cast<double>(full) * (full > 0 ? wave_tokens(slots) : 0.0) + (rest > 0 ? wave_tokens(rest) : 0.0);
+  const double token_us = 4.0 * static_cast<double>(head_dim) / (M::kSmShareGBps * 1e3);  // K and V rows, 2-byte elements
+  double us = tokens * token_us + static_cast<double>(full + (rest > 0 ? 1 : 0)) * M::kWaveStartUs;
+  if (splits > 1) {
+    const int64_t per_round = attn::combine_batch_splits(static_cast<int>(head_dim));
+    us += M::kMergeUs + static_cast<double>((splits + per_round - 1) / per_round) * M::kMergeRoundUs;
+  }
+  return us;
+}
+
 FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                                        int64_t max_seq_len, int num_sms, int ctas_per_sm) {
   TDIST_CHECK_ARG(batch > 0 && kv_heads > 0 && q_heads > 0 && q_heads % kv_heads == 0, "q_heads",
@@ -106,21 +143,33 @@ FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t k
   const int64_t group = q_heads / kv_heads;
   plan.heads_per_cta = flash_decode_heads_per_cta(group);
   plan.head_chunks = static_cast<int>(group / plan.heads_per_cta);
-  const int64_t ctas = batch * kv_heads * plan.head_chunks;
-  const int64_t wave = static_cast<int64_t>(num_sms) * ctas_per_sm;
-  const int64_t want = wave / ctas;  // rounded down: a CTA past the wave would run alone in a second one
-  const auto pieces_of = [&](int64_t tokens) { return std::max<int64_t>(1, (max_seq_len + tokens - 1) / tokens); };
-  int64_t splits = std::clamp<int64_t>(std::min(want, pieces_of(M::kTokensPerStep)), 1, M::kMaxSplits);
-  const int64_t one_round = attn::combine_batch_splits(static_cast<int>(head_dim));
-  if (splits > one_round && pieces_of(M::kMaxTokensInOneMergeRound) <= one_round) splits = one_round;
+  const int64_t groups = batch * kv_heads * plan.head_chunks;
+  // Every split count that leaves no piece empty, up to one step per piece; the first of equal
+  // estimates (the fewest splits) wins.
+  const int64_t most = std::min<int64_t>(M::kMaxSplits, (max_seq_len + M::kTokensPerStep - 1) / M::kTokensPerStep);
+  double best_us = flash_decode_estimate_us(groups, head_dim, max_seq_len, 1, num_sms, ctas_per_sm);
+  int last = 1;
+  for (int64_t s = 2; s <= most; ++s) {
+    const int splits = flash_decode_nonempty_splits(max_seq_len, s);
+    if (splits == last) continue;
+    last = splits;
+    const double us = flash_decode_estimate_us(groups, head_dim, max_seq_len, splits, num_sms, ctas_per_sm);
+    if (us < best_us) {
+      best_us = us;
+      plan.num_splits = splits;
+    }
+  }
+  return plan;
+}
+
+int flash_decode_nonempty_splits(int64_t max_seq_len, int64_t splits) {
+  using M = FlashDecodeSplitModel;
   // The kernel cuts a sequence into pieces of whole steps: fewer splits may cover max_seq_len (e.g.
   // 32K tokens in 33 splits are 32 pieces of 1024), and a split left empty would still be a CTA and
   // a partial to merge.
-  const int64_t per = ((std::max<int64_t>(max_seq_len, 1) + splits - 1) / splits + M::kTokensPerStep - 1) /
-                      M::kTokensPerStep * M::kTokensPerStep;
-  splits = std::max<int64_t>(1, (max_seq_len + per - 1) / per);
-  plan.num_splits = static_cast<int>(splits);
-  return plan;
+  splits = std::clamp<int64_t>(splits, 1, M::kMaxSplits);
+  const int64_t per = piece_tokens(max_seq_len, splits);
+  return static_cast<int>(std::max<int64_t>(1, (max_seq_len + per - 1) / per));
 }
 
 int resident_ctas_per_sm(int regs_per_thread, int threads, size_t smem_bytes, const SmLimits& sm) {
@@ -260,6 +309,19 @@ struct FlashDecode::Impl {
 
   Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
 
+  // The split model weighs every split count (a few microseconds of host time): a decode loop calls
+  // with one shape, so the last plan is kept.
+  std::array<int64_t, 6> last_shape{};
+  FlashDecodeSplitPlan last_plan;
+  FlashDecodeSplitPlan plan_for(const FlashDecodeArgs& a, int64_t max_len, int resident) {
+    const std::array<int64_t, 6> shape{a.batch, a.q_heads, a.kv_heads, a.head_dim, max_len, resident};
+    if (shape != last_shape) {
+      last_plan = plan_flash_decode(a.batch, a.q_heads, a.kv_heads, a.head_dim, max_len, num_sms, resident);
+      last_shape = shape;
+    }
+    return last_plan;
+  }
+
   // Launches the split kernel and fills the combine parameters (all but the exchange's). With
   // `may_finish` and a plan of one split, the split kernel writes out and lse itself; returns
   // nullopt then: there is nothing to combine.
@@ -270,8 +332,11 @@ struct FlashDecode::Impl {
     const int64_t max_len = a.max_seq_len > 0 ? a.max_seq_len : capacity;
     const int d = static_cast<int>(a.head_dim);
     kernels = &FlashDecodeKernels::get(a.dtype, d);
-    const FlashDecodeSplitPlan plan =
-        plan_flash_decode(a.batch, a.q_heads, a.kv_heads, a.head_dim, max_len, num_sms, kernels->resident());
+    FlashDecodeSplitPlan plan = plan_for(a, max_len, kernels->resident());
+    // A fixed split count in place of the model's, for tuning experiments (read at each call: a
+    // captured graph keeps the count it was captured with).
+    const int64_t forced = env::integer("TDIST_FLASH_DECODE_SPLITS", 0, 0, FlashDecodeSplitModel::kMaxSplits);
+    if (forced > 0) plan.num_splits = flash_decode_nonempty_splits(max_len, forced);
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
     // One split and nothing to exchange: the split's normalised output is the result, which the
     // combine kernel would only copy (a second launch, and the partials written and read again).

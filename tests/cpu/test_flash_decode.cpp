@@ -94,29 +94,23 @@ TEST(FlashDecodeArgs, ErrorsNameTheArgument) {
 
 TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
   using M = FlashDecodeSplitModel;
-  // Llama-3-8B (32 / 8 heads), batch 1, 128K tokens, 132 SMs, 2 CTAs per SM: GQA 4 in one CTA,
-  // 8 KV heads x S CTAs filling one wave of 264.
+  // Llama-3-8B (32 / 8 heads), batch 1, 128K tokens, 132 SMs, 2 CTAs per SM: GQA 4 in one CTA, 8 KV
+  // heads x 32 splits in one wave of 264 (33 would cut pieces of 4032: the same bytes, one more
+  // merge round).
   FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 128, 131072, 132);
   EXPECT_EQ(p.heads_per_cta, 4);
   EXPECT_EQ(p.head_chunks, 1);
-  EXPECT_EQ(p.num_splits, 132 * M::kCtasPerSm / 8);
-  EXPECT_LE(8 * p.num_splits, 132 * M::kCtasPerSm);  // one wave, no straggler
+  EXPECT_EQ(p.num_splits, 32);
   // Another SM count scales the splits: no table, a model.
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 131072, 78).num_splits, 78 * M::kCtasPerSm / 8);
-  // Short sequences: pieces down to one step (64 tokens), within one merge round (16 splits at head
-  // dim 128) while pieces stay at most kMaxTokensInOneMergeRound; beyond that, the wave.
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 131072, 78).num_splits, 19);  // 152 CTAs of 156
+  // Short sequences: pieces down to one step (64 tokens), in one merge round (16 splits at head dim
+  // 128) until a second round buys more than it costs.
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 1000, 132).num_splits, 16);
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 200, 132).num_splits, 4);
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 16 * M::kMaxTokensInOneMergeRound, 132).num_splits, 16);
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 16 * M::kMaxTokensInOneMergeRound + 64, 132).num_splits, 33);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 4096, 132).num_splits, 16);
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 6144, 132).num_splits, 32);  // 33 pieces of 187 round up to 192
-  // The merge round is the combine kernel's: 8 splits at head dim 256, 32 at 64.
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 256, 2048, 132).num_splits, 8);
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 64, 4096, 132, 3).num_splits, 32);
-  EXPECT_EQ(plan_flash_decode(1, 32, 8, 64, 131072, 132, 3).num_splits, 49);
-  // Pieces are whole steps of the kernel: 32K tokens in one wave of 33 splits would be 32 pieces of
-  // 1024 tokens and an empty 33rd; it is not launched.
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 32768, 132).num_splits, 32);
+  EXPECT_EQ(plan_flash_decode(1, 32, 8, 64, 131072, 132, 3).num_splits, 49);  // 392 of 396
   for (int64_t len : {1, 63, 64, 65, 255, 256, 257, 1000, 4096, 32768, 131071, 131072, 1 << 20}) {
     const int64_t splits = plan_flash_decode(1, 32, 8, 128, len, 132).num_splits;
     const int64_t per = ((len + splits - 1) / splits + M::kTokensPerStep - 1) / M::kTokensPerStep * M::kTokensPerStep;
@@ -124,9 +118,9 @@ TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
   }
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 1, 132).num_splits, 1);
   EXPECT_EQ(plan_flash_decode(1, 32, 8, 128, 0, 132).num_splits, 1);
-  // A big batch fills the GPU by itself.
+  // A big batch fills the GPU by itself: 256 CTAs of 264, or two whole waves.
   EXPECT_EQ(plan_flash_decode(32, 64, 8, 128, 131072, 132).num_splits, 1);
-  EXPECT_EQ(plan_flash_decode(64, 64, 8, 128, 131072, 132).num_splits, 1);
+  EXPECT_EQ(plan_flash_decode(64, 32, 8, 128, 4096, 132).num_splits, 1);
   // GQA ratios: the largest divisor up to 16 (the MMA's rows), the rest as chunks.
   p = plan_flash_decode(2, 64, 8, 128, 4096, 132);
   EXPECT_EQ(p.heads_per_cta, 8);
@@ -152,10 +146,68 @@ TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {
   EXPECT_THROW(plan_flash_decode(1, 32, 8, 96, 100, 132), Error);
 }
 
+// A grid a little past one wave: the CTAs past it would run in a second wave at a lone CTA's rate
+// (Llama-3-8B, batch 36 at 3968 tokens, 288 CTAs: 1 split took 194-200 us on an H200, 4 to 8 splits
+// 147-151 us); cut in more pieces, the waves fill.
+TEST(FlashDecodeSplitPlan, SplitsWhereTheGridSpillsPastAWave) {
+  const FlashDecodeSplitPlan p = plan_flash_decode(36, 32, 8, 128, 3968, 132);
+  EXPECT_GE(p.num_splits, 4);
+  EXPECT_LE(p.num_splits, 8);
+  EXPECT_LT(flash_decode_estimate_us(288, 128, 3968, p.num_splits, 132, 2),
+            0.8 * flash_decode_estimate_us(288, 128, 3968, 1, 132, 2));
+  // Fewer CTAs than SMs: each alone on its SM, below the bandwidth; a third split fills them
+  // (batch 17 at 16K tokens, 136 CTAs: 379 us in 1 split, 382 in 2 (8 CTAs past the wave), 294 in 3).
+  EXPECT_GE(plan_flash_decode(17, 32, 8, 128, 16384, 132).num_splits, 3);
+  // Llama-3-70B heads (8 per CTA), batch 41 at 3K tokens: 328 CTAs.
+  EXPECT_GT(plan_flash_decode(41, 64, 8, 128, 3072, 132).num_splits, 1);
+}
+
+// The plan is the model's lowest estimate over every split count, the fewest splits among equals.
+TEST(FlashDecodeSplitPlan, IsTheLowestEstimate) {
+  using M = FlashDecodeSplitModel;
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  auto next = [&](uint64_t n) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    return static_cast<int64_t>(x % n);
+  };
+  for (int i = 0; i < 300; ++i) {
+    const int64_t batch = 1 + next(96), kv_heads = int64_t{1} << next(4), group = 1 + next(8);
+    const int64_t d = int64_t{64} << next(3), len = next(2) ? 1 + next(300000) : next(5000);
+    const int sms = static_cast<int>(16 + next(140)), per_sm = static_cast<int>(1 + next(3));
+    const FlashDecodeSplitPlan p = plan_flash_decode(batch, kv_heads * group, kv_heads, d, len, sms, per_sm);
+    const int64_t groups = batch * kv_heads * p.head_chunks;
+    const double chosen = flash_decode_estimate_us(groups, d, len, p.num_splits, sms, per_sm);
+    ASSERT_GE(p.num_splits, 1);
+    ASSERT_LE(p.num_splits, M::kMaxSplits);
+    ASSERT_EQ(flash_decode_nonempty_splits(len, p.num_splits), p.num_splits);
+    for (int64_t s = 1; s <= M::kMaxSplits; ++s) {
+      const double other = flash_decode_estimate_us(groups, d, len, s, sms, per_sm);
+      ASSERT_GE(other, chosen) << "batch " << batch << " len " << len << " d " << d << ": " << s << " splits beat "
+                               << p.num_splits;
+      if (flash_decode_nonempty_splits(len, s) < p.num_splits) ASSERT_GT(other, chosen);
+    }
+  }
+}
+
+TEST(FlashDecodeSplitPlan, EstimateGrowsWithTheBytes) {
+  for (int64_t groups : {8, 64, 288}) {
+    double last = 0.0;
+    for (int64_t len = 64; len <= (1 << 20); len *= 4) {
+      const double us = flash_decode_estimate_us(groups, 128, len, 1, 132, 2);
+      EXPECT_GT(us, last);
+      last = us;
+    }
+  }
+  // A second wave of a few CTAs costs about as much as a whole one of its length (lone CTAs).
+  const double one_wave = flash_decode_estimate_us(264, 128, 8192, 1, 132, 2);
+  const double spilled = flash_decode_estimate_us(288, 128, 8192, 1, 132, 2);
+  EXPECT_GT(spilled, 1.4 * one_wave);
+}
+
 TEST(FlashDecodeSplitPlan, OneWaveOfWhatFitsOnTheGpu) {
-  // 3 CTAs per SM resident: 8 KV heads x 49 splits <= 396.
+  // 3 CTAs per SM resident: 8 KV heads x 48 splits <= 396.
   FlashDecodeSplitPlan p = plan_flash_decode(1, 32, 8, 128, 131072, 132, 3);
-  EXPECT_EQ(p.num_splits, 49);
+  EXPECT_EQ(p.num_splits, 48);
   EXPECT_EQ(plan_flash_decode(4, 64, 8, 128, 131072, 132, 2).num_splits, 8);  // 32 CTAs x 8 <= 264
   EXPECT_THROW(plan_flash_decode(1, 32, 8, 128, 100, 132, 0), Error);
   EXPECT_EQ(flash_decode_heads_per_cta(4), 4);

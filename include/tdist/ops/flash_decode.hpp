@@ -70,30 +70,46 @@ struct FlashDecodeSplitPlan {
   int num_splits = 1;     // pieces of each sequence
 };
 
-// The split model. A split CTA's time is mostly a chain of round trips to memory (its length, its
-// block-table entries, then its pages, two tiles in flight per warp), so shorter pieces finish
-// sooner, down to one CTA step (kTokensPerStep); but more splits than the combine kernel loads in one
-// round (combine_batch_splits(head_dim): 16 at head dim 128) cost the merge another dependent round
-// trip. So: one wave of the CTAs that fit on the GPU at once (ctas_per_sm x num_sms, from the
-// kernel's registers and shared memory), pieces of at least one step, at most kMaxSplits, and no
-// more splits than one merge round while that still leaves each piece at most
-// kMaxTokensInOneMergeRound. Pieces are whole steps, and splits that this rounding would leave
-// empty are not launched.
+// The split model: of every split count, the one with the lowest estimated time. A split CTA reads
+// its pieces' K and V rows (4 x head_dim bytes a token) through a chain of round trips, so what it
+// reads per second depends on how many CTAs share its SM, and the GPU's bandwidth caps the whole.
+// The grid runs in waves of what fits at once (ctas_per_sm x num_sms); a wave of n CTAs of `per`
+// tokens (avg on average) takes the smooth maximum (exponent kBoundBlend) of
+//   its slowest SM:   per x k / R(k)     k = ceil(n / num_sms) of its CTAs resident, R(k) = k x
+//                                        kLoneCtaRate / (1 + kSharedSmFalloff x (k - 1))
+//   the bandwidth:    n x avg / num_sms
+// in units of one token's bytes at an SM's share of the copy bandwidth (kSmShareGBps), plus
+// kWaveStartUs (the chain before a wave's first bytes); more than one split adds the merge,
+// kMergeUs and kMergeRoundUs per round of the combine kernel's loads (combine_batch_splits(head_dim)
+// splits). Pieces are whole steps (kTokensPerStep), and splits that this rounding would leave empty
+// are not launched. The constants were measured on an H200 (132 SMs, 4.26 TB/s copy; head dim 128,
+// bf16, 16- and 64-token pages) by timing every split count of 16 cases (docs/flash_decode.md,
+// "Split model"): one CTA alone on its SM reads at 0.87 of the SM's share, two at 1.38 together.
 struct FlashDecodeSplitModel {
   static constexpr int kCtasPerSm = 2;           // when the kernel's occupancy is not known
   static constexpr int64_t kTokensPerStep = 64;  // a CTA's step: 4 warps x one 16-token tile
-  // Four tiles per warp. On an H200 at batch 1 with Llama-3-8B heads (head dim 128): 4K tokens in 16
-  // pieces of 256 took 11.1 us, in 32 of 128 11.5 us (a second merge round); 6K tokens in 32 pieces
-  // of 192 13.1 us, in 24 of 256 13.5 us; 1K tokens in 16 pieces of 64 6.1 us, in 4 of 256 9.2 us.
-  static constexpr int64_t kMaxTokensInOneMergeRound = 256;
   static constexpr int kMaxSplits = 256;
+  static constexpr double kLoneCtaRate = 0.87;
+  static constexpr double kSharedSmFalloff = 0.26;
+  static constexpr double kSmShareGBps = 32.3;
+  static constexpr double kBoundBlend = 6.0;
+  static constexpr double kWaveStartUs = 1.5;
+  static constexpr double kMergeUs = 0.5;
+  static constexpr double kMergeRoundUs = 0.9;
 };
+// The model's estimate (us) of one call cut into `splits` pieces per sequence (after the whole-step
+// rounding), `cta_groups` = batch x kv_heads x head chunks CTAs per split.
+double flash_decode_estimate_us(int64_t cta_groups, int64_t head_dim, int64_t max_seq_len, int64_t splits,
+                                int num_sms, int ctas_per_sm);
 // Query heads of one KV head that a CTA computes: the largest divisor of the group up to 16 (the
 // rows of the kernel's MMA tile).
 int flash_decode_heads_per_cta(int64_t group);
 FlashDecodeSplitPlan plan_flash_decode(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                                        int64_t max_seq_len, int num_sms,
                                        int ctas_per_sm = FlashDecodeSplitModel::kCtasPerSm);
+
+// `splits` (clamped to 1..kMaxSplits) less those that pieces of whole steps leave empty.
+int flash_decode_nonempty_splits(int64_t max_seq_len, int64_t splits);
 
 // An SM's limits (cudaDeviceProp: regsPerMultiprocessor, maxThreadsPerMultiProcessor,
 // maxBlocksPerMultiProcessor, sharedMemPerMultiprocessor, reservedSharedMemPerBlock); Hopper's here.
