@@ -29,7 +29,7 @@ matmuls on a small problem (checked once, on every rank), the baseline and torch
 that loop instead (grouped_mm_loop: one torch.matmul per non-empty expert; the AllGather baseline
 reads the experts' row counts to the host, a synchronisation any loop over experts needs). The
 table's header and the JSON's grouped_mm_baseline field (with grouped_mm_fallback_reason) say which
-ran.
+ran. The loop leaves the GPU idle, so the method timed after it also counts its own launch time.
 
 Goals checked in the table (2 x H200): grouped GEMM >= 0.95x torch._grouped_mm's throughput (same
 useful rows); at M >= 4096 tdist_us <= 1.10x (ag) / 1.12x (rs) group_gemm_us and >= 1.25x faster than
