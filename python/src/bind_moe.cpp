@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "runtime_access.hpp"
@@ -66,6 +67,16 @@ class MoeContext {
       box_->router = std::make_unique<tdist::MoeRouter>(max_m, topk, experts, world_size_, rank_);
     }
     tdist_python::reset_on_runtime_close(runtime, box_, device_);
+  }
+
+  // Synchronises; throws naming topk_ids if a routing of this context met an expert id out of range.
+  void check_errors() {
+    nb::gil_scoped_release release;
+    tdist_python::ScopedDevice scope(device_);
+    if constexpr (std::is_same_v<Op, tdist::MoeAgGroupGemm>)
+      op().check_errors();  // the op routes with a router of its own
+    else
+      router().check_errors();
   }
 
   // Collective: returns the context's memory to the heap.
@@ -191,6 +202,7 @@ void bind_moe(nb::module_& m) {
            "experts"_a, "topk"_a, "dtype"_a)
       .def("run", &MoeAg::run, "a_local"_a, "topk_ids"_a, "b"_a, "d"_a, "m"_a, "n"_a, "stream"_a, "method"_a,
            "run"_a = true)
+      .def("check_errors", &MoeAg::check_errors)
       .def("close", &MoeAg::close)
       .def_prop_ro("closed", &MoeAg::closed)
       .def_prop_ro("max_m", &MoeAg::max_m)
@@ -201,6 +213,7 @@ void bind_moe(nb::module_& m) {
            "max_n"_a, "experts"_a, "topk"_a, "dtype"_a)
       .def("run", &MoeRs::run, "h"_a, "b"_a, "topk_ids"_a, "topk_weights"_a, "d"_a, "m"_a, "n"_a, "k"_a, "stream"_a,
            "method"_a, "all_reduce"_a, "run"_a = true)
+      .def("check_errors", &MoeRs::check_errors)
       .def("close", &MoeRs::close)
       .def_prop_ro("closed", &MoeRs::closed)
       .def_prop_ro("max_m", &MoeRs::max_m)

@@ -23,7 +23,9 @@ predecessors'; E experts; T = bf16 or fp16):
 
 The routing (sort by expert, padding to 128-row tiles) runs on the GPU, with no host synchronisation;
 moe_group_gemm_rs routes topk_ids again (a pure function of the ids, so the rows match the first
-projection's). An expert id outside [0, E) stops the routing kernel with a message naming topk_ids.
+projection's). An expert id outside [0, E) is checked on the GPU without stopping the stream: its
+pair is routed to expert 0 (that call's outputs are wrong), the routing kernel prints it, and
+tdist.moe.check_errors() (which synchronises) raises tdist.Error naming topk_ids[t][k] and the id.
 Collective: every rank calls with the same M, shapes and method. method: 'auto', 'chunked' or
 'baseline' (docs/moe.md). Each op keeps one context per (dtype, experts, topk, K or N) on tdist's
 heap, created on the first call and re-created larger when a call has more tokens (collective; never
@@ -94,8 +96,9 @@ def routing(topk_ids, experts: int, world_size: int = 1, rank: int = 0) -> dict:
     """routing_reference's layout built with torch ops on topk_ids' device, with no host
     synchronisation (CUDA-graph safe; the MoE ops' backward uses it): offsets int64 [E + 1], counts
     int64 [E], token_of_row int64 [capacity(M, topk, E)] (-1: padding and the rows past offsets[E]),
-    row_of_pair int64 [M, topk]. topk_ids: an int32 or int64 tensor [M, topk] with ids in [0, experts)
-    (not checked here: that would need a synchronisation; the ops' routing kernel checks them)."""
+    row_of_pair int64 [M, topk]. topk_ids: an int32 or int64 tensor [M, topk] with ids in [0, experts);
+    an id outside is routed to expert 0, as the ops' routing kernel does (which records it for
+    check_errors; checking here would need a synchronisation)."""
     torch = _torch("moe.routing")
     op = "moe.routing"
     check_tensor_kind(lambda *a: _fail(op, *a), "topk_ids", topk_ids, ("int32", "int64"), (None, None))
@@ -108,6 +111,7 @@ def routing(topk_ids, experts: int, world_size: int = 1, rank: int = 0) -> dict:
     # token rotated[q // topk], slot q % topk. A stable sort by expert keeps that order per expert.
     rotated = (torch.arange(m, device=dev) + rows_of(m, world_size, rank)[0]) % max(m, 1)
     flat = topk_ids.long()[rotated].reshape(-1)
+    flat = torch.where((flat >= 0) & (flat < experts), flat, 0)  # an index out of range would assert on the GPU
     by_expert = torch.sort(flat, stable=True)
     expert_of, pair = by_expert.values, by_expert.indices
     # scatter_add, not bincount: bincount sizes its output from the largest id (a synchronisation).
@@ -337,6 +341,17 @@ def grouped_gemm(a, w, offsets):
     """T [M_total, N]: rows [offsets[g], offsets[g + 1]) of a times w[g]^T for every group g; rows past
     offsets[G] are not written (see the module's docstring). One GPU, not collective."""
     return _torch("moe.grouped_gemm").ops.tdist.grouped_gemm(a, w, offsets)
+
+
+def check_errors() -> None:
+    """Synchronises and raises tdist.Error naming topk_ids if a call of an MoE op since the last check
+    met an expert id outside [0, E) (the first one: its token, slot and value). Not collective."""
+    from ._runtime import runtime
+
+    rt = runtime("moe.check_errors")
+    for r, ctx in list(_contexts.values()):
+        if r is rt and not ctx.closed:
+            ctx.check_errors()
 
 
 def method(m: int, world_size: int) -> str:

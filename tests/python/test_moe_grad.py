@@ -46,6 +46,19 @@ def test_routing_equals_host_reference(m, topk, experts, world, kind):
         assert got["row_of_pair"].tolist() == [list(r) for r in ref["row_of_pair"]]
 
 
+def test_routing_sends_ids_out_of_range_to_expert_0():
+    # As the ops' routing kernel does (it also records the id for tdist.moe.check_errors).
+    ids = routing_ids(37, 3, 6, "random", 5)
+    bad = ids.clone()
+    bad[4, 2], bad[30, 0], bad[36, 1] = 6, -1, 1 << 20
+    fixed = bad.clone()
+    fixed[4, 2], fixed[30, 0], fixed[36, 1] = 0, 0, 0
+    for rank in range(2):
+        got, ref = moe.routing(bad, 6, 2, rank), moe.routing_reference(fixed, 6, 2, rank)
+        assert got["counts"].tolist() == list(ref["counts"])
+        assert got["row_of_pair"].tolist() == [list(r) for r in ref["row_of_pair"]]
+
+
 def test_routing_argument_errors():
     ids = routing_ids(10, 2, 4, "random", 1)
     with pytest.raises(tdist.Error, match="'topk_ids'"):

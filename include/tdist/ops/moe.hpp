@@ -75,9 +75,13 @@ class MoeRouter {
   MoeRouter& operator=(const MoeRouter&) = delete;
 
   // Routes m tokens' ids (device, int32 [m][topk]) on `stream`; the view stays valid until the next
-  // call. An id outside [0, experts) stops the kernel with a message naming topk_ids.
+  // call. An id outside [0, experts) is routed to expert 0 (the kernels go on: no trap, which would
+  // lose the CUDA context), printed from the device and recorded; check_errors() reports it.
   const MoeRouting& route(const int* topk_ids, int64_t m, cudaStream_t stream);
   const MoeRouting& routing() const;
+  // Synchronises the device; throws naming topk_ids if a routing since the last report met an id
+  // outside [0, experts).
+  void check_errors();
 
  private:
   struct Impl;
@@ -122,6 +126,8 @@ class MoeAgGroupGemm {
   // The routing of the last run (device memory, valid until the next run).
   const MoeRouting& routing() const;
   const MoeConfig& config() const;
+  // Its router's check_errors(): throws naming topk_ids if a run met an expert id out of range.
+  void check_errors();
 
  private:
   struct Impl;

@@ -266,6 +266,7 @@ void MoeAgGroupGemm::run(const MoeAgGroupGemmArgs& args, cudaStream_t stream, Ov
   impl_->run(args, stream, method);
 }
 const MoeRouting& MoeAgGroupGemm::routing() const { return impl_->router.routing(); }
+void MoeAgGroupGemm::check_errors() { impl_->router.check_errors(); }
 const MoeConfig& MoeAgGroupGemm::config() const { return impl_->config; }
 
 // ---------------------------------------------------------------------------------------------

@@ -157,8 +157,19 @@ TDIST_HOST_DEVICE TileKeys tile_keys(Cum cum, u32 count, u32 i, int world) {
   return {rel_last, rs};
 }
 
+// The first expert id outside [0, experts) that the count kernel met since the host last took the
+// report: in mapped pinned memory, written once (by the winner of *bad_owner, a device word the host
+// zeroes when it takes the report), `seen` last.
+struct BadIdRecord {
+  int id;
+  u32 token, slot;
+  u32 seen;
+};
+
 struct RouteParams {
   const int* topk_ids;  // int32[M][topk]
+  u32* bad_owner;       // device word: 0 until an id outside [0, experts) is met
+  BadIdRecord* bad;     // its record (device view of mapped host memory)
   RouteSegments segments;
   u32 experts;
   u32 num_segments;      // segments.count()
@@ -200,8 +211,9 @@ namespace tdist::kernels::moe {
 
 constexpr u32 kRouteWarps = kRouteThreads / 32;
 
-// kCheck: the count kernel checks every id (and traps on a bad one before the build kernel can start);
-// the build kernel reads them again unchecked, which keeps printf's call out of its placing loop.
+// An id outside [0, experts) is routed to expert 0 by both kernels (so that every buffer stays
+// consistent and no kernel traps, which would lose the CUDA context); kCheck: the count kernel also
+// prints and records the first one, which MoeRouter::check_errors reports naming topk_ids.
 template <bool kCheck>
 __device__ __forceinline__ int route_expert(const RouteParams& p, u64 q, u64* token_out, u32* slot_out) {
   // Pairs and rows fit int32 (check_moe_routing_args): 32-bit division, no 64-bit division routine.
@@ -210,11 +222,19 @@ __device__ __forceinline__ int route_expert(const RouteParams& p, u64 q, u64* to
   u64 t = pairs.first_token() + q32 / pairs.topk;
   t = t >= pairs.split.m ? t - pairs.split.m : t;
   const u32 k = q32 % pairs.topk;
-  const int e = p.topk_ids[t * pairs.topk + k];
-  if (kCheck && (e < 0 || static_cast<u32>(e) >= p.experts)) {  // no host check without a synchronisation: fail loudly
-    printf("tdist moe routing: topk_ids[%llu][%u] = %d is outside [0, %u) (the number of experts)\n",
-           static_cast<unsigned long long>(t), k, e, p.experts);
-    __trap();
+  int e = p.topk_ids[t * pairs.topk + k];
+  if (e < 0 || static_cast<u32>(e) >= p.experts) {
+    if (kCheck && atomicCAS(p.bad_owner, 0u, 1u) == 0u) {
+      printf("tdist moe routing: topk_ids[%llu][%u] = %d is outside [0, %u) (the number of experts); routed to "
+             "expert 0, reported by check_errors()\n",
+             static_cast<unsigned long long>(t), k, e, p.experts);
+      p.bad->id = e;
+      p.bad->token = static_cast<u32>(t);
+      p.bad->slot = k;
+      __threadfence_system();  // the fields before `seen`, for the host
+      *reinterpret_cast<volatile u32*>(&p.bad->seen) = 1u;
+    }
+    e = 0;
   }
   *token_out = t;
   *slot_out = k;
