@@ -163,11 +163,12 @@ void bind_flash_decode(nb::module_& m) {
       "Bytes of the symmetric buffer a DistributedFlashDecode of this size takes.");
   m.def(
       "flash_decode_plan",
-      [](int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t max_seq_len, int num_sms) {
+      [](int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t max_seq_len, int num_sms,
+         int ctas_per_sm) {
         const tdist::FlashDecodeSplitPlan p =
-            tdist::plan_flash_decode(batch, q_heads, kv_heads, head_dim, max_seq_len, num_sms);
+            tdist::plan_flash_decode(batch, q_heads, kv_heads, head_dim, max_seq_len, num_sms, ctas_per_sm);
         return std::make_tuple(p.heads_per_cta, p.head_chunks, p.num_splits);
       },
-      "batch"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "max_seq_len"_a, "num_sms"_a,
+      "batch"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "max_seq_len"_a, "num_sms"_a, "ctas_per_sm"_a = 2,
       "The split model: (query heads per CTA, head chunks, splits per sequence).");
 }

@@ -238,6 +238,8 @@ def check_errors(device=None) -> None:
             x.op.check_errors()
 
 
-def plan(batch: int, q_heads: int, kv_heads: int, max_seq_len: int, num_sms: int, head_dim: int = 128) -> tuple:
-    """The split model: (query heads per CTA, head chunks, splits per sequence)."""
-    return _C.flash_decode_plan(batch, q_heads, kv_heads, head_dim, max_seq_len, num_sms)
+def plan(batch: int, q_heads: int, kv_heads: int, max_seq_len: int, num_sms: int, head_dim: int = 128,
+         ctas_per_sm: int = 2) -> tuple:
+    """The split model (docs/flash_decode.md): (query heads per CTA, head chunks, splits per sequence).
+    ctas_per_sm: split CTAs one SM holds (on Hopper 3, 2 and 1 at head dim 64, 128 and 256)."""
+    return _C.flash_decode_plan(batch, q_heads, kv_heads, head_dim, max_seq_len, num_sms, ctas_per_sm)

@@ -467,12 +467,15 @@ def test_row_chunks():
 
 def test_flash_decode_split_plan():
     from tdist.flash_decode import plan  # the module (tdist.flash_decode is the op)
-    # Llama-3-8B heads (GQA 4 in one CTA), batch 1, 132 SMs: a wave of 8 x 33 CTAs at 128K; at 4K one
+    # Llama-3-8B heads (GQA 4 in one CTA), batch 1, 132 SMs: a wave of 8 x 32 CTAs at 128K; at 4K one
     # merge round of 16 splits (pieces of 256 tokens); at 1000 tokens pieces of one 64-token step.
-    assert plan(1, 32, 8, 131072, 132) == (4, 1, 33)
+    assert plan(1, 32, 8, 131072, 132) == (4, 1, 32)
     assert plan(1, 32, 8, 4096, 132) == (4, 1, 16)
     assert plan(1, 32, 8, 1000, 132) == (4, 1, 16)
-    assert plan(1, 32, 8, 2048, 132, head_dim=256) == (4, 1, 8)  # the combine's round is 8 splits there
+    # Head dim 256: one CTA per SM; pieces of 128 tokens over two merge rounds of 8.
+    assert plan(1, 32, 8, 2048, 132, head_dim=256, ctas_per_sm=1) == (4, 1, 16)
+    # Batch 36 at 3968 tokens: 288 CTAs a split spill past the wave of 264; the model splits.
+    assert plan(36, 32, 8, 3968, 132)[2] > 1
     with pytest.raises(tdist.Error, match="head_dim"):
         plan(1, 32, 8, 4096, 132, head_dim=96)
 
