@@ -108,7 +108,7 @@ def test_import_without_triton_gives_a_clear_error():
 def test_public_names():
     for name in ("rank", "num_ranks", "symm_at", "wait", "notify", "signal_op", "consume_token", "put", "get",
                  "put_signal", "put_tile", "get_tile", "fence", "quiet", "barrier_all", "barrier_all_grid",
-                 "ld_acquire", "ld_relaxed"):
+                 "ld_acquire", "ld_relaxed", "wait_each_thread", "wait_diagnostics"):
         assert isinstance(getattr(tdl, name), triton.JITFunction), name
     assert callable(tdist.triton.heap_view) and callable(tdist.triton.kernel)
 
@@ -238,6 +238,25 @@ def test_consume_token_orders_the_load_after_the_wait():
     addr = re.search(r"\[\s*(%rd\d+)", load).group(1)
     assert addr in deps, f"the data load ({load}) does not depend on the waited value ({sorted(deps)})"
     assert body.index("tdist_done:") < body.index(load)
+
+
+@triton.jit
+def wait_each_in_a_loop(heap, flags, data, out, epoch, N: tl.constexpr):
+    tdl.wait_diagnostics(heap)
+    offs = tl.arange(0, 128)
+    acc = tl.zeros([128], tl.float32)
+    for i in range(N):
+        seen = tdl.wait_each_thread(heap, flags + i, epoch)
+        acc += tl.load(tdl.consume_token(data + i * 128 + offs, seen))
+    tl.store(out + offs, acc)
+
+
+def test_wait_each_thread_acquires_per_thread_without_a_barrier():
+    sig = {"heap": "*i64", "flags": "*i64", "data": "*fp32", "out": "*fp32", "epoch": "i64"}
+    ptx = compile_ptx(wait_each_in_a_loop, sig, {"N": 4})
+    assert "ld.acquire.sys.u64" in ptx and "%globaltimer" in ptx
+    assert "bar.sync" not in ptx, "wait_each_thread must not synchronise the program"
+    assert re.search(r"\.extern \.func .*vprintf", ptx), "wait_diagnostics did not declare vprintf"
 
 
 @pytest.mark.parametrize("scope,cmp", [("sys", "ge"), ("gpu", "eq"), ("sys", "lt")])

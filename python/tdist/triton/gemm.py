@@ -105,7 +105,7 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M,
     # its chunks, then loads A.
     # A_TMA (B_TMA too; BLOCK_M divides m_local and CHUNK, so a tile's rows come from one rank and one chunk):
     # a_own, a_peer: TMA descriptors of x [m_local, K] and of gathered [M, K]; own tiles read a_own, the
-    # others wait on their chunk's one flag (tdl._wait_each_thread: no barrier), fence the async proxy and read
+    # others wait on their chunk's one flag (tdl.wait_each_thread: no barrier), fence the async proxy and read
     # a_peer. Else A by pointer loads, one flag per row (a block wait) and consume_token; a_own and a_peer unused.
     # b: w [N, K], a TMA descriptor when B_TMA, else a pointer. out: [M, N], a TMA descriptor with blocks
     # [BLOCK_M, BLOCK_N / 2] when C_TMA (rows and columns past the ends are not written), else a pointer.
@@ -122,7 +122,7 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M,
         _ag_push_chunks(heap, gathered, x, flags, m_local, K, num_chunks, epoch, pid, num_push, CHUNK, PUSH_K)
     me = tdl.rank(heap)
     if PEERS:
-        tdl._declare_vprintf(tl.load(heap + 2))  # the waits' diagnostics call vprintf
+        tdl.wait_diagnostics(heap)  # outside the loop: the waits' diagnostics call vprintf
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
@@ -151,7 +151,7 @@ def _ag_gemm_kernel(heap, x, gathered, a_own, a_peer, b, out, flags, x_delta, M,
                     # One flag, every thread acquiring it. After an aborted wait the TMA reads stale rows
                     # (garbage, as the contract says), never out of bounds (TMA clips).
                     flag = flags + src * num_chunks + (row0 - src * m_local) // CHUNK
-                    seen = tdl._wait_each_thread(heap, flag, epoch)
+                    seen = tdl.wait_each_thread(heap, flag, epoch)
                     a = a_peer
                     a_row = row0 + _async_proxy_after(seen).to(tl.int32)
             # A[a_row : a_row + BLOCK_M, :] @ B[cols, :].T, both through TMA (blocks [BLOCK_M, BLOCK_K] and

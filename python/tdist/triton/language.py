@@ -27,7 +27,8 @@ Memory-order contract (the words of signal.cuh and memory_order.cuh):
     red.release.S.
   - wait reads the flags with ld.acquire.S: no load or store of the program after the wait is
     performed before the flags were seen. It ends with a bar.sync, so every thread of the program is
-    ordered after every flag (as wait_block).
+    ordered after every flag (as wait_block). wait_each_thread has every thread acquire the flag itself
+    and no bar.sync: each thread is ordered after the flag by its own acquire (as wait_thread).
   - The default scope is 'sys', right for flags written over NVLink by another GPU. Use 'gpu' only
     for flags that never leave one GPU.
   - Flags are 32- or 64-bit integers and never reset by these calls: give each use a new value (a
@@ -228,12 +229,22 @@ def wait(heap, flags, expected, scope: tl.constexpr = _SYS, cmp: tl.constexpr = 
 
 
 @triton.jit
-def _wait_each_thread(heap, flag, expected, scope: tl.constexpr = _SYS, cmp: tl.constexpr = _GE):
-    # wait on one flag with every thread spinning on it and acquiring it itself, and no bar.sync: a loop
-    # holding it can still be pipelined (Triton 3.6 pipelines no loop holding a barrier). The same bounded
-    # spin, diagnostic and abort; the first thread to time out records the fault, the others return quietly
-    # (under the trap action several may print). The kernel calls _declare_vprintf once, outside its loop.
+def wait_each_thread(heap, flag, expected, scope: tl.constexpr = _SYS, cmp: tl.constexpr = _GE):
+    """wait on one flag with every thread spinning on it and acquiring it itself, and no bar.sync, so that
+    a loop holding it can still be pipelined (Triton 3.6 pipelines no loop holding a barrier). Returns the
+    value each thread saw (feed it to consume_token). The same bounded spin, diagnostic and abort as
+    wait; the first thread to time out records the fault, the others return quietly (under the trap
+    action several may print). A kernel calling it must call wait_diagnostics(heap) once, outside its
+    loops (the diagnostic's vprintf is declared there)."""
     return _spin(flag, expected, tl.load(heap + 2), tl.load(heap).to(tl.int32), tl.load(heap + 3), scope, cmp, False)
+
+
+@triton.jit
+def wait_diagnostics(heap):
+    """Makes the timeout diagnostics of wait_each_thread printable: call it once in the kernel, before
+    and outside the loops that wait (its print, reached only with a corrupt heap descriptor, keeps them
+    out of a loop body that Triton would then not pipeline). wait and the barriers do it themselves."""
+    _declare_vprintf(tl.load(heap + 2))
 
 
 @triton.jit
