@@ -1,5 +1,5 @@
 """GPU tests of tdist.triton (torchrun, 2 or more ranks): every primitive against expected data at both
-scopes, a wait that must time out with the diagnostic (in a subprocess, once per action: abort, the
+scopes (32- and 64-bit flags, every comparison kind the tests name, local and remote notify), a wait that must time out with the diagnostic (in a subprocess, once per action: abort, the
 default, records the fault and returns; trap kills the context),
 200 back-to-back calls without host work, and a Triton kernel and a C++ (tdist.jit) kernel exchanging
 data and flags on one symmetric buffer.
@@ -119,6 +119,31 @@ def k_local_scope(heap, data, out, flag, n, epoch, SCOPE: tl.constexpr, BLOCK: t
         tdl.notify(flag, epoch, SCOPE)
     else:
         seen = tdl.wait(heap, flag, epoch, SCOPE)
+        tl.store(out + offs, tl.load(tdl.consume_token(data + offs, seen), mask=mask), mask=mask)
+
+
+@tdist.triton.kernel
+@triton.jit
+def k_flag_kinds(heap, data, out, flag32, down32, counter, probe, n, epoch, BLOCK: tl.constexpr):
+    # Two programs of one GPU, as k_local_scope: program 1 writes data, adds 1 to a 64-bit counter, sets
+    # a 32-bit count-down flag to 0 and a 32-bit flag to the epoch (each a release at gpu scope);
+    # program 0 waits for the epoch with 'eq', reads the counter with ld_acquire and ld_relaxed, waits
+    # on it again with every thread (wait_each_thread, 'ge') and on the count-down with 'lt'.
+    tdl.wait_diagnostics(heap)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    if tl.program_id(0) == 1:
+        tl.store(data + offs, offs.to(tl.float32) * 0.25 + epoch, mask=mask)
+        tdl.notify(counter, 1, "gpu", "add")
+        tdl.notify(down32, 0, "gpu")
+        tdl.notify(flag32, epoch, "gpu")
+    else:
+        seen = tdl.wait(heap, flag32, epoch, "gpu", "eq")
+        tl.store(probe, tdl.ld_acquire(counter, "gpu"))
+        tl.store(probe + 1, tdl.ld_relaxed(counter, "gpu"))
+        tl.store(probe + 2, tdl.wait_each_thread(heap, counter, epoch, "gpu"))
+        below = tdl.wait(heap, down32, 1, "gpu", "lt")
+        tl.store(probe + 3, below.to(tl.int64))
         tl.store(out + offs, tl.load(tdl.consume_token(data + offs, seen), mask=mask), mask=mask)
 
 
@@ -253,6 +278,25 @@ def test_notify_wait_both_scopes_on_one_gpu():
             ref = torch.arange(n, device="cuda", dtype=torch.float32) * 0.5 + epoch
             torch.testing.assert_close(out, ref, rtol=0, atol=0)
             assert flag.item() == epoch
+
+
+def test_flag_widths_comparisons_and_loads_on_one_gpu():
+    # 32-bit flags, 'eq' and 'lt', a local 'add' notify, ld_acquire / ld_relaxed and wait_each_thread,
+    # which the other tests leave out.
+    n = 300
+    data = torch.full((n,), kPoison, device="cuda")
+    flag32 = torch.zeros(1, dtype=torch.int32, device="cuda")
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+    for epoch in (1, 2, 3, 4):
+        down32 = torch.full((1,), 5, dtype=torch.int32, device="cuda")
+        out = torch.full((n,), kPoison, device="cuda")
+        probe = torch.full((4,), -1, dtype=torch.int64, device="cuda")
+        k_flag_kinds[(2,)](data, out, flag32, down32, counter, probe, n, epoch, BLOCK=512)
+        torch.cuda.synchronize()
+        ref = torch.arange(n, device="cuda", dtype=torch.float32) * 0.25 + epoch
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        assert probe.tolist() == [epoch, epoch, epoch, 0], (epoch, probe.tolist())
+        assert flag32.item() == epoch and counter.item() == epoch and down32.item() == 0
 
 
 def test_get():
@@ -682,7 +726,8 @@ def test_tutorial_ag_gemm():
 
 
 TESTS = [test_rank_world_symm_at, test_ring_put_signal_wait_sys, test_signal_add_and_put, test_wait_on_many_flags,
-         test_notify_wait_both_scopes_on_one_gpu, test_get, test_barriers, test_200_back_to_back_calls,
+         test_notify_wait_both_scopes_on_one_gpu, test_flag_widths_comparisons_and_loads_on_one_gpu, test_get,
+         test_barriers, test_200_back_to_back_calls,
          test_wait_times_out_and_aborts, test_wait_times_out_and_traps,
          test_triton_and_cpp_kernels_share_flags,
          test_ag_gemm_against_float64, test_ag_gemm_views, test_ag_gemm_back_to_back,
