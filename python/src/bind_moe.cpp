@@ -209,8 +209,8 @@ void bind_moe(nb::module_& m) {
       .def_prop_ro("k", &MoeAg::k);
   nb::class_<MoeRs>(m, "MoeGroupGemmRs",
                     "Grouped GEMM + top-k reduce + ReduceScatter / AllReduce context; use tdist.moe_group_gemm_rs.")
-      .def(nb::init<nb::handle, int64_t, int64_t, int, int, const std::string&>(), "runtime"_a, "max_m"_a,
-           "max_n"_a, "experts"_a, "topk"_a, "dtype"_a)
+      .def(nb::init<nb::handle, int64_t, int64_t, int, int, const std::string&>(), "runtime"_a, "max_m"_a, "max_n"_a,
+           "experts"_a, "topk"_a, "dtype"_a)
       .def("run", &MoeRs::run, "h"_a, "b"_a, "topk_ids"_a, "topk_weights"_a, "d"_a, "m"_a, "n"_a, "k"_a, "stream"_a,
            "method"_a, "all_reduce"_a, "run"_a = true)
       .def("check_errors", &MoeRs::check_errors)
@@ -242,6 +242,7 @@ void bind_moe(nb::module_& m) {
       "The routing of one rank on the host: (offsets [E + 1], counts [E], token_of_row [offsets[E]], "
       "row_of_pair [m * topk]).");
   m.def(
-      "moe_method", [](int64_t m, int world_size) { return std::string(tdist::to_string(tdist::choose_moe_method(m, world_size))); },
+      "moe_method",
+      [](int64_t m, int world_size) { return std::string(tdist::to_string(tdist::choose_moe_method(m, world_size))); },
       "m"_a, "world_size"_a, "The method 'auto' runs for m tokens on world_size ranks.");
 }

@@ -103,8 +103,8 @@ int64_t piece_tokens(int64_t max_seq_len, int64_t splits) {
 
 }  // namespace
 
-double flash_decode_estimate_us(int64_t cta_groups, int64_t head_dim, int64_t max_seq_len, int64_t splits,
-                                int num_sms, int ctas_per_sm) {
+double flash_decode_estimate_us(int64_t cta_groups, int64_t head_dim, int64_t max_seq_len, int64_t splits, int num_sms,
+                                int ctas_per_sm) {
   using M = FlashDecodeSplitModel;
   splits = flash_decode_nonempty_splits(max_seq_len, splits);
   const double per = static_cast<double>(piece_tokens(max_seq_len, splits));
@@ -112,14 +112,17 @@ double flash_decode_estimate_us(int64_t cta_groups, int64_t head_dim, int64_t ma
   const double sms = static_cast<double>(num_sms);
   const auto wave_tokens = [&](int64_t n) {  // the wave's time in tokens at an SM's share of the bandwidth
     const int64_t k = std::min<int64_t>((n + num_sms - 1) / num_sms, ctas_per_sm);
-    const double rate = static_cast<double>(k) * M::kLoneCtaRate / (1.0 + M::kSharedSmFalloff * static_cast<double>(k - 1));
+    const double rate =
+        static_cast<double>(k) * M::kLoneCtaRate / (1.0 + M::kSharedSmFalloff * static_cast<double>(k - 1));
     const double slowest_sm = per * static_cast<double>(k) / rate, bandwidth = static_cast<double>(n) * avg / sms;
     return std::pow(std::pow(slowest_sm, M::kBoundBlend) + std::pow(bandwidth, M::kBoundBlend), 1.0 / M::kBoundBlend);
   };
   const int64_t slots = static_cast<int64_t>(num_sms) * ctas_per_sm, ctas = cta_groups * splits;
   const int64_t full = ctas / slots, rest = ctas % slots;
-  double tokens = static_cast<double>(full) * (full > 0 ? wave_tokens(slots) : 0.0) + (rest > 0 ? wave_tokens(rest) : 0.0);
-  const double token_us = 4.0 * static_cast<double>(head_dim) / (M::kSmShareGBps * 1e3);  // K and V rows, 2-byte elements
+  double tokens =
+      static_cast<double>(full) * (full > 0 ? wave_tokens(slots) : 0.0) + (rest > 0 ? wave_tokens(rest) : 0.0);
+  const double token_us =
+      4.0 * static_cast<double>(head_dim) / (M::kSmShareGBps * 1e3);  // K and V rows, 2-byte elements
   double us = tokens * token_us + static_cast<double>(full + (rest > 0 ? 1 : 0)) * M::kWaveStartUs;
   if (splits > 1) {
     const int64_t per_round = attn::combine_batch_splits(static_cast<int>(head_dim));
@@ -233,7 +236,6 @@ class FlashDecodeKernels {
   }
 
  private:
-
   static SmLimits current_sm_limits() {
     int dev = 0;
     TDIST_CUDA_CHECK(cudaGetDevice(&dev));

@@ -250,7 +250,7 @@ TEST(FlashDecodeKernels, CompileForSm90aWithoutSpills) {
       const std::string& split_name = r.name_expressions[0];
       const int d = split_name.find(", 64>") != std::string::npos    ? 64
                     : split_name.find(", 128>") != std::string::npos ? 128
-                                                                      : 256;
+                                                                     : 256;
       const int want_resident = d == 64 ? 3 : d == 128 ? 2 : 1;
       int splits = 0;
       for (auto it = std::sregex_iterator(log.begin(), log.end(), entry); it != std::sregex_iterator(); ++it) {

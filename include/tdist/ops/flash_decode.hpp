@@ -99,8 +99,8 @@ struct FlashDecodeSplitModel {
 };
 // The model's estimate (us) of one call cut into `splits` pieces per sequence (after the whole-step
 // rounding), `cta_groups` = batch x kv_heads x head chunks CTAs per split.
-double flash_decode_estimate_us(int64_t cta_groups, int64_t head_dim, int64_t max_seq_len, int64_t splits,
-                                int num_sms, int ctas_per_sm);
+double flash_decode_estimate_us(int64_t cta_groups, int64_t head_dim, int64_t max_seq_len, int64_t splits, int num_sms,
+                                int ctas_per_sm);
 // Query heads of one KV head that a CTA computes: the largest divisor of the group up to 16 (the
 // rows of the kernel's MMA tile).
 int flash_decode_heads_per_cta(int64_t group);

@@ -49,15 +49,15 @@ struct MoeRoutingHost {
   std::vector<std::vector<uint32_t>> ag_order, rs_order;        // [world] lists of tiles
 };
 // Throws naming "topk_ids" for a wrong size or an id outside [0, experts).
-MoeRoutingHost moe_routing_reference(const std::vector<int>& topk_ids, int64_t m, int topk, int experts,
-                                     int world_size, int rank);
+MoeRoutingHost moe_routing_reference(const std::vector<int>& topk_ids, int64_t m, int topk, int experts, int world_size,
+                                     int rank);
 
 // A routing in device memory, as the ops read it (owned by a MoeRouter or an op).
 struct MoeRouting {
-  const int* offsets = nullptr;       // int32[E + 1]
-  const int* counts = nullptr;        // int32[E]
-  const int* token_of_row = nullptr;  // int32[capacity]
-  const int* row_of_pair = nullptr;   // int32[M][topk]
+  const int* offsets = nullptr;        // int32[E + 1]
+  const int* counts = nullptr;         // int32[E]
+  const int* token_of_row = nullptr;   // int32[capacity]
+  const int* row_of_pair = nullptr;    // int32[M][topk]
   const uint32_t* ag_order = nullptr;  // u32[world][max_tiles]
   const uint32_t* ag_count = nullptr;  // u32[world]
   const uint32_t* rs_order = nullptr;  // u32[world][max_tiles]

@@ -25,8 +25,8 @@ void check_moe_routing_args(int64_t m, int topk, int experts, int world_size, in
   TDIST_CHECK_ARG(experts >= 1 && experts <= static_cast<int>(km::kMaxMoeExperts), "experts", "expected 1 .. ",
                   km::kMaxMoeExperts, " experts, got ", experts);
   TDIST_CHECK_ARG(topk >= 1 && topk <= experts, "topk", "expected 1 <= topk <= experts (", experts, "), got ", topk);
-  TDIST_CHECK_ARG(world_size >= 1 && world_size <= static_cast<int>(km::kMaxMoeRanks), "world_size",
-                  "expected 1 .. ", km::kMaxMoeRanks, " ranks, got ", world_size);
+  TDIST_CHECK_ARG(world_size >= 1 && world_size <= static_cast<int>(km::kMaxMoeRanks), "world_size", "expected 1 .. ",
+                  km::kMaxMoeRanks, " ranks, got ", world_size);
   TDIST_CHECK_ARG(rank >= 0 && rank < world_size, "rank", "expected 0 <= rank < ", world_size, ", got ", rank);
   // Rows and pairs are int32 in the routing buffers.
   TDIST_CHECK_ARG(m >= 0 && moe_capacity(m, topk, experts) < (int64_t{1} << 31), "m",

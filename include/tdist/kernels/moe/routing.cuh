@@ -172,28 +172,28 @@ struct RouteParams {
   BadIdRecord* bad;     // its record (device view of mapped host memory)
   RouteSegments segments;
   u32 experts;
-  u32 num_segments;      // segments.count()
-  u32* segment_counts;   // u32[num_segments][E]: pairs of each expert per segment (count kernel)
-  int* offsets;          // int32[E + 1]
-  int* counts;           // int32[E]
-  int* token_of_row;     // int32[capacity]
-  int* row_of_pair;      // int32[M][topk]
-  u32* ag_order;         // u32[world][max_tiles]
-  u32* ag_count;         // u32[world]
-  u32* rs_order;         // u32[world][max_tiles]
-  u32* rs_count;         // u32[world]
+  u32 num_segments;     // segments.count()
+  u32* segment_counts;  // u32[num_segments][E]: pairs of each expert per segment (count kernel)
+  int* offsets;         // int32[E + 1]
+  int* counts;          // int32[E]
+  int* token_of_row;    // int32[capacity]
+  int* row_of_pair;     // int32[M][topk]
+  u32* ag_order;        // u32[world][max_tiles]
+  u32* ag_count;        // u32[world]
+  u32* rs_order;        // u32[world][max_tiles]
+  u32* rs_count;        // u32[world]
   u32 max_tiles;
 };
 
 // out[i][c] = sum_k weight[t][k] d_rows[row_of_pair[t][k]][c] + sum_s extra[s][i][c], in fp32, for the
 // tokens t = first_token + i, i < tokens (extra: received partials of the same rows, row stride n).
 struct CombineParams {
-  const void* d_rows;       // T[capacity][n], expert order
-  const int* row_of_pair;   // int32[M][topk]
-  const float* weights;     // fp32[M][topk]
+  const void* d_rows;      // T[capacity][n], expert order
+  const int* row_of_pair;  // int32[M][topk]
+  const float* weights;    // fp32[M][topk]
   const void* extra[kMaxMoeRanks];
   int num_extra;
-  void* out;                // T[tokens][n]
+  void* out;  // T[tokens][n]
   u64 first_token, tokens;
   u32 topk, n;
 };
@@ -225,9 +225,10 @@ __device__ __forceinline__ int route_expert(const RouteParams& p, u64 q, u64* to
   int e = p.topk_ids[t * pairs.topk + k];
   if (e < 0 || static_cast<u32>(e) >= p.experts) {
     if (kCheck && atomicCAS(p.bad_owner, 0u, 1u) == 0u) {
-      printf("tdist moe routing: topk_ids[%llu][%u] = %d is outside [0, %u) (the number of experts); routed to "
-             "expert 0, reported by check_errors()\n",
-             static_cast<unsigned long long>(t), k, e, p.experts);
+      printf(
+          "tdist moe routing: topk_ids[%llu][%u] = %d is outside [0, %u) (the number of experts); routed to "
+          "expert 0, reported by check_errors()\n",
+          static_cast<unsigned long long>(t), k, e, p.experts);
       p.bad->id = e;
       p.bad->token = static_cast<u32>(t);
       p.bad->slot = k;
