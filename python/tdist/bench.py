@@ -31,9 +31,10 @@ FILE of schema "tdist.bench/1" (one row per op, size or shape, and implementatio
 the seed; bench/plot.py draws it).
 
 Each cell is the median over --iters launches of one call timed with CUDA events (after --warmup
-calls), the slowest rank's median. A size's collectives take turns, --rounds times (3), each turn
-timing its share of the --iters calls, so that tdist's methods, NCCL and symm_mem see the same
-clocks and neighbours; the median is over all of a variant's calls. Collectives up to --graph-max
+calls), the slowest rank's median. A size's collectives, and a shape's overlapped GEMMs, take turns,
+--rounds times (3), each turn timing its share of the --iters calls, so that tdist's methods, the
+NCCL (+ matmul) baseline, the GEMM alone and symm_mem see the same clocks and neighbours; the median
+is over all of a variant's calls. Collectives up to --graph-max
 bytes are timed as CUDA-graph replays instead, --ops-per-graph calls per graph, as tdist-bench does:
 the per-call time without the launch floor that event timing of single calls keeps. NVLink
 multicast stays off.
@@ -248,7 +249,7 @@ def _parse(argv):
     p.add_argument("--warmup", type=int, default=10, help="untimed calls first")
     p.add_argument("--iters", type=int, default=20, help="timed calls (graph replays below --graph-max)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="collectives: the variants take turns this many times, each timing its share of --iters")
+                   help="the variants of a size or shape take turns this many times, each timing its share of --iters")
     p.add_argument("--graph-max", default="0",
                    help="collectives up to this many bytes are timed as CUDA-graph replays (0: none)")
     p.add_argument("--ops-per-graph", type=int, default=50, help="calls captured per graph (--graph-max)")
@@ -294,24 +295,6 @@ def _parse(argv):
     if args.heap_size is None:
         args.heap_size = "8G" if any(op in GEMMS for op in args.ops) else "2G"
     return args
-
-
-def _time_us(fn, warmup: int, iters: int, torch, dist) -> float:
-    """Median of per-call CUDA-event times (us), the slowest rank's."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    med = statistics.median(s.elapsed_time(e) * 1000.0 for s, e in events)
-    t = torch.tensor([med], device="cuda", dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _time_rounds(fns, warmup: int, iters: int, rounds: int, torch, dist, ops_per_graph: int = 0):
@@ -599,6 +582,7 @@ def _bench_gemm(op: str, args, dtype, tdist, torch, dist):
         row = {"op": op, "m": m, "n": n, "k": k, "shape": note, "world_size": world, "dtype": args.dtype,
                "us": {}, "diff": {}, "resolved": {}}
         ref = variants["nccl+mm"]().clone() if "nccl+mm" in variants else None
+        timed = {}  # the variants that ran once, checked: they take turns, --rounds times, as the collectives
         for name, fn in variants.items():
             try:
                 if name.startswith("tdist "):
@@ -607,11 +591,13 @@ def _bench_gemm(op: str, args, dtype, tdist, torch, dist):
                 result = fn()
                 if ref is not None and name not in ("mm", "nccl+mm"):
                     row["diff"][name] = _rel_diff(result, ref, torch, dist)
-                row["us"][name] = _time_us(fn, args.warmup, args.iters, torch, dist)
+                timed[name] = fn
             except Exception as e:  # noqa: BLE001 - report, keep benchmarking (e.g. a method the shape refuses)
                 row.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
                 if me == 0:
                     print(f"{op} M={m} N={n} K={k} {name}: {type(e).__name__}: {e}", file=sys.stderr)
+        if timed:
+            row["us"] = _time_rounds(timed, args.warmup, args.iters, args.rounds, torch, dist)
         row["tflops_per_gpu"] = {name: 2.0 * m * n * k / (t * 1e-6) / 1e12 for name, t in row["us"].items()}
         out.append(row)
         del variants, ref
@@ -668,7 +654,7 @@ def result_document(args, n, rows, gemm_rows, gpu="", command=None):
         "dtype": args.dtype, "command": command if command is not None else " ".join(sys.argv),
         "iters": args.iters, "warmup": args.warmup, "seed": args.seed,
         "statistic": "median of per-call CUDA-event times, max over ranks (us)",
-        "collective_rounds": args.rounds,
+        "collective_rounds": args.rounds, "gemm_rounds": args.rounds,
         "graph_max_bytes": args.graph_max, "ops_per_graph": args.ops_per_graph,
         "graph_statistic": "up to graph_max_bytes: median per-replay time / ops_per_graph, max over ranks (us)",
         "rows": [],

@@ -24,7 +24,7 @@ def _load(name, path):
 try:  # the installed package, as the other CPU tests; else the source tree's file (no build needed)
     from tdist import bench
 except ImportError:
-    bench = _load("tdist_bench_source", os.path.join(REPO, "python", "tdist", "bench.py"))
+    bench = _load("tdist.bench", os.path.join(REPO, "python", "tdist", "bench.py"))  # its package: the stand-in
 
 SUMMARY = os.path.join(REPO, "bench", "random_summary.py")
 rs = _load("random_summary_for_bench", SUMMARY) if os.path.exists(SUMMARY) else None
@@ -297,3 +297,45 @@ def test_a_list_of_sizes_times_auto_beside_nccl(stand_ins, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["impl"], r["method"]) for r in rows] == [("tdist", "auto"), ("nccl", "nccl")]
     assert [r["us"] for r in rows] == pytest.approx([4.0, 5.0])
+
+
+# --- the overlapped GEMMs take turns as the collectives do ----------------------------------------
+
+class Operand(Tensor):
+    """A stand-in operand: arithmetic, dtype and transposition keep it what it is."""
+
+    def __mul__(self, other):
+        return self
+
+    __sub__ = __truediv__ = __mul__
+
+    def t(self):
+        return self
+
+
+def test_gemm_variants_take_turns(stand_ins, monkeypatch):
+    speed = {"tdist auto": 30.0, "tdist chunked": 31.0, "tdist sequential": 40.0, "nccl": 20.0, "mm": 25.0}
+    clock, tdist = stand_ins(lambda name: speed[name])
+    torch = sys.modules["torch"]
+    torch.Generator = lambda device=None: types.SimpleNamespace(manual_seed=lambda s: None)
+    torch.rand = lambda *shape, **kw: Operand()
+    torch.empty = lambda *shape, **kw: Operand()
+    torch.matmul = lambda x, y: (clock.call("mm"), Operand())[1]
+    torch.cuda.empty_cache = lambda: None
+    tdist._torch_ops = types.SimpleNamespace(gemm_method=lambda op, a, b, m, method: "chunked" if method == "auto"
+                                             else method)
+    tdist.gemm_rs = lambda a, b, method="auto": (clock.call(f"tdist {method}"), Operand())[1]
+    monkeypatch.setattr(bench, "_rel_diff", lambda x, ref, torch, dist: 0.0)
+    args = bench._parse(["--ops", "gemm_rs", "--rows", "4096", "--methods", "auto,chunked,sequential",
+                         "--iters", "6", "--warmup", "1"])
+    dist = torch.distributed
+    rows = bench._bench_gemm("gemm_rs", args, "bf16", tdist, torch, dist)
+    assert rows, "no shapes"
+    for row in rows:
+        # nccl+mm is a matmul and a reduce-scatter: 25 + 20 us
+        assert row["us"] == pytest.approx({"tdist auto": 30.0, "tdist chunked": 31.0, "tdist sequential": 40.0,
+                                           "nccl+mm": 45.0, "mm": 25.0})
+        assert row["resolved"] == {"auto": "chunked", "chunked": "chunked", "sequential": "sequential"}
+    # one shape's timed calls: 3 turns of the 5 variants (2 calls each), ranks meeting before each turn
+    turns = [t for t in "".join(x if x == "|" else "." for x in clock.log).split("|")[1:]]
+    assert len(turns) == 3 * 5 * len(rows)
