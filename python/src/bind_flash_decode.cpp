@@ -169,6 +169,7 @@ void bind_flash_decode(nb::module_& m) {
             tdist::plan_flash_decode(batch, q_heads, kv_heads, head_dim, max_seq_len, num_sms, ctas_per_sm);
         return std::make_tuple(p.heads_per_cta, p.head_chunks, p.num_splits);
       },
-      "batch"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "max_seq_len"_a, "num_sms"_a, "ctas_per_sm"_a = 2,
+      "batch"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "max_seq_len"_a, "num_sms"_a,
+      "ctas_per_sm"_a = tdist::FlashDecodeSplitModel::kCtasPerSm,
       "The split model: (query heads per CTA, head chunks, splits per sequence).");
 }

@@ -84,7 +84,8 @@ struct FlashDecodeSplitPlan {
 // splits). Pieces are whole steps (kTokensPerStep), and splits that this rounding would leave empty
 // are not launched. The constants were measured on an H200 (132 SMs, 4.26 TB/s copy; head dim 128,
 // bf16, 16- and 64-token pages) by timing every split count of 16 cases (docs/flash_decode.md,
-// "Split model"): one CTA alone on its SM reads at 0.87 of the SM's share, two at 1.38 together.
+// "The split model, measured"): one CTA alone on its SM reads at 0.87 of the SM's share, two at
+// 1.38 together.
 struct FlashDecodeSplitModel {
   static constexpr int kCtasPerSm = 2;           // when the kernel's occupancy is not known
   static constexpr int64_t kTokensPerStep = 64;  // a CTA's step: 4 warps x one 16-token tile
