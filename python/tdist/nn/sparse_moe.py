@@ -1,0 +1,297 @@
+"""A tensor-parallel sparse mixture-of-experts block on tdist's MoE ops (docs/nn.md, "ParallelMoE").
+
+Layout (this rank r of W ranks; M tokens over all ranks, split as RowChunks{M, W}; E experts, top-k;
+hidden H; every expert's intermediate I, F = I / W of it on each rank):
+
+  router_weight  (E, H)        replicated: the same on every rank (its gradient is summed over ranks)
+  w13            (E, 2 F, H)   every expert's gate rows [r F, (r + 1) F) of its full gate projection,
+                               then the same rows of its up projection
+  w2             (E, H, F)     every expert's columns [r F, (r + 1) F) of its full down projection
+
+  x (rows(r), H), this rank's tokens -> y (rows(r), H), the same tokens
+
+  logits = x @ router_weight.T; p = softmax(logits) (fp32); ids, weights = top-k of p (renormalised to
+  sum 1 when norm_topk_prob); every rank's ids and weights gathered (all of them, [M, k]);
+  h13 = moe_ag_group_gemm(x, ids, w13)            AllGather of the tokens + grouped GEMM, expert order
+  y = moe_group_gemm_rs(SiLU(gate) * up, w2, ids, weights)   grouped GEMM + top-k sum + ReduceScatter
+
+Where the router runs: on this rank's rows, then an AllGather of the top-k ids and weights ([M, k]
+each, packed into one fp32 [M, 2k] tensor: ids below 2^24 are exact in fp32). The MoE ops need every
+token's ids on every rank, the same bits everywhere; this gives them by construction, and moves
+M x k x 8 bytes (1 MiB for Qwen3-30B-A3B at M = 16384). Routing the gathered tokens instead would need
+the tokens gathered outside the op (M x H x 2 bytes, 64 MiB there: the op gathers them inside its
+GEMM and does not return them) and W times the router's GEMM, with the top-k then computed on W GPUs
+that must agree bit for bit.
+
+Gradients: the top-k weights' gradient that moe_group_gemm_rs returns is already summed over ranks
+(complete on every rank, docs/moe.md "Training"), so the gather's backward keeps this rank's rows
+(no ReduceScatter). The router weight feeds only this rank's tokens, so its gradient is summed over
+ranks in the backward (an AllReduce of E x H) and stays the same on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from .._tensors import Error, require_torch
+from .._runtime import runtime
+from .. import moe as _moe
+
+torch = require_torch("tdist.nn")
+from .. import _torch_ops  # noqa: E402,F401  (registers torch.ops.tdist.* and their autograd)
+from .. import _autograd as _ag  # noqa: E402
+from .modules import _device, _flatten, _rank_world, _unflatten  # noqa: E402
+
+_DTYPES = (torch.bfloat16, torch.float16)
+_METHODS = ("auto", "chunked", "baseline")
+_CLS = "ParallelMoE"
+
+
+def _fail(message: str):
+    raise ValueError(f"tdist.nn.{_CLS}: {message}")
+
+
+def _positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        _fail(f"{name} must be a positive int, got {v!r}")
+    return v
+
+
+class GatherRouting(torch.autograd.Function):
+    """(ids int32 [rows, k], weights fp32 [rows, k]) of this rank's tokens -> every rank's ([M, k],
+    [M, k]) in rank order (RowChunks{M, W}), through one tdist AllGather of both packed as fp32.
+    Backward: this rank's rows of the weights' gradient, which the MoE op gives complete (summed over
+    ranks) on every rank."""
+
+    @staticmethod
+    def forward(ctx, ids, weights, m: int, rank: int, world: int):
+        ctx.begin, ctx.rows = _moe.rows_of(m, world, rank)
+        k = ids.shape[1]
+        if world == 1 or m == 0:  # nothing to gather (m == 0 on every rank alike)
+            gathered_ids, gathered_weights = ids.clone(), weights.clone()
+        else:
+            packed = torch.cat([weights.float(), ids.float()], dim=1)  # ids < 2^24: exact in fp32
+            full = _ag.gather_rows(packed, m, world)
+            gathered_weights = full[:, :k].contiguous()
+            gathered_ids = full[:, k:].to(torch.int32)
+        ctx.mark_non_differentiable(gathered_ids)
+        return gathered_ids, gathered_weights
+
+    @staticmethod
+    def backward(ctx, grad_ids, grad_weights):
+        if grad_weights is None:
+            return None, None, None, None, None
+        return None, grad_weights[ctx.begin:ctx.begin + ctx.rows], None, None, None
+
+
+class ParallelMoE(torch.nn.Module):
+    """A sparse MoE block (router, top-k, SwiGLU experts) in sequence + tensor parallelism: every
+    expert's intermediate features split over the ranks, tokens sequence-sharded in and out.
+
+    Args:
+        hidden_size: H, the tokens' features (a multiple of 8).
+        intermediate_size: I, every expert's full intermediate size (divisible by the world size into
+            multiples of 8: F = I / W on each rank).
+        num_experts: E (1 .. the MoE ops' limit).
+        top_k: experts per token (1 .. E).
+        norm_topk_prob: renormalise the top-k probabilities to sum 1 (Qwen3-MoE's norm_topk_prob,
+            Mixtral's behaviour); False keeps the softmax's values.
+        method: the MoE ops' method ("auto", "chunked", "baseline"), forward and backward.
+        device: of the parameters, default this rank's GPU.
+        dtype: torch.bfloat16 (default) or torch.float16, the grouped GEMM's types.
+
+    Parameters: ``router_weight`` (E, H), replicated; ``w13`` (E, 2 F, H): this rank's gate rows then
+    up rows of every expert; ``w2`` (E, H, F): this rank's columns of every expert's down projection
+    (module docstring). Initialisation: uniform in +-1/sqrt(fan-in) of the full matrices (H for the
+    router and w13, I for w2), as torch.nn.Linear. The router is replicated, so it is the same on
+    every rank only where every rank seeds torch alike; ``from_weights`` / ``from_module`` copy given
+    weights. Needs tdist.init() first (the world size and rank are tdist's).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 norm_topk_prob: bool = True, method: str = "auto", device=None, dtype=None):
+        super().__init__()
+        hidden_size = _positive_int("hidden_size", hidden_size)
+        intermediate_size = _positive_int("intermediate_size", intermediate_size)
+        num_experts = _positive_int("num_experts", num_experts)
+        top_k = _positive_int("top_k", top_k)
+        if top_k > num_experts:
+            _fail(f"top_k={top_k} must be at most num_experts={num_experts}")
+        if not isinstance(norm_topk_prob, bool):
+            _fail(f"norm_topk_prob must be a bool, got {norm_topk_prob!r}")
+        if method not in _METHODS:
+            _fail(f"method must be one of {', '.join(repr(m) for m in _METHODS)}, got {method!r}")
+        dtype = torch.bfloat16 if dtype is None else dtype
+        if dtype not in _DTYPES:
+            _fail(f"dtype must be torch.bfloat16 or torch.float16 (tdist's grouped GEMM), got {dtype}")
+        self.rank, self.world_size = _rank_world("nn." + _CLS)
+        if hidden_size % 8:
+            _fail(f"hidden_size={hidden_size} must be a multiple of 8 (the grouped GEMM's K and N)")
+        if intermediate_size % self.world_size or (intermediate_size // self.world_size) % 8:
+            _fail(f"intermediate_size={intermediate_size} must split over the world size {self.world_size} "
+                  "into multiples of 8 (each rank's share is a grouped GEMM's K and N)")
+        try:  # the MoE ops' own limits (experts, top-k), checked once here rather than at the first call
+            _moe._C.moe_check_routing(0, top_k, num_experts, self.world_size, self.rank)
+        except Error as e:
+            _fail(str(e))
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.local_intermediate_size = intermediate_size // self.world_size
+        self.norm_topk_prob = norm_topk_prob
+        self.method = method
+        kw = {"device": _device(device), "dtype": dtype}
+        f = self.local_intermediate_size
+        self.router_weight = torch.nn.Parameter(torch.empty((num_experts, hidden_size), **kw))
+        self.w13 = torch.nn.Parameter(torch.empty((num_experts, 2 * f, hidden_size), **kw))
+        self.w2 = torch.nn.Parameter(torch.empty((num_experts, hidden_size, f), **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Uniform in +-1/sqrt(fan-in) of the full matrices, as torch.nn.Linear."""
+        for p, fan_in in ((self.router_weight, self.hidden_size), (self.w13, self.hidden_size),
+                          (self.w2, self.intermediate_size)):
+            bound = 1.0 / math.sqrt(fan_in)
+            torch.nn.init.uniform_(p, -bound, bound)
+
+    def route(self, x):
+        """The router alone on this rank's rows x (rows, H): (top-k ids int32 (rows, k), their weights
+        fp32 (rows, k)). Logits in the parameters' dtype (fp32 accumulation), softmax in fp32."""
+        # The router weight is replicated and sees only this rank's tokens: its gradient is summed
+        # over ranks in the backward (identity forward).
+        router = _ag.CopyReplicated.apply(self.router_weight) if self.world_size > 1 else self.router_weight
+        logits = torch.nn.functional.linear(x, router)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids.to(torch.int32), weights
+
+    def forward(self, x, m: Optional[int] = None):
+        """x: (rows, ..., H), this rank's rows (tokens) first; returns the block's output for the same
+        rows, shaped as x. ``m``: all ranks' rows of the flattened input when the ranks hold unequal
+        counts (RowChunks{m, W}; the same on every rank); default rows x world_size."""
+        x2 = _flatten(_CLS, x, self.hidden_size, "this rank's rows (tokens) first")
+        if x2.dtype != self.w13.dtype:
+            _fail(f"input has dtype {x2.dtype}; expected the parameters' {self.w13.dtype}")
+        if x2.device != self.w13.device:
+            _fail(f"input is on {x2.device}; expected the parameters' device {self.w13.device}")
+        rows = x2.shape[0]
+        if m is None:
+            m = rows * self.world_size
+        elif isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            _fail(f"m must be None or a non-negative int, got {m!r}")
+        expected = _moe.rows_of(m, self.world_size, self.rank)[1]
+        if rows != expected:
+            _fail(f"input has {rows} rows on rank {self.rank}; expected {expected}, this rank's share of m={m} "
+                  f"over {self.world_size} ranks (RowChunks)")
+        ids, weights = self.route(x2)
+        ids, weights = GatherRouting.apply(ids, weights, m, self.rank, self.world_size)
+        h13 = _moe.moe_ag_group_gemm(_ag.dense(x2), ids, self.w13, method=self.method)
+        f = self.local_intermediate_size
+        h = torch.nn.functional.silu(h13[:, :f]) * h13[:, f:]
+        y = _moe.moe_group_gemm_rs(h, self.w2, ids, weights, method=self.method)
+        return _unflatten(y, x)
+
+    @classmethod
+    def from_weights(cls, router_weight, gate_up_weight, down_weight, top_k: int, *, norm_topk_prob: bool = True,
+                     method: str = "auto"):
+        """This rank's shard of full (unsharded) weights, the same on every rank: ``router_weight`` (E, H),
+        ``gate_up_weight`` (E, 2 I, H) (every expert's gate rows, then its up rows, as transformers'
+        fused experts store them), ``down_weight`` (E, H, I). On their device and dtype."""
+        for name, t, dims in (("router_weight", router_weight, 2), ("gate_up_weight", gate_up_weight, 3),
+                              ("down_weight", down_weight, 3)):
+            if not isinstance(t, torch.Tensor) or t.dim() != dims:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                _fail(f"{name} must be a {dims}-D tensor, got {got}")
+        experts, hidden = router_weight.shape
+        if gate_up_weight.shape[0] != experts or gate_up_weight.shape[2] != hidden or gate_up_weight.shape[1] % 2:
+            _fail(f"gate_up_weight has shape {tuple(gate_up_weight.shape)}; expected ({experts}, 2 x intermediate, "
+                  f"{hidden}) after router_weight {tuple(router_weight.shape)}")
+        inter = gate_up_weight.shape[1] // 2
+        if tuple(down_weight.shape) != (experts, hidden, inter):
+            _fail(f"down_weight has shape {tuple(down_weight.shape)}; expected ({experts}, {hidden}, {inter})")
+        for name, t in (("gate_up_weight", gate_up_weight), ("down_weight", down_weight)):
+            if t.dtype != router_weight.dtype or t.device != router_weight.device:
+                _fail(f"{name} is {t.dtype} on {t.device}; expected router_weight's {router_weight.dtype} on "
+                      f"{router_weight.device}")
+        mod = cls(hidden, inter, experts, top_k, norm_topk_prob=norm_topk_prob, method=method,
+                  device=router_weight.device, dtype=router_weight.dtype)
+        f, r = mod.local_intermediate_size, mod.rank
+        with torch.no_grad():
+            mod.router_weight.copy_(router_weight)
+            mod.w13[:, :f].copy_(gate_up_weight[:, r * f:(r + 1) * f])
+            mod.w13[:, f:].copy_(gate_up_weight[:, inter + r * f:inter + (r + 1) * f])
+            mod.w2.copy_(down_weight[:, :, r * f:(r + 1) * f])
+        return mod
+
+    @classmethod
+    def from_module(cls, block, *, method: str = "auto"):
+        """This rank's shard of a Hugging Face Qwen3-MoE-like sparse block with the full weights (the
+        same on every rank): ``block.gate`` the router (a weight (E, H); ``top_k`` and
+        ``norm_topk_prob`` on it or on the block), ``block.experts`` either transformers 5's fused
+        experts (``gate_up_proj`` (E, 2 I, H), ``down_proj`` (E, H, I)) or a list of MLPs with
+        ``gate_proj`` / ``up_proj`` / ``down_proj`` Linears (transformers 4); SiLU activation, no
+        biases, no shared expert. On the block's device and dtype."""
+        if not isinstance(block, torch.nn.Module):
+            _fail(f"from_module: block must be a torch.nn.Module, got {type(block).__name__}")
+        name = type(block).__name__
+        gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+        router = getattr(gate, "weight", None)
+        if not isinstance(router, torch.Tensor) or router.dim() != 2 or experts is None:
+            _fail(f"from_module: {name} has no router 'gate' with a 2-D weight and 'experts'; expected a "
+                  "Qwen3-MoE-like sparse block")
+        for extra in ("shared_expert", "shared_experts"):
+            if getattr(block, extra, None) is not None:
+                _fail(f"from_module: {name} has a {extra}, which ParallelMoE does not hold")
+        if getattr(gate, "bias", None) is not None:
+            _fail(f"from_module: {name}.gate has a bias; the router has none")
+
+        def setting(attr):
+            for owner in (gate, block):
+                if hasattr(owner, attr):
+                    return getattr(owner, attr)
+            _fail(f"from_module: {name} has no '{attr}' (on the block or its gate)")
+
+        top_k = setting("top_k")
+        norm = setting("norm_topk_prob")
+        with torch.no_grad():
+            if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):  # transformers 5: fused 3-D
+                for attr, want in (("is_transposed", False), ("is_concatenated", True), ("has_bias", False),
+                                   ("has_gate", True)):
+                    if getattr(experts, attr, want) != want:
+                        _fail(f"from_module: {name}.experts.{attr} is {getattr(experts, attr)!r}; expected {want}")
+                _check_silu(name, getattr(experts, "act_fn", None))
+                gate_up, down = experts.gate_up_proj, experts.down_proj
+            elif isinstance(experts, (torch.nn.ModuleList, list, tuple)) and len(experts) > 0:  # transformers 4
+                for e in experts:
+                    for proj in ("gate_proj", "up_proj", "down_proj"):
+                        if not isinstance(getattr(e, proj, None), torch.nn.Linear) or getattr(e, proj).bias is not None:
+                            _fail(f"from_module: every expert of {name} needs {proj} as a torch.nn.Linear without "
+                                  "bias")
+                    _check_silu(name, getattr(e, "act_fn", None))
+                gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts])
+                down = torch.stack([e.down_proj.weight for e in experts])
+            else:
+                _fail(f"from_module: {name}.experts is neither fused experts (gate_up_proj, down_proj) nor a list of "
+                      "MLPs (gate_proj, up_proj, down_proj)")
+        return cls.from_weights(router.detach(), gate_up.detach(), down.detach(), int(top_k),
+                                norm_topk_prob=bool(norm), method=method)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size} "
+                f"({self.local_intermediate_size} on rank {self.rank} of {self.world_size}), "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, "
+                f"method={self.method!r}")
+
+
+def _check_silu(name: str, act) -> None:
+    """The experts' activation must be SiLU (torch's, or transformers' SiLUActivation); None: not said."""
+    if act is None:
+        return
+    kind = type(act).__name__
+    if not (isinstance(act, torch.nn.SiLU) or kind in ("SiLU", "SiLUActivation") or act is torch.nn.functional.silu):
+        _fail(f"from_module: {name}'s experts use {kind}; ParallelMoE runs SiLU(gate) * up")
+
+
+__all__ = ["ParallelMoE", "GatherRouting"]
