@@ -26,6 +26,18 @@ class DeviceBuffer {
     std::swap(p_, o.p_);
     return *this;
   }
+  // Zero-filled, and the fill complete before any stream's later work: cudaMemset is ordered only
+  // with the legacy default stream, not with the non-blocking streams kernels may run on.
+  static DeviceBuffer zeroed(size_t bytes) {
+    DeviceBuffer b(bytes);
+    zero_now(b.p_, bytes);
+    return b;
+  }
+  // Sets bytes at p to zero, complete on return (see zeroed).
+  static void zero_now(void* p, size_t bytes) {
+    TDIST_CUDA_CHECK(cudaMemset(p, 0, bytes));
+    TDIST_CUDA_CHECK(cudaDeviceSynchronize());
+  }
   template <typename T = void>
   T* get() const {
     return static_cast<T*>(p_);

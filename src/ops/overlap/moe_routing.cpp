@@ -137,28 +137,6 @@ TDIST_JIT_REGISTER_KERNELS(moe, moe_compile_requests);
 
 }  // namespace moe
 
-namespace {
-
-// The bad-id record (routing.cuh): mapped pinned memory, so the host reads it without synchronising.
-struct PinnedBadIdRecord {
-  km::BadIdRecord* host = nullptr;
-  km::BadIdRecord* device = nullptr;
-  PinnedBadIdRecord() {
-    void* h = nullptr;
-    TDIST_CUDA_CHECK(cudaHostAlloc(&h, sizeof(km::BadIdRecord), cudaHostAllocMapped | cudaHostAllocPortable));
-    host = static_cast<km::BadIdRecord*>(h);
-    *host = km::BadIdRecord{};
-    void* d = nullptr;
-    TDIST_CUDA_CHECK(cudaHostGetDevicePointer(&d, h, 0));
-    device = static_cast<km::BadIdRecord*>(d);
-  }
-  ~PinnedBadIdRecord() { cudaFreeHost(host); }
-  PinnedBadIdRecord(const PinnedBadIdRecord&) = delete;
-  PinnedBadIdRecord& operator=(const PinnedBadIdRecord&) = delete;
-};
-
-}  // namespace
-
 // Buffers of one router, ordinary device memory, sized for max_m tokens (layouts in routing.cuh).
 struct MoeRouter::Impl {
   int64_t max_m;
@@ -169,17 +147,16 @@ struct MoeRouter::Impl {
   DeviceBuffer segment_counts;  // u32[max_segments][E]
   DeviceBuffer offsets, counts, token_of_row, row_of_pair;
   DeviceBuffer ag_order, ag_count, rs_order, rs_count;
-  DeviceBuffer bad_owner{sizeof(uint32_t)};
-  PinnedBadIdRecord bad;
+  DeviceBuffer bad = DeviceBuffer::zeroed(sizeof(km::BadIdRecord));  // routing.cuh
   MoeRouting view;
 
   // After a synchronisation: throws naming topk_ids when a routing since the last report met an id
   // outside [0, experts), clearing the record for the next one.
   void report_bad_id() {
-    if (reinterpret_cast<volatile uint32_t*>(&bad.host->seen)[0] == 0) return;
-    const km::BadIdRecord r = *bad.host;
-    *bad.host = km::BadIdRecord{};
-    TDIST_CUDA_CHECK(cudaMemset(bad_owner.get(), 0, sizeof(uint32_t)));
+    km::BadIdRecord r{};
+    TDIST_CUDA_CHECK(cudaMemcpy(&r, bad.get(), sizeof(r), cudaMemcpyDeviceToHost));
+    if (r.owner == 0) return;
+    DeviceBuffer::zero_now(bad.get(), sizeof(r));
     TDIST_CHECK_ARG(false, "topk_ids", "a routing on the device met topk_ids[", r.token, "][", r.slot, "] = ", r.id,
                     ", outside [0, ", experts, ") (the number of experts); its pair was routed to expert 0, so ",
                     "that call's outputs are wrong (the first such id since the last check is reported)");
@@ -203,9 +180,7 @@ struct MoeRouter::Impl {
         ag_order(static_cast<size_t>(w) * max_tiles * 4),
         ag_count(static_cast<size_t>(w) * 4),
         rs_order(static_cast<size_t>(w) * max_tiles * 4),
-        rs_count(static_cast<size_t>(w) * 4) {
-    TDIST_CUDA_CHECK(cudaMemset(bad_owner.get(), 0, sizeof(uint32_t)));
-  }
+        rs_count(static_cast<size_t>(w) * 4) {}
 };
 
 MoeRouter::MoeRouter(int64_t max_m, int topk, int experts, int world_size, int rank)
@@ -227,8 +202,7 @@ const MoeRouting& MoeRouter::route(const int* topk_ids, int64_t m, cudaStream_t 
                   static_cast<const void*>(topk_ids));
   km::RouteParams p{};
   p.topk_ids = topk_ids;
-  p.bad_owner = s.bad_owner.get<uint32_t>();
-  p.bad = s.bad.device;
+  p.bad = s.bad.get<km::BadIdRecord>();
   const km::RotatedPairs pairs{{static_cast<uint64_t>(m), s.world}, static_cast<uint32_t>(s.topk), s.rank};
   p.segments = km::RouteSegments{pairs, km::route_segment_size(static_cast<uint64_t>(m) * s.topk)};
   p.experts = static_cast<uint32_t>(s.experts);

@@ -158,18 +158,17 @@ TDIST_HOST_DEVICE TileKeys tile_keys(Cum cum, u32 count, u32 i, int world) {
 }
 
 // The first expert id outside [0, experts) that the count kernel met since the host last took the
-// report: in mapped pinned memory, written once (by the winner of *bad_owner, a device word the host
-// zeroes when it takes the report), `seen` last.
+// report: ordinary device memory, claimed by the thread that wins `owner` (0 -> 1) and read by the
+// host after a synchronisation (MoeRouter::check_errors), which zeroes it again.
 struct BadIdRecord {
+  u32 owner;
   int id;
   u32 token, slot;
-  u32 seen;
 };
 
 struct RouteParams {
   const int* topk_ids;  // int32[M][topk]
-  u32* bad_owner;       // device word: 0 until an id outside [0, experts) is met
-  BadIdRecord* bad;     // its record (device view of mapped host memory)
+  BadIdRecord* bad;     // owner 0 until an id outside [0, experts) is met
   RouteSegments segments;
   u32 experts;
   u32 num_segments;     // segments.count()
@@ -224,7 +223,7 @@ __device__ __forceinline__ int route_expert(const RouteParams& p, u64 q, u64* to
   const u32 k = q32 % pairs.topk;
   int e = p.topk_ids[t * pairs.topk + k];
   if (e < 0 || static_cast<u32>(e) >= p.experts) {
-    if (kCheck && atomicCAS(p.bad_owner, 0u, 1u) == 0u) {
+    if (kCheck && atomicCAS(&p.bad->owner, 0u, 1u) == 0u) {
       printf(
           "tdist moe routing: topk_ids[%llu][%u] = %d is outside [0, %u) (the number of experts); routed to "
           "expert 0, reported by check_errors()\n",
@@ -232,8 +231,6 @@ __device__ __forceinline__ int route_expert(const RouteParams& p, u64 q, u64* to
       p.bad->id = e;
       p.bad->token = static_cast<u32>(t);
       p.bad->slot = k;
-      __threadfence_system();  // the fields before `seen`, for the host
-      *reinterpret_cast<volatile u32*>(&p.bad->seen) = 1u;
     }
     e = 0;
   }
