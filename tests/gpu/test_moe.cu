@@ -15,7 +15,9 @@
 //   * argument errors naming the argument.
 // Every rank draws the same ids and weights (a shared seed) and can redraw every rank's shards.
 //
-//   build/tools/tdistrun -n 2 -- build/tests/gpu_test_moe
+//   build/tools/tdistrun -n 2 -- build/tests/gpu_test_moe [--small]
+// --small (what compute-sanitizer runs): three shapes in bf16, every method, the routing alone at one
+// size, the bad-id route; nothing else.
 // Prints "rank R: N passed, M failed" last.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -23,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
@@ -280,7 +283,8 @@ struct Ops {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  const bool small = argc > 1 && std::strcmp(argv[1], "--small") == 0;
   World world;
   test::Suite suite(world);
   SymmetricHeap heap(world, size_t{2} << 30);
@@ -300,14 +304,15 @@ int main() {
       // than 32 pairs per token (the combine's second batch of pairs).
       {300, 2056, 72, 16, 4, Routing::kRandom},     {70, 136, 24, 40, 36, Routing::kRandom},
   };
-  int64_t max_m = 0, max_hidden = 0;
-  for (const Shape& s : shapes) max_m = std::max(max_m, s.m), max_hidden = std::max(max_hidden, s.hidden);
+  std::vector<Shape> op_shapes(std::begin(shapes), std::end(shapes));
+  if (small) op_shapes = {shapes[0], shapes[4], shapes[6]};
   uint64_t case_seed = seed;
 
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    if (small && dtype != DType::kBFloat16) continue;
     auto per_type = [&](auto tag) {
       using T = decltype(tag);
-      for (const Shape& s : shapes) {
+      for (const Shape& s : op_shapes) {
         const MoeConfig up_cfg{.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk, .dtype = dtype};
         const MoeConfig down_cfg{
             .max_m = s.m, .max_n = s.hidden, .experts = s.experts, .topk = s.topk, .dtype = dtype};
@@ -331,7 +336,7 @@ int main() {
           });
           test::sync_all(world, "moe case");
         }
-        if (dtype != DType::kBFloat16) continue;
+        if (dtype != DType::kBFloat16 || small) continue;
         // Back to back: four calls with fresh routing, one synchronisation.
         suite.run(detail::concat("moe back-to-back m ", s.m, " experts ", s.experts, " ", name_of(s.routing)), [&] {
           std::vector<std::unique_ptr<Case<T>>> cases;
@@ -363,7 +368,7 @@ int main() {
 
   // A CUDA graph of both ops, captured after a warm-up call, replayed with fresh routing and inputs
   // copied into the captured buffers.
-  suite.run("moe CUDA graph replays", [&] {
+  if (!small) suite.run("moe CUDA graph replays", [&] {
     using T = __nv_bfloat16;
     const Shape s{1000, 136, 88, 16, 4, Routing::kRandom};
     Ops ops(world, heap, {.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk},
@@ -419,10 +424,11 @@ int main() {
   // at 40000 x 8 pairs; 1024 experts), for world sizes and ranks this run need not have (the router
   // takes them as parameters), each router then reused for fewer tokens and for none.
   suite.run("moe routing at scale", [&] {
-    const Shape cases[] = {{4096, 8, 8, 128, 8, Routing::kRandom},    {16384, 8, 8, 128, 8, Routing::kSkewed},
-                           {40000, 8, 8, 128, 8, Routing::kRandom},   {4097, 8, 8, 8, 2, Routing::kOneExpert},
-                           {3001, 8, 8, 64, 6, Routing::kHalfEmpty},  {2500, 8, 8, 1024, 3, Routing::kRandom},
-                           {7, 8, 8, 1024, 8, Routing::kSkewed}};
+    std::vector<Shape> cases = {{4096, 8, 8, 128, 8, Routing::kRandom},   {16384, 8, 8, 128, 8, Routing::kSkewed},
+                                {40000, 8, 8, 128, 8, Routing::kRandom},  {4097, 8, 8, 8, 2, Routing::kOneExpert},
+                                {3001, 8, 8, 64, 6, Routing::kHalfEmpty}, {2500, 8, 8, 1024, 3, Routing::kRandom},
+                                {7, 8, 8, 1024, 8, Routing::kSkewed}};
+    if (small) cases = {cases[4]};
     DeviceBuffer d_ids(40000 * 8 * sizeof(int));
     for (const Shape& rc : cases)
       for (int w : {1, 2, 3, 8}) {
@@ -449,7 +455,43 @@ int main() {
   });
   test::sync_all(world, "moe routing at scale");
 
-  suite.run("moe argument errors", [&] {
+  // Ids outside [0, experts): routed to expert 0 (the reference of the mended ids), the first one
+  // reported once by check_errors naming topk_ids[t][k], and the next good routing clean.
+  suite.run("moe routing of bad expert ids", [&] {
+    const Shape s{300, 8, 8, 16, 4, Routing::kRandom};
+    MoeRouter router(s.m, s.topk, s.experts, w, world.rank());
+    std::vector<int> ids;
+    std::vector<float> weights;
+    draw_routing(s, ++case_seed, ids, weights);
+    DeviceBuffer d_ids(ids.size() * sizeof(int));
+    std::vector<int> bad = ids, mended = ids;
+    bad[5 * s.topk + 2] = s.experts;  // the first in token order: the one reported
+    bad[200 * s.topk + 0] = -3;
+    mended[5 * s.topk + 2] = mended[200 * s.topk + 0] = 0;
+    test::copy_to_device(d_ids.get(), bad.data(), bad.size() * sizeof(int));
+    const MoeRouting& got = router.route(d_ids.get<int>(), s.m, stream);
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    check_same_routing(got, moe_routing_reference(mended, s.m, s.topk, s.experts, w, world.rank()), "bad ids mended");
+    try {
+      router.check_errors();
+      TDIST_FAIL("check_errors did not report the bad ids");
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      if (what.find("'topk_ids'") == std::string::npos ||
+          (what.find("topk_ids[5][2] = 16") == std::string::npos &&
+           what.find("topk_ids[200][0] = -3") == std::string::npos))
+        TDIST_FAIL("the report does not name a bad pair: ", what);
+    }
+    router.check_errors();  // taken: no second report
+    test::copy_to_device(d_ids.get(), ids.data(), ids.size() * sizeof(int));
+    router.route(d_ids.get<int>(), s.m, stream);
+    router.check_errors();
+    check_same_routing(router.routing(), moe_routing_reference(ids, s.m, s.topk, s.experts, w, world.rank()),
+                       "good ids after bad");
+  });
+  test::sync_all(world, "moe bad ids");
+
+  if (!small) suite.run("moe argument errors", [&] {
     using T = __nv_bfloat16;
     const Shape s{257, 264, 136, 8, 2, Routing::kRandom};
     Ops ops(world, heap, {.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk},
