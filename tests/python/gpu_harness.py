@@ -61,6 +61,14 @@ def check_close(got, ref, what, tol=1e-2):
     assert err <= tol * scale, f"{what}: max |err| {err:.4g} > {tol} x {scale:.4g}"
 
 
+def skip_all(reason: str) -> int:
+    """A whole test file skipped (an optional package it needs is missing): says why, ends with the
+    closing line "0 passed, 0 failed" that scripts/gpu-test reads, and returns the exit status, 0.
+    Needs no session (call it before run_tests)."""
+    print(f"[rank {os.environ.get('RANK', '0')}] SKIP {reason}\n0 passed, 0 failed", flush=True)
+    return 0
+
+
 def run_tests(tests) -> int:
     """Runs every test on every rank in order; returns the exit status. TDIST_GPU_TESTS (names,
     comma-separated) runs only those, in the same order on every rank; a name that matches none fails."""
