@@ -1,4 +1,5 @@
-"""CPU tests of tdist.bench_layers' --summary rows and its option parsing. No torch, no GPU."""
+"""CPU tests of tdist.bench_layers' --summary rows and its option parsing (no torch, no GPU), and of
+the layer moe's PyTorch pieces on CPU tensors (those skip without torch)."""
 
 import json
 
@@ -9,9 +10,9 @@ from tdist import bench_layers as bl
 SCHEMA = ["layer", "model", "tokens", "pass", "tdist_us", "no_comm_us", "torch_eager_tp_us", "torch_async_tp_us"]
 
 
-def row(layer, tokens, pas, **times):
+def row(layer, tokens, pas, model="llama3-8b", **times):
     """A row as main() collects it: every method's key, None where it did not run."""
-    r = {"layer": layer, "model": "llama3-8b", "tokens": tokens, "pass": pas}
+    r = {"layer": layer, "model": model, "tokens": tokens, "pass": pas}
     r.update({f"{m}_us": times.get(m) for m in bl.METHODS})
     return r
 
@@ -69,3 +70,122 @@ def test_options():
     for bad in (["--tokens", "4k"], ["--passes", "bwd"], ["--summary"]):
         with pytest.raises(SystemExit):
             bl._parse(bad)
+
+
+# --- the layer moe -----------------------------------------------------------------------------------
+
+def test_moe_rows_in_schema():
+    r = row("moe", 4096, "fwd+bwd", model="Qwen3-30B-A3B", tdist=900.0, no_comm=700.0, torch_eager_tp=1500.0)
+    r["max_rel_err"] = {"no_comm_vs_tdist": 0.004, "torch_eager_tp_vs_tdist": 0.006}  # JSON rows only
+    dense = row("mlp", 4096, "fwd+bwd", tdist=1.0)
+    rows = bl.summary_rows([r, row("moe", 4096, "fwd", model="Qwen3-30B-A3B", tdist=300.0), dense])
+    assert [list(x) for x in rows] == [SCHEMA] * 3
+    assert rows[0] == {"layer": "moe", "model": "Qwen3-30B-A3B", "tokens": 4096, "pass": "fwd_bwd", "tdist_us": 900.0,
+                       "no_comm_us": 700.0, "torch_eager_tp_us": 1500.0, "torch_async_tp_us": None}
+    assert rows[1]["pass"] == "fwd" and rows[1]["torch_async_tp_us"] is None
+    # the same tokens and pass in another model or layer is another row
+    assert len(bl.summary_rows([r, row("moe", 4096, "fwd+bwd", model="DeepSeek-V2-Lite"), dense])) == 3
+
+
+def test_moe_options_pick_models_by_kind():
+    args = bl._parse(["--layers", "moe"])
+    assert args.layers == ["moe"] and args.models == ["qwen3", "dsv2lite"] and args.moe_routing == "uniform"
+    args = bl._parse(["--models", "qwen3"])  # no --layers: the layers of the models' kinds
+    assert args.layers == ["moe"] and args.models == ["qwen3"]
+    args = bl._parse(["--models", "8b,mixtral"])
+    assert args.layers == ["decoder", "attention", "mlp", "moe"] and args.models == ["8b", "mixtral"]
+    args = bl._parse(["--layers", "mlp,moe"])
+    assert args.models == ["8b", "70b", "qwen3", "dsv2lite"]
+    args = bl._parse(["--layers", "moe", "--models", "dsv2lite,qwen3,dsv2lite", "--moe-routing", "skewed",
+                      "--tdist-method", "chunked", "--passes", "fwd_bwd"])
+    assert args.models == ["dsv2lite", "qwen3"] and args.moe_routing == "skewed" and args.passes == ["fwd+bwd"]
+    assert [bl.model_kind(m) for m in ("8b", "70b", "qwen3", "dsv2lite", "mixtral")] == ["dense"] * 2 + ["moe"] * 3
+    assert bl.MOE_MODELS["qwen3"][1:] == (2048, 768, 128, 8) and bl.MOE_MODELS["dsv2lite"][1:] == (2048, 1408, 64, 6)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--layers", "moe", "--models", "8b"], ["--layers moe", "needs a model of its kind", "qwen3"]),
+    (["--layers", "mlp", "--models", "8b,qwen3"], ["--models qwen3", "no layer of --layers"]),
+    (["--layers", "moe", "--tdist-method", "fused"], ["--tdist-method fused", "auto, chunked, baseline"]),
+    (["--layers", "moe", "--moe-routing", "hot"], ["--moe-routing"]),
+    (["--layers", "moe,ffn"], ["unknown layers 'ffn'"]),
+    (["--models", "qwen4"], ["unknown models 'qwen4'"]),
+])
+def test_moe_option_errors(argv, words, capsys):
+    with pytest.raises(SystemExit):
+        bl._parse(argv)
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_moe_shapes():
+    assert bl._moe_shapes("qwen3", 1, 2) == ("Qwen3-30B-A3B", 2048, 768, 128, 8)
+    assert bl._moe_shapes("dsv2lite", 2, 8) == ("DeepSeek-V2-Lite", 1024, 704, 64, 6)
+    with pytest.raises(SystemExit, match="intermediate=768"):
+        bl._moe_shapes("qwen3", 1, 5)  # 768 does not split over 5 ranks
+
+
+def _experts_reference(tokens, ids, weights, w13, w2):
+    """float64 loop over tokens and slots of sum_j weights[t, j] expert_{ids[t, j]}(tokens[t])."""
+    torch = pytest.importorskip("torch")
+    f = w2.shape[2]
+    out = []
+    for t in range(tokens.shape[0]):
+        acc = tokens.new_zeros(w2.shape[1])
+        for j in range(ids.shape[1]):
+            a = w13[ids[t, j]] @ tokens[t]
+            acc = acc + weights[t, j] * (w2[ids[t, j]] @ (torch.nn.functional.silu(a[:f]) * a[f:]))
+        out.append(acc)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype_name,tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_moe_experts_torch_both_grouped_mms(dtype_name, tol):
+    """torch_eager_tp's expert math (sort by expert, grouped GEMMs, un-sort, weighted top-k sum) and its
+    autograd against a float64 loop, with torch._grouped_mm and with tdist.bench_moe's loop, two
+    experts without tokens."""
+    torch = pytest.importorskip("torch", reason="the moe pieces need torch")
+    from tdist import bench_moe
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(11)
+    m, k, experts, hidden, f = 37, 3, 6, 16, 24
+    ids = torch.stack([torch.randperm(experts - 2, generator=g)[:k] for _ in range(m)]).to(torch.int32)
+    weights = torch.softmax(torch.randn((m, k), generator=g), 1)
+    tokens = torch.randn((m, hidden), generator=g)
+    w13, w2 = torch.randn((experts, 2 * f, hidden), generator=g) * 0.3, torch.randn((experts, hidden, f), generator=g) * 0.3
+    dy = torch.randn((m, hidden), generator=g)
+    leaves64 = [t.double().requires_grad_() for t in (tokens, weights, w13, w2)]
+    ref = _experts_reference(leaves64[0], ids.long(), *leaves64[1:])
+    (ref * dy.double()).sum().backward()
+    fns = bl.grouped_mm_functions(torch)
+    assert set(fns) == {bench_moe.GROUPED_MM, bench_moe.GROUPED_MM_LOOP}
+    for name, grouped_mm in fns.items():
+        if name == bench_moe.GROUPED_MM and not hasattr(torch, "_grouped_mm"):
+            continue
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (tokens, weights, w13, w2)]
+        leaves[1] = weights.clone().requires_grad_()  # the router's weights stay fp32
+        try:
+            y = bl.moe_experts_torch(torch, leaves[0], ids, leaves[1], leaves[2], leaves[3], grouped_mm)
+        except RuntimeError as e:  # torch._grouped_mm without a CPU kernel in this torch
+            if name == bench_moe.GROUPED_MM:
+                continue
+            raise
+        assert y.shape == (m, hidden) and y.dtype == dtype
+        (y.float() * dy).sum().backward()
+        for what, got, want in [("y", y, ref)] + [(n, t.grad, r.grad) for n, t, r in
+                                                  zip(("tokens", "weights", "w13", "w2"), leaves, leaves64)]:
+            err = (got.double() - want).abs().max() / want.abs().max()
+            assert err <= tol, (name, what, float(err))
+        assert bool((leaves[2].grad[experts - 2:] == 0).all()) and bool((leaves[3].grad[experts - 2:] == 0).all())
+
+
+def test_fixed_gathered_stands_for_a_gather():
+    torch = pytest.importorskip("torch", reason="the moe pieces need torch")
+    fixed = bl.fixed_gathered(torch)
+    local = torch.randn((2, 3), requires_grad=True)
+    full = torch.randn((5, 3))
+    out = fixed.apply(local, full, 1)
+    assert torch.equal(out, full) and out.requires_grad
+    (out * torch.arange(15.0).view(5, 3)).sum().backward()
+    assert local.grad.tolist() == [[3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]  # rows 1 .. 2 of the gradient, no sum

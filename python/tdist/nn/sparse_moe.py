@@ -58,6 +58,18 @@ def _positive_int(name: str, v) -> int:
     return v
 
 
+def top_k_routing(x, router_weight, top_k: int, norm_topk_prob: bool):
+    """(ids int32 (rows, k), weights fp32 (rows, k)): the top_k experts of each row of x (rows, H) by
+    softmax(x @ router_weight.T), the logits in x's dtype (fp32 accumulation), the softmax in fp32;
+    the weights renormalised to sum 1 when norm_topk_prob (as Qwen3-MoE's router)."""
+    logits = torch.nn.functional.linear(x, router_weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), weights
+
+
 class GatherRouting(torch.autograd.Function):
     """(ids int32 [rows, k], weights fp32 [rows, k]) of this rank's tokens -> every rank's ([M, k],
     [M, k]) in rank order (RowChunks{M, W}), through one tdist AllGather of both packed as fp32.
@@ -155,17 +167,10 @@ class ParallelMoE(torch.nn.Module):
             torch.nn.init.uniform_(p, -bound, bound)
 
     def route(self, x):
-        """The router alone on this rank's rows x (rows, H): (top-k ids int32 (rows, k), their weights
-        fp32 (rows, k)). Logits in the parameters' dtype (fp32 accumulation), softmax in fp32."""
-        # The router weight is replicated and sees only this rank's tokens: its gradient is summed
-        # over ranks in the backward (identity forward).
+        """The router alone on this rank's rows x (rows, H): top_k_routing with this module's weight,
+        whose gradient is summed over ranks in the backward (it sees only this rank's tokens)."""
         router = _ag.CopyReplicated.apply(self.router_weight) if self.world_size > 1 else self.router_weight
-        logits = torch.nn.functional.linear(x, router)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids.to(torch.int32), weights
+        return top_k_routing(x, router, self.top_k, self.norm_topk_prob)
 
     def forward(self, x, m: Optional[int] = None):
         """x: (rows, ..., H), this rank's rows (tokens) first; returns the block's output for the same
@@ -294,4 +299,4 @@ def _check_silu(name: str, act) -> None:
         _fail(f"from_module: {name}'s experts use {kind}; ParallelMoE runs SiLU(gate) * up")
 
 
-__all__ = ["ParallelMoE", "GatherRouting"]
+__all__ = ["ParallelMoE", "GatherRouting", "top_k_routing"]
