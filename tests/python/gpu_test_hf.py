@@ -157,7 +157,8 @@ def compare(what, tp, ref, base, forward, x_full, dy_full, tol, shard=None):
         try:
             check(got, want, tol, f"{what}: {label}")
         except AssertionError as e:
-            raise AssertionError(f"{e} (the unconverted bf16 model: {rel_err(base_got, want):.3e} x max |ref|)") from None
+            base_err = rel_err(base_got, want)
+            raise AssertionError(f"{e} (the unconverted bf16 model: {base_err:.3e} x max |ref|)") from None
 
     y, gx, params = runs["tdist"]
     y_ref, gx_ref, ref_params = runs["ref"]
