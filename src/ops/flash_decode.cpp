@@ -293,7 +293,7 @@ void report_errors(u32* errors) {
   u32 bits = 0;
   TDIST_CUDA_CHECK(cudaMemcpy(&bits, errors, sizeof(bits), cudaMemcpyDeviceToHost));
   if (bits == 0) return;
-  DeviceBuffer::zero_now(errors, sizeof(u32));
+  TDIST_CUDA_CHECK(cudaMemset(errors, 0, sizeof(u32)));
   TDIST_CHECK_ARG(!(bits & attn::kErrBlockTable), "block_table",
                   "an entry outside [0, num_pages) was met on the device (its page was skipped)");
   TDIST_CHECK_ARG(!(bits & attn::kErrSeqLen), "seq_lens",
@@ -305,25 +305,11 @@ void report_errors(u32* errors) {
 // State shared by both ops: the split workspace (ordinary memory, grown on demand) and the error bits.
 struct FlashDecode::Impl {
   int num_sms = current_sm_count();
-  DeviceBuffer errors = DeviceBuffer::zeroed(sizeof(u32));
+  DeviceBuffer errors{sizeof(u32)};
   DeviceBuffer partials;  // o_part f32[items][splits][D], then lse_part f32[items][splits]
   size_t partial_bytes = 0;
-  DeviceBuffer arrivals;  // u32[batch][kv_heads * head_chunks], zero between calls (flash_decode.cuh)
-  size_t arrival_bytes = 0;
 
-  // Grows a workspace to `need` bytes, zeroed; never during a capture (the graph would keep the old
-  // buffer).
-  static void grow(DeviceBuffer& buffer, size_t& bytes, size_t need, cudaStream_t stream) {
-    if (need <= bytes) return;
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
-    TDIST_CHECK_ARG(capturing == cudaStreamCaptureStatusNone, "batch", "the split workspace must grow to ", need,
-                    " bytes for this shape, which cannot happen during "
-                    "stream capture: run the largest shape once before capturing");
-    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be in use
-    buffer = DeviceBuffer::zeroed(need);
-    bytes = need;
-  }
+  Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
 
   // The split model weighs every split count (a few microseconds of host time): a decode loop calls
   // with one shape, so the last plan is kept.
@@ -339,9 +325,8 @@ struct FlashDecode::Impl {
   }
 
   // Launches the split kernel and fills the combine parameters (all but the exchange's). With
-  // `may_finish` (no exchange), the split kernel writes out and lse itself (with one split directly,
-  // else through its fused merge) and this returns nullopt: there is nothing to combine.
-  // TDIST_FLASH_DECODE_FUSED_MERGE=0 merges in the combine kernel instead (for comparison).
+  // `may_finish` and a plan of one split, the split kernel writes out and lse itself; returns
+  // nullopt then: there is nothing to combine.
   std::optional<attn::CombineParams> launch_split(const FlashDecodeArgs& a, cudaStream_t stream,
                                                   const FlashDecodeKernels*& kernels, bool may_finish) {
     check_flash_decode_args(a);
@@ -357,12 +342,18 @@ struct FlashDecode::Impl {
     const u64 items = static_cast<u64>(a.batch) * a.q_heads;
     // One split and nothing to exchange: the split's normalised output is the result, which the
     // combine kernel would only copy (a second launch, and the partials written and read again).
-    const bool direct = may_finish && plan.num_splits == 1;
-    const bool fused = may_finish && plan.num_splits > 1 && env::flag("TDIST_FLASH_DECODE_FUSED_MERGE", true);
-    const bool finish = direct || fused;
-    const u64 groups = static_cast<u64>(a.batch) * a.kv_heads * plan.head_chunks;  // CTAs per split
-    grow(partials, partial_bytes, direct ? 0 : items * plan.num_splits * (d + 1) * sizeof(float), stream);
-    if (fused) grow(arrivals, arrival_bytes, groups * sizeof(u32), stream);
+    const bool finish = may_finish && plan.num_splits == 1;
+    const size_t need = finish ? 0 : items * plan.num_splits * (d + 1) * sizeof(float);
+    if (need > partial_bytes) {
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      TDIST_CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+      TDIST_CHECK_ARG(capturing == cudaStreamCaptureStatusNone, "batch", "the split workspace must grow to ", need,
+                      " bytes for this shape, which cannot happen during "
+                      "stream capture: run the largest shape once before capturing");
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be read
+      partials = DeviceBuffer(need);
+      partial_bytes = need;
+    }
 
     attn::DecodeParams p{};
     p.q = a.q;
@@ -374,7 +365,6 @@ struct FlashDecode::Impl {
     p.lse_part = p.o_part ? p.o_part + items * plan.num_splits * d : nullptr;
     p.out = finish ? a.out : nullptr;
     p.lse = finish ? a.lse : nullptr;
-    p.arrivals = fused ? arrivals.get<u32>() : nullptr;
     p.errors = errors.get<u32>();
     p.num_pages = static_cast<u64>(a.block_table ? a.num_pages : a.batch);
     p.page_size = static_cast<u32>(a.page_size);
@@ -482,16 +472,20 @@ struct DistributedFlashDecode::Impl {
   SymmetricBlock block;  // empty over a caller's buffer
   u64* ll = nullptr;
   FlashDecode::Impl local;
-  DeviceBuffer epoch = DeviceBuffer::zeroed(sizeof(kernels::coll::EpochState));  // this rank's call count
+  DeviceBuffer epoch{sizeof(kernels::coll::EpochState)};  // this rank's call count, device memory
 
   Impl(World& w, SymmetricHeap& h, const DistributedFlashDecodeConfig& c)
       : view(h.view()),
         config(c),
         layout(c, w.world_size()),
         block(h, layout.layout, "tdist's distributed flash-decode exchange"),
-        ll(block[layout.ll]) {}
+        ll(block[layout.ll]) {
+    TDIST_CUDA_CHECK(cudaMemset(epoch.get(), 0, sizeof(kernels::coll::EpochState)));
+  }
   Impl(const device::SymmetricHeapView& v, void* buffer, const DistributedFlashDecodeConfig& c)
-      : view(v), config(c), layout(c, v.num_ranks), ll(layout.ll.at(buffer)) {}
+      : view(v), config(c), layout(c, v.num_ranks), ll(layout.ll.at(buffer)) {
+    TDIST_CUDA_CHECK(cudaMemset(epoch.get(), 0, sizeof(kernels::coll::EpochState)));
+  }
 };
 
 size_t DistributedFlashDecode::heap_bytes(const DistributedFlashDecodeConfig& config, int world_size) {

@@ -14,9 +14,6 @@
 //   lse          f32[batch][q_heads]                        natural log of sum_t exp(s_t); -inf if empty
 //   o_part       f32[batch][q_heads][num_splits][D]         each split's normalised output
 //   lse_part     f32[batch][q_heads][num_splits]            each split's log2-sum-exp2 (-inf: empty)
-//   arrivals     u32[batch][kv_heads * head_chunks]         fused merge: CTAs of one (sequence, head
-//                                                           chunk) that have written their partials;
-//                                                           zero between calls (the last CTA resets it)
 //   ll           u64[2][num_ranks][max_items][D + 1]        distributed merge, symmetric: lines of
 //                                                           item (b * q_heads + h), words 0..D-1 the
 //                                                           rank's o (f32 bits), word D its log2-sum
@@ -32,12 +29,6 @@
 // decode_stages(D)-deep cp.async pipeline of K and V tiles in shared memory, gathered row by row
 // through the block table, so that HBM reads stay in flight while the warp computes; the warps'
 // states are merged through shared memory at the end.
-//
-// On one rank the splits are merged inside the split kernel: the last CTA of a (sequence, head
-// chunk) to write its partials merges every split's (counted in `arrivals`), while the other CTAs
-// still stream; no combine kernel, and no second kernel boundary per call. The distributed merge
-// runs in the combine kernel: a CTA waiting there for peers' lines must not hold an SM that a
-// split CTA still needs.
 //
 // Bad input seen on the device sets a bit of *errors (the host reports it, naming the argument):
 // kErrBlockTable (an entry outside [0, num_pages): the page is skipped), kErrSeqLen (a length
@@ -92,10 +83,8 @@ struct DecodeParams {
   const int* seq_lens;
   float* o_part;
   float* lse_part;
-  void* out;       // non-null with no exchange: the result, written here (one split: directly; else
-                   // merged by the last CTA of each (sequence, head chunk), counted in arrivals)
-  float* lse;      // with out: the log-sum-exp (natural log), may be nullptr
-  u32* arrivals;   // with out and num_splits > 1 (layout above)
+  void* out;   // non-null with one split and no exchange: the result, written here (no combine)
+  float* lse;  // with out: the log-sum-exp (natural log), may be nullptr
   u32* errors;
   u64 num_pages;
   u32 page_size;
@@ -202,9 +191,6 @@ template <typename T, int N>
 struct alignas(N * sizeof(T)) Packed {
   T v[N];
 };
-
-template <typename T, int D>
-TDIST_DEVICE void merge_if_last(const DecodeParams& p, u32 b, u32 h0, int heads);
 
 // grid (kv_heads * head_chunks, num_splits, batch), block kDecodeThreads, dynamic shared memory
 // decode_smem_bytes(D, sizeof(T)). The heads vary fastest, so that the CTAs of one piece of a
@@ -435,7 +421,6 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   // of m_w, and writes the row's log-sum-exp: the per-element merge below is then a weighted sum,
   // with no exponential or dependent chain per element.
   const u64 part0 = (static_cast<u64>(b) * p.q_heads + h0) * p.num_splits + split;  // row r: + r * num_splits
-  const bool direct = p.out != nullptr && p.num_splits == 1;  // the result itself (part = the item)
   if (threadIdx.x < heads) {
     const int r = threadIdx.x;
     float* ml = sm_ml + r * 2;  // warp w's pair at ml[w * kMaxHeadsPerCta * 2]
@@ -451,7 +436,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
     for (int w = 0; w < kWarps; ++w) ml[w * kMaxHeadsPerCta * 2] = sum > 0.f ? e[w] / sum : 0.f;
     const float lse2 = sum > 0.f ? mx + log2f(sum) : -kInf;
     const u64 part = part0 + static_cast<u64>(r) * p.num_splits;
-    if (!direct)
+    if (p.out == nullptr)
       p.lse_part[part] = lse2;
     else if (p.lse != nullptr)
       p.lse[part] = lse2 == -kInf ? -kInf : lse2 * kLn2;
@@ -470,7 +455,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
       acc.w = fmaf(f, v.w, acc.w);
     }
     const u64 at = (part0 + static_cast<u64>(r) * p.num_splits) * D + d;
-    if (direct) {  // the combine's result for one split, bit for bit
+    if (p.out != nullptr) {  // one split: the combine's result for it, bit for bit (part = the item)
       Packed<T, 4> v;
       v.v[0] = coll::from_f32<T>(acc.x);
       v.v[1] = coll::from_f32<T>(acc.y);
@@ -481,18 +466,6 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
       *reinterpret_cast<float4*>(p.o_part + at) = acc;
     }
   }
-  if (p.out != nullptr && !direct) merge_if_last<T, D>(p, b, h0, heads);
-}
-
-// Partials are read from L2 (ld.global.cg): in the fused merge other CTAs of the same grid wrote
-// them, and L1 keeps no coherent copy.
-TDIST_DEVICE void load_l2(const float* src, Packed<float, 4>& v) {
-  const float4 x = __ldcg(reinterpret_cast<const float4*>(src));
-  v.v[0] = x.x, v.v[1] = x.y, v.v[2] = x.z, v.v[3] = x.w;
-}
-TDIST_DEVICE void load_l2(const float* src, Packed<float, 2>& v) {
-  const float2 x = __ldcg(reinterpret_cast<const float2*>(src));
-  v.v[0] = x.x, v.v[1] = x.y;
 }
 
 // The merge of a warp's item: every split of this rank, weighted by exp2(lse_s - max). o[kPer]
@@ -510,7 +483,7 @@ TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, floa
   using Vec = Packed<float, kVec>;                 // 8 or 16 bytes
   const float* lse = p.lse_part + static_cast<u64>(item) * p.num_splits;
   float mx = -kInf;
-  for (u32 s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, __ldcg(lse + s));
+  for (u32 s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse[s]);
 #pragma unroll
   for (int o2 = 16; o2 > 0; o2 /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
 #pragma unroll
@@ -520,16 +493,16 @@ TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, floa
   const float* op = p.o_part + static_cast<u64>(item) * p.num_splits * D + lane * kPer;
   for (u32 s0 = 0; s0 < p.num_splits; s0 += 32) {
     const u32 n = min(32u, p.num_splits - s0);
-    const float w_lane = static_cast<u32>(lane) < n ? exp2f(__ldcg(lse + s0 + lane) - mx) : 0.f;
+    const float w_lane = static_cast<u32>(lane) < n ? exp2f(lse[s0 + lane] - mx) : 0.f;
     sum += w_lane;
     for (u32 b0 = 0; b0 < n; b0 += kBatch) {
       Vec v[kBatch][kPer / kVec];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         if (b0 + i < n) {
-          const float* src = op + static_cast<u64>(s0 + b0 + i) * D;
+          const Vec* src = reinterpret_cast<const Vec*>(op + static_cast<u64>(s0 + b0 + i) * D);
 #pragma unroll
-          for (int c = 0; c < kPer / kVec; ++c) load_l2(src + c * kVec, v[i][c]);
+          for (int c = 0; c < kPer / kVec; ++c) v[i][c] = src[c];
         }
       }
 #pragma unroll
@@ -560,40 +533,6 @@ TDIST_DEVICE void store_item(const CombineParams& p, u32 item, int lane, const f
 #pragma unroll
   for (int j = 0; j < kPer; ++j) out[j] = coll::from_f32<T>(o[j]);
   if (lane == 0 && p.lse) p.lse[item] = lse2 == -kInf ? -kInf : lse2 * kLn2;
-}
-
-// The fused merge (DecodeParams::arrivals), after a split CTA has written its partials: the CTA that
-// arrives last for its (sequence b, head chunk) merges the `heads` items from h0, a warp per item,
-// and zeroes the count for the next call (every split of this call has arrived).
-template <typename T, int D>
-TDIST_DEVICE void merge_if_last(const DecodeParams& p, u32 b, u32 h0, int heads) {
-  __shared__ u32 last;
-  __syncthreads();  // every thread's partials stored before thread 0's release
-  if (threadIdx.x == 0) {
-    u32* count = p.arrivals + static_cast<u64>(b) * gridDim.x + blockIdx.x;
-    __threadfence();  // release: this CTA's partials before its arrival
-    last = atomicAdd(count, 1u) == p.num_splits - 1;
-    if (last) {
-      *count = 0u;
-      __threadfence();  // acquire: the other CTAs' partials after their arrivals
-    }
-  }
-  __syncthreads();
-  if (!last) return;
-  CombineParams c{};
-  c.o_part = p.o_part;
-  c.lse_part = p.lse_part;
-  c.out = p.out;
-  c.lse = p.lse;
-  c.num_splits = p.num_splits;
-  constexpr int kPer = D / 32;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float o[kPer];
-  for (int r = warp; r < heads; r += kDecodeWarps) {
-    const u32 item = b * p.q_heads + h0 + r;
-    const float lse2 = merge_splits<D>(c, item, lane, o);
-    store_item<T, D>(c, item, lane, o, lse2);
-  }
 }
 
 // The data word of a line already seen with this call's epoch.
