@@ -293,7 +293,7 @@ void report_errors(u32* errors) {
   u32 bits = 0;
   TDIST_CUDA_CHECK(cudaMemcpy(&bits, errors, sizeof(bits), cudaMemcpyDeviceToHost));
   if (bits == 0) return;
-  TDIST_CUDA_CHECK(cudaMemset(errors, 0, sizeof(u32)));
+  DeviceBuffer::zero_now(errors, sizeof(u32));
   TDIST_CHECK_ARG(!(bits & attn::kErrBlockTable), "block_table",
                   "an entry outside [0, num_pages) was met on the device (its page was skipped)");
   TDIST_CHECK_ARG(!(bits & attn::kErrSeqLen), "seq_lens",
@@ -305,11 +305,9 @@ void report_errors(u32* errors) {
 // State shared by both ops: the split workspace (ordinary memory, grown on demand) and the error bits.
 struct FlashDecode::Impl {
   int num_sms = current_sm_count();
-  DeviceBuffer errors{sizeof(u32)};
+  DeviceBuffer errors = DeviceBuffer::zeroed(sizeof(u32));
   DeviceBuffer partials;  // o_part f32[items][splits][D], then lse_part f32[items][splits]
   size_t partial_bytes = 0;
-
-  Impl() { TDIST_CUDA_CHECK(cudaMemset(errors.get(), 0, sizeof(u32))); }
 
   // The split model weighs every split count (a few microseconds of host time): a decode loop calls
   // with one shape, so the last plan is kept.
@@ -472,20 +470,16 @@ struct DistributedFlashDecode::Impl {
   SymmetricBlock block;  // empty over a caller's buffer
   u64* ll = nullptr;
   FlashDecode::Impl local;
-  DeviceBuffer epoch{sizeof(kernels::coll::EpochState)};  // this rank's call count, device memory
+  DeviceBuffer epoch = DeviceBuffer::zeroed(sizeof(kernels::coll::EpochState));  // this rank's call count
 
   Impl(World& w, SymmetricHeap& h, const DistributedFlashDecodeConfig& c)
       : view(h.view()),
         config(c),
         layout(c, w.world_size()),
         block(h, layout.layout, "tdist's distributed flash-decode exchange"),
-        ll(block[layout.ll]) {
-    TDIST_CUDA_CHECK(cudaMemset(epoch.get(), 0, sizeof(kernels::coll::EpochState)));
-  }
+        ll(block[layout.ll]) {}
   Impl(const device::SymmetricHeapView& v, void* buffer, const DistributedFlashDecodeConfig& c)
-      : view(v), config(c), layout(c, v.num_ranks), ll(layout.ll.at(buffer)) {
-    TDIST_CUDA_CHECK(cudaMemset(epoch.get(), 0, sizeof(kernels::coll::EpochState)));
-  }
+      : view(v), config(c), layout(c, v.num_ranks), ll(layout.ll.at(buffer)) {}
 };
 
 size_t DistributedFlashDecode::heap_bytes(const DistributedFlashDecodeConfig& config, int world_size) {

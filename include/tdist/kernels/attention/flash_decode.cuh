@@ -560,6 +560,9 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine(CombineP
   float o[kPer];
   if (p.ll == nullptr) {
     wait_for_prior_grid();  // the split kernel's partials (programmatic launch: it may still run)
+    // The next kernel (the next step's split kernel, say) may be scheduled onto the SMs this small
+    // grid leaves idle; it waits for this grid on the device before it touches memory.
+    allow_dependent_launch();
     for (u32 item = first; item < p.items; item += stride) {
       const float lse2 = merge_splits<D>(p, item, lane, o);
       store_item<T, D>(p, item, lane, o, lse2);
