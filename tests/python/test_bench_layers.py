@@ -153,7 +153,8 @@ def test_moe_experts_torch_both_grouped_mms(dtype_name, tol):
     ids = torch.stack([torch.randperm(experts - 2, generator=g)[:k] for _ in range(m)]).to(torch.int32)
     weights = torch.softmax(torch.randn((m, k), generator=g), 1)
     tokens = torch.randn((m, hidden), generator=g)
-    w13, w2 = torch.randn((experts, 2 * f, hidden), generator=g) * 0.3, torch.randn((experts, hidden, f), generator=g) * 0.3
+    w13 = torch.randn((experts, 2 * f, hidden), generator=g) * 0.3
+    w2 = torch.randn((experts, hidden, f), generator=g) * 0.3
     dy = torch.randn((m, hidden), generator=g)
     leaves64 = [t.double().requires_grad_() for t in (tokens, weights, w13, w2)]
     ref = _experts_reference(leaves64[0], ids.long(), *leaves64[1:])
@@ -167,7 +168,7 @@ def test_moe_experts_torch_both_grouped_mms(dtype_name, tol):
         leaves[1] = weights.clone().requires_grad_()  # the router's weights stay fp32
         try:
             y = bl.moe_experts_torch(torch, leaves[0], ids, leaves[1], leaves[2], leaves[3], grouped_mm)
-        except RuntimeError as e:  # torch._grouped_mm without a CPU kernel in this torch
+        except RuntimeError:  # torch._grouped_mm without a CPU kernel in this torch
             if name == bench_moe.GROUPED_MM:
                 continue
             raise

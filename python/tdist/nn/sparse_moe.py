@@ -35,7 +35,6 @@ import math
 from typing import Optional
 
 from .._tensors import Error, require_torch
-from .._runtime import runtime
 from .. import moe as _moe
 
 torch = require_torch("tdist.nn")
