@@ -488,8 +488,9 @@ def linear_replicated_input(x: Tensor, w: Tensor, method: str, fused: bool) -> T
 # Backward, with dY the output's gradient (docs/moe.md, "Training"):
 #
 #   ag   dx_rows = this rank's rows of sum_ranks dx, dx[t] = sum_j dY[rop[t, j]] @ w_e (the
-#        ReduceScatter is the AllGather's adjoint): exactly moe_group_gemm_rs(dY, w_e.T, ids, 1), the
-#        tdist op, which overlaps the ReduceScatter with its grouped GEMM;
+#        ReduceScatter is the AllGather's adjoint): torch._grouped_mm on w as it is, the top-k sum,
+#        a ReduceScatter; where it does not run, exactly moe_group_gemm_rs(dY, w_e.T, ids, 1), the
+#        tdist op, on a transposed copy of w (grouped_data_grad says why that is the fallback);
 #        dw_e = dY_e.T @ X_e, X_e = the expert's rows x[tok[r]] (x gathered again, beside the routing)
 #   rs   G = AllGather(dy) (_ar: G = dy, replicated as in gemm_ar); U[r] = G[tok[r]] @ w_e;
 #        dh[r] = p(r) U[r]; dp[t, j] = <G[t], h[r] @ w_e.T> = <U[r], h[r]> with r = rop[t, j],
@@ -513,14 +514,18 @@ _MOE_TILE = _moe.grouped_gemm_alignment()
 _DW_CHUNK_BYTES = 256 << 20  # fp32 per-tile partials kept at once by the tile fallback
 
 
+def _torch_grouped_mm_usable(dtype, device) -> bool:
+    """Whether torch._grouped_mm runs here: bfloat16 on sm90 / sm100."""
+    return (hasattr(torch, "_grouped_mm") and dtype == torch.bfloat16 and device.type == "cuda" and
+            torch.cuda.get_device_capability(device)[0] in (9, 10))
+
+
 def _moe_wgrad_style(dtype, device) -> str:
     style = os.environ.get("TDIST_MOE_WGRAD", "auto")
     if style not in ("auto", "grouped_mm", "tiles"):
         raise ValueError(f"TDIST_MOE_WGRAD must be 'auto', 'grouped_mm' or 'tiles', got '{style}'")
     if style == "auto":
-        usable = (hasattr(torch, "_grouped_mm") and dtype == torch.bfloat16 and device.type == "cuda" and
-                  torch.cuda.get_device_capability(device)[0] in (9, 10))
-        style = "grouped_mm" if usable else "tiles"
+        style = "grouped_mm" if _torch_grouped_mm_usable(dtype, device) else "tiles"
     return style
 
 
@@ -530,10 +535,8 @@ def grouped_weight_grad(dy: Tensor, a: Tensor, offsets: Tensor, groups: int) -> 
     outside the groups (the caller masks them)."""
     rows, n, k = dy.shape[0], dy.shape[1], a.shape[1]
     if _moe_wgrad_style(dy.dtype, dy.device) == "grouped_mm":
-        out = torch._grouped_mm(dy.t(), a, offs=offsets[1:].to(torch.int32))
-        # An empty group sums nothing: 0, whatever the kernel leaves there.
-        nonempty = (offsets[1:] > offsets[:-1]).view(groups, 1, 1)
-        return torch.where(nonempty, out, out.new_zeros(()))
+        # An empty group (no rows to sum) comes out 0, as torch's own grouped_mm backward relies on.
+        return torch._grouped_mm(dy.t(), a, offs=offsets[1:].to(torch.int32))
     tiles = -(-rows // _MOE_TILE)
     out = torch.zeros((groups, n, k), dtype=torch.float32, device=dy.device)
     if tiles == 0:
@@ -556,6 +559,27 @@ def grouped_weight_grad(dy: Tensor, a: Tensor, offsets: Tensor, groups: int) -> 
 def _experts_transposed(w: Tensor) -> Tensor:
     """[E, K, N]: every expert's w_e.T, contiguous (the grouped GEMM's weight operand for dY @ w_e)."""
     return w.transpose(1, 2).contiguous()
+
+
+def grouped_data_grad(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """[R, K]: dy[r] @ w_g for the rows r in [offsets[g], offsets[g + 1]) of each group g, w [G, N, K]
+    as the forward's weight; rows past offsets[G] are not written. torch._grouped_mm reads w as it is
+    (its [G, N, K] operand); tdist's grouped GEMM (TN) needs a transposed copy of every expert's
+    weight, which at MoE sizes moves more bytes than the GEMM takes time, so it is the fallback."""
+    if _torch_grouped_mm_usable(dy.dtype, dy.device):
+        return torch._grouped_mm(dy, w, offs=offsets[1:].to(torch.int32))
+    return _moe.grouped_gemm(dy, _experts_transposed(w), offsets)
+
+
+def _sum_pairs(u: Tensor, row_of_pair: Tensor) -> Tensor:
+    """[M, K]: sum_j u[row_of_pair[t, j]] per token t (fp32 accumulation, u's dtype), in token chunks
+    of about 64 MiB of gathered rows."""
+    m, topk = row_of_pair.shape
+    out = u.new_empty((m, u.shape[1]))
+    step = max(1, (64 << 20) // max(1, topk * u.shape[1] * u.element_size()))
+    for first in range(0, m, step):
+        out[first:first + step] = u[row_of_pair[first:first + step]].sum(1)
+    return out
 
 
 def _rows_valid(token_of_row: Tensor) -> Tensor:
@@ -586,17 +610,24 @@ def moe_ag_group_gemm_backward(grad: Tensor, x_rows: Tensor, topk_ids: Tensor, w
         with torch.cuda.stream(side):
             gathered = gather_rows(x_rows, m, world)  # [M, K]: every token, again
         gathered.record_stream(main)
-    # Beside the AllGather: the routing and the transposed weights; the collective below waits for it.
+    # Beside the AllGather: the routing; the collective below waits for it.
     r = _moe.routing(topk_ids, experts, world, rank)
     offsets, token_of_row = r["offsets"], r["token_of_row"]
-    w_t = _experts_transposed(w) if need_x else None
     main.wait_stream(side)
     if need_x:
-        # dx_rows[t] = this rank's rows of sum_ranks sum_j dY[rop[t, j]] @ w_e: the second projection's
-        # op on dY (expert-ordered rows of the same routing) and w_e.T with every weight 1, its
-        # ReduceScatter overlapped with its grouped GEMM; it reads no padding row of dY.
-        ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=grad.device)
-        grad_x = _ops.moe_group_gemm_rs.default(grad, w_t, topk_ids, ones, method, False)
+        # dx_rows[t] = this rank's rows of sum_ranks sum_j dY[rop[t, j]] @ w_e; no padding row of dY
+        # is read.
+        if _torch_grouped_mm_usable(grad.dtype, grad.device):
+            # torch's grouped GEMM on w as it is, the top-k sum, then the ReduceScatter (not
+            # overlapped, but the transposed copy of every expert's weight that the overlapped op
+            # below needs costs more than the GEMM).
+            full = _sum_pairs(grouped_data_grad(grad, w, offsets), r["row_of_pair"])
+            grad_x = full if world == 1 else scatter_rows(full, m, world, rank)
+        else:
+            # The second projection's op on dY (expert-ordered rows of the same routing) and w_e.T
+            # with every weight 1, its ReduceScatter overlapped with its grouped GEMM.
+            ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=grad.device)
+            grad_x = _ops.moe_group_gemm_rs.default(grad, _experts_transposed(w), topk_ids, ones, method, False)
     if need_w:
         valid = _rows_valid(token_of_row)
         a = _zero_rows(gathered[token_of_row.clamp(min=0)], valid)  # [R, K] in expert order
@@ -635,10 +666,9 @@ def moe_group_gemm_rs_backward(grad: Tensor, h: Tensor, w: Tensor, topk_ids: Ten
             g_all = gather_rows(grad, m, world)
             gathered_ready = side.record_event()
         g_all.record_stream(main)
-    # Beside the AllGather: the routing and the transposed weights.
+    # Beside the AllGather: the routing.
     r = _moe.routing(topk_ids, experts, world, rank)
     offsets, token_of_row, row_of_pair = r["offsets"], r["token_of_row"], r["row_of_pair"]
-    w_t = _experts_transposed(w) if (need_h or need_weights) else None
     valid = _rows_valid(token_of_row)
     pairs = row_of_pair.reshape(-1)
     # p of each row (fp32 [R]); 0 in padding rows and past offsets[E].
@@ -648,7 +678,7 @@ def moe_group_gemm_rs_backward(grad: Tensor, h: Tensor, w: Tensor, topk_ids: Ten
         main.wait_event(gathered_ready)
     g_rows = g_all[token_of_row.clamp(min=0)]  # [R, N]: G[tok[r]] (token 0 in rows outside the pairs)
     if need_h or need_weights:
-        u = _moe.grouped_gemm(g_rows, w_t, offsets)  # [R, K]: G[tok[r]] @ w_e; rows past offsets[E] unwritten
+        u = grouped_data_grad(g_rows, w, offsets)  # [R, K]: G[tok[r]] @ w_e; rows past offsets[E] unwritten
         if need_h:
             grad_h = _zero_rows((u.float() * p_row.unsqueeze(1)).to(h.dtype), valid)
         if need_weights:
@@ -693,7 +723,7 @@ def grouped_gemm_backward(grad: Tensor, a: Tensor, w: Tensor, offsets: Tensor, n
     grad = dense(grad)
     inside = (torch.arange(a.shape[0], device=a.device) < offsets[groups]).unsqueeze(1)
     if need_a:
-        grad_a = _zero_rows(_moe.grouped_gemm(grad, _experts_transposed(w), offsets), inside)
+        grad_a = _zero_rows(grouped_data_grad(grad, w, offsets), inside)
     if need_w:
         grad_w = grouped_weight_grad(_zero_rows(grad, inside), _zero_rows(a, inside), offsets, groups)
     return grad_a, grad_w
