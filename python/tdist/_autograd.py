@@ -499,10 +499,12 @@ def linear_replicated_input(x: Tensor, w: Tensor, method: str, fused: bool) -> T
 #   gg   da[r] = dY[r] @ w_g (rows past offsets[G]: 0); dw_g = dY_g.T @ a_g
 #
 # dw is a grouped GEMM whose groups split the reduction dimension, which tdist's grouped GEMM (groups
-# of output rows) does not do: torch._grouped_mm does (bfloat16 on sm90+); elsewhere a batched GEMM
-# per 128-row tile (every tile is one expert's) summed into its expert, which moves an N x K fp32
-# partial per tile and so is the fallback. No per-expert loop: the experts' row counts live on the
-# GPU, and reading them would be a host synchronisation. TDIST_MOE_WGRAD: auto, grouped_mm or tiles.
+# of output rows) does not do: torch._grouped_mm does (bfloat16 on sm90+), and where it runs the
+# whole backward uses it, in the compact order (below); elsewhere a batched GEMM per 128-row tile
+# (every tile is one expert's) summed into its expert, which moves an N x K fp32 partial per tile
+# and so is the fallback. No per-expert loop: the experts' row counts live on the GPU, and reading
+# them would be a host synchronisation. TDIST_MOE_WGRAD: auto, grouped_mm or tiles (the fallback
+# for the whole backward, also where torch's kernel runs).
 #
 # The routing is rebuilt on the GPU from topk_ids (tdist.moe.routing, a few small kernels): the ops
 # keep it in their context, which the next call overwrites. Rows outside the pairs (padding, past
@@ -527,6 +529,12 @@ def _moe_wgrad_style(dtype, device) -> str:
     if style == "auto":
         style = "grouped_mm" if _torch_grouped_mm_usable(dtype, device) else "tiles"
     return style
+
+
+def _by_torch_grouped_mm(t: Tensor) -> bool:
+    """Whether the MoE backward runs torch._grouped_mm (TDIST_MOE_WGRAD: auto or grouped_mm) or, with
+    tiles, tdist's grouped GEMM on transposed weights and the tile fallback for dw."""
+    return _moe_wgrad_style(t.dtype, t.device) == "grouped_mm"
 
 
 def grouped_weight_grad(dy: Tensor, a: Tensor, offsets: Tensor, groups: int) -> Tensor:
@@ -566,7 +574,7 @@ def grouped_data_grad(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     as the forward's weight; rows past offsets[G] are not written. torch._grouped_mm reads w as it is
     (its [G, N, K] operand); tdist's grouped GEMM (TN) needs a transposed copy of every expert's
     weight, which at MoE sizes moves more bytes than the GEMM takes time, so it is the fallback."""
-    if _torch_grouped_mm_usable(dy.dtype, dy.device):
+    if _by_torch_grouped_mm(dy):
         return torch._grouped_mm(dy, w, offs=offsets[1:].to(torch.int32))
     return _moe.grouped_gemm(dy, _experts_transposed(w), offsets)
 
@@ -588,6 +596,62 @@ def _rows_valid(token_of_row: Tensor) -> Tensor:
 
 def _zero_rows(t: Tensor, valid: Tensor) -> Tensor:
     return torch.where(valid, t, t.new_zeros(()))
+
+
+# Where torch._grouped_mm runs, the backward works on the pairs' rows without the padding ("compact"
+# order: routing's row_of_compact, expert by expert): torch's grouped GEMM takes any group sizes, so
+# the padding to 128-row tiles that tdist's grouped GEMM needs (about twice the pairs at 128
+# experts and 2048 tokens) would only add rows to every GEMM and pass, and masking passes to keep
+# them out of the sums. Its 2-D x 3-D form also reads w as it is, where tdist's TN grouped GEMM
+# needs a transposed copy of every expert's weight.
+
+
+def _compact_offs(r: dict) -> Tensor:
+    return r["compact_offsets"][1:].to(torch.int32)
+
+
+def _compact_of_pair(r: dict, m: int, topk: int) -> Tensor:
+    """[M, topk]: the compact row of each pair (the inverse of pair_of_compact)."""
+    pairs = r["pair_of_compact"]
+    inverse = torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
+    return inverse.view(m, topk)
+
+
+def _sum_over_ranks_beside(partial: Tensor, world: int, side, main) -> Tensor:
+    """partial summed over ranks (tdist's AllReduce on the side stream, beside what main runs next)."""
+    if world == 1:
+        return partial
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out = _ops.all_reduce.default(partial, "auto")
+    out.record_stream(main)
+    return out
+
+
+def _moe_rs_backward_compact(r, g_all, h, w, topk_ids, topk_weights, world, side, main, need_h, need_w,
+                             need_weights):
+    """moe_group_gemm_rs_backward in the compact order (above): G_c = G[token of c], U = G_c @ w_e,
+    dh[row of c] = p(c) U[c] (padding rows 0), dp = <U[c], h[row of c]>, dw_e = (p G_c)_e.T @ h_c."""
+    m, topk = topk_ids.shape
+    offs, rows = _compact_offs(r), r["row_of_compact"]
+    g_c = g_all[r["token_of_compact"]]  # [P, N]
+    p_c = topk_weights.reshape(-1)[r["pair_of_compact"]].float().unsqueeze(1)  # [P, 1]
+    grad_h = grad_w = grad_p = _no_grad_placeholder(g_all)
+    h_c = h[rows] if (need_w or need_weights) else None  # [P, K]
+    if need_h or need_weights:
+        u = torch._grouped_mm(g_c, w, offs=offs)  # [P, K]
+        if need_h:
+            grad_h = h.new_zeros(h.shape).index_copy_(0, rows, (u * p_c).to(h.dtype))
+        if need_weights:
+            dots = torch.empty(rows.numel(), dtype=torch.float32, device=h.device)
+            step = max(1, (64 << 20) // max(1, h.shape[1] * 8))
+            for first in range(0, rows.numel(), step):
+                dots[first:first + step] = (u[first:first + step].float() * h_c[first:first + step].float()).sum(1)
+            partial = torch.empty_like(dots).scatter_(0, r["pair_of_compact"], dots).view(m, topk)
+            grad_p = _sum_over_ranks_beside(partial, world, side, main)
+    if need_w:
+        grad_w = torch._grouped_mm((g_c * p_c).to(h.dtype).t(), h_c, offs=offs)
+    return grad_h, grad_w, grad_p
 
 
 @torch.library.custom_op("tdist::moe_ag_group_gemm_backward", mutates_args=())
@@ -614,20 +678,23 @@ def moe_ag_group_gemm_backward(grad: Tensor, x_rows: Tensor, topk_ids: Tensor, w
     r = _moe.routing(topk_ids, experts, world, rank)
     offsets, token_of_row = r["offsets"], r["token_of_row"]
     main.wait_stream(side)
-    if need_x:
-        # dx_rows[t] = this rank's rows of sum_ranks sum_j dY[rop[t, j]] @ w_e; no padding row of dY
-        # is read.
-        if _torch_grouped_mm_usable(grad.dtype, grad.device):
-            # torch's grouped GEMM on w as it is, the top-k sum, then the ReduceScatter (not
-            # overlapped, but the transposed copy of every expert's weight that the overlapped op
-            # below needs costs more than the GEMM).
-            full = _sum_pairs(grouped_data_grad(grad, w, offsets), r["row_of_pair"])
+    if _by_torch_grouped_mm(grad):
+        # The pairs' rows of dY without the padding (the compact order, above).
+        offs, g_c = _compact_offs(r), grad[r["row_of_compact"]]
+        if need_x:
+            # dY[r] @ w_e by torch on w as it is, the top-k sum, then the ReduceScatter.
+            u = torch._grouped_mm(g_c, w, offs=offs)
+            full = _sum_pairs(u, _compact_of_pair(r, m, topk))
             grad_x = full if world == 1 else scatter_rows(full, m, world, rank)
-        else:
-            # The second projection's op on dY (expert-ordered rows of the same routing) and w_e.T
-            # with every weight 1, its ReduceScatter overlapped with its grouped GEMM.
-            ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=grad.device)
-            grad_x = _ops.moe_group_gemm_rs.default(grad, _experts_transposed(w), topk_ids, ones, method, False)
+        if need_w:
+            grad_w = torch._grouped_mm(g_c.t(), gathered[r["token_of_compact"]], offs=offs)
+        return grad_x, grad_w
+    if need_x:
+        # dx_rows[t] = this rank's rows of sum_ranks sum_j dY[rop[t, j]] @ w_e: the second projection's
+        # op on dY (expert-ordered rows of the same routing) and w_e.T with every weight 1, its
+        # ReduceScatter overlapped with its grouped GEMM; it reads no padding row of dY.
+        ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=grad.device)
+        grad_x = _ops.moe_group_gemm_rs.default(grad, _experts_transposed(w), topk_ids, ones, method, False)
     if need_w:
         valid = _rows_valid(token_of_row)
         a = _zero_rows(gathered[token_of_row.clamp(min=0)], valid)  # [R, K] in expert order
@@ -668,6 +735,13 @@ def moe_group_gemm_rs_backward(grad: Tensor, h: Tensor, w: Tensor, topk_ids: Ten
         g_all.record_stream(main)
     # Beside the AllGather: the routing.
     r = _moe.routing(topk_ids, experts, world, rank)
+    if _by_torch_grouped_mm(grad):
+        if not all_reduce:
+            main.wait_event(gathered_ready)
+        grad_h, grad_w, grad_p = _moe_rs_backward_compact(r, g_all, h, w, topk_ids, topk_weights, world, side, main,
+                                                          need_h, need_w, need_weights)
+        main.wait_stream(side)
+        return grad_h, grad_w, grad_p
     offsets, token_of_row, row_of_pair = r["offsets"], r["token_of_row"], r["row_of_pair"]
     valid = _rows_valid(token_of_row)
     pairs = row_of_pair.reshape(-1)
@@ -689,13 +763,7 @@ def moe_group_gemm_rs_backward(grad: Tensor, h: Tensor, w: Tensor, topk_ids: Ten
             for first in range(0, h.shape[0], step):
                 dots[first:first + step] = (u[first:first + step].float() * h[first:first + step].float()).sum(1)
             partial = dots[pairs].view(m, topk)
-            if world > 1:
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    grad_p = _ops.all_reduce.default(partial, "auto")
-                grad_p.record_stream(main)
-            else:
-                grad_p = partial
+            grad_p = _sum_over_ranks_beside(partial, world, side, main)
     if need_w:
         dz = _zero_rows((g_rows.float() * p_row.unsqueeze(1)).to(h.dtype), valid)
         grad_w = grouped_weight_grad(dz, _zero_rows(h, valid), offsets, experts)

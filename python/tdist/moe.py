@@ -96,7 +96,10 @@ def routing(topk_ids, experts: int, world_size: int = 1, rank: int = 0) -> dict:
     """routing_reference's layout built with torch ops on topk_ids' device, with no host
     synchronisation (CUDA-graph safe; the MoE ops' backward uses it): offsets int64 [E + 1], counts
     int64 [E], token_of_row int64 [capacity(M, topk, E)] (-1: padding and the rows past offsets[E]),
-    row_of_pair int64 [M, topk]. topk_ids: an int32 or int64 tensor [M, topk] with ids in [0, experts);
+    row_of_pair int64 [M, topk]; and the same order without padding (pair c of M x topk, expert by
+    expert): compact_offsets int64 [E + 1] (cumulative counts), row_of_compact, token_of_compact and
+    pair_of_compact (t x topk + k) int64 [M x topk]. topk_ids: an int32 or int64 tensor [M, topk]
+    with ids in [0, experts);
     an id outside is routed to expert 0, as the ops' routing kernel does (which records it for
     check_errors; checking here would need a synchronisation)."""
     torch = _torch("moe.routing")
@@ -123,7 +126,11 @@ def routing(topk_ids, experts: int, world_size: int = 1, rank: int = 0) -> dict:
     token = rotated[pair // topk]
     row_of_pair = torch.empty(m * topk, dtype=torch.long, device=dev).scatter_(0, token * topk + pair % topk, row)
     token_of_row = torch.full((rows,), -1, dtype=torch.long, device=dev).scatter_(0, row, token)
-    return dict(offsets=offsets, counts=counts, token_of_row=token_of_row, row_of_pair=row_of_pair.view(m, topk))
+    compact_offsets = torch.zeros(experts + 1, dtype=torch.long, device=dev)
+    compact_offsets[1:] = torch.cumsum(counts, 0)
+    return dict(offsets=offsets, counts=counts, token_of_row=token_of_row, row_of_pair=row_of_pair.view(m, topk),
+                compact_offsets=compact_offsets, row_of_compact=row, token_of_compact=token,
+                pair_of_compact=token * topk + pair % topk)
 
 
 def grouped_gemm_alignment() -> int:

@@ -44,6 +44,13 @@ def test_routing_equals_host_reference(m, topk, experts, world, kind):
         assert got["token_of_row"].tolist() == list(ref["token_of_row"]) + [-1] * (cap - ref["offsets"][experts])
         assert tuple(got["row_of_pair"].shape) == (m, topk)
         assert got["row_of_pair"].tolist() == [list(r) for r in ref["row_of_pair"]]
+        # The compact order: the padded rows with the padding taken out, expert by expert.
+        padded = [r for r, t in enumerate(ref["token_of_row"]) if t >= 0]
+        assert got["row_of_compact"].tolist() == padded
+        assert got["compact_offsets"].tolist() == [0] + torch.cumsum(torch.tensor(ref["counts"]), 0).tolist()
+        assert got["token_of_compact"].tolist() == [ref["token_of_row"][r] for r in padded]
+        pair_of_row = {row: t * topk + k for t, rs in enumerate(ref["row_of_pair"]) for k, row in enumerate(rs)}
+        assert got["pair_of_compact"].tolist() == [pair_of_row[r] for r in padded]
 
 
 def test_routing_sends_ids_out_of_range_to_expert_0():
