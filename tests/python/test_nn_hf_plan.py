@@ -8,6 +8,7 @@ models on GPUs)."""
 import pytest
 
 from tdist.nn import Layer, resolve_plan
+from test_nn_plan import expect
 
 torch = pytest.importorskip("torch", reason="needs torch (transformers' models)")
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install 'transformers>=5'")
@@ -50,14 +51,6 @@ def small_config(cls, **kw):
 def llama():
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(small_config(transformers.LlamaConfig))
-
-
-def expect(fn, *fragments):
-    with pytest.raises(ValueError) as info:
-        fn()
-    for f in fragments:
-        assert f in str(info.value), f"'{f}' not in '{info.value}'"
-    return str(info.value)
 
 
 def test_llama_plans_resolve(llama):
