@@ -628,6 +628,20 @@ def _sum_over_ranks_beside(partial: Tensor, world: int, side, main) -> Tensor:
     return out
 
 
+def _moe_ag_backward_compact(r, grad, gathered, w, m, topk, world, rank, need_x, need_w):
+    """moe_ag_group_gemm_backward in the compact order (above): G_c = dY[row of c]; dx = this rank's
+    rows of sum_ranks sum_j (G_c @ w_e)[c of (t, j)] (the top-k sum, then a ReduceScatter);
+    dw_e = G_c,e.T @ x[token of c]_e. gathered: every token's x [M, K] (with need_w)."""
+    offs, g_c = _compact_offs(r), grad[r["row_of_compact"]]
+    grad_x = grad_w = _no_grad_placeholder(grad)
+    if need_x:
+        full = _sum_pairs(torch._grouped_mm(g_c, w, offs=offs), _compact_of_pair(r, m, topk))
+        grad_x = full if world == 1 else scatter_rows(full, m, world, rank)
+    if need_w:
+        grad_w = torch._grouped_mm(g_c.t(), gathered[r["token_of_compact"]], offs=offs)
+    return grad_x, grad_w
+
+
 def _moe_rs_backward_compact(r, g_all, h, w, topk_ids, topk_weights, world, side, main, need_h, need_w,
                              need_weights):
     """moe_group_gemm_rs_backward in the compact order (above): G_c = G[token of c], U = G_c @ w_e,
@@ -679,16 +693,8 @@ def moe_ag_group_gemm_backward(grad: Tensor, x_rows: Tensor, topk_ids: Tensor, w
     offsets, token_of_row = r["offsets"], r["token_of_row"]
     main.wait_stream(side)
     if _by_torch_grouped_mm(grad):
-        # The pairs' rows of dY without the padding (the compact order, above).
-        offs, g_c = _compact_offs(r), grad[r["row_of_compact"]]
-        if need_x:
-            # dY[r] @ w_e by torch on w as it is, the top-k sum, then the ReduceScatter.
-            u = torch._grouped_mm(g_c, w, offs=offs)
-            full = _sum_pairs(u, _compact_of_pair(r, m, topk))
-            grad_x = full if world == 1 else scatter_rows(full, m, world, rank)
-        if need_w:
-            grad_w = torch._grouped_mm(g_c.t(), gathered[r["token_of_compact"]], offs=offs)
-        return grad_x, grad_w
+        return _moe_ag_backward_compact(r, grad, gathered if need_w else None, w, m, topk, world, rank, need_x,
+                                        need_w)
     if need_x:
         # dx_rows[t] = this rank's rows of sum_ranks sum_j dY[rop[t, j]] @ w_e: the second projection's
         # op on dY (expert-ordered rows of the same routing) and w_e.T with every weight 1, its

@@ -7,8 +7,10 @@ tdist.moe.routing: no GPU. They need torch and skip, saying so, without it.
 * the backward ops' fake implementations give the gradients' shapes and dtypes, an empty tensor for
   a gradient not asked for;
 * backward through the forward ops on meta tensors (a stand-in runtime of 2 ranks, rank 1): every
-  differentiable input gets a gradient of its own shape, topk_ids and offsets none.
-The gradients' values are checked on GPUs: tests/python/gpu_test_moe_grad.py.
+  differentiable input gets a gradient of its own shape, topk_ids and offsets none;
+* the backward's compact order (where torch._grouped_mm runs) against autograd in float64 at one
+  rank, with a loop over groups standing in for torch's grouped GEMM.
+The gradients' values through the ops are checked on GPUs: tests/python/gpu_test_moe_grad.py.
 """
 
 import pytest
@@ -167,3 +169,57 @@ def test_weight_grad_tiles_on_cpu(monkeypatch):
     for e in range(6):
         ref = dy[offsets[e]:offsets[e + 1]].double().T @ a[offsets[e]:offsets[e + 1]].double()
         assert torch.allclose(got[e].double(), ref, atol=1e-4, rtol=1e-4), e
+
+
+def reference_grouped_mm(a, b, offs):
+    """torch._grouped_mm's two forms as the compact backward calls them, by a loop over groups (the
+    GPU kernel's stand-in on CPU): 2-D x 3-D, out[rows of g] = a[rows of g] @ b[g]; 2-D x 2-D,
+    out[g] = a[:, cols of g] @ b[rows of g]. Rows past offs[-1] of the first form stay NaN."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:
+        out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=a.dtype)
+        for g, (s, e) in enumerate(zip(starts, ends)):
+            out[s:e] = a[s:e] @ b[g]
+        return out
+    return torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
+
+
+@pytest.mark.parametrize("m,topk,experts", [(37, 3, 6), (1, 2, 4), (130, 1, 3)])
+def test_compact_backward_against_float64(monkeypatch, m, topk, experts):
+    """The backward's compact order (where torch._grouped_mm runs) against autograd of the forward
+    ops' definitions in float64, at one rank, with a reference grouped GEMM in torch's place: empty
+    experts, padding rows of h filled with garbage (their gradient must be 0)."""
+    from tdist import _autograd
+    monkeypatch.setattr(torch, "_grouped_mm", reference_grouped_mm, raising=False)
+    g = torch.Generator().manual_seed(m + topk)
+    ids = torch.stack([torch.randperm(experts - 1, generator=g)[:topk] for _ in range(m)]).int()  # last: empty
+    r = moe.routing(ids, experts)
+    rows, k, n = moe.capacity(m, topk, experts), 16, 24
+    rop, tok = r["row_of_pair"], r["token_of_row"]
+    expert_of_row = torch.full((rows,), -1, dtype=torch.long)
+    expert_of_row[rop.reshape(-1)] = ids.long().reshape(-1)
+
+    # Second projection: y[t] = sum_j p[t, j] h[rop[t, j]] @ w_e.T
+    h, w = torch.randn((rows, k), generator=g, dtype=torch.float64), torch.randn((experts, n, k), generator=g,
+                                                                                dtype=torch.float64)
+    p, dy = torch.rand((m, topk), generator=g, dtype=torch.float64), torch.randn((m, n), generator=g,
+                                                                                 dtype=torch.float64)
+    hr, wr, pr = (t.clone().requires_grad_() for t in (h, w, p))
+    y = torch.stack([sum(pr[t, j] * (hr[rop[t, j]] @ wr[ids[t, j]].T) for j in range(topk)) for t in range(m)])
+    (y * dy).sum().backward()
+    gh, gw, gp = _autograd._moe_rs_backward_compact(r, dy, h, w, ids, p, 1, None, None, True, True, True)
+    pairs = tok >= 0
+    # p passes through fp32 (the op's topk_weights are fp32): 1e-5
+    assert torch.allclose(gh[pairs].double(), hr.grad[pairs], atol=1e-5) and (gh[~pairs] == 0).all()
+    assert torch.allclose(gw.double(), wr.grad, atol=1e-5) and torch.allclose(gp.double(), pr.grad, atol=1e-5)
+
+    # First projection: d[r] = x[tok[r]] @ w_e.T for the pairs' rows
+    x, dd = torch.randn((m, k), generator=g, dtype=torch.float64), torch.randn((rows, n), generator=g,
+                                                                              dtype=torch.float64)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    d = torch.stack([xr[tok[i]] @ wr[expert_of_row[i]].T if tok[i] >= 0 else xr.new_zeros(n) for i in range(rows)])
+    (d * dd).sum().backward()
+    gx, gw = _autograd._moe_ag_backward_compact(r, dd, x, w, m, topk, 1, 0, True, True)
+    assert torch.allclose(gx, xr.grad, atol=1e-9) and torch.allclose(gw, wr.grad, atol=1e-9)
+    assert (gw[experts - 1] == 0).all()  # the empty expert
