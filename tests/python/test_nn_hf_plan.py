@@ -7,7 +7,8 @@ models on GPUs)."""
 
 import pytest
 
-from tdist.nn import Layer, resolve_plan
+import tdist.nn
+from tdist.nn import resolve_plan
 from test_nn_plan import expect
 
 torch = pytest.importorskip("torch", reason="needs torch (transformers' models)")
@@ -33,12 +34,7 @@ PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o
 
 def layers_of(model):
     """The model's modules as tdist.nn.parallelize describes them to resolve_plan."""
-    out = []
-    for name, mod in model.named_modules():
-        linear = isinstance(mod, torch.nn.Linear)
-        out.append(Layer(name, type(mod).__name__, linear, mod.in_features if linear else None,
-                         mod.out_features if linear else None))
-    return out
+    return tdist.nn.plan_layers(model)
 
 
 def small_config(cls, **kw):
@@ -110,7 +106,18 @@ def test_sizes_not_divisible_by_world_size(llama):
     # rowwise splits the input features: down_proj's 88 over 3 ranks
     expect(lambda: resolve_plan({"model.layers.*.mlp.down_proj": "rowwise"}, layers, 3),
            "layer 'model.layers.0.mlp.down_proj'", "splits in_features over 3 ranks", "in_features=88")
-    # 8 ranks divide every sharded size (48, 16, 88): accepted. The plan checks features only: 6 query
-    # heads over 4 ranks pass it (48 / 4) although a rank would hold a head and a half (docs/nn.md).
-    assert len(resolve_plan(LLAMA_REPLICATED_PLAN, layers, 8)) == 14
-    assert len(resolve_plan({"model.layers.*.self_attn.q_proj": "colwise_replicated"}, layers, 4)) == 2
+    # 2 ranks: 3 query heads and 1 key/value head each (the attention block's head_dim, 8, is known)
+    assert layers[[x.name for x in layers].index("model.layers.0.self_attn.q_proj")].head_dim == 8
+    assert len(resolve_plan(LLAMA_REPLICATED_PLAN, layers, 2)) == 14
+
+
+def test_heads_not_divisible_by_world_size(llama):
+    layers = layers_of(llama)
+    # 4 ranks divide q_proj's 48 features (12 each) but not its 6 heads of 8: named, not split
+    expect(lambda: resolve_plan({"model.layers.*.self_attn.q_proj": "colwise_replicated"}, layers, 4),
+           "layer 'model.layers.0.self_attn.q_proj'", "6 heads of 8", "over 4 ranks, 12 each",
+           "head count divisible by 4")
+    # o_proj, rowwise: its 48 input features over 8 ranks; the MLP has no head_dim: 88 / 8 passes
+    expect(lambda: resolve_plan({"model.layers.*.self_attn.o_proj": "rowwise_replicated"}, layers, 8),
+           "layer 'model.layers.0.self_attn.o_proj'", "48 in_features", "over 8 ranks")
+    assert len(resolve_plan(LLAMA_MLP_PLAN, layers, 8)) == 6

@@ -102,6 +102,22 @@ def test_shapes_not_divisible_by_world_size():
     assert len(resolve_plan({"layers.*.mlp.down_proj": "rowwise"}, llama_layers(), 16)) == 2
 
 
+def test_heads_are_not_split():
+    # a layer that knows its attention block's head_dim: 96 features = 6 heads of 16
+    layers = [Layer("attn", "Attention", False), Layer("attn.q_proj", "Linear", True, 64, 96, 16),
+              Layer("attn.o_proj", "Linear", True, 96, 64, 16)]
+    assert [t.name for t in resolve_plan({"attn.q_proj": "colwise", "attn.o_proj": "rowwise"}, layers, 3)] == \
+        ["attn.q_proj", "attn.o_proj"]
+    # 4 ranks divide the 96 features (24 each) but not the 6 heads
+    expect(lambda: resolve_plan({"attn.q_proj": "colwise"}, layers, 4), "layer 'attn.q_proj'",
+           "96 out_features (6 heads of 16) over 4 ranks, 24 each", "head count divisible by 4")
+    expect(lambda: resolve_plan({"attn.o_proj": "rowwise_replicated"}, layers, 4), "layer 'attn.o_proj'",
+           "96 in_features")
+    # without head_dim only the features are checked
+    plain = [Layer("fc", "Linear", True, 64, 96)]
+    assert len(resolve_plan({"fc": "colwise"}, plain, 4)) == 1
+
+
 def test_bad_styles_and_plans():
     msg = expect(lambda: resolve_plan({"lm_head": "columnwise"}, llama_layers(), 2), "'lm_head'", "'columnwise'")
     for style in STYLES:

@@ -14,8 +14,8 @@ only when one of them is first used, so `import tdist.nn` works without it.
 
 from ._plan import STYLES, Layer, Target, check_plan, pattern_matches, resolve_plan
 
-_TORCH_NAMES = ("ColumnParallelLinear", "RowParallelLinear", "parallelize", "set_save_gathered", "get_save_gathered",
-                "ParallelMoE")
+_TORCH_NAMES = ("ColumnParallelLinear", "RowParallelLinear", "parallelize", "plan_layers", "set_save_gathered",
+                "get_save_gathered", "ParallelMoE")
 
 
 def __getattr__(name):

@@ -31,6 +31,7 @@ class Layer(NamedTuple):
     is_linear: bool                 # an instance of torch.nn.Linear
     in_features: Optional[int] = None
     out_features: Optional[int] = None
+    head_dim: Optional[int] = None  # the attention block's head size, where the layer sits in one
 
 
 class Target(NamedTuple):
@@ -74,7 +75,7 @@ def resolve_plan(plan, layers: Iterable[Layer], world_size: int) -> List[Target]
     ValueError, naming the layer and what was expected, when: a plan entry matches no module; a
     matched module is not a torch.nn.Linear (or is the model itself); two entries give one module
     different styles; the sharded dimension (out_features for colwise, in_features for rowwise) is
-    not divisible by ``world_size``.
+    not divisible by ``world_size``; a layer with a ``head_dim`` would give a rank part of a head.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"tdist.nn.parallelize: world_size must be a positive int, got {world_size!r}")
@@ -111,5 +112,10 @@ def resolve_plan(plan, layers: Iterable[Layer], world_size: int) -> List[Target]
             raise ValueError(f"tdist.nn.parallelize: layer '{layer.name}' ({layer.type_name}, in_features="
                              f"{layer.in_features}, out_features={layer.out_features}) as \"{style}\" splits "
                              f"{dim_name} over {world_size} ranks; expected {dim_name} divisible by {world_size}")
+        if layer.head_dim and (dim // world_size) % layer.head_dim:
+            raise ValueError(f"tdist.nn.parallelize: layer '{layer.name}' as \"{style}\" splits its {dim} {dim_name} "
+                             f"({dim // layer.head_dim} heads of {layer.head_dim}) over {world_size} ranks, "
+                             f"{dim // world_size} each: part of a head; expected a head count divisible by "
+                             f"{world_size}")
         targets.append(Target(layer.name, style, pattern))
     return targets

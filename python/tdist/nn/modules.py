@@ -269,6 +269,22 @@ def _convert(linear, style: str, save_gathered, method):
     return RowParallelLinear.from_linear(linear, sequence_parallel=style == "rowwise", method=method)
 
 
+def plan_layers(model) -> list:
+    """The model's modules as the plan check takes them (nn._plan.Layer, in module order): name, type,
+    whether an nn.Linear and its features, and for a Linear whose parent has an integer ``head_dim``
+    (an attention block, as Hugging Face's are) that head size, so that no plan splits a head."""
+    modules = dict(model.named_modules())
+    layers = []
+    for name, mod in modules.items():
+        linear = isinstance(mod, torch.nn.Linear)
+        head_dim = getattr(modules.get(name.rpartition(".")[0]), "head_dim", None) if linear and name else None
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+            head_dim = None
+        layers.append(Layer(name, type(mod).__name__, linear, mod.in_features if linear else None,
+                            mod.out_features if linear else None, head_dim))
+    return layers
+
+
 def parallelize(model, plan, *, save_gathered: Optional[bool] = None, method: str = "auto"):
     """Replace the model's nn.Linear layers named by ``plan`` with tensor-parallel ones, in place.
 
@@ -280,7 +296,8 @@ def parallelize(model, plan, *, save_gathered: Optional[bool] = None, method: st
     on the Linear's device and dtype. Modules the plan does not name stay as they are.
 
     Raises ValueError naming the layer for: a pattern that matches nothing, a match that is not an
-    nn.Linear, a layer given two styles, a sharded dimension not divisible by the world size.
+    nn.Linear, a layer given two styles, a sharded dimension not divisible by the world size, or
+    (where the Linear's parent has a ``head_dim``, as attention blocks do) not into whole heads.
     Collective in effect (every rank must convert the same model the same way). Returns ``model``.
     """
     _overlap.check_method("nn.parallelize", method)
@@ -289,16 +306,12 @@ def parallelize(model, plan, *, save_gathered: Optional[bool] = None, method: st
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"tdist.nn.parallelize: model must be a torch.nn.Module, got {type(model).__name__}")
     rank, world = _rank_world("nn.parallelize")
-    layers = []
-    for name, mod in model.named_modules():
-        linear = isinstance(mod, torch.nn.Linear)
-        layers.append(Layer(name, type(mod).__name__, linear, getattr(mod, "in_features", None) if linear else None,
-                            getattr(mod, "out_features", None) if linear else None))
-    for target in resolve_plan(plan, layers, world):
+    for target in resolve_plan(plan, plan_layers(model), world):
         parent_name, _, child = target.name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, _convert(getattr(parent, child), target.style, save_gathered, method))
     return model
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "parallelize", "set_save_gathered", "get_save_gathered"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "parallelize", "plan_layers", "set_save_gathered",
+           "get_save_gathered"]
