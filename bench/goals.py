@@ -91,17 +91,17 @@ def flash_decode_goals(rows, t):
     def case(r):
         return f"{r['model']} batch {r['batch']} kv {r['kv_len']} page {r['page_size']} world {r['world']}"
 
-    t.at_least(f"#20 one GPU: baseline / tdist >= {FD_VS_BASELINE}",
+    t.at_least(f"decode attention, one GPU: baseline / tdist >= {FD_VS_BASELINE}",
                [(_ratio(r["baseline_1gpu_us"], r["tdist_us"]), case(r)) for r in one], FD_VS_BASELINE)
-    t.at_least(f"#20 one GPU: HBM floor / tdist >= {FD_HBM_SHARE} from {FD_HBM_FROM} tokens",
+    t.at_least(f"decode attention, one GPU: HBM floor / tdist >= {FD_HBM_SHARE} from {FD_HBM_FROM} tokens",
                [(_ratio(r["hbm_floor_us"], r["tdist_us"]), case(r)) for r in one if r["kv_len"] >= FD_HBM_FROM],
                FD_HBM_SHARE)
-    t.at_most(f"#20 several GPUs: tdist / one-GPU baseline <= {FD_SCALE} from {FD_SCALE_FROM} tokens",
+    t.at_most(f"decode attention, several GPUs: tdist / one-GPU baseline <= {FD_SCALE} from {FD_SCALE_FROM} tokens",
               [(_ratio(r["tdist_us"], r["baseline_1gpu_us"]), case(r)) for r in many if r["kv_len"] >= FD_SCALE_FROM],
               FD_SCALE)
-    t.at_least(f"#20 several GPUs: per rank + NCCL + merge / tdist >= {FD_VS_PER_RANK}",
+    t.at_least(f"decode attention, several GPUs: per rank + NCCL + merge / tdist >= {FD_VS_PER_RANK}",
                [(_ratio(r["per_rank_nccl_us"], r["tdist_us"]), case(r)) for r in many], FD_VS_PER_RANK)
-    t.at_most(f"#20 several GPUs: tdist / one-GPU baseline <= {FD_SHORT} at {FD_SHORT_LEN} tokens",
+    t.at_most(f"decode attention, several GPUs: tdist / one-GPU baseline <= {FD_SHORT} at {FD_SHORT_LEN} tokens",
               [(_ratio(r["tdist_us"], r["baseline_1gpu_us"]), case(r)) for r in many if r["kv_len"] == FD_SHORT_LEN],
               FD_SHORT)
 
@@ -110,16 +110,16 @@ def moe_goals(rows, t):
     def case(r):
         return f"{r['op']} {r['model']} m {r['m']} {r['routing']}"
 
-    t.at_least(f"#19 grouped GEMM: torch._grouped_mm / tdist >= {MOE_GG_VS_TORCH}",
+    t.at_least(f"MoE grouped GEMM: torch._grouped_mm / tdist >= {MOE_GG_VS_TORCH}",
                [(_ratio(r.get("torch_grouped_mm_us"), r.get("group_gemm_us")), case(r)) for r in rows],
                MOE_GG_VS_TORCH)
     for op, short in MOE_OPS.items():
         large = [r for r in rows if r["op"] == op and r["m"] >= MOE_LARGE_M]
-        t.at_most(f"#19 {short}: tdist / grouped GEMM alone <= {MOE_OVERHEAD[short]} from {MOE_LARGE_M} tokens",
+        t.at_most(f"MoE {short}: tdist / grouped GEMM alone <= {MOE_OVERHEAD[short]} from {MOE_LARGE_M} tokens",
                   [(_ratio(r["tdist_us"], r.get("group_gemm_us")), case(r)) for r in large], MOE_OVERHEAD[short])
-        t.at_least(f"#19 {short}: PyTorch sequence / tdist >= {MOE_SPEEDUP} from {MOE_LARGE_M} tokens",
+        t.at_least(f"MoE {short}: PyTorch sequence / tdist >= {MOE_SPEEDUP} from {MOE_LARGE_M} tokens",
                    [(_ratio(r.get("baseline_us"), r["tdist_us"]), case(r)) for r in large], MOE_SPEEDUP)
-    t.at_least(f"#19 every op: PyTorch sequence / tdist >= 1 at {MOE_SMALL_M} tokens",
+    t.at_least(f"MoE, every op: PyTorch sequence / tdist >= 1 at {MOE_SMALL_M} tokens",
                [(_ratio(r.get("baseline_us"), r["tdist_us"]), case(r)) for r in rows if r["m"] == MOE_SMALL_M], 1.0)
 
 
@@ -129,9 +129,9 @@ def triton_goals(rows, t):
     def case(r):
         return f"{r['op']} {r['m']} x {r['n']} x {r['k']}"
 
-    t.at_most(f"#21 Triton / C++ <= {TRITON_VS_CPP} from {TRITON_FROM_M} rows",
+    t.at_most(f"Triton / C++ <= {TRITON_VS_CPP} from {TRITON_FROM_M} rows",
               [(_ratio(r["triton_us"], r.get("cpp_us")), case(r)) for r in large], TRITON_VS_CPP)
-    t.at_most(f"#21 Triton / torch's fused op < 1 from {TRITON_FROM_M} rows",
+    t.at_most(f"Triton / torch's fused op < 1 from {TRITON_FROM_M} rows",
               [(_ratio(r["triton_us"], r.get("torch_fused_us")), case(r)) for r in large], 1.0 - 1e-9)
 
 
@@ -142,20 +142,20 @@ def layers_goals(rows, t):
     def case(r):
         return f"{r['layer']} {r['model']} {r['tokens']} {r['pass']}"
 
-    t.at_most(f"#22 layers: tdist / no communication <= {LAYER_VS_NO_COMM}",
+    t.at_most(f"layers: tdist / no communication <= {LAYER_VS_NO_COMM}",
               [(_ratio(r["tdist_us"], r.get("no_comm_us")), case(r)) for r in llama], LAYER_VS_NO_COMM)
-    t.at_least(f"#22 layers: PyTorch eager TP / tdist >= {LAYER_VS_EAGER}",
+    t.at_least(f"layers: PyTorch eager TP / tdist >= {LAYER_VS_EAGER}",
                [(_ratio(r.get("torch_eager_tp_us"), r["tdist_us"]), case(r)) for r in llama], LAYER_VS_EAGER)
-    t.at_most("#22 layers: tdist / PyTorch async TP < 1",
+    t.at_most("layers: tdist / PyTorch async TP < 1",
               [(_ratio(r["tdist_us"], r.get("torch_async_tp_us")), case(r)) for r in llama], 1.0 - 1e-9)
-    if moe:  # no goal of the issue's: shown beside (eager / tdist, the larger the better)
+    if moe:  # no goal of its own: shown beside (eager / tdist, the larger the better)
         t.at_least("    MoE layer (no goal): PyTorch eager TP / tdist",
                    [(_ratio(r.get("torch_eager_tp_us"), r["tdist_us"]), case(r)) for r in moe], float("-inf"))
 
 
 def random_goals(rows, t):
     for goal, measured, met in random_summary.goals(rows):
-        t.lines.append((f"#15 {goal}", measured, met))
+        t.lines.append((f"random shapes, {goal}", measured, met))
 
 
 CHECKS = (("flash_decode_summary.json", flash_decode_goals), ("moe_summary.json", moe_goals),

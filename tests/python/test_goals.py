@@ -54,14 +54,14 @@ def test_met_missed_and_unmeasured(tmp_path, capsys):
                                             layer("moe", 100.0, 200.0, 50.0, None)])
     assert goals.main(["--dir", str(tmp_path)]) == 0
     got = lines(capsys.readouterr().out)
-    assert got["#20 one GPU: baseline / tdist >= 0.95"][0] == "met"
-    tag, measured = got["#20 one GPU: HBM floor / tdist >= 0.85 from 32768 tokens"]
+    assert got["decode attention, one GPU: baseline / tdist >= 0.95"][0] == "met"
+    tag, measured = got["decode attention, one GPU: HBM floor / tdist >= 0.85 from 32768 tokens"]
     assert tag == "MISSED" and measured.startswith("worst 0.800 (llama3-8b batch 1 kv 32768")
-    assert got["#20 several GPUs: tdist / one-GPU baseline <= 0.55 from 131072 tokens"][0] == "met"  # 0.510
-    assert got["#20 several GPUs: per rank + NCCL + merge / tdist >= 1.3"][0] == "met"  # 1.4
-    assert got["#20 several GPUs: tdist / one-GPU baseline <= 1.1 at 4096 tokens"] == ("-", "not measured")
-    assert got["#22 layers: tdist / no communication <= 1.03"][0] == "met"  # the MoE row has no goal
-    assert got["#22 layers: PyTorch eager TP / tdist >= 1.1"][0] == "met"
+    assert got["decode attention, several GPUs: tdist / one-GPU baseline <= 0.55 from 131072 tokens"][0] == "met"  # 0.510
+    assert got["decode attention, several GPUs: per rank + NCCL + merge / tdist >= 1.3"][0] == "met"  # 1.4
+    assert got["decode attention, several GPUs: tdist / one-GPU baseline <= 1.1 at 4096 tokens"] == ("-", "not measured")
+    assert got["layers: tdist / no communication <= 1.03"][0] == "met"  # the MoE row has no goal
+    assert got["layers: PyTorch eager TP / tdist >= 1.1"][0] == "met"
     assert got["moe_summary.json: no such file"] == ("-", "not measured")
     assert goals.main(["--dir", str(tmp_path), "--check"]) == 1
 
@@ -84,16 +84,16 @@ def test_moe_triton_and_random(tmp_path, capsys):
          "best_method": "ll", "baseline_us": 12.0, "gemm_us": None}])
     assert goals.main(["--dir", str(tmp_path), "--check"]) == 1
     got = lines(capsys.readouterr().out)
-    assert got["#19 grouped GEMM: torch._grouped_mm / tdist >= 0.95"][0] == "met"  # worst 0.96
-    assert got["#19 ag: tdist / grouped GEMM alone <= 1.1 from 4096 tokens"][0] == "met"
-    assert got["#19 ag: PyTorch sequence / tdist >= 1.25 from 4096 tokens"][0] == "met"  # 1.333
-    assert got["#19 rs: tdist / grouped GEMM alone <= 1.12 from 4096 tokens"] == ("-", "not measured")
-    tag, measured = got["#19 every op: PyTorch sequence / tdist >= 1 at 1024 tokens"]
+    assert got["MoE grouped GEMM: torch._grouped_mm / tdist >= 0.95"][0] == "met"  # worst 0.96
+    assert got["MoE ag: tdist / grouped GEMM alone <= 1.1 from 4096 tokens"][0] == "met"
+    assert got["MoE ag: PyTorch sequence / tdist >= 1.25 from 4096 tokens"][0] == "met"  # 1.333
+    assert got["MoE rs: tdist / grouped GEMM alone <= 1.12 from 4096 tokens"] == ("-", "not measured")
+    tag, measured = got["MoE, every op: PyTorch sequence / tdist >= 1 at 1024 tokens"]
     assert tag == "MISSED" and "moe_group_gemm_rs qwen3 m 1024 skewed" in measured
-    tag, measured = got["#21 Triton / C++ <= 1.1 from 4096 rows"]
+    tag, measured = got["Triton / C++ <= 1.1 from 4096 rows"]
     assert tag == "MISSED" and measured.startswith("worst 1.150 (ag_gemm 4096 x 28672 x 8192)")
-    assert got["#21 Triton / torch's fused op < 1 from 4096 rows"][0] == "met"
-    assert any(goal.startswith("#15 ") for goal in got)
+    assert got["Triton / torch's fused op < 1 from 4096 rows"][0] == "met"
+    assert any(goal.startswith("random shapes, ") for goal in got)
 
 
 def test_unreadable_file(tmp_path, capsys):
