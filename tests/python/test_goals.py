@@ -2,20 +2,12 @@
 summaries: a goal met, one missed with its worst case named, one not measured, --check's exit
 status, an unreadable file. No torch, no GPU."""
 
-import importlib.util
 import json
 import os
 
-import pytest
+from repo_scripts import load_script
 
-REPO = os.environ.get("TDIST_SOURCE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-SCRIPT = os.path.join(REPO, "bench", "goals.py")
-
-if not os.path.exists(SCRIPT):
-    pytest.skip("bench/goals.py is not beside these tests", allow_module_level=True)
-_spec = importlib.util.spec_from_file_location("goals", SCRIPT)
-goals = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(goals)
+goals = load_script("bench/goals.py")
 
 
 def write(folder, name, rows, wrapped=False):

@@ -1,20 +1,13 @@
 """CPU tests of bench/random_summary.py (the random-shape summary of tdist-bench and
 bench_gemm_overlap results): rows, goals and errors on hand-made result files. No torch, no GPU."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-REPO = os.environ.get("TDIST_SOURCE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-SCRIPT = os.path.join(REPO, "bench", "random_summary.py")
+from repo_scripts import load_script
 
-if not os.path.exists(SCRIPT):
-    pytest.skip("bench/random_summary.py is not beside these tests", allow_module_level=True)
-_spec = importlib.util.spec_from_file_location("random_summary", SCRIPT)
-rs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(rs)
+rs = load_script("bench/random_summary.py")
 
 
 def doc(bench, rows):
