@@ -516,18 +516,14 @@ _MOE_TILE = _moe.grouped_gemm_alignment()
 _DW_CHUNK_BYTES = 256 << 20  # fp32 per-tile partials kept at once by the tile fallback
 
 
-def _torch_grouped_mm_usable(dtype, device) -> bool:
-    """Whether torch._grouped_mm runs here: bfloat16 on sm90 / sm100."""
-    return (hasattr(torch, "_grouped_mm") and dtype == torch.bfloat16 and device.type == "cuda" and
-            torch.cuda.get_device_capability(device)[0] in (9, 10))
-
-
 def _moe_wgrad_style(dtype, device) -> str:
     style = os.environ.get("TDIST_MOE_WGRAD", "auto")
     if style not in ("auto", "grouped_mm", "tiles"):
         raise ValueError(f"TDIST_MOE_WGRAD must be 'auto', 'grouped_mm' or 'tiles', got '{style}'")
-    if style == "auto":
-        style = "grouped_mm" if _torch_grouped_mm_usable(dtype, device) else "tiles"
+    if style == "auto":  # where torch._grouped_mm runs: bfloat16 on sm90 / sm100
+        usable = (hasattr(torch, "_grouped_mm") and dtype == torch.bfloat16 and device.type == "cuda" and
+                  torch.cuda.get_device_capability(device)[0] in (9, 10))
+        style = "grouped_mm" if usable else "tiles"
     return style
 
 
