@@ -1,4 +1,4 @@
-# Sourced by scripts/demo and scripts/bench-goals.
+# Sourced by scripts/demo, scripts/gpu-test and scripts/bench-goals.
 # install_python_package PY ROOT LOG: this tree's Python package into PY's environment, built in
 # place of any installed copy (an incremental build under ROOT/build-python/). scikit-build-core and
 # nanobind come from PyPI, or from ROOT/.carry/whl on machines without a package index. The build's
