@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-REPO = os.environ.get("TDIST_SOURCE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+from repo_scripts import REPO
+
 SCRIPT = os.path.join(REPO, "scripts", "bench-goals")
 
 if not os.path.exists(SCRIPT):

@@ -3,7 +3,6 @@ beside auto and NCCL, the variants taking turns round by round, and the result f
 bench/random_summary.py. torch, torch.distributed and tdist's ops are stand-ins here (a clock that
 each call advances by a fixed time); no torch, no GPU."""
 
-import importlib.util
 import json
 import os
 import sys
@@ -11,15 +10,7 @@ import types
 
 import pytest
 
-REPO = os.environ.get("TDIST_SOURCE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-
-
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from repo_scripts import REPO, load_module as _load
 
 try:  # the installed package, as the other CPU tests; else the source tree's file (no build needed)
     from tdist import bench

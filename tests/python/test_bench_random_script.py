@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-REPO = os.environ.get("TDIST_SOURCE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+from repo_scripts import REPO
+
 SCRIPT = os.path.join(REPO, "scripts", "bench-random")
 
 if not os.path.exists(SCRIPT) or not os.path.exists(os.path.join(REPO, "bench", "random_summary.py")):

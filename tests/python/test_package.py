@@ -578,7 +578,7 @@ import json  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 
-REPO = os.environ.get("TDIST_SOURCE_DIR", os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+from repo_scripts import REPO  # noqa: E402
 TOOLS = ("tdistrun", "tdist-compile", "tdist-bench")
 
 
