@@ -33,12 +33,15 @@ int owner_of(int64_t t, int64_t m, int world) {
 }
 
 // Brute force: each expert's pairs sorted by (tokens from this rank onwards, wrapping; k), padded to
-// whole tiles; tiles keyed by their sources' latest rank (gather) and first-needed rank (scatter).
+// whole tiles; tiles keyed by their sources' latest rank (gather) and first-needed rank (scatter);
+// the compact order: the same pairs in the same order, unpadded.
 MoeRoutingHost brute_force(const std::vector<int>& ids, int64_t m, int topk, int experts, int world, int rank) {
   MoeRoutingHost r;
   const int64_t first = rank * (m / world) + std::min<int64_t>(rank, m % world);
   r.offsets.push_back(0);
+  r.compact_offsets.push_back(0);
   r.row_of_pair.assign(m * topk, -1);
+  r.compact_of_pair.assign(m * topk, -1);
   for (int e = 0; e < experts; ++e) {
     std::vector<std::tuple<int64_t, int, int64_t>> pairs;  // (rotated token, k, token)
     for (int64_t t = 0; t < m; ++t)
@@ -47,11 +50,17 @@ MoeRoutingHost brute_force(const std::vector<int>& ids, int64_t m, int topk, int
     std::sort(pairs.begin(), pairs.end());
     r.counts.push_back(static_cast<int>(pairs.size()));
     for (const auto& [rotated, k, t] : pairs) {
-      r.row_of_pair[t * topk + k] = static_cast<int>(r.token_of_row.size());
+      const int row = static_cast<int>(r.token_of_row.size());
+      r.row_of_pair[t * topk + k] = row;
       r.token_of_row.push_back(static_cast<int>(t));
+      r.compact_of_pair[t * topk + k] = static_cast<int>(r.row_of_compact.size());
+      r.row_of_compact.push_back(row);
+      r.token_of_compact.push_back(static_cast<int>(t));
+      r.pair_of_compact.push_back(static_cast<int>(t * topk + k));
     }
     while (r.token_of_row.size() % kTile != 0) r.token_of_row.push_back(-1);
     r.offsets.push_back(static_cast<int>(r.token_of_row.size()));
+    r.compact_offsets.push_back(static_cast<int>(r.row_of_compact.size()));
   }
   std::vector<int> scatter_position(world);  // ReduceScatter visits ranks rank+1, ..., rank+world-1, rank
   for (int s = 0; s < world; ++s) scatter_position[(rank + s + 1) % world] = s;
@@ -77,6 +86,11 @@ void expect_same(const MoeRoutingHost& a, const MoeRoutingHost& b) {
   EXPECT_EQ(a.counts, b.counts);
   EXPECT_EQ(a.token_of_row, b.token_of_row);
   EXPECT_EQ(a.row_of_pair, b.row_of_pair);
+  EXPECT_EQ(a.compact_offsets, b.compact_offsets);
+  EXPECT_EQ(a.row_of_compact, b.row_of_compact);
+  EXPECT_EQ(a.token_of_compact, b.token_of_compact);
+  EXPECT_EQ(a.pair_of_compact, b.pair_of_compact);
+  EXPECT_EQ(a.compact_of_pair, b.compact_of_pair);
   EXPECT_EQ(a.ag_order, b.ag_order);
   EXPECT_EQ(a.rs_order, b.rs_order);
 }

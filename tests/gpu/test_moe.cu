@@ -1,6 +1,7 @@
 // The MoE tensor-parallel ops across ranks (ops/moe.hpp) against float64 host references:
 //
-//   * the GPU routing equal to moe_routing_reference (offsets, counts, rows, pairs, both tile lists),
+//   * the GPU routing equal to moe_routing_reference (offsets, counts, rows, pairs, both tile lists;
+//     route_into's compact order too),
 //     also alone at up to 40000 tokens, 1024 experts, world sizes 1 .. 8 and several ranks;
 //   * MoeAgGroupGemm: d[row] = X[token of row] B1_e^T for every real row, padding rows exactly 0;
 //   * MoeGroupGemmRs: y[t] = sum over ranks r and k of w[t][k] h_r[(t, k)] B2_{r,e}^T, this rank's
@@ -128,6 +129,41 @@ void check_same_routing(const MoeRouting& r, const MoeRoutingHost& ref, const st
     if (rs_count[j] > r.max_tiles || download<uint32_t>(r.rs_order + j * r.max_tiles, rs_count[j]) != ref.rs_order[j])
       TDIST_FAIL(what, ": rs list ", j, " differs (", rs_count[j], " tiles vs ", ref.rs_order[j].size(), ")");
   }
+}
+
+// MoeRouter::route_into on poisoned caller buffers: the same arrays as the reference, the compact
+// order, and -1 in every row of token_of_row past offsets[E].
+void check_route_into(MoeRouter& router, const int* d_ids, int64_t m, int topk, int experts, const MoeRoutingHost& ref,
+                      cudaStream_t stream, const std::string& what) {
+  const int64_t capacity = moe_capacity(m, topk, experts), pairs = m * topk;
+  auto poisoned = [&](int64_t n) {
+    DeviceBuffer b(std::max<int64_t>(n, 1) * sizeof(int));
+    TDIST_CUDA_CHECK(cudaMemsetAsync(b.get(), 0x7F, std::max<int64_t>(n, 1) * sizeof(int), stream));
+    return b;
+  };
+  DeviceBuffer offsets = poisoned(experts + 1), counts = poisoned(experts), rows = poisoned(capacity),
+               row_of_pair = poisoned(pairs), c_offsets = poisoned(experts + 1), row_of_c = poisoned(pairs),
+               token_of_c = poisoned(pairs), pair_of_c = poisoned(pairs), c_of_pair = poisoned(pairs);
+  router.route_into(d_ids, m,
+                    {.offsets = offsets.get<int>(), .counts = counts.get<int>(), .token_of_row = rows.get<int>(),
+                     .row_of_pair = row_of_pair.get<int>(), .compact_offsets = c_offsets.get<int>(),
+                     .row_of_compact = row_of_c.get<int>(), .token_of_compact = token_of_c.get<int>(),
+                     .pair_of_compact = pair_of_c.get<int>(), .compact_of_pair = c_of_pair.get<int>()},
+                    stream);
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<int> all_rows = ref.token_of_row;
+  all_rows.resize(capacity, -1);
+  const std::pair<const DeviceBuffer*, const std::vector<int>*> arrays[] = {
+      {&offsets, &ref.offsets},           {&counts, &ref.counts},
+      {&rows, &all_rows},                 {&row_of_pair, &ref.row_of_pair},
+      {&c_offsets, &ref.compact_offsets}, {&row_of_c, &ref.row_of_compact},
+      {&token_of_c, &ref.token_of_compact}, {&pair_of_c, &ref.pair_of_compact},
+      {&c_of_pair, &ref.compact_of_pair}};
+  const char* names[] = {"offsets",        "counts",           "token_of_row",    "row_of_pair",    "compact_offsets",
+                         "row_of_compact", "token_of_compact", "pair_of_compact", "compact_of_pair"};
+  for (size_t i = 0; i < std::size(arrays); ++i)
+    if (download<int>(arrays[i].first->get(), arrays[i].second->size()) != *arrays[i].second)
+      TDIST_FAIL(what, ": route_into's ", names[i], " differs from the reference");
 }
 
 void expect_close(double max_err, double max_ref, const std::string& what) {
@@ -446,9 +482,11 @@ int main(int argc, char** argv) {
               test::copy_to_device(d_ids.get(), ids.data(), ids.size() * sizeof(int));
             const MoeRouting& got = router.route(d_ids.get<int>(), m, stream);
             TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-            check_same_routing(got, moe_routing_reference(ids, m, rc.topk, rc.experts, w, r),
-                               detail::concat("m ", m, " top-", rc.topk, " of ", rc.experts, " ", name_of(rc.routing),
-                                              " rank ", r, " of ", w));
+            const MoeRoutingHost ref = moe_routing_reference(ids, m, rc.topk, rc.experts, w, r);
+            const std::string what = detail::concat("m ", m, " top-", rc.topk, " of ", rc.experts, " ",
+                                                    name_of(rc.routing), " rank ", r, " of ", w);
+            check_same_routing(got, ref, what);
+            check_route_into(router, d_ids.get<int>(), m, rc.topk, rc.experts, ref, stream, what);
           }
         }
       }

@@ -46,6 +46,7 @@ void check_moe_routing_args(int64_t m, int topk, int experts, int world_size, in
 // same values; this is the reference of its tests.
 struct MoeRoutingHost {
   std::vector<int> offsets, counts, token_of_row, row_of_pair;  // token_of_row: offsets[E] rows
+  std::vector<int> compact_offsets, row_of_compact, token_of_compact, pair_of_compact, compact_of_pair;
   std::vector<std::vector<uint32_t>> ag_order, rs_order;        // [world] lists of tiles
 };
 // Throws naming "topk_ids" for a wrong size or an id outside [0, experts).
@@ -66,6 +67,22 @@ struct MoeRouting {
   int topk = 0, experts = 0, world_size = 0, rank = 0;
 };
 
+// A routing's arrays in the caller's device memory (int32, layouts in kernels/moe/routing.cuh),
+// for callers that keep them past the next routing (the Python ops' backward). The compact ones
+// are written only where compact_offsets is set (then all five must be); with m = 0 only offsets,
+// counts and compact_offsets are written (the others may be null).
+struct MoeRoutingArrays {
+  int* offsets = nullptr;       // [E + 1]
+  int* counts = nullptr;        // [E]
+  int* token_of_row = nullptr;  // [capacity(m)]: every row, -1 for padding and past offsets[E]
+  int* row_of_pair = nullptr;   // [m][topk]
+  int* compact_offsets = nullptr;   // [E + 1]
+  int* row_of_compact = nullptr;    // [m topk]
+  int* token_of_compact = nullptr;  // [m topk]
+  int* pair_of_compact = nullptr;   // [m topk]
+  int* compact_of_pair = nullptr;   // [m][topk]
+};
+
 // Routing on the GPU for up to max_m tokens: four small kernels, no host synchronisation.
 class MoeRouter {
  public:
@@ -79,11 +96,15 @@ class MoeRouter {
   // lose the CUDA context), printed from the device and recorded; check_errors() reports it.
   const MoeRouting& route(const int* topk_ids, int64_t m, cudaStream_t stream);
   const MoeRouting& routing() const;
+  // The same routing into `out` (the tile lists stay in the router's buffers); throws naming
+  // the argument for a null or misaligned array.
+  void route_into(const int* topk_ids, int64_t m, const MoeRoutingArrays& out, cudaStream_t stream);
   // Synchronises the device; throws naming topk_ids if a routing since the last report met an id
   // outside [0, experts).
   void check_errors();
 
  private:
+  void launch(const int* topk_ids, int64_t m, const MoeRoutingArrays& out, cudaStream_t stream, bool all_rows);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

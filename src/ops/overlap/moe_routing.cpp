@@ -60,6 +60,25 @@ MoeRoutingHost moe_routing_reference(const std::vector<int>& ids, int64_t m, int
     r.token_of_row[row] = static_cast<int>(t);
     r.row_of_pair[t * topk + k] = row;
   }
+  // The compact order: the same rows without the padding.
+  r.compact_offsets.assign(experts + 1, 0);
+  for (int e = 0; e < experts; ++e) r.compact_offsets[e + 1] = r.compact_offsets[e] + r.counts[e];
+  r.row_of_compact.assign(num_pairs, -1);
+  r.token_of_compact.assign(num_pairs, -1);
+  r.pair_of_compact.assign(num_pairs, -1);
+  r.compact_of_pair.assign(num_pairs, -1);
+  for (int e = 0; e < experts; ++e)
+    for (int i = 0; i < r.counts[e]; ++i) {
+      const int c = r.compact_offsets[e] + i, row = r.offsets[e] + i;
+      r.row_of_compact[c] = row;
+      r.token_of_compact[c] = r.token_of_row[row];
+    }
+  for (uint64_t pair = 0; pair < num_pairs; ++pair) {
+    const int row = r.row_of_pair[pair], e = ids[pair];
+    const int c = row - r.offsets[e] + r.compact_offsets[e];
+    r.pair_of_compact[c] = static_cast<int>(pair);
+    r.compact_of_pair[pair] = c;
+  }
   r.ag_order.assign(world, {});
   r.rs_order.assign(world, {});
   const uint32_t tiles = static_cast<uint32_t>(r.offsets[experts]) / km::kMoeTile;
@@ -194,12 +213,71 @@ void MoeRouter::check_errors() {
   impl_->report_bad_id();
 }
 
+namespace {
+void check_int_array(const int* a, const char* name) {
+  if (a == nullptr || reinterpret_cast<uintptr_t>(a) % alignof(int) != 0)
+    TDIST_FAIL("invalid argument '", name,
+               "': expected a 4-byte aligned device pointer to int32, got ", static_cast<const void*>(a));
+}
+}  // namespace
+
 const MoeRouting& MoeRouter::route(const int* topk_ids, int64_t m, cudaStream_t stream) {
+  Impl& s = *impl_;
+  launch(topk_ids, m,
+         {.offsets = s.offsets.get<int>(), .counts = s.counts.get<int>(), .token_of_row = s.token_of_row.get<int>(),
+          .row_of_pair = s.row_of_pair.get<int>()},
+         stream, /*all_rows=*/false);
+  MoeRouting& v = s.view;
+  v.offsets = s.offsets.get<int>();
+  v.counts = s.counts.get<int>();
+  v.token_of_row = s.token_of_row.get<int>();
+  v.row_of_pair = s.row_of_pair.get<int>();
+  v.ag_order = s.ag_order.get<uint32_t>();
+  v.ag_count = s.ag_count.get<uint32_t>();
+  v.rs_order = s.rs_order.get<uint32_t>();
+  v.rs_count = s.rs_count.get<uint32_t>();
+  v.m = m;
+  v.capacity = moe_capacity(m, s.topk, s.experts);
+  v.max_tiles = s.max_tiles;
+  v.topk = s.topk;
+  v.experts = s.experts;
+  v.world_size = s.world;
+  v.rank = s.rank;
+  return v;
+}
+
+void MoeRouter::route_into(const int* topk_ids, int64_t m, const MoeRoutingArrays& out, cudaStream_t stream) {
+  // Arrays of no element (no pairs: m = 0) may be null, as empty tensors' pointers are.
+  const bool pairs = m > 0;
+  check_int_array(out.offsets, "offsets");
+  check_int_array(out.counts, "counts");
+  if (pairs) {
+    check_int_array(out.token_of_row, "token_of_row");
+    check_int_array(out.row_of_pair, "row_of_pair");
+  }
+  if (out.compact_offsets != nullptr) {
+    check_int_array(out.compact_offsets, "compact_offsets");
+    if (pairs) {
+      check_int_array(out.row_of_compact, "row_of_compact");
+      check_int_array(out.token_of_compact, "token_of_compact");
+      check_int_array(out.pair_of_compact, "pair_of_compact");
+      check_int_array(out.compact_of_pair, "compact_of_pair");
+    }
+  }
+  launch(topk_ids, m, out, stream, /*all_rows=*/pairs);
+}
+
+void MoeRouter::launch(const int* topk_ids, int64_t m, const MoeRoutingArrays& out, cudaStream_t stream,
+                       bool all_rows) {
   Impl& s = *impl_;
   TDIST_CHECK_ARG(m >= 0 && m <= s.max_m, "m", "expected 0 <= m <= max_m (", s.max_m, "), got ", m);
   TDIST_CHECK_ARG(m == 0 || (topk_ids != nullptr && reinterpret_cast<uintptr_t>(topk_ids) % 4 == 0), "topk_ids",
                   "expected a 4-byte aligned device pointer to int32 [m][topk], got ",
                   static_cast<const void*>(topk_ids));
+  // The kernels write the padding rows up to offsets[E]; all_rows: the rows past it read -1 too.
+  if (all_rows)
+    TDIST_CUDA_CHECK(
+        cudaMemsetAsync(out.token_of_row, 0xFF, moe_capacity(m, s.topk, s.experts) * sizeof(int), stream));
   km::RouteParams p{};
   p.topk_ids = topk_ids;
   p.bad = s.bad.get<km::BadIdRecord>();
@@ -210,33 +288,21 @@ const MoeRouting& MoeRouter::route(const int* topk_ids, int64_t m, cudaStream_t 
   TDIST_CHECK(p.num_segments <= s.max_segments, "moe routing: ", p.num_segments, " segments exceed the bound ",
               s.max_segments);
   p.segment_counts = s.segment_counts.get<uint32_t>();
-  p.offsets = s.offsets.get<int>();
-  p.counts = s.counts.get<int>();
-  p.token_of_row = s.token_of_row.get<int>();
-  p.row_of_pair = s.row_of_pair.get<int>();
+  p.offsets = out.offsets;
+  p.counts = out.counts;
+  p.token_of_row = out.token_of_row;
+  p.row_of_pair = out.row_of_pair;
+  p.compact_offsets = out.compact_offsets;
+  p.row_of_compact = out.row_of_compact;
+  p.token_of_compact = out.token_of_compact;
+  p.pair_of_compact = out.pair_of_compact;
+  p.compact_of_pair = out.compact_of_pair;
   p.ag_order = s.ag_order.get<uint32_t>();
   p.ag_count = s.ag_count.get<uint32_t>();
   p.rs_order = s.rs_order.get<uint32_t>();
   p.rs_count = s.rs_count.get<uint32_t>();
   p.max_tiles = static_cast<uint32_t>(s.max_tiles);
   s.kernels.route(p, stream);
-  MoeRouting& v = s.view;
-  v.offsets = p.offsets;
-  v.counts = p.counts;
-  v.token_of_row = p.token_of_row;
-  v.row_of_pair = p.row_of_pair;
-  v.ag_order = p.ag_order;
-  v.ag_count = p.ag_count;
-  v.rs_order = p.rs_order;
-  v.rs_count = p.rs_count;
-  v.m = m;
-  v.capacity = moe_capacity(m, s.topk, s.experts);
-  v.max_tiles = s.max_tiles;
-  v.topk = s.topk;
-  v.experts = s.experts;
-  v.world_size = s.world;
-  v.rank = s.rank;
-  return v;
 }
 
 }  // namespace tdist

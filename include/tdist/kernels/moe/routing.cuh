@@ -19,6 +19,14 @@
 //   row_of_pair  [M][topk]   the row of pair (t, k): undoes the sort
 // capacity = moe_capacity(M, topk, E) bounds offsets[E] for any routing.
 //
+// Compact order (optional outputs, for the backward's torch._grouped_mm, which takes any group
+// sizes): the same pairs in the same order without the padding; pair c of [0, M topk):
+//   compact_offsets  [E + 1]    expert e owns [compact_offsets[e], +counts[e])
+//   row_of_compact   [M topk]   its row above: c - compact_offsets[e] + offsets[e]
+//   token_of_compact [M topk]   its token
+//   pair_of_compact  [M topk]   its pair t topk + k
+//   compact_of_pair  [M][topk]  the inverse of pair_of_compact
+//
 // Tiles: tile i holds rows [i kMoeTile, +kMoeTile) (one expert; at least one real row). Two orders,
 // each as world lists of u32[max_tiles] plus a count per list:
 //   ag order, list j: tiles whose last real row has rel j, i.e. whose rows all come from source
@@ -177,6 +185,12 @@ struct RouteParams {
   int* counts;          // int32[E]
   int* token_of_row;    // int32[capacity]
   int* row_of_pair;     // int32[M][topk]
+  // The compact order (layout above); compact_offsets null: none written.
+  int* compact_offsets;   // int32[E + 1]
+  int* row_of_compact;    // int32[M topk]
+  int* token_of_compact;  // int32[M topk]
+  int* pair_of_compact;   // int32[M topk]
+  int* compact_of_pair;   // int32[M][topk]
   u32* ag_order;        // u32[world][max_tiles]
   u32* ag_count;        // u32[world]
   u32* rs_order;        // u32[world][max_tiles]
@@ -307,11 +321,11 @@ __device__ __forceinline__ void block_exclusive_scan(u32 (&v)[N], u32 (&total)[N
 // waits on another:
 //   1. per expert (a thread each): the total, this segment's prefix, the prefix at each source's
 //      first segment;
-//   2. padded offsets (a block scan over experts);
+//   2. padded offsets (a block scan over experts; the compact ones likewise, after 3);
 //   3. the last block lists the tiles (keys from the pairs per source, list positions from a block
 //      scan over experts); every block marks its share of the padding rows;
 //   4. this segment's pairs placed, stable in the rotated order (warp match_any plus per-warp counts).
-// Block 0 writes counts and offsets.
+// Block 0 writes counts and offsets (and compact_offsets).
 __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) {
   constexpr u32 kScratch = kRouteWarps * kMaxMoeExperts;
   static_assert(kScratch >= (kMaxMoeRanks - 1) * kMaxMoeExperts, "scratch holds the pairs per source");
@@ -422,6 +436,23 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
   }
   __syncthreads();  // scratch becomes warp_count
 
+  // The compact offsets (a block scan, as the padded ones), in total[], which phase 3 was the last
+  // to read: computed here rather than in phase 2 so that no register stays live across phase 3.
+  const bool compact = p.compact_offsets != nullptr;
+  u32* compact_offs = total;
+  if (compact) {
+    u32 v[1] = {0}, all[1];
+    for (u32 e = e_begin; e < e_end; ++e) v[0] += total[e];
+    block_exclusive_scan<1>(v, all, reinterpret_cast<u32(*)[1]>(&warp_sums[0][0]));
+    for (u32 e = e_begin, c = v[0]; e < e_end; ++e) {
+      const u32 n = total[e];
+      compact_offs[e] = c;
+      if (my == 0) p.compact_offsets[e] = static_cast<int>(c);
+      c += n;
+    }
+    if (my == 0 && tid == 0) p.compact_offsets[E] = static_cast<int>(all[0]);
+  }
+
   // 4. Place this segment's pairs.
   u32* warp_count = scratch;
   for (u32 e = tid; e < E; e += kRouteThreads) {
@@ -453,6 +484,14 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
       for (u32 w = 0; w < warp; ++w) row += warp_count[w * E + e];
       p.token_of_row[row] = static_cast<int>(t);
       p.row_of_pair[t * topk + k] = static_cast<int>(row);
+      if (compact) {
+        const u32 c = row - static_cast<u32>(offs[e]) + compact_offs[e];
+        const int pair = static_cast<int>(t * topk + k);
+        p.row_of_compact[c] = static_cast<int>(row);
+        p.token_of_compact[c] = static_cast<int>(t);
+        p.pair_of_compact[c] = pair;
+        p.compact_of_pair[pair] = static_cast<int>(c);
+      }
     }
     __syncthreads();
     if (valid && leader) {
