@@ -194,6 +194,54 @@ void grouped_gemm(uint64_t a, uint64_t b, uint64_t d, uint64_t offsets, const st
   grouped_gemm_for(device).run(checked, reinterpret_cast<cudaStream_t>(stream));
 }
 
+// The routing alone into the caller's int32 tensors (python/tdist/moe.py: tdist.moe.routing of GPU
+// ids, which the ops' backward calls): a MoeRouter on one device for up to max_m tokens. Not
+// collective, and no runtime: it owns ordinary device memory only.
+class RouterOnDevice {
+ public:
+  RouterOnDevice(int64_t max_m, int topk, int experts, int world_size, int rank, int device)
+      : device_(device), max_m_(max_m) {
+    tdist::check_moe_routing_args(max_m, topk, experts, world_size, rank);
+    tdist_python::ScopedDevice scope(device_);
+    router_ = std::make_unique<tdist::MoeRouter>(max_m, topk, experts, world_size, rank);
+  }
+  ~RouterOnDevice() {
+    tdist_python::ScopedDevice scope(device_);
+    router_.reset();
+  }
+
+  // Arrays as tdist::MoeRoutingArrays (the compact order too: compact_offsets must be given).
+  void route_into(uint64_t topk_ids, int64_t m, uint64_t offsets, uint64_t counts, uint64_t token_of_row,
+                  uint64_t row_of_pair, uint64_t compact_offsets, uint64_t row_of_compact, uint64_t token_of_compact,
+                  uint64_t pair_of_compact, uint64_t compact_of_pair, uint64_t stream) {
+    const tdist::MoeRoutingArrays out{.offsets = ptr<int>(offsets),
+                                      .counts = ptr<int>(counts),
+                                      .token_of_row = ptr<int>(token_of_row),
+                                      .row_of_pair = ptr<int>(row_of_pair),
+                                      .compact_offsets = ptr<int>(compact_offsets),
+                                      .row_of_compact = ptr<int>(row_of_compact),
+                                      .token_of_compact = ptr<int>(token_of_compact),
+                                      .pair_of_compact = ptr<int>(pair_of_compact),
+                                      .compact_of_pair = ptr<int>(compact_of_pair)};
+    TDIST_CHECK_ARG(out.compact_offsets != nullptr, "compact_offsets", "a device pointer");
+    tdist_python::ScopedDevice scope(device_);
+    router_->route_into(ptr<const int>(topk_ids), m, out, reinterpret_cast<cudaStream_t>(stream));
+  }
+
+  // Synchronises; throws naming topk_ids if a routing since the last check met an id out of range.
+  void check_errors() {
+    nb::gil_scoped_release release;
+    tdist_python::ScopedDevice scope(device_);
+    router_->check_errors();
+  }
+  int64_t max_m() const { return max_m_; }
+
+ private:
+  int device_;
+  int64_t max_m_;
+  std::unique_ptr<tdist::MoeRouter> router_;
+};
+
 }  // namespace
 
 void bind_moe(nb::module_& m) {
@@ -218,6 +266,14 @@ void bind_moe(nb::module_& m) {
       .def_prop_ro("closed", &MoeRs::closed)
       .def_prop_ro("max_m", &MoeRs::max_m)
       .def_prop_ro("max_n", &MoeRs::max_n);
+  nb::class_<RouterOnDevice>(m, "MoeRouter", "MoE routing on one GPU into int32 tensors; use tdist.moe.routing.")
+      .def(nb::init<int64_t, int, int, int, int, int>(), "max_m"_a, "topk"_a, "experts"_a, "world_size"_a, "rank"_a,
+           "device"_a)
+      .def("route_into", &RouterOnDevice::route_into, "topk_ids"_a, "m"_a, "offsets"_a, "counts"_a, "token_of_row"_a,
+           "row_of_pair"_a, "compact_offsets"_a, "row_of_compact"_a, "token_of_compact"_a, "pair_of_compact"_a,
+           "compact_of_pair"_a, "stream"_a)
+      .def("check_errors", &RouterOnDevice::check_errors)
+      .def_prop_ro("max_m", &RouterOnDevice::max_m);
   m.def("grouped_gemm", &grouped_gemm, "a"_a, "b"_a, "d"_a, "offsets"_a, "offsets_dtype"_a, "m"_a, "n"_a, "k"_a,
         "num_groups"_a, "dtype"_a, "device"_a, "stream"_a,
         "D = A x B_g^T per group on raw device pointers (tdist/ops/grouped_gemm.hpp); use tdist.moe.grouped_gemm.");

@@ -33,6 +33,7 @@ before it returns, so no two collectives run at once. The formulas use only torc
 custom ops (with fake implementations), so torch.compile traces them into the backward graph.
 """
 
+import functools
 import os
 from typing import Optional, Tuple
 
@@ -522,9 +523,14 @@ def _moe_wgrad_style(dtype, device) -> str:
         raise ValueError(f"TDIST_MOE_WGRAD must be 'auto', 'grouped_mm' or 'tiles', got '{style}'")
     if style == "auto":  # where torch._grouped_mm runs: bfloat16 on sm90 / sm100
         usable = (hasattr(torch, "_grouped_mm") and dtype == torch.bfloat16 and device.type == "cuda" and
-                  torch.cuda.get_device_capability(device)[0] in (9, 10))
+                  _major_capability(device.index) in (9, 10))
         style = "grouped_mm" if usable else "tiles"
     return style
+
+
+@functools.lru_cache(maxsize=None)
+def _major_capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def _by_torch_grouped_mm(t: Tensor) -> bool:
@@ -603,14 +609,7 @@ def _zero_rows(t: Tensor, valid: Tensor) -> Tensor:
 
 
 def _compact_offs(r: dict) -> Tensor:
-    return r["compact_offsets"][1:].to(torch.int32)
-
-
-def _compact_of_pair(r: dict, m: int, topk: int) -> Tensor:
-    """[M, topk]: the compact row of each pair (the inverse of pair_of_compact)."""
-    pairs = r["pair_of_compact"]
-    inverse = torch.empty_like(pairs).scatter_(0, pairs, torch.arange(pairs.numel(), device=pairs.device))
-    return inverse.view(m, topk)
+    return r["compact_offsets"][1:]  # int32: torch._grouped_mm's offs (every group's end)
 
 
 def _sum_over_ranks_beside(partial: Tensor, world: int, side, main) -> Tensor:
@@ -631,7 +630,7 @@ def _moe_ag_backward_compact(r, grad, gathered, w, m, topk, world, rank, need_x,
     offs, g_c = _compact_offs(r), grad[r["row_of_compact"]]
     grad_x = grad_w = _no_grad_placeholder(grad)
     if need_x:
-        full = _sum_pairs(torch._grouped_mm(g_c, w, offs=offs), _compact_of_pair(r, m, topk))
+        full = _sum_pairs(torch._grouped_mm(g_c, w, offs=offs), r["compact_of_pair"])
         grad_x = full if world == 1 else scatter_rows(full, m, world, rank)
     if need_w:
         grad_w = torch._grouped_mm(g_c.t(), gathered[r["token_of_compact"]], offs=offs)
@@ -651,13 +650,14 @@ def _moe_rs_backward_compact(r, g_all, h, w, topk_ids, topk_weights, world, side
     if need_h or need_weights:
         u = torch._grouped_mm(g_c, w, offs=offs)  # [P, K]
         if need_h:
-            grad_h = h.new_zeros(h.shape).index_copy_(0, rows, (u * p_c).to(h.dtype))
+            grad_h = h.new_zeros(h.shape)
+            grad_h[rows] = (u * p_c).to(h.dtype)
         if need_weights:
             dots = torch.empty(rows.numel(), dtype=torch.float32, device=h.device)
             step = max(1, (64 << 20) // max(1, h.shape[1] * 8))
             for first in range(0, rows.numel(), step):
                 dots[first:first + step] = (u[first:first + step].float() * h_c[first:first + step].float()).sum(1)
-            partial = torch.empty_like(dots).scatter_(0, r["pair_of_compact"], dots).view(m, topk)
+            partial = dots[r["compact_of_pair"]]  # [M, topk]
             grad_p = _sum_over_ranks_beside(partial, world, side, main)
     if need_w:
         grad_w = torch._grouped_mm((g_c * p_c).to(h.dtype).t(), h_c, offs=offs)
@@ -682,7 +682,7 @@ def moe_ag_group_gemm_backward(grad: Tensor, x_rows: Tensor, topk_ids: Tensor, w
     side.wait_stream(main)
     if need_w:
         with torch.cuda.stream(side):
-            gathered = gather_rows(x_rows, m, world)  # [M, K]: every token, again
+            gathered = gather_rows(x_rows, m, world) if world > 1 else x_rows  # [M, K]: every token, again
         gathered.record_stream(main)
     # Beside the AllGather: the routing; the collective below waits for it.
     r = _moe.routing(topk_ids, experts, world, rank)
@@ -732,7 +732,7 @@ def moe_group_gemm_rs_backward(grad: Tensor, h: Tensor, w: Tensor, topk_ids: Ten
     side.wait_stream(main)  # forked in every case, so that the join below is one (also in a capture)
     if not all_reduce:
         with torch.cuda.stream(side):
-            g_all = gather_rows(grad, m, world)
+            g_all = gather_rows(grad, m, world) if world > 1 else grad
             gathered_ready = side.record_event()
         g_all.record_stream(main)
     # Beside the AllGather: the routing.
@@ -748,8 +748,8 @@ def moe_group_gemm_rs_backward(grad: Tensor, h: Tensor, w: Tensor, topk_ids: Ten
     valid = _rows_valid(token_of_row)
     pairs = row_of_pair.reshape(-1)
     # p of each row (fp32 [R]); 0 in padding rows and past offsets[E].
-    p_row = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device).scatter_(0, pairs,
-                                                                                    topk_weights.reshape(-1))
+    p_row = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+    p_row[pairs] = topk_weights.reshape(-1).float()
     if not all_reduce:
         main.wait_event(gathered_ready)
     g_rows = g_all[token_of_row.clamp(min=0)]  # [R, N]: G[tok[r]] (token 0 in rows outside the pairs)

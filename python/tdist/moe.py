@@ -93,20 +93,52 @@ def routing_reference(topk_ids, experts: int, world_size: int = 1, rank: int = 0
 
 
 def routing(topk_ids, experts: int, world_size: int = 1, rank: int = 0) -> dict:
-    """routing_reference's layout built with torch ops on topk_ids' device, with no host
-    synchronisation (CUDA-graph safe; the MoE ops' backward uses it): offsets int64 [E + 1], counts
-    int64 [E], token_of_row int64 [capacity(M, topk, E)] (-1: padding and the rows past offsets[E]),
-    row_of_pair int64 [M, topk]; and the same order without padding (pair c of M x topk, expert by
-    expert): compact_offsets int64 [E + 1] (cumulative counts), row_of_compact, token_of_compact and
-    pair_of_compact (t x topk + k) int64 [M x topk]. topk_ids: an int32 or int64 tensor [M, topk]
-    with ids in [0, experts);
-    an id outside is routed to expert 0, as the ops' routing kernel does (which records it for
-    check_errors; checking here would need a synchronisation)."""
+    """routing_reference's layout on topk_ids' device, with no host synchronisation (CUDA-graph safe
+    once a call of as many tokens ran before the capture; the MoE ops' backward uses it), as int32
+    tensors: offsets [E + 1], counts [E], token_of_row [capacity(M, topk, E)] (-1: padding and the
+    rows past offsets[E]), row_of_pair [M, topk]; and the same order without padding (pair c of
+    M x topk, expert by expert, docs/moe.md): compact_offsets [E + 1] (cumulative counts),
+    row_of_compact, token_of_compact and pair_of_compact (t x topk + k) [M x topk], and
+    compact_of_pair [M, topk], the inverse of pair_of_compact. topk_ids: an int32 or int64 tensor
+    [M, topk] with ids in [0, experts); an id outside is routed to expert 0 (a check would need a
+    synchronisation): on a GPU the routing kernel records it for check_errors, as the ops' does.
+    On a GPU this is the ops' routing kernels (one call); elsewhere torch ops."""
     torch = _torch("moe.routing")
     op = "moe.routing"
     check_tensor_kind(lambda *a: _fail(op, *a), "topk_ids", topk_ids, ("int32", "int64"), (None, None))
     m, topk = _shape(topk_ids)
     _C.moe_check_routing(m, topk, int(experts), int(world_size), int(rank))
+    if topk_ids.device.type == "cuda":
+        return _routing_on_gpu(torch, topk_ids, m, topk, int(experts), int(world_size), int(rank))
+    return _routing_by_torch_ops(torch, topk_ids, m, topk, int(experts), int(world_size), int(rank))
+
+
+_routers = {}  # (device, topk, experts, world_size, rank) -> _C.MoeRouter, grown as contexts are
+
+
+def _routing_on_gpu(torch, topk_ids, m, topk, experts, world_size, rank) -> dict:
+    dev = topk_ids.device
+    key = (dev.index, topk, experts, world_size, rank)
+    router = _routers.get(key)
+    if router is None or router.max_m < m:
+        if torch.cuda.is_current_stream_capturing():
+            raise Error(f"tdist.moe.routing: a call of {m} tokens needs a new router (device memory), which cannot "
+                        "be made during CUDA graph capture: run the largest call once before capturing")
+        router = _routers[key] = _C.MoeRouter(max(m, 2 * router.max_m if router is not None else m, 1), topk,
+                                              experts, world_size, rank, dev.index)
+    pairs, rows = m * topk, capacity(m, topk, experts)
+    names = ("offsets", "counts", "token_of_row", "row_of_pair", "compact_offsets", "row_of_compact",
+             "token_of_compact", "pair_of_compact", "compact_of_pair")
+    sizes = (experts + 1, experts, rows, pairs, experts + 1, pairs, pairs, pairs, pairs)
+    out = dict(zip(names, torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)))
+    router.route_into(_ids32(topk_ids).data_ptr(), m, *(out[n].data_ptr() for n in names),
+                      torch.cuda.current_stream(dev).cuda_stream)
+    out["row_of_pair"] = out["row_of_pair"].view(m, topk)
+    out["compact_of_pair"] = out["compact_of_pair"].view(m, topk)
+    return out
+
+
+def _routing_by_torch_ops(torch, topk_ids, m, topk, experts, world_size, rank) -> dict:
     dev = topk_ids.device
     tile = grouped_gemm_alignment()
     rows = capacity(m, topk, experts)
@@ -114,23 +146,26 @@ def routing(topk_ids, experts: int, world_size: int = 1, rank: int = 0) -> dict:
     # token rotated[q // topk], slot q % topk. A stable sort by expert keeps that order per expert.
     rotated = (torch.arange(m, device=dev) + rows_of(m, world_size, rank)[0]) % max(m, 1)
     flat = topk_ids.long()[rotated].reshape(-1)
-    flat = torch.where((flat >= 0) & (flat < experts), flat, 0)  # an index out of range would assert on the GPU
+    flat = torch.where((flat >= 0) & (flat < experts), flat, 0)  # an index out of range would assert
     by_expert = torch.sort(flat, stable=True)
     expert_of, pair = by_expert.values, by_expert.indices
-    # scatter_add, not bincount: bincount sizes its output from the largest id (a synchronisation).
     counts = torch.zeros(experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.zeros(experts + 1, dtype=torch.long, device=dev)
     offsets[1:] = torch.cumsum((counts + tile - 1) // tile * tile, 0)
     first_of = torch.cumsum(counts, 0) - counts  # the expert's first position in the sorted pairs
     row = offsets[expert_of] + torch.arange(flat.numel(), device=dev) - first_of[expert_of]
     token = rotated[pair // topk]
-    row_of_pair = torch.empty(m * topk, dtype=torch.long, device=dev).scatter_(0, token * topk + pair % topk, row)
+    pair_of_compact = token * topk + pair % topk
+    row_of_pair = torch.empty(m * topk, dtype=torch.long, device=dev).scatter_(0, pair_of_compact, row)
     token_of_row = torch.full((rows,), -1, dtype=torch.long, device=dev).scatter_(0, row, token)
     compact_offsets = torch.zeros(experts + 1, dtype=torch.long, device=dev)
     compact_offsets[1:] = torch.cumsum(counts, 0)
-    return dict(offsets=offsets, counts=counts, token_of_row=token_of_row, row_of_pair=row_of_pair.view(m, topk),
-                compact_offsets=compact_offsets, row_of_compact=row, token_of_compact=token,
-                pair_of_compact=token * topk + pair % topk)
+    compact_of_pair = torch.empty_like(pair_of_compact).scatter_(0, pair_of_compact,
+                                                                 torch.arange(m * topk, device=dev))
+    out = dict(offsets=offsets, counts=counts, token_of_row=token_of_row, row_of_pair=row_of_pair.view(m, topk),
+               compact_offsets=compact_offsets, row_of_compact=row, token_of_compact=token,
+               pair_of_compact=pair_of_compact, compact_of_pair=compact_of_pair.view(m, topk))
+    return {k: v.to(torch.int32) for k, v in out.items()}
 
 
 def grouped_gemm_alignment() -> int:
@@ -239,7 +274,7 @@ def _context(kind: str, s: dict, rt):
 
 def _ids32(topk_ids):
     torch = torch_module()
-    return topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32).contiguous()
+    return (topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)).contiguous()
 
 
 def _ag(x_rows, topk_ids, w, method):
@@ -359,6 +394,8 @@ def check_errors() -> None:
     for r, ctx in list(_contexts.values()):
         if r is rt and not ctx.closed:
             ctx.check_errors()
+    for router in list(_routers.values()):  # tdist.moe.routing's (the ops' backward)
+        router.check_errors()
 
 
 def method(m: int, world_size: int) -> str:

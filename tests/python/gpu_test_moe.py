@@ -19,6 +19,7 @@ rank's partial sums added through torch.distributed.
 * 200 back-to-back calls of each op (the test waits for none before the last), every call with
   fresh routing, tokens and router weights, M from 1 to 384, methods and bf16 / fp16 alternating,
   each output allocated where a NaN block of its size was just freed, every call against float64;
+* tdist.moe.routing on the GPU (the backward's) against the torch-op routing of the same ids;
 * an expert id out of range (== E, negative) in topk_ids: the host reference raises naming topk_ids;
   each op (every rank passing the same bad ids) goes on, and tdist.moe.check_errors() raises naming
   topk_ids[t][k] and the id, once per report; the next good call is right.
@@ -454,7 +455,63 @@ def test_grouped_gemm():
     torch.cuda.synchronize()
 
 
+def test_routing_on_gpu():
+    """tdist.moe.routing of GPU ids (the ops' routing kernels, which the backward calls) equals the
+    torch-op routing of the same ids on the CPU (checked against the host reference by the CPU tests),
+    array by array: every rank of several world sizes, int32 and int64 ids, M = 0 and 1, 1024
+    experts, ids out of range (sent to expert 0, then reported by check_errors naming topk_ids), and
+    replays of a CUDA graph with fresh ids. The allocator is poisoned first."""
+    def same(got, ids, experts, w, r, what):
+        want = moe.routing(ids.cpu(), experts, w, r)
+        assert set(got) == set(want), f"{what}: keys {sorted(got)} vs {sorted(want)}"
+        for key, v in want.items():
+            assert got[key].dtype == torch.int32, f"{what}: {key} is {got[key].dtype}"
+            if not torch.equal(got[key].cpu(), v):
+                raise AssertionError(f"{what}: {key} differs from the CPU routing")
+
+    cases = [(0, 2, 4, "random"), (1, 2, 4, "random"), (301, 3, 8, "skewed"), (4097, 8, 128, "random"),
+             (2048, 8, 128, "single"), (777, 6, 64, "skewed"), (50, 8, 1024, "random")]
+    for m, topk, experts, kind in cases:
+        ids = routing_ids(m, topk, experts, kind, 9900 + m)
+        for w in (1, 2, 3, 8):
+            for r in sorted({0, w // 2, w - 1}):
+                poison_allocator()
+                dev = ids.cuda().long() if (m + r) % 2 else ids.cuda()
+                same(moe.routing(dev, experts, w, r), ids, experts, w, r, f"m {m} top-{topk} of {experts} {kind} "
+                     f"rank {r} of {w}")
+    moe.check_errors()  # nothing out of range so far
+    ids = routing_ids(200, 4, 16, "random", 9950)
+    bad = ids.clone()
+    bad[3, 2], bad[150, 0] = 16, -5
+    same(moe.routing(bad.cuda(), 16, 2, 1), bad, 16, 2, 1, "ids out of range")
+    try:  # the first bad id the kernel met: either
+        moe.check_errors()
+        raise AssertionError("check_errors did not report the ids out of range")
+    except tdist.Error as e:
+        assert "'topk_ids'" in str(e) and ("topk_ids[3][2] = 16" in str(e) or "topk_ids[150][0] = -5" in str(e)), e
+    moe.check_errors()  # taken
+    # In a CUDA graph: captured once (after a call of as many tokens), replayed with fresh ids.
+    m, topk, experts = 1000, 8, 64
+    ids_d = routing_ids(m, topk, experts, "random", 9960).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe.routing(ids_d, experts, 2, 0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe.routing(ids_d, experts, 2, 0)
+    for rep, kind in enumerate(("random", "skewed", "single")):
+        fresh = routing_ids(m, topk, experts, kind, 9970 + rep)
+        ids_d.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        same(captured, fresh, experts, 2, 0, f"graph replay {rep} ({kind})")
+    torch.cuda.synchronize()
+
+
 TESTS = [
+    test_routing_on_gpu,
     test_moe_ag_group_gemm,
     test_moe_group_gemm_rs_and_ar,
     test_docs_layer,

@@ -53,6 +53,9 @@ def test_routing_equals_host_reference(m, topk, experts, world, kind):
         assert got["token_of_compact"].tolist() == [ref["token_of_row"][r] for r in padded]
         pair_of_row = {row: t * topk + k for t, rs in enumerate(ref["row_of_pair"]) for k, row in enumerate(rs)}
         assert got["pair_of_compact"].tolist() == [pair_of_row[r] for r in padded]
+        compact_of_pair = [[padded.index(row) for row in rs] for rs in ref["row_of_pair"]]
+        assert got["compact_of_pair"].tolist() == compact_of_pair
+        assert all(v.dtype == torch.int32 for v in got.values())
 
 
 def test_routing_sends_ids_out_of_range_to_expert_0():
