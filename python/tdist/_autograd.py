@@ -649,18 +649,20 @@ def _moe_rs_backward_compact(r, g_all, h, w, topk_ids, topk_weights, world, side
     h_c = h[rows] if (need_w or need_weights) else None  # [P, K]
     if need_h or need_weights:
         u = torch._grouped_mm(g_c, w, offs=offs)  # [P, K]
-        if need_h:
-            grad_h = h.new_zeros(h.shape)
-            grad_h[rows] = (u * p_c).to(h.dtype)
         if need_weights:
+            # <U[c], h_c[c]> in fp32, in chunks of about 128 MiB of fp32 temporaries
             dots = torch.empty(rows.numel(), dtype=torch.float32, device=h.device)
-            step = max(1, (64 << 20) // max(1, h.shape[1] * 8))
+            step = max(1, (128 << 20) // max(1, h.shape[1] * 8))
             for first in range(0, rows.numel(), step):
-                dots[first:first + step] = (u[first:first + step].float() * h_c[first:first + step].float()).sum(1)
+                last = first + step
+                torch.sum(u[first:last].float() * h_c[first:last], 1, out=dots[first:last])
             partial = dots[r["compact_of_pair"]]  # [M, topk]
             grad_p = _sum_over_ranks_beside(partial, world, side, main)
-    if need_w:
-        grad_w = torch._grouped_mm((g_c * p_c).to(h.dtype).t(), h_c, offs=offs)
+        if need_h:  # p(c) U[c]: scaled in place (fp32 product, one rounding), then to h's rows
+            grad_h = h.new_zeros(h.shape)
+            grad_h[rows] = u.mul_(p_c)
+    if need_w:  # (p G_c): g_c scaled in place once U no longer needs it
+        grad_w = torch._grouped_mm(g_c.mul_(p_c).t(), h_c, offs=offs)
     return grad_h, grad_w, grad_p
 
 

@@ -42,12 +42,12 @@ bf16; --scale divides hidden and intermediate. Fixed random router weights, the 
 the tokens. Every method routes this rank's tokens with the same router call and gathers the top-k
 ids and weights, so the routing is the same bits for every method. Methods:
   tdist            tdist.nn.ParallelMoE: the router on this rank's rows, its top-k gathered (tdist
-                   AllGather of M x k ids and weights), moe_ag_group_gemm, SiLU(gate) * up,
-                   moe_group_gemm_rs; their autograd (--save-gathered does not apply: the backward
+                   AllGather of M x k ids and weights), moe_ag_group_gemm, SiLU(gate) * up (its
+                   SwiGLU autograd), moe_group_gemm_rs; their autograd (--save-gathered does not apply: the backward
                    gathers the tokens again)
   no_comm          the same work without communication: the set's gathered tokens and routing taken as
                    already there, tdist.moe.routing, the tokens copied into expert order,
-                   tdist.moe.grouped_gemm twice, the weighted top-k sum of every token, this rank's rows
+                   tdist.moe.grouped_gemm twice (SwiGLU between), the weighted top-k sum of every token, this rank's rows
                    kept (no reduction); backward through the same ops, no collective
   torch_eager_tp   NCCL all_gather_into_tensor of the top-k and of the tokens, a stable sort by expert,
                    torch._grouped_mm (where it runs bf16 on this GPU; otherwise a loop of per-expert
@@ -505,7 +505,7 @@ class _MoeLayer:
         with torch.no_grad():
             self.mod.router_weight.copy_(router)
         self.norm = torch.nn.Parameter(torch.ones(hidden, device=dev, dtype=dtype))
-        self.top_k_routing = sparse_moe.top_k_routing
+        self.top_k_routing, self.swiglu = sparse_moe.top_k_routing, sparse_moe.swiglu
         self.grouped_mm = grouped_mm_functions(torch)[grouped_mm]
         self.EagerGather, self.EagerScatter = _eager_collectives(torch, dist, self.group, self.world)
         self.FixedGathered = fixed_gathered(torch)
@@ -589,7 +589,7 @@ class _MoeLayer:
                 a = tokens.index_select(0, r["token_of_row"].clamp(min=0))  # padding rows: token 0, no gradient
                 h13 = self.tdist.moe.grouped_gemm(a, mod.w13, offsets)
                 f = mod.local_intermediate_size
-                out = self.tdist.moe.grouped_gemm(torch.nn.functional.silu(h13[:, :f]) * h13[:, f:], mod.w2, offsets)
+                out = self.tdist.moe.grouped_gemm(self.swiglu(h13, f), mod.w2, offsets)
                 pairs = out.index_select(0, pair_rows).view(self.tokens, self.topk, -1)
                 y = torch.bmm(weights.to(out.dtype).view(self.tokens, 1, self.topk), pairs).view(self.tokens, -1)
                 return y[begin:begin + self.rows]

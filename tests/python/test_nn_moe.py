@@ -325,3 +325,19 @@ def test_gather_routing_backward_keeps_this_ranks_rows():
     grad = torch.arange(6.0).view(3, 2)
     got_weights.backward(grad)
     assert torch.equal(weights.grad, grad)
+
+
+@pytest.mark.parametrize("rows,f", [(1, 8), (37, 24), (130, 72)])
+def test_swiglu_against_autograd_in_float64(rows, f):
+    """SwiGLU's one-tensor backward against autograd of SiLU(gate) * up, in float64, with a
+    gradient that is not contiguous (a transposed view)."""
+    g = torch.Generator().manual_seed(rows + f)
+    h13 = torch.randn((rows, 2 * f), generator=g, dtype=torch.float64)
+    dy = torch.randn((f, rows), generator=g, dtype=torch.float64).t()
+    a, b = h13.clone().requires_grad_(), h13.clone().requires_grad_()
+    got = sparse_moe.swiglu(a, f)
+    want = torch.nn.functional.silu(b[:, :f]) * b[:, f:]
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    got.backward(dy)
+    want.backward(dy)
+    assert torch.allclose(a.grad, b.grad, rtol=1e-12, atol=1e-12)
