@@ -43,12 +43,13 @@ the tokens. Every method routes this rank's tokens with the same router call and
 ids and weights, so the routing is the same bits for every method. Methods:
   tdist            tdist.nn.ParallelMoE: the router on this rank's rows, its top-k gathered (tdist
                    AllGather of M x k ids and weights), moe_ag_group_gemm, SiLU(gate) * up (its
-                   SwiGLU autograd), moe_group_gemm_rs; their autograd (--save-gathered does not apply: the backward
-                   gathers the tokens again)
+                   SwiGLU autograd), moe_group_gemm_rs; their autograd (--save-gathered does not
+                   apply: the backward gathers the tokens again)
   no_comm          the same work without communication: the set's gathered tokens and routing taken as
                    already there, tdist.moe.routing, the tokens copied into expert order,
-                   tdist.moe.grouped_gemm twice (SwiGLU between), the weighted top-k sum of every token, this rank's rows
-                   kept (no reduction); backward through the same ops, no collective
+                   tdist.moe.grouped_gemm twice (SwiGLU between), the weighted top-k sum of every
+                   token, this rank's rows kept (no reduction); backward through the same ops, no
+                   collective
   torch_eager_tp   NCCL all_gather_into_tensor of the top-k and of the tokens, a stable sort by expert,
                    torch._grouped_mm (where it runs bf16 on this GPU; otherwise a loop of per-expert
                    matmuls, tdist.bench_moe's, which reads the experts' row counts to the host; the

@@ -149,6 +149,7 @@ def _routing_by_torch_ops(torch, topk_ids, m, topk, experts, world_size, rank) -
     flat = torch.where((flat >= 0) & (flat < experts), flat, 0)  # an index out of range would assert
     by_expert = torch.sort(flat, stable=True)
     expert_of, pair = by_expert.values, by_expert.indices
+    # scatter_add, not bincount: bincount sizes its output from the largest id (a synchronisation).
     counts = torch.zeros(experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     offsets = torch.zeros(experts + 1, dtype=torch.long, device=dev)
     offsets[1:] = torch.cumsum((counts + tile - 1) // tile * tile, 0)
