@@ -623,7 +623,7 @@ def _sum_over_ranks_beside(partial: Tensor, world: int, side, main) -> Tensor:
     return out
 
 
-def _moe_ag_backward_compact(r, grad, gathered, w, m, topk, world, rank, need_x, need_w):
+def _moe_ag_backward_compact(r, grad, gathered, w, m, world, rank, need_x, need_w):
     """moe_ag_group_gemm_backward in the compact order (above): G_c = dY[row of c]; dx = this rank's
     rows of sum_ranks sum_j (G_c @ w_e)[c of (t, j)] (the top-k sum, then a ReduceScatter);
     dw_e = G_c,e.T @ x[token of c]_e. gathered: every token's x [M, K] (with need_w)."""
@@ -637,11 +637,9 @@ def _moe_ag_backward_compact(r, grad, gathered, w, m, topk, world, rank, need_x,
     return grad_x, grad_w
 
 
-def _moe_rs_backward_compact(r, g_all, h, w, topk_ids, topk_weights, world, side, main, need_h, need_w,
-                             need_weights):
+def _moe_rs_backward_compact(r, g_all, h, w, topk_weights, world, side, main, need_h, need_w, need_weights):
     """moe_group_gemm_rs_backward in the compact order (above): G_c = G[token of c], U = G_c @ w_e,
     dh[row of c] = p(c) U[c] (padding rows 0), dp = <U[c], h[row of c]>, dw_e = (p G_c)_e.T @ h_c."""
-    m, topk = topk_ids.shape
     offs, rows = _compact_offs(r), r["row_of_compact"]
     g_c = g_all[r["token_of_compact"]]  # [P, N]
     p_c = topk_weights.reshape(-1)[r["pair_of_compact"]].float().unsqueeze(1)  # [P, 1]
@@ -672,7 +670,7 @@ def moe_ag_group_gemm_backward(grad: Tensor, x_rows: Tensor, topk_ids: Tensor, w
     """Backward of d = moe_ag_group_gemm(x_rows, topk_ids, w, method): (grad of x_rows, grad of w); an
     empty tensor where not needed."""
     rank, world = rank_world()
-    m, topk = topk_ids.shape
+    m = topk_ids.shape[0]
     experts, n, k = w.shape
     if m == 0 or n == 0:  # the forward ran no collective either (every rank has the same M)
         return (x_rows.new_zeros(x_rows.shape) if need_x else _no_grad_placeholder(grad),
@@ -691,8 +689,7 @@ def moe_ag_group_gemm_backward(grad: Tensor, x_rows: Tensor, topk_ids: Tensor, w
     offsets, token_of_row = r["offsets"], r["token_of_row"]
     main.wait_stream(side)
     if _by_torch_grouped_mm(grad):
-        return _moe_ag_backward_compact(r, grad, gathered if need_w else None, w, m, topk, world, rank, need_x,
-                                        need_w)
+        return _moe_ag_backward_compact(r, grad, gathered if need_w else None, w, m, world, rank, need_x, need_w)
     if need_x:
         # dx_rows[t] = this rank's rows of sum_ranks sum_j dY[rop[t, j]] @ w_e: the second projection's
         # op on dY (expert-ordered rows of the same routing) and w_e.T with every weight 1, its
@@ -742,8 +739,8 @@ def moe_group_gemm_rs_backward(grad: Tensor, h: Tensor, w: Tensor, topk_ids: Ten
     if _by_torch_grouped_mm(grad):
         if not all_reduce:
             main.wait_event(gathered_ready)
-        grad_h, grad_w, grad_p = _moe_rs_backward_compact(r, g_all, h, w, topk_ids, topk_weights, world, side, main,
-                                                          need_h, need_w, need_weights)
+        grad_h, grad_w, grad_p = _moe_rs_backward_compact(r, g_all, h, w, topk_weights, world, side, main, need_h,
+                                                          need_w, need_weights)
         main.wait_stream(side)
         return grad_h, grad_w, grad_p
     offsets, token_of_row, row_of_pair = r["offsets"], r["token_of_row"], r["row_of_pair"]

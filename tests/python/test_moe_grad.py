@@ -211,7 +211,7 @@ def test_compact_backward_against_float64(monkeypatch, m, topk, experts):
     hr, wr, pr = (t.clone().requires_grad_() for t in (h, w, p))
     y = torch.stack([sum(pr[t, j] * (hr[rop[t, j]] @ wr[ids[t, j]].T) for j in range(topk)) for t in range(m)])
     (y * dy).sum().backward()
-    gh, gw, gp = _autograd._moe_rs_backward_compact(r, dy, h, w, ids, p, 1, None, None, True, True, True)
+    gh, gw, gp = _autograd._moe_rs_backward_compact(r, dy, h, w, p, 1, None, None, True, True, True)
     pairs = tok >= 0
     # p passes through fp32 (the op's topk_weights are fp32): 1e-5
     assert torch.allclose(gh[pairs].double(), hr.grad[pairs], atol=1e-5) and (gh[~pairs] == 0).all()
@@ -223,6 +223,6 @@ def test_compact_backward_against_float64(monkeypatch, m, topk, experts):
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     d = torch.stack([xr[tok[i]] @ wr[expert_of_row[i]].T if tok[i] >= 0 else xr.new_zeros(n) for i in range(rows)])
     (d * dd).sum().backward()
-    gx, gw = _autograd._moe_ag_backward_compact(r, dd, x, w, m, topk, 1, 0, True, True)
+    gx, gw = _autograd._moe_ag_backward_compact(r, dd, x, w, m, 1, 0, True, True)
     assert torch.allclose(gx, xr.grad, atol=1e-9) and torch.allclose(gw, wr.grad, atol=1e-9)
     assert (gw[experts - 1] == 0).all()  # the empty expert
