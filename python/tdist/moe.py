@@ -116,16 +116,24 @@ def routing(topk_ids, experts: int, world_size: int = 1, rank: int = 0) -> dict:
 _routers = {}  # (device, topk, experts, world_size, rank) -> _C.MoeRouter, grown as contexts are
 
 
+def _grown_max_m(torch, op: str, what: str, m: int, old_max_m: int) -> int:
+    """The token bound of a context or router made anew for a call of m tokens (at least twice the
+    old one's, so that growing calls remake it rarely); raises tdist.Error naming op during a CUDA
+    graph capture, where device memory cannot be allocated for it."""
+    if torch.cuda.is_current_stream_capturing():
+        raise Error(f"{op}: a call of {m} tokens needs a new {what}, which cannot be made during CUDA graph capture: "
+                    "run the largest call once before capturing")
+    return max(m, 2 * old_max_m, 1)
+
+
 def _routing_on_gpu(torch, topk_ids, m, topk, experts, world_size, rank) -> dict:
     dev = topk_ids.device
     key = (dev.index, topk, experts, world_size, rank)
     router = _routers.get(key)
     if router is None or router.max_m < m:
-        if torch.cuda.is_current_stream_capturing():
-            raise Error(f"tdist.moe.routing: a call of {m} tokens needs a new router (device memory), which cannot "
-                        "be made during CUDA graph capture: run the largest call once before capturing")
-        router = _routers[key] = _C.MoeRouter(max(m, 2 * router.max_m if router is not None else m, 1), topk,
-                                              experts, world_size, rank, dev.index)
+        max_m = _grown_max_m(torch, "tdist.moe.routing", "router (device memory)", m,
+                             router.max_m if router is not None else 0)
+        router = _routers[key] = _C.MoeRouter(max_m, topk, experts, world_size, rank, dev.index)
     pairs, rows = m * topk, capacity(m, topk, experts)
     names = ("offsets", "counts", "token_of_row", "row_of_pair", "compact_offsets", "row_of_compact",
              "token_of_compact", "pair_of_compact", "compact_of_pair")
@@ -258,10 +266,7 @@ def _context(kind: str, s: dict, rt):
     fits = ctx is not None and s["m"] <= ctx.max_m and (kind == "ag" or s["n"] <= ctx.max_n)
     if fits:
         return ctx
-    if torch.cuda.is_current_stream_capturing():
-        raise Error(f"tdist.moe: a call of {s['m']} tokens needs a new context, which cannot be made during CUDA "
-                    "graph capture: run the largest call once before capturing")
-    max_m = max(s["m"], 2 * ctx.max_m if ctx is not None else s["m"], 1)
+    max_m = _grown_max_m(torch, "tdist.moe", "context", s["m"], ctx.max_m if ctx is not None else 0)
     if ctx is not None:
         ctx.close()
     if kind == "ag":
