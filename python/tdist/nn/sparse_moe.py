@@ -329,4 +329,4 @@ def _check_silu(name: str, act) -> None:
         _fail(f"from_module: {name}'s experts use {kind}; ParallelMoE runs SiLU(gate) * up")
 
 
-__all__ = ["ParallelMoE", "GatherRouting", "top_k_routing"]
+__all__ = ["ParallelMoE", "GatherRouting", "SwiGLU", "swiglu", "top_k_routing"]

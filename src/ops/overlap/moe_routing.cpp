@@ -223,15 +223,14 @@ void check_int_array(const int* a, const char* name) {
 
 const MoeRouting& MoeRouter::route(const int* topk_ids, int64_t m, cudaStream_t stream) {
   Impl& s = *impl_;
-  launch(topk_ids, m,
-         {.offsets = s.offsets.get<int>(), .counts = s.counts.get<int>(), .token_of_row = s.token_of_row.get<int>(),
-          .row_of_pair = s.row_of_pair.get<int>()},
-         stream, /*all_rows=*/false);
+  const MoeRoutingArrays own{.offsets = s.offsets.get<int>(), .counts = s.counts.get<int>(),
+                             .token_of_row = s.token_of_row.get<int>(), .row_of_pair = s.row_of_pair.get<int>()};
+  launch(topk_ids, m, own, stream, /*all_rows=*/false);
   MoeRouting& v = s.view;
-  v.offsets = s.offsets.get<int>();
-  v.counts = s.counts.get<int>();
-  v.token_of_row = s.token_of_row.get<int>();
-  v.row_of_pair = s.row_of_pair.get<int>();
+  v.offsets = own.offsets;
+  v.counts = own.counts;
+  v.token_of_row = own.token_of_row;
+  v.row_of_pair = own.row_of_pair;
   v.ag_order = s.ag_order.get<uint32_t>();
   v.ag_count = s.ag_count.get<uint32_t>();
   v.rs_order = s.rs_order.get<uint32_t>();
