@@ -89,6 +89,9 @@ def _parse(argv):
     p.add_argument("--iters", type=int, default=20, help="timed rounds (one call of every method each)")
     p.add_argument("--seed", type=int, default=0, help="base seed (routing and tokens: the same on every rank)")
     p.add_argument("--heap-size", default="8G", help="tdist's symmetric heap per rank")
+    p.add_argument("--random", type=int, default=0, metavar="N",
+                   help="N model shapes and token counts drawn from --seed (see random_cases) instead of "
+                        "--models x --tokens x --routing")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON (rank 0)")
     args = p.parse_args(argv)
 
@@ -103,7 +106,45 @@ def _parse(argv):
         p.error(f"--tokens values must be positive, got {args.m}")
     if args.sets < 1 or args.iters < 1 or args.warmup < 0:
         p.error("--sets and --iters must be at least 1, --warmup at least 0")
+    if not 0 <= args.random <= 10000:
+        p.error(f"--random: expected 0 (off) to 10000 cases, got {args.random}")
     return args
+
+
+# A drawn shape's weights (w13 and w2, bf16, one rank's shard of every expert) stay under this.
+kRandomWeightBytes = 6 << 30
+
+
+def random_cases(count, seed, world=1):
+    """`count` cases (name, hidden, intermediate, experts, topk, m, routing) off the models' shapes,
+    drawn from `seed` (splitmix64, as tdist.bench's random sweeps), log-uniform by octave: experts in
+    [4, 256), top-k in [1, min(8, experts)], hidden in [1024, 8192) and intermediate in [256, 16384)
+    as multiples of 8 (odd multiples included) with intermediate / world one as well, tokens in
+    [128, 16384) as multiples of `world` (NCCL's equal parts), routing uniform or skewed; the experts
+    halved until one rank's weights fit in kRandomWeightBytes. In the order drawn."""
+    from .bench import SplitMix64, _check_count
+
+    _check_count(count)
+    if world < 1:
+        raise ValueError(f"random_cases: world expects >= 1, got {world}")
+    r = SplitMix64(seed)
+
+    def octave(lo_min, octaves):
+        lo = lo_min << r.below(octaves)
+        return lo + r.below(lo)
+
+    cases = []
+    for _ in range(count):
+        experts = octave(4, 6)
+        topk = 1 + r.below(min(8, experts))
+        hidden = max(1024, octave(1024, 3) // 8 * 8)
+        inter = max(8 * world, octave(256, 6) // (8 * world) * (8 * world))
+        m = max(world, octave(128, 7) // world * world)
+        routing = ROUTINGS[r.below(len(ROUTINGS))]
+        while experts > topk and experts * 3 * (inter // world) * hidden * 2 > kRandomWeightBytes:
+            experts = max(topk, experts // 2)
+        cases.append((f"E{experts}/k{topk}/{hidden}x{inter}", hidden, inter, experts, topk, m, routing))
+    return cases
 
 
 def _routing(torch, m, topk, experts, kind, seed):
@@ -387,8 +428,12 @@ def main(argv=None) -> int:
         grouped_mm, why = _pick_everywhere(torch, dist, dev)
         if me == 0 and why:
             print(f"tdist.bench_moe: PyTorch's grouped GEMM is a {grouped_mm} ({why})", file=sys.stderr, flush=True)
-        for mi, model in enumerate(args.models):
-            name, hidden, inter, experts, topk = MODELS[model]
+        if args.random:
+            shapes = [((name, hidden, inter, experts, topk), [m], [kind])
+                      for name, hidden, inter, experts, topk, m, kind in random_cases(args.random, args.seed, world)]
+        else:
+            shapes = [(MODELS[model], args.m, args.routing) for model in args.models]
+        for mi, ((name, hidden, inter, experts, topk), tokens, routings) in enumerate(shapes):
             if inter % world or (inter // world) % 8:
                 if me == 0:
                     print(f"tdist.bench_moe: {name}: intermediate {inter} does not split over {world} ranks into "
@@ -399,13 +444,13 @@ def main(argv=None) -> int:
             g = torch.Generator(device=dev).manual_seed(args.seed * 7919 + 97 * mi + 1 + me)
             w13 = (torch.randn((experts, 2 * f, hidden), generator=g, device=dev) * hidden ** -0.5).to(torch.bfloat16)
             w2 = (torch.randn((experts, hidden, f), generator=g, device=dev) * inter ** -0.5).to(torch.bfloat16)
-            for m in args.m:
+            for m in tokens:
                 if m % world:
                     if me == 0:
                         print(f"tdist.bench_moe: M={m} does not divide over {world} ranks (NCCL's "
                               "all_gather_into_tensor needs equal parts); skipped", file=sys.stderr)
                     continue
-                for ri, kind in enumerate(args.routing):
+                for ri, kind in enumerate(routings):
                     dims = dict(hidden=hidden, f=f, experts=experts, topk=topk, m=m, world=world,
                                 grouped_mm=grouped_mm)
                     seed0 = ((args.seed * 131 + mi) * 131 + m) * 7 + ri
@@ -451,7 +496,7 @@ def main(argv=None) -> int:
             doc = {"world_size": world, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "tdist": tdist.__version__, "dtype": "bf16", "command": " ".join(sys.argv),
                    "tdist_method": args.tdist_method, "sets": args.sets, "iters": args.iters,
-                   "warmup": args.warmup, "seed": args.seed,
+                   "warmup": args.warmup, "seed": args.seed, "random": args.random,
                    "grouped_mm_baseline": grouped_mm, "grouped_mm_fallback_reason": why,
                    "statistic": "median of per-call CUDA-event times, methods alternating, max over ranks (us)",
                    "goals": {"group_gemm_vs_torch": f">= {kGroupGemmVsTorch}",
@@ -496,13 +541,13 @@ def _print_row(row, first, world, args, grouped_mm=GROUPED_MM):
               f"op/gg: op over the grouped GEMM alone (goal <= {kOverhead['ag']} ag, {kOverhead['rs']} rs at "
               f"M >= {kLargeM}); base/op: PyTorch sequence over the op (goal >= {kSpeedupLarge} at M >= "
               f"{kLargeM}, >= {kSpeedupSmall} below); ! misses its goal; err: max rel. error op / gg")
-        head = (f"{'op':<18}{'model':<17}{'M':>6} {'routing':<8}{'tdist us':>10}{'gg us':>10}{'base us':>10}"
+        head = (f"{'op':<18}{'model':<20}{'M':>6} {'routing':<8}{'tdist us':>10}{'gg us':>10}{'base us':>10}"
                 f"{'torch gg':>10}{'gg/torch':>10}{'op/gg':>8}{'base/op':>9}  err")
         print(head)
         print("-" * (len(head) + 16))
     r, g = row["ratios"], row["goals"]
     err = row["max_rel_err"]
-    print(f"{row['op']:<18}{row['model']:<17}{row['m']:>6} {row['routing']:<8}" + _fmt(row["tdist_us"])
+    print(f"{row['op']:<18}{row['model']:<20}{row['m']:>6} {row['routing']:<8}" + _fmt(row["tdist_us"])
           + _fmt(row["group_gemm_us"]) + _fmt(row["baseline_us"]) + _fmt(row["torch_grouped_mm_us"])
           + _fmt(r["group_gemm_vs_torch"], 9, ".2f") + _mark(g.get("group_gemm_vs_torch"))
           + _fmt(r["tdist_over_group_gemm"], 7, ".2f") + _mark(g.get("tdist_over_group_gemm"))
@@ -524,6 +569,16 @@ def _print_summary(rows):
     checks = sum(1 for row in rows if row.get("check_failed"))
     print(f"tdist.bench_moe: goals met {met}, missed {missed}, not measured {unmeasured}; "
           f"cross-checks failed {checks} of {len(rows)} rows", flush=True)
+    for op in OPS.values():
+        for key, small in (("group_gemm_vs_torch", True), ("tdist_over_group_gemm", False)):
+            got = sorted((row["ratios"][key], row) for row in rows
+                         if row["op"] == op and row["ratios"][key] is not None)
+            if len(got) < 2:
+                continue
+            worst, w = got[0] if small else got[-1]
+            print(f"  {op} {key}: {'lowest' if small else 'highest'} {worst:.3f} ({w['model']}, M={w['m']}, "
+                  f"{w['routing']}), median {statistics.median(v for v, _ in got):.3f} over {len(got)} rows",
+                  flush=True)
 
 
 if __name__ == "__main__":
