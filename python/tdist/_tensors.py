@@ -62,14 +62,24 @@ def tensor_shape(t) -> tuple:
 
 def check_tensor_kind(fail, name: str, t, dtypes, dims) -> None:
     """That `t` is a torch tensor of one of `dtypes` (names) with shape `dims` (None: any size); else
-    fail(name, expected, got), which raises. Devices and layout are the caller's to check."""
+    fail(name, expected, got), which raises. Devices and layout are the caller's to check. Written
+    for the ops' host time (it runs for every argument of every call): no generators, the dtype name
+    memoised."""
     if _torch is None or not isinstance(t, _torch.Tensor):
         fail(name, "a torch tensor", type(t).__name__)
-    if torch_dtype_name(t.dtype) not in dtypes:
-        fail(name, " or ".join(dtypes), torch_dtype_name(t.dtype))
-    if t.dim() != len(dims) or any(d is not None and s != d for s, d in zip(tensor_shape(t), dims)):
-        shape = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
-        fail(name, f"shape {shape}", list(tensor_shape(t)))
+    dtype_name = _dtype_names.get(t.dtype) or torch_dtype_name(t.dtype)
+    if dtype_name not in dtypes:
+        fail(name, " or ".join(dtypes), dtype_name)
+    shape = t.shape
+    ok = len(shape) == len(dims)
+    if ok:
+        for s, d in zip(shape, dims):
+            if d is not None and s != d:
+                ok = False
+                break
+    if not ok:
+        expected = "[" + ", ".join("*" if d is None else str(d) for d in dims) + "]"
+        fail(name, f"shape {expected}", list(tensor_shape(t)))
 
 
 def dlpack_dtype(dtype) -> tuple[int, int]:

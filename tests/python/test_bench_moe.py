@@ -128,3 +128,27 @@ def test_loop_agrees_with_torch_grouped_mm_where_it_runs(torch):
         pytest.skip(f"torch {torch.__version__} has no torch._grouped_mm")
     name, why = bm.pick_grouped_mm(torch, torch._grouped_mm, "cpu")
     assert name == bm.GROUPED_MM or "fails on bf16 here" in why, why
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_random_cases_cover_the_stated_ranges(world):
+    cases = bm.random_cases(200, 20261202, world)
+    assert cases == bm.random_cases(200, 20261202, world)  # the seed fixes them
+    assert cases != bm.random_cases(200, 7, world)
+    for name, hidden, inter, experts, topk, m, routing in cases:
+        assert 1 <= topk <= min(8, experts) and experts < 256
+        assert 1024 <= hidden < 8192 and hidden % 8 == 0
+        assert 8 * world <= inter < 16384 and inter % (8 * world) == 0
+        assert world <= m < 16384 and m % world == 0
+        assert routing in bm.ROUTINGS
+        assert experts * 3 * (inter // world) * hidden * 2 <= bm.kRandomWeightBytes or experts == topk
+        assert name == f"E{experts}/k{topk}/{hidden}x{inter}"
+    # Odd multiples of 8 (the K that the GEMM reads slower) and both routings are drawn.
+    assert any(c[1] % 16 == 8 for c in cases) and any(c[1] % 16 == 0 for c in cases)
+    assert {c[6] for c in cases} == set(bm.ROUTINGS)
+
+
+def test_random_flag_is_checked():
+    assert bm._parse(["--random", "5"]).random == 5
+    with pytest.raises(SystemExit):
+        bm._parse(["--random", "-1"])

@@ -9,7 +9,9 @@ tdist.moe.routing: no GPU. They need torch and skip, saying so, without it.
 * backward through the forward ops on meta tensors (a stand-in runtime of 2 ranks, rank 1): every
   differentiable input gets a gradient of its own shape, topk_ids and offsets none;
 * the backward's compact order (where torch._grouped_mm runs) against autograd in float64 at one
-  rank, with a loop over groups standing in for torch's grouped GEMM.
+  rank, with a loop over groups standing in for torch's grouped GEMM;
+* when the ops skip torch.library's dispatch (plain CUDA tensors, no autograd, mode or compile) and
+  when they must not.
 The gradients' values through the ops are checked on GPUs: tests/python/gpu_test_moe_grad.py.
 """
 
@@ -226,3 +228,23 @@ def test_compact_backward_against_float64(monkeypatch, m, topk, experts):
     gx, gw = _autograd._moe_ag_backward_compact(r, dd, x, w, m, 1, 0, True, True)
     assert torch.allclose(gx, xr.grad, atol=1e-9) and torch.allclose(gw, wr.grad, atol=1e-9)
     assert (gw[experts - 1] == 0).all()  # the empty expert
+
+
+def test_eager_calls_skip_the_dispatch_only_when_nothing_watches(monkeypatch):
+    # No GPU here: stand in for the CUDA check, so that what is tested is the rest of the rule.
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type in ("cpu", "cuda")))
+    a = torch.zeros(4, 8, dtype=torch.bfloat16)
+    w = torch.nn.Parameter(torch.zeros(2, 8, 8, dtype=torch.bfloat16))
+    assert moe._eager(torch, a, w.detach())
+    assert not moe._eager(torch, a, w)  # autograd records the weight's use
+    with torch.no_grad():
+        assert moe._eager(torch, a, w)
+    assert not moe._eager(torch, torch.zeros(4, 8, device="meta"))  # the op's fake runs for meta
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        assert not moe._eager(torch, torch.zeros(4, 8))
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False):
+        assert not moe._eager(torch, a)
+    compiled = torch.compile(lambda x: torch.tensor(moe._eager(torch, x)), backend="eager", fullgraph=True)
+    assert not bool(compiled(a))
