@@ -47,7 +47,7 @@ import itertools
 import weakref
 
 from . import _C
-from ._tensors import Error, check_tensor_kind, torch_module
+from ._tensors import Error, check_tensor_kind, raw_stream, torch_module
 
 _MODES = ("low_latency", "high_throughput")
 _buffers = {}  # id -> Buffer, while open (torch.library ops name a buffer by its id)
@@ -59,7 +59,7 @@ def _fail(op: str, name: str, expected: str, got) -> None:
 
 
 def _stream(device: int) -> int:
-    return torch_module().cuda.current_stream(device).cuda_stream
+    return raw_stream(device)
 
 
 def heap_bytes(max_tokens_per_rank: int, hidden: int, num_experts: int, topk: int, world_size: int, *,

@@ -53,7 +53,7 @@ routing with routing(topk_ids, E, world, rank), torch ops on the GPU equal to ro
 
 # No `from __future__ import annotations`: torch.library.custom_op reads the annotations as types.
 from . import _C
-from ._tensors import Error, check_tensor_kind, torch_dtype_name, torch_module
+from ._tensors import Error, check_tensor_kind, raw_stream, torch_dtype_name, torch_module
 from ._tensors import tensor_shape as _shape
 
 _DTYPES = {"bfloat16": "bf16", "float16": "f16"}
@@ -140,7 +140,7 @@ def _routing_on_gpu(torch, topk_ids, m, topk, experts, world_size, rank) -> dict
     sizes = (experts + 1, experts, rows, pairs, experts + 1, pairs, pairs, pairs, pairs)
     out = dict(zip(names, torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)))
     router.route_into(_ids32(topk_ids).data_ptr(), m, *(out[n].data_ptr() for n in names),
-                      torch.cuda.current_stream(dev).cuda_stream)
+                      raw_stream(dev.index))
     out["row_of_pair"] = out["row_of_pair"].view(m, topk)
     out["compact_of_pair"] = out["compact_of_pair"].view(m, topk)
     return out
@@ -252,7 +252,7 @@ def _grouped_gemm(a, w, offsets):
     if s["m"] == 0 or s["n"] == 0:
         return d
     _C.grouped_gemm(a.data_ptr(), w.data_ptr(), d.data_ptr(), offsets.data_ptr(), s["offsets_dtype"], s["m"], s["n"],
-                    s["k"], s["groups"], s["dtype"], w.device.index, torch.cuda.current_stream(w.device).cuda_stream)
+                    s["k"], s["groups"], s["dtype"], w.device.index, raw_stream(w.device.index))
     return d
 
 
@@ -296,7 +296,7 @@ def _ag(x_rows, topk_ids, w, method):
     ids = _ids32(topk_ids)
     ctx = _context("ag", s, rt)
     ctx.run(x_rows.data_ptr(), ids.data_ptr(), w.data_ptr(), d.data_ptr(), s["m"], s["n"],
-            torch.cuda.current_stream(w.device).cuda_stream, method)
+            raw_stream(w.device.index), method)
     return d
 
 
@@ -313,7 +313,7 @@ def _rs(h, w, topk_ids, topk_weights, method, all_reduce):
     ids = _ids32(topk_ids)
     ctx = _context("rs", s, rt)
     ctx.run(h.data_ptr(), w.data_ptr(), ids.data_ptr(), topk_weights.data_ptr(), d.data_ptr(), s["m"], s["n"], s["k"],
-            torch.cuda.current_stream(w.device).cuda_stream, method, all_reduce)
+            raw_stream(w.device.index), method, all_reduce)
     return d
 
 
