@@ -40,6 +40,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -143,7 +144,19 @@ class GemmRuntime {
   }
 
   const jit::Kernel& kernel(DType dtype, const GemmTile& tile) {
-    return modules_.load(kernel_name(dtype, tile), compile_request(tile));
+    // A name and a compile request are a dozen strings: build them on the first launch of an
+    // instance only, not on every launch's host path.
+    const auto key = std::make_tuple(static_cast<int>(dtype), tile.block_m, tile.block_n, tile.block_k, tile.stages,
+                                     tile.cluster_m);
+    {
+      std::lock_guard<std::mutex> lock(by_tile_mu_);
+      auto it = by_tile_.find(key);
+      if (it != by_tile_.end()) return *it->second;
+    }
+    const jit::Kernel& k = modules_.load(kernel_name(dtype, tile), compile_request(tile));  // stable address
+    std::lock_guard<std::mutex> lock(by_tile_mu_);
+    by_tile_.emplace(key, &k);
+    return k;
   }
 
   // Launches on checked args (check_gemm_args) with B's tensor map over `b_rows` rows; the grid is
@@ -173,6 +186,8 @@ class GemmRuntime {
  private:
   int num_sms_;
   GemmModules modules_;
+  std::mutex by_tile_mu_;
+  std::map<std::tuple<int, int, int, int, int, int>, const jit::Kernel*> by_tile_;  // (dtype, tile) -> modules_'
 };
 
 template <typename Params>
