@@ -165,8 +165,15 @@ TEST(GemmLaunch, ConfigScheduleAndTensorMaps) {
   EXPECT_EQ(sched.group_m, 8u);
   expect_arg_error([&] { tdist::gemm_schedule(b, t, 0, 0); }, "group_m");
 
+  // K = 72: rows 144 bytes apart, 16-byte aligned only: 128-byte L2 promotion; 32-byte rows keep 256.
+  EXPECT_EQ(tdist::gemm_tensor_map_a(b, t).l2_promotion_bytes, 128u);
+  EXPECT_EQ(tdist::gemm_tensor_map_b(b, t).l2_promotion_bytes, 128u);
   b.lda = 80;
   auto ma = tdist::gemm_tensor_map_a(b, t);
+  EXPECT_EQ(ma.l2_promotion_bytes, 256u);
+  b.a = reinterpret_cast<const void*>(0x10010);  // a 16-byte aligned base: every row unaligned
+  EXPECT_EQ(tdist::gemm_tensor_map_a(b, t).l2_promotion_bytes, 128u);
+  b.a = reinterpret_cast<const void*>(0x10000);
   EXPECT_EQ(ma.base, b.a);
   EXPECT_EQ(ma.dims[0], 72u);
   EXPECT_EQ(ma.dims[1], 1000u);

@@ -25,14 +25,15 @@ jit::CompileRequest gemm_compile_request(const GemmTile& tile,
 std::vector<jit::CompileRequest> gemm_compile_requests();
 
 // The parameters of a 2-D tensor map, as cuTensorMapEncodeTiled takes them: dims[0] is the
-// contiguous one. Zero fill out of range (loads; stores skip out-of-range elements), 256-byte L2
-// promotion, the given swizzle (the inner box is exactly that many bytes).
+// contiguous one. Zero fill out of range (loads; stores skip out-of-range elements), the given L2
+// promotion and swizzle (the inner box is exactly that many bytes).
 struct GemmTensorMapSpec {
   const void* base = nullptr;
   uint64_t dims[2] = {0, 0};      // A, B: {K, rows}; D: {N, M}
   uint64_t row_stride_bytes = 0;  // leading dimension x element size
   uint32_t box[2] = {0, 0};       // A, B: {BLOCK_K, BLOCK_M or BLOCK_N}; D: {EPI_N, 64}
   uint32_t swizzle_bytes = 128;   // 128, 64 or 32
+  uint32_t l2_promotion_bytes = 256;  // 256, 128, 64 or 0 (A and B: 128 where rows are not 32-byte aligned)
 };
 // Specs of A, B (TMA loads) and D (TMA stores of one consumer warpgroup's 64 x EPI_N chunk,
 // kernels::gemm::gemm_epi_cols) for checked args and a tile.
