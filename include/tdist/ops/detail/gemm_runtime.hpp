@@ -187,7 +187,7 @@ class GemmRuntime {
   int num_sms_;
   GemmModules modules_;
   std::mutex by_tile_mu_;
-  std::map<std::tuple<int, int, int, int, int, int>, const jit::Kernel*> by_tile_;  // (dtype, tile) -> modules_'
+  std::map<std::tuple<int, int, int, int, int, int>, const jit::Kernel*> by_tile_;  // (dtype, tile) -> its kernel in modules_
 };
 
 template <typename Params>
