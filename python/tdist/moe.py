@@ -368,34 +368,20 @@ def _torch(op: str):
     return torch
 
 
-def _eager(torch, *tensors) -> bool:
-    """Whether a call may skip the torch.library dispatch (about 10-20 us of host time) and run the
-    implementation directly: plain CUDA tensors (no meta, fake, functional or other subclass but
-    Parameter), no autograd to record, no dispatch or torch-function mode, not inside torch.compile.
-    Elsewhere the registered op runs, so compile, fake and meta tensors, modes and autograd see it."""
-    if torch.compiler.is_compiling() or _dispatch_mode() is not None or torch._C._is_torch_function_mode_enabled():
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if type(t) not in _PLAIN_TENSOR_TYPES or not t.is_cuda or (grad and t.requires_grad):
-            return False
-    return True
+def _eager(*tensors) -> bool:
+    """Whether a call may skip torch.library's dispatch and run the implementation directly: the eager
+    path of python/tdist/_torch_ops.py (no compile, mode, profiler, functorch or autograd watching;
+    plain tensors or Parameters), on CUDA tensors (meta ones go to the ops' fake implementations)."""
+    from ._torch_ops import eager
 
-
-def _dispatch_mode():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    return _get_current_dispatch_mode()
-
-
-_PLAIN_TENSOR_TYPES = ((torch_module().Tensor, torch_module().nn.Parameter) if torch_module() is not None else ())
+    return eager(*tensors) and all(t.is_cuda for t in tensors)
 
 
 def moe_ag_group_gemm(x_rows, topk_ids, w, *, method: str = "auto"):
     """AllGather of every rank's tokens + grouped GEMM: T [capacity(M, topk, E), N] in expert order
     (see the module's docstring). Collective."""
     torch = _torch("moe_ag_group_gemm")
-    if _eager(torch, x_rows, topk_ids, w):
+    if _eager(x_rows, topk_ids, w):
         return _ag(x_rows, topk_ids, w, method)
     return torch.ops.tdist.moe_ag_group_gemm(x_rows, topk_ids, w, method)
 
@@ -404,7 +390,7 @@ def moe_group_gemm_rs(h, w, topk_ids, topk_weights, *, method: str = "auto"):
     """Grouped GEMM + top-k weighted reduce + ReduceScatter: T [rows(rank), N], this rank's tokens.
     h: T [capacity(M, topk, E), K] in expert order (moe_ag_group_gemm's rows). Collective."""
     torch = _torch("moe_group_gemm_rs")
-    if _eager(torch, h, w, topk_ids, topk_weights):
+    if _eager(h, w, topk_ids, topk_weights):
         return _rs(h, w, topk_ids, topk_weights, method, False)
     return torch.ops.tdist.moe_group_gemm_rs(h, w, topk_ids, topk_weights, method, False)
 
@@ -413,7 +399,7 @@ def moe_group_gemm_ar(h, w, topk_ids, topk_weights):
     """Grouped GEMM + top-k weighted reduce + AllReduce: T [M, N], every token on every rank (decode).
     Collective."""
     torch = _torch("moe_group_gemm_ar")
-    if _eager(torch, h, w, topk_ids, topk_weights):
+    if _eager(h, w, topk_ids, topk_weights):
         return _rs(h, w, topk_ids, topk_weights, "auto", True)
     return torch.ops.tdist.moe_group_gemm_rs(h, w, topk_ids, topk_weights, "auto", True)
 
@@ -422,7 +408,7 @@ def grouped_gemm(a, w, offsets):
     """T [M_total, N]: rows [offsets[g], offsets[g + 1]) of a times w[g]^T for every group g; rows past
     offsets[G] are not written (see the module's docstring). One GPU, not collective."""
     torch = _torch("moe.grouped_gemm")
-    if _eager(torch, a, w, offsets):
+    if _eager(a, w, offsets):
         return _grouped_gemm(a, w, offsets)
     return torch.ops.tdist.grouped_gemm(a, w, offsets)
 

@@ -235,16 +235,16 @@ def test_eager_calls_skip_the_dispatch_only_when_nothing_watches(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type in ("cpu", "cuda")))
     a = torch.zeros(4, 8, dtype=torch.bfloat16)
     w = torch.nn.Parameter(torch.zeros(2, 8, 8, dtype=torch.bfloat16))
-    assert moe._eager(torch, a, w.detach())
-    assert not moe._eager(torch, a, w)  # autograd records the weight's use
+    assert moe._eager(a, w.detach())
+    assert not moe._eager(a, w)  # autograd records the weight's use
     with torch.no_grad():
-        assert moe._eager(torch, a, w)
-    assert not moe._eager(torch, torch.zeros(4, 8, device="meta"))  # the op's fake runs for meta
+        assert moe._eager(a, w)
+    assert not moe._eager(torch.zeros(4, 8, device="meta"))  # the op's fake runs for meta
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode():
-        assert not moe._eager(torch, torch.zeros(4, 8))
+        assert not moe._eager(torch.zeros(4, 8))
     from torch.utils.flop_counter import FlopCounterMode
     with FlopCounterMode(display=False):
-        assert not moe._eager(torch, a)
-    compiled = torch.compile(lambda x: torch.tensor(moe._eager(torch, x)), backend="eager", fullgraph=True)
+        assert not moe._eager(a)
+    compiled = torch.compile(lambda x: torch.tensor(moe._eager(x)), backend="eager", fullgraph=True)
     assert not bool(compiled(a))
