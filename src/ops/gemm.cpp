@@ -134,14 +134,16 @@ struct GemmModules::Loaded {
   jit::Kernel kernel;
 };
 
-const jit::Kernel& GemmModules::load(const std::string& name, const jit::CompileRequest& request) {
+const jit::Kernel& GemmModules::load(DType dtype, const GemmTile& tile, NameFn name, RequestFn request) {
+  const auto key = std::make_tuple(static_cast<int>(dtype), tile.block_m, tile.block_n, tile.block_k, tile.stages,
+                                   tile.cluster_m);
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = loaded_.find(name);
+  auto it = loaded_.find(key);
   if (it != loaded_.end()) return it->second->kernel;
   auto loaded = std::make_shared<Loaded>();
-  loaded->module = jit::Module::load(jit::compile(request));
-  loaded->kernel = loaded->module->kernel(name);
-  return loaded_.emplace(name, std::move(loaded)).first->second->kernel;
+  loaded->module = jit::Module::load(jit::compile(request(tile)));
+  loaded->kernel = loaded->module->kernel(name(dtype, tile));
+  return loaded_.emplace(key, std::move(loaded)).first->second->kernel;
 }
 
 }  // namespace detail

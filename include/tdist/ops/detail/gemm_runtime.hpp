@@ -102,15 +102,19 @@ jit::CompileRequest gemm_instance_request(const GemmTile& tile, const char* hook
 // the scheduler and the hooks.
 jit::KernelArgs gemm_operand_args(const GemmArgs& checked_args, const GemmTile& tile, int64_t b_rows);
 
+// The loaded instances of one runtime, by (dtype, tile). A name and a compile request are a dozen
+// strings: `name` and `request` are called on an instance's first use only, not on every launch.
 class GemmModules {
  public:
-  // The kernel `name` of the module compiled from `request` (compiled or loaded once per name).
-  const jit::Kernel& load(const std::string& name, const jit::CompileRequest& request);
+  using NameFn = std::string (*)(DType, const GemmTile&);
+  using RequestFn = jit::CompileRequest (*)(const GemmTile&);
+  // The kernel name(dtype, tile) of the module compiled from request(tile), compiled or loaded once.
+  const jit::Kernel& load(DType dtype, const GemmTile& tile, NameFn name, RequestFn request);
 
  private:
   struct Loaded;
   std::mutex mu_;
-  std::map<std::string, std::shared_ptr<Loaded>> loaded_;
+  std::map<std::tuple<int, int, int, int, int, int>, std::shared_ptr<Loaded>> loaded_;  // (dtype, tile)
 };
 
 template <typename Scheduler, typename Params>
@@ -144,19 +148,7 @@ class GemmRuntime {
   }
 
   const jit::Kernel& kernel(DType dtype, const GemmTile& tile) {
-    // A name and a compile request are a dozen strings: build them on the first launch of an
-    // instance only, not on every launch's host path.
-    const auto key = std::make_tuple(static_cast<int>(dtype), tile.block_m, tile.block_n, tile.block_k, tile.stages,
-                                     tile.cluster_m);
-    {
-      std::lock_guard<std::mutex> lock(by_tile_mu_);
-      auto it = by_tile_.find(key);
-      if (it != by_tile_.end()) return *it->second;
-    }
-    const jit::Kernel& k = modules_.load(kernel_name(dtype, tile), compile_request(tile));  // stable address
-    std::lock_guard<std::mutex> lock(by_tile_mu_);
-    by_tile_.emplace(key, &k);
-    return k;
+    return modules_.load(dtype, tile, &kernel_name, &compile_request);
   }
 
   // Launches on checked args (check_gemm_args) with B's tensor map over `b_rows` rows; the grid is
@@ -186,8 +178,6 @@ class GemmRuntime {
  private:
   int num_sms_;
   GemmModules modules_;
-  std::mutex by_tile_mu_;
-  std::map<std::tuple<int, int, int, int, int, int>, const jit::Kernel*> by_tile_;  // (dtype, tile) -> its kernel in modules_
 };
 
 template <typename Params>
