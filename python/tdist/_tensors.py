@@ -62,12 +62,12 @@ def tensor_shape(t) -> tuple:
 
 def check_tensor_kind(fail, name: str, t, dtypes, dims) -> None:
     """That `t` is a torch tensor of one of `dtypes` (names) with shape `dims` (None: any size); else
-    fail(name, expected, got), which raises. Devices and layout are the caller's to check. Written
-    for the ops' host time (it runs for every argument of every call): no generators, the dtype name
-    memoised."""
+    fail(name, expected, got), which raises. Devices and layout are the caller's to check. It runs
+    for every argument of every op call: the shape is compared as torch gives it, in a plain loop
+    (a generator and tensor_shape's conversion of each size cost about twice as much)."""
     if _torch is None or not isinstance(t, _torch.Tensor):
         fail(name, "a torch tensor", type(t).__name__)
-    dtype_name = _dtype_names.get(t.dtype) or torch_dtype_name(t.dtype)
+    dtype_name = torch_dtype_name(t.dtype)
     if dtype_name not in dtypes:
         fail(name, " or ".join(dtypes), dtype_name)
     shape = t.shape
