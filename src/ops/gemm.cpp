@@ -85,20 +85,25 @@ const std::vector<GemmTile>& gemm_tiles() {
 
 GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
   (void)k;
+  return detail::choose_tile_among(gemm_tiles(), m, n, num_sms);
+}
+
+GemmTile detail::choose_tile_among(const std::vector<GemmTile>& tiles, int64_t m, int64_t n, int num_sms) {
   TDIST_CHECK_ARG(num_sms > 0, "num_sms", "expected a positive SM count, got ", num_sms);
   const GemmTile* best = nullptr;
   double best_score = -1;
-  for (const GemmTile& t : gemm_tiles()) {
-    const int64_t tiles = ((std::max<int64_t>(m, 1) + t.block_m - 1) / t.block_m) *
+  for (const GemmTile& t : tiles) {
+    const int64_t count = ((std::max<int64_t>(m, 1) + t.block_m - 1) / t.block_m) *
                           ((std::max<int64_t>(n, 1) + t.block_n - 1) / t.block_n);
-    const int64_t waves = (tiles + num_sms - 1) / num_sms;
+    const int64_t waves = (count + num_sms - 1) / num_sms;
     // Useful fraction of the tile area (edge tiles are partly empty) times the wave fill.
     const double used = static_cast<double>(std::max<int64_t>(m, 1)) * std::max<int64_t>(n, 1) /
-                        (static_cast<double>(tiles) * t.block_m * t.block_n);
-    const double fill = static_cast<double>(tiles) / static_cast<double>(waves * num_sms);
+                        (static_cast<double>(count) * t.block_m * t.block_n);
+    const double fill = static_cast<double>(count) / static_cast<double>(waves * num_sms);
     const double score = used * fill * tile_efficiency(t);
     if (score > best_score * (1 + 1e-9)) best_score = score, best = &t;
   }
+  TDIST_CHECK(best != nullptr, "no tile to choose from");
   return *best;
 }
 
@@ -264,8 +269,12 @@ GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype)
   const cuuint64_t strides[1] = {spec.row_stride_bytes};
   const cuuint32_t box[2] = {spec.box[0], spec.box[1]};
   const cuuint32_t elem_strides[2] = {1, 1};
+  // e4m3 travels as bytes (TMA copies, never converts).
+  const CUtensorMapDataType type = dtype == DType::kBFloat16     ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                   : dtype == DType::kFloat8E4M3 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult r =
-      encode(&map, dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+      encode(&map, type, 2,
              const_cast<void*>(spec.base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
              promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TDIST_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r), ") for dims {",

@@ -145,6 +145,7 @@ GroupedGemm::GroupedGemm() {
               " is sm_", cc);
   runtime_ = std::make_unique<GroupedRuntime>(num_sms_);
   gather_ = std::make_unique<GatherRuntime>(num_sms_);
+  fp8_ = std::make_unique<detail::Fp8GroupedRuntime>(num_sms_);
 }
 
 GroupedGemm::~GroupedGemm() = default;

@@ -12,6 +12,7 @@ inline ncclDataType_t nccl_type(DType t) {
     case DType::kFloat32: return ncclFloat32;
     case DType::kFloat16: return ncclFloat16;
     case DType::kBFloat16: return ncclBfloat16;
+    case DType::kFloat8E4M3: break;  // not a collective type: check_dtype names it
   }
   check_dtype(t);
   return ncclFloat32;

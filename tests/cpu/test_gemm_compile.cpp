@@ -120,7 +120,7 @@ TEST(GemmTiles, ShippedTilesAreValidAndFit) {
     SCOPED_TRACE(t.name());
     const unsigned bufs = kg::gemm_epi_buffers(t.block_m, t.block_n, t.block_k, t.stages, 2);
     if (bufs == 1)
-      EXPECT_GT(kg::gemm_smem_bytes_with(t.block_m, t.block_n, t.block_k, t.stages, 2, 2), kg::kMaxSmemBytes);
+      EXPECT_GT(kg::gemm_smem_bytes_with(t.block_m, t.block_n, t.block_k, t.stages, 2, 2, 2), kg::kMaxSmemBytes);
   }
   expect_arg_error([] { tdist::check_gemm_tile({96, 256, 64, 4, 1}); }, "tile");
   expect_arg_error([] { tdist::check_gemm_tile({128, 264, 64, 4, 1}); }, "tile");
@@ -403,6 +403,31 @@ namespace {
 
 using tdist::GroupedGemmArgs;
 
+// What ptxas reports of one sm90 GEMM module: no spills, no stack, no wgmma serialisation, and, for
+// each of its `functions` kernels, registers within the register file at one CTA per SM and, with
+// two consumer warpgroups, enough for the setmaxnreg split (40 producer, 232 per consumer).
+template <typename Compiled>
+void expect_clean_ptxas_report(const Compiled& compiled, int block_m, int functions) {
+  EXPECT_EQ(compiled.spill_stores, 0);
+  EXPECT_EQ(compiled.spill_loads, 0);
+  const std::string& log = compiled.log;
+  EXPECT_EQ(log.find("C7510"), std::string::npos) << "wgmma serialised:\n" << log;
+  EXPECT_EQ(log.find("Potential Performance Loss"), std::string::npos) << log;
+  const std::regex stack(R"((\d+) bytes stack frame)");
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), stack); it != std::sregex_iterator(); ++it)
+    EXPECT_EQ((*it)[1].str(), "0") << "stack frame (local memory):\n" << log;
+  const unsigned threads = 128u * (1 + block_m / 64);
+  const std::regex used(R"(Used (\d+) registers)");
+  int seen = 0;
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), used); it != std::sregex_iterator(); ++it) {
+    ++seen;
+    const int regs = std::stoi((*it)[1]);
+    EXPECT_LE(static_cast<long>(regs) * threads, 65536L) << log;
+    if (block_m == 128) EXPECT_GE(static_cast<long>(regs) * threads, 40L * 128 + 232L * 128 * 2) << log;
+  }
+  EXPECT_EQ(seen, functions) << log;
+}
+
 GroupedGemmArgs valid_grouped() {
   GroupedGemmArgs a;
   a.a = reinterpret_cast<const void*>(0x10000);
@@ -595,7 +620,6 @@ TEST(GroupedGemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
   TempDir cache, dump;
   ASSERT_EQ(setenv("TDIST_JIT_DUMP", dump.path.c_str(), 1), 0);
   jit::KernelCache kernels(cache.path);
-  const std::regex used(R"(Used (\d+) registers)");
   for (jit::CompileRequest r : tdist::grouped_gemm_compile_requests()) {
     SCOPED_TRACE(r.file_name);
     r.arch = "sm_90a";
@@ -603,30 +627,13 @@ TEST(GroupedGemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
     const auto compiled = jit::compile(r, kernels);
     ASSERT_FALSE(compiled->cubin.empty());
     for (const auto& name : r.name_expressions) EXPECT_FALSE(compiled->lowered_name(name).empty()) << name;
-    EXPECT_EQ(compiled->spill_stores, 0);
-    EXPECT_EQ(compiled->spill_loads, 0);
-    const std::string& log = compiled->log;
-    EXPECT_EQ(log.find("C7510"), std::string::npos) << "wgmma serialised:\n" << log;
-    EXPECT_EQ(log.find("Potential Performance Loss"), std::string::npos) << log;
-    const std::regex stack(R"((\d+) bytes stack frame)");
-    for (auto it = std::sregex_iterator(log.begin(), log.end(), stack); it != std::sregex_iterator(); ++it)
-      EXPECT_EQ((*it)[1].str(), "0") << "stack frame (local memory):\n" << log;
     const std::smatch m = [&] {
       std::smatch s;
       std::regex_search(r.file_name, s, std::regex(R"(gemm_sm90_(\d+)x(\d+)x)"));
       return s;
     }();
     ASSERT_EQ(m.size(), 3u);
-    const int block_m = std::stoi(m[1].str());
-    const unsigned threads = 128u * (1 + block_m / 64);
-    int functions = 0;
-    for (auto it = std::sregex_iterator(log.begin(), log.end(), used); it != std::sregex_iterator(); ++it) {
-      ++functions;
-      const int regs = std::stoi((*it)[1]);
-      EXPECT_LE(static_cast<long>(regs) * threads, 65536L) << log;
-      if (block_m == 128) EXPECT_GE(static_cast<long>(regs) * threads, 40L * 128 + 232L * 128 * 2) << log;
-    }
-    EXPECT_EQ(functions, 2) << log;
+    expect_clean_ptxas_report(*compiled, std::stoi(m[1].str()), 2);
   }
   unsetenv("TDIST_JIT_DUMP");
   int ptx_files = 0;
@@ -647,4 +654,126 @@ TEST(GroupedGemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
     EXPECT_EQ(ptx.find("cp.async.mbarrier.arrive.noinc.shared::cta.b64") != std::string::npos, gathers);
   }
   EXPECT_EQ(ptx_files, static_cast<int>(2 * tdist::gemm_tiles().size()));
+}
+
+// ---------------- FP8 grouped GEMM ----------------
+
+namespace {
+
+using tdist::GroupedGemmFp8Args;
+
+GroupedGemmFp8Args valid_fp8() {
+  GroupedGemmFp8Args a;
+  a.a = reinterpret_cast<const void*>(0x10000);
+  a.a_scales = reinterpret_cast<const float*>(0x50004);
+  a.b = reinterpret_cast<const void*>(0x20000);
+  a.b_scales = reinterpret_cast<const float*>(0x60004);
+  a.d = reinterpret_cast<void*>(0x30000);
+  a.offsets = reinterpret_cast<const void*>(0x40004);
+  a.m = 4096;
+  a.n = 520;
+  a.k = 400;  // not a multiple of 128: the last scale block is partial
+  a.num_groups = 16;
+  return a;
+}
+
+}  // namespace
+
+TEST(GroupedGemmFp8Args, DefaultsAndAccepts) {
+  const GroupedGemmFp8Args a = tdist::check_grouped_gemm_fp8_args(valid_fp8());
+  EXPECT_EQ(a.lda, 400);
+  EXPECT_EQ(a.ldb, 400);
+  EXPECT_EQ(a.ldd, 520);
+  EXPECT_EQ(a.a_scales_row_stride, 4);  // row-major [M][ceil(400 / 128)]
+  EXPECT_EQ(a.a_scales_kb_stride, 1);
+  GroupedGemmFp8Args column_major = valid_fp8();
+  column_major.a_scales_row_stride = 1;
+  column_major.a_scales_kb_stride = 4096;
+  const GroupedGemmFp8Args c = tdist::check_grouped_gemm_fp8_args(column_major);
+  EXPECT_EQ(c.a_scales_row_stride, 1);
+  EXPECT_EQ(c.a_scales_kb_stride, 4096);
+  GroupedGemmFp8Args empty = valid_fp8();
+  empty.m = 0;
+  empty.a = nullptr;
+  empty.a_scales = nullptr;
+  EXPECT_NO_THROW(tdist::check_grouped_gemm_fp8_args(empty));
+}
+
+TEST(GroupedGemmFp8Args, ErrorsNameTheArgument) {
+  auto with = [](auto change) {
+    GroupedGemmFp8Args a = valid_fp8();
+    change(a);
+    return [a] { tdist::check_grouped_gemm_fp8_args(a); };
+  };
+  expect_arg_error(with([](auto& a) { a.num_groups = 0; }), "num_groups");
+  expect_arg_error(with([](auto& a) { a.k = 72; }), "k");  // a multiple of 8, not of 16
+  expect_arg_error(with([](auto& a) { a.m = -1; }), "m");
+  expect_arg_error(with([](auto& a) { a.lda = 408; }), "lda");
+  expect_arg_error(with([](auto& a) { a.ldb = 384; }), "ldb");
+  expect_arg_error(with([](auto& a) { a.ldd = 500; }), "ldd");
+  expect_arg_error(with([](auto& a) { a.a_scales_row_stride = -4; }), "a_scales_row_stride");
+  expect_arg_error(with([](auto& a) { a.a_scales_kb_stride = -1; }), "a_scales_kb_stride");
+  expect_arg_error(with([](auto& a) { a.a = reinterpret_cast<const void*>(0x10008); }), "a");
+  expect_arg_error(with([](auto& a) { a.b = nullptr; }), "b");
+  expect_arg_error(with([](auto& a) { a.d = reinterpret_cast<void*>(0x30002); }), "d");
+  expect_arg_error(with([](auto& a) { a.a_scales = nullptr; }), "a_scales");
+  expect_arg_error(with([](auto& a) { a.b_scales = reinterpret_cast<const float*>(0x60002); }), "b_scales");
+  expect_arg_error(with([](auto& a) { a.offsets = nullptr; }), "offsets");
+  expect_arg_error(with([](auto& a) { a.num_groups = 1 << 30; }), "num_groups");
+}
+
+TEST(Fp8GemmTiles, ShippedTilesAreValidAndChosen) {
+  for (const GemmTile& t : tdist::fp8_gemm_tiles()) {
+    SCOPED_TRACE(t.name());
+    EXPECT_NO_THROW(tdist::check_fp8_gemm_tile(t));
+    EXPECT_LE(tdist::fp8_gemm_shared_bytes(t), tdist::kernels::gemm::kMaxSmemBytes);
+  }
+  // The 128 x 128 tile: a 6-stage ring of 32 KiB operand stages and 528-byte scale stages beside one
+  // 8 KiB bf16 chunk per warpgroup (two do not fit).
+  EXPECT_EQ(tdist::fp8_gemm_shared_bytes({128, 128, 128, 6, 1}), 1024u + 6 * (32768 + 528) + 2 * 8192 + 2 * 6 * 8);
+  expect_arg_error([] { tdist::check_fp8_gemm_tile({128, 256, 128, 3, 1}); }, "tile");  // two B scales per tile
+  expect_arg_error([] { tdist::check_fp8_gemm_tile({128, 128, 64, 6, 1}); }, "tile");
+  expect_arg_error([] { tdist::check_fp8_gemm_tile({128, 128, 128, 7, 1}); }, "tile");  // shared memory
+  // Large problems take the big tile; few rows the 64-row one.
+  EXPECT_EQ(tdist::choose_fp8_gemm_tile(16384, 4096, 132).block_m, 128);
+  EXPECT_EQ(tdist::choose_fp8_gemm_tile(16384, 4096, 132).block_n, 128);
+  EXPECT_EQ(tdist::choose_fp8_gemm_tile(64, 16384, 132).block_m, 64);
+  EXPECT_NE(tdist::grouped_gemm_fp8_kernel_name({128, 128, 128, 6, 1}).find("sm90_fp8_gemm_tn<128, 128, 6, "),
+            std::string::npos);
+}
+
+// Every FP8 instance compiles for sm_90a without spills, stack or wgmma serialisation, within the
+// register split, with e4m3 wgmma of K 32, each block's group waited for before its scaling.
+TEST(GroupedGemmFp8Kernels, EveryInstanceCompilesForSm90aWithoutSpills) {
+  TempDir cache, dump;
+  ASSERT_EQ(setenv("TDIST_JIT_DUMP", dump.path.c_str(), 1), 0);
+  jit::KernelCache kernels(cache.path);
+  const auto requests = tdist::grouped_gemm_fp8_compile_requests();
+  ASSERT_EQ(requests.size(), tdist::fp8_gemm_tiles().size());
+  for (jit::CompileRequest r : requests) {
+    SCOPED_TRACE(r.file_name);
+    r.arch = "sm_90a";
+    r.compiler = jit::CompilerKind::kNvrtc;
+    const auto compiled = jit::compile(r, kernels);
+    ASSERT_FALSE(compiled->cubin.empty());
+    for (const auto& name : r.name_expressions) EXPECT_FALSE(compiled->lowered_name(name).empty()) << name;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.file_name, m, std::regex(R"(gemm_sm90_fp8_(\d+)x(\d+)x128_)")));
+    expect_clean_ptxas_report(*compiled, std::stoi(m[1].str()), 1);
+  }
+  unsetenv("TDIST_JIT_DUMP");
+  int ptx_files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dump.path)) {
+    if (e.path().extension() != ".ptx") continue;
+    ++ptx_files;
+    const std::string ptx = read(e.path());
+    SCOPED_TRACE(e.path().filename().string());
+    EXPECT_NE(ptx.find(".f32.e4m3.e4m3"), std::string::npos);
+    EXPECT_NE(ptx.find("wgmma.wait_group.sync.aligned 0;"), std::string::npos);
+    EXPECT_EQ(ptx.find("wgmma.wait_group.sync.aligned 1;"), std::string::npos);
+    EXPECT_NE(ptx.find("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"), std::string::npos);
+    EXPECT_EQ(ptx.find("st.local"), std::string::npos);
+    EXPECT_EQ(ptx.find("ld.local"), std::string::npos);
+  }
+  EXPECT_EQ(ptx_files, static_cast<int>(tdist::fp8_gemm_tiles().size()));
 }

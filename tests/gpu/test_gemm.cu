@@ -12,6 +12,7 @@
 // Single process; under tdistrun each rank tests its own GPU (LOCAL_RANK).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -208,11 +209,9 @@ struct GroupedCase {
                                 // rows -1, a third of the tokens read from a separate `local` buffer
 };
 
-template <typename T>
-Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist::GemmTile& tile, const GroupedCase& c,
-                        unsigned long long seed, cudaStream_t stream) {
-  std::vector<long long> counts(c.groups);
-  unsigned long long r = seed;
+// The case's rows per group (c.counts, or random from the generator state r) and their offsets.
+std::vector<int64_t> draw_group_offsets(const GroupedCase& c, unsigned long long& r, std::vector<long long>& counts) {
+  counts.assign(c.groups, 0);
   for (int g = 0; g < c.groups; ++g) {
     r = mix(r + 0x9E3779B97F4A7C15ull);
     counts[g] =
@@ -220,6 +219,29 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   }
   std::vector<int64_t> offsets = tdist::grouped_gemm_offsets(std::vector<int64_t>(counts.begin(), counts.end()));
   tdist::check_grouped_gemm_offsets(offsets, offsets.back());
+  return offsets;
+}
+
+// Offsets to the device as int32 or int64 (a new allocation).
+void* upload_offsets(const std::vector<int64_t>& offsets, bool int64) {
+  void* offs = nullptr;
+  TDIST_CUDA_CHECK(cudaMalloc(&offs, 8 * offsets.size()));
+  if (int64) {
+    std::vector<long long> o(offsets.begin(), offsets.end());
+    TDIST_CUDA_CHECK(cudaMemcpy(offs, o.data(), 8 * o.size(), cudaMemcpyHostToDevice));
+  } else {
+    std::vector<int> o(offsets.begin(), offsets.end());
+    TDIST_CUDA_CHECK(cudaMemcpy(offs, o.data(), 4 * o.size(), cudaMemcpyHostToDevice));
+  }
+  return offs;
+}
+
+template <typename T>
+Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist::GemmTile& tile, const GroupedCase& c,
+                        unsigned long long seed, cudaStream_t stream) {
+  std::vector<long long> counts;
+  unsigned long long r = seed;
+  const std::vector<int64_t> offsets = draw_group_offsets(c, r, counts);
   const long rows = offsets.back(), m_total = rows + c.extra_rows;
   const long lda = c.k + 8, ldb = c.k, ldd = ((c.n + 7) / 8) * 8 + 8;  // padded A and D rows
   T *a = nullptr, *b = nullptr, *d = nullptr;
@@ -234,14 +256,7 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   TDIST_CUDA_CHECK(cudaMalloc(&ref, sizeof(double) * ref_rows * c.n));
   TDIST_CUDA_CHECK(cudaMalloc(&stats, 2 * sizeof(double)));
   TDIST_CUDA_CHECK(cudaMalloc(&counters, 6 * sizeof(unsigned long long)));
-  TDIST_CUDA_CHECK(cudaMalloc(&offs, 8 * offsets.size()));
-  if (c.int64_offsets) {
-    std::vector<long long> o(offsets.begin(), offsets.end());
-    TDIST_CUDA_CHECK(cudaMemcpy(offs, o.data(), 8 * o.size(), cudaMemcpyHostToDevice));
-  } else {
-    std::vector<int> o(offsets.begin(), offsets.end());
-    TDIST_CUDA_CHECK(cudaMemcpy(offs, o.data(), 4 * o.size(), cudaMemcpyHostToDevice));
-  }
+  offs = upload_offsets(offsets, c.int64_offsets);
   const long tiles_m = rows / tile.block_m;
   if (c.reversed_order) {
     std::vector<uint32_t> o(std::max(tiles_m, 1L));
@@ -382,6 +397,152 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   return {host[0] == 0 && host[1] == 0 && host[4] == 0 && (rows == 0 || ref_max > 0), detail};
 }
 
+// ---------------- FP8 grouped GEMM ----------------
+
+// e4m3 values drawn uniform in [-range, range) and rounded (saturating) to e4m3.
+__global__ void fill_random_e4m3(__nv_fp8_e4m3* p, size_t count, unsigned long long seed, float range) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const double u = static_cast<double>(mix(seed * 0x9E3779B97F4A7C15ull + i) >> 11) * 0x1.0p-53;
+    p[i] = __nv_fp8_e4m3(static_cast<float>((2.0 * u - 1.0) * range));
+  }
+}
+
+// Positive scales spread over two binades and more: lo * [1, 6).
+__global__ void fill_scales(float* p, size_t count, unsigned long long seed, float lo) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const double u = static_cast<double>(mix(seed * 0x9E3779B97F4A7C15ull + i) >> 11) * 0x1.0p-53;
+    p[i] = lo * static_cast<float>(1.0 + 5.0 * u);
+  }
+}
+
+// ref[i][j] = sum_c (a[i][c] sa(i, c / 128)) (b[j][c] sb[j / 128][c / 128]) in float64, for the rows of
+// one group: a, sa at the group's first row, b and sb at its B_g.
+__global__ void reference_fp8(const __nv_fp8_e4m3* a, const float* sa, long sa_row, long sa_kb,
+                              const __nv_fp8_e4m3* b, const float* sb, int nb, int kb, double* ref, int m, int n, int k,
+                              long lda, long ldb) {
+  const long i = blockIdx.y, j = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x;
+  if (i >= m || j >= n) return;
+  double s = 0;
+  for (int c = 0; c < k; ++c) {
+    const double x = static_cast<double>(static_cast<float>(a[i * lda + c])) * sa[i * sa_row + (c / 128) * sa_kb];
+    const double w = static_cast<double>(static_cast<float>(b[j * ldb + c])) * sb[(j / 128) * kb + c / 128];
+    s += x * w;
+  }
+  ref[i * n + j] = s;
+}
+
+struct Fp8Case {
+  GroupedCase groups;
+  bool column_major_scales = false;  // A's scales as [KB][M_total] instead of [M_total][KB]
+};
+
+Result run_fp8_case(tdist::GroupedGemm& gg, const tdist::GemmTile& tile, const Fp8Case& fc, unsigned long long seed,
+                    cudaStream_t stream) {
+  const GroupedCase& c = fc.groups;
+  std::vector<long long> counts;
+  unsigned long long r = seed;
+  const std::vector<int64_t> offsets = draw_group_offsets(c, r, counts);
+  const long rows = offsets.back(), m_total = std::max(rows + c.extra_rows, 1L);
+  const long lda = c.k + 16, ldb = c.k, ldd = ((c.n + 7) / 8) * 8 + 8;  // padded A and D rows
+  const int kb = (c.k + 127) / 128, nb = (c.n + 127) / 128;
+  const long sa_row = fc.column_major_scales ? 1 : kb, sa_kb = fc.column_major_scales ? m_total : 1;
+  __nv_fp8_e4m3 *a = nullptr, *b = nullptr;
+  __nv_bfloat16* d = nullptr;
+  float *sa = nullptr, *sb = nullptr;
+  double *ref = nullptr, *stats = nullptr;
+  unsigned long long* counters = nullptr;
+  TDIST_CUDA_CHECK(cudaMalloc(&a, m_total * lda));
+  TDIST_CUDA_CHECK(cudaMalloc(&b, static_cast<long>(c.groups) * c.n * ldb));
+  TDIST_CUDA_CHECK(cudaMalloc(&d, sizeof(__nv_bfloat16) * m_total * ldd));
+  TDIST_CUDA_CHECK(cudaMalloc(&sa, sizeof(float) * m_total * kb));
+  TDIST_CUDA_CHECK(cudaMalloc(&sb, sizeof(float) * c.groups * nb * kb));
+  TDIST_CUDA_CHECK(cudaMalloc(&ref, sizeof(double) * std::max(rows, 1L) * c.n));
+  TDIST_CUDA_CHECK(cudaMalloc(&stats, 2 * sizeof(double)));
+  TDIST_CUDA_CHECK(cudaMalloc(&counters, 6 * sizeof(unsigned long long)));
+  void* offs = upload_offsets(offsets, c.int64_offsets);
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));  // the pageable copies have landed
+  // Values up to e4m3's range (448), scales as a quantiser would make them (amax / 448, here random).
+  fill_random_e4m3<<<264, 256, 0, stream>>>(a, static_cast<size_t>(m_total) * lda, seed, 448.f);
+  fill_random_e4m3<<<264, 256, 0, stream>>>(b, static_cast<size_t>(c.groups) * c.n * ldb, seed + 1, 448.f);
+  fill_scales<<<264, 256, 0, stream>>>(sa, static_cast<size_t>(m_total) * kb, seed + 2, 1.f / 448);
+  fill_scales<<<264, 256, 0, stream>>>(sb, static_cast<size_t>(c.groups) * nb * kb, seed + 3, 1.f / 4096);
+  const unsigned short poison = 0x7FC1;  // a NaN in bf16
+  fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(d), static_cast<size_t>(m_total) * ldd, poison);
+  TDIST_CUDA_CHECK(cudaMemsetAsync(stats, 0, 2 * sizeof(double), stream));
+  TDIST_CUDA_CHECK(cudaMemsetAsync(counters, 0, 6 * sizeof(unsigned long long), stream));
+  for (int g = 0; g < c.groups; ++g) {
+    const long r0 = offsets[g], nr = offsets[g + 1] - offsets[g];
+    if (nr == 0) continue;
+    reference_fp8<<<dim3((c.n + 127) / 128, nr), 128, 0, stream>>>(
+        a + r0 * lda, sa + r0 * sa_row, sa_row, sa_kb, b + static_cast<long>(g) * c.n * ldb,
+        sb + static_cast<long>(g) * nb * kb, nb, kb, ref + r0 * c.n, static_cast<int>(nr), c.n, c.k, lda, ldb);
+  }
+  if (rows > 0) abs_max<<<264, 256, 0, stream>>>(ref, static_cast<size_t>(rows) * c.n, stats);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+
+  tdist::GroupedGemmFp8Args args;
+  args.a = a;
+  args.a_scales = sa;
+  if (fc.column_major_scales) {
+    args.a_scales_row_stride = sa_row;
+    args.a_scales_kb_stride = sa_kb;
+  }
+  args.b = b;
+  args.b_scales = sb;
+  args.d = d;
+  args.offsets = offs;
+  args.offsets_type = c.int64_offsets ? tdist::IndexType::kInt64 : tdist::IndexType::kInt32;
+  args.m = rows + c.extra_rows;
+  args.n = c.n;
+  args.k = c.k;
+  args.num_groups = c.groups;
+  args.lda = lda;
+  args.ldb = ldb;
+  args.ldd = ldd;
+  tdist::GroupedGemmRunOptions o;
+  o.tile = tile;
+  o.group_m = c.group_m;
+  o.first_row = c.first_row;
+  o.max_ctas = c.max_ctas;
+  gg.run(args, stream, o);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+
+  double ref_max = 0;
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(&ref_max, stats, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const double tol = 1e-2;
+  if (rows > 0)
+    compare<__nv_bfloat16><<<dim3((ldd + 127) / 128, rows), 128, 0, stream>>>(
+        d, ref, static_cast<int>(rows), c.n, ldd, poison, ref_max, tol, counters, counters + 1, stats + 1, counters + 2);
+  if (c.extra_rows > 0)
+    compare<__nv_bfloat16><<<dim3((ldd + 127) / 128, c.extra_rows), 128, 0, stream>>>(
+        d + rows * ldd, ref, c.extra_rows, 0, ldd, poison, 1.0, tol, counters + 3, counters + 4, stats + 1,
+        counters + 5);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+  unsigned long long host[6];
+  double max_err = 0;
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, counters, sizeof(host), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(&max_err, stats + 1, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(d), static_cast<void*>(sa),
+                  static_cast<void*>(sb), static_cast<void*>(ref), static_cast<void*>(stats),
+                  static_cast<void*>(counters), offs})
+    TDIST_CUDA_CHECK(cudaFree(p));
+  char buf[320];
+  std::snprintf(buf, sizeof(buf),
+                "%ld rows + %d extra; max |err| / max |ref| = %.3g (max |ref| %.3g), %llu bad, %llu padding "
+                "overwritten, %llu rows-past-offsets overwritten",
+                rows, c.extra_rows, ref_max > 0 ? max_err / ref_max : max_err, ref_max, host[0], host[1], host[4]);
+  std::string detail = buf;
+  if (host[0] > 0) {
+    std::snprintf(buf, sizeof(buf), ", first bad at (%llu, %llu)", host[2] >> 32, host[2] & 0xFFFFFFFFull);
+    detail += buf;
+  }
+  return {host[0] == 0 && host[1] == 0 && host[4] == 0 && (rows == 0 || ref_max > 0), detail};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -396,6 +557,26 @@ int main(int argc, char** argv) {
     TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     tdist::Gemm gemm;
     std::printf("GEMM test on %d SMs\n", gemm.num_sms());
+    // Runs one case (body returns its Result), prints PASS/FAIL with its time; false when a failure
+    // left the CUDA context broken (the run must stop).
+    auto check = [&](const char* name, auto&& body) {
+      const auto start = std::chrono::steady_clock::now();
+      Result r{false, ""};
+      try {
+        r = body();
+      } catch (const std::exception& e) {
+        r = {false, e.what()};
+      }
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      std::printf("%s %s: %s (%.0f ms)\n", r.ok ? "PASS" : "FAIL", name, r.detail.c_str(), ms);
+      std::fflush(stdout);
+      (r.ok ? passed : failed)++;
+      if (!r.ok && cudaDeviceSynchronize() != cudaSuccess) {
+        std::printf("FAIL: the CUDA context is broken (sticky error); stopping\n");
+        return false;
+      }
+      return true;
+    };
     std::vector<Case> cases = {
         {128, 256, 64},                          // one tile, one K block
         {1, 8, 8},                               // smallest: one row, K inside one block
@@ -419,22 +600,12 @@ int main(int argc, char** argv) {
           std::snprintf(name, sizeof(name), "%s %s m=%d n=%d k=%d pads=%d/%d/%d group=%d first_row=%ld ctas=%d",
                         tdist::to_string(dtype), tile.name().c_str(), c.m, c.n, c.k, c.pad_a, c.pad_b, c.pad_d,
                         c.group_m, c.first_row, c.max_ctas);
-          const auto start = std::chrono::steady_clock::now();
-          Result r{false, ""};
-          try {
-            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-            r = dtype == tdist::DType::kBFloat16 ? run_case<__nv_bfloat16>(gemm, dtype, tile, c, seed, stream)
-                                                 : run_case<__half>(gemm, dtype, tile, c, seed, stream);
-          } catch (const std::exception& e) {
-            r = {false, e.what()};
-          }
-          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-          std::printf("%s %s: %s (%.0f ms)\n", r.ok ? "PASS" : "FAIL", name, r.detail.c_str(), ms);
-          std::fflush(stdout);
-          (r.ok ? passed : failed)++;
-          if (!r.ok && cudaDeviceSynchronize() != cudaSuccess) {
-            std::printf("FAIL: the CUDA context is broken (sticky error); stopping\n");
-            std::printf("%d passed, %d failed\n", passed, failed + 1);
+          seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+          if (!check(name, [&] {
+                return dtype == tdist::DType::kBFloat16 ? run_case<__nv_bfloat16>(gemm, dtype, tile, c, seed, stream)
+                                                        : run_case<__half>(gemm, dtype, tile, c, seed, stream);
+              })) {
+            std::printf("%d passed, %d failed\n", passed, failed);
             return 1;
           }
         }
@@ -468,25 +639,36 @@ int main(int argc, char** argv) {
           char name[240];
           std::snprintf(name, sizeof(name), "grouped%s %s %s G=%d n=%d k=%d (%s)", c.gather ? " gathered-A" : "",
                         tdist::to_string(dtype), tile.name().c_str(), c.groups, c.n, c.k, c.what);
-          const auto start = std::chrono::steady_clock::now();
-          Result r{false, ""};
-          try {
-            seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-            r = dtype == tdist::DType::kBFloat16
-                    ? run_grouped_case<__nv_bfloat16>(grouped, dtype, tile, c, seed, stream)
-                    : run_grouped_case<__half>(grouped, dtype, tile, c, seed, stream);
-          } catch (const std::exception& e) {
-            r = {false, e.what()};
-          }
-          const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-          std::printf("%s %s: %s (%.0f ms)\n", r.ok ? "PASS" : "FAIL", name, r.detail.c_str(), ms);
-          std::fflush(stdout);
-          (r.ok ? passed : failed)++;
-          if (!r.ok && cudaDeviceSynchronize() != cudaSuccess) {
-            std::printf("FAIL: the CUDA context is broken (sticky error); stopping\n");
-            std::printf("%d passed, %d failed\n", passed, failed + 1);
+          seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+          if (!check(name, [&] {
+                return dtype == tdist::DType::kBFloat16
+                           ? run_grouped_case<__nv_bfloat16>(grouped, dtype, tile, c, seed, stream)
+                           : run_grouped_case<__half>(grouped, dtype, tile, c, seed, stream);
+              })) {
+            std::printf("%d passed, %d failed\n", passed, failed);
             return 1;
           }
+        }
+      }
+    }
+    // The FP8 grouped GEMM (e4m3, block scales, bf16 out), every FP8 tile.
+    std::vector<Fp8Case> fcases = {
+        {{"random groups, a third empty", 8, 512, 1024}},
+        {{"a single group, N no multiple of 8, K no multiple of 128", 1, 200, 400, {1000}}, true},
+        {{"many small groups, int64 offsets, rows past offsets[G]", 40, 384, 256, {}, 150, 77, true}},
+        {{"rotated start, groups of 3, 3 CTAs (the ring wraps)", 12, 1032, 2048, {}, 500, 0, false, 900, 3, 3}, true},
+        {{"every group empty", 5, 128, 128, std::vector<int>(5, 0), 0, 130}},
+    };
+    if (small) fcases = {fcases[0], fcases[1]};
+    for (const tdist::GemmTile& tile : tdist::fp8_gemm_tiles()) {
+      for (const Fp8Case& c : fcases) {
+        char name[240];
+        std::snprintf(name, sizeof(name), "grouped e4m3 %s G=%d n=%d k=%d%s (%s)", tile.name().c_str(), c.groups.groups,
+                      c.groups.n, c.groups.k, c.column_major_scales ? " column-major scales" : "", c.groups.what);
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        if (!check(name, [&] { return run_fp8_case(grouped, tile, c, seed, stream); })) {
+          std::printf("%d passed, %d failed\n", passed, failed);
+          return 1;
         }
       }
     }

@@ -1,6 +1,7 @@
 // tdist::GroupedGemm: the m-grouped GEMM of MoE layers on Hopper (sm_90a): G groups (experts), group
 // g multiplies its rows of A by its own weight B_g. bf16 or fp16 inputs, fp32 accumulation, output in
-// the input type. docs/gemm.md ("Grouped GEMM").
+// the input type; or e4m3 inputs with block scales and bf16 output (GroupedGemmFp8Args, below).
+// docs/gemm.md ("Grouped GEMM", "FP8").
 //
 // Layout ("m-grouped contiguous"; kernels/gemm/grouped_scheduler.cuh):
 //   A        M_total x K row-major (lda >= K): every group's rows, group after group
@@ -36,6 +37,7 @@ namespace tdist {
 namespace detail {
 template <typename Scheduler, typename Params>
 class GemmRuntime;
+class Fp8GroupedRuntime;
 }  // namespace detail
 
 enum class IndexType { kInt32, kInt64 };
@@ -96,6 +98,47 @@ void check_grouped_gemm_offsets(const std::vector<int64_t>& offsets, int64_t m_t
 std::vector<jit::CompileRequest> grouped_gemm_compile_requests();
 std::string grouped_gemm_kernel_name(DType dtype, const GemmTile& tile, bool gathered_a = false);
 
+// ---- FP8 (e4m3 in, bf16 out) with block scales: kernels/gemm/sm90_fp8_gemm.cuh ----
+//
+// The same m-grouped contiguous layout and offsets as above, with e4m3 operands and fp32 scales in
+// DeepSeek-V3's blocks (KB = ceil(K / 128), NB = ceil(N / 128)):
+//   A         e4m3 M_total x K row-major (lda >= K, a multiple of 16)
+//   a_scales  f32: A's scale of row r and K block kb at a_scales[r * a_scales_row_stride + kb *
+//             a_scales_kb_stride]; both strides 0: row-major [M_total][KB] (strides KB, 1). Rows of
+//             A are tokens, so one scale per token and 128 channels (1 x 128 blocks).
+//   B         e4m3 G x N x K (ldb >= K, a multiple of 16)
+//   b_scales  f32 [G][NB][KB]: one scale per 128 x 128 block of each B_g
+//   D         bf16 M_total x N (ldd >= N, a multiple of 8)
+// Value of A[r][c] = A[r][c] x a_scale(r, c / 128); of B_g[j][c] = B_g[j][c] x b_scales[g][j / 128][c / 128].
+// K is a multiple of 16 (not necessarily of 128).
+struct GroupedGemmFp8Args {
+  const void* a = nullptr;
+  const float* a_scales = nullptr;
+  int64_t a_scales_row_stride = 0, a_scales_kb_stride = 0;
+  const void* b = nullptr;
+  const float* b_scales = nullptr;
+  void* d = nullptr;
+  const void* offsets = nullptr;  // device memory, num_groups + 1 entries (rules above)
+  IndexType offsets_type = IndexType::kInt32;
+  int64_t m = 0, n = 0, k = 0;
+  int num_groups = 0;
+  int64_t lda = 0, ldb = 0, ldd = 0;  // 0: dense (K, K, N)
+};
+
+// Checks the arguments and returns them with the leading dimensions and scale strides filled in.
+// Throws tdist::Error naming the argument: num_groups, m, n, k (> 0, multiple of 16), lda, ldb, ldd,
+// a_scales_row_stride / a_scales_kb_stride (>= 0), a, b, d (null, 16-byte alignment), a_scales,
+// b_scales (null, 4-byte alignment), offsets.
+GroupedGemmFp8Args check_grouped_gemm_fp8_args(const GroupedGemmFp8Args& args);
+// The FP8 instances' tiles (block_k 128: one scale block per stage), the check of one, its shared
+// memory, the heuristic choice (as choose_gemm_tile), names and JIT requests (tdist-compile).
+const std::vector<GemmTile>& fp8_gemm_tiles();
+void check_fp8_gemm_tile(const GemmTile& tile);
+size_t fp8_gemm_shared_bytes(const GemmTile& tile);
+GemmTile choose_fp8_gemm_tile(int64_t m, int64_t n, int num_sms);
+std::string grouped_gemm_fp8_kernel_name(const GemmTile& tile);
+std::vector<jit::CompileRequest> grouped_gemm_fp8_compile_requests();
+
 class GroupedGemm {
  public:
   // Reads the current device's SM count (a Hopper GPU); compiles nothing yet.
@@ -108,14 +151,20 @@ class GroupedGemm {
   // is loaded (the first call of a tile compiles or loads it). M_total == 0 or N == 0 is a no-op.
   void run(const GroupedGemmArgs& args, cudaStream_t stream, const GroupedGemmRunOptions& options = {});
 
+  // The FP8 instance: D (bf16) = A x B_g^T over the scaled e4m3 values, per group. options.tile, if
+  // given, is one that check_fp8_gemm_tile accepts; m_tile_order / m_tile_count as above.
+  void run(const GroupedGemmFp8Args& args, cudaStream_t stream, const GroupedGemmRunOptions& options = {});
+
   // The tile run() uses for these args and options.
   GemmTile tile_for(const GroupedGemmArgs& args, const GroupedGemmRunOptions& options = {}) const;
+  GemmTile tile_for(const GroupedGemmFp8Args& args, const GroupedGemmRunOptions& options = {}) const;
   int num_sms() const { return num_sms_; }
 
  private:
   int num_sms_ = 0;
   std::unique_ptr<detail::GemmRuntime<kernels::gemm::GroupedScheduler, kernels::gemm::NoTileHooks>> runtime_;
   std::unique_ptr<detail::GemmRuntime<kernels::gemm::GatherGroupedScheduler, kernels::gemm::NoTileHooks>> gather_;
+  std::unique_ptr<detail::Fp8GroupedRuntime> fp8_;
 };
 
 }  // namespace tdist

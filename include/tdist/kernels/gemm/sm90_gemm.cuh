@@ -192,6 +192,105 @@ TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks, const 
   ptx::cp_async_wait_all();  // no copy outlives its thread
 }
 
+// The epilogue of one tile, by one consumer warpgroup (`math_wg`, rows [64 math_wg, +64) of the
+// tile; see the top of this file): its fp32 accumulators -> T, EPI_N columns at a time through its
+// rotating shared chunk buffers (`chunks`; `epi_iter` counts the warpgroup's chunks), TMA stores,
+// and plain stores for the last N % 8 columns. Shared by the bf16 and the FP8 kernels.
+//
+// wgmma m64nNk16 (and m64nNk32) accumulator layout: thread (warp w, lane l) holds, for each 8-column
+// group j, acc[4j], acc[4j+1] at row 16w + l/4, columns 8j + 2(l%4) + {0, 1}, and acc[4j+2],
+// acc[4j+3] at row 16w + l/4 + 8, same columns: an 8x8 matrix (j, h) per register pair, as
+// stmatrix takes it. One stmatrix.x4 stores the 16 x 16 block of column groups jj, jj + 1:
+// matrix i = (group jj + i / 2, row half i % 2), and lane l gives the address of row l % 8 of
+// matrix l / 8.
+template <typename T, int BLOCK_N, u32 kEpiBuffers>
+TDIST_DEVICE void store_tile_d(const float (&acc)[BLOCK_N / 2], const TileInfo& info, u32 math_wg, u32 chunks,
+                               u32& epi_iter, const CUtensorMap& tmap_d, T* d, u64 ldd, u32 m, u32 n) {
+  // Chunks (config.cuh): 64 rows x kEpiN columns, rows of kEpiRowBytes swizzled in 16-byte units with
+  // the 128-byte row index (TMA's SWIZZLE_<kEpiRowBytes>B pattern).
+  constexpr int kEpiN = static_cast<int>(gemm_epi_cols(BLOCK_N));
+  constexpr u32 kEpiRowBytes = kEpiN * sizeof(T);
+  constexpr u32 kEpiSwizzleMask = kEpiRowBytes / 16 - 1;
+  constexpr u32 kEpiChunkBytes = gemm_epi_chunk_bytes(BLOCK_N, sizeof(T));
+  constexpr int kEpiChunks = BLOCK_N / kEpiN;
+  static_assert(kEpiBuffers == 1 || kEpiBuffers == 2, "one or two epilogue chunk buffers");
+  const u32 lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x / 32) % 4;
+  const bool store_issuer = threadIdx.x % kWarpgroupThreads == 0;  // issues this warpgroup's D stores
+  const u32 wg_barrier = 2 + math_wg;                              // named barrier of the warpgroup
+  const u32 n_tma = n & ~7u;  // columns the D tensor map covers (whole 16-byte units)
+  const u32 st_row = warp_in_wg * 16 + ((lane / 8) % 2) * 8 + lane % 8;  // row in the warpgroup's 64
+  const u32 st_group = lane / 16;                                        // + jj: 16-byte unit in the row
+  const u32 d_row = info.m0 + math_wg * kWgmmaM;
+#pragma unroll
+  for (int c = 0; c < kEpiChunks; ++c, ++epi_iter) {
+    const u32 buf = chunks + (epi_iter % kEpiBuffers) * kEpiChunkBytes;
+    // The store that last read this buffer (kEpiBuffers chunks ago) has finished reading it.
+    if (store_issuer) ptx::bulk_wait_group_read<kEpiBuffers - 1>();
+    ptx::named_barrier(wg_barrier, kWarpgroupThreads);
+#pragma unroll
+    for (int jj = 0; jj < kEpiN / 8; jj += 2) {
+      const int j = c * (kEpiN / 8) + jj;  // 8-column group of the tile
+      const u32 off = st_row * kEpiRowBytes + (st_group + jj) * 16;
+      const u32 swizzled = off ^ (((off >> 7) & kEpiSwizzleMask) << 4);
+      ptx::stmatrix_x4(buf + swizzled, pack2<T>(acc[4 * j], acc[4 * j + 1]), pack2<T>(acc[4 * j + 2], acc[4 * j + 3]),
+                       pack2<T>(acc[4 * j + 4], acc[4 * j + 5]), pack2<T>(acc[4 * j + 6], acc[4 * j + 7]));
+    }
+    ptx::fence_proxy_async_shared();  // this thread's stmatrix before the TMA store's reads
+    ptx::named_barrier(wg_barrier, kWarpgroupThreads);
+    const u32 col0 = info.n0 + c * kEpiN;
+    if (store_issuer) {
+      // tmap_d ends at n_tma (N rounded down to 16 bytes): TMA stores clip whole 16-byte units, so
+      // a box reaching past an unaligned N would write up to 7 columns of the padding. Rows >= M
+      // and boxes past n_tma are clipped; a chunk wholly past it commits an empty group.
+      if (col0 < n_tma) ptx::tma_store_2d(&tmap_d, buf, static_cast<int>(col0), static_cast<int>(d_row));
+      ptx::bulk_commit_group();
+    }
+    if (col0 + kEpiN > n_tma && col0 < n) {
+      // Columns [max(col0, n_tma), n) of this chunk (at most 7 per row): plain stores from the
+      // staged chunk, by the warpgroup's threads.
+      const u32 first = col0 > n_tma ? col0 : n_tma, last = col0 + kEpiN < n ? col0 + kEpiN : n;
+      const u32 width = last - first;
+      for (u32 e = threadIdx.x % kWarpgroupThreads; e < kWgmmaM * width; e += kWarpgroupThreads) {
+        const u32 r = e / width, col = first + e % width;
+        if (d_row + r >= m) continue;
+        const u32 off = r * kEpiRowBytes + (col - col0) * static_cast<u32>(sizeof(T));
+        const unsigned short v = ptx::ld_shared_u16(buf + (off ^ (((off >> 7) & kEpiSwizzleMask) << 4)));
+        *reinterpret_cast<unsigned short*>(d + static_cast<u64>(d_row + r) * ldd + col) = v;
+      }
+    }
+  }
+}
+
+// The TMA producer (one thread): per tile, before_loads of the hooks, then per K block a wait for the
+// stage to be empty, its full barrier armed with the stage's bytes, and the TMA loads of A (box
+// BLOCK_K x BLOCK_M at (k0, m0)) and B (BLOCK_K x BLOCK_N at (k0, b_row)). Shared by the bf16 and the
+// FP8 kernels (BLOCK_K in elements of the operands' type).
+template <int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, typename Scheduler, typename Hooks>
+TDIST_DEVICE void tma_producer(const Scheduler& tiles, Hooks& hooks, const TmaPipeline<kNumStages>& pipe,
+                               const CUtensorMap& tmap_a, const CUtensorMap& tmap_b, u32 smem_a, u32 smem_b,
+                               u32 tile_a_bytes, u32 tile_b_bytes, u32 num_k_blocks, u32 m, u32 n) {
+  using Profile = HooksProfile<Hooks>;
+  PipelineState<kNumStages> st;  // running count of K blocks
+  for (u32 t = blockIdx.x; t < tiles.num_tiles(); t += gridDim.x) {
+    const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
+    if constexpr (Profile::kEnabled)
+      tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileBegin, t);
+    hooks.before_loads(info);
+    ptx::fence_proxy_async_global();  // what the hook waited for is visible to the TMA loads
+    const int m0 = static_cast<int>(info.m0), b_row = static_cast<int>(info.b_row);
+    for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
+      const u32 s = st.stage();
+      pipe.producer_acquire(st);  // the first pass finds every stage empty
+      const u32 full = pipe.producer_commit(st, tile_a_bytes + tile_b_bytes);
+      const int k0 = static_cast<int>(kb * BLOCK_K);
+      ptx::tma_load_2d(smem_a + s * tile_a_bytes, &tmap_a, full, k0, m0);
+      ptx::tma_load_2d(smem_b + s * tile_b_bytes, &tmap_b, full, k0, b_row);
+    }
+    if constexpr (Profile::kEnabled)
+      tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileEnd, t);
+  }
+}
+
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, int kClusterM,
           typename Hooks = NoTileHooks, typename Scheduler = TileScheduler>
 __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
@@ -212,19 +311,11 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   constexpr u32 kNumMathWarps = kNumMathThreads / 32;
   constexpr u32 kTileABytes = BLOCK_M * BLOCK_K * sizeof(T);
   constexpr u32 kTileBBytes = BLOCK_N * BLOCK_K * sizeof(T);
-  constexpr u32 kStageBytes = kTileABytes + kTileBBytes;
   constexpr int kAccum = BLOCK_N / 2;
-  // Epilogue chunks (config.cuh): 64 rows x kEpiN columns, rows of kEpiRowBytes swizzled in 16-byte
-  // units with the 128-byte row index (TMA's SWIZZLE_<kEpiRowBytes>B pattern).
-  constexpr int kEpiN = static_cast<int>(gemm_epi_cols(BLOCK_N));
-  constexpr u32 kEpiRowBytes = kEpiN * sizeof(T);
-  constexpr u32 kEpiSwizzleMask = kEpiRowBytes / 16 - 1;
   constexpr u32 kEpiChunkBytes = gemm_epi_chunk_bytes(BLOCK_N, sizeof(T));
   constexpr u32 kEpiBuffers = gemm_epi_buffers(BLOCK_M, BLOCK_N, BLOCK_K, kNumStages, sizeof(T));
-  constexpr int kEpiChunks = BLOCK_N / kEpiN;
   constexpr bool kStoredTileBeforeHook = HooksNeedStoredTile<Hooks>::value;
   constexpr bool kGatherA = SchedulerGathersA<Scheduler>::value;
-  static_assert(kEpiBuffers == 1 || kEpiBuffers == 2, "one or two epilogue chunk buffers");
   using Regs = RegisterSplit<kNumMathWarpgroups>;
   using Mma = Wgmma<T, BLOCK_N>;
   using Profile = HooksProfile<Hooks>;
@@ -262,25 +353,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
       gather_a_producer<T, BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_b, smem_a, smem_b, kTileBBytes,
                                                          num_k_blocks, m, n, k);
     } else if (threadIdx.x == 0) {
-      PipeState st;  // running count of K blocks
-      for (u32 t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
-        if constexpr (Profile::kEnabled)
-          tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileBegin, t);
-        hooks.before_loads(info);
-        ptx::fence_proxy_async_global();  // what the hook waited for is visible to the TMA loads
-        const int m0 = static_cast<int>(info.m0), b_row = static_cast<int>(info.b_row);
-        for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
-          const u32 s = st.stage();
-          pipe.producer_acquire(st);  // the first pass finds every stage empty
-          const u32 full = pipe.producer_commit(st, kStageBytes);
-          const int k0 = static_cast<int>(kb * BLOCK_K);
-          ptx::tma_load_2d(smem_a + s * kTileABytes, &tmap_a, full, k0, m0);
-          ptx::tma_load_2d(smem_b + s * kTileBBytes, &tmap_b, full, k0, b_row);
-        }
-        if constexpr (Profile::kEnabled)
-          tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileEnd, t);
-      }
+      tma_producer<BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_a, tmap_b, smem_a, smem_b,
+                                                          kTileABytes, kTileBBytes, num_k_blocks, m, n);
     }
     return;
   }
@@ -289,10 +363,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   if constexpr (Regs::kEnabled) ptx::setmaxnreg_inc<Regs::kConsumer>();
   const u32 math_wg = warpgroup - 1;                        // rows [64 * math_wg, +64) of the tile
   const u32 math_thread = threadIdx.x - kWarpgroupThreads;  // 0 .. kNumMathThreads
-  const u32 warp_in_wg = (threadIdx.x / 32) % 4;
   const bool store_issuer = threadIdx.x % kWarpgroupThreads == 0;  // issues this warpgroup's D stores
-  const u32 n_tma = n & ~7u;           // columns the D tensor map covers (whole 16-byte units)
-  const u32 wg_barrier = 2 + math_wg;  // named barrier of this warpgroup (1: all consumers)
   const u32 my_chunks = smem_d + math_wg * kEpiBuffers * kEpiChunkBytes;
   float acc[kAccum];
 
@@ -333,53 +404,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     // The tile's last block (st.previous(): the loop has counted it) is done with its stage.
     if (lane == 0) pipe.consumer_release(st.previous());
 
-    // Epilogue. wgmma m64nNk16 accumulator layout: thread (warp w, lane l) holds, for each 8-column
-    // group j, acc[4j], acc[4j+1] at row 16w + l/4, columns 8j + 2(l%4) + {0, 1}, and acc[4j+2],
-    // acc[4j+3] at row 16w + l/4 + 8, same columns: an 8x8 matrix (j, h) per register pair, as
-    // stmatrix takes it. One stmatrix.x4 stores the 16 x 16 block of column groups jj, jj + 1:
-    // matrix i = (group jj + i / 2, row half i % 2), and lane l gives the address of row l % 8 of
-    // matrix l / 8.
-    const u32 st_row = warp_in_wg * 16 + ((lane / 8) % 2) * 8 + lane % 8;  // row in the warpgroup's 64
-    const u32 st_group = lane / 16;                                        // + jj: 16-byte unit in the row
-    const u32 d_row = info.m0 + math_wg * kWgmmaM;
-#pragma unroll
-    for (int c = 0; c < kEpiChunks; ++c, ++epi_iter) {
-      const u32 buf = my_chunks + (epi_iter % kEpiBuffers) * kEpiChunkBytes;
-      // The store that last read this buffer (kEpiBuffers chunks ago) has finished reading it.
-      if (store_issuer) ptx::bulk_wait_group_read<kEpiBuffers - 1>();
-      ptx::named_barrier(wg_barrier, kWarpgroupThreads);
-#pragma unroll
-      for (int jj = 0; jj < kEpiN / 8; jj += 2) {
-        const int j = c * (kEpiN / 8) + jj;  // 8-column group of the tile
-        const u32 off = st_row * kEpiRowBytes + (st_group + jj) * 16;
-        const u32 swizzled = off ^ (((off >> 7) & kEpiSwizzleMask) << 4);
-        ptx::stmatrix_x4(buf + swizzled, pack2<T>(acc[4 * j], acc[4 * j + 1]), pack2<T>(acc[4 * j + 2], acc[4 * j + 3]),
-                         pack2<T>(acc[4 * j + 4], acc[4 * j + 5]), pack2<T>(acc[4 * j + 6], acc[4 * j + 7]));
-      }
-      ptx::fence_proxy_async_shared();  // this thread's stmatrix before the TMA store's reads
-      ptx::named_barrier(wg_barrier, kWarpgroupThreads);
-      const u32 col0 = info.n0 + c * kEpiN;
-      if (store_issuer) {
-        // tmap_d ends at n_tma (N rounded down to 16 bytes): TMA stores clip whole 16-byte units, so
-        // a box reaching past an unaligned N would write up to 7 columns of the padding. Rows >= M
-        // and boxes past n_tma are clipped; a chunk wholly past it commits an empty group.
-        if (col0 < n_tma) ptx::tma_store_2d(&tmap_d, buf, static_cast<int>(col0), static_cast<int>(d_row));
-        ptx::bulk_commit_group();
-      }
-      if (col0 + kEpiN > n_tma && col0 < n) {
-        // Columns [max(col0, n_tma), n) of this chunk (at most 7 per row): plain stores from the
-        // staged chunk, by the warpgroup's threads.
-        const u32 first = col0 > n_tma ? col0 : n_tma, last = col0 + kEpiN < n ? col0 + kEpiN : n;
-        const u32 width = last - first;
-        for (u32 e = threadIdx.x % kWarpgroupThreads; e < kWgmmaM * width; e += kWarpgroupThreads) {
-          const u32 r = e / width, col = first + e % width;
-          if (d_row + r >= m) continue;
-          const u32 off = r * kEpiRowBytes + (col - col0) * static_cast<u32>(sizeof(T));
-          const unsigned short v = ptx::ld_shared_u16(buf + (off ^ (((off >> 7) & kEpiSwizzleMask) << 4)));
-          *reinterpret_cast<unsigned short*>(d + static_cast<u64>(d_row + r) * ldd + col) = v;
-        }
-      }
-    }
+    store_tile_d<T, BLOCK_N, kEpiBuffers>(acc, info, math_wg, my_chunks, epi_iter, tmap_d, d, ldd, m, n);
     if constexpr (kStoredTileBeforeHook) {
       // after_store needs the tile in global memory: wait for the writes themselves, and order them
       // (async proxy) before this thread's later generic accesses; the barrier passes it on.

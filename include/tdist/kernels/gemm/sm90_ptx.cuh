@@ -114,6 +114,11 @@ TDIST_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.s
 TDIST_DEVICE void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// 4 bytes global -> shared (the FP8 GEMM's scales); `src_bytes` 0 writes zeros and reads nothing.
+// .ca: the only cache mode of copies smaller than 16 bytes.
+TDIST_DEVICE void cp_async_4(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 // One arrive on `bar` once every cp.async this thread issued before has landed; .noinc: the arrive
 // counts against the barrier's expected arrivals (init counts each such thread).
 TDIST_DEVICE void cp_async_mbar_arrive_noinc(u32 bar) {
@@ -130,6 +135,11 @@ TDIST_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "m
 TDIST_DEVICE unsigned short ld_shared_u16(u32 addr) {
   unsigned short v;
   asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
+  return v;
+}
+TDIST_DEVICE float ld_shared_f32(u32 addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
   return v;
 }
 TDIST_DEVICE void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
@@ -173,6 +183,10 @@ TDIST_DEVICE void setmaxnreg_dec() {
 // Barrier among `count` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is __syncthreads).
 TDIST_DEVICE void named_barrier(u32 id, u32 count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+// Arrives on named barrier `id` (of `count` threads, arrivals and syncs together) without waiting.
+TDIST_DEVICE void named_barrier_arrive(u32 id, u32 count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
 }  // namespace tdist::kernels::gemm::ptx

@@ -2,22 +2,25 @@
 // clang-format off
 //
 // Wgmma<T, N>::mma(desc_a, desc_b, d, accumulate): one warpgroup-wide
-// wgmma.mma_async.sync.aligned.m64n<N>k16.f32.<T>.<T>, A and B both read from shared memory through
-// matrix descriptors, both K-major (no transpose), fp32 accumulators d[N / 2] per thread. With
-// accumulate false, d is overwritten (scale-d = 0). The caller brackets it with wgmma.fence /
-// commit_group / wait_group.
+// wgmma.mma_async.sync.aligned.m64n<N>k<K>.f32.<T>.<T>, A and B both read from shared memory through
+// matrix descriptors, both K-major (no transpose), fp32 accumulators d[N / 2] per thread. K = 16
+// for bf16 and fp16, 32 for e4m3 (Wgmma<T, N>::kK). With accumulate false, d is overwritten
+// (scale-d = 0). The caller brackets it with wgmma.fence / commit_group / wait_group.
 #pragma once
+
+#include <cuda_fp8.h>
 
 #include "tdist/device/common.cuh"
 
 namespace tdist::kernels::gemm {
 
 template <typename T, int N>
-struct Wgmma;  // defined for N = 16, 32, ..., 256 and T = __nv_bfloat16, __half
+struct Wgmma;  // defined for N = 16, 32, ..., 256 and T = __nv_bfloat16, __half, __nv_fp8_e4m3
 
 template <>
 struct Wgmma<__nv_bfloat16, 16> {
   static constexpr int kAccum = 8;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[8], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
@@ -33,6 +36,7 @@ struct Wgmma<__nv_bfloat16, 16> {
 template <>
 struct Wgmma<__half, 16> {
   static constexpr int kAccum = 8;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[8], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
@@ -46,8 +50,25 @@ struct Wgmma<__half, 16> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 16> {
+  static constexpr int kAccum = 8;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[8], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7"
+        "}, %8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 32> {
   static constexpr int kAccum = 16;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[16], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
@@ -64,6 +85,7 @@ struct Wgmma<__nv_bfloat16, 32> {
 template <>
 struct Wgmma<__half, 32> {
   static constexpr int kAccum = 16;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[16], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
@@ -78,8 +100,26 @@ struct Wgmma<__half, 32> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 32> {
+  static constexpr int kAccum = 16;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[16], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 48> {
   static constexpr int kAccum = 24;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[24], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
@@ -98,6 +138,7 @@ struct Wgmma<__nv_bfloat16, 48> {
 template <>
 struct Wgmma<__half, 48> {
   static constexpr int kAccum = 24;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[24], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
@@ -114,8 +155,28 @@ struct Wgmma<__half, 48> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 48> {
+  static constexpr int kAccum = 24;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[24], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %26, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n48k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23"
+        "}, %24, %25, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 64> {
   static constexpr int kAccum = 32;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[32], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -135,6 +196,7 @@ struct Wgmma<__nv_bfloat16, 64> {
 template <>
 struct Wgmma<__half, 64> {
   static constexpr int kAccum = 32;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[32], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -152,8 +214,29 @@ struct Wgmma<__half, 64> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 64> {
+  static constexpr int kAccum = 32;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[32], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 80> {
   static constexpr int kAccum = 40;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[40], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
@@ -175,6 +258,7 @@ struct Wgmma<__nv_bfloat16, 80> {
 template <>
 struct Wgmma<__half, 80> {
   static constexpr int kAccum = 40;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[40], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
@@ -194,8 +278,31 @@ struct Wgmma<__half, 80> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 80> {
+  static constexpr int kAccum = 40;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[40], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39"
+        "}, %40, %41, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 96> {
   static constexpr int kAccum = 48;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[48], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
@@ -218,6 +325,7 @@ struct Wgmma<__nv_bfloat16, 96> {
 template <>
 struct Wgmma<__half, 96> {
   static constexpr int kAccum = 48;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[48], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
@@ -238,8 +346,32 @@ struct Wgmma<__half, 96> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 96> {
+  static constexpr int kAccum = 48;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[48], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+        "}, %48, %49, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 112> {
   static constexpr int kAccum = 56;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[56], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %58, 0;\n"
@@ -264,6 +396,7 @@ struct Wgmma<__nv_bfloat16, 112> {
 template <>
 struct Wgmma<__half, 112> {
   static constexpr int kAccum = 56;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[56], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %58, 0;\n"
@@ -286,8 +419,34 @@ struct Wgmma<__half, 112> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 112> {
+  static constexpr int kAccum = 56;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[56], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %58, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n112k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55"
+        "}, %56, %57, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 128> {
   static constexpr int kAccum = 64;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[64], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -313,6 +472,7 @@ struct Wgmma<__nv_bfloat16, 128> {
 template <>
 struct Wgmma<__half, 128> {
   static constexpr int kAccum = 64;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[64], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -336,8 +496,35 @@ struct Wgmma<__half, 128> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 128> {
+  static constexpr int kAccum = 64;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[64], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 144> {
   static constexpr int kAccum = 72;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[72], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"
@@ -365,6 +552,7 @@ struct Wgmma<__nv_bfloat16, 144> {
 template <>
 struct Wgmma<__half, 144> {
   static constexpr int kAccum = 72;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[72], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"
@@ -390,8 +578,37 @@ struct Wgmma<__half, 144> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 144> {
+  static constexpr int kAccum = 72;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[72], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n144k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71"
+        "}, %72, %73, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 160> {
   static constexpr int kAccum = 80;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[80], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
@@ -420,6 +637,7 @@ struct Wgmma<__nv_bfloat16, 160> {
 template <>
 struct Wgmma<__half, 160> {
   static constexpr int kAccum = 80;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[80], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
@@ -446,8 +664,38 @@ struct Wgmma<__half, 160> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 160> {
+  static constexpr int kAccum = 80;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[80], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %82, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n160k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
+        "}, %80, %81, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 176> {
   static constexpr int kAccum = 88;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[88], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
@@ -478,6 +726,7 @@ struct Wgmma<__nv_bfloat16, 176> {
 template <>
 struct Wgmma<__half, 176> {
   static constexpr int kAccum = 88;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[88], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
@@ -506,8 +755,40 @@ struct Wgmma<__half, 176> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 176> {
+  static constexpr int kAccum = 88;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[88], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %90, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n176k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87"
+        "}, %88, %89, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 192> {
   static constexpr int kAccum = 96;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[96], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
@@ -539,6 +820,7 @@ struct Wgmma<__nv_bfloat16, 192> {
 template <>
 struct Wgmma<__half, 192> {
   static constexpr int kAccum = 96;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[96], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
@@ -568,8 +850,41 @@ struct Wgmma<__half, 192> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 192> {
+  static constexpr int kAccum = 96;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[96], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+        "}, %96, %97, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 208> {
   static constexpr int kAccum = 104;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[104], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %106, 0;\n"
@@ -603,6 +918,7 @@ struct Wgmma<__nv_bfloat16, 208> {
 template <>
 struct Wgmma<__half, 208> {
   static constexpr int kAccum = 104;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[104], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %106, 0;\n"
@@ -634,8 +950,43 @@ struct Wgmma<__half, 208> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 208> {
+  static constexpr int kAccum = 104;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[104], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %106, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n208k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103"
+        "}, %104, %105, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 224> {
   static constexpr int kAccum = 112;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[112], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %114, 0;\n"
@@ -670,6 +1021,7 @@ struct Wgmma<__nv_bfloat16, 224> {
 template <>
 struct Wgmma<__half, 224> {
   static constexpr int kAccum = 112;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[112], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %114, 0;\n"
@@ -702,8 +1054,44 @@ struct Wgmma<__half, 224> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 224> {
+  static constexpr int kAccum = 112;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[112], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %114, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n224k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"
+        "}, %112, %113, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 240> {
   static constexpr int kAccum = 120;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[120], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %122, 0;\n"
@@ -740,6 +1128,7 @@ struct Wgmma<__nv_bfloat16, 240> {
 template <>
 struct Wgmma<__half, 240> {
   static constexpr int kAccum = 120;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[120], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %122, 0;\n"
@@ -774,8 +1163,46 @@ struct Wgmma<__half, 240> {
 };
 
 template <>
+struct Wgmma<__nv_fp8_e4m3, 240> {
+  static constexpr int kAccum = 120;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[120], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %122, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n240k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119"
+        "}, %120, %121, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
 struct Wgmma<__nv_bfloat16, 256> {
   static constexpr int kAccum = 128;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[128], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -813,6 +1240,7 @@ struct Wgmma<__nv_bfloat16, 256> {
 template <>
 struct Wgmma<__half, 256> {
   static constexpr int kAccum = 128;
+  static constexpr int kK = 16;
   static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[128], bool accumulate) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -827,6 +1255,44 @@ struct Wgmma<__half, 256> {
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
         "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)));
+  }
+};
+
+template <>
+struct Wgmma<__nv_fp8_e4m3, 256> {
+  static constexpr int kAccum = 128;
+  static constexpr int kK = 32;
+  static __device__ __forceinline__ void mma(tdist::device::u64 desc_a, tdist::device::u64 desc_b, float (&d)[128], bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),

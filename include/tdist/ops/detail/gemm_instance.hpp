@@ -51,6 +51,12 @@ struct alignas(128) GemmTensorMap {
 // link). Needs a GPU driver.
 GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype);
 
+namespace detail {
+// The best of `tiles` for an M x N problem on `num_sms` SMs: wave fill x used area x the tile's own
+// efficiency (choose_gemm_tile over gemm_tiles(), choose_fp8_gemm_tile over fp8_gemm_tiles()).
+GemmTile choose_tile_among(const std::vector<GemmTile>& tiles, int64_t m, int64_t n, int num_sms);
+}  // namespace detail
+
 // The launch of one instance: grid, block, shared memory, cluster (pure; used by Gemm and tests).
 jit::LaunchConfig gemm_launch_config(const GemmArgs& args, const GemmTile& tile, int num_sms, int max_ctas,
                                      cudaStream_t stream);

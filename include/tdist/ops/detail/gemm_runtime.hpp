@@ -22,6 +22,7 @@
 //                                          the launch: tensor maps (B over b_rows rows), grid, parameters
 //     run(args, tile, params, options, stream)   (TileScheduler only) checks the args, builds the
 //                                          schedule of options.group_m / first_row, launches
+//   Fp8GroupedRuntime               the FP8 grouped instances (sm90_fp8_gemm.cuh): loaded modules, launch
 //   HookedGemm<Params>              GemmRuntime<TileScheduler, Params>: the plain-order GEMM whose tiles
 //                                   run the hooks of Params. An overlap op holds one per hooks type:
 //
@@ -51,6 +52,7 @@
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/detail/gemm_instance.hpp"
 #include "tdist/ops/gemm.hpp"
+#include "tdist/ops/grouped_gemm.hpp"
 
 namespace tdist::detail {
 
@@ -174,6 +176,19 @@ class GemmRuntime {
   }
 
   int num_sms() const { return num_sms_; }
+
+ private:
+  int num_sms_;
+  GemmModules modules_;
+};
+
+// The FP8 grouped instances (kernels/gemm/sm90_fp8_gemm.cuh) of one GroupedGemm: loaded by tile on
+// first use, launched on checked args (check_grouped_gemm_fp8_args) and a checked tile.
+class Fp8GroupedRuntime {
+ public:
+  explicit Fp8GroupedRuntime(int num_sms) : num_sms_(num_sms) {}
+  void launch(const GroupedGemmFp8Args& checked_args, const GemmTile& tile, const kernels::gemm::GroupedScheduler& sched,
+              int max_ctas, cudaStream_t stream);
 
  private:
   int num_sms_;
