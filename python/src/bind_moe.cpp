@@ -194,6 +194,34 @@ void grouped_gemm(uint64_t a, uint64_t b, uint64_t d, uint64_t offsets, const st
   grouped_gemm_for(device).run(checked, reinterpret_cast<cudaStream_t>(stream));
 }
 
+// The FP8 grouped GEMM alone (python/tdist/moe.py: tdist.moe.grouped_gemm_fp8): e4m3 a and b, f32
+// scales (a's with the given strides in elements, b's [G][ceil(n / 128)][ceil(k / 128)]), bf16 d.
+void grouped_gemm_fp8(uint64_t a, uint64_t a_scales, int64_t a_scales_row_stride, int64_t a_scales_kb_stride,
+                      uint64_t b, uint64_t b_scales, uint64_t d, uint64_t offsets, const std::string& offsets_dtype,
+                      int64_t m, int64_t n, int64_t k, int num_groups, int device, uint64_t stream) {
+  TDIST_CHECK_ARG(offsets_dtype == "int32" || offsets_dtype == "int64", "offsets", "expected int32 or int64, got ",
+                  offsets_dtype);
+  tdist::GroupedGemmFp8Args args;
+  args.a = ptr<const void>(a);
+  args.a_scales = ptr<const float>(a_scales);
+  args.a_scales_row_stride = a_scales_row_stride;
+  args.a_scales_kb_stride = a_scales_kb_stride;
+  args.b = ptr<const void>(b);
+  args.b_scales = ptr<const float>(b_scales);
+  args.d = ptr<void>(d);
+  args.offsets = ptr<const void>(offsets);
+  args.offsets_type = offsets_dtype == "int32" ? tdist::IndexType::kInt32 : tdist::IndexType::kInt64;
+  args.m = m;
+  args.n = n;
+  args.k = k;
+  args.num_groups = num_groups;
+  const tdist::GroupedGemmFp8Args checked = tdist::check_grouped_gemm_fp8_args(args);  // before the device
+  if (m == 0) return;
+  nb::gil_scoped_release release;
+  tdist_python::ScopedDevice scope(device);
+  grouped_gemm_for(device).run(checked, reinterpret_cast<cudaStream_t>(stream));
+}
+
 // The routing alone into the caller's int32 tensors (python/tdist/moe.py: tdist.moe.routing of GPU
 // ids, which the ops' backward calls): a MoeRouter on one device for up to max_m tokens. Not
 // collective, and no runtime: it owns ordinary device memory only.
@@ -277,6 +305,10 @@ void bind_moe(nb::module_& m) {
   m.def("grouped_gemm", &grouped_gemm, "a"_a, "b"_a, "d"_a, "offsets"_a, "offsets_dtype"_a, "m"_a, "n"_a, "k"_a,
         "num_groups"_a, "dtype"_a, "device"_a, "stream"_a,
         "D = A x B_g^T per group on raw device pointers (tdist/ops/grouped_gemm.hpp); use tdist.moe.grouped_gemm.");
+  m.def("grouped_gemm_fp8", &grouped_gemm_fp8, "a"_a, "a_scales"_a, "a_scales_row_stride"_a, "a_scales_kb_stride"_a,
+        "b"_a, "b_scales"_a, "d"_a, "offsets"_a, "offsets_dtype"_a, "m"_a, "n"_a, "k"_a, "num_groups"_a, "device"_a,
+        "stream"_a,
+        "FP8 grouped GEMM on raw device pointers (tdist/ops/grouped_gemm.hpp); use tdist.moe.grouped_gemm_fp8.");
   m.def("grouped_gemm_alignment", &tdist::grouped_gemm_alignment,
         "Rows of every group of the grouped GEMM are padded to a multiple of this.");
   m.def("moe_capacity", &tdist::moe_capacity, "m"_a, "topk"_a, "experts"_a,

@@ -46,6 +46,17 @@ The grouped GEMM alone (one GPU, not collective; tdist/ops/grouped_gemm.hpp), on
              are not written. routing_reference's offsets have this form.
 Registered as torch.ops.tdist.grouped_gemm with a fake implementation.
 
+Its FP8 instance (e4m3 operands with DeepSeek-V3's block scales, bf16 output; docs/gemm.md "FP8"):
+
+    a_q, a_s = tdist.moe.quantize_fp8_rows(a)       # e4m3 [M_total, K], f32 [M_total, ceil(K / 128)]
+    w_q, w_s = tdist.moe.quantize_fp8_blocks(w)     # e4m3 [G, N, K], f32 [G, ceil(N / 128), ceil(K / 128)]
+    d = tdist.moe.grouped_gemm_fp8(a_q, a_s, w_q, w_s, offsets)   # bf16 [M_total, N]
+
+    value of a_q[r, c] = a_q[r, c] * a_s[r, c // 128]; of w_q[g, j, c] = w_q[g, j, c] * w_s[g, j // 128, c // 128]
+    a_s may have any strides (a column-major [ceil(K / 128), M_total] buffer passed transposed works as
+    well); K a multiple of 16, N of 8; offsets as above. Inference only (no autograd). Registered as
+    torch.ops.tdist.grouped_gemm_fp8 with a fake implementation.
+
 All three ops have autograd (python/tdist/_autograd.py, docs/moe.md "Training"): gradients of x_rows,
 h, w, topk_weights (summed over ranks) and a; none of topk_ids or offsets. The backward rebuilds the
 routing with routing(topk_ids, E, world, rank), torch ops on the GPU equal to routing_reference.
@@ -256,6 +267,83 @@ def _grouped_gemm(a, w, offsets):
     return d
 
 
+_FP8 = "float8_e4m3fn"
+_FP8_MAX = 448.0  # the largest finite e4m3 value
+_SCALE_BLOCK = 128
+
+
+def check_grouped_gemm_fp8_args(a, a_scales, w, w_scales, offsets) -> dict:
+    """Shapes, dtypes and devices of a grouped_gemm_fp8 call; raises tdist.Error naming the argument."""
+    op = "moe.grouped_gemm_fp8"
+    _check_tensor(op, "w", w, (_FP8,), (None, None, None), None)
+    groups, n, k = _shape(w)
+    if groups < 1:
+        _fail(op, "w", "at least one group [G >= 1, N, K]", list(_shape(w)))
+    if k % 16 != 0 or k == 0:
+        _fail(op, "w", "K (its last dimension) a positive multiple of 16", k)
+    if n % 8 != 0:  # d is dense bf16: its rows must stay 16-byte aligned
+        _fail(op, "w", "N (its second dimension) a multiple of 8", n)
+    kb, nb = -(-k // _SCALE_BLOCK), -(-n // _SCALE_BLOCK)
+    _check_tensor(op, "a", a, (_FP8,), (None, k), w.device)
+    m = _shape(a)[0]
+    _check_tensor(op, "w_scales", w_scales, ("float32",), (groups, nb, kb), w.device)
+    # a_scales: any strides (row- or column-major); only its kind, shape and device are checked here.
+    check_tensor_kind(lambda *e: _fail(op, *e), "a_scales", a_scales, ("float32",), (m, kb))
+    if a_scales.device != w.device:
+        _fail(op, "a_scales", f"a tensor on {w.device}", a_scales.device)
+    if any(st < 0 for st in a_scales.stride()):
+        _fail(op, "a_scales", "non-negative strides", tuple(a_scales.stride()))
+    _check_tensor(op, "offsets", offsets, ("int32", "int64"), (groups + 1,), w.device)
+    return dict(m=m, n=n, k=k, groups=groups, offsets_dtype=torch_dtype_name(offsets.dtype))
+
+
+def _grouped_gemm_fp8(a, a_scales, w, w_scales, offsets):
+    torch = torch_module()
+    s = check_grouped_gemm_fp8_args(a, a_scales, w, w_scales, offsets)
+    d = torch.empty((s["m"], s["n"]), dtype=torch.bfloat16, device=w.device)
+    if s["m"] == 0 or s["n"] == 0:
+        return d
+    row_stride, kb_stride = a_scales.stride()
+    if row_stride == 0 and kb_stride == 0:  # a broadcast scale; (0, 0) means row-major to the C++ side
+        a_scales = a_scales.contiguous()
+        row_stride, kb_stride = a_scales.stride()
+    _C.grouped_gemm_fp8(a.data_ptr(), a_scales.data_ptr(), row_stride, kb_stride, w.data_ptr(), w_scales.data_ptr(),
+                        d.data_ptr(), offsets.data_ptr(), s["offsets_dtype"], s["m"], s["n"], s["k"], s["groups"],
+                        w.device.index, raw_stream(w.device.index))
+    return d
+
+
+def quantize_fp8_rows(x):
+    """e4m3 [M, K] and f32 scales [M, ceil(K / 128)] of x [M, K] (any float type): one scale per row and
+    128 columns, amax / 448, so that x ~ q * scale (grouped_gemm_fp8's A). Torch ops on x's device."""
+    torch = _torch("moe.quantize_fp8_rows")
+    if x.dim() != 2:
+        _fail("moe.quantize_fp8_rows", "x", "a 2-D tensor [M, K]", list(x.shape))
+    m, k = x.shape
+    kb = -(-k // _SCALE_BLOCK)
+    blocks = torch.nn.functional.pad(x.float(), (0, kb * _SCALE_BLOCK - k)).view(m, kb, _SCALE_BLOCK)
+    scales = blocks.abs().amax(-1).clamp(min=1e-12) / _FP8_MAX
+    q = (blocks / scales[..., None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, kb * _SCALE_BLOCK)[:, :k].contiguous(), scales
+
+
+def quantize_fp8_blocks(w):
+    """e4m3 [G, N, K] and f32 scales [G, ceil(N / 128), ceil(K / 128)] of w [G, N, K] (or [N, K], taken
+    as G = 1): one scale per 128 x 128 block, amax / 448 (grouped_gemm_fp8's weights)."""
+    torch = _torch("moe.quantize_fp8_blocks")
+    if w.dim() == 2:
+        w = w[None]
+    if w.dim() != 3:
+        _fail("moe.quantize_fp8_blocks", "w", "a 3-D tensor [G, N, K]", list(w.shape))
+    g, n, k = w.shape
+    nb, kb = -(-n // _SCALE_BLOCK), -(-k // _SCALE_BLOCK)
+    padded = torch.nn.functional.pad(w.float(), (0, kb * _SCALE_BLOCK - k, 0, nb * _SCALE_BLOCK - n))
+    blocks = padded.view(g, nb, _SCALE_BLOCK, kb, _SCALE_BLOCK)
+    scales = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / _FP8_MAX
+    q = (blocks / scales[:, :, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(g, nb * _SCALE_BLOCK, kb * _SCALE_BLOCK)[:, :n, :k].contiguous(), scales
+
+
 def _context(kind: str, s: dict, rt):
     """The live runtime's context for this call, made or grown (collectively) when the call needs it."""
     torch = torch_module()
@@ -349,9 +437,16 @@ def _register(torch):
         s = check_grouped_gemm_args(a, w, offsets)
         return w.new_empty((s["m"], s["n"]))
 
+    def gg_fp8(a: Tensor, a_scales: Tensor, w: Tensor, w_scales: Tensor, offsets: Tensor) -> Tensor:
+        return _grouped_gemm_fp8(a, a_scales, w, w_scales, offsets)
+
+    def gg_fp8_fake(a, a_scales, w, w_scales, offsets):
+        s = check_grouped_gemm_fp8_args(a, a_scales, w, w_scales, offsets)
+        return w.new_empty((s["m"], s["n"]), dtype=torch.bfloat16)
+
     ops = []
     for name, fn, fake in (("tdist::moe_ag_group_gemm", ag, ag_fake), ("tdist::moe_group_gemm_rs", rs, rs_fake),
-                           ("tdist::grouped_gemm", gg, gg_fake)):
+                           ("tdist::grouped_gemm", gg, gg_fake), ("tdist::grouped_gemm_fp8", gg_fp8, gg_fp8_fake)):
         op = torch.library.custom_op(name, mutates_args=())(fn)
         op.register_fake(fake)
         ops.append(op)
@@ -411,6 +506,15 @@ def grouped_gemm(a, w, offsets):
     if _eager(a, w, offsets):
         return _grouped_gemm(a, w, offsets)
     return torch.ops.tdist.grouped_gemm(a, w, offsets)
+
+
+def grouped_gemm_fp8(a, a_scales, w, w_scales, offsets):
+    """bf16 [M_total, N]: the FP8 grouped GEMM of e4m3 a and w with their block scales (see the module's
+    docstring; quantize_fp8_rows / quantize_fp8_blocks make them). One GPU, not collective."""
+    torch = _torch("moe.grouped_gemm_fp8")
+    if _eager(a, a_scales, w, w_scales, offsets):
+        return _grouped_gemm_fp8(a, a_scales, w, w_scales, offsets)
+    return torch.ops.tdist.grouped_gemm_fp8(a, a_scales, w, w_scales, offsets)
 
 
 def check_errors() -> None:

@@ -15,6 +15,8 @@ rank's partial sums added through torch.distributed.
 * a CUDA graph of the layer replayed with fresh routing and tokens; torch.compile(fullgraph=True);
 * the grouped GEMM alone (tdist.moe.grouped_gemm): every group's rows, padding included, against
   float64 x w[g]^T; empty groups, int32 and int64 offsets, rows past offsets[G]; its argument errors;
+* its FP8 instance (tdist.moe.grouped_gemm_fp8) on tdist.moe.quantize_fp8_* outputs against float64 of
+  the dequantised operands, row- and column-major scales, under torch.compile; its argument errors;
 * argument errors naming the argument;
 * 200 back-to-back calls of each op (the test waits for none before the last), every call with
   fresh routing, tokens and router weights, M from 1 to 384, methods and bf16 / fp16 alternating,
@@ -455,6 +457,59 @@ def test_grouped_gemm():
     torch.cuda.synchronize()
 
 
+# K a multiple of 16 (e4m3 rows of 16 bytes), not of 128 (a partial scale block).
+FP8_GROUPED_GEMM_CASES = (([0, 129, 1, 300, 0], 144, 104, torch.int32), ([5], 400, 200, torch.int64),
+                          ([200, 0, 0, 17, 128, 3, 1], 272, 136, torch.int32), ([300, 0, 77], 2064, 256, torch.int64))
+
+
+def test_grouped_gemm_fp8():
+    """tdist.moe.grouped_gemm_fp8 on tensors quantised by tdist.moe.quantize_fp8_rows / _blocks:
+    against float64 of the dequantised operands (the kernel's own inputs), row-major and column-major
+    A scales, K not a multiple of 128, empty groups, int32 and int64 offsets, rows past offsets[G];
+    and against the unquantised bf16 product within e4m3's precision. torch.compile(fullgraph=True)
+    through the registered op. Argument errors name the argument."""
+    seed = 9000 + rank()
+    for counts, K, N, idx in FP8_GROUPED_GEMM_CASES:
+        for column_major in (False, True):
+            seed += 1
+            what = f"grouped_gemm_fp8 counts={counts} K={K} N={N} {idx} column-major scales={column_major}"
+            offsets = padded_offsets(counts)
+            m_total = offsets[-1] + 37
+            a = rand((m_total, K), torch.bfloat16, seed).cuda()
+            w = rand((len(counts), N, K), torch.bfloat16, seed + 50, scale=0.1).cuda()
+            a_q, a_s = moe.quantize_fp8_rows(a)
+            w_q, w_s = moe.quantize_fp8_blocks(w)
+            if column_major:
+                a_s = a_s.t().contiguous().t()  # [M, KB] with strides (1, M)
+            a_deq = (a_q.double().view(m_total, -1) * a_s.double().repeat_interleave(128, 1)[:, :K]).cpu()
+            w_deq = (w_q.double() * w_s.double().repeat_interleave(128, 1)[:, :N].repeat_interleave(128, 2)[..., :K]).cpu()
+            ref = torch.zeros((offsets[-1], N), dtype=torch.float64)
+            exact = torch.zeros((offsets[-1], N), dtype=torch.float64)
+            for g in range(len(counts)):
+                rows = slice(offsets[g], offsets[g + 1])
+                ref[rows] = a_deq[rows] @ w_deq[g].T
+                exact[rows] = a[rows].double().cpu() @ w[g].double().cpu().T
+            poison_allocator()
+            d = moe.grouped_gemm_fp8(a_q, a_s, w_q, w_s, torch.tensor(offsets, dtype=idx, device="cuda"))
+            assert d.dtype == torch.bfloat16 and tuple(d.shape) == (m_total, N), what
+            check_close(d[:offsets[-1]], ref, what, 1e-2)
+            check_close(d[:offsets[-1]], exact, what + " (against bf16 inputs)", 8e-2)
+    a_q, a_s = moe.quantize_fp8_rows(torch.randn((256, 64), device="cuda"))
+    w_q, w_s = moe.quantize_fp8_blocks(torch.randn((2, 72, 64), device="cuda"))
+    offs = torch.tensor([0, 128, 256], dtype=torch.int32, device="cuda")
+    compiled = torch.compile(lambda *t: moe.grouped_gemm_fp8(*t) * 2, fullgraph=True)
+    check_close(compiled(a_q, a_s, w_q, w_s, offs), 2 * moe.grouped_gemm_fp8(a_q, a_s, w_q, w_s, offs).double().cpu(),
+                "grouped_gemm_fp8 under torch.compile", 1e-2)
+    expect_error(lambda: moe.grouped_gemm_fp8(a_q.float(), a_s, w_q, w_s, offs), "'a'", "float8_e4m3fn")
+    expect_error(lambda: moe.grouped_gemm_fp8(a_q, a_s, w_q.float(), w_s, offs), "'w'")
+    expect_error(lambda: moe.grouped_gemm_fp8(a_q, a_s[:, :0], w_q, w_s, offs), "'a_scales'")
+    expect_error(lambda: moe.grouped_gemm_fp8(a_q, a_s, w_q, w_s[:1], offs), "'w_scales'")
+    expect_error(lambda: moe.grouped_gemm_fp8(a_q, a_s.double(), w_q, w_s, offs), "'a_scales'")
+    expect_error(lambda: moe.grouped_gemm_fp8(a_q, a_s, w_q, w_s, offs[:2]), "'offsets'")
+    expect_error(lambda: moe.grouped_gemm_fp8(a_q, a_s, w_q[:, :, :56].contiguous(), w_s, offs), "'w'", "16")
+    torch.cuda.synchronize()
+
+
 def test_routing_on_gpu():
     """tdist.moe.routing of GPU ids (the ops' routing kernels, which the backward calls) equals the
     torch-op routing of the same ids on the CPU (checked against the host reference by the CPU tests),
@@ -519,6 +574,7 @@ TESTS = [
     test_torch_compile,
     test_errors,
     test_grouped_gemm,
+    test_grouped_gemm_fp8,
     test_back_to_back_fresh_routing,
     test_expert_id_out_of_range,
 ]
