@@ -1,7 +1,8 @@
 // Persistent, warp-specialised FP8 GEMM for sm_90a with block scales (DeepSeek-V3's recipe): e4m3
 // operands, each with fp32 scales per block of 128 along K, fp32 accumulation, bf16 output.
 //
-// Layouts ("TN", as sm90_gemm.cuh; scales passed as Fp8BlockScales, config.cuh; `rows` of B is N, or G N for the grouped schedule):
+// Layouts ("TN", as sm90_gemm.cuh; the scales come as Fp8BlockScales, config.cuh; `rows` of B is N,
+// or G N for the grouped schedule):
 //   A   e4m3[M][lda]      K contiguous; lda >= K, a multiple of 16 (bytes)
 //   B   e4m3[rows][ldb]   K contiguous; the grouped walk's B_g is rows [g N, (g + 1) N)
 //   D   bf16[M][ldd]      ldd >= N, a multiple of 8
@@ -17,15 +18,15 @@
 //   scales    warp 1 of the producer warpgroup copies each stage's scales into shared memory with
 //             4-byte cp.async (A's of the tile's rows, zeros past M, and the tile's B scale; BLOCK_N
 //             divides 128, so a tile's columns share one), arriving on the stage's full barrier
-//             (1 + 32 arrivals). Read from global memory by the consumers instead, their latency
-//             cost the kernel a third of its speed (H200: 1.33x longer).
-//   consumers per K block: wait for the stage, read this thread's two rows' A scales and the B scale,
-//             issue BLOCK_K / 32 wgmma m64nBLOCK_Nk32 into a block accumulator, wait for them
+//             (1 + 32 arrivals). Read from global memory by the consumers instead (prefetched a
+//             block ahead), they made the kernel 1.2x slower (H200, 8 groups of 4096 rows, N 4096,
+//             K 7168: 2.31 against 1.92 ms).
+//   consumers per K block: wait for the stage, issue BLOCK_K / 32 wgmma m64nBLOCK_Nk32 into a block
+//             accumulator, read this thread's two rows' A scales and the B scale, wait for the wgmma
 //             (wait_group 0: the scales multiply a finished block), release the stage, and add block
 //             x sa[row] x sb into the fp32 tile accumulator.
-// Two consumer warpgroups take turns at issuing (named barriers kIssueBarrier + 0 / + 1): 0 issues
-// block kb, then 1 issues kb, then 0 issues kb + 1, ..., so the tensor cores run the blocks in that
-// order and each warpgroup's scaling overlaps the other's wgmma.
+// The consumer warpgroups of a 128-row tile run independently: ordering their wgmma issues (named
+// barriers taking turns, so that one scales while the other's wgmma run) measured no faster.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,9 +35,6 @@
 #include "tdist/kernels/gemm/sm90_gemm.cuh"
 
 namespace tdist::kernels::gemm {
-
-// Named barriers of the consumers' issue turns (the epilogue uses 2 .. 1 + BLOCK_M / 64).
-constexpr u32 kIssueBarrier = 4;
 
 // The scale producer (one warp; a stage's scales: f32[BLOCK_M] of A, then B's, in
 // fp8_scale_stage_bytes(BLOCK_M) bytes). Walks the tiles and K blocks as tma_producer does.
@@ -137,13 +135,6 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   // This thread's accumulator rows in a tile (the layout at store_tile_d): r and r + 8.
   const u32 row_in_tile = math_wg * kWgmmaM + warp_in_wg * 16 + lane / 4;
   float acc[kAccum], block[kAccum];
-  // Issue turns (top of this file): this warpgroup waits on its barrier and hands the turn on
-  // through the other's; warpgroup 0 starts with the turn.
-  constexpr bool kTurns = kNumMathWarpgroups == 2;
-  const u32 my_turn = kIssueBarrier + math_wg, next_turn = kIssueBarrier + (math_wg ^ 1);
-  // Every sync meets one arrive: warpgroup 1's first arrive is the start, its last is skipped.
-  if constexpr (kTurns)
-    if (math_wg == 1 && blockIdx.x < tiles.num_tiles()) ptx::named_barrier_arrive(kIssueBarrier, 2 * kWarpgroupThreads);
 
   PipelineState<kNumStages> st;
   u32 epi_iter = 0;
@@ -154,12 +145,6 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
       const u32 s = st.stage();
       pipe.consumer_wait(st);
-      // This thread's rows' A scales and the B scale, in registers before the stage is released.
-      const u32 stage_scales = smem_scales + s * kScaleBytes;
-      const float b_scale = ptx::ld_shared_f32(stage_scales + BLOCK_M * 4);
-      const float scale0 = ptx::ld_shared_f32(stage_scales + row_in_tile * 4) * b_scale;
-      const float scale1 = ptx::ld_shared_f32(stage_scales + (row_in_tile + 8) * 4) * b_scale;
-      if constexpr (kTurns) ptx::named_barrier(my_turn, 2 * kWarpgroupThreads);
       const u32 a_tile = smem_a + s * kTileABytes + math_wg * (kWgmmaM * BLOCK_K);
       const u32 b_tile = smem_b + s * kTileBBytes;
 #pragma unroll
@@ -172,9 +157,12 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
         Mma::mma(desc_a, desc_b, block, kk > 0);
       }
       ptx::wgmma_commit();
-      if constexpr (kTurns)
-        if (math_wg == 0 || kb + 1 < num_k_blocks || t + gridDim.x < tiles.num_tiles())
-          ptx::named_barrier_arrive(next_turn, 2 * kWarpgroupThreads);
+      // This thread's rows' A scales and the B scale, read while the wgmma run and before the stage
+      // is released.
+      const u32 stage_scales = smem_scales + s * kScaleBytes;
+      const float b_scale = ptx::ld_shared_f32(stage_scales + BLOCK_M * 4);
+      const float scale0 = ptx::ld_shared_f32(stage_scales + row_in_tile * 4) * b_scale;
+      const float scale1 = ptx::ld_shared_f32(stage_scales + (row_in_tile + 8) * 4) * b_scale;
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kAccum; ++i) ptx::fence_operand(block[i]);

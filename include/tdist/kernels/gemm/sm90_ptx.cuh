@@ -184,9 +184,5 @@ TDIST_DEVICE void setmaxnreg_dec() {
 TDIST_DEVICE void named_barrier(u32 id, u32 count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
-// Arrives on named barrier `id` (of `count` threads, arrivals and syncs together) without waiting.
-TDIST_DEVICE void named_barrier_arrive(u32 id, u32 count) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
 
 }  // namespace tdist::kernels::gemm::ptx
