@@ -172,16 +172,21 @@ tdist::GroupedGemm& grouped_gemm_for(int device) {
   return *op;
 }
 
-void grouped_gemm(uint64_t a, uint64_t b, uint64_t d, uint64_t offsets, const std::string& offsets_dtype, int64_t m,
-                  int64_t n, int64_t k, int num_groups, const std::string& dtype, int device, uint64_t stream) {
+// The grouped GEMMs' offsets type from its torch name.
+tdist::IndexType offsets_type(const std::string& offsets_dtype) {
   TDIST_CHECK_ARG(offsets_dtype == "int32" || offsets_dtype == "int64", "offsets", "expected int32 or int64, got ",
                   offsets_dtype);
+  return offsets_dtype == "int32" ? tdist::IndexType::kInt32 : tdist::IndexType::kInt64;
+}
+
+void grouped_gemm(uint64_t a, uint64_t b, uint64_t d, uint64_t offsets, const std::string& offsets_dtype, int64_t m,
+                  int64_t n, int64_t k, int num_groups, const std::string& dtype, int device, uint64_t stream) {
   tdist::GroupedGemmArgs args;
   args.a = ptr<const void>(a);
   args.b = ptr<const void>(b);
   args.d = ptr<void>(d);
   args.offsets = ptr<const void>(offsets);
-  args.offsets_type = offsets_dtype == "int32" ? tdist::IndexType::kInt32 : tdist::IndexType::kInt64;
+  args.offsets_type = offsets_type(offsets_dtype);
   args.m = m;
   args.n = n;
   args.k = k;
@@ -199,8 +204,6 @@ void grouped_gemm(uint64_t a, uint64_t b, uint64_t d, uint64_t offsets, const st
 void grouped_gemm_fp8(uint64_t a, uint64_t a_scales, int64_t a_scales_row_stride, int64_t a_scales_kb_stride,
                       uint64_t b, uint64_t b_scales, uint64_t d, uint64_t offsets, const std::string& offsets_dtype,
                       int64_t m, int64_t n, int64_t k, int num_groups, int device, uint64_t stream) {
-  TDIST_CHECK_ARG(offsets_dtype == "int32" || offsets_dtype == "int64", "offsets", "expected int32 or int64, got ",
-                  offsets_dtype);
   tdist::GroupedGemmFp8Args args;
   args.a = ptr<const void>(a);
   args.a_scales = ptr<const float>(a_scales);
@@ -210,7 +213,7 @@ void grouped_gemm_fp8(uint64_t a, uint64_t a_scales, int64_t a_scales_row_stride
   args.b_scales = ptr<const float>(b_scales);
   args.d = ptr<void>(d);
   args.offsets = ptr<const void>(offsets);
-  args.offsets_type = offsets_dtype == "int32" ? tdist::IndexType::kInt32 : tdist::IndexType::kInt64;
+  args.offsets_type = offsets_type(offsets_dtype);
   args.m = m;
   args.n = n;
   args.k = k;

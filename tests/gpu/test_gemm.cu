@@ -236,6 +236,58 @@ void* upload_offsets(const std::vector<int64_t>& offsets, bool int64) {
   return offs;
 }
 
+// The check of a grouped GEMM's D: rows [0, rows) against `ref` (within 1e-2 x max |ref|; stats[0]
+// holds max |ref|), and rows [rows, rows + extra_rows) past offsets[G] still poisoned in every element.
+// `stats` (2 doubles) and `counters` (6), zeroed by the caller, are scratch.
+struct GroupedCheck {
+  double ref_max = 0, max_err = 0;
+  unsigned long long bad = 0, padding = 0, first_bad = 0, past_offsets = 0;
+
+  bool ok(long rows) const { return bad == 0 && padding == 0 && past_offsets == 0 && (rows == 0 || ref_max > 0); }
+  std::string summary(long rows, int extra_rows) const {
+    char buf[320];
+    std::snprintf(buf, sizeof(buf),
+                  "%ld rows + %d extra; max |err| / max |ref| = %.3g (max |ref| %.3g), %llu bad, %llu padding "
+                  "overwritten, %llu rows-past-offsets overwritten",
+                  rows, extra_rows, ref_max > 0 ? max_err / ref_max : max_err, ref_max, bad, padding, past_offsets);
+    std::string s = buf;
+    if (bad > 0) {
+      std::snprintf(buf, sizeof(buf), ", first bad at (%llu, %llu)", first_bad >> 32, first_bad & 0xFFFFFFFFull);
+      s += buf;
+    }
+    return s;
+  }
+};
+
+template <typename T>
+GroupedCheck check_grouped_output(const T* d, const double* ref, long rows, int extra_rows, int n, long ldd,
+                                  unsigned short poison, double* stats, unsigned long long* counters,
+                                  cudaStream_t stream) {
+  GroupedCheck r;
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(&r.ref_max, stats, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const double tol = 1e-2;
+  if (rows > 0)
+    compare<T><<<dim3((ldd + 127) / 128, rows), 128, 0, stream>>>(d, ref, static_cast<int>(rows), n, ldd, poison,
+                                                                  r.ref_max, tol, counters, counters + 1, stats + 1,
+                                                                  counters + 2);
+  // Rows past offsets[G]: every element still poisoned (n = 0: the whole row is "padding").
+  if (extra_rows > 0)
+    compare<T><<<dim3((ldd + 127) / 128, extra_rows), 128, 0, stream>>>(d + rows * ldd, ref, extra_rows, 0, ldd,
+                                                                        poison, 1.0, tol, counters + 3, counters + 4,
+                                                                        stats + 1, counters + 5);
+  TDIST_CUDA_CHECK(cudaGetLastError());
+  unsigned long long host[6];
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, counters, sizeof(host), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaMemcpyAsync(&r.max_err, stats + 1, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  r.bad = host[0];
+  r.padding = host[1];
+  r.first_bad = host[2];
+  r.past_offsets = host[4];
+  return r;
+}
+
 template <typename T>
 Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist::GemmTile& tile, const GroupedCase& c,
                         unsigned long long seed, cudaStream_t stream) {
@@ -350,25 +402,7 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   gg.run(args, stream, o);
   TDIST_CUDA_CHECK(cudaGetLastError());
 
-  double ref_max = 0;
-  TDIST_CUDA_CHECK(cudaMemcpyAsync(&ref_max, stats, sizeof(double), cudaMemcpyDeviceToHost, stream));
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const double tol = 1e-2;
-  if (rows > 0)
-    compare<T><<<dim3((ldd + 127) / 128, rows), 128, 0, stream>>>(d, ref, static_cast<int>(rows), c.n, ldd, poison,
-                                                                  ref_max, tol, counters, counters + 1, stats + 1,
-                                                                  counters + 2);
-  // Rows past offsets[G]: every element still poisoned (n = 0: the whole row is "padding").
-  if (c.extra_rows > 0)
-    compare<T><<<dim3((ldd + 127) / 128, c.extra_rows), 128, 0, stream>>>(d + rows * ldd, ref, c.extra_rows, 0, ldd,
-                                                                          poison, 1.0, tol, counters + 3, counters + 4,
-                                                                          stats + 1, counters + 5);
-  TDIST_CUDA_CHECK(cudaGetLastError());
-  unsigned long long host[6];
-  double max_err = 0;
-  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, counters, sizeof(host), cudaMemcpyDeviceToHost, stream));
-  TDIST_CUDA_CHECK(cudaMemcpyAsync(&max_err, stats + 1, sizeof(double), cudaMemcpyDeviceToHost, stream));
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const GroupedCheck check = check_grouped_output(d, ref, rows, c.extra_rows, c.n, ldd, poison, stats, counters, stream);
   for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(d), static_cast<void*>(ref),
                   static_cast<void*>(stats), static_cast<void*>(counters), offs, static_cast<void*>(order),
                   static_cast<void*>(tokens), static_cast<void*>(local), static_cast<void*>(token_of_row)})
@@ -376,25 +410,16 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
 
   int non_empty = 0;
   for (long long cnt : counts) non_empty += cnt > 0;
-  char buf[320];
-  std::snprintf(
-      buf, sizeof(buf),
-      "%d of %d groups non-empty, %ld rows + %d extra; max |err| / max |ref| = %.3g (max |ref| %.3g), %llu bad, "
-      "%llu padding overwritten, %llu rows-past-offsets overwritten",
-      non_empty, c.groups, rows, c.extra_rows, ref_max > 0 ? max_err / ref_max : max_err, ref_max, host[0], host[1],
-      host[4]);
-  std::string detail = buf;
-  if (host[0] > 0) {
-    std::snprintf(buf, sizeof(buf), ", first bad at (%llu, %llu)", host[2] >> 32, host[2] & 0xFFFFFFFFull);
+  std::string detail = std::to_string(non_empty) + " of " + std::to_string(c.groups) + " groups non-empty, " +
+                       check.summary(rows, c.extra_rows);
+  if (check.bad > 0 && c.gather && (check.first_bad >> 32) < tor.size()) {
+    const int t = tor[check.first_bad >> 32];
+    char buf[80];
+    std::snprintf(buf, sizeof(buf), " (token %d%s)", t,
+                  t < 0 ? ", padding" : (t - gather.local_begin < gather.local_rows ? ", local" : ""));
     detail += buf;
-    if (c.gather && (host[2] >> 32) < tor.size()) {
-      const int t = tor[host[2] >> 32];
-      std::snprintf(buf, sizeof(buf), " (token %d%s)", t,
-                    t < 0 ? ", padding" : (t - gather.local_begin < gather.local_rows ? ", local" : ""));
-      detail += buf;
-    }
   }
-  return {host[0] == 0 && host[1] == 0 && host[4] == 0 && (rows == 0 || ref_max > 0), detail};
+  return {check.ok(rows), detail};
 }
 
 // ---------------- FP8 grouped GEMM ----------------
@@ -509,38 +534,12 @@ Result run_fp8_case(tdist::GroupedGemm& gg, const tdist::GemmTile& tile, const F
   gg.run(args, stream, o);
   TDIST_CUDA_CHECK(cudaGetLastError());
 
-  double ref_max = 0;
-  TDIST_CUDA_CHECK(cudaMemcpyAsync(&ref_max, stats, sizeof(double), cudaMemcpyDeviceToHost, stream));
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const double tol = 1e-2;
-  if (rows > 0)
-    compare<__nv_bfloat16><<<dim3((ldd + 127) / 128, rows), 128, 0, stream>>>(
-        d, ref, static_cast<int>(rows), c.n, ldd, poison, ref_max, tol, counters, counters + 1, stats + 1, counters + 2);
-  if (c.extra_rows > 0)
-    compare<__nv_bfloat16><<<dim3((ldd + 127) / 128, c.extra_rows), 128, 0, stream>>>(
-        d + rows * ldd, ref, c.extra_rows, 0, ldd, poison, 1.0, tol, counters + 3, counters + 4, stats + 1,
-        counters + 5);
-  TDIST_CUDA_CHECK(cudaGetLastError());
-  unsigned long long host[6];
-  double max_err = 0;
-  TDIST_CUDA_CHECK(cudaMemcpyAsync(host, counters, sizeof(host), cudaMemcpyDeviceToHost, stream));
-  TDIST_CUDA_CHECK(cudaMemcpyAsync(&max_err, stats + 1, sizeof(double), cudaMemcpyDeviceToHost, stream));
-  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const GroupedCheck check = check_grouped_output(d, ref, rows, c.extra_rows, c.n, ldd, poison, stats, counters, stream);
   for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(d), static_cast<void*>(sa),
                   static_cast<void*>(sb), static_cast<void*>(ref), static_cast<void*>(stats),
                   static_cast<void*>(counters), offs})
     TDIST_CUDA_CHECK(cudaFree(p));
-  char buf[320];
-  std::snprintf(buf, sizeof(buf),
-                "%ld rows + %d extra; max |err| / max |ref| = %.3g (max |ref| %.3g), %llu bad, %llu padding "
-                "overwritten, %llu rows-past-offsets overwritten",
-                rows, c.extra_rows, ref_max > 0 ? max_err / ref_max : max_err, ref_max, host[0], host[1], host[4]);
-  std::string detail = buf;
-  if (host[0] > 0) {
-    std::snprintf(buf, sizeof(buf), ", first bad at (%llu, %llu)", host[2] >> 32, host[2] & 0xFFFFFFFFull);
-    detail += buf;
-  }
-  return {host[0] == 0 && host[1] == 0 && host[4] == 0 && (rows == 0 || ref_max > 0), detail};
+  return {check.ok(rows), check.summary(rows, c.extra_rows)};
 }
 
 }  // namespace
