@@ -1,6 +1,7 @@
 // Host side of tdist::Collectives: buffers, kernel loading, method resolution and launches.
 // Protocols and the CUDA-graph argument: include/tdist/kernels/collectives/*.cuh and
 // docs/collectives.md.
+#include "tdist/common/alignment.hpp"
 #include "tdist/ops/collectives.hpp"
 
 #include <algorithm>
@@ -37,8 +38,6 @@ namespace {
 constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 
 size_t round_up(size_t v, size_t a) { return checked_align_up(v, a, "a collectives buffer size rounded up"); }
-
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
 // ---------------------------------------------------------------------------------------------
 // The symmetric buffers of one context, for n ranks (one allocation; the same layout gives
@@ -252,7 +251,7 @@ CollectiveShape Collectives::shape(size_t bytes, DType dtype, const void* in, si
   s.world_size = world_.world_size();
   s.in_symmetric = check_symmetric_range("in", in, in_bytes, v.local_base(), v.size);
   s.out_symmetric = check_symmetric_range("out", out, out_bytes, v.local_base(), v.size);
-  s.aligned16 = aligned(in, 16) && aligned(out, 16) && stride_bytes % 16 == 0;
+  s.aligned16 = is_aligned(in, 16) && is_aligned(out, 16) && stride_bytes % 16 == 0;
   return s;
 }
 

@@ -1,5 +1,6 @@
 // Host side of tdist::EpBuffer: the symmetric layout, the typed kernel launcher, argument checks and
 // launches. The protocol: include/tdist/kernels/ep/ll.cuh and docs/ep.md.
+#include "tdist/common/alignment.hpp"
 #include "tdist/ops/ep.hpp"
 
 #include <algorithm>
@@ -25,8 +26,6 @@ using kernels::ep::EpLlParams;
 using kernels::ep::EpState;
 
 namespace {
-
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
 size_t mul(size_t a, size_t b) { return checked_mul<size_t>(a, b, "an EP buffer size"); }
 
@@ -362,8 +361,8 @@ void EpBuffer::check_dispatch(const EpLlDispatchArgs& a) const {
                   "a hidden size that is a multiple of 128 (one scale per 128 channels), got ", config_.hidden);
   TDIST_CHECK_ARG(!a.ue8m0 || a.fp8, "ue8m0", "fp8 dispatch (UE8M0 scales are FP8 scales)");
   if (a.num_tokens > 0) {
-    TDIST_CHECK_ARG(a.x != nullptr && aligned(a.x, 16), "x", "a 16-byte aligned device pointer");
-    TDIST_CHECK_ARG(a.topk_idx != nullptr && aligned(a.topk_idx, 8), "topk_idx", "an 8-byte aligned device pointer");
+    TDIST_CHECK_ARG(a.x != nullptr && is_aligned(a.x, 16), "x", "a 16-byte aligned device pointer");
+    TDIST_CHECK_ARG(a.topk_idx != nullptr && is_aligned(a.topk_idx, 8), "topk_idx", "an 8-byte aligned device pointer");
   }
 }
 
@@ -374,12 +373,12 @@ void EpBuffer::check_combine(const EpLlCombineArgs& a, const EpLlHandle& h) cons
                       h.recv_count == impl_->slots[static_cast<size_t>(h.slot)].recv_count.get<int>() &&
                       h.own_row == impl_->slots[static_cast<size_t>(h.slot)].own_row.get<int>(),
                   "handle", "a handle returned by this buffer's ll_dispatch");
-  TDIST_CHECK_ARG(a.y != nullptr && aligned(a.y, 16), "y", "a 16-byte aligned device pointer");
+  TDIST_CHECK_ARG(a.y != nullptr && is_aligned(a.y, 16), "y", "a 16-byte aligned device pointer");
   if (h.num_tokens > 0) {
-    TDIST_CHECK_ARG(a.topk_idx != nullptr && aligned(a.topk_idx, 8), "topk_idx", "an 8-byte aligned device pointer");
-    TDIST_CHECK_ARG(a.topk_weights != nullptr && aligned(a.topk_weights, 4), "topk_weights",
+    TDIST_CHECK_ARG(a.topk_idx != nullptr && is_aligned(a.topk_idx, 8), "topk_idx", "an 8-byte aligned device pointer");
+    TDIST_CHECK_ARG(a.topk_weights != nullptr && is_aligned(a.topk_weights, 4), "topk_weights",
                     "a 4-byte aligned device pointer");
-    TDIST_CHECK_ARG(a.out != nullptr && aligned(a.out, 16), "out", "a 16-byte aligned device pointer");
+    TDIST_CHECK_ARG(a.out != nullptr && is_aligned(a.out, 16), "out", "a 16-byte aligned device pointer");
   }
 }
 
@@ -490,9 +489,9 @@ void EpBuffer::check_ht_dispatch(const EpHtDispatchArgs& a) const {
   TDIST_CHECK_ARG(config_.mode == EpMode::kHighThroughput, "config.mode", "a high-throughput buffer for ht_dispatch");
   check_dispatch_common(a, config_);
   if (a.num_tokens > 0) {
-    TDIST_CHECK_ARG(a.x != nullptr && aligned(a.x, 16), "x", "a 16-byte aligned device pointer");
-    TDIST_CHECK_ARG(a.topk_idx != nullptr && aligned(a.topk_idx, 8), "topk_idx", "an 8-byte aligned device pointer");
-    TDIST_CHECK_ARG(a.topk_weights != nullptr && aligned(a.topk_weights, 4), "topk_weights",
+    TDIST_CHECK_ARG(a.x != nullptr && is_aligned(a.x, 16), "x", "a 16-byte aligned device pointer");
+    TDIST_CHECK_ARG(a.topk_idx != nullptr && is_aligned(a.topk_idx, 8), "topk_idx", "an 8-byte aligned device pointer");
+    TDIST_CHECK_ARG(a.topk_weights != nullptr && is_aligned(a.topk_weights, 4), "topk_weights",
                     "a 4-byte aligned device pointer");
   }
 }
@@ -504,11 +503,11 @@ void EpBuffer::check_ht_combine(const EpHtCombineArgs& a, const EpHtHandle& h) c
                   "the handle of this buffer's latest ht_dispatch (a dispatch's outputs live until the next one)");
   TDIST_CHECK_ARG((a.y != nullptr) != (a.y_compact != nullptr), "y",
                   "exactly one of y (expert-major) and y_compact (compact rows)");
-  TDIST_CHECK_ARG(a.y == nullptr || aligned(a.y, 16), "y", "a 16-byte aligned device pointer");
-  TDIST_CHECK_ARG(a.y_compact == nullptr || aligned(a.y_compact, 16), "y_compact", "a 16-byte aligned device pointer");
+  TDIST_CHECK_ARG(a.y == nullptr || is_aligned(a.y, 16), "y", "a 16-byte aligned device pointer");
+  TDIST_CHECK_ARG(a.y_compact == nullptr || is_aligned(a.y_compact, 16), "y_compact", "a 16-byte aligned device pointer");
   if (h.num_tokens > 0) {
-    TDIST_CHECK_ARG(a.topk_idx != nullptr && aligned(a.topk_idx, 8), "topk_idx", "an 8-byte aligned device pointer");
-    TDIST_CHECK_ARG(a.out != nullptr && aligned(a.out, 16), "out", "a 16-byte aligned device pointer");
+    TDIST_CHECK_ARG(a.topk_idx != nullptr && is_aligned(a.topk_idx, 8), "topk_idx", "an 8-byte aligned device pointer");
+    TDIST_CHECK_ARG(a.out != nullptr && is_aligned(a.out, 16), "out", "a 16-byte aligned device pointer");
   }
 }
 

@@ -1,6 +1,7 @@
 // Decode attention, single GPU and sequence-parallel: argument checks, the split model, the typed
 // launcher of the kernels in kernels/attention/flash_decode.cuh, and the symmetric LL buffer of the
 // distributed merge.
+#include "tdist/common/alignment.hpp"
 #include "tdist/ops/flash_decode.hpp"
 
 #include <algorithm>
@@ -32,12 +33,6 @@ int64_t flash_decode_capacity(const FlashDecodeArgs& a) {
   return a.block_table ? a.max_pages * a.page_size : a.page_size;
 }
 
-namespace {
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
-}  // namespace
-
 void check_flash_decode_args(const FlashDecodeArgs& a) {
   TDIST_CHECK_ARG(a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat16, "dtype",
                   "expected bf16 or f16 for q, the KV cache and out, got ", to_string(a.dtype));
@@ -57,7 +52,7 @@ void check_flash_decode_args(const FlashDecodeArgs& a) {
     const char* name;
   } tensors[] = {{a.q, "q"}, {a.k_cache, "k_cache"}, {a.v_cache, "v_cache"}, {a.out, "out"}};
   for (const auto& t : tensors) {
-    if (t.p == nullptr || !aligned16(t.p))
+    if (t.p == nullptr || !is_aligned(t.p, 16))
       detail::throw_at(__FILE__, __LINE__, "invalid argument '", t.name,
                        "': expected a 16-byte aligned device pointer, got ", t.p);
   }

@@ -1,5 +1,6 @@
 // Host side of tdist::Gemm: argument checks, tensor maps, instance choice, JIT loading, launch.
 // Kernel: include/tdist/kernels/gemm/sm90_gemm.cuh; design: docs/gemm.md.
+#include "tdist/common/alignment.hpp"
 #include "tdist/ops/gemm.hpp"
 
 #include "tdist/ops/detail/gemm_runtime.hpp"
@@ -28,10 +29,6 @@ static_assert(sizeof(GemmTensorMap) == sizeof(CUtensorMap) && alignof(GemmTensor
               "GemmTensorMap mirrors CUtensorMap");
 
 namespace {
-
-constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // TMA coordinates and the kernel's indices are 32-bit
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 size_t element_bytes(DType dtype) { return dtype_size(dtype); }
 
@@ -168,9 +165,9 @@ TDIST_JIT_REGISTER_KERNELS(gemm, gemm_compile_requests);
 GemmArgs check_gemm_args(const GemmArgs& in) {
   GemmArgs a = in;
   check_gemm_dtype(a.dtype);
-  TDIST_CHECK_ARG(a.m >= 0 && a.m <= kMaxDim, "m", "expected 0 <= m < 2^31, got ", a.m);
-  TDIST_CHECK_ARG(a.n >= 0 && a.n <= kMaxDim, "n", "expected 0 <= n < 2^31, got ", a.n);
-  TDIST_CHECK_ARG(a.k > 0 && a.k <= kMaxDim, "k", "expected 0 < k < 2^31, got ", a.k);
+  TDIST_CHECK_ARG(a.m >= 0 && a.m <= kGemmMaxDim, "m", "expected 0 <= m < 2^31, got ", a.m);
+  TDIST_CHECK_ARG(a.n >= 0 && a.n <= kGemmMaxDim, "n", "expected 0 <= n < 2^31, got ", a.n);
+  TDIST_CHECK_ARG(a.k > 0 && a.k <= kGemmMaxDim, "k", "expected 0 < k < 2^31, got ", a.k);
   TDIST_CHECK_ARG(a.k % 8 == 0, "k", "must be a multiple of 8 (16-byte TMA rows), got ", a.k);
   if (a.lda == 0) a.lda = a.k;
   if (a.ldb == 0) a.ldb = a.k;
@@ -185,9 +182,9 @@ GemmArgs check_gemm_args(const GemmArgs& in) {
   TDIST_CHECK_ARG(a.a != nullptr, "a", "null pointer");
   TDIST_CHECK_ARG(a.b != nullptr, "b", "null pointer");
   TDIST_CHECK_ARG(a.d != nullptr, "d", "null pointer");
-  TDIST_CHECK_ARG(aligned16(a.a), "a", "must be 16-byte aligned, got ", a.a);
-  TDIST_CHECK_ARG(aligned16(a.b), "b", "must be 16-byte aligned, got ", a.b);
-  TDIST_CHECK_ARG(aligned16(a.d), "d", "must be 16-byte aligned, got ", a.d);
+  TDIST_CHECK_ARG(is_aligned(a.a, 16), "a", "must be 16-byte aligned, got ", a.a);
+  TDIST_CHECK_ARG(is_aligned(a.b, 16), "b", "must be 16-byte aligned, got ", a.b);
+  TDIST_CHECK_ARG(is_aligned(a.d, 16), "d", "must be 16-byte aligned, got ", a.d);
   return a;
 }
 

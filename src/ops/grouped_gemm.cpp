@@ -1,6 +1,7 @@
 // Host side of tdist::GroupedGemm (include/tdist/ops/grouped_gemm.hpp): argument checks, schedule,
 // JIT instances (GemmRuntime over GroupedScheduler), launch. Kernel: kernels/gemm/sm90_gemm.cuh with
 // kernels/gemm/grouped_scheduler.cuh; design: docs/gemm.md.
+#include "tdist/common/alignment.hpp"
 #include "tdist/ops/grouped_gemm.hpp"
 
 #include <algorithm>
@@ -20,10 +21,6 @@ namespace {
 using GroupedRuntime = detail::GemmRuntime<kg::GroupedScheduler, kg::NoTileHooks>;
 using GatherRuntime = detail::GemmRuntime<kg::GatherGroupedScheduler, kg::NoTileHooks>;
 
-constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // TMA coordinates and the kernel's indices are 32-bit
-
-bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 }  // namespace
 
 GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
@@ -35,12 +32,12 @@ GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
     a.lda = a.k;
     if (a.m > 0 && a.n > 0) {
       const int64_t row_bytes = a.k * static_cast<int64_t>(dtype_size(a.dtype));
-      TDIST_CHECK_ARG(g.token_of_row != nullptr && aligned(g.token_of_row, 4), "a_gather.token_of_row",
+      TDIST_CHECK_ARG(g.token_of_row != nullptr && is_aligned(g.token_of_row, 4), "a_gather.token_of_row",
                       "expected a 4-byte aligned device pointer to int32 [m], got ",
                       static_cast<const void*>(g.token_of_row));
-      TDIST_CHECK_ARG(g.gathered != nullptr && aligned(g.gathered, 16), "a_gather.gathered",
+      TDIST_CHECK_ARG(g.gathered != nullptr && is_aligned(g.gathered, 16), "a_gather.gathered",
                       "expected a 16-byte aligned device pointer, got ", g.gathered);
-      TDIST_CHECK_ARG(g.local_rows == 0 || (g.local != nullptr && aligned(g.local, 16)), "a_gather.local",
+      TDIST_CHECK_ARG(g.local_rows == 0 || (g.local != nullptr && is_aligned(g.local, 16)), "a_gather.local",
                       "expected a 16-byte aligned device pointer for ", g.local_rows, " local rows, got ", g.local);
       TDIST_CHECK_ARG(g.ld_bytes % 16 == 0 && static_cast<int64_t>(g.ld_bytes) >= row_bytes, "a_gather.ld_bytes",
                       "expected a multiple of 16 bytes of at least k elements (", row_bytes, " bytes), got ",
@@ -55,7 +52,7 @@ GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
   a.ldb = dense.ldb;
   a.ldd = dense.ldd;
   // B is a (G N) x K matrix addressed with 32-bit row coordinates.
-  TDIST_CHECK_ARG(static_cast<int64_t>(a.num_groups) * std::max<int64_t>(a.n, 1) <= kMaxDim, "num_groups",
+  TDIST_CHECK_ARG(static_cast<int64_t>(a.num_groups) * std::max<int64_t>(a.n, 1) <= kGemmMaxDim, "num_groups",
                   "num_groups x n must be < 2^31 (rows of B), got ", a.num_groups, " x ", a.n);
   TDIST_CHECK_ARG(a.offsets_type == IndexType::kInt32 || a.offsets_type == IndexType::kInt64, "offsets_type",
                   "expected kInt32 or kInt64");
@@ -63,7 +60,7 @@ GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
   TDIST_CHECK_ARG(a.offsets != nullptr, "offsets",
                   "null pointer (expected num_groups + 1 row offsets in device memory)");
   const size_t offset_bytes = a.offsets_type == IndexType::kInt64 ? 8 : 4;
-  TDIST_CHECK_ARG(aligned(a.offsets, offset_bytes), "offsets", "must be aligned to its ", offset_bytes,
+  TDIST_CHECK_ARG(is_aligned(a.offsets, offset_bytes), "offsets", "must be aligned to its ", offset_bytes,
                   "-byte elements, got ", a.offsets);
   return a;
 }
@@ -87,7 +84,7 @@ kg::GroupedScheduler grouped_gemm_schedule(const GroupedGemmArgs& a, const GemmT
                                            const GroupedGemmRunOptions& options) {
   TDIST_CHECK_ARG(options.group_m >= 1, "group_m", "expected >= 1, got ", options.group_m);
   TDIST_CHECK_ARG(options.first_row >= 0, "first_row", "expected >= 0, got ", options.first_row);
-  TDIST_CHECK_ARG(aligned(options.m_tile_order, 4), "m_tile_order", "must be 4-byte aligned, got ",
+  TDIST_CHECK_ARG(is_aligned(options.m_tile_order, 4), "m_tile_order", "must be 4-byte aligned, got ",
                   static_cast<const void*>(options.m_tile_order));
   check_gemm_tile(tile);
   TDIST_CHECK_ARG(grouped_gemm_alignment() % tile.block_m == 0, "tile", "block_m ", tile.block_m,

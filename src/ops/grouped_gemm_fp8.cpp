@@ -3,6 +3,7 @@
 // grouped walk of kernels/gemm/grouped_scheduler.cuh; design: docs/gemm.md ("FP8").
 #include <algorithm>
 
+#include "tdist/common/alignment.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/nvtx.hpp"
@@ -18,10 +19,8 @@ namespace kg = kernels::gemm;
 
 namespace {
 
-constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // TMA coordinates and the kernel's indices are 32-bit
 constexpr int64_t kScaleBlock = kg::kFp8BlockK;
 
-bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 int64_t blocks_of(int64_t x) { return (x + kScaleBlock - 1) / kScaleBlock; }
 
 // The operands as the dense GEMM's argument struct: A and B as e4m3 (their tensor maps), D as bf16.
@@ -45,9 +44,9 @@ GemmArgs operands(const GroupedGemmFp8Args& a, DType dtype) {
 GroupedGemmFp8Args check_grouped_gemm_fp8_args(const GroupedGemmFp8Args& in) {
   GroupedGemmFp8Args a = in;
   TDIST_CHECK_ARG(a.num_groups >= 1, "num_groups", "expected at least one group, got ", a.num_groups);
-  TDIST_CHECK_ARG(a.m >= 0 && a.m <= kMaxDim, "m", "expected 0 <= m < 2^31, got ", a.m);
-  TDIST_CHECK_ARG(a.n >= 0 && a.n <= kMaxDim, "n", "expected 0 <= n < 2^31, got ", a.n);
-  TDIST_CHECK_ARG(a.k > 0 && a.k <= kMaxDim, "k", "expected 0 < k < 2^31, got ", a.k);
+  TDIST_CHECK_ARG(a.m >= 0 && a.m <= kGemmMaxDim, "m", "expected 0 <= m < 2^31, got ", a.m);
+  TDIST_CHECK_ARG(a.n >= 0 && a.n <= kGemmMaxDim, "n", "expected 0 <= n < 2^31, got ", a.n);
+  TDIST_CHECK_ARG(a.k > 0 && a.k <= kGemmMaxDim, "k", "expected 0 < k < 2^31, got ", a.k);
   TDIST_CHECK_ARG(a.k % 16 == 0, "k", "must be a multiple of 16 (16-byte e4m3 rows), got ", a.k);
   if (a.lda == 0) a.lda = a.k;
   if (a.ldb == 0) a.ldb = a.k;
@@ -64,23 +63,23 @@ GroupedGemmFp8Args check_grouped_gemm_fp8_args(const GroupedGemmFp8Args& in) {
     a.a_scales_row_stride = blocks_of(a.k);  // row-major [M_total][KB]
     a.a_scales_kb_stride = 1;
   }
-  TDIST_CHECK_ARG(static_cast<int64_t>(a.num_groups) * std::max<int64_t>(a.n, 1) <= kMaxDim, "num_groups",
+  TDIST_CHECK_ARG(static_cast<int64_t>(a.num_groups) * std::max<int64_t>(a.n, 1) <= kGemmMaxDim, "num_groups",
                   "num_groups x n must be < 2^31 (rows of B), got ", a.num_groups, " x ", a.n);
   TDIST_CHECK_ARG(a.offsets_type == IndexType::kInt32 || a.offsets_type == IndexType::kInt64, "offsets_type",
                   "expected kInt32 or kInt64");
   if (a.m == 0 || a.n == 0) return a;  // nothing to compute; pointers may be anything
-  TDIST_CHECK_ARG(a.a != nullptr && aligned(a.a, 16), "a", "expected a 16-byte aligned device pointer, got ", a.a);
-  TDIST_CHECK_ARG(a.b != nullptr && aligned(a.b, 16), "b", "expected a 16-byte aligned device pointer, got ", a.b);
-  TDIST_CHECK_ARG(a.d != nullptr && aligned(a.d, 16), "d", "expected a 16-byte aligned device pointer, got ", a.d);
-  TDIST_CHECK_ARG(a.a_scales != nullptr && aligned(a.a_scales, 4), "a_scales",
+  TDIST_CHECK_ARG(a.a != nullptr && is_aligned(a.a, 16), "a", "expected a 16-byte aligned device pointer, got ", a.a);
+  TDIST_CHECK_ARG(a.b != nullptr && is_aligned(a.b, 16), "b", "expected a 16-byte aligned device pointer, got ", a.b);
+  TDIST_CHECK_ARG(a.d != nullptr && is_aligned(a.d, 16), "d", "expected a 16-byte aligned device pointer, got ", a.d);
+  TDIST_CHECK_ARG(a.a_scales != nullptr && is_aligned(a.a_scales, 4), "a_scales",
                   "expected a 4-byte aligned device pointer to f32 scales, got ", static_cast<const void*>(a.a_scales));
-  TDIST_CHECK_ARG(a.b_scales != nullptr && aligned(a.b_scales, 4), "b_scales",
+  TDIST_CHECK_ARG(a.b_scales != nullptr && is_aligned(a.b_scales, 4), "b_scales",
                   "expected a 4-byte aligned device pointer to f32 [num_groups][ceil(n / 128)][ceil(k / 128)], got ",
                   static_cast<const void*>(a.b_scales));
   TDIST_CHECK_ARG(a.offsets != nullptr, "offsets",
                   "null pointer (expected num_groups + 1 row offsets in device memory)");
   const size_t offset_bytes = a.offsets_type == IndexType::kInt64 ? 8 : 4;
-  TDIST_CHECK_ARG(aligned(a.offsets, offset_bytes), "offsets", "must be aligned to its ", offset_bytes,
+  TDIST_CHECK_ARG(is_aligned(a.offsets, offset_bytes), "offsets", "must be aligned to its ", offset_bytes,
                   "-byte elements, got ", a.offsets);
   return a;
 }

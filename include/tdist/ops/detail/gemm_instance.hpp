@@ -15,6 +15,10 @@
 
 namespace tdist {
 
+// The largest M, N, K and row count of B the GEMMs take: TMA coordinates and the kernels' indices
+// are 32-bit.
+constexpr int64_t kGemmMaxDim = (int64_t{1} << 31) - 1;
+
 // The kernel's name expression: tdist::kernels::gemm::sm90_gemm_tn<T, BM, BN, BK, S, C, Hooks> (the
 // TileScheduler instance). Typed alternative: detail::GemmRuntime (include/tdist/ops/detail/gemm_runtime.hpp).
 std::string gemm_kernel_name(DType dtype, const GemmTile& tile,
