@@ -1,7 +1,6 @@
 // Host side of tdist::Collectives: buffers, kernel loading, method resolution and launches.
 // Protocols and the CUDA-graph argument: include/tdist/kernels/collectives/*.cuh and
 // docs/collectives.md.
-#include "tdist/common/alignment.hpp"
 #include "tdist/ops/collectives.hpp"
 
 #include <algorithm>
@@ -11,6 +10,7 @@
 #include <unordered_map>
 
 #include "src/ops/nccl_dtype.hpp"
+#include "tdist/common/alignment.hpp"
 #include "tdist/common/checked.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/env.hpp"

@@ -1,6 +1,5 @@
 // Host side of tdist::EpBuffer: the symmetric layout, the typed kernel launcher, argument checks and
 // launches. The protocol: include/tdist/kernels/ep/ll.cuh and docs/ep.md.
-#include "tdist/common/alignment.hpp"
 #include "tdist/ops/ep.hpp"
 
 #include <algorithm>
@@ -8,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "tdist/common/alignment.hpp"
 #include "tdist/common/checked.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"

@@ -1,7 +1,6 @@
 // Decode attention, single GPU and sequence-parallel: argument checks, the split model, the typed
 // launcher of the kernels in kernels/attention/flash_decode.cuh, and the symmetric LL buffer of the
 // distributed merge.
-#include "tdist/common/alignment.hpp"
 #include "tdist/ops/flash_decode.hpp"
 
 #include <algorithm>
@@ -13,6 +12,7 @@
 #include <regex>
 #include <utility>
 
+#include "tdist/common/alignment.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/common/env.hpp"

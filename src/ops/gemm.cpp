@@ -1,6 +1,5 @@
 // Host side of tdist::Gemm: argument checks, tensor maps, instance choice, JIT loading, launch.
 // Kernel: include/tdist/kernels/gemm/sm90_gemm.cuh; design: docs/gemm.md.
-#include "tdist/common/alignment.hpp"
 #include "tdist/ops/gemm.hpp"
 
 #include "tdist/ops/detail/gemm_runtime.hpp"
@@ -13,6 +12,7 @@
 #include <cmath>
 #include <cstdlib>
 
+#include "tdist/common/alignment.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"

@@ -1,11 +1,11 @@
 // Host side of tdist::GroupedGemm (include/tdist/ops/grouped_gemm.hpp): argument checks, schedule,
 // JIT instances (GemmRuntime over GroupedScheduler), launch. Kernel: kernels/gemm/sm90_gemm.cuh with
 // kernels/gemm/grouped_scheduler.cuh; design: docs/gemm.md.
-#include "tdist/common/alignment.hpp"
 #include "tdist/ops/grouped_gemm.hpp"
 
 #include <algorithm>
 
+#include "tdist/common/alignment.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/nvtx.hpp"
