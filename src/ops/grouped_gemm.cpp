@@ -51,50 +51,46 @@ GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
   a.lda = dense.lda;
   a.ldb = dense.ldb;
   a.ldd = dense.ldd;
-  // B is a (G N) x K matrix addressed with 32-bit row coordinates.
-  TDIST_CHECK_ARG(static_cast<int64_t>(a.num_groups) * std::max<int64_t>(a.n, 1) <= kGemmMaxDim, "num_groups",
-                  "num_groups x n must be < 2^31 (rows of B), got ", a.num_groups, " x ", a.n);
-  TDIST_CHECK_ARG(a.offsets_type == IndexType::kInt32 || a.offsets_type == IndexType::kInt64, "offsets_type",
-                  "expected kInt32 or kInt64");
-  if (a.m == 0 || a.n == 0) return a;  // nothing to compute; pointers may be anything
-  TDIST_CHECK_ARG(a.offsets != nullptr, "offsets",
-                  "null pointer (expected num_groups + 1 row offsets in device memory)");
-  const size_t offset_bytes = a.offsets_type == IndexType::kInt64 ? 8 : 4;
-  TDIST_CHECK_ARG(is_aligned(a.offsets, offset_bytes), "offsets", "must be aligned to its ", offset_bytes,
-                  "-byte elements, got ", a.offsets);
+  detail::check_grouped_offsets(a.num_groups, a.m, a.n, a.offsets, a.offsets_type);
   return a;
 }
 
-GemmArgs grouped_gemm_problem(const GroupedGemmArgs& a) {
-  GemmArgs g;
-  g.a = a.a;
-  g.b = a.b;
-  g.d = a.d;
-  g.m = a.m;
-  g.n = a.n;
-  g.k = a.k;
-  g.dtype = a.dtype;
-  g.lda = a.lda;
-  g.ldb = a.ldb;
-  g.ldd = a.ldd;
-  return g;
+void detail::check_grouped_offsets(int num_groups, int64_t m, int64_t n, const void* offsets,
+                                   IndexType offsets_type) {
+  // B is a (G N) x K matrix addressed with 32-bit row coordinates.
+  TDIST_CHECK_ARG(static_cast<int64_t>(num_groups) * std::max<int64_t>(n, 1) <= kGemmMaxDim, "num_groups",
+                  "num_groups x n must be < 2^31 (rows of B), got ", num_groups, " x ", n);
+  TDIST_CHECK_ARG(offsets_type == IndexType::kInt32 || offsets_type == IndexType::kInt64, "offsets_type",
+                  "expected kInt32 or kInt64");
+  if (m == 0 || n == 0) return;  // nothing to compute; pointers may be anything
+  TDIST_CHECK_ARG(offsets != nullptr, "offsets", "null pointer (expected num_groups + 1 row offsets in device memory)");
+  const size_t offset_bytes = offsets_type == IndexType::kInt64 ? 8 : 4;
+  TDIST_CHECK_ARG(is_aligned(offsets, offset_bytes), "offsets", "must be aligned to its ", offset_bytes,
+                  "-byte elements, got ", offsets);
 }
 
-kg::GroupedScheduler grouped_gemm_schedule(const GroupedGemmArgs& a, const GemmTile& tile,
-                                           const GroupedGemmRunOptions& options) {
+GemmArgs grouped_gemm_problem(const GroupedGemmArgs& a) { return detail::grouped_operands(a, a.dtype); }
+
+kg::GroupedScheduler detail::grouped_walk(const void* offsets, IndexType offsets_type, int num_groups, int64_t m,
+                                          int64_t n, const GemmTile& tile, const GroupedGemmRunOptions& options) {
   TDIST_CHECK_ARG(options.group_m >= 1, "group_m", "expected >= 1, got ", options.group_m);
   TDIST_CHECK_ARG(options.first_row >= 0, "first_row", "expected >= 0, got ", options.first_row);
   TDIST_CHECK_ARG(is_aligned(options.m_tile_order, 4), "m_tile_order", "must be 4-byte aligned, got ",
                   static_cast<const void*>(options.m_tile_order));
-  check_gemm_tile(tile);
-  TDIST_CHECK_ARG(grouped_gemm_alignment() % tile.block_m == 0, "tile", "block_m ", tile.block_m,
-                  " must divide the group alignment ", grouped_gemm_alignment());
-  return kg::GroupedScheduler::make(a.offsets, a.offsets_type == IndexType::kInt64 ? 8 : 4,
-                                    static_cast<unsigned>(a.num_groups), static_cast<uint64_t>(a.m),
-                                    static_cast<uint64_t>(a.n), static_cast<unsigned>(tile.block_m),
+  return kg::GroupedScheduler::make(offsets, offsets_type == IndexType::kInt64 ? 8 : 4,
+                                    static_cast<unsigned>(num_groups), static_cast<uint64_t>(m),
+                                    static_cast<uint64_t>(n), static_cast<unsigned>(tile.block_m),
                                     static_cast<unsigned>(tile.block_n), static_cast<unsigned>(options.group_m),
                                     static_cast<unsigned>(options.first_row / tile.block_m), options.m_tile_order,
                                     options.m_tile_count);
+}
+
+kg::GroupedScheduler grouped_gemm_schedule(const GroupedGemmArgs& a, const GemmTile& tile,
+                                           const GroupedGemmRunOptions& options) {
+  check_gemm_tile(tile);
+  TDIST_CHECK_ARG(grouped_gemm_alignment() % tile.block_m == 0, "tile", "block_m ", tile.block_m,
+                  " must divide the group alignment ", grouped_gemm_alignment());
+  return detail::grouped_walk(a.offsets, a.offsets_type, a.num_groups, a.m, a.n, tile, options);
 }
 
 std::vector<int64_t> grouped_gemm_offsets(const std::vector<int64_t>& counts) {

@@ -23,22 +23,6 @@ constexpr int64_t kScaleBlock = kg::kFp8BlockK;
 
 int64_t blocks_of(int64_t x) { return (x + kScaleBlock - 1) / kScaleBlock; }
 
-// The operands as the dense GEMM's argument struct: A and B as e4m3 (their tensor maps), D as bf16.
-GemmArgs operands(const GroupedGemmFp8Args& a, DType dtype) {
-  GemmArgs g;
-  g.a = a.a;
-  g.b = a.b;
-  g.d = a.d;
-  g.m = a.m;
-  g.n = a.n;
-  g.k = a.k;
-  g.dtype = dtype;
-  g.lda = a.lda;
-  g.ldb = a.ldb;
-  g.ldd = a.ldd;
-  return g;
-}
-
 }  // namespace
 
 GroupedGemmFp8Args check_grouped_gemm_fp8_args(const GroupedGemmFp8Args& in) {
@@ -63,24 +47,21 @@ GroupedGemmFp8Args check_grouped_gemm_fp8_args(const GroupedGemmFp8Args& in) {
     a.a_scales_row_stride = blocks_of(a.k);  // row-major [M_total][KB]
     a.a_scales_kb_stride = 1;
   }
-  TDIST_CHECK_ARG(static_cast<int64_t>(a.num_groups) * std::max<int64_t>(a.n, 1) <= kGemmMaxDim, "num_groups",
-                  "num_groups x n must be < 2^31 (rows of B), got ", a.num_groups, " x ", a.n);
-  TDIST_CHECK_ARG(a.offsets_type == IndexType::kInt32 || a.offsets_type == IndexType::kInt64, "offsets_type",
-                  "expected kInt32 or kInt64");
-  if (a.m == 0 || a.n == 0) return a;  // nothing to compute; pointers may be anything
-  TDIST_CHECK_ARG(a.a != nullptr && is_aligned(a.a, 16), "a", "expected a 16-byte aligned device pointer, got ", a.a);
-  TDIST_CHECK_ARG(a.b != nullptr && is_aligned(a.b, 16), "b", "expected a 16-byte aligned device pointer, got ", a.b);
-  TDIST_CHECK_ARG(a.d != nullptr && is_aligned(a.d, 16), "d", "expected a 16-byte aligned device pointer, got ", a.d);
-  TDIST_CHECK_ARG(a.a_scales != nullptr && is_aligned(a.a_scales, 4), "a_scales",
-                  "expected a 4-byte aligned device pointer to f32 scales, got ", static_cast<const void*>(a.a_scales));
-  TDIST_CHECK_ARG(a.b_scales != nullptr && is_aligned(a.b_scales, 4), "b_scales",
-                  "expected a 4-byte aligned device pointer to f32 [num_groups][ceil(n / 128)][ceil(k / 128)], got ",
-                  static_cast<const void*>(a.b_scales));
-  TDIST_CHECK_ARG(a.offsets != nullptr, "offsets",
-                  "null pointer (expected num_groups + 1 row offsets in device memory)");
-  const size_t offset_bytes = a.offsets_type == IndexType::kInt64 ? 8 : 4;
-  TDIST_CHECK_ARG(is_aligned(a.offsets, offset_bytes), "offsets", "must be aligned to its ", offset_bytes,
-                  "-byte elements, got ", a.offsets);
+  if (a.m > 0 && a.n > 0) {  // else nothing to compute; pointers may be anything
+    TDIST_CHECK_ARG(a.a != nullptr && is_aligned(a.a, 16), "a", "expected a 16-byte aligned device pointer, got ",
+                    a.a);
+    TDIST_CHECK_ARG(a.b != nullptr && is_aligned(a.b, 16), "b", "expected a 16-byte aligned device pointer, got ",
+                    a.b);
+    TDIST_CHECK_ARG(a.d != nullptr && is_aligned(a.d, 16), "d", "expected a 16-byte aligned device pointer, got ",
+                    a.d);
+    TDIST_CHECK_ARG(a.a_scales != nullptr && is_aligned(a.a_scales, 4), "a_scales",
+                    "expected a 4-byte aligned device pointer to f32 scales, got ",
+                    static_cast<const void*>(a.a_scales));
+    TDIST_CHECK_ARG(a.b_scales != nullptr && is_aligned(a.b_scales, 4), "b_scales",
+                    "expected a 4-byte aligned device pointer to f32 [num_groups][ceil(n / 128)][ceil(k / 128)], got ",
+                    static_cast<const void*>(a.b_scales));
+  }
+  detail::check_grouped_offsets(a.num_groups, a.m, a.n, a.offsets, a.offsets_type);
   return a;
 }
 
@@ -150,7 +131,7 @@ TDIST_JIT_REGISTER_KERNELS(grouped_gemm_fp8, grouped_gemm_fp8_compile_requests);
 void detail::Fp8GroupedRuntime::launch(const GroupedGemmFp8Args& a, const GemmTile& tile,
                                       const kg::GroupedScheduler& sched, int max_ctas, cudaStream_t stream) {
   const jit::Kernel& kernel = modules_.load(DType::kFloat8E4M3, tile, &fp8_name, &fp8_request);
-  const GemmArgs in = operands(a, DType::kFloat8E4M3), out = operands(a, DType::kBFloat16);
+  const GemmArgs in = grouped_operands(a, DType::kFloat8E4M3), out = grouped_operands(a, DType::kBFloat16);
   const int64_t b_rows = static_cast<int64_t>(a.num_groups) * a.n;
   const GemmTensorMap map_a = encode_gemm_tensor_map(gemm_tensor_map_a(in, tile), DType::kFloat8E4M3);
   const GemmTensorMap map_b = encode_gemm_tensor_map(gemm_tensor_map_b_rows(in, tile, b_rows), DType::kFloat8E4M3);
@@ -176,7 +157,6 @@ void detail::Fp8GroupedRuntime::launch(const GroupedGemmFp8Args& a, const GemmTi
   jit::launch(kernel, cfg, kargs);
 }
 
-
 GemmTile GroupedGemm::tile_for(const GroupedGemmFp8Args& args, const GroupedGemmRunOptions& options) const {
   return options.tile ? *options.tile : choose_fp8_gemm_tile(args.m, args.n, num_sms_);
 }
@@ -186,16 +166,11 @@ void GroupedGemm::run(const GroupedGemmFp8Args& raw, cudaStream_t stream, const 
                    " e4m3");
   const GroupedGemmFp8Args args = check_grouped_gemm_fp8_args(raw);
   if (args.m == 0 || args.n == 0) return;
-  TDIST_CHECK_ARG(options.group_m >= 1, "group_m", "expected >= 1, got ", options.group_m);
-  TDIST_CHECK_ARG(options.first_row >= 0, "first_row", "expected >= 0, got ", options.first_row);
   TDIST_CHECK_ARG(options.max_ctas >= 0, "max_ctas", "expected >= 0, got ", options.max_ctas);
   const GemmTile tile = tile_for(args, options);
-  check_fp8_gemm_tile(tile);
-  const kg::GroupedScheduler sched = kg::GroupedScheduler::make(
-      args.offsets, args.offsets_type == IndexType::kInt64 ? 8 : 4, static_cast<unsigned>(args.num_groups),
-      static_cast<uint64_t>(args.m), static_cast<uint64_t>(args.n), static_cast<unsigned>(tile.block_m),
-      static_cast<unsigned>(tile.block_n), static_cast<unsigned>(options.group_m),
-      static_cast<unsigned>(options.first_row / tile.block_m), options.m_tile_order, options.m_tile_count);
+  check_fp8_gemm_tile(tile);  // BLOCK_M 64 or 128: divides the group alignment
+  const kg::GroupedScheduler sched =
+      detail::grouped_walk(args.offsets, args.offsets_type, args.num_groups, args.m, args.n, tile, options);
   fp8_->launch(args, tile, sched, options.max_ctas, stream);
 }
 

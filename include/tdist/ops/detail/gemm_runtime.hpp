@@ -182,6 +182,32 @@ class GemmRuntime {
   GemmModules modules_;
 };
 
+// What the bf16 / fp16 and the FP8 grouped GEMMs share (ops/grouped_gemm.hpp):
+// The checks after their operands': the rows of B (num_groups x n below 2^31), the offsets' type,
+// and, with work to do (m and n > 0), the offsets' pointer. Errors name the argument.
+void check_grouped_offsets(int num_groups, int64_t m, int64_t n, const void* offsets, IndexType offsets_type);
+// The walk of `options` (group_m, first_row, m_tile_order, m_tile_count) over checked args and a
+// checked tile whose BLOCK_M divides the group alignment.
+kernels::gemm::GroupedScheduler grouped_walk(const void* offsets, IndexType offsets_type, int num_groups, int64_t m,
+                                             int64_t n, const GemmTile& tile, const GroupedGemmRunOptions& options);
+// A grouped problem's A, D and B (its first N rows) as the dense GEMM's argument struct, with
+// element type `dtype` (its tensor maps and launch shape).
+template <typename GroupedArgs>
+GemmArgs grouped_operands(const GroupedArgs& a, DType dtype) {
+  GemmArgs g;
+  g.a = a.a;
+  g.b = a.b;
+  g.d = a.d;
+  g.m = a.m;
+  g.n = a.n;
+  g.k = a.k;
+  g.dtype = dtype;
+  g.lda = a.lda;
+  g.ldb = a.ldb;
+  g.ldd = a.ldd;
+  return g;
+}
+
 // The FP8 grouped instances (kernels/gemm/sm90_fp8_gemm.cuh) of one GroupedGemm: loaded by tile on
 // first use, launched on checked args (check_grouped_gemm_fp8_args) and a checked tile.
 class Fp8GroupedRuntime {
