@@ -58,10 +58,6 @@ def _fail(op: str, name: str, expected: str, got) -> None:
     raise Error(f"tdist.ep.{op}: invalid argument '{name}': expected {expected}, got {got}")
 
 
-def _stream(device: int) -> int:
-    return raw_stream(device)
-
-
 def heap_bytes(max_tokens_per_rank: int, hidden: int, num_experts: int, topk: int, world_size: int, *,
                mode: str = "low_latency", num_sms: int = 0, expert_alignment: int = 128) -> int:
     """Symmetric bytes per rank a Buffer of this configuration takes; raises tdist.Error naming a bad field."""
@@ -226,7 +222,7 @@ class Buffer:
 
         def hook():
             """Launch the receive on the current stream (once)."""
-            op.run_hook(hook_id, _stream(self.device))
+            op.run_hook(hook_id, raw_stream(self.device))
 
         return hook
 
@@ -284,7 +280,7 @@ class Buffer:
     def _ht_dispatch(self, x, topk_idx, topk_weights, sync_counts: bool) -> "HighThroughputHandle":
         _bump_versions(self._ht_views)  # the previous dispatch's outputs are overwritten from here on
         r = self._op.ht_dispatch(x.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), int(x.shape[0]),
-                                 self.hidden, self.topk, bool(sync_counts), _stream(self.device))
+                                 self.hidden, self.topk, bool(sync_counts), raw_stream(self.device))
         (call, recv_x, recv_src, recv_idx, recv_w, recv_row, expert_x, expert_src, info, max_recv, max_expert,
          num_recv, num_expert_rows, counts, offsets) = r
         torch = torch_module()
@@ -312,12 +308,12 @@ class Buffer:
             out = torch.empty((handle.num_tokens, self.hidden), dtype=torch.bfloat16,
                               device=torch.device("cuda", self.device))
         self._op.ht_combine(0 if y is None else y.data_ptr(), 0 if y_compact is None else y_compact.data_ptr(),
-                            handle.topk_idx.data_ptr(), out.data_ptr(), handle.call, _stream(self.device))
+                            handle.topk_idx.data_ptr(), out.data_ptr(), handle.call, raw_stream(self.device))
         return out
 
     def check_errors(self) -> None:
         """Synchronises; raises tdist.Error naming topk_idx when a call met an id out of range or repeated."""
-        self._op.check_errors(_stream(self.device))
+        self._op.check_errors(raw_stream(self.device))
 
     def _view(self, ptr: int, shape: tuple, dtype):
         torch = torch_module()
@@ -340,7 +336,7 @@ def _ll_dispatch(buffer_id, x, topk_idx, fp8, ue8m0, return_hook):
     b._check_mode("low_latency_dispatch", "low_latency")
     tokens = b._check_tokens("low_latency_dispatch", x, topk_idx)
     seq, rx, rs, rc, rr, hook = b._op.ll_dispatch(x.data_ptr(), topk_idx.data_ptr(), tokens, b.hidden, b.topk, fp8,
-                                                  ue8m0, return_hook, _stream(b.device))
+                                                  ue8m0, return_hook, raw_stream(b.device))
     sx, ss, sc, sr = b._ll_shapes(fp8)
     recv_x = b._view(rx, sx, torch.uint8).view(torch.float8_e4m3fn) if fp8 else b._view(rx, sx, torch.bfloat16)
     recv_scales = b._view(rs, ss, torch.float32) if fp8 else torch.empty(ss, dtype=torch.float32, device=x.device)
@@ -352,7 +348,7 @@ def _ll_combine(buffer_id, y, topk_idx, topk_weights, recv_count, out, seq, retu
     torch = torch_module()
     b = _buffer(buffer_id, "low_latency_combine")
     hook = b._op.ll_combine(y.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(), out.data_ptr(), seq,
-                            recv_count.data_ptr(), return_hook, _stream(b.device))
+                            recv_count.data_ptr(), return_hook, raw_stream(b.device))
     return torch.tensor([hook], dtype=torch.int64)
 
 

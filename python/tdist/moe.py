@@ -193,14 +193,14 @@ def grouped_gemm_alignment() -> int:
     return _C.grouped_gemm_alignment()
 
 
-def _check_tensor(op, name, t, dtypes, dims, device):
+def _check_tensor(op, name, t, dtypes, dims, device, contiguous=True):
     check_tensor_kind(lambda *a: _fail(op, *a), name, t, dtypes, dims)
     t_device = t.device
     if device is not None and t_device != device:
         _fail(op, name, f"a tensor on {device}", t_device)
     if t_device.type not in ("cuda", "meta"):
         _fail(op, name, "a CUDA tensor", t_device)
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         _fail(op, name, "a contiguous tensor", f"strides {tuple(t.stride())}")
 
 
@@ -287,12 +287,8 @@ def check_grouped_gemm_fp8_args(a, a_scales, w, w_scales, offsets) -> dict:
     _check_tensor(op, "a", a, (_FP8,), (None, k), w.device)
     m = _shape(a)[0]
     _check_tensor(op, "w_scales", w_scales, ("float32",), (groups, nb, kb), w.device)
-    # a_scales: any strides (row- or column-major); only its kind, shape and device are checked here.
-    check_tensor_kind(lambda *e: _fail(op, *e), "a_scales", a_scales, ("float32",), (m, kb))
-    if a_scales.device != w.device:
-        _fail(op, "a_scales", f"a tensor on {w.device}", a_scales.device)
-    if any(st < 0 for st in a_scales.stride()):
-        _fail(op, "a_scales", "non-negative strides", tuple(a_scales.stride()))
+    # a_scales: any strides (row- or column-major; torch's are never negative).
+    _check_tensor(op, "a_scales", a_scales, ("float32",), (m, kb), w.device, contiguous=False)
     _check_tensor(op, "offsets", offsets, ("int32", "int64"), (groups + 1,), w.device)
     return dict(m=m, n=n, k=k, groups=groups, offsets_dtype=torch_dtype_name(offsets.dtype))
 
@@ -313,6 +309,14 @@ def _grouped_gemm_fp8(a, a_scales, w, w_scales, offsets):
     return d
 
 
+def _to_e4m3(torch, blocks, block_dims):
+    """e4m3 of fp32 `blocks` (scale blocks along `block_dims`) and the blocks' scales, amax / 448 (the
+    largest magnitude of a block maps to 448; an all-zero block gets a tiny positive scale)."""
+    scales = blocks.abs().amax(dim=block_dims, keepdim=True).clamp(min=1e-12) / _FP8_MAX
+    q = (blocks / scales).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scales.squeeze(block_dims)
+
+
 def quantize_fp8_rows(x):
     """e4m3 [M, K] and f32 scales [M, ceil(K / 128)] of x [M, K] (any float type): one scale per row and
     128 columns, amax / 448, so that x ~ q * scale (grouped_gemm_fp8's A). Torch ops on x's device."""
@@ -322,8 +326,7 @@ def quantize_fp8_rows(x):
     m, k = x.shape
     kb = -(-k // _SCALE_BLOCK)
     blocks = torch.nn.functional.pad(x.float(), (0, kb * _SCALE_BLOCK - k)).view(m, kb, _SCALE_BLOCK)
-    scales = blocks.abs().amax(-1).clamp(min=1e-12) / _FP8_MAX
-    q = (blocks / scales[..., None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    q, scales = _to_e4m3(torch, blocks, (2,))
     return q.view(m, kb * _SCALE_BLOCK)[:, :k].contiguous(), scales
 
 
@@ -338,9 +341,7 @@ def quantize_fp8_blocks(w):
     g, n, k = w.shape
     nb, kb = -(-n // _SCALE_BLOCK), -(-k // _SCALE_BLOCK)
     padded = torch.nn.functional.pad(w.float(), (0, kb * _SCALE_BLOCK - k, 0, nb * _SCALE_BLOCK - n))
-    blocks = padded.view(g, nb, _SCALE_BLOCK, kb, _SCALE_BLOCK)
-    scales = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / _FP8_MAX
-    q = (blocks / scales[:, :, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    q, scales = _to_e4m3(torch, padded.view(g, nb, _SCALE_BLOCK, kb, _SCALE_BLOCK), (2, 4))
     return q.view(g, nb * _SCALE_BLOCK, kb * _SCALE_BLOCK)[:, :n, :k].contiguous(), scales
 
 
