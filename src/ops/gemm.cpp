@@ -203,7 +203,7 @@ GemmTensorMapSpec k_major_tensor_map(const void* base, int64_t rows, int64_t ld,
   // Rows that are only 16-byte aligned read through 256-byte L2 promotion ran the GEMM 1.5-1.7x
   // slower than aligned ones; 128-byte promotion took that to 1.2-1.4x (docs/gemm.md, "Rows that are
   // not 32-byte aligned"). Aligned rows keep 256 bytes (no difference measured there).
-  const bool aligned_rows = reinterpret_cast<uintptr_t>(base) % 32 == 0 && s.row_stride_bytes % 32 == 0;
+  const bool aligned_rows = is_aligned(base, 32) && s.row_stride_bytes % 32 == 0;
   s.l2_promotion_bytes = aligned_rows ? 256 : 128;
   return s;
 }
