@@ -162,12 +162,16 @@ std::vector<jit::CompileRequest> gemm_compile_requests() { return detail::PlainG
 
 TDIST_JIT_REGISTER_KERNELS(gemm, gemm_compile_requests);
 
+void check_gemm_dims(int64_t m, int64_t n, int64_t k) {
+  TDIST_CHECK_ARG(m >= 0 && m <= kGemmMaxDim, "m", "expected 0 <= m < 2^31, got ", m);
+  TDIST_CHECK_ARG(n >= 0 && n <= kGemmMaxDim, "n", "expected 0 <= n < 2^31, got ", n);
+  TDIST_CHECK_ARG(k > 0 && k <= kGemmMaxDim, "k", "expected 0 < k < 2^31, got ", k);
+}
+
 GemmArgs check_gemm_args(const GemmArgs& in) {
   GemmArgs a = in;
   check_gemm_dtype(a.dtype);
-  TDIST_CHECK_ARG(a.m >= 0 && a.m <= kGemmMaxDim, "m", "expected 0 <= m < 2^31, got ", a.m);
-  TDIST_CHECK_ARG(a.n >= 0 && a.n <= kGemmMaxDim, "n", "expected 0 <= n < 2^31, got ", a.n);
-  TDIST_CHECK_ARG(a.k > 0 && a.k <= kGemmMaxDim, "k", "expected 0 < k < 2^31, got ", a.k);
+  check_gemm_dims(a.m, a.n, a.k);
   TDIST_CHECK_ARG(a.k % 8 == 0, "k", "must be a multiple of 8 (16-byte TMA rows), got ", a.k);
   if (a.lda == 0) a.lda = a.k;
   if (a.ldb == 0) a.ldb = a.k;

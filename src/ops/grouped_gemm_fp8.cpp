@@ -28,9 +28,7 @@ int64_t blocks_of(int64_t x) { return (x + kScaleBlock - 1) / kScaleBlock; }
 GroupedGemmFp8Args check_grouped_gemm_fp8_args(const GroupedGemmFp8Args& in) {
   GroupedGemmFp8Args a = in;
   TDIST_CHECK_ARG(a.num_groups >= 1, "num_groups", "expected at least one group, got ", a.num_groups);
-  TDIST_CHECK_ARG(a.m >= 0 && a.m <= kGemmMaxDim, "m", "expected 0 <= m < 2^31, got ", a.m);
-  TDIST_CHECK_ARG(a.n >= 0 && a.n <= kGemmMaxDim, "n", "expected 0 <= n < 2^31, got ", a.n);
-  TDIST_CHECK_ARG(a.k > 0 && a.k <= kGemmMaxDim, "k", "expected 0 < k < 2^31, got ", a.k);
+  check_gemm_dims(a.m, a.n, a.k);
   TDIST_CHECK_ARG(a.k % 16 == 0, "k", "must be a multiple of 16 (16-byte e4m3 rows), got ", a.k);
   if (a.lda == 0) a.lda = a.k;
   if (a.ldb == 0) a.ldb = a.k;

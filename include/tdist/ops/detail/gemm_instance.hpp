@@ -18,6 +18,8 @@ namespace tdist {
 // The largest M, N, K and row count of B the GEMMs take: TMA coordinates and the kernels' indices
 // are 32-bit.
 constexpr int64_t kGemmMaxDim = (int64_t{1} << 31) - 1;
+// M and N in [0, kGemmMaxDim], K in (0, kGemmMaxDim]; throws tdist::Error naming m, n or k.
+void check_gemm_dims(int64_t m, int64_t n, int64_t k);
 
 // The kernel's name expression: tdist::kernels::gemm::sm90_gemm_tn<T, BM, BN, BK, S, C, Hooks> (the
 // TileScheduler instance). Typed alternative: detail::GemmRuntime (include/tdist/ops/detail/gemm_runtime.hpp).
