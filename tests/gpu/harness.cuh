@@ -116,6 +116,13 @@ inline void copy_to_device(void* dst, const void* src, size_t bytes) {
   TDIST_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
 }
 
+// cudaMemset, landed on return: it is not ordered before work on a non-blocking stream either (a
+// kernel's output poisoned this way may be overwritten after the kernel wrote it).
+inline void fill_device(void* dst, int byte, size_t bytes) {
+  TDIST_CUDA_CHECK(cudaMemset(dst, byte, bytes));
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+}
+
 // Device counters for the check kernels.
 class MismatchCounter {
  public:

@@ -91,8 +91,8 @@ struct Case {
   }
 
   void poison() {
-    TDIST_CUDA_CHECK(cudaMemset(d_d.get(), 0xFF, s.m * (s.n / 2) * sizeof(T)));  // NaN in bf16 and fp16
-    TDIST_CUDA_CHECK(cudaMemset(d_g.get(), 0xFF, s.m * s.k * sizeof(T)));
+    tdist::test::fill_device(d_d.get(), 0xFF, s.m * (s.n / 2) * sizeof(T));  // NaN in bf16 and fp16
+    tdist::test::fill_device(d_g.get(), 0xFF, s.m * s.k * sizeof(T));
   }
 
   OverlapCall call(bool with_gathered) const {

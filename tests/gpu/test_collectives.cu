@@ -32,7 +32,6 @@ __global__ void read_cells_kernel(device::SymmetricHeapView heap, u64* cell, u64
     if (device::ld_relaxed<device::Scope::kSystem>(heap.symm_at(cell, p)) != value) atomicAdd(bad, 1ull);
 }
 
-
 enum class Kind { kOrdinary, kUnaligned, kInPlace, kSymmetric, kSymmetricInPlace };
 const char* kind_name(Kind k) {
   switch (k) {
@@ -137,7 +136,6 @@ bool runnable(Env& env, Op op, DType dtype, size_t c, Kind kind, int method) {
   }
   return true;
 }
-
 
 std::string method_name(Op op, int m) {
   if (op == Op::kAllReduce) return to_string(static_cast<AllReduceMethod>(m));
@@ -288,7 +286,7 @@ void run_rounds(Env& env, u64 seed_step, bool graph, int per_launch, int launche
                 EnqueueRound&& enqueue_round) {
   u64* counter;
   TDIST_CUDA_CHECK(cudaMalloc(&counter, sizeof(u64)));
-  TDIST_CUDA_CHECK(cudaMemset(counter, 0, sizeof(u64)));
+  tdist::test::fill_device(counter, 0, sizeof(u64));
   const u64 seed = env.seed_base + seed_step * ++env.cases;
   cudaStream_t s = env.stream;
   reset_counters(env, s);

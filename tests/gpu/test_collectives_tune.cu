@@ -249,7 +249,7 @@ void run_capture_of_new_class(Env& env, tdist::test::Suite& suite, bool symmetri
         const Layout L = layout(env, k);
         u64* counter;
         TDIST_CUDA_CHECK(cudaMalloc(&counter, sizeof(u64)));
-        TDIST_CUDA_CHECK(cudaMemset(counter, 0, sizeof(u64)));
+        tdist::test::fill_device(counter, 0, sizeof(u64));
         const u64 seed = env.seed_base + 104729 * ++env.cases;
         cudaStream_t s = env.stream;
         auto round = [&] {
@@ -322,7 +322,7 @@ void run_tune_before_capture(Env& env, tdist::test::Suite& suite, Op op) {
     // The graph: fill (fresh per replay), the op, the check, bump.
     u64* counter;
     TDIST_CUDA_CHECK(cudaMalloc(&counter, sizeof(u64)));
-    TDIST_CUDA_CHECK(cudaMemset(counter, 0, sizeof(u64)));
+    tdist::test::fill_device(counter, 0, sizeof(u64));
     reset_counters(env, env.counters, 1);
     TDIST_CUDA_CHECK(cudaStreamSynchronize(s));
     cudaGraph_t g;

@@ -246,7 +246,7 @@ int main() {
       std::vector<float> host(count);
       for (size_t i = 0; i < count; ++i) host[i] = static_cast<float>((i % 97) + world.rank());
       test::copy_to_device(in, host.data(), count * sizeof(float));
-      TDIST_CUDA_CHECK(cudaMemset(out, 0xff, count * sizeof(float)));
+      tdist::test::fill_device(out, 0xff, count * sizeof(float));
       coll->all_reduce(in, out, count, DType::kFloat32, stream, method);
       TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
       TDIST_CUDA_CHECK(cudaMemcpy(host.data(), out, count * sizeof(float), cudaMemcpyDeviceToHost));

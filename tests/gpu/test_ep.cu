@@ -259,7 +259,7 @@ struct Fixture {
                               const std::vector<RankInput>& all) const {
     const int64_t rows_per_expert = W * M;
     DeviceBuffer y(static_cast<size_t>(L * rows_per_expert * H) * sizeof(bf16));
-    TDIST_CUDA_CHECK(cudaMemset(y.get(), 0xFF, static_cast<size_t>(L * rows_per_expert * H) * sizeof(bf16)));
+    tdist::test::fill_device(y.get(), 0xFF, static_cast<size_t>(L * rows_per_expert * H) * sizeof(bf16));
     for (int le = 0; le < L; ++le) {
       const size_t n = static_cast<size_t>(counts[le]);
       const std::vector<int> routes = download<int>(h.recv_route + le * rows_per_expert, n);
@@ -307,7 +307,7 @@ struct Operands {
   explicit Operands(const RankInput& in, int64_t H)
       : x(upload(in.x)), idx(upload(in.idx)), weights(upload(in.weights)),
         out(static_cast<size_t>(in.tokens * H) * sizeof(bf16)) {
-    TDIST_CUDA_CHECK(cudaMemset(out.get(), 0xFF, static_cast<size_t>(in.tokens * H) * sizeof(bf16)));
+    tdist::test::fill_device(out.get(), 0xFF, static_cast<size_t>(in.tokens * H) * sizeof(bf16));
     TDIST_CUDA_CHECK(cudaDeviceSynchronize());
   }
 };
@@ -354,7 +354,7 @@ struct HtOperands {
   HtOperands(const RankInput& in, int64_t H)
       : x(upload(in.x)), idx(upload(in.idx)), weights(upload(in.weights)),
         out(static_cast<size_t>(in.tokens * H) * sizeof(bf16)) {
-    TDIST_CUDA_CHECK(cudaMemset(out.get(), 0xFF, static_cast<size_t>(in.tokens * H) * sizeof(bf16)));
+    tdist::test::fill_device(out.get(), 0xFF, static_cast<size_t>(in.tokens * H) * sizeof(bf16));
     TDIST_CUDA_CHECK(cudaDeviceSynchronize());
   }
   EpHtDispatchArgs args(const RankInput& in, bool sync_counts) const {
@@ -573,7 +573,7 @@ void ht_suite(test::Suite& suite, World& world, SymmetricHeap& heap, cudaStream_
         test::copy_to_device(ops.x.get(), all[me].x.data(), all[me].x.size() * sizeof(bf16));
         test::copy_to_device(ops.idx.get(), all[me].idx.data(), all[me].idx.size() * 8);
         test::copy_to_device(ops.weights.get(), all[me].weights.data(), all[me].weights.size() * 4);
-        TDIST_CUDA_CHECK(cudaMemset(ops.out.get(), 0xFF, static_cast<size_t>(T * cfg.hidden) * sizeof(bf16)));
+        tdist::test::fill_device(ops.out.get(), 0xFF, static_cast<size_t>(T * cfg.hidden) * sizeof(bf16));
         test::sync_all(world, "ep ht graph inputs");
         TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
         check_ht_dispatch(ep, h, all, me, stream);
@@ -766,7 +766,7 @@ int main() {
         test::copy_to_device(x.get(), xs.data(), xs.size() * sizeof(bf16));
         test::copy_to_device(idx.get(), is.data(), is.size() * 8);
         test::copy_to_device(w.get(), ws.data(), ws.size() * 4);
-        TDIST_CUDA_CHECK(cudaMemset(out.get(), 0xFF, static_cast<size_t>(T * cfg.hidden) * sizeof(bf16)));
+        tdist::test::fill_device(out.get(), 0xFF, static_cast<size_t>(T * cfg.hidden) * sizeof(bf16));
         TDIST_CUDA_CHECK(cudaDeviceSynchronize());
       };
       cudaGraph_t graph;

@@ -209,8 +209,8 @@ struct Case {
   }
 
   void poison() {
-    TDIST_CUDA_CHECK(cudaMemset(d_out.get(), 0xFF, q.size() * sizeof(T)));  // NaN in bf16 and fp16
-    TDIST_CUDA_CHECK(cudaMemset(d_lse.get(), 0xFF, g.batch * g.q_heads * sizeof(float)));
+    tdist::test::fill_device(d_out.get(), 0xFF, q.size() * sizeof(T));  // NaN in bf16 and fp16
+    tdist::test::fill_device(d_lse.get(), 0xFF, g.batch * g.q_heads * sizeof(float));
   }
 
   FlashDecodeArgs args(DType dtype) const {

@@ -201,7 +201,7 @@ void run_copy(Context& ctx, u64 bytes, u64 dst_off, u64 src_off) {
   const u64 units = G == Group::kThread ? blocks * threads : G == Group::kWarp ? blocks * threads / 32 : blocks;
   const u64 seed = tdist::test::fresh_seed(ctx.world.rank());
   const auto seeds = tdist::test::all_gather_u64(ctx.world, "copy seeds", seed);
-  TDIST_CUDA_CHECK(cudaMemset(ctx.dst, kPoison, dst_off + bytes + kGuard));
+  tdist::test::fill_device(ctx.dst, kPoison, dst_off + bytes + kGuard);
   tdist::test::fill_pattern(ctx.src, src_off + bytes, seed);
   tdist::test::sync_all(ctx.world, "copy ready");
   // Put: this rank writes the next rank's dst. Get: this rank reads the next rank's src.
@@ -258,7 +258,7 @@ void run_put_signal(Context& ctx, u64* flags, u64& epoch, char* out, tdist::test
         const u64 seed = tdist::test::fresh_seed(ctx.world.rank());
         const auto seeds = tdist::test::all_gather_u64(ctx.world, "signal seeds", seed);
         tdist::test::fill_pattern(ctx.src, bytes, seed);
-        TDIST_CUDA_CHECK(cudaMemset(out, kPoison, bytes));
+        tdist::test::fill_device(out, kPoison, bytes);
         tdist::test::sync_all(ctx.world, "signal ready");
         receive_kernel<<<32, 256, 0, receiver>>>(ctx.dst, out, bytes, chunk, flags, epoch);
         put_signal_kernel<G>
@@ -286,7 +286,7 @@ void run_put_quiet(Context& ctx, u64* flags, u64& epoch, char* out, tdist::test:
       const auto seeds =
           tdist::test::all_gather_u64(ctx.world, "quiet seeds", tdist::test::fresh_seed(ctx.world.rank()));
       tdist::test::fill_pattern(ctx.src, bytes, seeds[ctx.world.rank()]);
-      TDIST_CUDA_CHECK(cudaMemset(out, kPoison, bytes));
+      tdist::test::fill_device(out, kPoison, bytes);
       tdist::test::sync_all(ctx.world, "quiet ready");
       receive_kernel<<<32, 256, 0, receiver>>>(ctx.dst, out, bytes, chunk, flags, epoch);
       put_quiet_flag_kernel<<<blocks, threads, 0, sender>>>(ctx.heap.view(), ctx.dst, ctx.src, bytes, chunk, flags,
@@ -372,7 +372,7 @@ int run_all() {
     };
     must_fail([&] { ctx.counter.expect_pattern(ctx.dst, 4096, 1235, 0, "wrong seed"); }, "a wrong seed");
     must_fail([&] { ctx.counter.expect_pattern(ctx.dst, 4096, 1234, 1, "shifted"); }, "a shifted index");
-    TDIST_CUDA_CHECK(cudaMemset(ctx.dst + 4000, tdist::test::pattern_byte(1234, 4000) ^ 0xFF, 1));
+    tdist::test::fill_device(ctx.dst + 4000, tdist::test::pattern_byte(1234, 4000) ^ 0xFF, 1);
     must_fail([&] { ctx.counter.expect_pattern(ctx.dst, 4096, 1234, 0, "flipped"); }, "a flipped byte");
   });
 
@@ -441,8 +441,8 @@ int run_all() {
     TDIST_CUDA_CHECK(cudaMalloc(&data, words * sizeof(u32)));
     TDIST_CUDA_CHECK(cudaMalloc(&flags, 2 * sizeof(u64)));
     TDIST_CUDA_CHECK(cudaMalloc(&errors, sizeof(unsigned long long)));
-    TDIST_CUDA_CHECK(cudaMemset(flags, 0, 2 * sizeof(u64)));
-    TDIST_CUDA_CHECK(cudaMemset(errors, 0, sizeof(unsigned long long)));
+    tdist::test::fill_device(flags, 0, 2 * sizeof(u64));
+    tdist::test::fill_device(errors, 0, sizeof(unsigned long long));
     gpu_scope_kernel<<<2, 512>>>(data, words, flags, flags + 1, 200, errors);
     TDIST_CUDA_CHECK(cudaGetLastError());
     TDIST_CUDA_CHECK(cudaDeviceSynchronize());
@@ -461,7 +461,7 @@ int run_all() {
       u64* cells = heap.allocate_signals64(static_cast<size_t>(blocks) * n);
       unsigned long long* errors;
       TDIST_CUDA_CHECK(cudaMalloc(&errors, sizeof(unsigned long long)));
-      TDIST_CUDA_CHECK(cudaMemset(errors, 0, sizeof(unsigned long long)));
+      tdist::test::fill_device(errors, 0, sizeof(unsigned long long));
       for (int launch = 0; launch < 2; ++launch) {  // a second launch reuses the pad without reset
         if (grid)
           barrier_kernel<true><<<blocks, 128>>>(heap.view(), pad, cells, rounds, errors);

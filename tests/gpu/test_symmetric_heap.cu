@@ -179,7 +179,7 @@ int run_all(int argc, char** argv) {
           if (off + bytes > max_bytes + 64) continue;
           const auto seeds = tdist::test::all_gather_u64(world, "ce seeds", tdist::test::fresh_seed(rank));
           tdist::test::fill_pattern(local, bytes, seeds[rank]);
-          TDIST_CUDA_CHECK(cudaMemset(buf, 0xCD, max_bytes + 64));
+          tdist::test::fill_device(buf, 0xCD, max_bytes + 64);
           tdist::test::sync_all(world, "ce ready");
           put_async(heap, buf + off, local, bytes, next, stream);
           TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -216,7 +216,7 @@ int run_all(int argc, char** argv) {
       for (device::u64 epoch = 1; epoch <= 4; ++epoch) {
         const auto seeds = tdist::test::all_gather_u64(world, "sw seeds", tdist::test::fresh_seed(rank));
         tdist::test::fill_pattern(local, bytes, seeds[rank]);
-        TDIST_CUDA_CHECK(cudaMemset(received, 0xCD, bytes));
+        tdist::test::fill_device(received, 0xCD, bytes);
         tdist::test::sync_all(world, "sw ready");
         // The receiver's copy is queued first and may only run once the flag arrives.
         stream_wait_value64(recv, flag, epoch, StreamWaitCmp::kGe);
@@ -256,7 +256,7 @@ int run_all(int argc, char** argv) {
           char* local;
           TDIST_CUDA_CHECK(cudaMalloc(&local, max_bytes));
           TDIST_CUDA_CHECK(cudaMalloc(&ready, sizeof(device::u64)));
-          TDIST_CUDA_CHECK(cudaMemset(ready, 0, sizeof(device::u64)));
+          tdist::test::fill_device(ready, 0, sizeof(device::u64));
           TDIST_CUDA_CHECK(cudaMalloc(&blocks_done, sizeof(device::u32)));
           cudaStream_t produce, send, recv;
           for (cudaStream_t* s : {&produce, &send, &recv})
@@ -276,8 +276,8 @@ int run_all(int argc, char** argv) {
                 ++epoch;
                 const auto seeds = tdist::test::all_gather_u64(world, "ks seeds", tdist::test::fresh_seed(rank));
                 counter.reset();
-                TDIST_CUDA_CHECK(cudaMemset(buf, 0xCD, max_bytes));
-                TDIST_CUDA_CHECK(cudaMemset(blocks_done, 0, sizeof(device::u32)));
+                tdist::test::fill_device(buf, 0xCD, max_bytes);
+                tdist::test::fill_device(blocks_done, 0, sizeof(device::u32));
                 if (!produced) tdist::test::fill_pattern(local, bytes, seeds[rank]);
                 tdist::test::sync_all(world, "ks ready");
                 // The reader is resident and spinning before the put starts.
