@@ -6,6 +6,11 @@
 // visible. allow_dependent_launch() lets the next kernel on the stream be scheduled once every block
 // of this grid has called it (or exited). In a kernel launched without the attribute both are no-ops,
 // so a kernel can carry them whatever its launcher chooses.
+//
+// Before the wait a kernel may warm L2 with what it is about to read (prefetch_l2), steered by
+// reads that bypass L1 (ld.global.cg): L2 is the GPU's point of coherence, so a prefetched line is
+// never stale, while a line left in L1 could be. Values read before the wait may predate the prior
+// grid's writes; they may choose addresses to prefetch, never enter a result.
 #pragma once
 
 #include "tdist/device/common.cuh"
@@ -24,6 +29,9 @@ TDIST_DEVICE void allow_dependent_launch() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// A hint: the 128-byte line holding p is brought into L2. p must lie in an allocation.
+TDIST_DEVICE void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 }  // namespace tdist::device
 #endif  // __CUDACC__

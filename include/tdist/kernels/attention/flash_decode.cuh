@@ -42,11 +42,11 @@ namespace tdist::kernels::attention {
 using device::u32;
 using device::u64;
 
-constexpr int kDecodeThreads = 128;   // threads of a split CTA
+constexpr int kDecodeThreads = 128;  // threads of a split CTA
 constexpr int kDecodeWarps = kDecodeThreads / 32;
 constexpr int kDecodeTile = 16;       // tokens of a warp's tile: two n8 tiles of Q K^T, the k16 of P V
 constexpr int kMaxHeadsPerCta = 16;   // the M of the MMA
-constexpr int kCombineThreads = 128;  // threads of a combine CTA (a warp per item)
+constexpr int kCombineThreads = 128;  // threads of a combine CTA
 constexpr u32 kErrBlockTable = 1u;    // *errors bit: a block-table entry outside the cache
 constexpr u32 kErrSeqLen = 2u;        // *errors bit: a length outside [0, capacity]
 constexpr float kLog2e = 1.4426950408889634f;
@@ -99,8 +99,9 @@ struct DecodeParams {
   float scale_log2;  // softmax_scale * log2(e), used when softcap == 0
   float softmax_scale;
   float softcap;
-  float cap_in;   // softmax_scale / softcap (softcap > 0)
-  float cap_out;  // softcap * log2(e)
+  float cap_in;         // softmax_scale / softcap (softcap > 0)
+  float cap_out;        // softcap * log2(e)
+  u32 first_wave_ctas;  // CTAs resident at once: these may start before the kernel before has ended
 };
 
 struct CombineParams {
@@ -114,6 +115,7 @@ struct CombineParams {
   u32 items;                // batch * q_heads
   u32 max_items;            // ll's item dimension
   u32 num_splits;
+  u32 cta_per_item;  // one rank: 1 = a CTA per item (merge_item_by_cta), 0 = a warp per item
 };
 
 }  // namespace tdist::kernels::attention
@@ -192,6 +194,22 @@ struct alignas(N * sizeof(T)) Packed {
   T v[N];
 };
 
+// A sequence's length clamped to [0, capacity] (the bad ones are reported by the split kernel).
+TDIST_DEVICE u32 clamp_len(int len, u32 capacity) { return len < 0 ? 0u : min(static_cast<u32>(len), capacity); }
+
+// The tokens [t0, t1) of split `split` of a sequence of `len`: num_splits pieces of whole CTA steps
+// (kDecodeWarps tiles), the last pieces shorter or empty.
+struct Piece {
+  u32 t0, t1;
+};
+TDIST_DEVICE Piece split_piece(u32 len, u32 split, u32 num_splits) {
+  constexpr u32 kStep = kDecodeWarps * kDecodeTile;
+  u32 per = (len + num_splits - 1) / num_splits;
+  per = (per + kStep - 1) / kStep * kStep;
+  const u32 t0 = min(split * per, len);
+  return {t0, min(t0 + per, len)};
+}
+
 // grid (kv_heads * head_chunks, num_splits, batch), block kDecodeThreads, dynamic shared memory
 // decode_smem_bytes(D, sizeof(T)). The heads vary fastest, so that the CTAs of one piece of a
 // sequence start side by side and read each token's row of all KV heads (contiguous in a page) at
@@ -204,6 +222,9 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   constexpr int kWarps = kDecodeWarps;
   constexpr int kTileElems = kDecodeTile * D;  // a K or V tile
   constexpr u32 kFull = 0xffffffffu;
+  // Tiles of each warp prefetched into L2 while the kernel before finishes: what the pipeline
+  // requests first.
+  constexpr int kPrefetchTiles = kStages - 1;
 
   extern __shared__ __align__(16) unsigned char smem[];
   T* sm_kv = reinterpret_cast<T*>(smem);
@@ -218,26 +239,45 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   const u32 h0 = kv_head * p.group + (blockIdx.x % p.head_chunks) * p.heads;  // first query head
   const int heads = static_cast<int>(p.heads);
 
-  // Launched with programmatic dependent launch: start once the kernel before it (which may write
-  // q, the cache or the lengths) has completed; the combine kernel may then be scheduled (it waits
-  // for this grid's completion itself).
-  wait_for_prior_grid();
-  allow_dependent_launch();
-  int len = p.seq_lens[b];
-  if (len < 0 || static_cast<u32>(len) > p.capacity) {
-    if (threadIdx.x == 0 && split == 0 && blockIdx.x == 0) atomicOr(p.errors, kErrSeqLen);
-    len = len < 0 ? 0 : static_cast<int>(p.capacity);
-  }
-  // This split's tokens [t0, t1): the length cut in num_splits pieces of a multiple of a CTA step.
-  constexpr u32 kStep = kWarps * kDecodeTile;
-  u32 per = (static_cast<u32>(len) + p.num_splits - 1) / p.num_splits;
-  per = (per + kStep - 1) / kStep * kStep;
-  const u32 t0 = min(split * per, static_cast<u32>(len)), t1 = min(t0 + per, static_cast<u32>(len));
-
   const u64 row_stride = static_cast<u64>(p.kv_heads) * D;  // elements between token rows
   const T* kbase = static_cast<const T*>(p.k_cache) + static_cast<u64>(kv_head) * D;
   const T* vbase = static_cast<const T*>(p.v_cache) + static_cast<u64>(kv_head) * D;
   const int* table = p.block_table ? p.block_table + static_cast<u64>(b) * p.max_pages : nullptr;
+
+  // Launched with programmatic dependent launch, this grid may start while the kernel before it
+  // runs (a step's combine kernel, say). Until that kernel completes, the rows of this warp's first
+  // tiles are prefetched into L2, found through the length and block table as they are now; the
+  // kernel before may still change them (a decode step appends a token), so they steer only the
+  // prefetch (grid_dependency.cuh). The chain of reads a CTA starts with then hits L2. CTAs of later
+  // waves start after the kernel before has ended; for them the prefetch would only add its chain.
+  const u64 cta = (static_cast<u64>(b) * gridDim.y + split) * gridDim.x + blockIdx.x;
+  if (cta < p.first_wave_ctas && lane < kDecodeTile) {
+    const Piece guess = split_piece(clamp_len(__ldcg(p.seq_lens + b), p.capacity), split, p.num_splits);
+#pragma unroll
+    for (int i = 0; i < kPrefetchTiles; ++i) {
+      const u32 t = guess.t0 + static_cast<u32>(i * kWarps + warp) * kDecodeTile + lane;
+      if (t >= guess.t1) break;
+      const u32 slot = t / p.page_size;
+      const int page = table ? __ldcg(table + slot) : static_cast<int>(b);
+      if (page < 0 || static_cast<u64>(page) >= p.num_pages) break;
+      const u64 row = (static_cast<u64>(page) * p.page_size + (t - slot * p.page_size)) * row_stride;
+#pragma unroll
+      for (int c = 0; c < D * static_cast<int>(sizeof(T)); c += 128) {
+        prefetch_l2(reinterpret_cast<const unsigned char*>(kbase + row) + c);
+        prefetch_l2(reinterpret_cast<const unsigned char*>(vbase + row) + c);
+      }
+    }
+  }
+  // Then start once the kernel before (which may write q, the cache or the lengths) has completed;
+  // the combine kernel may then be scheduled (it waits for this grid's completion itself).
+  wait_for_prior_grid();
+  allow_dependent_launch();
+  const int len_in = p.seq_lens[b];
+  if (len_in < 0 || static_cast<u32>(len_in) > p.capacity) {
+    if (threadIdx.x == 0 && split == 0 && blockIdx.x == 0) atomicOr(p.errors, kErrSeqLen);
+  }
+  const Piece piece = split_piece(clamp_len(len_in, p.capacity), split, p.num_splits);
+  const u32 t0 = piece.t0, t1 = piece.t1;  // this split's tokens [t0, t1)
   const int n_tiles = static_cast<int>((t1 - t0 + kDecodeTile - 1) / kDecodeTile);
   const int my_tiles = (n_tiles + kWarps - 1 - warp) / kWarps;  // tiles warp, warp + kWarps, ...
   T* my_kv = sm_kv + warp * kStages * 2 * kTileElems;
@@ -312,8 +352,8 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
     const int r = i / kChunks, c = i % kChunks;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < heads)
-      v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) +
-                                          (static_cast<u64>(b) * p.q_heads + h0 + r) * D + c * 8);
+      v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + (static_cast<u64>(b) * p.q_heads + h0 + r) * D +
+                                          c * 8);
     *reinterpret_cast<uint4*>(sm_q + swz<D>(r, c)) = v;
   }
   __syncthreads();
@@ -478,7 +518,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
 template <int D>
 TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, float* o) {
   constexpr int kPer = D / 32;
-  constexpr int kVec = kPer >= 4 ? 4 : kPer;  // floats per load: 16 bytes (8 at D = 64)
+  constexpr int kVec = kPer >= 4 ? 4 : kPer;       // floats per load: 16 bytes (8 at D = 64)
   constexpr int kBatch = combine_batch_splits(D);  // splits per batch: 64 registers of partials a lane
   using Vec = Packed<float, kVec>;                 // 8 or 16 bytes
   const float* lse = p.lse_part + static_cast<u64>(item) * p.num_splits;
@@ -526,6 +566,85 @@ TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, floa
   return mx + log2f(sum);
 }
 
+// One rank: the merge of `item` by a whole CTA, its warps taking the splits in turn (warp w: splits
+// w, w + kWarps, ...), each weighing its own by exp2(lse_s - max) against the maximum over all of
+// them, and summing through shared memory. Few items with many splits (batch 1: 32 items of 32
+// splits) then spread over as many SMs, and each warp's partials are requested together with the
+// log-sums: one L2 round trip per 32 splits, where a warp per item reads them in dependent rounds
+// on a few SMs (batch 1, 32K tokens, on an H200: the combine ended 3.8 us after the split kernel
+// with a warp per item, 2.0 us with a CTA per item).
+template <typename T, int D>
+TDIST_DEVICE void merge_item_by_cta(const CombineParams& p, u32 item, int warp, int lane, float (*sm_o)[D]) {
+  constexpr int kPer = D / 32;
+  constexpr int kVec = kPer >= 4 ? 4 : kPer;  // floats per load: 16 bytes (8 at D = 64)
+  constexpr int kWarps = kCombineThreads / 32;
+  constexpr int kMine = 32 / kWarps;  // this warp's splits of a round of 32
+  using Vec = Packed<float, kVec>;
+  const u32 n = p.num_splits;
+  const float* lse = p.lse_part + static_cast<u64>(item) * n;
+  const float* op = p.o_part + static_cast<u64>(item) * n * D + lane * kPer;
+  Vec v[kMine][kPer / kVec];
+  auto load_round = [&](u32 s0) {
+#pragma unroll
+    for (int i = 0; i < kMine; ++i) {
+      const u32 s = s0 + warp + i * kWarps;
+      if (s < n) {
+        const Vec* src = reinterpret_cast<const Vec*>(op + static_cast<u64>(s) * D);
+#pragma unroll
+        for (int c = 0; c < kPer / kVec; ++c) v[i][c] = src[c];
+      }
+    }
+  };
+  load_round(0);  // before the log-sums are reduced: it does not depend on them
+  const float first_lse = static_cast<u32>(lane) < n ? lse[lane] : -kInf;
+  float mx = first_lse;
+  for (u32 s = lane + 32; s < n; s += 32) mx = fmaxf(mx, lse[s]);
+#pragma unroll
+  for (int o2 = 16; o2 > 0; o2 /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+  float o[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) o[j] = 0.f;
+  float sum = 0.f;  // over every split: each warp computes the same total
+  if (mx != -kInf) {
+    for (u32 s0 = 0; s0 < n; s0 += 32) {
+      if (s0 != 0) load_round(s0);
+      const float ls = s0 == 0 ? first_lse : s0 + lane < n ? lse[s0 + lane] : -kInf;
+      const float w_lane = exp2f(ls - mx);  // lane i: split s0 + i (0 past n)
+      sum += w_lane;
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {
+        const float w = __shfl_sync(0xffffffffu, w_lane, warp + i * kWarps);
+        if (s0 + warp + i * kWarps < n) {
+#pragma unroll
+          for (int c = 0; c < kPer / kVec; ++c) {
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) o[c * kVec + e] = fmaf(w, v[i][c].v[e], o[c * kVec + e]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int o2 = 16; o2 > 0; o2 /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
+  }
+#pragma unroll
+  for (int c = 0; c < kPer / kVec; ++c) {
+    Vec w;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) w.v[e] = o[c * kVec + e];
+    *reinterpret_cast<Vec*>(&sm_o[warp][lane * kPer + c * kVec]) = w;
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.out) + static_cast<u64>(item) * D;
+  for (int d = threadIdx.x; d < D; d += kCombineThreads) {
+    float acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) acc += sm_o[w][d];
+    out[d] = coll::from_f32<T>(mx == -kInf ? 0.f : acc / sum);  // a NaN in the cache stays NaN
+  }
+  if (threadIdx.x == 0 && p.lse) p.lse[item] = mx == -kInf ? -kInf : (mx + log2f(sum)) * kLn2;
+  __syncthreads();  // sm_o is the next item's
+}
+
 template <typename T, int D>
 TDIST_DEVICE void store_item(const CombineParams& p, u32 item, int lane, const float* o, float lse2) {
   constexpr int kPer = D / 32;
@@ -545,7 +664,8 @@ TDIST_DEVICE u64* ll_line(const CombineParams& p, u64 par, int src, u32 item, u3
   return p.ll + ((par * p.heap.num_ranks + src) * p.max_items + item) * (d + 1) + w;
 }
 
-// Merges the splits of every item (warp per item) and, with p.ll, every rank's result: each rank
+// Merges the splits of every item, a warp per item (on one rank, with cta_per_item, a CTA per item:
+// merge_item_by_cta) and, with p.ll, every rank's result: each rank
 // pushes its merged item to every peer as LL lines {f32 bits, epoch} (data and flag in one 8-byte
 // store, so no reset and no barrier is needed; parity = epoch & 1 rotates the buffer), then merges
 // the ranks' lines in rank order, so every rank computes the same bits. Grid: at most what is
@@ -559,10 +679,15 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine(CombineP
   const u32 first = blockIdx.x * kWarps + warp, stride = gridDim.x * kWarps;
   float o[kPer];
   if (p.ll == nullptr) {
+    __shared__ __align__(16) float sm_o[kWarps][D];
     wait_for_prior_grid();  // the split kernel's partials (programmatic launch: it may still run)
     // The next kernel (the next step's split kernel, say) may be scheduled onto the SMs this small
     // grid leaves idle; it waits for this grid on the device before it touches memory.
     allow_dependent_launch();
+    if (p.cta_per_item) {
+      for (u32 item = blockIdx.x; item < p.items; item += gridDim.x) merge_item_by_cta<T, D>(p, item, warp, lane, sm_o);
+      return;
+    }
     for (u32 item = first; item < p.items; item += stride) {
       const float lse2 = merge_splits<D>(p, item, lane, o);
       store_item<T, D>(p, item, lane, o, lse2);
