@@ -10,7 +10,9 @@
 //     sequences wholly on one rank (the others hold none), some empty; every rank's out checked and
 //     bit-identical across ranks;
 //   * CUDA graphs (single GPU and distributed) captured once, replayed with new lengths (device
-//     memory) and new contents, each replay checked;
+//     memory) and new contents, each replay checked; and 1000 replays of a decode loop whose lengths
+//     a kernel writes late in each step (the split kernel has started by then), each replay equal
+//     bit for bit to an eager call, every 100th checked against float64;
 //   * errors: host checks name the argument; a block-table entry outside the cache and a length
 //     beyond the capacity are reported by check_errors() naming block_table / seq_lens.
 //
@@ -308,6 +310,113 @@ class CollectiveCheck {
   std::string failure_;
 };
 
+// A decode step's length update, written late: it lets the kernel after it (the split kernel, which
+// is launched with programmatic dependent launch) start at once, waits `delay_ns`, then copies the
+// lengths of step *step from steps[step][batch] and advances *step. The split kernel's first wave
+// thus reads the previous step's lengths before its grid wait (they steer only its L2 prefetch) and
+// must use the new ones after it. One CTA.
+__global__ void write_lengths_late(const int32_t* steps, int32_t* lens, unsigned long long* step, int batch,
+                                   unsigned long long delay_ns) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < delay_ns);
+  const unsigned long long s = *step;
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) lens[b] = steps[s * batch + b];
+  __syncthreads();
+  if (threadIdx.x == 0) *step = s + 1;
+}
+
+// Counts the elements of a and b (n of 2 bytes) and of la and lb (m of 4 bytes) whose bits differ.
+__global__ void count_bit_differences(const uint16_t* a, const uint16_t* b, size_t n, const uint32_t* la,
+                                      const uint32_t* lb, size_t m, unsigned long long* wrong) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n + m; i += gridDim.x * blockDim.x) {
+    const bool differ = i < n ? a[i] != b[i] : la[i - n] != lb[i - n];
+    if (differ) atomicAdd(wrong, 1ull);
+  }
+}
+
+// A decode loop captured once and replayed `steps` times with new lengths every step, written on the
+// device by write_lengths_late (each rank its part of every sequence). Every replay's out and lse
+// must equal, bit for bit, an eager call's on the same lengths right after it; every 100th replay
+// and the last are also checked against float64, with the cache past each length poisoned.
+template <typename T, typename Op>
+void check_graph_replays(World& world, Op& op, const Geometry& g, DType dtype, uint64_t seed, int steps,
+                         cudaStream_t stream) {
+  const int n = world.world_size(), me = world.rank();
+  Case<T> c(g);
+  const std::vector<int32_t> full(g.batch, static_cast<int32_t>(g.capacity));
+  std::vector<std::vector<int32_t>> global(steps, std::vector<int32_t>(g.batch));
+  std::vector<int32_t> local(static_cast<size_t>(steps) * g.batch);
+  std::mt19937_64 rng(seed ^ 0x5eedull);  // the same on every rank
+  for (int s = 0; s < steps; ++s) {
+    for (int64_t b = 0; b < g.batch; ++b) {
+      const int64_t len = (s + b) % 7 == 0 ? g.capacity : (s + b) % 11 == 0 ? 0 : rng() % (g.capacity + 1);
+      global[s][b] = static_cast<int32_t>(len);
+      int32_t mine = 0;
+      for (int64_t t = 0; t < len; ++t) mine += owner(seed, b, t, n) == me;
+      local[static_cast<size_t>(s) * g.batch + b] = mine;
+    }
+  }
+  DeviceBuffer d_steps(local.size() * sizeof(int32_t)), d_step(sizeof(unsigned long long));
+  test::copy_to_device(d_steps.get(), local.data(), local.size() * sizeof(int32_t));
+  test::fill_device(d_step.get(), 0, sizeof(unsigned long long));
+  DeviceBuffer out2(c.q.size() * sizeof(T)), lse2(g.batch * g.q_heads * sizeof(float));
+  c.fill(seed, full, n, me);
+  const FlashDecodeArgs a = c.args(dtype);  // max_seq_len 0: the capacity fixes the plan
+  FlashDecodeArgs eager = a;
+  eager.out = out2.get();
+  eager.lse = lse2.get<float>();
+  op.run(a, stream);  // sizes the workspace before the capture
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  test::sync_all(world, "flash_decode replays warm-up");
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  write_lengths_late<<<1, 32, 0, stream>>>(d_steps.get<int32_t>(), c.d_lens.template get<int32_t>(),
+                                           d_step.get<unsigned long long>(), static_cast<int>(g.batch), 20000);
+  op.run(a, stream);
+  TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  test::MismatchCounter diff;
+  diff.reset();
+  CollectiveCheck checks(world);
+  for (int s = 0; s < steps; ++s) {
+    const bool reference = s % 100 == 0 || s == steps - 1;
+    if (reference) {  // the cache past this step's lengths poisoned, the reference for them
+      c.fill(seed, global[s], n, me);
+      c.poison();
+      test::sync_all(world, "flash_decode replay reference");  // no peer still reads the old inputs
+    }
+    TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    op.run(eager, stream);
+    count_bit_differences<<<64, 256, 0, stream>>>(c.d_out.template get<uint16_t>(), out2.get<uint16_t>(), c.q.size(),
+                                                  c.d_lse.template get<uint32_t>(), lse2.get<uint32_t>(),
+                                                  g.batch * g.q_heads, diff.mismatches());
+    TDIST_CUDA_CHECK(cudaGetLastError());
+    if (reference) {
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+      checks.run([&] { c.check(dtype); });
+      const auto [wrong, unused] = diff.read();
+      checks.run([&, w = wrong] {
+        if (w != 0) TDIST_FAIL(w, " elements of out and lse differ between replays and eager calls by step ", s);
+      });
+      if (s != steps - 1) {
+        c.fill(seed, full, n, me);  // every token valid again for the steps between references
+        test::sync_all(world, "flash_decode replay restore");
+      }
+    }
+  }
+  checks.run([&] { op.check_errors(); });
+  TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
+  checks.finish("flash_decode replays end");
+}
+
 }  // namespace
 
 int main() {
@@ -542,6 +651,20 @@ int main() {
               TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
               checks.finish("flash_decode graph end");
             });
+
+  // 1000 steps of a captured decode loop, lengths changing on the device between steps.
+  {
+    const Geometry g{3, 32, 8, 128, 16, 2000, 1.0f, 0.f};  // 16-32 splits: the combine by CTA
+    suite.run("flash_decode bf16 CUDA graph, 1000 replays with lengths written late on the device", [&] {
+      check_graph_replays<__nv_bfloat16>(world, single, g, DType::kBFloat16, ++case_seed, 1000, stream);
+    });
+    suite.run(detail::concat("distributed flash_decode bf16 over ", n,
+                             " ranks, CUDA graph, 1000 replays with lengths written late on the device"),
+              [&] {
+                DistributedFlashDecode dist(world, heap, {.max_batch = 3, .q_heads = 32, .head_dim = 128});
+                check_graph_replays<__nv_bfloat16>(world, dist, g, DType::kBFloat16, ++case_seed, 1000, stream);
+              });
+  }
 
   suite.run(detail::concat("distributed flash_decode fp16 over ", n, " ranks on a caller's symmetric buffer"), [&] {
     const Geometry g{5, 16, 2, 64, 64, 900, 1.0f, 0.f};
