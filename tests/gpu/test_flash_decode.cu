@@ -310,6 +310,29 @@ class CollectiveCheck {
   std::string failure_;
 };
 
+// A CUDA graph of what capture() launches on `stream`, instantiated; destroyed with the object.
+class CapturedGraph {
+ public:
+  template <typename Fn>
+  CapturedGraph(cudaStream_t stream, Fn&& capture) {
+    TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    capture();
+    TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
+    TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  ~CapturedGraph() {
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  void launch(cudaStream_t stream) const { TDIST_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // A decode step's length update, written late: it lets the kernel after it (the split kernel, which
 // is launched with programmatic dependent launch) start at once, waits `delay_ns`, then copies the
 // lengths of step *step from steps[step][batch] and advances *step. The split kernel's first wave
@@ -373,14 +396,11 @@ void check_graph_replays(World& world, Op& op, bool distributed, const Geometry&
   TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
   test::sync_all(world, "flash_decode replays warm-up");
 
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  write_lengths_late<<<1, 32, 0, stream>>>(d_steps.get<int32_t>(), c.d_lens.template get<int32_t>(),
-                                           d_step.get<unsigned long long>(), static_cast<int>(g.batch), 20000);
-  op.run(a, stream);
-  TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const CapturedGraph graph(stream, [&] {
+    write_lengths_late<<<1, 32, 0, stream>>>(d_steps.get<int32_t>(), c.d_lens.template get<int32_t>(),
+                                             d_step.get<unsigned long long>(), static_cast<int>(g.batch), 20000);
+    op.run(a, stream);
+  });
 
   test::MismatchCounter diff;
   diff.reset();
@@ -399,7 +419,7 @@ void check_graph_replays(World& world, Op& op, bool distributed, const Geometry&
       c.poison();
       test::sync_all(world, "flash_decode replay reference");  // no peer still reads the old inputs
     }
-    TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch(stream);
     op.run(eager, stream);
     count_bit_differences<<<64, 256, 0, stream>>>(c.d_out.template get<uint16_t>(), out2.get<uint16_t>(), c.q.size(),
                                                   c.d_lse.template get<uint32_t>(), lse2.get<uint32_t>(),
@@ -423,8 +443,6 @@ void check_graph_replays(World& world, Op& op, bool distributed, const Geometry&
     }
   }
   checks.run([&] { op.check_errors(); });
-  TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
   checks.finish("flash_decode replays end");
 }
 
@@ -499,12 +517,7 @@ int main() {
     const FlashDecodeArgs a = c.args(DType::kFloat16);  // max_seq_len 0: the capacity fixes the splits
     single.run(a, stream);                              // sizes the workspace before the capture
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    single.run(a, stream);
-    TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const CapturedGraph graph(stream, [&] { single.run(a, stream); });
     for (int replay = 0; replay < 6; ++replay) {
       const uint64_t s = ++case_seed;
       std::mt19937_64 rng(s);
@@ -514,13 +527,11 @@ int main() {
       if (replay == 1) lens[1] = static_cast<int32_t>(g.capacity);
       c.fill(s, lens, 1, 0);
       c.poison();
-      TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      graph.launch(stream);
       TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
       c.check(DType::kFloat16);
     }
     single.check_errors();
-    TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
   });
 
   suite.run("flash_decode argument errors name the argument", [&] {
@@ -638,12 +649,7 @@ int main() {
               dist.run(a, stream);  // sizes the workspace before the capture
               TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
               test::sync_all(world, "flash_decode graph warm-up");
-              cudaGraph_t graph;
-              cudaGraphExec_t exec;
-              TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-              dist.run(a, stream);
-              TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-              TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+              const CapturedGraph graph(stream, [&] { dist.run(a, stream); });
               CollectiveCheck checks(world);
               for (int replay = 0; replay < 8; ++replay) {
                 const uint64_t s = ++case_seed;  // the same on every rank
@@ -653,13 +659,11 @@ int main() {
                 c.fill(s, lens, n, me);
                 c.poison();
                 test::sync_all(world, "flash_decode graph replay");  // no rank's kernel reads a peer's old inputs
-                TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+                graph.launch(stream);
                 TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
                 checks.run([&] { c.check(DType::kBFloat16); });
               }
               checks.run([&] { dist.check_errors(); });
-              TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
-              TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
               checks.finish("flash_decode graph end");
             });
 

@@ -508,6 +508,27 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   }
 }
 
+// o[kPer] += w x one split's partial, held as kPer / kVec vectors of the lane's dims.
+template <int kPer, int kVec>
+TDIST_DEVICE void add_weighted(float* o, float w, const Packed<float, kVec>* part) {
+#pragma unroll
+  for (int c = 0; c < kPer / kVec; ++c) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o[c * kVec + e] = fmaf(w, part[c].v[e], o[c * kVec + e]);
+  }
+}
+
+TDIST_DEVICE float warp_sum(float x) {
+#pragma unroll
+  for (int o2 = 16; o2 > 0; o2 /= 2) x += __shfl_xor_sync(0xffffffffu, x, o2);
+  return x;
+}
+TDIST_DEVICE float warp_max(float x) {
+#pragma unroll
+  for (int o2 = 16; o2 > 0; o2 /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o2));
+  return x;
+}
+
 // The merge of a warp's item: every split of this rank, weighted by exp2(lse_s - max). o[kPer]
 // receives the lane's dims (lane * kPer ...); returns the log2-sum (-inf when no token). Lane i
 // computes the weight of split s0 + i, broadcast to the warp. The partials are read in batches of
@@ -524,8 +545,7 @@ TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, floa
   const float* lse = p.lse_part + static_cast<u64>(item) * p.num_splits;
   float mx = -kInf;
   for (u32 s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse[s]);
-#pragma unroll
-  for (int o2 = 16; o2 > 0; o2 /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+  mx = warp_max(mx);
 #pragma unroll
   for (int j = 0; j < kPer; ++j) o[j] = 0.f;
   if (mx == -kInf) return -kInf;
@@ -549,18 +569,11 @@ TDIST_DEVICE float merge_splits(const CombineParams& p, u32 item, int lane, floa
       for (int i = 0; i < kBatch; ++i) {
         // every lane takes part in the shuffle; the splits past n weigh nothing
         const float w = __shfl_sync(0xffffffffu, w_lane, static_cast<int>(b0 + i));  // b0 + i < 32: kBatch divides 32
-        if (b0 + i < n) {
-#pragma unroll
-          for (int c = 0; c < kPer / kVec; ++c) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) o[c * kVec + e] = fmaf(w, v[i][c].v[e], o[c * kVec + e]);
-          }
-        }
+        if (b0 + i < n) add_weighted<kPer>(o, w, v[i]);
       }
     }
   }
-#pragma unroll
-  for (int o2 = 16; o2 > 0; o2 /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
+  sum = warp_sum(sum);
 #pragma unroll
   for (int j = 0; j < kPer; ++j) o[j] /= sum;
   return mx + log2f(sum);
@@ -599,8 +612,7 @@ TDIST_DEVICE void merge_item_by_cta(const CombineParams& p, u32 item, int warp, 
   const float first_lse = static_cast<u32>(lane) < n ? lse[lane] : -kInf;
   float mx = first_lse;
   for (u32 s = lane + 32; s < n; s += 32) mx = fmaxf(mx, lse[s]);
-#pragma unroll
-  for (int o2 = 16; o2 > 0; o2 /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o2));
+  mx = warp_max(mx);
   float o[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) o[j] = 0.f;
@@ -614,17 +626,10 @@ TDIST_DEVICE void merge_item_by_cta(const CombineParams& p, u32 item, int warp, 
 #pragma unroll
       for (int i = 0; i < kMine; ++i) {
         const float w = __shfl_sync(0xffffffffu, w_lane, warp + i * kWarps);
-        if (s0 + warp + i * kWarps < n) {
-#pragma unroll
-          for (int c = 0; c < kPer / kVec; ++c) {
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) o[c * kVec + e] = fmaf(w, v[i][c].v[e], o[c * kVec + e]);
-          }
-        }
+        if (s0 + warp + i * kWarps < n) add_weighted<kPer>(o, w, v[i]);
       }
     }
-#pragma unroll
-    for (int o2 = 16; o2 > 0; o2 /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o2);
+    sum = warp_sum(sum);
   }
 #pragma unroll
   for (int c = 0; c < kPer / kVec; ++c) {
