@@ -398,22 +398,21 @@ struct FlashDecode::Impl {
     return c;
   }
 
-  // The combine kernel's grid: a warp per item, at most what stays resident (4 CTAs per SM; with
-  // the exchange a waiting CTA must not hold back another's pushes); or, on one rank while that grid
-  // would leave SMs without a CTA (items <= 4 x SMs: batch 1, say) and there are splits enough for
-  // two a warp, a CTA per item, whose warps share the item's splits, so that their loads spread over
-  // more SMs (with 2 to 4 splits the larger grid cost more than it saved: 0.5-1.5 % at batch 8-12).
-  bool combine_cta_per_item(u64 items, u32 num_splits, bool exchange) const {
+  // Whether the one-rank combine runs a CTA per item: while the warp-per-item grid would leave SMs
+  // without a CTA (items <= 4 x SMs: batch 1, say) and there are splits enough for two a warp. Its
+  // warps share the item's splits, so that their loads spread over more SMs (with 2 to 4 splits the
+  // larger grid cost more than it saved: 0.5-1.5 % at batch 8-12). With the exchange, always a warp.
+  bool combine_cta_per_item(u64 items, u32 num_splits) const {
     constexpr u32 kWarps = attn::kCombineThreads / 32;
-    return !exchange && num_splits >= 2 * kWarps && items <= static_cast<u64>(num_sms) * kWarps;
+    return num_splits >= 2 * kWarps && items <= static_cast<u64>(num_sms) * kWarps;
   }
-  jit::LaunchConfig combine_config(u64 items, u32 num_splits, bool exchange, cudaStream_t stream) const {
+  // The combine kernel's grid: a CTA per item (c.cta_per_item), or a warp per item, at most what stays
+  // resident (4 CTAs per SM; with the exchange a waiting CTA must not hold back another's pushes).
+  jit::LaunchConfig combine_config(const attn::CombineParams& c, cudaStream_t stream) const {
     constexpr u64 kWarps = attn::kCombineThreads / 32;
     jit::LaunchConfig cfg;
-    cfg.grid = {
-        static_cast<unsigned>(combine_cta_per_item(items, num_splits, exchange)
-                                  ? items
-                                  : std::min<u64>((items + kWarps - 1) / kWarps, static_cast<u64>(num_sms) * 4))};
+    cfg.grid = {static_cast<unsigned>(
+        c.cta_per_item ? c.items : std::min<u64>((c.items + kWarps - 1) / kWarps, static_cast<u64>(num_sms) * 4))};
     cfg.block = {static_cast<unsigned>(attn::kCombineThreads)};
     cfg.stream = stream;
     cfg.programmatic_dependent_launch = true;  // scheduled as the split kernel ends; waits for it on the device
@@ -429,9 +428,8 @@ void FlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) {
   const FlashDecodeKernels* kernels = nullptr;
   std::optional<attn::CombineParams> c = impl_->launch_split(a, stream, kernels, /*may_finish=*/true);
   if (!c) return;
-  c->cta_per_item = impl_->combine_cta_per_item(c->items, c->num_splits, /*exchange=*/false);
-  jit::launch(kernels->combine(), impl_->combine_config(c->items, c->num_splits, /*exchange=*/false, stream),
-              jit::make_args(*c));
+  c->cta_per_item = impl_->combine_cta_per_item(c->items, c->num_splits);
+  jit::launch(kernels->combine(), impl_->combine_config(*c, stream), jit::make_args(*c));
 }
 
 void FlashDecode::check_errors() { report_errors(impl_->errors.get<u32>()); }
@@ -532,8 +530,7 @@ void DistributedFlashDecode::run(const FlashDecodeArgs& a, cudaStream_t stream) 
   c.ll = impl_->ll;
   c.epoch = impl_->epoch.get<kernels::coll::EpochState>();
   c.max_items = static_cast<u32>(cfg.max_batch * cfg.q_heads);
-  jit::launch(kernels->combine(), impl_->local.combine_config(c.items, c.num_splits, /*exchange=*/true, stream),
-              jit::make_args(c));
+  jit::launch(kernels->combine(), impl_->local.combine_config(c, stream), jit::make_args(c));  // a warp per item
 }
 
 void DistributedFlashDecode::check_errors() { report_errors(impl_->local.errors.get<u32>()); }
