@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "detail.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/process.hpp"
 #include "tdist/runtime/kernel_profiler.hpp"
@@ -244,7 +245,10 @@ void launch(const Kernel& kernel, const LaunchConfig& cfg, void** args) {
     attrs[n].value.clusterDim.z = cfg.cluster.z;
     ++n;
   }
-  if (cfg.programmatic_dependent_launch) {
+  // TDIST_JIT_PROGRAMMATIC_LAUNCH=0 launches every kernel in plain stream order (griddepcontrol then
+  // does nothing): to rule the early start in or out when a result is in doubt. Read once.
+  static const bool programmatic_allowed = tdist::env::flag("TDIST_JIT_PROGRAMMATIC_LAUNCH", true);
+  if (cfg.programmatic_dependent_launch && programmatic_allowed) {
     attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
     attrs[n].value.programmaticStreamSerializationAllowed = 1;
     ++n;
