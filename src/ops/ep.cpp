@@ -236,12 +236,6 @@ struct EpBuffer::Impl {
 
 namespace {
 
-DeviceBuffer zeroed(size_t bytes) {
-  DeviceBuffer b(bytes);
-  TDIST_CUDA_CHECK(cudaMemset(b.get(), 0, std::max<size_t>(bytes, 1)));
-  return b;
-}
-
 // The fields both protocols' kernel parameters share (EpHtParams and EpLlParams name them alike).
 template <class Params>
 void set_common_params(Params& p, const SymmetricHeap& heap, const EpConfig& c, int num_local_experts,
@@ -282,17 +276,17 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
   Impl& m = *impl_;
   const size_t W = static_cast<size_t>(world_size_), L = static_cast<size_t>(num_local_experts());
   const size_t E = static_cast<size_t>(config.num_experts), H = static_cast<size_t>(config.hidden);
-  m.state = zeroed(sizeof(EpState));
-  m.error = zeroed(4 * sizeof(int));
+  m.state = DeviceBuffer::zeroed(sizeof(EpState));
+  m.error = DeviceBuffer::zeroed(4 * sizeof(int));
   if (ht) {
     const EpHtLayout layout(config, world_size_);
     m.block = SymmetricBlock(heap, layout.layout, "tdist's EP buffer (high-throughput dispatch and combine)");
     const size_t X = static_cast<size_t>(ht_expert_rows(config, world_size_));
-    m.send_base = zeroed(W * sizeof(int));
-    m.exp_base = zeroed(E * sizeof(int));
-    m.rank_ctr = zeroed(W * sizeof(u32));
-    m.exp_ctr = zeroed(E * sizeof(u32));
-    m.info = zeroed((3 + 2 * L) * sizeof(int));
+    m.send_base = DeviceBuffer::zeroed(W * sizeof(int));
+    m.exp_base = DeviceBuffer::zeroed(E * sizeof(int));
+    m.rank_ctr = DeviceBuffer::zeroed(W * sizeof(u32));
+    m.exp_ctr = DeviceBuffer::zeroed(E * sizeof(u32));
+    m.info = DeviceBuffer::zeroed((3 + 2 * L) * sizeof(int));
     m.expert_x = DeviceBuffer(mul(X, 2 * H));
     m.expert_src = DeviceBuffer(X * sizeof(int));
     EpHtParams& p = m.ht;
@@ -322,13 +316,13 @@ EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
     m.block = SymmetricBlock(heap, layout.layout, "tdist's EP buffer (low-latency dispatch and combine)");
     const size_t rows = L * static_cast<size_t>(recv_rows_per_expert());
     const size_t G = static_cast<size_t>(kernels::ep::scale_groups(config.hidden));
-    m.send_counts = zeroed(sizeof(u32) * E);
-    m.epoch_slots = zeroed(sizeof(u64) * 2 * kSlots);
+    m.send_counts = DeviceBuffer::zeroed(sizeof(u32) * E);
+    m.epoch_slots = DeviceBuffer::zeroed(sizeof(u64) * 2 * kSlots);
     for (EpSlotBuffers& s : m.slots) {
       s.recv_x = DeviceBuffer(mul(rows, 2 * H));
       s.recv_scales = DeviceBuffer(mul(rows, G) * sizeof(float));
       s.recv_route = DeviceBuffer(rows * sizeof(int));
-      s.recv_count = zeroed(L * sizeof(int));
+      s.recv_count = DeviceBuffer::zeroed(L * sizeof(int));
       s.own_row =
           DeviceBuffer(mul(static_cast<size_t>(config.max_tokens), static_cast<size_t>(config.topk)) * sizeof(int));
     }
@@ -583,7 +577,7 @@ EpDeviceError EpBuffer::device_error(cudaStream_t stream) {
   TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
   int host[4];
   TDIST_CUDA_CHECK(cudaMemcpy(host, impl_->error.get(), sizeof(host), cudaMemcpyDeviceToHost));
-  TDIST_CUDA_CHECK(cudaMemset(impl_->error.get(), 0, sizeof(host)));
+  DeviceBuffer::zero_now(impl_->error.get(), sizeof(host));  // landed before the next call's kernels
   return EpDeviceError{host[0], host[1], host[2], host[3]};
 }
 
