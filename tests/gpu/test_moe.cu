@@ -438,7 +438,8 @@ int main(int argc, char** argv) {
                                   cudaMemcpyDeviceToDevice));
       fresh.poison(stream);
       c.poison(stream);
-      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+      // The copies above went out on the legacy stream, which the graph's stream does not wait for.
+      TDIST_CUDA_CHECK(cudaDeviceSynchronize());
       world.barrier("moe graph inputs");
       TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
       TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
