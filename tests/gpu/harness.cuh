@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/device.cuh"
 #include "tdist/runtime/symmetric_heap.hpp"
@@ -24,9 +26,15 @@ namespace tdist::test {
 
 class Suite {
  public:
-  explicit Suite(const World& world) : rank_(world.rank()) {}
+  // TDIST_TEST_FILTER=a,b runs only the cases whose name contains a or b (every rank reads the same
+  // setting, so all skip alike): one case at a time when GPU time is scarce.
+  explicit Suite(const World& world) : rank_(world.rank()), filter_(split_filter(env::text("TDIST_TEST_FILTER"))) {}
 
   void run(const std::string& name, const std::function<void()>& body) {
+    if (!selected(name)) {
+      ++skipped_;
+      return;
+    }
     const auto start = std::chrono::steady_clock::now();
     try {
       body();
@@ -41,14 +49,33 @@ class Suite {
   }
 
   int finish() const {
+    if (skipped_ > 0) std::printf("rank %d: %d cases left out by TDIST_TEST_FILTER\n", rank_, skipped_);
     std::printf("rank %d: %d passed, %d failed\n", rank_, passed_, failed_);
     std::fflush(stdout);
     return failed_ == 0 ? 0 : 1;
   }
 
  private:
+  static std::vector<std::string> split_filter(const std::string& text) {
+    std::vector<std::string> parts;
+    size_t begin = 0;
+    while (begin <= text.size()) {
+      const size_t end = std::min(text.find(',', begin), text.size());
+      if (end > begin) parts.push_back(text.substr(begin, end - begin));
+      begin = end + 1;
+    }
+    return parts;
+  }
+  bool selected(const std::string& name) const {
+    if (filter_.empty()) return true;
+    for (const auto& part : filter_)
+      if (name.find(part) != std::string::npos) return true;
+    return false;
+  }
+
   int rank_;
-  int passed_ = 0, failed_ = 0;
+  std::vector<std::string> filter_;
+  int passed_ = 0, failed_ = 0, skipped_ = 0;
 };
 
 // Pseudo-random, position-dependent bytes: a buffer that holds the wrong part of a pattern, or a
