@@ -60,7 +60,7 @@ ids and weights, so the routing is the same bits for every method. Methods:
                    dense), so its column stays null
 Before timing, set 0's forward outputs of the methods (the block's, without the residual) are compared
 with tdist's (max |diff| / max |tdist|, worst rank; JSON "max_rel_err", "CHECK FAILED" on stderr above
-3e-2).
+3e-2); no_comm's only at one rank, since it keeps this rank's partial sums.
 
 Timing: CUDA events around each call; --warmup calls of every method first; then --iters rounds, each
 calling every method once in an order that rotates from round to round, on inputs rotated over three
@@ -258,6 +258,7 @@ class _Layer:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.rows = tokens // self.world
         self.group = dist.group.WORLD
+        self.check_methods = moe_check_methods(self.world)
         self.symm = symm
         dtype, dev = torch.bfloat16, torch.device("cuda", torch.cuda.current_device())
         qkv_out = (heads + 2 * kv) * HEAD_DIM
@@ -478,12 +479,17 @@ def fixed_gathered(torch):
     return FixedGathered
 
 
+def moe_check_methods(world):
+    """The MoE layer's methods whose outputs are compared with tdist's: no_comm keeps this rank's
+    partial sums (no reduction over the ranks' intermediate shards), the block's output at one rank only."""
+    return MOE_METHODS if world == 1 else tuple(m for m in MOE_METHODS if m != "no_comm")
+
+
 class _MoeLayer:
     """This rank's shard of a sparse MoE block behind an RMSNorm and a residual, and three ways of
     running it (tdist, no_comm, torch_eager_tp; module docstring)."""
 
     methods = MOE_METHODS
-    check_methods = MOE_METHODS
 
     def __init__(self, torch, dist, tdist, tdist_nn, args, hidden, inter, experts, topk, tokens, grouped_mm,
                  device=None):
@@ -494,6 +500,7 @@ class _MoeLayer:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.rows = tokens // self.world
         self.group = dist.group.WORLD
+        self.check_methods = moe_check_methods(self.world)
         dtype = torch.bfloat16
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else device
         self.mod = tdist_nn.ParallelMoE(hidden, inter, experts, topk, norm_topk_prob=True, method=args.tdist_method,

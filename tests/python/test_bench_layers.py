@@ -190,3 +190,11 @@ def test_fixed_gathered_stands_for_a_gather():
     assert torch.equal(out, full) and out.requires_grad
     (out * torch.arange(15.0).view(5, 3)).sum().backward()
     assert local.grad.tolist() == [[3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]  # rows 1 .. 2 of the gradient, no sum
+
+
+def test_moe_check_compares_no_comm_only_at_one_rank():
+    # no_comm's output is this rank's partial sum at two ranks and up: comparing it would fail a
+    # correct run.
+    assert bl.moe_check_methods(1) == ("tdist", "no_comm", "torch_eager_tp")
+    for world in (2, 4, 8):
+        assert bl.moe_check_methods(world) == ("tdist", "torch_eager_tp")
