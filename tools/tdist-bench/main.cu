@@ -13,7 +13,8 @@
 // rounding of a sum of world-size terms for the reductions). The JSON file has the schema of
 // tools/common/bench_report.hpp.
 //
-// Sizes follow nccl-tests: the AllReduce buffer, the AllGather output, the ReduceScatter input.
+// Sizes follow nccl-tests: the AllReduce buffer, the AllGather output, the ReduceScatter input (a size
+// that is not whole per-rank parts is rounded down to them, and reported so).
 // Bus bandwidth: AllReduce 2(n-1)/n x size / time, AllGather and ReduceScatter (n-1)/n x size / time.
 // Sizes up to --graph-max are timed as CUDA-graph replays (many ops per graph, per-op time: no launch
 // floor); larger ones with CUDA events around single ops. Each figure is the median of --iters
@@ -302,10 +303,13 @@ int run(const Options& opt, int argc, char** argv) {
   const std::vector<std::string>& ops = opt.ops;
   long long total_wrong = 0;
   for (const std::string& op : ops) {
-    for (size_t bytes : opt.sizes) {
-      // Elements the op's count argument names: AllReduce all, AllGather/ReduceScatter per rank.
-      const size_t per = op == "all_reduce" ? bytes / sz : bytes / sz / n;
+    for (size_t drawn : opt.sizes) {
+      // Elements the op's count argument names: AllReduce all, AllGather/ReduceScatter per rank. The
+      // size reported (and its bandwidth) is the buffer the op moves: the drawn size rounded down to
+      // whole per-rank parts.
+      const size_t per = op == "all_reduce" ? drawn / sz : drawn / sz / n;
       if (per == 0) continue;
+      const size_t bytes = op == "all_reduce" ? per * sz : per * n * sz;
       const size_t out_count = op == "all_gather" ? per * n : per;
       const bool graph = bytes <= opt.graph_max;
       const int ops_per_graph = bytes <= (1ull << 20) ? opt.ops_per_graph : std::max(1, opt.ops_per_graph / 5);
