@@ -35,8 +35,8 @@ tdist::FlashDecode& decode_for_current_device() {
 tdist::FlashDecodeArgs make_args(uint64_t q, uint64_t k_cache, uint64_t v_cache, uint64_t block_table,
                                  uint64_t seq_lens, uint64_t out, uint64_t lse, const std::string& dtype, int64_t batch,
                                  int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t num_pages,
-                                 int64_t page_size, int64_t max_pages, double softmax_scale, double softcap,
-                                 int64_t max_seq_len) {
+                                 int64_t page_size, int64_t page_stride, int64_t max_pages, double softmax_scale,
+                                 double softcap, int64_t max_seq_len) {
   tdist::FlashDecodeArgs a;
   a.dtype = tdist::parse_dtype(dtype, "q");
   a.batch = batch;
@@ -48,6 +48,7 @@ tdist::FlashDecodeArgs make_args(uint64_t q, uint64_t k_cache, uint64_t v_cache,
   a.v_cache = reinterpret_cast<const void*>(v_cache);
   a.num_pages = num_pages;
   a.page_size = page_size;
+  a.page_stride = page_stride;
   a.block_table = reinterpret_cast<const int32_t*>(block_table);
   a.max_pages = max_pages;
   a.seq_lens = reinterpret_cast<const int32_t*>(seq_lens);
@@ -61,11 +62,11 @@ tdist::FlashDecodeArgs make_args(uint64_t q, uint64_t k_cache, uint64_t v_cache,
 
 void flash_decode(uint64_t q, uint64_t k_cache, uint64_t v_cache, uint64_t block_table, uint64_t seq_lens, uint64_t out,
                   uint64_t lse, const std::string& dtype, int64_t batch, int64_t q_heads, int64_t kv_heads,
-                  int64_t head_dim, int64_t num_pages, int64_t page_size, int64_t max_pages, double softmax_scale,
-                  double softcap, int64_t max_seq_len, int device, uint64_t stream) {
+                  int64_t head_dim, int64_t num_pages, int64_t page_size, int64_t page_stride, int64_t max_pages,
+                  double softmax_scale, double softcap, int64_t max_seq_len, int device, uint64_t stream) {
   const tdist::FlashDecodeArgs a =
       make_args(q, k_cache, v_cache, block_table, seq_lens, out, lse, dtype, batch, q_heads, kv_heads, head_dim,
-                num_pages, page_size, max_pages, softmax_scale, softcap, max_seq_len);
+                num_pages, page_size, page_stride, max_pages, softmax_scale, softcap, max_seq_len);
   tdist::check_flash_decode_args(a);  // before touching the device: a bad call fails the same way anywhere
   nb::gil_scoped_release release;
   tdist_python::ScopedDevice scope(device);
@@ -100,11 +101,11 @@ class DistributedDecode {
 
   void run(uint64_t q, uint64_t k_cache, uint64_t v_cache, uint64_t block_table, uint64_t seq_lens, uint64_t out,
            uint64_t lse, const std::string& dtype, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-           int64_t num_pages, int64_t page_size, int64_t max_pages, double softmax_scale, double softcap,
-           int64_t max_seq_len, uint64_t stream) {
+           int64_t num_pages, int64_t page_size, int64_t page_stride, int64_t max_pages, double softmax_scale,
+           double softcap, int64_t max_seq_len, uint64_t stream) {
     const tdist::FlashDecodeArgs a =
         make_args(q, k_cache, v_cache, block_table, seq_lens, out, lse, dtype, batch, q_heads, kv_heads, head_dim,
-                  num_pages, page_size, max_pages, softmax_scale, softcap, max_seq_len);
+                  num_pages, page_size, page_stride, max_pages, softmax_scale, softcap, max_seq_len);
     tdist::check_flash_decode_args(a);
     nb::gil_scoped_release release;
     tdist_python::ScopedDevice scope(device_);
@@ -132,8 +133,8 @@ class DistributedDecode {
 
 void bind_flash_decode(nb::module_& m) {
   m.def("flash_decode", &flash_decode, "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "out"_a, "lse"_a,
-        "dtype"_a, "batch"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "num_pages"_a, "page_size"_a, "max_pages"_a,
-        "softmax_scale"_a, "softcap"_a, "max_seq_len"_a, "device"_a, "stream"_a,
+        "dtype"_a, "batch"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "num_pages"_a, "page_size"_a, "page_stride"_a,
+        "max_pages"_a, "softmax_scale"_a, "softcap"_a, "max_seq_len"_a, "device"_a, "stream"_a,
         "Decode attention on raw device pointers (block_table 0: contiguous cache); use tdist.flash_decode.");
   m.def(
       "flash_decode_check_errors",
@@ -151,7 +152,7 @@ void bind_flash_decode(nb::module_& m) {
            "world_size"_a, "bases"_a, "bytes"_a, "max_batch"_a, "q_heads"_a, "head_dim"_a, "device"_a)
       .def("run", &DistributedDecode::run, "q"_a, "k_cache"_a, "v_cache"_a, "block_table"_a, "seq_lens"_a, "out"_a,
            "lse"_a, "dtype"_a, "batch"_a, "q_heads"_a, "kv_heads"_a, "head_dim"_a, "num_pages"_a, "page_size"_a,
-           "max_pages"_a, "softmax_scale"_a, "softcap"_a, "max_seq_len"_a, "stream"_a)
+           "page_stride"_a, "max_pages"_a, "softmax_scale"_a, "softcap"_a, "max_seq_len"_a, "stream"_a)
       .def("check_errors", &DistributedDecode::check_errors)
       .def("close", &DistributedDecode::close);
   m.def(

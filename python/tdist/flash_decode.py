@@ -6,6 +6,9 @@
     k_cache      [num_pages, page_size, kv_heads, head_dim] paged (block_table given), page_size 1..256
                  [batch, capacity, kv_heads, head_dim]      contiguous (block_table None)
     v_cache      like k_cache
+                 Each page's rows dense; the pages may lie further apart than a page, the same in
+                 k_cache and v_cache: FlashInfer's combined cache kv [num_pages, 2, page_size,
+                 kv_heads, head_dim] is passed as kv[:, 0] and kv[:, 1]
     seq_lens     [batch] int32 on the device                tokens of each sequence (0 allowed)
     block_table  [batch, max_pages] int32 or None           page of token t: block_table[b, t // page_size]
     -> out [batch, q_heads, head_dim] (q's dtype), lse [batch, q_heads] float32 (natural log, -inf if empty)
@@ -42,6 +45,28 @@ def _fail(name: str, expected: str, got) -> None:
 
 def _shape(t) -> tuple:
     return tuple(int(s) for s in t.shape)
+
+
+def _page_stride(k_cache, v_cache) -> int:
+    """Elements from one page of the caches to the next (0: dense pages); raises naming the cache
+    whose layout the kernel cannot read: rows within a page dense, pages at least a page apart, the
+    same stride in both."""
+    strides = []
+    for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        pages, page_size, kv_heads, head_dim = _shape(t)
+        dense = (page_size * kv_heads * head_dim, kv_heads * head_dim, head_dim, 1)
+        for i in (1, 2, 3):  # torch ignores the stride of a dimension of size 1, as its is_contiguous does
+            if t.shape[i] > 1 and t.stride(i) != dense[i]:
+                _fail(arg, "each page's rows dense (strides [*, kv_heads x head_dim, head_dim, 1])",
+                      f"strides {tuple(t.stride())}")
+        stride = t.stride(0) if pages > 1 else dense[0]
+        if stride < dense[0]:
+            _fail(arg, f"pages at least a page ({dense[0]} elements) apart", f"strides {tuple(t.stride())}")
+        strides.append(stride)
+    if strides[0] != strides[1]:
+        _fail("v_cache", f"k_cache's page stride ({strides[0]} elements)", strides[1])
+    pages, page_size, kv_heads, head_dim = _shape(k_cache)
+    return 0 if strides[0] == page_size * kv_heads * head_dim else strides[0]
 
 
 def check_args(q, k_cache, v_cache, seq_lens, block_table=None) -> dict:
@@ -83,19 +108,24 @@ def check_args(q, k_cache, v_cache, seq_lens, block_table=None) -> dict:
     for arg, t in tensors:
         if t.device != q.device or t.device.type not in ("cuda", "meta"):
             _fail(arg, f"a CUDA tensor on q's device ({q.device})", t.device)
-        if not t.is_contiguous():
-            _fail(arg, "a contiguous tensor", f"strides {tuple(t.stride())}")
+    _check_contiguous(q, seq_lens, block_table)
     return dict(batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, num_pages=num_pages,
-                page_size=page_size, max_pages=max_pages, dtype=_DTYPES[name])
+                page_size=page_size, page_stride=_page_stride(k_cache, v_cache), max_pages=max_pages,
+                dtype=_DTYPES[name])
 
 
-_ARG_NAMES = ("q", "k_cache", "v_cache", "seq_lens", "block_table")
+def _check_contiguous(q, seq_lens, block_table) -> None:
+    for arg, t in (("q", q), ("seq_lens", seq_lens), ("block_table", block_table)):
+        if t is not None and not t.is_contiguous():
+            _fail(arg, "a contiguous tensor", f"strides {tuple(t.stride())}")
+
+
 _checked: dict = {}  # check_args' sizes by the tensors' (shape, dtype, device); bounded
 
 
 def _sizes(q, k_cache, v_cache, seq_lens, block_table) -> dict:
     """check_args of a call, its shape checks remembered per (shape, dtype, device) of the tensors:
-    only contiguity, which those do not fix, is checked again on every call."""
+    only the strides, which those do not fix, are checked again on every call."""
     tensors = (q, k_cache, v_cache, seq_lens, block_table)
     key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
     sizes = _checked.get(key)
@@ -105,10 +135,9 @@ def _sizes(q, k_cache, v_cache, seq_lens, block_table) -> dict:
             _checked.clear()
         _checked[key] = sizes
         return sizes
-    for arg, t in zip(_ARG_NAMES, tensors):
-        if t is not None and not t.is_contiguous():
-            _fail(arg, "a contiguous tensor", f"strides {tuple(t.stride())}")
-    return sizes
+    _check_contiguous(q, seq_lens, block_table)
+    page_stride = _page_stride(k_cache, v_cache)
+    return sizes if page_stride == sizes["page_stride"] else dict(sizes, page_stride=page_stride)
 
 
 class _Exchange:
@@ -166,8 +195,8 @@ def _run(q, k_cache, v_cache, seq_lens, block_table, softmax_scale, softcap, max
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), 0 if block_table is None else block_table.data_ptr(),
             seq_lens.data_ptr(), out.data_ptr(), lse.data_ptr(), s["dtype"], s["batch"], s["q_heads"], s["kv_heads"],
-            s["head_dim"], s["num_pages"], s["page_size"], s["max_pages"], float(scale), float(softcap),
-            int(max_seq_len))
+            s["head_dim"], s["num_pages"], s["page_size"], s["page_stride"], s["max_pages"], float(scale),
+            float(softcap), int(max_seq_len))
     stream = raw_stream(device)
     if distributed:
         _exchange(device, s["batch"], s["q_heads"], s["head_dim"]).op.run(*args, stream)

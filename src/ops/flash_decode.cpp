@@ -74,6 +74,13 @@ void check_flash_decode_args(const FlashDecodeArgs& a) {
                   "expected at most 2^30 tokens per sequence (max_pages x page_size), got ", capacity);
   TDIST_CHECK_ARG(a.num_pages * a.page_size <= (int64_t{1} << 40) / a.kv_heads, "num_pages",
                   "the cache is too large to index (", a.num_pages, " pages of ", a.page_size, " tokens)");
+  const int64_t page_elems = a.page_size * a.kv_heads * a.head_dim;
+  TDIST_CHECK_ARG(a.page_stride == 0 || (a.page_stride >= page_elems && a.page_stride % 8 == 0 &&
+                                         a.page_stride <= (int64_t{1} << 48) / a.num_pages),
+                  "page_stride",
+                  "expected 0 (dense pages) or a multiple of 8 elements, at least a page (page_size x kv_heads x "
+                  "head_dim = ",
+                  page_elems, "), with num_pages x page_stride below 2^48, got ", a.page_stride);
   TDIST_CHECK_ARG(a.max_seq_len >= 0 && a.max_seq_len <= capacity, "max_seq_len", "expected 0 (the capacity) to ",
                   capacity, " (the capacity), got ", a.max_seq_len);
 }
@@ -361,6 +368,7 @@ struct FlashDecode::Impl {
     p.errors = errors.get<u32>();
     p.num_pages = static_cast<u64>(a.block_table ? a.num_pages : a.batch);
     p.page_size = static_cast<u32>(a.page_size);
+    p.page_stride = static_cast<u64>(a.page_stride > 0 ? a.page_stride : a.page_size * a.kv_heads * a.head_dim);
     p.max_pages = static_cast<u32>(a.block_table ? a.max_pages : 1);
     p.capacity = static_cast<u32>(capacity);
     p.q_heads = static_cast<u32>(a.q_heads);

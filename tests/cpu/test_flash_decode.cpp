@@ -61,6 +61,11 @@ TEST(FlashDecodeArgs, ValidPagedAndContiguousPass) {
   EXPECT_NO_THROW(check_flash_decode_args(c));
   EXPECT_EQ(flash_decode_capacity(c), 100000);
   EXPECT_EQ(flash_decode_capacity(valid_paged()), 160);
+  FlashDecodeArgs combined = valid_paged();  // FlashInfer's [pages][2][page][heads][dim]: K and V pages interleaved
+  combined.page_stride = 2 * 16 * 8 * 128;
+  EXPECT_NO_THROW(check_flash_decode_args(combined));
+  c.page_stride = 100000 * 8 * 128 + 8;  // a sequence row with padding after it
+  EXPECT_NO_THROW(check_flash_decode_args(c));
 }
 
 TEST(FlashDecodeArgs, ErrorsNameTheArgument) {
@@ -90,6 +95,10 @@ TEST(FlashDecodeArgs, ErrorsNameTheArgument) {
   expect_names("max_seq_len", with([](FlashDecodeArgs& a) { a.max_seq_len = 161; }));  // beyond 10 x 16
   expect_names("softmax_scale", with([](FlashDecodeArgs& a) { a.softmax_scale = 0.f; }));
   expect_names("softcap", with([](FlashDecodeArgs& a) { a.softcap = -1.f; }));
+  expect_names("page_stride", with([](FlashDecodeArgs& a) { a.page_stride = 16 * 8 * 128 - 8; }));  // pages overlap
+  expect_names("page_stride", with([](FlashDecodeArgs& a) { a.page_stride = 16 * 8 * 128 + 4; }));  // 8-byte aligned
+  expect_names("page_stride", with([](FlashDecodeArgs& a) { a.page_stride = -16 * 8 * 128; }));
+  expect_names("page_stride", with([](FlashDecodeArgs& a) { a.page_stride = int64_t{1} << 47; }));  // x 100 pages
 }
 
 TEST(FlashDecodeSplitPlan, FillsTheGpuFromTheLengthAndSmCount) {

@@ -78,12 +78,13 @@ struct Geometry {
   int64_t capacity;   // tokens per sequence
   float scale_mul;    // softmax_scale = scale_mul / sqrt(head_dim)
   float softcap;
+  bool combined = false;  // K and V in one buffer, a page of each in turn (FlashInfer's [pages][2][...])
 };
 
 std::string describe(const Geometry& g, DType dtype) {
   return detail::concat(to_string(dtype), " batch ", g.batch, " heads ", g.q_heads, "/", g.kv_heads, " d ", g.head_dim,
                         g.page_size ? detail::concat(" page ", g.page_size) : std::string(" contiguous"), " capacity ",
-                        g.capacity, g.softcap > 0 ? " softcap" : "");
+                        g.capacity, g.softcap > 0 ? " softcap" : "", g.combined ? " combined K/V pages" : "");
 }
 
 // Which rank holds token t of sequence b: sequences b % 4 == 1 wholly on one rank, others dealt at random.
@@ -117,8 +118,8 @@ struct Case {
     v.resize(k.size());
     table.resize(std::max<int64_t>(g.batch * max_pages, 1));
     d_q = DeviceBuffer(q.size() * sizeof(T));
-    d_k = DeviceBuffer(k.size() * sizeof(T));
-    d_v = DeviceBuffer(v.size() * sizeof(T));
+    d_k = DeviceBuffer((g.combined ? 2 : 1) * k.size() * sizeof(T));
+    d_v = DeviceBuffer(g.combined ? sizeof(T) : v.size() * sizeof(T));  // combined: V lies in d_k
     d_table = DeviceBuffer(table.size() * sizeof(int32_t));
     d_lens = DeviceBuffer(g.batch * sizeof(int32_t));
     d_out = DeviceBuffer(q.size() * sizeof(T));
@@ -202,10 +203,23 @@ struct Case {
     upload();
   }
 
+  // Elements of one page (contiguous: one sequence) of K or V.
+  int64_t page_elems() const { return (g.page_size > 0 ? g.page_size : g.capacity) * g.kv_heads * g.head_dim; }
+
   void upload() {
     test::copy_to_device(d_q.get(), q.data(), q.size() * sizeof(T));
-    test::copy_to_device(d_k.get(), k.data(), k.size() * sizeof(T));
-    test::copy_to_device(d_v.get(), v.data(), v.size() * sizeof(T));
+    if (g.combined) {  // page p of K, then page p of V
+      const size_t pe = static_cast<size_t>(page_elems());
+      std::vector<T> kv(2 * k.size());
+      for (size_t p = 0; p < k.size() / pe; ++p) {
+        std::copy_n(k.begin() + p * pe, pe, kv.begin() + 2 * p * pe);
+        std::copy_n(v.begin() + p * pe, pe, kv.begin() + (2 * p + 1) * pe);
+      }
+      test::copy_to_device(d_k.get(), kv.data(), kv.size() * sizeof(T));
+    } else {
+      test::copy_to_device(d_k.get(), k.data(), k.size() * sizeof(T));
+      test::copy_to_device(d_v.get(), v.data(), v.size() * sizeof(T));
+    }
     test::copy_to_device(d_table.get(), table.data(), table.size() * sizeof(int32_t));
     test::copy_to_device(d_lens.get(), lens_local.data(), g.batch * sizeof(int32_t));
   }
@@ -224,7 +238,8 @@ struct Case {
     a.head_dim = g.head_dim;
     a.q = d_q.get();
     a.k_cache = d_k.get();
-    a.v_cache = d_v.get();
+    a.v_cache = g.combined ? static_cast<const void*>(d_k.get<T>() + page_elems()) : d_v.get();
+    a.page_stride = g.combined ? 2 * page_elems() : 0;
     a.num_pages = num_pages;
     a.page_size = g.page_size > 0 ? g.page_size : g.capacity;
     a.block_table = g.page_size > 0 ? d_table.get<int32_t>() : nullptr;
@@ -462,17 +477,20 @@ int main() {
   uint64_t case_seed = seed;
 
   const Geometry shapes[] = {
-      {7, 8, 8, 64, 16, 700, 1.0f, 0.f},     // MHA, d 64
-      {6, 32, 8, 128, 16, 1100, 2.0f, 0.f},  // Llama-3-8B heads
-      {6, 16, 2, 256, 64, 900, 1.5f, 0.f},   // GQA 8, d 256
-      {6, 12, 2, 128, 1, 300, 1.0f, 0.f},    // GQA 6 (one CTA's 6 MMA rows), page 1
-      {6, 16, 1, 64, 256, 1300, 3.0f, 0.f},  // GQA 16 (all 16 MMA rows), page 256
-      {5, 32, 1, 128, 16, 650, 1.0f, 0.f},   // GQA 32 (two chunks of 16)
-      {5, 34, 2, 64, 32, 400, 1.0f, 0.f},    // GQA 17 (prime: 17 chunks of 1)
-      {4, 32, 2, 256, 32, 700, 2.0f, 20.f},  // GQA 16, d 256, softcap
-      {6, 8, 4, 128, 0, 777, 1.0f, 0.f},     // contiguous
-      {6, 8, 1, 256, 0, 500, 2.0f, 0.f},     // contiguous, GQA 8, d 256
-      {6, 16, 4, 128, 16, 600, 8.0f, 30.f},  // softcap (large logits, capped)
+      {7, 8, 8, 64, 16, 700, 1.0f, 0.f},           // MHA, d 64
+      {6, 32, 8, 128, 16, 1100, 2.0f, 0.f},        // Llama-3-8B heads
+      {6, 16, 2, 256, 64, 900, 1.5f, 0.f},         // GQA 8, d 256
+      {6, 12, 2, 128, 1, 300, 1.0f, 0.f},          // GQA 6 (one CTA's 6 MMA rows), page 1
+      {6, 16, 1, 64, 256, 1300, 3.0f, 0.f},        // GQA 16 (all 16 MMA rows), page 256
+      {5, 32, 1, 128, 16, 650, 1.0f, 0.f},         // GQA 32 (two chunks of 16)
+      {5, 34, 2, 64, 32, 400, 1.0f, 0.f},          // GQA 17 (prime: 17 chunks of 1)
+      {4, 32, 2, 256, 32, 700, 2.0f, 20.f},        // GQA 16, d 256, softcap
+      {6, 8, 4, 128, 0, 777, 1.0f, 0.f},           // contiguous
+      {6, 8, 1, 256, 0, 500, 2.0f, 0.f},           // contiguous, GQA 8, d 256
+      {6, 16, 4, 128, 16, 600, 8.0f, 30.f},        // softcap (large logits, capped)
+      {6, 32, 8, 128, 16, 1100, 1.0f, 0.f, true},  // FlashInfer's combined K/V pages
+      {5, 16, 2, 64, 1, 300, 1.0f, 0.f, true},     // combined, page 1
+      {6, 8, 4, 128, 0, 777, 1.0f, 0.f, true},     // contiguous, K and V of a sequence side by side
   };
 
   // Single GPU: every rank runs these alone.

@@ -117,6 +117,32 @@ def test_against_sdpa():
             check(out, lse, ref_out, ref_lse, dtype, f"{dtype} d {d} heads {q_heads}/{kv_heads} page {page}")
 
 
+def test_combined_kv_pages():
+    """FlashInfer's combined cache [pages, 2, page, kv_heads, d] passed as its K and V views (pages two
+    pages apart), paged and contiguous, single and against SDPA; and a cache with padding between pages."""
+    seed = 40
+    for dtype, d, q_heads, kv_heads, page in ((torch.bfloat16, 128, 32, 8, 16), (torch.float16, 64, 16, 2, 1),
+                                              (torch.bfloat16, 128, 8, 4, 0), (torch.float16, 256, 16, 2, 64)):
+        lens = [0, 1, 333, 1200]
+        seed += 1
+        q, k, v, sl, table, kw, vw = make_cache(len(lens), q_heads, kv_heads, d, page, lens, dtype, seed)
+        kv = torch.stack([k, v], dim=1)
+        padded = torch.full((k.shape[0], k.shape[1] + 3, kv_heads, d), float("nan"), dtype=dtype, device="cuda")
+        padded[:, : k.shape[1]] = k  # pages 3 rows further apart than dense
+        vpad = torch.full_like(padded, float("nan"))
+        vpad[:, : k.shape[1]] = v
+        ref_out, ref_lse = reference(q, kw, vw, lens, 1 / math.sqrt(d))
+        for name, kc, vc in (("combined", kv[:, 0], kv[:, 1]), ("padded", padded[:, : k.shape[1]],
+                                                               vpad[:, : k.shape[1]])):
+            assert not kc.is_contiguous()
+            poison_allocator()
+            out, lse = fd(q, kc, vc, sl, table)
+            fd_module.check_errors()
+            check(out, lse, ref_out, ref_lse, dtype, f"{name} {dtype} d {d} heads {q_heads}/{kv_heads} page {page}")
+            out2, lse2 = fd(q, k, v, sl, table)  # the dense cache gives the same bits
+            assert torch.equal(out, out2) and torch.equal(lse, lse2), f"{name}: differs from the dense cache"
+
+
 def test_softcap_and_scale():
     q, k, v, sl, table, kw, vw = make_cache(3, 16, 4, 128, 16, [5, 300, 999], torch.bfloat16, 77)
     out, lse = fd(q, k, v, sl, table, softmax_scale=0.5, softcap=20.0)
@@ -197,12 +223,15 @@ def test_argument_errors():
     expect_error(lambda: fd(q, k, v, sl, table, max_seq_len=10 ** 6), "'max_seq_len'")
     expect_error(lambda: fd(q, k, v, sl, None), "'k_cache'")  # pages are not one row per sequence
     expect_error(lambda: fd(q, k.cpu(), v, sl, table), "'k_cache'")  # not on q's device
-    # a call of a known signature skips the shape checks, never the contiguity check
+    # a call of a known signature skips the shape checks, never the layout checks
     fd(q, k, v, sl, table)
     q_strided = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=q.dtype, device="cuda").transpose(1, 2)
     expect_error(lambda: fd(q_strided, k, v, sl, table), "'q'", "contiguous")
     v_strided = torch.empty(v.shape[0], v.shape[2], v.shape[1], v.shape[3], dtype=v.dtype, device="cuda").transpose(1, 2)
-    expect_error(lambda: fd(q, k, v_strided, sl, table), "'v_cache'", "contiguous")
+    expect_error(lambda: fd(q, k, v_strided, sl, table), "'v_cache'", "dense")
+    kv = torch.stack([k, v], dim=1)  # FlashInfer's combined cache: pages of 2 x 16 rows apart
+    expect_error(lambda: fd(q, kv[:, 0], v, sl, table), "'v_cache'", "page stride")  # K strided, V dense
+    expect_error(lambda: fd(q, k[:1].expand_as(k), v, sl, table), "'k_cache'", "apart")  # every page the same
 
 
 def test_bad_block_table_is_reported():
@@ -250,8 +279,9 @@ def test_distributed_against_sdpa():
         check(out, lse, ref_out, ref_lse, torch.bfloat16, "distributed graph replay")
 
 
-TESTS = [test_against_sdpa, test_softcap_and_scale, test_sequence_parallel_step, test_torch_compile_fullgraph,
-         test_cuda_graph_new_lengths, test_argument_errors, test_bad_block_table_is_reported]
+TESTS = [test_against_sdpa, test_combined_kv_pages, test_softcap_and_scale, test_sequence_parallel_step,
+         test_torch_compile_fullgraph, test_cuda_graph_new_lengths, test_argument_errors,
+         test_bad_block_table_is_reported]
 
 
 def main():

@@ -480,6 +480,32 @@ def test_flash_decode_split_plan():
         plan(1, 32, 8, 4096, 132, head_dim=96)
 
 
+def test_flash_decode_cache_layouts():
+    torch = pytest.importorskip("torch")
+    from tdist.flash_decode import check_args
+
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    q, lens, table = meta(2, 32, 128), meta(2, dtype=torch.int32), meta(2, 10, dtype=torch.int32)
+    k = meta(20, 16, 8, 128)
+    assert check_args(q, k, meta(20, 16, 8, 128), lens, table)["page_stride"] == 0  # dense
+    kv = meta(20, 2, 16, 8, 128)  # FlashInfer's combined cache: K and V pages two pages apart
+    assert check_args(q, kv[:, 0], kv[:, 1], lens, table)["page_stride"] == 2 * 16 * 8 * 128
+    padded = meta(2, 1000 + 8, 8, 128)[:, :1000]  # contiguous cache, sequences 8 rows further apart
+    assert check_args(q, padded, padded, lens, None)["page_stride"] == 1008 * 8 * 128
+    one = meta(1, 20, 8, 128)[:, :16]  # one page: its stride never matters
+    assert check_args(q, one, meta(1, 16, 8, 128), lens, table[:, :1].contiguous())["page_stride"] == 0
+    with pytest.raises(tdist.Error, match="'v_cache'.*page stride"):
+        check_args(q, kv[:, 0], k, lens, table)
+    with pytest.raises(tdist.Error, match="'k_cache'.*dense"):  # rows of a page not dense
+        check_args(q, meta(20, 8, 16, 128).transpose(1, 2), k, lens, table)
+    with pytest.raises(tdist.Error, match="'k_cache'.*apart"):  # every page the same memory
+        check_args(q, k[:1].expand_as(k), k, lens, table)
+    with pytest.raises(tdist.Error, match="'q'.*contiguous"):
+        check_args(meta(2, 128, 32).transpose(1, 2), k, k, lens, table)
+
+
 def test_ag_gemm_shape_checks():
     a, b = op_((5, 64)), op_((24, 64), ptr=1 << 30)
     # m derived: equal rows on every rank

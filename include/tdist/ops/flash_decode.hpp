@@ -31,6 +31,11 @@ namespace tdist {
 //     paged      T[num_pages][page_size][kv_heads][head_dim], block_table i32[batch][max_pages]
 //     contiguous T[batch][page_size][kv_heads][head_dim] (block_table == nullptr; page_size is
 //                then the capacity of a sequence and num_pages must equal batch)
+//     page_stride elements from one page (or contiguous sequence) to the next, the same in k_cache
+//                and v_cache; 0: dense, page_size x kv_heads x head_dim. A page's rows stay dense.
+//                FlashInfer's combined cache T[num_pages][2][page_size][kv_heads][head_dim] is
+//                k_cache = its base, v_cache = base + page_size x kv_heads x head_dim, and twice
+//                that for page_stride.
 //   seq_lens     i32[batch], tokens of each sequence in the cache (0 allowed), device memory
 //   out          T[batch][q_heads][head_dim]
 //   lse          f32[batch][q_heads] or nullptr: natural-log sum of exp(logits), -inf when empty
@@ -45,7 +50,8 @@ struct FlashDecodeArgs {
   const void* k_cache = nullptr;
   const void* v_cache = nullptr;
   int64_t num_pages = 0;
-  int64_t page_size = 0;  // paged: 1..256
+  int64_t page_size = 0;    // paged: 1..256
+  int64_t page_stride = 0;  // elements between pages (layout above); 0: dense
   const int32_t* block_table = nullptr;
   int64_t max_pages = 0;  // block_table's row length (paged)
   const int32_t* seq_lens = nullptr;

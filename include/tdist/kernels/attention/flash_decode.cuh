@@ -4,7 +4,8 @@
 //
 // Layouts (row-major, T = __nv_bfloat16 or __half):
 //   q            T[batch][q_heads][D]
-//   k_cache      T[num_pages][page_size][kv_heads][D]      (vLLM / FlashInfer paged layout; v alike)
+//   k_cache      T[num_pages][page_size][kv_heads][D]      (vLLM / FlashInfer paged layout; v alike),
+//                                                           pages page_stride elements apart (>= a page)
 //   block_table  i32[batch][max_pages]                      page of token t of sequence b:
 //                                                           block_table[b][t / page_size]
 //   contiguous   block_table == nullptr: num_pages = batch, page_size = the capacity per sequence,
@@ -87,6 +88,7 @@ struct DecodeParams {
   float* lse;  // with out: the log-sum-exp (natural log), may be nullptr
   u32* errors;
   u64 num_pages;
+  u64 page_stride;  // elements from a page to the next (page_size * kv_heads * D when dense)
   u32 page_size;
   u32 max_pages;  // block_table row stride
   u32 capacity;   // tokens a sequence can hold: max_pages * page_size (contiguous: page_size)
@@ -260,7 +262,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
       const u32 slot = t / p.page_size;
       const int page = table ? __ldcg(table + slot) : static_cast<int>(b);
       if (page < 0 || static_cast<u64>(page) >= p.num_pages) break;
-      const u64 row = (static_cast<u64>(page) * p.page_size + (t - slot * p.page_size)) * row_stride;
+      const u64 row = static_cast<u64>(page) * p.page_stride + static_cast<u64>(t - slot * p.page_size) * row_stride;
 #pragma unroll
       for (int c = 0; c < D * static_cast<int>(sizeof(T)); c += 128) {
         prefetch_l2(reinterpret_cast<const unsigned char*>(kbase + row) + c);
@@ -311,7 +313,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
           }
           page = static_cast<u64>(entry);
         }
-        row = (page * p.page_size + off) * row_stride;
+        row = page * p.page_stride + off * row_stride;
       }
     }
     const u32 mask = __ballot_sync(kFull, valid);
