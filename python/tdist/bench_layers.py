@@ -258,7 +258,6 @@ class _Layer:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.rows = tokens // self.world
         self.group = dist.group.WORLD
-        self.check_methods = moe_check_methods(self.world)
         self.symm = symm
         dtype, dev = torch.bfloat16, torch.device("cuda", torch.cuda.current_device())
         qkv_out = (heads + 2 * kv) * HEAD_DIM
