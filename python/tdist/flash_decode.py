@@ -65,8 +65,7 @@ def _page_stride(k_cache, v_cache) -> int:
         strides.append(stride)
     if strides[0] != strides[1]:
         _fail("v_cache", f"k_cache's page stride ({strides[0]} elements)", strides[1])
-    pages, page_size, kv_heads, head_dim = _shape(k_cache)
-    return 0 if strides[0] == page_size * kv_heads * head_dim else strides[0]
+    return 0 if strides[0] == dense[0] else strides[0]  # dense: the shapes are equal
 
 
 def check_args(q, k_cache, v_cache, seq_lens, block_table=None) -> dict:
