@@ -33,6 +33,13 @@ int64_t flash_decode_capacity(const FlashDecodeArgs& a) {
   return a.block_table ? a.max_pages * a.page_size : a.page_size;
 }
 
+namespace {
+
+// Elements of one dense page (contiguous cache: one sequence's rows) of K or V.
+int64_t dense_page_elems(const FlashDecodeArgs& a) { return a.page_size * a.kv_heads * a.head_dim; }
+
+}  // namespace
+
 void check_flash_decode_args(const FlashDecodeArgs& a) {
   TDIST_CHECK_ARG(a.dtype == DType::kBFloat16 || a.dtype == DType::kFloat16, "dtype",
                   "expected bf16 or f16 for q, the KV cache and out, got ", to_string(a.dtype));
@@ -74,7 +81,7 @@ void check_flash_decode_args(const FlashDecodeArgs& a) {
                   "expected at most 2^30 tokens per sequence (max_pages x page_size), got ", capacity);
   TDIST_CHECK_ARG(a.num_pages * a.page_size <= (int64_t{1} << 40) / a.kv_heads, "num_pages",
                   "the cache is too large to index (", a.num_pages, " pages of ", a.page_size, " tokens)");
-  const int64_t page_elems = a.page_size * a.kv_heads * a.head_dim;
+  const int64_t page_elems = dense_page_elems(a);
   TDIST_CHECK_ARG(a.page_stride == 0 || (a.page_stride >= page_elems && a.page_stride % 8 == 0 &&
                                          a.page_stride <= (int64_t{1} << 48) / a.num_pages),
                   "page_stride",
@@ -368,7 +375,7 @@ struct FlashDecode::Impl {
     p.errors = errors.get<u32>();
     p.num_pages = static_cast<u64>(a.block_table ? a.num_pages : a.batch);
     p.page_size = static_cast<u32>(a.page_size);
-    p.page_stride = static_cast<u64>(a.page_stride > 0 ? a.page_stride : a.page_size * a.kv_heads * a.head_dim);
+    p.page_stride = static_cast<u64>(a.page_stride > 0 ? a.page_stride : dense_page_elems(a));
     p.max_pages = static_cast<u32>(a.block_table ? a.max_pages : 1);
     p.capacity = static_cast<u32>(capacity);
     p.q_heads = static_cast<u32>(a.q_heads);
