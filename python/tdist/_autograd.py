@@ -695,7 +695,8 @@ def moe_ag_group_gemm_backward(grad: Tensor, x_rows: Tensor, topk_ids: Tensor, w
         # op on dY (expert-ordered rows of the same routing) and w_e.T with every weight 1, its
         # ReduceScatter overlapped with its grouped GEMM; it reads no padding row of dY.
         ones = torch.ones(topk_ids.shape, dtype=torch.float32, device=grad.device)
-        grad_x = _ops.moe_group_gemm_rs.default(grad, _experts_transposed(w), topk_ids, ones, method, False)
+        grad_x = _ops.moe_group_gemm_rs.default(grad, _experts_transposed(w), topk_ids, ones, _moe.rs_method(method),
+                                                False)
     if need_w:
         valid = _rows_valid(token_of_row)
         a = _zero_rows(gathered[token_of_row.clamp(min=0)], valid)  # [R, K] in expert order

@@ -99,7 +99,7 @@ LAYERS = DENSE_LAYERS + ("moe",)
 # --models left out: these per kind of layer.
 DEFAULT_MODELS = {"dense": ("8b", "70b"), "moe": ("qwen3", "dsv2lite")}
 MOE_ROUTINGS = ("uniform", "skewed")
-MOE_TDIST_METHODS = ("auto", "chunked", "baseline")
+MOE_TDIST_METHODS = ("auto", "fused", "chunked", "baseline")  # fused: the first projection's (tdist.moe)
 kMoeCheckTol = 3e-2  # max |diff| / max |tdist| between two bf16 forwards of the MoE block
 PASSES = ("fwd", "fwd+bwd")
 # The pass names of --summary (fwd+bwd is not a plain identifier); --passes takes either spelling.

@@ -52,6 +52,7 @@ import statistics
 import sys
 
 from . import _bench_world
+from .moe import AG_METHODS, rs_method
 
 MODELS = {
     # key: (name, hidden, intermediate, experts, topk)
@@ -82,8 +83,8 @@ def _parse(argv):
                    help="comma-separated token counts M (all ranks); not --m, which torchrun takes for its own")
     p.add_argument("--routing", default=",".join(ROUTINGS), help="comma-separated: " + ", ".join(ROUTINGS))
     p.add_argument("--ops", default="ag,rs", help="comma-separated: " + ", ".join(OPS))
-    p.add_argument("--tdist-method", default="auto", choices=("auto", "chunked", "baseline"),
-                   help="method of moe_ag_group_gemm / moe_group_gemm_rs")
+    p.add_argument("--tdist-method", default="auto", choices=AG_METHODS,
+                   help="method of moe_ag_group_gemm (moe_group_gemm_rs runs chunked for fused)")
     p.add_argument("--sets", type=int, default=3, help="input sets rotated over (fresh routing each)")
     p.add_argument("--warmup", type=int, default=5, help="untimed calls of every method first")
     p.add_argument("--iters", type=int, default=20, help="timed rounds (one call of every method each)")
@@ -295,7 +296,8 @@ def _methods(torch, dist, tdist, op, sets, w, dims, args):
             s = sets[i]
             if op == "ar":
                 return tdist.moe_group_gemm_ar(s["a_pad"], w, s["s"].ids, s["s"].wts)
-            return tdist.moe_group_gemm_rs(s["a_pad"], w, s["s"].ids, s["s"].wts, method=args.tdist_method)
+            return tdist.moe_group_gemm_rs(s["a_pad"], w, s["s"].ids, s["s"].wts,
+                                           method=rs_method(args.tdist_method))
 
         def baseline(i):
             s = sets[i]

@@ -27,7 +27,9 @@ projection's). An expert id outside [0, E) is checked on the GPU without stoppin
 pair is routed to expert 0 (that call's outputs are wrong), the routing kernel prints it, and
 tdist.moe.check_errors() (which synchronises) raises tdist.Error naming topk_ids[t][k] and the id.
 Collective: every rank calls with the same M, shapes and method. method: 'auto', 'chunked' or
-'baseline' (docs/moe.md). Each op keeps one context per (dtype, experts, topk, K or N) on tdist's
+'baseline', and for moe_ag_group_gemm also 'fused' (one grouped GEMM launch whose tiles wait for
+their own tokens; docs/moe.md). rs_method(method) is the second projection's method of a layer run
+with one method. Each op keeps one context per (dtype, experts, topk, K or N) on tdist's
 heap, created on the first call and re-created larger when a call has more tokens (collective; never
 during a CUDA graph capture: run the largest call once first). Registered as
 torch.ops.tdist.moe_ag_group_gemm and torch.ops.tdist.moe_group_gemm_rs with fake implementations.
@@ -68,7 +70,8 @@ from ._tensors import Error, check_tensor_kind, raw_stream, torch_dtype_name, to
 from ._tensors import tensor_shape as _shape
 
 _DTYPES = {"bfloat16": "bf16", "float16": "f16"}
-_METHODS = ("auto", "chunked", "baseline")
+AG_METHODS = ("auto", "fused", "chunked", "baseline")  # moe_ag_group_gemm
+RS_METHODS = ("auto", "chunked", "baseline")  # moe_group_gemm_rs (no fused method)
 _contexts = {}  # (kind, dtype, experts, topk, k) -> C++ context of the live runtime
 
 
@@ -204,14 +207,20 @@ def _check_tensor(op, name, t, dtypes, dims, device, contiguous=True):
         _fail(op, name, "a contiguous tensor", f"strides {tuple(t.stride())}")
 
 
-def _check_method(op, method):
-    if method not in _METHODS:
-        _fail(op, "method", "'auto', 'chunked' or 'baseline'", repr(method))
+def rs_method(method: str) -> str:
+    """The second projection's method in a layer whose first projection runs `method`: the same, or
+    'chunked' for 'fused' (the first projection's only)."""
+    return "chunked" if method == "fused" else method
+
+
+def _check_method(op, method, methods):
+    if method not in methods:
+        _fail(op, "method", " or ".join(repr(m) for m in methods), repr(method))
 
 
 def _check_weights_and_ids(op, method, w, topk_ids, world_size, rank) -> dict:
     """The checks both projections start with: method, the weights w [E, N, K], the ids [M, topk]."""
-    _check_method(op, method)
+    _check_method(op, method, AG_METHODS if op == "moe_ag_group_gemm" else RS_METHODS)
     _check_tensor(op, "w", w, tuple(_DTYPES), (None, None, None), None)
     experts, n, k = _shape(w)
     _check_tensor(op, "topk_ids", topk_ids, ("int32", "int64"), (None, None), w.device)

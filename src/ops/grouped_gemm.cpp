@@ -55,8 +55,7 @@ GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
   return a;
 }
 
-void detail::check_grouped_offsets(int num_groups, int64_t m, int64_t n, const void* offsets,
-                                   IndexType offsets_type) {
+void detail::check_grouped_offsets(int num_groups, int64_t m, int64_t n, const void* offsets, IndexType offsets_type) {
   // B is a (G N) x K matrix addressed with 32-bit row coordinates.
   TDIST_CHECK_ARG(static_cast<int64_t>(num_groups) * std::max<int64_t>(n, 1) <= kGemmMaxDim, "num_groups",
                   "num_groups x n must be < 2^31 (rows of B), got ", num_groups, " x ", n);
@@ -77,12 +76,22 @@ kg::GroupedScheduler detail::grouped_walk(const void* offsets, IndexType offsets
   TDIST_CHECK_ARG(options.first_row >= 0, "first_row", "expected >= 0, got ", options.first_row);
   TDIST_CHECK_ARG(is_aligned(options.m_tile_order, 4), "m_tile_order", "must be 4-byte aligned, got ",
                   static_cast<const void*>(options.m_tile_order));
-  return kg::GroupedScheduler::make(offsets, offsets_type == IndexType::kInt64 ? 8 : 4,
-                                    static_cast<unsigned>(num_groups), static_cast<uint64_t>(m),
-                                    static_cast<uint64_t>(n), static_cast<unsigned>(tile.block_m),
-                                    static_cast<unsigned>(tile.block_n), static_cast<unsigned>(options.group_m),
-                                    static_cast<unsigned>(options.first_row / tile.block_m), options.m_tile_order,
-                                    options.m_tile_count);
+  TDIST_CHECK_ARG(options.tile_lists >= 1 && options.tile_lists <= static_cast<int>(kg::GroupedScheduler::kMaxLists),
+                  "tile_lists", "expected 1 to ", kg::GroupedScheduler::kMaxLists, " lists, got ", options.tile_lists);
+  if (options.tile_lists > 1) {
+    TDIST_CHECK_ARG(options.m_tile_order != nullptr && options.m_tile_count != nullptr, "m_tile_order",
+                    "tile_lists > 1 needs both m_tile_order (the lists) and m_tile_count (one count per list)");
+    TDIST_CHECK_ARG(options.tile_list_stride > 0 && options.tile_list_stride < (int64_t{1} << 32), "tile_list_stride",
+                    "expected 0 < stride < 2^32 entries with tile_lists > 1, got ", options.tile_list_stride);
+    TDIST_CHECK_ARG(is_aligned(options.m_tile_count, 4), "m_tile_count", "must be 4-byte aligned, got ",
+                    static_cast<const void*>(options.m_tile_count));
+  }
+  return kg::GroupedScheduler::make(
+      offsets, offsets_type == IndexType::kInt64 ? 8 : 4, static_cast<unsigned>(num_groups), static_cast<uint64_t>(m),
+      static_cast<uint64_t>(n), static_cast<unsigned>(tile.block_m), static_cast<unsigned>(tile.block_n),
+      static_cast<unsigned>(options.group_m), static_cast<unsigned>(options.first_row / tile.block_m),
+      options.m_tile_order, options.m_tile_count, static_cast<unsigned>(options.tile_lists),
+      static_cast<unsigned>(options.tile_list_stride));
 }
 
 kg::GroupedScheduler grouped_gemm_schedule(const GroupedGemmArgs& a, const GemmTile& tile,

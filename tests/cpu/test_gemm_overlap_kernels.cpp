@@ -1,8 +1,8 @@
 // The overlap ops' device code without a GPU: every registered program (flag wait, fp32 reduction,
-// and the persistent GEMM with the AllGather wait hooks and the chunk publish hooks, each shipped
-// tile) compiles for sm_90a through NVRTC, and the hooks cost the GEMM nothing ptxas reports: no
-// spills, no stack frame, no wgmma serialisation (a call such as the wait's timeout diagnostic in
-// the kernel would cause one).
+// the persistent GEMM with the AllGather wait hooks and the chunk publish hooks, each shipped tile,
+// and the MoE AllGather's grouped GEMM with its source-wait hooks) compiles for sm_90a through NVRTC, and the hooks
+// cost the GEMM nothing ptxas reports: no spills, no stack frame, no wgmma serialisation (a call such as the wait's
+// timeout diagnostic in the kernel would cause one).
 #include <gtest/gtest.h>
 
 #include <regex>
@@ -13,18 +13,39 @@
 namespace jit = tdist::jit;
 using tdist::test::compile_family_for_sm90a;
 
+namespace {
+
+// What ptxas says of a hooked GEMM instance: no wgmma serialisation, no stack frame.
+void expect_hooks_cost_nothing(const jit::CompiledKernel& compiled) {
+  const std::string& log = compiled.log;
+  EXPECT_EQ(log.find("Potential Performance Loss"), std::string::npos) << "wgmma serialised:\n" << log;
+  const std::regex stack(R"((\d+) bytes stack frame)");
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), stack); it != std::sregex_iterator(); ++it)
+    EXPECT_EQ((*it)[1].str(), "0") << "stack frame (local memory):\n" << log;
+}
+
+}  // namespace
+
 TEST(GemmOverlapKernels, RegisteredProgramsCompileCleanForSm90a) {
   int hooked = 0;
-  const int programs = compile_family_for_sm90a(
-      "gemm_overlap", [&](const jit::CompileRequest& r, const jit::CompiledKernel& compiled) {
+  const int programs =
+      compile_family_for_sm90a("gemm_overlap", [&](const jit::CompileRequest& r, const jit::CompiledKernel& compiled) {
         if (r.file_name.find("Hooks") == std::string::npos) return;  // the hooked GEMM instances only, below
         ++hooked;
-        const std::string& log = compiled.log;
-        EXPECT_EQ(log.find("Potential Performance Loss"), std::string::npos) << "wgmma serialised:\n" << log;
-        const std::regex stack(R"((\d+) bytes stack frame)");
-        for (auto it = std::sregex_iterator(log.begin(), log.end(), stack); it != std::sregex_iterator(); ++it)
-          EXPECT_EQ((*it)[1].str(), "0") << "stack frame (local memory):\n" << log;
+        expect_hooks_cost_nothing(compiled);
       });
   EXPECT_GE(programs, 3);
   EXPECT_GE(hooked, 2);
+}
+
+// The fused MoE AllGather's gathered-A grouped GEMM with the source-wait hooks: every tile of
+// BLOCK_M 128.
+TEST(GemmOverlapKernels, MoeFusedGemmCompilesCleanForSm90a) {
+  const int programs = compile_family_for_sm90a(
+      "moe_fused_gemm", [&](const jit::CompileRequest& r, const jit::CompiledKernel& compiled) {
+        EXPECT_NE(r.file_name.find("grouped_gather"), std::string::npos) << r.file_name;
+        EXPECT_NE(r.file_name.find("MoeGatherWaitHooks"), std::string::npos) << r.file_name;
+        expect_hooks_cost_nothing(compiled);
+      });
+  EXPECT_EQ(programs, 4);  // the shipped tiles of BLOCK_M 128
 }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 #include <random>
 #include <set>
@@ -297,6 +298,67 @@ TEST(GroupedSchedule, RotationAndOrderTable) {
   std::set<std::pair<u32, u32>> seen;
   for (u32 i = 0; i < og.num_tiles(); ++i) EXPECT_TRUE(seen.insert({og.tile(i).tile_m, og.tile(i).tile_n}).second);
   EXPECT_EQ(seen.size(), 15u);
+}
+
+// A listed walk (the fused MoE AllGather's): the tiles of list 0, then of list 1, ..., each m-tile of
+// each list crossed with every n-tile exactly once, TileInfo::list naming the tile's list.
+TEST(GroupedSchedule, ListedWalkRunsListAfterListEveryTileOnce) {
+  std::mt19937 rng(77);
+  for (int trial = 0; trial < 200; ++trial) {
+    const u32 lists = 2 + rng() % (kg::GroupedScheduler::kMaxLists - 1);
+    const u32 tiles = trial % 13 == 0 ? 0 : 1 + rng() % 60;
+    std::vector<int> offsets = {0, static_cast<int>(tiles * 128)};  // one group: any m-tile is valid
+    std::vector<u32> perm(tiles);
+    std::iota(perm.begin(), perm.end(), 0u);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    // Cut the permutation into `lists` runs (some empty), stored `stride` apart with garbage after each.
+    std::vector<u32> cuts = {0, tiles};
+    for (u32 j = 1; j < lists; ++j) cuts.push_back(tiles == 0 ? 0 : rng() % (tiles + 1));
+    std::sort(cuts.begin(), cuts.end());
+    const u32 stride = tiles + rng() % 5 + (tiles == 0 ? 1 : 0);
+    std::vector<u32> order(lists * stride, 0xdeadbeefu), count(lists);
+    std::map<u32, u32> list_of_tile;
+    for (u32 j = 0; j < lists; ++j) {
+      count[j] = cuts[j + 1] - cuts[j];
+      for (u32 i = 0; i < count[j]; ++i) {
+        order[j * stride + i] = perm[cuts[j] + i];
+        list_of_tile[perm[cuts[j] + i]] = j;
+      }
+    }
+    const u32 block_n = 128, n = 128 * (1 + rng() % 5) - 8 * (rng() % 3), group_m = 1 + rng() % 9;
+    const auto sched = kg::GroupedScheduler::make(offsets.data(), 4, 1, tiles * 128 + 64, n, 128, block_n, group_m, 0,
+                                                  order.data(), count.data(), lists, stride)
+                           .prepare();
+    const u32 tiles_n = (n + block_n - 1) / block_n;
+    SCOPED_TRACE(testing::Message() << "trial " << trial << " lists " << lists << " tiles " << tiles);
+    ASSERT_EQ(sched.num_tiles(), tiles * tiles_n);
+    std::set<std::pair<u32, u32>> seen;
+    u32 last_list = 0;
+    for (u32 t = 0; t < sched.num_tiles(); ++t) {
+      const kg::TileInfo info = sched.tile_info(t, 128, block_n, tiles * 128 + 64, n);
+      ASSERT_LT(info.coord.tile_m, tiles);
+      ASSERT_TRUE(seen.insert({info.coord.tile_m, info.coord.tile_n}).second) << "tile visited twice";
+      EXPECT_EQ(info.list, list_of_tile.at(info.coord.tile_m));
+      EXPECT_GE(info.list, last_list) << "a list before the one already walked";
+      last_list = info.list;
+    }
+    EXPECT_EQ(seen.size(), static_cast<size_t>(tiles) * tiles_n);
+  }
+  // Counts past a list's room are clipped to the stride, the total to the launch's m-tiles.
+  const std::vector<int> offsets = {0, 1024};
+  const std::vector<u32> order = {0, 1, 2, 3, 4, 5, 6, 7};
+  const std::vector<u32> count = {9, 1};
+  const auto s =
+      kg::GroupedScheduler::make(offsets.data(), 4, 1, 1024, 64, 128, 64, 8, 0, order.data(), count.data(), 2, 4)
+          .prepare();
+  EXPECT_EQ(s.num_tiles(), 5u);  // 4 of list 0 (clipped), 1 of list 1
+  EXPECT_EQ(s.tile_info(4, 128, 64, 1024, 64).coord.tile_m, 4u);
+  EXPECT_EQ(s.tile_info(4, 128, 64, 1024, 64).list, 1u);
+  const auto clipped =
+      kg::GroupedScheduler::make(offsets.data(), 4, 1, 3 * 128, 64, 128, 64, 8, 0, order.data(), count.data(), 2, 4)
+          .prepare();
+  EXPECT_EQ(clipped.num_tiles(), 3u);
+  for (u32 t = 0; t < 3; ++t) EXPECT_EQ(clipped.tile_info(t, 128, 64, 3 * 128, 64).list, 0u);
 }
 
 TEST(GroupedSchedule, AlignmentSuitsEveryBlockM) {

@@ -113,8 +113,8 @@ std::vector<int> make_ids(Routing kind, int64_t m, int topk, int experts, std::m
       std::shuffle(even.begin(), even.end(), rng);
       pool = even;
     }
-    for (int k = 0; k < topk; ++k) ids[t * topk + k] = kind == Routing::kOneExpert ? (k == 0 ? 3 : k - 1 + (k >= 4))
-                                                                                  : pool[k];
+    for (int k = 0; k < topk; ++k)
+      ids[t * topk + k] = kind == Routing::kOneExpert ? (k == 0 ? 3 : k - 1 + (k >= 4)) : pool[k];
   }
   return ids;
 }
@@ -125,8 +125,8 @@ TEST(MoeRouting, ReferenceMatchesBruteForce) {
     int64_t m;
     int topk, experts;
   };
-  const std::vector<Case> cases = {{1, 1, 1},    {3, 2, 8},     {257, 2, 8},   {1000, 6, 64},
-                                   {1031, 8, 128}, {4097, 2, 8}, {130, 1, 3},   {64, 4, 16}};
+  const std::vector<Case> cases = {{1, 1, 1},      {3, 2, 8},    {257, 2, 8}, {1000, 6, 64},
+                                   {1031, 8, 128}, {4097, 2, 8}, {130, 1, 3}, {64, 4, 16}};
   int checked = 0;
   for (const Case& c : cases)
     for (int world : {1, 2, 3, 4, 8})
@@ -135,14 +135,13 @@ TEST(MoeRouting, ReferenceMatchesBruteForce) {
         if (kind == Routing::kOneExpert && (c.experts < 5 || c.topk > c.experts - 1)) continue;
         const std::vector<int> ids = make_ids(kind, c.m, c.topk, c.experts, rng);
         for (int rank = 0; rank < world; rank += std::max(1, world / 3)) {
-          SCOPED_TRACE(testing::Message() << "m=" << c.m << " topk=" << c.topk << " experts=" << c.experts
-                                          << " world=" << world << " rank=" << rank << " kind="
-                                          << static_cast<int>(kind));
+          SCOPED_TRACE(testing::Message() << "m=" << c.m << " topk=" << c.topk << " experts=" << c.experts << " world="
+                                          << world << " rank=" << rank << " kind=" << static_cast<int>(kind));
           const MoeRoutingHost ref = tdist::moe_routing_reference(ids, c.m, c.topk, c.experts, world, rank);
           expect_same(ref, brute_force(ids, c.m, c.topk, c.experts, world, rank));
           // The build kernel's keys of every tile, from each expert's pairs per source, against the lists.
-          const tdist::kernels::moe::RotatedPairs pairs{{static_cast<uint64_t>(c.m), world},
-                                                        static_cast<uint32_t>(c.topk), rank};
+          const tdist::kernels::moe::RotatedPairs pairs{
+              {static_cast<uint64_t>(c.m), world}, static_cast<uint32_t>(c.topk), rank};
           std::vector<std::vector<uint32_t>> cum(c.experts, std::vector<uint32_t>(world + 1, 0));
           for (int64_t q = 0; q < c.m * c.topk; ++q) {
             const uint64_t t = pairs.token(q);
@@ -156,11 +155,28 @@ TEST(MoeRouting, ReferenceMatchesBruteForce) {
           }
           for (int e = 0; e < c.experts; ++e)
             for (uint32_t i = 0; i * kTile < static_cast<uint32_t>(ref.counts[e]); ++i) {
-              const auto keys = tdist::kernels::moe::tile_keys([&](int j) { return cum[e][j]; }, ref.counts[e], i,
-                                                               world);
+              const auto keys =
+                  tdist::kernels::moe::tile_keys([&](int j) { return cum[e][j]; }, ref.counts[e], i, world);
               const uint32_t tile = ref.offsets[e] / kTile + i;
               EXPECT_EQ(keys.ag, ag_key[tile]) << "expert " << e << " tile " << tile;
               EXPECT_EQ(keys.rs, rs_key[tile]) << "expert " << e << " tile " << tile;
+            }
+          // The fused method's waits (MoeGatherWaitHooks): a tile of ag list `key` waits for the
+          // relative sources from its first row's to `key`; every real row's source is among them.
+          const tdist::kernels::gemm::RowChunks split{static_cast<uint64_t>(c.m), world};
+          const auto rel_of = [&](int t) { return (split.chunk_of(static_cast<uint64_t>(t)) - rank + world) % world; };
+          for (int key = 0; key < world; ++key)
+            for (uint32_t tile : ref.ag_order[key]) {
+              const int first_token = ref.token_of_row[tile * kTile];
+              ASSERT_GE(first_token, 0) << "tile " << tile << " starts with a padding row";
+              int last = -1;
+              for (uint32_t row = tile * kTile; row < (tile + 1) * kTile; ++row) {
+                const int t = ref.token_of_row[row];
+                if (t < 0) continue;
+                EXPECT_GE(rel_of(t), rel_of(first_token)) << "row " << row;
+                last = std::max(last, rel_of(t));
+              }
+              EXPECT_EQ(last, key) << "tile " << tile;
             }
           EXPECT_LE(ref.offsets.back(), tdist::moe_capacity(c.m, c.topk, c.experts));
           // Own-token tiles run first and need no wait; every tile is listed once per order.
@@ -178,8 +194,7 @@ TEST(MoeRouting, ReferenceMatchesBruteForce) {
 TEST(MoeRouting, SegmentsCoverThePairsSourceBySource) {
   namespace km = tdist::kernels::moe;
   int checked = 0;
-  for (int64_t m : {int64_t{0}, int64_t{1}, int64_t{5}, int64_t{1000}, int64_t{4097}, int64_t{40000},
-                    int64_t{70001}})
+  for (int64_t m : {int64_t{0}, int64_t{1}, int64_t{5}, int64_t{1000}, int64_t{4097}, int64_t{40000}, int64_t{70001}})
     for (int topk : {1, 2, 8})
       for (int world : {1, 2, 3, 8})
         for (int rank = 0; rank < world; rank += std::max(1, world / 2)) {

@@ -6,13 +6,15 @@
 //   * MoeAgGroupGemm: d[row] = X[token of row] B1_e^T for every real row, padding rows exactly 0;
 //   * MoeGroupGemmRs: y[t] = sum over ranks r and k of w[t][k] h_r[(t, k)] B2_{r,e}^T, this rank's
 //     tokens (run) or all (run_all_reduce); padding rows of h hold garbage that must not leak;
-//   * every method (auto, chunked, baseline), bf16 and fp16, random and skewed routing, experts with
+//   * every method (auto, fused (the first projection; the second then runs chunked), chunked,
+//     baseline), bf16 and fp16, random and skewed routing, experts with
 //     zero tokens, all tokens on one expert, fewer tokens than ranks, M not a multiple of world x 128,
 //     hidden and intermediate sizes odd multiples of 8; outputs poisoned (NaN) first; error
 //     max |err| < 1e-2 max |ref|;
-//   * four calls back to back with fresh routing and inputs, checked after one synchronisation;
+//   * four calls back to back with fresh routing and inputs (the first projection fused and chunked
+//     in turn), checked after one synchronisation;
 //   * a CUDA graph of both ops captured after warm-up and replayed with fresh ids, weights and
-//     inputs;
+//     inputs, the first projection chunked, then fused;
 //   * argument errors naming the argument.
 // Every rank draws the same ids and weights (a shared seed) and can redraw every rank's shards.
 //
@@ -145,20 +147,28 @@ void check_route_into(MoeRouter& router, const int* d_ids, int64_t m, int topk, 
                row_of_pair = poisoned(pairs), c_offsets = poisoned(experts + 1), row_of_c = poisoned(pairs),
                token_of_c = poisoned(pairs), pair_of_c = poisoned(pairs), c_of_pair = poisoned(pairs);
   router.route_into(d_ids, m,
-                    {.offsets = offsets.get<int>(), .counts = counts.get<int>(), .token_of_row = rows.get<int>(),
-                     .row_of_pair = row_of_pair.get<int>(), .compact_offsets = c_offsets.get<int>(),
-                     .row_of_compact = row_of_c.get<int>(), .token_of_compact = token_of_c.get<int>(),
-                     .pair_of_compact = pair_of_c.get<int>(), .compact_of_pair = c_of_pair.get<int>()},
+                    {.offsets = offsets.get<int>(),
+                     .counts = counts.get<int>(),
+                     .token_of_row = rows.get<int>(),
+                     .row_of_pair = row_of_pair.get<int>(),
+                     .compact_offsets = c_offsets.get<int>(),
+                     .row_of_compact = row_of_c.get<int>(),
+                     .token_of_compact = token_of_c.get<int>(),
+                     .pair_of_compact = pair_of_c.get<int>(),
+                     .compact_of_pair = c_of_pair.get<int>()},
                     stream);
   TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::vector<int> all_rows = ref.token_of_row;
   all_rows.resize(capacity, -1);
-  const std::pair<const DeviceBuffer*, const std::vector<int>*> arrays[] = {
-      {&offsets, &ref.offsets},           {&counts, &ref.counts},
-      {&rows, &all_rows},                 {&row_of_pair, &ref.row_of_pair},
-      {&c_offsets, &ref.compact_offsets}, {&row_of_c, &ref.row_of_compact},
-      {&token_of_c, &ref.token_of_compact}, {&pair_of_c, &ref.pair_of_compact},
-      {&c_of_pair, &ref.compact_of_pair}};
+  const std::pair<const DeviceBuffer*, const std::vector<int>*> arrays[] = {{&offsets, &ref.offsets},
+                                                                            {&counts, &ref.counts},
+                                                                            {&rows, &all_rows},
+                                                                            {&row_of_pair, &ref.row_of_pair},
+                                                                            {&c_offsets, &ref.compact_offsets},
+                                                                            {&row_of_c, &ref.row_of_compact},
+                                                                            {&token_of_c, &ref.token_of_compact},
+                                                                            {&pair_of_c, &ref.pair_of_compact},
+                                                                            {&c_of_pair, &ref.compact_of_pair}};
   const char* names[] = {"offsets",        "counts",           "token_of_row",    "row_of_pair",    "compact_offsets",
                          "row_of_compact", "token_of_compact", "pair_of_compact", "compact_of_pair"};
   for (size_t i = 0; i < std::size(arrays); ++i)
@@ -186,8 +196,12 @@ struct Case {
 
   // X[t][c] (tokens, shared); B1_r[e][j][c]; B2_r[e][c][j]; h_r[(t, k)][j]: drawn from (seed, r).
   float x(int64_t t, int64_t c) const { return input_value(seed ^ 0x11, 0, t * s.hidden + c); }
-  float b1(int r, int e, int64_t j, int64_t c) const { return input_value(seed ^ 0x22, r, (e * s.inter + j) * s.hidden + c); }
-  float b2(int r, int e, int64_t c, int64_t j) const { return input_value(seed ^ 0x33, r, (e * s.hidden + c) * s.inter + j); }
+  float b1(int r, int e, int64_t j, int64_t c) const {
+    return input_value(seed ^ 0x22, r, (e * s.inter + j) * s.hidden + c);
+  }
+  float b2(int r, int e, int64_t c, int64_t j) const {
+    return input_value(seed ^ 0x33, r, (e * s.hidden + c) * s.inter + j);
+  }
   float h(int r, int64_t pair, int64_t j) const { return input_value(seed ^ 0x44, r, pair * s.inter + j); }
 
   Case(World& w, const Shape& shape, uint64_t case_seed)
@@ -231,12 +245,18 @@ struct Case {
   }
 
   MoeAgGroupGemmArgs ag_args() const {
-    return {.a_local = d_x.get(), .topk_ids = d_ids.get<int>(), .b = d_b1.get(), .d = d_up.get(), .m = s.m,
-            .n = s.inter};
+    return {
+        .a_local = d_x.get(), .topk_ids = d_ids.get<int>(), .b = d_b1.get(), .d = d_up.get(), .m = s.m, .n = s.inter};
   }
   MoeGroupGemmRsArgs rs_args(const MoeRouting* routing, bool all) const {
-    return {.h = d_h.get(), .b = d_b2.get(), .topk_weights = d_weights.get<float>(), .routing = routing,
-            .d = all ? d_y_all.get() : d_y.get(), .m = s.m, .n = s.hidden, .k = s.inter};
+    return {.h = d_h.get(),
+            .b = d_b2.get(),
+            .topk_weights = d_weights.get<float>(),
+            .routing = routing,
+            .d = all ? d_y_all.get() : d_y.get(),
+            .m = s.m,
+            .n = s.hidden,
+            .k = s.inter};
   }
 
   // The device routing equals the host reference.
@@ -289,8 +309,7 @@ struct Case {
           const double w = weights[t * s.topk + k];
           for (int64_t c = 0; c < s.hidden; ++c) {
             double dot = 0;
-            for (int64_t j = 0; j < s.inter; ++j)
-              dot += static_cast<double>(h(r, t * s.topk + k, j)) * b2(r, e, c, j);
+            for (int64_t j = 0; j < s.inter; ++j) dot += static_cast<double>(h(r, t * s.topk + k, j)) * b2(r, e, c, j);
             acc[c] += w * dot;
           }
         }
@@ -332,13 +351,17 @@ int main(int argc, char** argv) {
 
   // hidden, inter: odd multiples of 8; M: not multiples of world x 128, one below the world size.
   const Shape shapes[] = {
-      {257, 264, 136, 8, 2, Routing::kRandom},      {1000, 136, 88, 64, 6, Routing::kSkewed},
-      {300, 264, 72, 8, 1, Routing::kOneExpert},    {517, 200, 104, 16, 4, Routing::kHalfEmpty},
-      {3, 72, 40, 128, 8, Routing::kRandom},        {1031, 72, 56, 128, 8, Routing::kSkewed},
+      {257, 264, 136, 8, 2, Routing::kRandom},
+      {1000, 136, 88, 64, 6, Routing::kSkewed},
+      {300, 264, 72, 8, 1, Routing::kOneExpert},
+      {517, 200, 104, 16, 4, Routing::kHalfEmpty},
+      {3, 72, 40, 128, 8, Routing::kRandom},
+      {1031, 72, 56, 128, 8, Routing::kSkewed},
       {130, 56, 24, 4, 4, Routing::kOneExpert},
       // Rows past one pass of the gather's and the combine's unrolled loops (257 16-byte vectors); more
       // than 32 pairs per token (the combine's second batch of pairs).
-      {300, 2056, 72, 16, 4, Routing::kRandom},     {70, 136, 24, 40, 36, Routing::kRandom},
+      {300, 2056, 72, 16, 4, Routing::kRandom},
+      {70, 136, 24, 40, 36, Routing::kRandom},
   };
   std::vector<Shape> op_shapes(std::begin(shapes), std::end(shapes));
   if (small) op_shapes = {shapes[0], shapes[4], shapes[6]};
@@ -350,10 +373,12 @@ int main(int argc, char** argv) {
       using T = decltype(tag);
       for (const Shape& s : op_shapes) {
         const MoeConfig up_cfg{.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk, .dtype = dtype};
-        const MoeConfig down_cfg{
-            .max_m = s.m, .max_n = s.hidden, .experts = s.experts, .topk = s.topk, .dtype = dtype};
+        const MoeConfig down_cfg{.max_m = s.m, .max_n = s.hidden, .experts = s.experts, .topk = s.topk, .dtype = dtype};
         Ops ops(world, heap, up_cfg, down_cfg);
-        for (OverlapMethod method : {OverlapMethod::kAuto, OverlapMethod::kChunked, OverlapMethod::kBaseline}) {
+        for (OverlapMethod method :
+             {OverlapMethod::kAuto, OverlapMethod::kFused, OverlapMethod::kChunked, OverlapMethod::kBaseline}) {
+          // The second projection has no fused method: it runs chunked beside the fused first.
+          const OverlapMethod down_method = method == OverlapMethod::kFused ? OverlapMethod::kChunked : method;
           const std::string name =
               detail::concat("moe ", to_string(dtype), " ", to_string(method), " m ", s.m, " hidden ", s.hidden,
                              " inter ", s.inter, " experts ", s.experts, " top-", s.topk, " ", name_of(s.routing));
@@ -362,7 +387,7 @@ int main(int argc, char** argv) {
             c.poison(stream);
             ops.up.run(c.ag_args(), stream, method);
             const MoeRouting& r = ops.up.routing();
-            ops.down.run(c.rs_args(&r, false), stream, method);
+            ops.down.run(c.rs_args(&r, false), stream, down_method);
             ops.down.run_all_reduce(c.rs_args(&r, true), stream);
             TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
             c.check_routing(r);
@@ -384,7 +409,8 @@ int main(int argc, char** argv) {
             cases.back()->poison(stream);
           }
           for (auto& c : cases) {
-            ops.up.run(c->ag_args(), stream, OverlapMethod::kChunked);
+            const bool fused = (&c - cases.data()) % 2 == 0;
+            ops.up.run(c->ag_args(), stream, fused ? OverlapMethod::kFused : OverlapMethod::kChunked);
             ops.down.run(c->rs_args(&ops.up.routing(), false), stream, OverlapMethod::kChunked);
           }
           TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -404,58 +430,61 @@ int main(int argc, char** argv) {
 
   // A CUDA graph of both ops, captured after a warm-up call, replayed with fresh routing and inputs
   // copied into the captured buffers.
-  if (!small) suite.run("moe CUDA graph replays", [&] {
-    using T = __nv_bfloat16;
-    const Shape s{1000, 136, 88, 16, 4, Routing::kRandom};
-    Ops ops(world, heap, {.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk},
-            {.max_m = s.m, .max_n = s.hidden, .experts = s.experts, .topk = s.topk});
-    Case<T> c(world, s, ++case_seed);
-    ops.up.run(c.ag_args(), stream, OverlapMethod::kChunked);  // warm-up: kernels loaded
-    ops.down.run(c.rs_args(&ops.up.routing(), false), stream, OverlapMethod::kChunked);
-    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-    world.barrier("moe graph warm-up");
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    ops.up.run(c.ag_args(), stream, OverlapMethod::kChunked);
-    ops.down.run(c.rs_args(&ops.up.routing(), false), stream, OverlapMethod::kChunked);
-    TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 3; ++i) {
-      Shape si = s;
-      si.routing = i == 1 ? Routing::kSkewed : i == 2 ? Routing::kOneExpert : Routing::kRandom;
-      Case<T> fresh(world, si, ++case_seed);
-      const size_t pairs = s.m * s.topk;
-      TDIST_CUDA_CHECK(cudaMemcpy(c.d_ids.get(), fresh.d_ids.get(), pairs * 4, cudaMemcpyDeviceToDevice));
-      TDIST_CUDA_CHECK(cudaMemcpy(c.d_weights.get(), fresh.d_weights.get(), pairs * 4, cudaMemcpyDeviceToDevice));
-      TDIST_CUDA_CHECK(cudaMemcpy(c.d_x.get(), fresh.d_x.get(), c.split.rows(c.rank) * s.hidden * sizeof(T),
-                                  cudaMemcpyDeviceToDevice));
-      TDIST_CUDA_CHECK(cudaMemcpy(c.d_b1.get(), fresh.d_b1.get(), s.experts * s.inter * s.hidden * sizeof(T),
-                                  cudaMemcpyDeviceToDevice));
-      TDIST_CUDA_CHECK(cudaMemcpy(c.d_b2.get(), fresh.d_b2.get(), s.experts * s.inter * s.hidden * sizeof(T),
-                                  cudaMemcpyDeviceToDevice));
-      TDIST_CUDA_CHECK(cudaMemcpy(c.d_h.get(), fresh.d_h.get(), fresh.capacity * s.inter * sizeof(T),
-                                  cudaMemcpyDeviceToDevice));
-      fresh.poison(stream);
-      c.poison(stream);
-      // The copies above went out on the legacy stream, which the graph's stream does not wait for.
-      TDIST_CUDA_CHECK(cudaDeviceSynchronize());
-      world.barrier("moe graph inputs");
-      TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-      // The replay wrote c's outputs from fresh's inputs: check them as fresh's.
-      TDIST_CUDA_CHECK(cudaMemcpy(fresh.d_up.get(), c.d_up.get(), fresh.capacity * s.inter * sizeof(T),
-                                  cudaMemcpyDeviceToDevice));
-      TDIST_CUDA_CHECK(cudaMemcpy(fresh.d_y.get(), c.d_y.get(), c.split.rows(c.rank) * s.hidden * sizeof(T),
-                                  cudaMemcpyDeviceToDevice));
-      fresh.check_routing(ops.up.routing());
-      fresh.check_up();
-      fresh.check_rs();
-    }
-    TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
-  });
-  test::sync_all(world, "moe graph");
+  for (OverlapMethod up_method : {OverlapMethod::kChunked, OverlapMethod::kFused}) {
+    if (!small)
+      suite.run(detail::concat("moe CUDA graph replays, first projection ", to_string(up_method)), [&] {
+        using T = __nv_bfloat16;
+        const Shape s{1000, 136, 88, 16, 4, Routing::kRandom};
+        Ops ops(world, heap, {.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk},
+                {.max_m = s.m, .max_n = s.hidden, .experts = s.experts, .topk = s.topk});
+        Case<T> c(world, s, ++case_seed);
+        ops.up.run(c.ag_args(), stream, up_method);  // warm-up: kernels loaded
+        ops.down.run(c.rs_args(&ops.up.routing(), false), stream, OverlapMethod::kChunked);
+        TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+        world.barrier("moe graph warm-up");
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        TDIST_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        ops.up.run(c.ag_args(), stream, up_method);
+        ops.down.run(c.rs_args(&ops.up.routing(), false), stream, OverlapMethod::kChunked);
+        TDIST_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+        TDIST_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int i = 0; i < 3; ++i) {
+          Shape si = s;
+          si.routing = i == 1 ? Routing::kSkewed : i == 2 ? Routing::kOneExpert : Routing::kRandom;
+          Case<T> fresh(world, si, ++case_seed);
+          const size_t pairs = s.m * s.topk;
+          TDIST_CUDA_CHECK(cudaMemcpy(c.d_ids.get(), fresh.d_ids.get(), pairs * 4, cudaMemcpyDeviceToDevice));
+          TDIST_CUDA_CHECK(cudaMemcpy(c.d_weights.get(), fresh.d_weights.get(), pairs * 4, cudaMemcpyDeviceToDevice));
+          TDIST_CUDA_CHECK(cudaMemcpy(c.d_x.get(), fresh.d_x.get(), c.split.rows(c.rank) * s.hidden * sizeof(T),
+                                      cudaMemcpyDeviceToDevice));
+          TDIST_CUDA_CHECK(cudaMemcpy(c.d_b1.get(), fresh.d_b1.get(), s.experts * s.inter * s.hidden * sizeof(T),
+                                      cudaMemcpyDeviceToDevice));
+          TDIST_CUDA_CHECK(cudaMemcpy(c.d_b2.get(), fresh.d_b2.get(), s.experts * s.inter * s.hidden * sizeof(T),
+                                      cudaMemcpyDeviceToDevice));
+          TDIST_CUDA_CHECK(
+              cudaMemcpy(c.d_h.get(), fresh.d_h.get(), fresh.capacity * s.inter * sizeof(T), cudaMemcpyDeviceToDevice));
+          fresh.poison(stream);
+          c.poison(stream);
+          // The copies above went out on the legacy stream, which the graph's stream does not wait for.
+          TDIST_CUDA_CHECK(cudaDeviceSynchronize());
+          world.barrier("moe graph inputs");
+          TDIST_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+          TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+          // The replay wrote c's outputs from fresh's inputs: check them as fresh's.
+          TDIST_CUDA_CHECK(cudaMemcpy(fresh.d_up.get(), c.d_up.get(), fresh.capacity * s.inter * sizeof(T),
+                                      cudaMemcpyDeviceToDevice));
+          TDIST_CUDA_CHECK(cudaMemcpy(fresh.d_y.get(), c.d_y.get(), c.split.rows(c.rank) * s.hidden * sizeof(T),
+                                      cudaMemcpyDeviceToDevice));
+          fresh.check_routing(ops.up.routing());
+          fresh.check_up();
+          fresh.check_rs();
+        }
+        TDIST_CUDA_CHECK(cudaGraphExecDestroy(exec));
+        TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
+      });
+    test::sync_all(world, "moe graph");
+  }
 
   // The routing alone past the op cases' sizes (many segments; segments grown past kMaxRouteSegments
   // at 40000 x 8 pairs; 1024 experts), for world sizes and ranks this run need not have (the router
@@ -479,8 +508,7 @@ int main(int argc, char** argv) {
             std::vector<int> ids;
             std::vector<float> weights;
             draw_routing(s, ++case_seed, ids, weights);
-            if (m > 0)
-              test::copy_to_device(d_ids.get(), ids.data(), ids.size() * sizeof(int));
+            if (m > 0) test::copy_to_device(d_ids.get(), ids.data(), ids.size() * sizeof(int));
             const MoeRouting& got = router.route(d_ids.get<int>(), m, stream);
             TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
             const MoeRoutingHost ref = moe_routing_reference(ids, m, rc.topk, rc.experts, w, r);
@@ -516,9 +544,8 @@ int main(int argc, char** argv) {
       TDIST_FAIL("check_errors did not report the bad ids");
     } catch (const Error& e) {
       const std::string what = e.what();
-      if (what.find("'topk_ids'") == std::string::npos ||
-          (what.find("topk_ids[5][2] = 16") == std::string::npos &&
-           what.find("topk_ids[200][0] = -3") == std::string::npos))
+      if (what.find("'topk_ids'") == std::string::npos || (what.find("topk_ids[5][2] = 16") == std::string::npos &&
+                                                           what.find("topk_ids[200][0] = -3") == std::string::npos))
         TDIST_FAIL("the report does not name a bad pair: ", what);
     }
     router.check_errors();  // taken: no second report
@@ -530,44 +557,48 @@ int main(int argc, char** argv) {
   });
   test::sync_all(world, "moe bad ids");
 
-  if (!small) suite.run("moe argument errors", [&] {
-    using T = __nv_bfloat16;
-    const Shape s{257, 264, 136, 8, 2, Routing::kRandom};
-    Ops ops(world, heap, {.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk},
-            {.max_m = s.m, .max_n = s.hidden, .experts = s.experts, .topk = s.topk});
-    Case<T> c(world, s, ++case_seed);
-    auto a = c.ag_args();
-    a.n = 140;
-    expect_error("n", [&] { ops.up.run(a, stream); });
-    a = c.ag_args();
-    a.m = s.m + 1;
-    expect_error("m", [&] { ops.up.run(a, stream); });
-    a = c.ag_args();
-    a.topk_ids = nullptr;
-    expect_error("topk_ids", [&] { ops.up.run(a, stream); });
-    a = c.ag_args();
-    a.b = static_cast<const char*>(a.b) + 2;
-    expect_error("b", [&] { ops.up.run(a, stream); });
-    expect_error("method", [&] { ops.up.run(c.ag_args(), stream, OverlapMethod::kFused); });
-    ops.up.run(c.ag_args(), stream);
-    auto d = c.rs_args(&ops.up.routing(), false);
-    d.m = s.m - 1;  // a routing of other tokens
-    expect_error("routing", [&] { ops.down.run(d, stream); });
-    d = c.rs_args(nullptr, false);
-    expect_error("routing", [&] { ops.down.run(d, stream); });
-    d = c.rs_args(&ops.up.routing(), false);
-    d.n = s.hidden + 8;  // past max_n
-    expect_error("n", [&] { ops.down.run(d, stream); });
-    d = c.rs_args(&ops.up.routing(), false);
-    d.topk_weights = nullptr;
-    expect_error("topk_weights", [&] { ops.down.run(d, stream); });
-    expect_error("topk", [&] { MoeAgGroupGemm bad(world, heap, {.max_m = 16, .k = 64, .experts = 4, .topk = 5}); });
-    expect_error("experts", [&] { MoeAgGroupGemm bad(world, heap, {.max_m = 16, .k = 64, .experts = 0, .topk = 1}); });
-    expect_error("dtype", [&] {
-      MoeGroupGemmRs bad(world, heap, {.max_m = 16, .max_n = 64, .experts = 4, .topk = 1, .dtype = DType::kFloat32});
+  if (!small)
+    suite.run("moe argument errors", [&] {
+      using T = __nv_bfloat16;
+      const Shape s{257, 264, 136, 8, 2, Routing::kRandom};
+      Ops ops(world, heap, {.max_m = s.m, .k = s.hidden, .experts = s.experts, .topk = s.topk},
+              {.max_m = s.m, .max_n = s.hidden, .experts = s.experts, .topk = s.topk});
+      Case<T> c(world, s, ++case_seed);
+      auto a = c.ag_args();
+      a.n = 140;
+      expect_error("n", [&] { ops.up.run(a, stream); });
+      a = c.ag_args();
+      a.m = s.m + 1;
+      expect_error("m", [&] { ops.up.run(a, stream); });
+      a = c.ag_args();
+      a.topk_ids = nullptr;
+      expect_error("topk_ids", [&] { ops.up.run(a, stream); });
+      a = c.ag_args();
+      a.b = static_cast<const char*>(a.b) + 2;
+      expect_error("b", [&] { ops.up.run(a, stream); });
+      expect_error("method", [&] { ops.up.run(c.ag_args(), stream, OverlapMethod::kSequential); });
+      ops.up.run(c.ag_args(), stream);
+      auto d = c.rs_args(&ops.up.routing(), false);
+      d.m = s.m - 1;  // a routing of other tokens
+      expect_error("routing", [&] { ops.down.run(d, stream); });
+      d = c.rs_args(nullptr, false);
+      expect_error("routing", [&] { ops.down.run(d, stream); });
+      d = c.rs_args(&ops.up.routing(), false);
+      d.n = s.hidden + 8;  // past max_n
+      expect_error("n", [&] { ops.down.run(d, stream); });
+      d = c.rs_args(&ops.up.routing(), false);
+      d.topk_weights = nullptr;
+      expect_error("topk_weights", [&] { ops.down.run(d, stream); });
+      // The second projection has no fused method.
+      expect_error("method", [&] { ops.down.run(c.rs_args(&ops.up.routing(), false), stream, OverlapMethod::kFused); });
+      expect_error("topk", [&] { MoeAgGroupGemm bad(world, heap, {.max_m = 16, .k = 64, .experts = 4, .topk = 5}); });
+      expect_error("experts",
+                   [&] { MoeAgGroupGemm bad(world, heap, {.max_m = 16, .k = 64, .experts = 0, .topk = 1}); });
+      expect_error("dtype", [&] {
+        MoeGroupGemmRs bad(world, heap, {.max_m = 16, .max_n = 64, .experts = 4, .topk = 1, .dtype = DType::kFloat32});
+      });
+      TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
     });
-    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-  });
   test::sync_all(world, "moe errors");
 
   TDIST_CUDA_CHECK(cudaStreamDestroy(stream));

@@ -9,7 +9,7 @@ rank's partial sums added through torch.distributed.
 * moe_ag_group_gemm: every expert-ordered row against x[token] @ w[e]^T, padding rows exactly 0;
 * moe_group_gemm_rs / moe_group_gemm_ar: against the sum over ranks and slots of w * h[row] @ w2[e]^T,
   with h's padding rows and the rows past offsets[E] filled with garbage (they must not be read);
-* methods auto, chunked and baseline; bf16 and fp16; random, skewed, single-expert routings; M = 1
+* methods auto, fused (the first projection's), chunked and baseline; bf16 and fp16; random, skewed, single-expert routings; M = 1
   (below the world size), odd M, M past the chunked bound; K and N odd multiples of 8; int64 ids;
 * the worked layer of docs/moe.md (up projection, SwiGLU, down projection) against a float64 layer;
 * a CUDA graph of the layer replayed with fresh routing and tokens; torch.compile(fullgraph=True);
@@ -121,7 +121,7 @@ def test_moe_ag_group_gemm():
     seed = 10
     for dtype in (torch.bfloat16, torch.float16):
         for (m, topk, E, K, N, kind) in CASES:
-            for method in ("auto", "chunked", "baseline"):
+            for method in moe.AG_METHODS:
                 seed += 1
                 what = f"ag {dtype} m={m} topk={topk} E={E} K={K} N={N} {kind} {method}"
                 ids = routing_ids(m, topk, E, kind, seed)
@@ -275,7 +275,8 @@ def test_errors():
     expect_error(lambda: tdist.moe_ag_group_gemm(x[:, :8].contiguous(), ids, w), "'x_rows'")
     expect_error(lambda: tdist.moe_ag_group_gemm(torch.cat([x, x]), ids, w), "'x_rows'")
     expect_error(lambda: tdist.moe_ag_group_gemm(x, ids.float(), w), "'topk_ids'")
-    expect_error(lambda: tdist.moe_ag_group_gemm(x, ids, w, method="fused"), "'method'")
+    expect_error(lambda: tdist.moe_ag_group_gemm(x, ids, w, method="sequential"), "'method'")
+    expect_error(lambda: tdist.moe_group_gemm_rs(h_, w, ids, weights, method="fused"), "'method'")
     expect_error(lambda: tdist.moe_ag_group_gemm(x, ids[:, :1].repeat(1, E + 1).contiguous(), w), "'topk'")
     expect_error(lambda: tdist.moe_group_gemm_rs(h_, w, ids, weights[:-1]), "'topk_weights'")
     expect_error(lambda: tdist.moe_group_gemm_rs(h_, w, ids, weights.double()), "'topk_weights'")
@@ -295,7 +296,7 @@ class Call:
         self.m = m_max if i == 0 else (1, 2, 127, 128, 129)[i % 5] if i % 7 == 0 else int(
             torch.randint(1, m_max + 1, (1,), generator=g))
         self.dtype = (torch.bfloat16, torch.float16)[i % 2]
-        self.method = ("auto", "chunked", "baseline")[i % 3]
+        self.method = moe.AG_METHODS[i % 4]
         kind = ("random", "skewed", "single")[i % 3 if i % 4 else 0]
         self.what = f"call {i}: m={self.m} {self.dtype} {self.method} {kind}"
         self.ids = routing_ids(self.m, topk, E, kind, 9100 + i)
@@ -343,7 +344,7 @@ def test_back_to_back_fresh_routing():
         ag, l0 = poisoned((c.cap, N), c.dtype, lambda: tdist.moe_ag_group_gemm(c.x_d, c.ids_d, w13_d[c.dtype],
                                                                                method=c.method))
         rs, l1 = poisoned((c.rows, K), c.dtype, lambda: tdist.moe_group_gemm_rs(c.h_d, w2_d[c.dtype], c.ids_d, c.w_d,
-                                                                                method=c.method))
+                                                                                method=moe.rs_method(c.method)))
         ar, l2 = poisoned((c.m, K), c.dtype, lambda: tdist.moe_group_gemm_ar(c.h_d, w2_d[c.dtype], c.ids_d, c.w_d))
         outs.append((ag, rs, ar))
         landed = [n + int(ok) for n, ok in zip(landed, (l0, l1, l2))]

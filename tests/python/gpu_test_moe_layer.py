@@ -15,7 +15,7 @@ of the experts' weight gradients. Checked:
 * the output, the input gradient and every parameter gradient: bf16 and fp16; hidden and expert
   intermediate (per rank) odd multiples of 8; M not divisible by the world size, M = 1 (a rank with
   no token at W = 2), a 3-D input; experts without tokens (their weight gradients exactly 0);
-  norm_topk_prob on and off; methods auto, chunked, baseline; the router gradient the same bits on
+  norm_topk_prob on and off; methods auto, fused, chunked, baseline; the router gradient the same bits on
   every rank; no expert id out of range (tdist.moe.check_errors);
 * one SGD step: the step of every parameter against -lr x the reference gradient, the router still
   the same bits on every rank, and a second forward against the float64 block on the updated weights
@@ -56,6 +56,7 @@ CASES = [  # (name, m, experts, top_k, hidden, intermediate per rank, empty expe
     ("one_token", 1, 8, 2, 136, 40, 2, False, torch.bfloat16, "auto"),
     ("fp16", 517, 6, 4, 72, 104, 1, True, torch.float16, "auto"),
     ("chunked", 402, 10, 2, 136, 72, 4, False, torch.bfloat16, "chunked"),
+    ("fused", 389, 10, 2, 136, 72, 3, True, torch.bfloat16, "fused"),
     ("baseline", 263, 9, 3, 200, 40, 2, True, torch.bfloat16, "baseline"),
 ]
 

@@ -68,7 +68,8 @@ def test_needs_init():
     (dict(intermediate_size=40), ["intermediate_size=40"]),  # 20 per rank: not a multiple of 8
     (dict(num_experts=1 << 20, top_k=2), ["'experts'"]),  # past the MoE ops' limit (their message)
     (dict(norm_topk_prob=1), ["norm_topk_prob must be a bool, got 1"]),
-    (dict(method="fused"), ["method must be one of 'auto', 'chunked', 'baseline', got 'fused'"]),
+    (dict(method="sequential"),
+     ["method must be one of 'auto', 'fused', 'chunked', 'baseline', got 'sequential'"]),
     (dict(dtype=torch.float32), ["dtype must be torch.bfloat16 or torch.float16", "float32"]),
 ])
 def test_constructor_errors(runtime_2_1, kwargs, words):

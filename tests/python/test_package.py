@@ -992,6 +992,12 @@ def test_ep_and_moe_fake_implementations():
         assert y.shape == (301, 136)
         with pytest.raises(tdist.Error, match="'method'"):
             tdist.moe_group_gemm_rs(h, wt, ids, tw, method="ll")
+        # fused is the first projection's method only
+        y = torch.ops.tdist.moe_ag_group_gemm(torch.empty((150, 200), dtype=torch.bfloat16, device="meta"), ids, wt,
+                                              "fused")
+        with pytest.raises(tdist.Error, match="'method'.*'auto' or 'chunked' or 'baseline'"):
+            tdist.moe_group_gemm_rs(h, wt, ids, tw, method="fused")
+        assert moe.rs_method("fused") == "chunked" and moe.rs_method("baseline") == "baseline"
         with pytest.raises(tdist.Error, match="'h'"):
             tdist.moe_group_gemm_ar(h[:-1], wt, ids, tw)
     finally:

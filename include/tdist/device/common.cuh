@@ -14,6 +14,13 @@
 #define TDIST_HOST_DEVICE inline
 #endif
 
+// Full unrolling in code shared with the host compiler (which would warn of an unknown pragma).
+#if defined(__CUDACC__)
+#define TDIST_UNROLL _Pragma("unroll")
+#else
+#define TDIST_UNROLL
+#endif
+
 namespace tdist::device {
 
 using u32 = unsigned int;

@@ -73,6 +73,11 @@ struct GroupedGemmRunOptions {
                                            // replaces first_row
   const uint32_t* m_tile_count = nullptr;  // device, optional with m_tile_order: visit only its first
                                            // *m_tile_count entries (tiles of the listed m-tiles only)
+  int tile_lists = 1;                      // > 1 (at most 8): m_tile_order holds this many lists,
+                                           // tile_list_stride entries apart, m_tile_count one count
+                                           // each; their tiles run list after list in one launch
+                                           // (GroupedScheduler's listed walk; both pointers needed)
+  int64_t tile_list_stride = 0;            // with tile_lists > 1: entries between two lists' starts
   int max_ctas = 0;                        // persistent CTAs at most; 0: the SM count
 };
 

@@ -47,7 +47,7 @@ void check_moe_routing_args(int64_t m, int topk, int experts, int world_size, in
 struct MoeRoutingHost {
   std::vector<int> offsets, counts, token_of_row, row_of_pair;  // token_of_row: offsets[E] rows
   std::vector<int> compact_offsets, row_of_compact, token_of_compact, pair_of_compact, compact_of_pair;
-  std::vector<std::vector<uint32_t>> ag_order, rs_order;        // [world] lists of tiles
+  std::vector<std::vector<uint32_t>> ag_order, rs_order;  // [world] lists of tiles
 };
 // Throws naming "topk_ids" for a wrong size or an id outside [0, experts).
 MoeRoutingHost moe_routing_reference(const std::vector<int>& topk_ids, int64_t m, int topk, int experts, int world_size,
@@ -72,10 +72,10 @@ struct MoeRouting {
 // are written only where compact_offsets is set (then all five must be); with m = 0 only offsets,
 // counts and compact_offsets are written (the others may be null).
 struct MoeRoutingArrays {
-  int* offsets = nullptr;       // [E + 1]
-  int* counts = nullptr;        // [E]
-  int* token_of_row = nullptr;  // [capacity(m)]: every row, -1 for padding and past offsets[E]
-  int* row_of_pair = nullptr;   // [m][topk]
+  int* offsets = nullptr;           // [E + 1]
+  int* counts = nullptr;            // [E]
+  int* token_of_row = nullptr;      // [capacity(m)]: every row, -1 for padding and past offsets[E]
+  int* row_of_pair = nullptr;       // [m][topk]
   int* compact_offsets = nullptr;   // [E + 1]
   int* row_of_compact = nullptr;    // [m topk]
   int* token_of_compact = nullptr;  // [m topk]
@@ -136,8 +136,10 @@ struct MoeAgGroupGemmArgs {
 };
 
 // AllGather + grouped GEMM. Methods: chunked (copy-engine puts with one flag per source chunk; the
-// tiles whose rows are all this rank's run first, then each chunk's tiles once its flag is up),
-// baseline (NCCL AllGather, then the grouped GEMM), auto (choose_moe_method).
+// tiles whose rows are all this rank's run first, then each chunk's tiles once its flag is up, a
+// launch per chunk), fused (the same puts; one grouped GEMM launch whose producer waits before each
+// tile for the chunks of its rows' sources), baseline (NCCL AllGather, then the grouped GEMM), auto
+// (the fastest of them timed at a shape class's first call; else choose_moe_method).
 class MoeAgGroupGemm {
  public:
   MoeAgGroupGemm(World& world, SymmetricHeap& heap, const MoeConfig& config);

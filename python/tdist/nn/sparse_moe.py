@@ -44,7 +44,7 @@ from .. import _autograd as _ag  # noqa: E402
 from .modules import _device, _flatten, _rank_world, _unflatten  # noqa: E402
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_METHODS = ("auto", "chunked", "baseline")
+_METHODS = _moe.AG_METHODS  # 'fused': the first projection's; the second then runs chunked
 _CLS = "ParallelMoE"
 
 
@@ -139,7 +139,8 @@ class ParallelMoE(torch.nn.Module):
         top_k: experts per token (1 .. E).
         norm_topk_prob: renormalise the top-k probabilities to sum 1 (Qwen3-MoE's norm_topk_prob,
             Mixtral's behaviour); False keeps the softmax's values.
-        method: the MoE ops' method ("auto", "chunked", "baseline"), forward and backward.
+        method: the MoE ops' method ("auto", "fused", "chunked", "baseline"), forward and backward;
+            "fused" is the first projection's (tdist.moe_ag_group_gemm), the second runs "chunked".
         device: of the parameters, default this rank's GPU.
         dtype: torch.bfloat16 (default) or torch.float16, the grouped GEMM's types.
 
@@ -225,7 +226,7 @@ class ParallelMoE(torch.nn.Module):
         h13 = _moe.moe_ag_group_gemm(_ag.dense(x2), ids, self.w13, method=self.method)
         f = self.local_intermediate_size
         h = swiglu(h13, f)
-        y = _moe.moe_group_gemm_rs(h, self.w2, ids, weights, method=self.method)
+        y = _moe.moe_group_gemm_rs(h, self.w2, ids, weights, method=_moe.rs_method(self.method))
         return _unflatten(y, x)
 
     @classmethod

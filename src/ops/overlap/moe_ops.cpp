@@ -12,6 +12,11 @@
 // List j's tiles need chunks rank .. rank + j only, so list 0 (this rank's tokens) runs while the
 // first transfer is under way.
 //
+// Fused AllGather + grouped GEMM: steps 1 and 2 as chunked, then one persistent grouped GEMM over
+// every list in turn (GroupedScheduler's listed walk), whose producer waits before each tile of list
+// j > 0 for the chunks of the sources its rows come from (MoeGatherWaitHooks, kernels/gemm/overlap.cuh):
+// no launch or flag kernel between lists, and a tile waits for its own sources only.
+//
 // Chunked grouped GEMM + ReduceScatter, per call: begin_call; for step s = 0 .. world - 1 (owner
 // rank + s + 1, own tokens last): grouped GEMM over rs list s, then the owner's tokens reduced over
 // top-k (weights in fp32) into `staging` and pushed to the owner's `recv` slot by copy engine with a
@@ -23,12 +28,13 @@
 #include "src/ops/overlap/baselines.hpp"
 #include "src/ops/overlap/moe_kernels.hpp"
 #include "src/ops/overlap/runtime.hpp"
-#include "tdist/ops/detail/overlap_model.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/nvtx.hpp"
+#include "tdist/ops/detail/gemm_runtime.hpp"
+#include "tdist/ops/detail/overlap_model.hpp"
 #include "tdist/ops/grouped_gemm.hpp"
 #include "tdist/ops/moe.hpp"
 #include "tdist/runtime/symmetric_layout.hpp"
@@ -77,13 +83,29 @@ struct MoeRsLayout {
   SymmetricLayout::Region<u64> flags;  // u64[world]: flags[s] = 1 once slot s has landed
   static int64_t slot_rows(const MoeConfig& c, int world_size) { return (c.max_m + world_size - 1) / world_size; }
   MoeRsLayout(const MoeConfig& c, int world_size)
-      : recv(layout.add<char>(static_cast<size_t>(world_size) * slot_rows(c, world_size) * c.max_n *
-                                  dtype_size(c.dtype),
-                              "moe reduce-scatter slots")),
+      : recv(
+            layout.add<char>(static_cast<size_t>(world_size) * slot_rows(c, world_size) * c.max_n * dtype_size(c.dtype),
+                             "moe reduce-scatter slots")),
         flags(layout.add<u64>(static_cast<size_t>(world_size), "moe reduce-scatter flags")) {}
 };
 
 constexpr size_t kMoeCollectiveBytes = size_t{8} << 20;  // run_all_reduce's tdist AllReduce, NCCL past it
+
+// The fused AllGather + grouped GEMM's kernel: the gathered-A grouped GEMM whose tiles wait for
+// their sources. Its instances are the shipped tiles of BLOCK_M kMoeTile (moe_tile's).
+using MoeFusedGemm = detail::GemmRuntime<kg::GatherGroupedScheduler, kg::MoeGatherWaitParams>;
+
+std::vector<jit::CompileRequest> moe_fused_compile_requests() {
+  std::vector<jit::CompileRequest> v;
+  for (const GemmTile& t : gemm_tiles())
+    if (t.block_m == static_cast<int>(km::kMoeTile)) {
+      v.push_back(MoeFusedGemm::compile_request(t));
+      v.back().arch.clear();  // tdist-compile sets it
+    }
+  return v;
+}
+
+TDIST_JIT_REGISTER_KERNELS(moe_fused_gemm, moe_fused_compile_requests);
 
 }  // namespace
 
@@ -94,32 +116,39 @@ OverlapMethod choose_moe_method(int64_t m, int world_size) {
 
 namespace {
 
-// `requested`, or for kAuto TDIST_OVERLAP_METHOD where it names a method the MoE ops run (chunked or
-// baseline; the dense ops' fused and sequential are theirs only), else choose_moe_method.
-OverlapMethod resolve_moe_method(OverlapMethod requested, int64_t m, int world_size, const char* op) {
+// The methods an op runs besides auto: chunked and baseline, and fused for AllGather + grouped GEMM
+// (`fused_ok`).
+bool moe_runs(OverlapMethod m, bool fused_ok) {
+  return m == OverlapMethod::kChunked || m == OverlapMethod::kBaseline || (fused_ok && m == OverlapMethod::kFused);
+}
+
+// `requested`, or for kAuto TDIST_OVERLAP_METHOD where it names a method the op runs (the dense ops'
+// sequential is theirs only), else choose_moe_method.
+OverlapMethod resolve_moe_method(OverlapMethod requested, int64_t m, int world_size, const char* op, bool fused_ok) {
   if (requested == OverlapMethod::kAuto) {
     if (auto v = env::get("TDIST_OVERLAP_METHOD")) {
       const OverlapMethod e = parse_overlap_method(*v, "TDIST_OVERLAP_METHOD");
-      if (e == OverlapMethod::kChunked || e == OverlapMethod::kBaseline) return e;
+      if (moe_runs(e, fused_ok)) return e;
     }
     return choose_moe_method(m, world_size);
   }
-  TDIST_CHECK_ARG(requested == OverlapMethod::kChunked || requested == OverlapMethod::kBaseline, "method", op,
-                  " runs auto, chunked or baseline, got ", to_string(requested));
+  TDIST_CHECK_ARG(moe_runs(requested, fused_ok), "method", op, " runs auto, ", fused_ok ? "fused, " : "",
+                  "chunked or baseline, got ", to_string(requested));
   return requested;
 }
 
 // The method a call runs: `resolved` (the requested method, checked), or under auto the winner that
-// OverlapRuntime::tune_methods timed for the call's shape class, chunked only where there are peers
-// to overlap. The class holds the sizes that set a MoE call's speed; the routing's skew is left out
-// (it varies call to call).
+// OverlapRuntime::tune_methods timed for the call's shape class, chunked (and fused where `fused_ok`)
+// only where there are peers to overlap. The class holds the sizes that set a MoE call's speed; the routing's skew is
+// left out (it varies call to call).
 OverlapMethod moe_call_method(OverlapRuntime& rt, const char* op, OverlapMethod requested, OverlapMethod resolved,
-                              int64_t m, int64_t n, int64_t k, const MoeConfig& c, cudaStream_t stream,
+                              int64_t m, int64_t n, int64_t k, const MoeConfig& c, bool fused_ok, cudaStream_t stream,
                               const OverlapRuntime::MethodRunner& execute) {
   if (requested != OverlapMethod::kAuto || m == 0 || n == 0) return resolved;
   const int world = rt.size();
   std::vector<OverlapMethod> candidates{OverlapMethod::kBaseline};
   if (world >= 2) candidates.insert(candidates.begin(), OverlapMethod::kChunked);
+  if (world >= 2 && fused_ok) candidates.insert(candidates.begin(), OverlapMethod::kFused);
   const std::string shape = detail::concat(op, ",m<=", overlap_m_bucket(m), ",n=", n, ",k=", k, ",experts=", c.experts,
                                            ",topk=", c.topk, ",", to_string(c.dtype), ",ranks=", world);
   return rt.tune_methods(shape, candidates, resolved, stream, execute);
@@ -151,6 +180,7 @@ struct MoeAgGroupGemm::Impl {
   u64* flags = nullptr;
   MoeRouter router;
   GroupedGemm gemm;
+  MoeFusedGemm fused_gemm;
   DeviceBuffer plain;  // T[max_m][k]: the baseline's NCCL AllGather output
 
   Impl(World& world, SymmetricHeap& heap, const MoeConfig& c)
@@ -161,6 +191,7 @@ struct MoeAgGroupGemm::Impl {
         gathered(block[layout.gathered]),
         flags(block[layout.flags]),
         router(c.max_m, c.topk, c.experts, world.world_size(), world.rank()),
+        fused_gemm(rt.num_sms()),
         plain(layout.gathered.bytes()) {}
   ~Impl() { cudaDeviceSynchronize(); }
 
@@ -182,7 +213,7 @@ struct MoeAgGroupGemm::Impl {
 
   OverlapMethod method(const MoeAgGroupGemmArgs& a, OverlapMethod requested) const {
     check(a);
-    return resolve_moe_method(requested, a.m, rt.size(), "MoE AllGather + grouped GEMM");
+    return resolve_moe_method(requested, a.m, rt.size(), "MoE AllGather + grouped GEMM", /*fused_ok=*/true);
   }
 
   // The grouped GEMM over the expert-ordered rows, read from the tokens through the routing's index
@@ -203,7 +234,7 @@ struct MoeAgGroupGemm::Impl {
   void run(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
     execute(a, stream,
             moe_call_method(rt, "moe_ag_group_gemm", requested, method(a, requested), a.m, a.n, config.k, config,
-                            stream, [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); }));
+                            /*fused_ok=*/true, stream, [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); }));
   }
 
   void execute(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod method) {
@@ -229,7 +260,7 @@ struct MoeAgGroupGemm::Impl {
       return;
     }
 
-    // Chunked.
+    // Chunked and fused.
     const size_t local_bytes = rows.rows(rank) * row_bytes();
     char* local = gathered + rows.begin(rank) * row_bytes();
     rt.begin_call({{flags, layout.flags.bytes()}}, stream);
@@ -242,6 +273,20 @@ struct MoeAgGroupGemm::Impl {
     g.local = a.a_local;  // this rank's tokens from the caller's rows, not from the pushed copy
     g.local_begin = rows.begin(rank);
     g.local_rows = rows.rows(rank);
+    if (method == OverlapMethod::kFused) {
+      // Every list in one launch, list 0 (no wait) first; GroupedGemm::run's steps with the hooks.
+      const GroupedGemmArgs args = check_grouped_gemm_args(gemm_args(a, r, g));
+      const GroupedGemmRunOptions order{.tile = tile,
+                                        .m_tile_order = r.ag_order,
+                                        .m_tile_count = r.ag_count,
+                                        .tile_lists = world,
+                                        .tile_list_stride = r.max_tiles};
+      const kg::MoeGatherWaitParams wait{flags, r.token_of_row, rows, rank};
+      fused_gemm.launch(grouped_gemm_problem(args), tile, static_cast<int64_t>(config.experts) * a.n,
+                        kg::GatherGroupedScheduler{grouped_gemm_schedule(args, tile, order), g}, wait, 0, stream);
+      rt.side().join(stream);
+      return;
+    }
     for (int j = 0; j < world; ++j) {
       const int source = (rank + j) % world;
       if (j > 0) rt.wait_flags(flags, source, 1, -1, stream);
@@ -300,31 +345,32 @@ struct MoeGroupGemmRs::Impl {
 
   void check(const MoeGroupGemmRsArgs& a, bool all_rows) const {
     TDIST_CHECK_ARG(a.m >= 0 && a.m <= config.max_m, "m", "expected 0 <= m <= max_m (", config.max_m, "), got ", a.m);
-    TDIST_CHECK_ARG(a.n >= 0 && a.n % 8 == 0 && a.n <= config.max_n, "n",
-                    "expected 0 <= n <= max_n (", config.max_n, ") and a multiple of 8, got ", a.n);
+    TDIST_CHECK_ARG(a.n >= 0 && a.n % 8 == 0 && a.n <= config.max_n, "n", "expected 0 <= n <= max_n (", config.max_n,
+                    ") and a multiple of 8, got ", a.n);
     TDIST_CHECK_ARG(a.k > 0 && a.k % 8 == 0 && a.k < (int64_t{1} << 31), "k",
                     "expected 0 < k < 2^31 and a multiple of 8, got ", a.k);
-    TDIST_CHECK_ARG(a.routing != nullptr, "routing", "null (expected the routing of these tokens, e.g. "
-                                                     "MoeAgGroupGemm::routing())");
+    TDIST_CHECK_ARG(a.routing != nullptr, "routing",
+                    "null (expected the routing of these tokens, e.g. "
+                    "MoeAgGroupGemm::routing())");
     const MoeRouting& r = *a.routing;
     TDIST_CHECK_ARG(r.m == a.m && r.topk == config.topk && r.experts == config.experts && r.world_size == rt.size() &&
                         r.rank == rt.rank(),
                     "routing", "routes m = ", r.m, ", topk = ", r.topk, ", experts = ", r.experts, " on rank ", r.rank,
-                    " of ", r.world_size, "; expected m = ", a.m, ", topk = ", config.topk, ", experts = ",
-                    config.experts, " on rank ", rt.rank(), " of ", rt.size());
+                    " of ", r.world_size, "; expected m = ", a.m, ", topk = ", config.topk,
+                    ", experts = ", config.experts, " on rank ", rt.rank(), " of ", rt.size());
     if (a.m == 0 || a.n == 0) return;
     const int64_t rows = static_cast<int64_t>(kg::RowChunks{static_cast<u64>(a.m), rt.size()}.rows(rt.rank()));
     check_operand(a.h, "h", true);
     check_operand(a.b, "b", true);
-    TDIST_CHECK_ARG(a.topk_weights != nullptr && reinterpret_cast<uintptr_t>(a.topk_weights) % 4 == 0,
-                    "topk_weights", "expected a 4-byte aligned device pointer to fp32 [m][topk], got ",
+    TDIST_CHECK_ARG(a.topk_weights != nullptr && reinterpret_cast<uintptr_t>(a.topk_weights) % 4 == 0, "topk_weights",
+                    "expected a 4-byte aligned device pointer to fp32 [m][topk], got ",
                     static_cast<const void*>(a.topk_weights));
     check_operand(a.d, "d", all_rows || rows > 0);
   }
 
   OverlapMethod method(const MoeGroupGemmRsArgs& a, OverlapMethod requested) const {
     check(a, false);
-    return resolve_moe_method(requested, a.m, rt.size(), "MoE grouped GEMM + ReduceScatter");
+    return resolve_moe_method(requested, a.m, rt.size(), "MoE grouped GEMM + ReduceScatter", /*fused_ok=*/false);
   }
 
   GroupedGemmArgs gemm_args(const MoeGroupGemmRsArgs& a) const {
@@ -358,8 +404,8 @@ struct MoeGroupGemmRs::Impl {
 
   void run(const MoeGroupGemmRsArgs& a, cudaStream_t stream, OverlapMethod requested) {
     execute(a, stream,
-            moe_call_method(rt, "moe_group_gemm_rs", requested, method(a, requested), a.m, a.n, a.k, config, stream,
-                            [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); }));
+            moe_call_method(rt, "moe_group_gemm_rs", requested, method(a, requested), a.m, a.n, a.k, config,
+                            /*fused_ok=*/false, stream, [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); }));
   }
 
   void execute(const MoeGroupGemmRsArgs& a, cudaStream_t stream, OverlapMethod method) {
@@ -395,8 +441,8 @@ struct MoeGroupGemmRs::Impl {
         void* out = byte_at(staging.get(), rows.begin(owner) * a.n * elem());
         kernels.combine(combine_params(a, rows.begin(owner), rows.rows(owner), out), stream);
         rt.side().fork(stream);  // the send waits for this owner's reduction only
-        put_signal_async(rt.heap(), recv + static_cast<size_t>(rank) * slot_bytes, out,
-                         rows.rows(owner) * a.n * elem(), flags + rank, 1, owner, rt.side().get());
+        put_signal_async(rt.heap(), recv + static_cast<size_t>(rank) * slot_bytes, out, rows.rows(owner) * a.n * elem(),
+                         flags + rank, 1, owner, rt.side().get());
       } else {
         if (world > 1) rt.wait_flags(flags, 0, world, rank, stream);
         km::CombineParams p = combine_params(a, rows.begin(rank), rows.rows(rank), a.d);

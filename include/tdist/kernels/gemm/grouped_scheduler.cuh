@@ -19,6 +19,11 @@
 // raster of group_m m-tiles, rotated to start at first_tile_m), or, with an order table, in the
 // order it gives: m_tile_order[p] is the m-tile visited at relative position p (a permutation of
 // [0, tiles_m) written by the host or a producer kernel, for instance this rank's tokens first).
+// Listed walk (num_lists > 1): the table holds num_lists lists, list j at m_tile_order[j list_stride]
+// with m_tile_count[j] entries (at most list_stride); the walk visits every tile of list 0, then of
+// list 1, ..., each list in its own grouped raster (no raster group straddles two lists), and tells
+// the hooks the list of each tile (TileInfo::list): one launch runs what would be a launch per list,
+// and a tile of a later list can wait for its inputs without holding up the tiles before it.
 // The group of an m-tile is found by binary search over the offsets (ceil(log2 G) loads, cached;
 // the producer's loads run ahead of the consumers, so the search hides behind the ring), never by a
 // scan over all groups.
@@ -32,11 +37,19 @@ namespace tdist::kernels::gemm {
 constexpr u32 kGroupedAlignment = 128;
 
 struct GroupedScheduler {
+  static constexpr u32 kMaxLists = 8;  // lists of a listed walk (one per rank of the MoE ops)
+
   const void* offsets = nullptr;      // device: G + 1 row offsets (layout above)
   const u32* m_tile_order = nullptr;  // device, optional: u32[tiles_m], the m-tile at each position
+                                      // (listed walk: u32[num_lists][list_stride])
   const u32* m_tile_count = nullptr;  // device, optional with an order table: visit its first
                                       // *m_tile_count entries only (a subset of the m-tiles, as an
-                                      // overlapped MoE op runs the tiles of one source chunk)
+                                      // overlapped MoE op runs the tiles of one source chunk);
+                                      // listed walk: u32[num_lists], the entries of each list
+  u32 num_lists = 1;                  // > 1: a listed walk (above; needs m_tile_order, m_tile_count)
+  u32 list_stride = 0;                // listed walk: entries between the starts of two lists
+  u32 list_end[kMaxLists] = {};       // set by prepare() for a listed walk: list j holds positions
+                                      // [list_end[j - 1], list_end[j]) of the walk's m-tiles
   u32 num_groups = 0;                 // G >= 1
   u32 offset_bytes = 4;               // 4 (int32 offsets) or 8 (int64)
   u32 block_m = 128;                  // the kernel's BLOCK_M
@@ -53,11 +66,27 @@ struct GroupedScheduler {
     return v < 0 ? 0 : static_cast<u64>(v);
   }
 
-  // Reads offsets[G] once: the m-tiles of the walk.
+  TDIST_HOST_DEVICE bool listed() const { return num_lists > 1; }
+
+  // Reads offsets[G] (or the list counts) once: the m-tiles of the walk.
   TDIST_HOST_DEVICE GroupedScheduler prepare() const {
     GroupedScheduler s = *this;
-    const u64 tm = m_tile_order != nullptr && m_tile_count != nullptr ? *m_tile_count
-                                                                       : (offset(num_groups) + block_m - 1) / block_m;
+    u64 tm = 0;
+    if (listed()) {
+      // Each count clipped to its list's room, the total to the launch's bound (later lists lose
+      // their tail first).
+      // (Loops over kMaxLists with constant indices here and below: list_end stays in registers,
+      // where an index known only at run time would put it in local memory.)
+      TDIST_UNROLL
+      for (u32 j = 0; j < kMaxLists; ++j) {
+        const u64 c = j < num_lists ? m_tile_count[j] : 0;
+        tm += c < list_stride ? c : list_stride;
+        s.list_end[j] = static_cast<u32>(tm < max_tiles_m ? tm : max_tiles_m);
+      }
+    } else {
+      tm = m_tile_order != nullptr && m_tile_count != nullptr ? *m_tile_count
+                                                              : (offset(num_groups) + block_m - 1) / block_m;
+    }
     s.tiles_m = tm < max_tiles_m ? static_cast<u32>(tm) : max_tiles_m;
     if (s.tiles_m > 0) s.first_tile_m = first_tile_m % s.tiles_m;
     return s;
@@ -79,21 +108,41 @@ struct GroupedScheduler {
     return lo;
   }
 
-  // Tile of linear index `i` (< num_tiles() of a prepared scheduler).
-  TDIST_HOST_DEVICE TileCoord tile(u32 i) const {
+  // The list holding linear index `i` of a prepared listed walk: the lists ending at or before it
+  // (list j's tiles end at list_end[j] x tiles_n), the last list at most.
+  TDIST_HOST_DEVICE u32 list_of(u32 i) const {
+    u32 j = 0;
+    TDIST_UNROLL
+    for (u32 l = 0; l + 1 < kMaxLists; ++l) j += l + 1 < num_lists && i >= list_end[l] * tiles_n ? 1 : 0;
+    return j;
+  }
+  // list_end[j] (0 for j = -1, i.e. `j` == ~0u), read without a run-time index.
+  TDIST_HOST_DEVICE u32 list_end_at(u32 j) const {
+    u32 v = 0;
+    TDIST_UNROLL
+    for (u32 l = 0; l < kMaxLists; ++l) v = l == j ? list_end[l] : v;
+    return v;
+  }
+
+  // Tile of linear index `i` (< num_tiles() of a prepared scheduler), in list `list` (list_of(i);
+  // 0 for a walk without lists).
+  TDIST_HOST_DEVICE TileCoord tile(u32 i, u32 list) const {
+    const u32 first = list_end_at(list - 1);  // the list's first position (listed walk; 0 for list 0)
     TileScheduler raster;
-    raster.tiles_m = tiles_m;
+    raster.tiles_m = listed() ? list_end_at(list) - first : tiles_m;
     raster.tiles_n = tiles_n;
     raster.group_m = group_m;
     raster.first_tile_m = m_tile_order != nullptr ? 0 : first_tile_m;
-    TileCoord c = raster.tile(i);
-    if (m_tile_order != nullptr) c.tile_m = m_tile_order[c.tile_m];
+    TileCoord c = raster.tile(i - first * tiles_n);
+    if (m_tile_order != nullptr) c.tile_m = m_tile_order[list * list_stride + c.tile_m];
     return c;
   }
+  TDIST_HOST_DEVICE TileCoord tile(u32 i) const { return tile(i, listed() ? list_of(i) : 0); }
 
   TDIST_HOST_DEVICE TileInfo tile_info(u32 t, u32 bm, u32 bn, u32 m, u32 n) const {
     TileInfo info;
-    info.coord = tile(t);
+    info.list = listed() ? list_of(t) : 0;
+    info.coord = tile(t, info.list);
     info.m0 = info.coord.tile_m * bm;
     info.n0 = info.coord.tile_n * bn;
     info.rows = m - info.m0 < bm ? m - info.m0 : bm;
@@ -108,12 +157,14 @@ struct GroupedScheduler {
   // taken as 1.
   TDIST_HOST_DEVICE static GroupedScheduler make(const void* offsets, u32 offset_bytes, u32 num_groups, u64 m_total,
                                                  u64 n, u32 block_m, u32 block_n, u32 group_m = 8, u32 first_tile_m = 0,
-                                                 const u32* m_tile_order = nullptr,
-                                                 const u32* m_tile_count = nullptr) {
+                                                 const u32* m_tile_order = nullptr, const u32* m_tile_count = nullptr,
+                                                 u32 num_lists = 1, u32 list_stride = 0) {
     GroupedScheduler s;
     s.offsets = offsets;
     s.m_tile_order = m_tile_order;
     s.m_tile_count = m_tile_count;
+    s.num_lists = num_lists == 0 ? 1 : num_lists < kMaxLists ? num_lists : kMaxLists;  // the host checks the bound
+    s.list_stride = list_stride;
     s.num_groups = num_groups;
     s.offset_bytes = offset_bytes;
     s.block_m = block_m;

@@ -62,6 +62,27 @@ struct AllGatherWaitHooks : AllGatherWaitParams {
   TDIST_DEVICE void after_store(const Info&, u32, u32) const {}
 };
 
+// MoE AllGather + grouped GEMM (fused): before a tile's loads, the producer waits for the chunks of
+// the relative sources its rows come from (overlap_params.cuh), except this rank's own. List 0 holds
+// this rank's tokens only and never waits.
+struct MoeGatherWaitHooks : MoeGatherWaitParams {
+  static constexpr bool kNeedsStoredTile = false;  // nothing to publish
+
+  template <typename Info>
+  TDIST_DEVICE void before_loads(const Info& info) const {
+    if (info.list == 0) return;
+    const int world = split.num_ranks;
+    const int t = token_of_row[info.m0];  // the tile's first row is a real pair (-1 would mean no routing)
+    const int first = t < 0 ? 1 : (split.chunk_of(static_cast<u64>(t)) - rank + world) % world;
+    for (int rel = first > 1 ? first : 1; rel <= static_cast<int>(info.list); ++rel) {
+      const int c = (rank + rel) % world;
+      gemm_wait_flag(chunk_flags + c, c);
+    }
+  }
+  template <typename Info>
+  TDIST_DEVICE void after_store(const Info&, u32, u32) const {}
+};
+
 // GEMM-ReduceScatter (fused): counts finished tiles per row chunk; the last tile of a chunk raises
 // chunk_ready[chunk], on which the copy engine's stream waits before sending the chunk to its owner.
 struct ChunkPublishHooks : ChunkPublishParams {

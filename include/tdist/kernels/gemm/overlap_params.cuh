@@ -16,6 +16,17 @@ struct AllGatherWaitParams {
   int rank;                // own chunk: written before the launch, never waited for
 };
 
+// MoE AllGather + grouped GEMM, fused (kernels/moe/routing.cuh: the ag tile lists, run as one listed
+// walk of GatherGroupedScheduler): a tile of list j holds rows of relative sources first .. j, where
+// `first` is the source of its first row (an expert's rows come in relative-source order, real rows
+// before padding), and waits for those chunks other than this rank's own.
+struct MoeGatherWaitParams {
+  const u64* chunk_flags;   // this rank's: chunk_flags[r] >= 1 once rank r's tokens have landed
+  const int* token_of_row;  // the routing's (written before the launch, in stream order)
+  RowChunks split;          // tokens per rank
+  int rank;
+};
+
 // GEMM-ReduceScatter, fused: the GEMM counts finished tiles per row chunk and raises a chunk's flag
 // when its last tile is stored.
 struct ChunkPublishParams {

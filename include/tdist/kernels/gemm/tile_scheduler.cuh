@@ -49,6 +49,7 @@ struct TileInfo {
   u32 linear;      // linear index in the schedule
   u32 group;       // the group of the grouped GEMM whose rows the tile holds (0 for the plain GEMM)
   u32 b_row;       // first row of B the tile loads: n0 + group * N
+  u32 list;        // the tile list of a listed grouped walk holding the tile (0 elsewhere)
 };
 
 struct TileScheduler {
@@ -85,6 +86,7 @@ struct TileScheduler {
     info.linear = t;
     info.group = 0;
     info.b_row = info.n0;
+    info.list = 0;
     return info;
   }
 

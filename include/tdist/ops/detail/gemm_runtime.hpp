@@ -11,7 +11,8 @@
 //                                   the device hooks type (which derives from it, same layout) and the
 //                                   header that defines it. Shipped: kernels::gemm::NoTileHooks (plain
 //                                   GEMM), AllGatherWaitParams -> AllGatherWaitHooks, ChunkPublishParams
-//                                   -> ChunkPublishHooks (overlap.cuh). A new hooks type adds one
+//                                   -> ChunkPublishHooks, MoeGatherWaitParams -> MoeGatherWaitHooks
+//                                   (overlap.cuh). A new hooks type adds one
 //                                   specialisation here.
 //   GemmRuntime<Scheduler, Params>  the instances of one (scheduler, hooks) pair over (dtype, tile):
 //     static kernel_name(dtype, tile)      name expression: sm90_gemm_tn<T, BM, BN, BK, S, C, Hooks[, Scheduler]>
@@ -88,6 +89,12 @@ struct GemmHooksTraits<kernels::gemm::AllGatherWaitParams> {
   static constexpr const char* kDeviceType = "tdist::kernels::gemm::AllGatherWaitHooks";
   static constexpr const char* kHeader = "tdist/kernels/gemm/overlap.cuh";
   static constexpr const char* kTag = "AllGatherWaitHooks";
+};
+template <>
+struct GemmHooksTraits<kernels::gemm::MoeGatherWaitParams> {
+  static constexpr const char* kDeviceType = "tdist::kernels::gemm::MoeGatherWaitHooks";
+  static constexpr const char* kHeader = "tdist/kernels/gemm/overlap.cuh";
+  static constexpr const char* kTag = "MoeGatherWaitHooks";
 };
 template <>
 struct GemmHooksTraits<kernels::gemm::ChunkPublishParams> {
@@ -213,8 +220,8 @@ GemmArgs grouped_operands(const GroupedArgs& a, DType dtype) {
 class Fp8GroupedRuntime {
  public:
   explicit Fp8GroupedRuntime(int num_sms) : num_sms_(num_sms) {}
-  void launch(const GroupedGemmFp8Args& checked_args, const GemmTile& tile, const kernels::gemm::GroupedScheduler& sched,
-              int max_ctas, cudaStream_t stream);
+  void launch(const GroupedGemmFp8Args& checked_args, const GemmTile& tile,
+              const kernels::gemm::GroupedScheduler& sched, int max_ctas, cudaStream_t stream);
 
  private:
   int num_sms_;
