@@ -4,17 +4,18 @@ within a few timeouts, tdist.check_device_faults() and the next call of the op r
 tdist.DeviceTimeoutError naming the rank, and torch keeps working on the same GPU (a checkpoint can be
 saved). The rank that skipped sees no fault.
 
-The ops: tdist.all_reduce (one_shot); the MoE tensor-parallel pair tdist.moe_ag_group_gemm and
-tdist.moe_group_gemm_rs (method chunked: baseline runs NCCL collectives, which have no device wait
-timeout); the EP buffer's low-latency dispatch and combine and high-throughput dispatch and combine;
-tdist.flash_decode(distributed=True). Every rank first makes a matching call of the same shapes, so
-that the op's context exists (made collectively) and its kernels are compiled; a combine's case has
-every rank dispatch first. Each case uses objects of its own (its own MoE context, EP buffer or
-flash-decode exchange), which are not used again after the fault, and clears the fault afterwards on
-every rank, as tests/gpu/test_device_faults.cu does; all_reduce, which runs on the runtime's own
-collectives, comes last. (Rebuilding the world in the same process, tdist.finalize() then
-tdist.init(), gave wrong sums on 2 x H200 after such a fault: not supported yet; end the process.)
-At world size 1 every case is skipped, saying so.
+The ops: tdist.all_reduce (one_shot); the MoE tensor-parallel pair tdist.moe_ag_group_gemm (methods
+chunked and fused: its wait runs inside the grouped GEMM) and tdist.moe_group_gemm_rs (chunked;
+baseline runs NCCL collectives, which have no device wait timeout); the EP buffer's low-latency
+dispatch and combine and high-throughput dispatch and combine; tdist.flash_decode(distributed=True).
+Every rank first makes a matching call of the same shapes, so that the op's context exists (made
+collectively) and its kernels are compiled; a combine's case has every rank dispatch first. Each case
+uses objects of its own (its own MoE context, EP buffer or flash-decode exchange), which are not used
+again after the fault, and clears the fault afterwards on every rank, as
+tests/gpu/test_device_faults.cu does; all_reduce, which runs on the runtime's own collectives, comes
+last. (Rebuilding the world in the same process, tdist.finalize() then tdist.init(), gave wrong sums on
+2 x H200 after such a fault: not supported yet; end the process.) At world size 1 every case is
+skipped, saying so.
 
     TDIST_WAIT_TIMEOUT_S=2 python -m torch.distributed.run --nproc-per-node 2 tests/python/gpu_test_faults.py [case ...]
 """
@@ -98,19 +99,28 @@ def moe_ids(m, topk, experts, seed):
     return torch.rand((m, experts), generator=g).topk(topk, dim=1).indices.to(torch.int32)
 
 
-@needs_peers
-def test_peer_skips_moe_ag_group_gemm():
-    m, topk, experts, k, n = 301, 2, 6, 136, 200
+def moe_ag_call(method, experts):
+    """A moe_ag_group_gemm call of `method` on a context of its own (`experts` tells the cases apart)."""
+    m, topk, k, n = 301, 2, 136, 200
     first, rows = tdist.moe.rows_of(m, h.world(), h.rank())
     x_rows = rand((m, k), torch.bfloat16, 1)[first:first + rows].cuda()
     ids = moe_ids(m, topk, experts, 2).cuda()
     w = rand((experts, n, k), torch.bfloat16, 3 + h.rank(), scale=0.1).cuda()
+    return lambda: tdist.moe_ag_group_gemm(x_rows, ids, w, method=method)
 
-    def call():
-        return tdist.moe_ag_group_gemm(x_rows, ids, w, method="chunked")
 
+@needs_peers
+def test_peer_skips_moe_ag_group_gemm():
+    call = moe_ag_call("chunked", 6)
     call()  # every rank: the context and the kernels
     skip_on_last_rank("moe_ag_group_gemm (chunked)", call)
+
+
+@needs_peers
+def test_peer_skips_moe_ag_group_gemm_fused():
+    call = moe_ag_call("fused", 7)
+    call()
+    skip_on_last_rank("moe_ag_group_gemm (fused)", call)
 
 
 @needs_peers
@@ -231,9 +241,9 @@ def test_peer_skips_all_reduce():
     skip_on_last_rank("all_reduce (one_shot)", call)
 
 
-TESTS = [test_peer_skips_moe_ag_group_gemm, test_peer_skips_moe_group_gemm_rs, test_peer_skips_ep_low_latency_dispatch,
-         test_peer_skips_ep_low_latency_combine, test_peer_skips_ep_dispatch, test_peer_skips_ep_combine,
-         test_peer_skips_flash_decode,
+TESTS = [test_peer_skips_moe_ag_group_gemm, test_peer_skips_moe_ag_group_gemm_fused, test_peer_skips_moe_group_gemm_rs,
+         test_peer_skips_ep_low_latency_dispatch, test_peer_skips_ep_low_latency_combine, test_peer_skips_ep_dispatch,
+         test_peer_skips_ep_combine, test_peer_skips_flash_decode,
          test_peer_skips_all_reduce]  # last: the runtime's own collectives are out of step after it
 
 

@@ -60,12 +60,11 @@ def gemm_rs():
 
 
 def moe_ag_group_gemm():
-    m, topk, experts, k, n = 301, 2, 6, 136, 200
-    first, rows = tdist.moe.rows_of(m, h.world(), h.rank())
-    x_rows = faults.rand((m, k), torch.bfloat16, 1)[first:first + rows].cuda()
-    ids = faults.moe_ids(m, topk, experts, 2).cuda()
-    w = faults.rand((experts, n, k), torch.bfloat16, 3 + h.rank(), scale=0.1).cuda()
-    return lambda: tdist.moe_ag_group_gemm(x_rows, ids, w, method="chunked")
+    return faults.moe_ag_call("chunked", 6)
+
+
+def moe_ag_group_gemm_fused():
+    return faults.moe_ag_call("fused", 6)
 
 
 def moe_group_gemm_rs():
@@ -108,12 +107,15 @@ def triton_ag_gemm():
 
 # What each case's error must name: the owner of the flag the survivor's wait watched (its op).
 OWNERS = {"all_reduce": "tdist's collectives", "ag_gemm": "AllGather-GEMM", "gemm_rs": "GEMM-ReduceScatter",
-          "moe_ag_group_gemm": "MoE AllGather + grouped GEMM", "moe_group_gemm_rs": "MoE grouped GEMM + ReduceScatter",
+          "moe_ag_group_gemm": "MoE AllGather + grouped GEMM",
+          "moe_ag_group_gemm_fused": "MoE AllGather + grouped GEMM",
+          "moe_group_gemm_rs": "MoE grouped GEMM + ReduceScatter",
           "ep_low_latency_dispatch": "EP buffer (low-latency", "ep_dispatch": "EP buffer (high-throughput",
           "flash_decode": "flash", "triton_ag_gemm": "symmetric tensor (tdist.empty)"}
 
-OP_CASES = {f.__name__: f for f in (all_reduce, ag_gemm, gemm_rs, moe_ag_group_gemm, moe_group_gemm_rs,
-                                    ep_low_latency_dispatch, ep_dispatch, flash_decode, triton_ag_gemm)}
+OP_CASES = {f.__name__: f for f in (all_reduce, ag_gemm, gemm_rs, moe_ag_group_gemm, moe_ag_group_gemm_fused,
+                                    moe_group_gemm_rs, ep_low_latency_dispatch, ep_dispatch, flash_decode,
+                                    triton_ag_gemm)}
 
 
 def dies() -> bool:
