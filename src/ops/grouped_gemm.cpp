@@ -30,19 +30,7 @@ GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
     const kg::RowGather& g = *a.a_gather;
     a.a = g.gathered;
     a.lda = a.k;
-    if (a.m > 0 && a.n > 0) {
-      const int64_t row_bytes = a.k * static_cast<int64_t>(dtype_size(a.dtype));
-      TDIST_CHECK_ARG(g.token_of_row != nullptr && is_aligned(g.token_of_row, 4), "a_gather.token_of_row",
-                      "expected a 4-byte aligned device pointer to int32 [m], got ",
-                      static_cast<const void*>(g.token_of_row));
-      TDIST_CHECK_ARG(g.gathered != nullptr && is_aligned(g.gathered, 16), "a_gather.gathered",
-                      "expected a 16-byte aligned device pointer, got ", g.gathered);
-      TDIST_CHECK_ARG(g.local_rows == 0 || (g.local != nullptr && is_aligned(g.local, 16)), "a_gather.local",
-                      "expected a 16-byte aligned device pointer for ", g.local_rows, " local rows, got ", g.local);
-      TDIST_CHECK_ARG(g.ld_bytes % 16 == 0 && static_cast<int64_t>(g.ld_bytes) >= row_bytes, "a_gather.ld_bytes",
-                      "expected a multiple of 16 bytes of at least k elements (", row_bytes, " bytes), got ",
-                      g.ld_bytes);
-    }
+    if (a.m > 0 && a.n > 0) detail::check_row_gather(g, a.k * static_cast<int64_t>(dtype_size(a.dtype)));
   }
   // The group count first (a scalar), so that it is named whatever the pointers are.
   TDIST_CHECK_ARG(a.num_groups >= 1, "num_groups", "expected at least one group, got ", a.num_groups);
@@ -53,6 +41,18 @@ GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
   a.ldd = dense.ldd;
   detail::check_grouped_offsets(a.num_groups, a.m, a.n, a.offsets, a.offsets_type);
   return a;
+}
+
+void detail::check_row_gather(const kg::RowGather& g, int64_t row_bytes) {
+  TDIST_CHECK_ARG(g.token_of_row != nullptr && is_aligned(g.token_of_row, 4), "a_gather.token_of_row",
+                  "expected a 4-byte aligned device pointer to int32 [m], got ",
+                  static_cast<const void*>(g.token_of_row));
+  TDIST_CHECK_ARG(g.gathered != nullptr && is_aligned(g.gathered, 16), "a_gather.gathered",
+                  "expected a 16-byte aligned device pointer, got ", g.gathered);
+  TDIST_CHECK_ARG(g.local_rows == 0 || (g.local != nullptr && is_aligned(g.local, 16)), "a_gather.local",
+                  "expected a 16-byte aligned device pointer for ", g.local_rows, " local rows, got ", g.local);
+  TDIST_CHECK_ARG(g.ld_bytes % 16 == 0 && static_cast<int64_t>(g.ld_bytes) >= row_bytes, "a_gather.ld_bytes",
+                  "expected a multiple of 16 bytes of at least k elements (", row_bytes, " bytes), got ", g.ld_bytes);
 }
 
 void detail::check_grouped_offsets(int num_groups, int64_t m, int64_t n, const void* offsets, IndexType offsets_type) {

@@ -30,13 +30,22 @@ GroupedGemmFp8Args check_grouped_gemm_fp8_args(const GroupedGemmFp8Args& in) {
   TDIST_CHECK_ARG(a.num_groups >= 1, "num_groups", "expected at least one group, got ", a.num_groups);
   check_gemm_dims(a.m, a.n, a.k);
   TDIST_CHECK_ARG(a.k % 16 == 0, "k", "must be a multiple of 16 (16-byte e4m3 rows), got ", a.k);
+  if (a.a_gather) {
+    // A is read through the index: `a` and lda only shape the (unread) A tensor map.
+    a.a = a.a_gather->gathered;
+    a.lda = a.k;
+    if (a.m > 0 && a.n > 0) {
+      detail::check_row_gather(*a.a_gather, a.k);
+      TDIST_CHECK_ARG(a.a_gather->local_rows == 0 || (a.a_scales_local != nullptr && is_aligned(a.a_scales_local, 4)),
+                      "a_scales_local", "expected a 4-byte aligned device pointer to the scales of ",
+                      a.a_gather->local_rows, " local tokens, got ", static_cast<const void*>(a.a_scales_local));
+    }
+  }
   if (a.lda == 0) a.lda = a.k;
   if (a.ldb == 0) a.ldb = a.k;
   if (a.ldd == 0) a.ldd = a.n;
-  TDIST_CHECK_ARG(a.lda >= a.k && a.lda % 16 == 0, "lda", "must be >= k (", a.k, ") and a multiple of 16, got ",
-                  a.lda);
-  TDIST_CHECK_ARG(a.ldb >= a.k && a.ldb % 16 == 0, "ldb", "must be >= k (", a.k, ") and a multiple of 16, got ",
-                  a.ldb);
+  TDIST_CHECK_ARG(a.lda >= a.k && a.lda % 16 == 0, "lda", "must be >= k (", a.k, ") and a multiple of 16, got ", a.lda);
+  TDIST_CHECK_ARG(a.ldb >= a.k && a.ldb % 16 == 0, "ldb", "must be >= k (", a.k, ") and a multiple of 16, got ", a.ldb);
   TDIST_CHECK_ARG(a.ldd >= a.n && a.ldd % 8 == 0, "ldd", "must be >= n (", a.n,
                   ") and a multiple of 8 (16 bytes of bf16), got ", a.ldd);
   TDIST_CHECK_ARG(a.a_scales_row_stride >= 0, "a_scales_row_stride", "expected >= 0, got ", a.a_scales_row_stride);
@@ -46,12 +55,9 @@ GroupedGemmFp8Args check_grouped_gemm_fp8_args(const GroupedGemmFp8Args& in) {
     a.a_scales_kb_stride = 1;
   }
   if (a.m > 0 && a.n > 0) {  // else nothing to compute; pointers may be anything
-    TDIST_CHECK_ARG(a.a != nullptr && is_aligned(a.a, 16), "a", "expected a 16-byte aligned device pointer, got ",
-                    a.a);
-    TDIST_CHECK_ARG(a.b != nullptr && is_aligned(a.b, 16), "b", "expected a 16-byte aligned device pointer, got ",
-                    a.b);
-    TDIST_CHECK_ARG(a.d != nullptr && is_aligned(a.d, 16), "d", "expected a 16-byte aligned device pointer, got ",
-                    a.d);
+    TDIST_CHECK_ARG(a.a != nullptr && is_aligned(a.a, 16), "a", "expected a 16-byte aligned device pointer, got ", a.a);
+    TDIST_CHECK_ARG(a.b != nullptr && is_aligned(a.b, 16), "b", "expected a 16-byte aligned device pointer, got ", a.b);
+    TDIST_CHECK_ARG(a.d != nullptr && is_aligned(a.d, 16), "d", "expected a 16-byte aligned device pointer, got ", a.d);
     TDIST_CHECK_ARG(a.a_scales != nullptr && is_aligned(a.a_scales, 4), "a_scales",
                     "expected a 4-byte aligned device pointer to f32 scales, got ",
                     static_cast<const void*>(a.a_scales));
@@ -93,42 +99,50 @@ GemmTile choose_fp8_gemm_tile(int64_t m, int64_t n, int num_sms) {
   return detail::choose_tile_among(fp8_gemm_tiles(), m, n, num_sms);
 }
 
-std::string grouped_gemm_fp8_kernel_name(const GemmTile& t) {
-  return detail::concat("tdist::kernels::gemm::sm90_fp8_gemm_tn<", t.block_m, ", ", t.block_n, ", ", t.stages,
-                        ", tdist::kernels::gemm::GroupedScheduler>");
+std::string grouped_gemm_fp8_kernel_name(const GemmTile& t, bool gathered_a) {
+  return detail::concat(
+      "tdist::kernels::gemm::sm90_fp8_gemm_tn<", t.block_m, ", ", t.block_n, ", ", t.stages,
+      gathered_a ? ", tdist::kernels::gemm::GatherGroupedScheduler>" : ", tdist::kernels::gemm::GroupedScheduler>");
 }
 
 namespace {
 
-jit::CompileRequest fp8_request(const GemmTile& tile) {
+jit::CompileRequest fp8_request(const GemmTile& tile, bool gathered_a) {
   check_fp8_gemm_tile(tile);
   jit::CompileRequest r;
   r.source = "#include \"tdist/kernels/gemm/sm90_fp8_gemm.cuh\"\n";
-  r.file_name = detail::concat("gemm_sm90_fp8_", tile.name(), "_grouped.cu");
-  r.name_expressions = {grouped_gemm_fp8_kernel_name(tile)};
+  r.file_name = detail::concat("gemm_sm90_fp8_", tile.name(), gathered_a ? "_grouped_gather.cu" : "_grouped.cu");
+  r.name_expressions = {grouped_gemm_fp8_kernel_name(tile, gathered_a)};
   r.arch = "sm_90a";
   if (env::flag("TDIST_GEMM_DEBUG")) r.defines.push_back("TDIST_GEMM_DEBUG");
   return r;
 }
 
-std::string fp8_name(DType, const GemmTile& tile) { return grouped_gemm_fp8_kernel_name(tile); }
+// GemmModules' name and request functions of the two instances (TMA and gathered A).
+std::string fp8_name(DType, const GemmTile& tile) { return grouped_gemm_fp8_kernel_name(tile, false); }
+std::string fp8_gather_name(DType, const GemmTile& tile) { return grouped_gemm_fp8_kernel_name(tile, true); }
+jit::CompileRequest fp8_tma_request(const GemmTile& tile) { return fp8_request(tile, false); }
+jit::CompileRequest fp8_gather_request(const GemmTile& tile) { return fp8_request(tile, true); }
 
 }  // namespace
 
 std::vector<jit::CompileRequest> grouped_gemm_fp8_compile_requests() {
   std::vector<jit::CompileRequest> v;
-  for (const GemmTile& t : fp8_gemm_tiles()) {
-    v.push_back(fp8_request(t));
-    v.back().arch.clear();  // tdist-compile sets it
-  }
+  for (const GemmTile& t : fp8_gemm_tiles())
+    for (bool gathered_a : {false, true}) {
+      v.push_back(fp8_request(t, gathered_a));
+      v.back().arch.clear();  // tdist-compile sets it
+    }
   return v;
 }
 
 TDIST_JIT_REGISTER_KERNELS(grouped_gemm_fp8, grouped_gemm_fp8_compile_requests);
 
 void detail::Fp8GroupedRuntime::launch(const GroupedGemmFp8Args& a, const GemmTile& tile,
-                                      const kg::GroupedScheduler& sched, int max_ctas, cudaStream_t stream) {
-  const jit::Kernel& kernel = modules_.load(DType::kFloat8E4M3, tile, &fp8_name, &fp8_request);
+                                       const kg::GroupedScheduler& sched, int max_ctas, cudaStream_t stream) {
+  const jit::Kernel& kernel =
+      a.a_gather ? gather_modules_.load(DType::kFloat8E4M3, tile, &fp8_gather_name, &fp8_gather_request)
+                 : modules_.load(DType::kFloat8E4M3, tile, &fp8_name, &fp8_tma_request);
   const GemmArgs in = grouped_operands(a, DType::kFloat8E4M3), out = grouped_operands(a, DType::kBFloat16);
   const int64_t b_rows = static_cast<int64_t>(a.num_groups) * a.n;
   const GemmTensorMap map_a = encode_gemm_tensor_map(gemm_tensor_map_a(in, tile), DType::kFloat8E4M3);
@@ -136,6 +150,7 @@ void detail::Fp8GroupedRuntime::launch(const GroupedGemmFp8Args& a, const GemmTi
   const GemmTensorMap map_d = encode_gemm_tensor_map(gemm_tensor_map_d(out, tile), DType::kBFloat16);
   kg::Fp8BlockScales scales;
   scales.a = a.a_scales;
+  scales.a_local = a.a_scales_local;
   scales.a_row_stride = static_cast<uint64_t>(a.a_scales_row_stride);
   scales.a_kb_stride = static_cast<uint64_t>(a.a_scales_kb_stride);
   scales.b = a.b_scales;
@@ -144,7 +159,11 @@ void detail::Fp8GroupedRuntime::launch(const GroupedGemmFp8Args& a, const GemmTi
   jit::KernelArgs kargs;
   kargs.add(map_a).add(map_b).add(map_d).add(a.d).add(static_cast<unsigned long long>(a.ldd));
   kargs.add(static_cast<unsigned>(a.m)).add(static_cast<unsigned>(a.n)).add(static_cast<unsigned>(a.k));
-  kargs.add(scales).add(sched);
+  kargs.add(scales);
+  if (a.a_gather)
+    kargs.add(kg::GatherGroupedScheduler{sched, *a.a_gather});
+  else
+    kargs.add(sched);
   // The grid is sized for M_total (the offsets are on the device); CTAs past the real tiles exit.
   const int64_t tiles = ((a.m + tile.block_m - 1) / tile.block_m) * ((a.n + tile.block_n - 1) / tile.block_n);
   jit::LaunchConfig cfg;

@@ -722,6 +722,39 @@ TEST(GroupedGemmFp8Args, ErrorsNameTheArgument) {
   expect_arg_error(with([](auto& a) { a.num_groups = 1 << 30; }), "num_groups");
 }
 
+// Gathered A: the index's fields and the local tokens' scales are checked; `a` and lda are not read.
+TEST(GroupedGemmFp8Args, GatheredA) {
+  tdist::kernels::gemm::RowGather g;
+  g.token_of_row = reinterpret_cast<const int*>(0x70000);
+  g.gathered = reinterpret_cast<const void*>(0x80000);
+  g.local = reinterpret_cast<const void*>(0x90000);
+  g.local_begin = 100;
+  g.local_rows = 50;
+  g.ld_bytes = 416;  // >= k = 400 e4m3 bytes, a multiple of 16
+  auto with = [&](auto change) {
+    GroupedGemmFp8Args a = valid_fp8();
+    a.a = nullptr;
+    a.lda = 7;
+    a.a_gather = g;
+    a.a_scales_local = reinterpret_cast<const float*>(0xa0000);
+    change(a);
+    return a;
+  };
+  const GroupedGemmFp8Args ok = tdist::check_grouped_gemm_fp8_args(with([](auto&) {}));
+  EXPECT_EQ(ok.a, g.gathered);
+  EXPECT_EQ(ok.lda, 400);
+  auto bad = [&](auto change) { return [a = with(change)] { tdist::check_grouped_gemm_fp8_args(a); }; };
+  expect_arg_error(bad([](auto& a) { a.a_scales_local = nullptr; }), "a_scales_local");
+  expect_arg_error(bad([](auto& a) { a.a_gather->ld_bytes = 392; }), "a_gather.ld_bytes");
+  expect_arg_error(bad([](auto& a) { a.a_gather->token_of_row = nullptr; }), "a_gather.token_of_row");
+  expect_arg_error(bad([](auto& a) { a.a_gather->local = nullptr; }), "a_gather.local");
+  // No local tokens: no local scales needed.
+  EXPECT_NO_THROW(tdist::check_grouped_gemm_fp8_args(with([](auto& a) {
+    a.a_gather->local_rows = 0;
+    a.a_scales_local = nullptr;
+  })));
+}
+
 TEST(Fp8GemmTiles, ShippedTilesAreValidAndChosen) {
   for (const GemmTile& t : tdist::fp8_gemm_tiles()) {
     SCOPED_TRACE(t.name());
@@ -740,16 +773,19 @@ TEST(Fp8GemmTiles, ShippedTilesAreValidAndChosen) {
   EXPECT_EQ(tdist::choose_fp8_gemm_tile(64, 16384, 132).block_m, 64);
   EXPECT_NE(tdist::grouped_gemm_fp8_kernel_name({128, 128, 128, 6, 1}).find("sm90_fp8_gemm_tn<128, 128, 6, "),
             std::string::npos);
+  EXPECT_NE(tdist::grouped_gemm_fp8_kernel_name({128, 128, 128, 6, 1}, true).find("GatherGroupedScheduler>"),
+            std::string::npos);
 }
 
-// Every FP8 instance compiles for sm_90a without spills, stack or wgmma serialisation, within the
-// register split, with e4m3 wgmma of K 32, each block's group waited for before its scaling.
+// Every FP8 instance (TMA and gathered A, each tile) compiles for sm_90a without spills, stack or
+// wgmma serialisation, within the register split, with e4m3 wgmma of K 32, each block's group waited
+// for before its scaling.
 TEST(GroupedGemmFp8Kernels, EveryInstanceCompilesForSm90aWithoutSpills) {
   TempDir cache, dump;
   ASSERT_EQ(setenv("TDIST_JIT_DUMP", dump.path.c_str(), 1), 0);
   jit::KernelCache kernels(cache.path);
   const auto requests = tdist::grouped_gemm_fp8_compile_requests();
-  ASSERT_EQ(requests.size(), tdist::fp8_gemm_tiles().size());
+  ASSERT_EQ(requests.size(), 2 * tdist::fp8_gemm_tiles().size());
   for (jit::CompileRequest r : requests) {
     SCOPED_TRACE(r.file_name);
     r.arch = "sm_90a";
@@ -775,5 +811,5 @@ TEST(GroupedGemmFp8Kernels, EveryInstanceCompilesForSm90aWithoutSpills) {
     EXPECT_EQ(ptx.find("st.local"), std::string::npos);
     EXPECT_EQ(ptx.find("ld.local"), std::string::npos);
   }
-  EXPECT_EQ(ptx_files, static_cast<int>(tdist::fp8_gemm_tiles().size()));
+  EXPECT_EQ(ptx_files, static_cast<int>(2 * tdist::fp8_gemm_tiles().size()));
 }

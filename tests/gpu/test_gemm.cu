@@ -273,9 +273,8 @@ GroupedCheck check_grouped_output(const T* d, const double* ref, long rows, int 
                                                                   counters + 2);
   // Rows past offsets[G]: every element still poisoned (n = 0: the whole row is "padding").
   if (extra_rows > 0)
-    compare<T><<<dim3((ldd + 127) / 128, extra_rows), 128, 0, stream>>>(d + rows * ldd, ref, extra_rows, 0, ldd,
-                                                                        poison, 1.0, tol, counters + 3, counters + 4,
-                                                                        stats + 1, counters + 5);
+    compare<T><<<dim3((ldd + 127) / 128, extra_rows), 128, 0, stream>>>(
+        d + rows * ldd, ref, extra_rows, 0, ldd, poison, 1.0, tol, counters + 3, counters + 4, stats + 1, counters + 5);
   TDIST_CUDA_CHECK(cudaGetLastError());
   unsigned long long host[6];
   TDIST_CUDA_CHECK(cudaMemcpyAsync(host, counters, sizeof(host), cudaMemcpyDeviceToHost, stream));
@@ -339,16 +338,17 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
     TDIST_CUDA_CHECK(cudaMalloc(&tokens, sizeof(T) * num_tokens * ld_tok));
     TDIST_CUDA_CHECK(cudaMalloc(&local, sizeof(T) * local_rows * ld_tok));
     TDIST_CUDA_CHECK(cudaMalloc(&token_of_row, sizeof(int) * tor.size()));
-    TDIST_CUDA_CHECK(cudaMemcpyAsync(token_of_row, tor.data(), sizeof(int) * tor.size(), cudaMemcpyHostToDevice, stream));
+    TDIST_CUDA_CHECK(
+        cudaMemcpyAsync(token_of_row, tor.data(), sizeof(int) * tor.size(), cudaMemcpyHostToDevice, stream));
     fill_random<<<264, 256, 0, stream>>>(tokens, static_cast<size_t>(num_tokens) * ld_tok, seed + 2);
     std::vector<T> host_tokens(num_tokens * ld_tok), host_a(std::max(m_total, 1L) * lda);
-    TDIST_CUDA_CHECK(cudaMemcpyAsync(host_tokens.data(), tokens, sizeof(T) * host_tokens.size(), cudaMemcpyDeviceToHost,
-                                     stream));
+    TDIST_CUDA_CHECK(
+        cudaMemcpyAsync(host_tokens.data(), tokens, sizeof(T) * host_tokens.size(), cudaMemcpyDeviceToHost, stream));
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
     // Copies on the (non-blocking) test stream, then a sync: a pageable cudaMemcpy may return before
     // its DMA lands, and nothing would order it before the kernels on `stream`.
-    TDIST_CUDA_CHECK(cudaMemcpyAsync(local, host_tokens.data() + local_begin * ld_tok,
-                                     sizeof(T) * local_rows * ld_tok, cudaMemcpyHostToDevice, stream));
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(local, host_tokens.data() + local_begin * ld_tok, sizeof(T) * local_rows * ld_tok,
+                                     cudaMemcpyHostToDevice, stream));
     fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(tokens + local_begin * ld_tok),
                                       static_cast<size_t>(local_rows) * ld_tok, 0x7FC1);
     for (long row = 0; row < m_total; ++row)
@@ -402,7 +402,8 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   gg.run(args, stream, o);
   TDIST_CUDA_CHECK(cudaGetLastError());
 
-  const GroupedCheck check = check_grouped_output(d, ref, rows, c.extra_rows, c.n, ldd, poison, stats, counters, stream);
+  const GroupedCheck check =
+      check_grouped_output(d, ref, rows, c.extra_rows, c.n, ldd, poison, stats, counters, stream);
   for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(d), static_cast<void*>(ref),
                   static_cast<void*>(stats), static_cast<void*>(counters), offs, static_cast<void*>(order),
                   static_cast<void*>(tokens), static_cast<void*>(local), static_cast<void*>(token_of_row)})
@@ -444,9 +445,8 @@ __global__ void fill_scales(float* p, size_t count, unsigned long long seed, flo
 
 // ref[i][j] = sum_c (a[i][c] sa(i, c / 128)) (b[j][c] sb[j / 128][c / 128]) in float64, for the rows of
 // one group: a, sa at the group's first row, b and sb at its B_g.
-__global__ void reference_fp8(const __nv_fp8_e4m3* a, const float* sa, long sa_row, long sa_kb,
-                              const __nv_fp8_e4m3* b, const float* sb, int nb, int kb, double* ref, int m, int n, int k,
-                              long lda, long ldb) {
+__global__ void reference_fp8(const __nv_fp8_e4m3* a, const float* sa, long sa_row, long sa_kb, const __nv_fp8_e4m3* b,
+                              const float* sb, int nb, int kb, double* ref, int m, int n, int k, long lda, long ldb) {
   const long i = blockIdx.y, j = blockIdx.x * static_cast<long>(blockDim.x) + threadIdx.x;
   if (i >= m || j >= n) return;
   double s = 0;
@@ -461,6 +461,7 @@ __global__ void reference_fp8(const __nv_fp8_e4m3* a, const float* sa, long sa_r
 struct Fp8Case {
   GroupedCase groups;
   bool column_major_scales = false;  // A's scales as [KB][M_total] instead of [M_total][KB]
+  bool gather = false;               // A's rows and scales gathered from token rows (row-major scales)
 };
 
 Result run_fp8_case(tdist::GroupedGemm& gg, const tdist::GemmTile& tile, const Fp8Case& fc, unsigned long long seed,
@@ -493,6 +494,59 @@ Result run_fp8_case(tdist::GroupedGemm& gg, const tdist::GemmTile& tile, const F
   fill_random_e4m3<<<264, 256, 0, stream>>>(b, static_cast<size_t>(c.groups) * c.n * ldb, seed + 1, 448.f);
   fill_scales<<<264, 256, 0, stream>>>(sa, static_cast<size_t>(m_total) * kb, seed + 2, 1.f / 448);
   fill_scales<<<264, 256, 0, stream>>>(sb, static_cast<size_t>(c.groups) * nb * kb, seed + 3, 1.f / 4096);
+  // Gathered A (the MoE ops' path): rows and scales of random tokens. `a` and `sa` are then written
+  // with what the kernel must see (the reference's input), and the gathered copies of the local
+  // tokens' rows and scales are poisoned (NaN), so reading a local token from the wrong place shows.
+  __nv_fp8_e4m3 *tokens = nullptr, *local = nullptr;
+  float *tok_sa = nullptr, *local_sa = nullptr;
+  int* token_of_row = nullptr;
+  tdist::kernels::gemm::RowGather gather;
+  if (fc.gather) {
+    const long num_tokens = 50 + rows / 3, ld_tok = c.k + 32;
+    const long local_begin = num_tokens / 3, local_rows = num_tokens / 3;
+    std::vector<int> tor(m_total, -1);
+    for (int g = 0; g < c.groups; ++g)
+      for (long i = 0; i < counts[g]; ++i) {
+        r = mix(r + 0x9E3779B97F4A7C15ull);
+        tor[offsets[g] + i] = static_cast<int>(r % num_tokens);
+      }
+    TDIST_CUDA_CHECK(cudaMalloc(&tokens, num_tokens * ld_tok));
+    TDIST_CUDA_CHECK(cudaMalloc(&local, local_rows * ld_tok));
+    TDIST_CUDA_CHECK(cudaMalloc(&tok_sa, sizeof(float) * num_tokens * kb));
+    TDIST_CUDA_CHECK(cudaMalloc(&local_sa, sizeof(float) * local_rows * kb));
+    TDIST_CUDA_CHECK(cudaMalloc(&token_of_row, sizeof(int) * tor.size()));
+    TDIST_CUDA_CHECK(
+        cudaMemcpyAsync(token_of_row, tor.data(), sizeof(int) * tor.size(), cudaMemcpyHostToDevice, stream));
+    fill_random_e4m3<<<264, 256, 0, stream>>>(tokens, static_cast<size_t>(num_tokens) * ld_tok, seed + 4, 448.f);
+    fill_scales<<<264, 256, 0, stream>>>(tok_sa, static_cast<size_t>(num_tokens) * kb, seed + 5, 1.f / 448);
+    std::vector<unsigned char> host_tokens(num_tokens * ld_tok), host_a(m_total * lda, 0);
+    std::vector<float> host_tok_sa(num_tokens * kb), host_sa(m_total * kb, 0.f);
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(host_tokens.data(), tokens, host_tokens.size(), cudaMemcpyDeviceToHost, stream));
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(host_tok_sa.data(), tok_sa, sizeof(float) * host_tok_sa.size(),
+                                     cudaMemcpyDeviceToHost, stream));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(local, host_tokens.data() + local_begin * ld_tok, local_rows * ld_tok,
+                                     cudaMemcpyHostToDevice, stream));
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(local_sa, host_tok_sa.data() + local_begin * kb, sizeof(float) * local_rows * kb,
+                                     cudaMemcpyHostToDevice, stream));
+    TDIST_CUDA_CHECK(cudaMemsetAsync(tokens + local_begin * ld_tok, 0x7F, local_rows * ld_tok, stream));  // e4m3 NaN
+    TDIST_CUDA_CHECK(cudaMemsetAsync(tok_sa + local_begin * kb, 0xFF, sizeof(float) * local_rows * kb, stream));
+    for (long row = 0; row < m_total; ++row) {
+      if (tor[row] < 0) continue;  // padding: zero rows and scales
+      std::memcpy(&host_a[row * lda], &host_tokens[tor[row] * ld_tok], c.k);
+      std::memcpy(&host_sa[row * kb], &host_tok_sa[tor[row] * kb], sizeof(float) * kb);
+    }
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(a, host_a.data(), host_a.size(), cudaMemcpyHostToDevice, stream));
+    TDIST_CUDA_CHECK(
+        cudaMemcpyAsync(sa, host_sa.data(), sizeof(float) * host_sa.size(), cudaMemcpyHostToDevice, stream));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    gather.token_of_row = token_of_row;
+    gather.local = local;
+    gather.gathered = tokens;
+    gather.local_begin = static_cast<unsigned long long>(local_begin);
+    gather.local_rows = static_cast<unsigned long long>(local_rows);
+    gather.ld_bytes = static_cast<unsigned long long>(ld_tok);
+  }
   const unsigned short poison = 0x7FC1;  // a NaN in bf16
   fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(d), static_cast<size_t>(m_total) * ldd, poison);
   TDIST_CUDA_CHECK(cudaMemsetAsync(stats, 0, 2 * sizeof(double), stream));
@@ -531,13 +585,20 @@ Result run_fp8_case(tdist::GroupedGemm& gg, const tdist::GemmTile& tile, const F
   o.group_m = c.group_m;
   o.first_row = c.first_row;
   o.max_ctas = c.max_ctas;
+  if (fc.gather) {
+    args.a_gather = gather;
+    args.a_scales = tok_sa;
+    args.a_scales_local = local_sa;
+  }
   gg.run(args, stream, o);
   TDIST_CUDA_CHECK(cudaGetLastError());
 
-  const GroupedCheck check = check_grouped_output(d, ref, rows, c.extra_rows, c.n, ldd, poison, stats, counters, stream);
+  const GroupedCheck check =
+      check_grouped_output(d, ref, rows, c.extra_rows, c.n, ldd, poison, stats, counters, stream);
   for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(d), static_cast<void*>(sa),
                   static_cast<void*>(sb), static_cast<void*>(ref), static_cast<void*>(stats),
-                  static_cast<void*>(counters), offs})
+                  static_cast<void*>(counters), offs, static_cast<void*>(tokens), static_cast<void*>(local),
+                  static_cast<void*>(tok_sa), static_cast<void*>(local_sa), static_cast<void*>(token_of_row)})
     TDIST_CUDA_CHECK(cudaFree(p));
   return {check.ok(rows), check.summary(rows, c.extra_rows)};
 }
@@ -659,11 +720,19 @@ int main(int argc, char** argv) {
         {{"every group empty", 5, 128, 128, std::vector<int>(5, 0), 0, 130}},
     };
     if (small) fcases = {fcases[0], fcases[1]};
+    // The same cases with A's rows and scales gathered through a token index (row-major scales).
+    for (size_t i = 0, count = fcases.size(); i < count; ++i) {
+      Fp8Case g = fcases[i];
+      g.gather = true;
+      g.column_major_scales = false;
+      fcases.push_back(g);
+    }
     for (const tdist::GemmTile& tile : tdist::fp8_gemm_tiles()) {
       for (const Fp8Case& c : fcases) {
         char name[240];
-        std::snprintf(name, sizeof(name), "grouped e4m3 %s G=%d n=%d k=%d%s (%s)", tile.name().c_str(), c.groups.groups,
-                      c.groups.n, c.groups.k, c.column_major_scales ? " column-major scales" : "", c.groups.what);
+        std::snprintf(name, sizeof(name), "grouped e4m3%s %s G=%d n=%d k=%d%s (%s)", c.gather ? " gathered-A" : "",
+                      tile.name().c_str(), c.groups.groups, c.groups.n, c.groups.k,
+                      c.column_major_scales ? " column-major scales" : "", c.groups.what);
         seed = seed * 6364136223846793005ull + 1442695040888963407ull;
         if (!check(name, [&] { return run_fp8_case(grouped, tile, c, seed, stream); })) {
           std::printf("%d passed, %d failed\n", passed, failed);

@@ -116,6 +116,10 @@ std::string grouped_gemm_kernel_name(DType dtype, const GemmTile& tile, bool gat
 //   D         bf16 M_total x N (ldd >= N, a multiple of 8)
 // Value of A[r][c] = A[r][c] x a_scale(r, c / 128); of B_g[j][c] = B_g[j][c] x b_scales[g][j / 128][c / 128].
 // K is a multiple of 16 (not necessarily of 128).
+// Gathered A (a_gather, as GroupedGemmArgs's): row r of A is token t = token_of_row[r]'s e4m3 row
+// (from RowGather's local or gathered rows), its scales token t's: a_scales_local's row
+// t - local_begin for the local tokens, a_scales' row t for the others, both with the strides
+// above (so the scales travel with their rows); a padding row (t = -1) is zeros.
 struct GroupedGemmFp8Args {
   const void* a = nullptr;
   const float* a_scales = nullptr;
@@ -127,13 +131,15 @@ struct GroupedGemmFp8Args {
   IndexType offsets_type = IndexType::kInt32;
   int64_t m = 0, n = 0, k = 0;
   int num_groups = 0;
-  int64_t lda = 0, ldb = 0, ldd = 0;  // 0: dense (K, K, N)
+  int64_t lda = 0, ldb = 0, ldd = 0;                                // 0: dense (K, K, N)
+  std::optional<kernels::gemm::RowGather> a_gather = std::nullopt;  // A (and lda) then ignored
+  const float* a_scales_local = nullptr;  // with a_gather: the local tokens' scales (local_rows > 0)
 };
 
 // Checks the arguments and returns them with the leading dimensions and scale strides filled in.
 // Throws tdist::Error naming the argument: num_groups, m, n, k (> 0, multiple of 16), lda, ldb, ldd,
 // a_scales_row_stride / a_scales_kb_stride (>= 0), a, b, d (null, 16-byte alignment), a_scales,
-// b_scales (null, 4-byte alignment), offsets.
+// b_scales (null, 4-byte alignment), offsets; with a_gather its fields and a_scales_local.
 GroupedGemmFp8Args check_grouped_gemm_fp8_args(const GroupedGemmFp8Args& args);
 // The FP8 instances' tiles (block_k 128: one scale block per stage), the check of one, its shared
 // memory, the heuristic choice (as choose_gemm_tile), names and JIT requests (tdist-compile).
@@ -141,7 +147,7 @@ const std::vector<GemmTile>& fp8_gemm_tiles();
 void check_fp8_gemm_tile(const GemmTile& tile);
 size_t fp8_gemm_shared_bytes(const GemmTile& tile);
 GemmTile choose_fp8_gemm_tile(int64_t m, int64_t n, int num_sms);
-std::string grouped_gemm_fp8_kernel_name(const GemmTile& tile);
+std::string grouped_gemm_fp8_kernel_name(const GemmTile& tile, bool gathered_a = false);
 std::vector<jit::CompileRequest> grouped_gemm_fp8_compile_requests();
 
 class GroupedGemm {

@@ -110,7 +110,9 @@ class OverlapRuntime {
   template <typename Params>
   void hooked_gemm(const GemmArgs& args, const GemmTile& tile, const Params& params, int64_t first_row, int max_ctas,
                    cudaStream_t stream) {
-    const GemmRunOptions options{.first_row = first_row, .max_ctas = max_ctas};
+    GemmRunOptions options;
+    options.first_row = first_row;
+    options.max_ctas = max_ctas;
     static_assert(std::is_same_v<Params, kg::AllGatherWaitParams> || std::is_same_v<Params, kg::ChunkPublishParams>,
                   "the overlap runtime holds GEMMs with the AllGather-wait and chunk-publish hooks");
     if constexpr (std::is_same_v<Params, kg::AllGatherWaitParams>)

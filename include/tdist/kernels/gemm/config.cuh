@@ -56,8 +56,7 @@ TDIST_HOST_DEVICE constexpr unsigned gemm_smem_bytes_with(unsigned block_m, unsi
 TDIST_HOST_DEVICE constexpr unsigned gemm_epi_buffers_mixed(unsigned block_m, unsigned block_n, unsigned block_k,
                                                             unsigned stages, unsigned in_bytes, unsigned out_bytes,
                                                             unsigned stage_extra = 0) {
-  return gemm_smem_bytes_with(block_m, block_n, block_k, stages, in_bytes, out_bytes, 2, stage_extra) <=
-                 kMaxSmemBytes
+  return gemm_smem_bytes_with(block_m, block_n, block_k, stages, in_bytes, out_bytes, 2, stage_extra) <= kMaxSmemBytes
              ? 2
              : 1;
 }
@@ -85,8 +84,9 @@ TDIST_HOST_DEVICE constexpr unsigned fp8_scale_stage_bytes(unsigned block_m) { r
 
 // Its scales (layout at sm90_fp8_gemm.cuh). Device pointers; strides in elements.
 struct Fp8BlockScales {
-  const float* a = nullptr;
-  tdist::device::u64 a_row_stride = 0, a_kb_stride = 0;
+  const float* a = nullptr;        // gathered A: the scales of token t at row t (RowGather's `gathered`)
+  const float* a_local = nullptr;  // gathered A only: RowGather's `local` tokens' scales, from local_begin
+  tdist::device::u64 a_row_stride = 0, a_kb_stride = 0;  // both of a and a_local
   const float* b = nullptr;
   unsigned n_blocks = 0;  // NB = ceil(N / 128)
   unsigned k_blocks = 0;  // KB = ceil(K / 128)

@@ -18,9 +18,14 @@
 //   scales    warp 1 of the producer warpgroup copies each stage's scales into shared memory with
 //             4-byte cp.async (A's of the tile's rows, zeros past M, and the tile's B scale; BLOCK_N
 //             divides 128, so a tile's columns share one), arriving on the stage's full barrier
-//             (1 + 32 arrivals). Read from global memory by the consumers instead (prefetched a
-//             block ahead), they made the kernel 1.2x slower (H200, 8 groups of 4096 rows, N 4096,
-//             K 7168: 2.31 against 1.92 ms).
+//             (1 + 32 arrivals).
+//   gathered A (GatherGroupedScheduler, the MoE ops' token rows): the whole producer warpgroup
+//             copies A's rows through the index with cp.async (gather_a_producer, sm90_gemm.cuh;
+//             128-byte rows of e4m3 as of bf16), and thread i also row i's scales (its token's, from
+//             Fp8BlockScales::a_local or ::a as RowGather places the row; zeros for padding rows),
+//             thread 0 the B scale: one arrival per thread (1 + 128). Read from global memory by the consumers instead
+//             (prefetched a block ahead), they made the kernel 1.2x slower (H200, 8 groups of 4096 rows, N 4096, K
+//             7168: 2.31 against 1.92 ms).
 //   consumers per K block: wait for the stage, issue BLOCK_K / 32 wgmma m64nBLOCK_Nk32 into a block
 //             accumulator, read this thread's two rows' A scales and the B scale, wait for the wgmma
 //             (wait_group 0: the scales multiply a finished block), release the stage, and add block
@@ -63,6 +68,32 @@ TDIST_DEVICE void fp8_scale_producer(const Scheduler& tiles, const TmaPipeline<k
   ptx::cp_async_wait_all();  // no copy outlives its thread
 }
 
+// The scales of a gathered A's stage, copied by the gathering warpgroup beside its rows (layout of
+// fp8_scale_producer's stage): thread i < BLOCK_M row i's, thread 0 also the B scale.
+template <int BLOCK_M>
+struct Fp8GatheredScaleCopies {
+  const Fp8BlockScales& sc;
+  const RowGather& gather;
+  u32 smem_scales, m;
+  const float* row = nullptr;  // this thread's row's scales; null: a padding row, past M or BLOCK_M
+  const float* b = nullptr;    // thread 0: the tile's B scales
+
+  TDIST_DEVICE void begin_tile(const TileInfo& info, u32 tid) {
+    const u32 r = info.m0 + tid;
+    const int t = tid < BLOCK_M && r < m ? gather.token_of_row[r] : -1;
+    const u64 local = static_cast<u64>(t) - gather.local_begin;  // t >= 0 below
+    row = t < 0                       ? nullptr
+          : local < gather.local_rows ? sc.a_local + local * sc.a_row_stride
+                                      : sc.a + static_cast<u64>(t) * sc.a_row_stride;
+    if (tid == 0) b = sc.b + (static_cast<u64>(info.group) * sc.n_blocks + info.n0 / kFp8BlockK) * sc.k_blocks;
+  }
+  TDIST_DEVICE void copy(u32 kb, u32 stage, u32 tid) {
+    const u32 dst = smem_scales + stage * fp8_scale_stage_bytes(BLOCK_M);
+    if (tid < BLOCK_M) ptx::cp_async_4(dst + tid * 4, row != nullptr ? row + kb * sc.a_kb_stride : sc.b, row ? 4 : 0);
+    if (tid == 0) ptx::cp_async_4(dst + BLOCK_M * 4, b + kb, 4);
+  }
+};
+
 template <int BLOCK_M, int BLOCK_N, int kNumStages, typename Scheduler = TileScheduler>
 __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     sm90_fp8_gemm_tn(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
@@ -73,7 +104,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M: 64 or 128 (one consumer warpgroup per 64 rows)");
   static_assert(BLOCK_N % 16 == 0 && kFp8BlockK % BLOCK_N == 0, "BLOCK_N: a multiple of 16 dividing 128 (one B scale)");
   static_assert(kNumStages >= 2, "at least two stages");
-  static_assert(!SchedulerGathersA<Scheduler>::value, "A is loaded by TMA");
+  constexpr bool kGatherA = SchedulerGathersA<Scheduler>::value;
   static_assert(gemm_smem_bytes_mixed(BLOCK_M, BLOCK_N, BLOCK_K, kNumStages, 1, sizeof(Out),
                                       fp8_scale_stage_bytes(BLOCK_M)) <= kMaxSmemBytes,
                 "stages do not fit in shared memory");
@@ -107,7 +138,9 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     ptx::prefetch_tensor_map(&tmap_a);
     ptx::prefetch_tensor_map(&tmap_b);
     ptx::prefetch_tensor_map(&tmap_d);
-    pipe.init(kNumMathWarps, 1 + 32);  // one release per consumer warp; TMA and the scale warp's lanes
+    // One release per consumer warp; arrivals: the TMA thread and the scale warp's lanes, or the
+    // gathering warpgroup's threads.
+    pipe.init(kNumMathWarps, kGatherA ? 1 + kWarpgroupThreads : 1 + 32);
     ptx::fence_mbar_init();
   }
   __syncthreads();
@@ -117,7 +150,12 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
 
   if (warpgroup == 0) {
     if constexpr (Regs::kEnabled) ptx::setmaxnreg_dec<Regs::kProducer>();
-    if (threadIdx.x == 0) {
+    if constexpr (kGatherA) {
+      NoTileHooks hooks;
+      gather_a_producer<__nv_fp8_e4m3, BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(
+          tiles, hooks, pipe, tmap_b, smem_a, smem_b, kTileBBytes, num_k_blocks, m, n, k,
+          Fp8GatheredScaleCopies<BLOCK_M>{scales, tiles.gather, smem_scales, m});
+    } else if (threadIdx.x == 0) {
       NoTileHooks hooks;
       tma_producer<BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_a, tmap_b, smem_a, smem_b,
                                                           kTileABytes, kTileBBytes, num_k_blocks, m, n);
@@ -145,6 +183,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
       const u32 s = st.stage();
       pipe.consumer_wait(st);
+      // Gathered A was written by cp.async (generic proxy); wgmma reads through the async proxy.
+      if constexpr (kGatherA) ptx::fence_proxy_async_shared();
       const u32 a_tile = smem_a + s * kTileABytes + math_wg * (kWgmmaM * BLOCK_K);
       const u32 b_tile = smem_b + s * kTileBBytes;
 #pragma unroll

@@ -131,7 +131,14 @@ struct RegisterSplit {
 // for K past its end, then one cp.async arrive per thread on the stage's full barrier (count 129).
 // Hooks run on thread 0 before a tile's loads; the warpgroup meets after them (named barrier
 // kGatherBarrier) so that no thread loads before what they waited for.
+// `extra` adds a kernel's own copies to each stage, in the same arrival (the FP8 kernel's scales):
+//   begin_tile(info, thread)   once per tile, after the hooks
+//   copy(kb, stage, thread)    per K block, after the thread's A copies, before its arrival
 constexpr u32 kGatherBarrier = 15;  // consumers use 1 .. 1 + BLOCK_M / 64
+struct NoStageCopies {
+  TDIST_DEVICE void begin_tile(const TileInfo&, u32) {}
+  TDIST_DEVICE void copy(u32, u32, u32) {}
+};
 template <typename Hooks>
 struct IsNoTileHooks {
   static constexpr bool value = false;
@@ -140,12 +147,13 @@ template <>
 struct IsNoTileHooks<NoTileHooks> {
   static constexpr bool value = true;
 };
-template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, typename Scheduler, typename Hooks>
+template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, typename Scheduler, typename Hooks,
+          typename StageCopies = NoStageCopies>
 TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks, const TmaPipeline<kNumStages>& pipe,
                                     const CUtensorMap& tmap_b, u32 smem_a, u32 smem_b, u32 tile_b_bytes,
-                                    u32 num_k_blocks, u32 m, u32 n, u32 k) {
-  constexpr u32 kUnits = BLOCK_K * sizeof(T) / 16;                // 16-byte units per row: 8
-  constexpr u32 kRowStep = kWarpgroupThreads / kUnits;            // 16
+                                    u32 num_k_blocks, u32 m, u32 n, u32 k, StageCopies extra = {}) {
+  constexpr u32 kUnits = BLOCK_K * sizeof(T) / 16;                      // 16-byte units per row: 8
+  constexpr u32 kRowStep = kWarpgroupThreads / kUnits;                  // 16
   constexpr int kRowsPerThread = BLOCK_M / static_cast<int>(kRowStep);  // 8 (BLOCK_M 128) or 4
   constexpr u32 kTileABytes = BLOCK_M * BLOCK_K * sizeof(T);
   static_assert(kUnits == 8 && BLOCK_M % kRowStep == 0, "128-byte rows, 16 rows per pass of the warpgroup");
@@ -159,6 +167,7 @@ TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks, const 
       if (tid == 0) hooks.before_loads(info);
       ptx::named_barrier(kGatherBarrier, kWarpgroupThreads);
     }
+    extra.begin_tile(info, tid);
     // This thread's rows: their source addresses at this unit, null for padding rows.
     const char* src[kRowsPerThread];
 #pragma unroll
@@ -186,6 +195,7 @@ TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks, const 
         const bool load = src[j] != nullptr && k_inside;
         ptx::cp_async_16(dst, load ? src[j] + k_bytes : static_cast<const void*>(g.token_of_row), load ? 16 : 0);
       }
+      extra.copy(kb, s, tid);
       ptx::cp_async_mbar_arrive_noinc(full);
     }
   }
@@ -350,8 +360,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     // ---------------- producer ----------------
     if constexpr (Regs::kEnabled) ptx::setmaxnreg_dec<Regs::kProducer>();
     if constexpr (kGatherA) {
-      gather_a_producer<T, BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_b, smem_a, smem_b, kTileBBytes,
-                                                         num_k_blocks, m, n, k);
+      gather_a_producer<T, BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_b, smem_a, smem_b,
+                                                                  kTileBBytes, num_k_blocks, m, n, k);
     } else if (threadIdx.x == 0) {
       tma_producer<BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_a, tmap_b, smem_a, smem_b,
                                                           kTileABytes, kTileBBytes, num_k_blocks, m, n);
@@ -361,8 +371,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
 
   // ---------------- consumers ----------------
   if constexpr (Regs::kEnabled) ptx::setmaxnreg_inc<Regs::kConsumer>();
-  const u32 math_wg = warpgroup - 1;                        // rows [64 * math_wg, +64) of the tile
-  const u32 math_thread = threadIdx.x - kWarpgroupThreads;  // 0 .. kNumMathThreads
+  const u32 math_wg = warpgroup - 1;                               // rows [64 * math_wg, +64) of the tile
+  const u32 math_thread = threadIdx.x - kWarpgroupThreads;         // 0 .. kNumMathThreads
   const bool store_issuer = threadIdx.x % kWarpgroupThreads == 0;  // issues this warpgroup's D stores
   const u32 my_chunks = smem_d + math_wg * kEpiBuffers * kEpiChunkBytes;
   float acc[kAccum];

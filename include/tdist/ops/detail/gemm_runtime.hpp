@@ -220,13 +220,18 @@ GemmArgs grouped_operands(const GroupedArgs& a, DType dtype) {
 class Fp8GroupedRuntime {
  public:
   explicit Fp8GroupedRuntime(int num_sms) : num_sms_(num_sms) {}
+  // The TMA instance, or with checked_args.a_gather the gathering one.
   void launch(const GroupedGemmFp8Args& checked_args, const GemmTile& tile,
               const kernels::gemm::GroupedScheduler& sched, int max_ctas, cudaStream_t stream);
 
  private:
   int num_sms_;
-  GemmModules modules_;
+  GemmModules modules_, gather_modules_;
 };
+
+// The checks of a gathered A's index (GroupedGemmArgs / GroupedGemmFp8Args::a_gather) for rows of
+// `row_bytes`: errors name a_gather.token_of_row, .gathered, .local, .ld_bytes.
+void check_row_gather(const kernels::gemm::RowGather& gather, int64_t row_bytes);
 
 template <typename Params>
 using HookedGemm = GemmRuntime<kernels::gemm::TileScheduler, Params>;
