@@ -19,11 +19,14 @@
 // Every rank draws the same ids and weights (a shared seed) and can redraw every rank's shards.
 //
 //   build/tools/tdistrun -n 2 -- build/tests/gpu_test_moe [--small]
-// --small (what compute-sanitizer runs): three shapes in bf16, every method, the routing alone at one
-// size, the bad-id route; nothing else.
+//   * FP8 (e4m3 tokens and weights with block scales): the AllGather op's every method against
+//     float64 of the dequantised operands; its argument errors.
+// --small (what compute-sanitizer runs): three shapes in bf16, every method, one FP8 shape, the
+// routing alone at one size, the bad-id route; nothing else.
 // Prints "rank R: N passed, M failed" last.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cmath>
@@ -328,6 +331,103 @@ struct Case {
 
 using test::expect_error;
 
+// ---- FP8 AllGather + grouped GEMM ----
+
+// An e4m3 matrix with DeepSeek-V3's scales, quantised on the host as tdist.moe.quantize_fp8_* do:
+// per block of `row_block` rows (1: per row) and 128 columns, scale = amax / 448 (1 for a zero
+// block), q = e4m3(v / scale); value(r, c) = q * scale.
+struct Fp8Matrix {
+  int64_t rows = 0, cols = 0, row_block = 1, kb = 0;
+  std::vector<__nv_fp8_e4m3> q;
+  std::vector<float> scales;  // [ceil(rows / row_block)][kb]
+  double value(int64_t r, int64_t c) const {
+    return static_cast<double>(static_cast<float>(q[r * cols + c])) * scales[(r / row_block) * kb + c / 128];
+  }
+};
+
+Fp8Matrix quantize_fp8(const std::vector<float>& v, int64_t rows, int64_t cols, int64_t row_block) {
+  Fp8Matrix m{rows, cols, row_block, (cols + 127) / 128, std::vector<__nv_fp8_e4m3>(rows * cols), {}};
+  const int64_t rb = (rows + row_block - 1) / row_block;
+  m.scales.assign(rb * m.kb, 1.0f);
+  for (int64_t b = 0; b < rb; ++b)
+    for (int64_t kb = 0; kb < m.kb; ++kb) {
+      float amax = 0;
+      for (int64_t r = b * row_block; r < std::min(rows, (b + 1) * row_block); ++r)
+        for (int64_t c = kb * 128; c < std::min(cols, (kb + 1) * 128); ++c)
+          amax = std::max(amax, std::fabs(v[r * cols + c]));
+      const float scale = amax > 0 ? amax / 448.0f : 1.0f;
+      m.scales[b * m.kb + kb] = scale;
+      for (int64_t r = b * row_block; r < std::min(rows, (b + 1) * row_block); ++r)
+        for (int64_t c = kb * 128; c < std::min(cols, (kb + 1) * 128); ++c)
+          m.q[r * cols + c] = __nv_fp8_e4m3(v[r * cols + c] / scale);
+    }
+  return m;
+}
+
+// One FP8 call of `up` (config.dtype kFloat8E4M3) with `method`: every real row of d against float64
+// of the dequantised token row times the dequantised expert weights, padding rows exactly 0, d
+// poisoned (NaN) first. Tokens and ids are shared; the weights are this rank's.
+void run_fp8_up_case(World& world, MoeAgGroupGemm& up, const Shape& s, OverlapMethod method, uint64_t seed,
+                     cudaStream_t stream) {
+  const int rank = world.rank(), size = world.world_size();
+  const RowChunks split{static_cast<uint64_t>(s.m), size};
+  std::vector<int> ids;
+  std::vector<float> unused;
+  draw_routing(s, seed, ids, unused);
+  std::vector<float> x(s.m * s.hidden), w(s.experts * s.inter * s.hidden);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = input_value(seed ^ 0x51, 0, i) * (1 + static_cast<float>(i % 7));
+  for (size_t i = 0; i < w.size(); ++i) w[i] = input_value(seed ^ 0x52, rank, i) * 0.25f;
+  const Fp8Matrix xq = quantize_fp8(x, s.m, s.hidden, 1);
+  std::vector<Fp8Matrix> wq;  // per expert: 128 x 128 blocks
+  std::vector<__nv_fp8_e4m3> w_all;
+  std::vector<float> ws_all;
+  for (int e = 0; e < s.experts; ++e) {
+    wq.push_back(
+        quantize_fp8(std::vector<float>(w.begin() + e * s.inter * s.hidden, w.begin() + (e + 1) * s.inter * s.hidden),
+                     s.inter, s.hidden, 128));
+    w_all.insert(w_all.end(), wq.back().q.begin(), wq.back().q.end());
+    ws_all.insert(ws_all.end(), wq.back().scales.begin(), wq.back().scales.end());
+  }
+  const int64_t begin = static_cast<int64_t>(split.begin(rank)), rows = static_cast<int64_t>(split.rows(rank));
+  const std::vector<__nv_fp8_e4m3> x_local(xq.q.begin() + begin * s.hidden, xq.q.begin() + (begin + rows) * s.hidden);
+  const std::vector<float> xs_local(xq.scales.begin() + begin * xq.kb, xq.scales.begin() + (begin + rows) * xq.kb);
+  const int64_t capacity = moe_capacity(s.m, s.topk, s.experts);
+  DeviceBuffer d_ids = upload(ids), d_x = upload(x_local), d_xs = upload(xs_local), d_w = upload(w_all),
+               d_ws = upload(ws_all), d_out(std::max<int64_t>(capacity, 1) * s.inter * 2);
+  test::fill_device(d_out.get(), 0xFF, std::max<int64_t>(capacity, 1) * s.inter * 2);  // NaN
+  world.barrier("moe fp8 inputs");
+  up.run({.a_local = d_x.get(),
+          .topk_ids = d_ids.get<int>(),
+          .b = d_w.get(),
+          .d = d_out.get(),
+          .m = s.m,
+          .n = s.inter,
+          .a_local_scales = d_xs.get<float>(),
+          .b_scales = d_ws.get<float>()},
+         stream, method);
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const MoeRoutingHost ref = moe_routing_reference(ids, s.m, s.topk, s.experts, size, rank);
+  check_same_routing(up.routing(), ref, "FP8 routing");
+  const auto out = download<__nv_bfloat16>(d_out.get(), ref.offsets[s.experts] * s.inter);
+  double max_err = 0, max_ref = 0;
+  for (int e = 0; e < s.experts; ++e)
+    for (int64_t row = ref.offsets[e]; row < ref.offsets[e + 1]; ++row) {
+      const int t = ref.token_of_row[row];
+      for (int64_t j = 0; j < s.inter; ++j) {
+        const double got = static_cast<double>(__bfloat162float(out[row * s.inter + j]));
+        if (t < 0) {
+          if (got != 0.0) TDIST_FAIL("FP8: padding row ", row, " column ", j, " holds ", got);
+          continue;
+        }
+        double want = 0;
+        for (int64_t c = 0; c < s.hidden; ++c) want += xq.value(t, c) * wq[e].value(j, c);
+        max_ref = std::max(max_ref, std::fabs(want));
+        max_err = std::max(max_err, std::isfinite(got) ? std::fabs(got - want) : 1e30);
+      }
+    }
+  expect_close(max_err, max_ref, "FP8 AllGather + grouped GEMM");
+}
+
 // The ops of one dtype for every shape of the test (contexts sized for the largest).
 struct Ops {
   MoeAgGroupGemm up;
@@ -484,6 +584,52 @@ int main(int argc, char** argv) {
         TDIST_CUDA_CHECK(cudaGraphDestroy(graph));
       });
     test::sync_all(world, "moe graph");
+  }
+
+  // FP8 (e4m3 tokens and weights with block scales, bf16 out): every method of the AllGather op, K
+  // not a multiple of 128, N not of 128, fewer tokens than ranks; its argument errors.
+  {
+    const std::vector<Shape> fp8_shapes = {{301, 400, 136, 6, 2, Routing::kRandom},
+                                           {1000, 256, 200, 16, 4, Routing::kSkewed},
+                                           {1, 128, 40, 4, 2, Routing::kRandom}};
+    for (const Shape& s0 : small ? std::vector<Shape>{fp8_shapes[0]} : fp8_shapes) {
+      MoeAgGroupGemm up(
+          world, heap,
+          {.max_m = s0.m, .k = s0.hidden, .experts = s0.experts, .topk = s0.topk, .dtype = DType::kFloat8E4M3});
+      for (OverlapMethod method : {OverlapMethod::kAuto, OverlapMethod::kChunked, OverlapMethod::kBaseline}) {
+        suite.run(detail::concat("moe e4m3 up ", to_string(method), " m ", s0.m, " hidden ", s0.hidden, " inter ",
+                                 s0.inter, " experts ", s0.experts, " top-", s0.topk, " ", name_of(s0.routing)),
+                  [&] { run_fp8_up_case(world, up, s0, method, ++case_seed, stream); });
+        test::sync_all(world, "moe fp8 case");
+      }
+    }
+    MoeAgGroupGemm up(world, heap, {.max_m = 64, .k = 128, .experts = 4, .topk = 2, .dtype = DType::kFloat8E4M3});
+    suite.run("moe e4m3 argument errors name the argument", [&] {
+      const Shape s{64, 128, 40, 4, 2, Routing::kRandom};
+      DeviceBuffer buf(size_t{1} << 20);
+      MoeAgGroupGemmArgs a{.a_local = buf.get(),
+                           .topk_ids = buf.get<int>(),
+                           .b = buf.get(),
+                           .d = buf.get(),
+                           .m = s.m,
+                           .n = s.inter,
+                           .a_local_scales = buf.get<float>(),
+                           .b_scales = buf.get<float>()};
+      expect_error("method", [&] { up.run(a, stream, OverlapMethod::kFused); });  // no fused FP8 instance
+      a.b_scales = nullptr;
+      expect_error("b_scales", [&] { up.run(a, stream); });
+      a.b_scales = buf.get<float>();
+      a.a_local_scales = reinterpret_cast<const float*>(static_cast<char*>(buf.get()) + 2);
+      expect_error("a_local_scales", [&] { up.run(a, stream); });
+      expect_error("config.k", [&] {
+        MoeAgGroupGemm bad(world, heap, {.max_m = 16, .k = 72, .experts = 4, .topk = 1, .dtype = DType::kFloat8E4M3});
+      });
+      expect_error("dtype", [&] {
+        MoeGroupGemmRs bad(world, heap,
+                           {.max_m = 16, .max_n = 64, .experts = 4, .topk = 1, .dtype = DType::kFloat8E4M3});
+      });
+    });
+    test::sync_all(world, "moe fp8 errors");
   }
 
   // The routing alone past the op cases' sizes (many segments; segments grown past kMaxRouteSegments

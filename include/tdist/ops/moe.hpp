@@ -120,6 +120,8 @@ struct MoeConfig {
   int64_t max_n = 0;  // MoeGroupGemmRs: the largest N (the hidden size of its output)
   int experts = 0;
   int topk = 0;
+  // bf16 or fp16 (inputs and outputs); MoeAgGroupGemm also takes kFloat8E4M3: e4m3 tokens and
+  // weights with DeepSeek-V3's block scales (the FP8 grouped GEMM's, ops/grouped_gemm.hpp), bf16 out.
   DType dtype = DType::kBFloat16;
 };
 
@@ -131,15 +133,19 @@ struct MoeAgGroupGemmArgs {
   const void* a_local = nullptr;  // T[rows(rank)][k]: this rank's tokens
   const int* topk_ids = nullptr;  // int32[m][topk], device: every token's experts
   const void* b = nullptr;        // T[experts][n][k]: this rank's shard of every expert
-  void* d = nullptr;              // T[moe_capacity(m)][n]: expert order (routing().token_of_row)
+  void* d = nullptr;              // T[moe_capacity(m)][n]: expert order (routing().token_of_row); bf16 for FP8
   int64_t m = 0, n = 0;
+  // FP8 (config.dtype kFloat8E4M3) only, KB = ceil(k / 128), NB = ceil(n / 128):
+  const float* a_local_scales = nullptr;  // f32[rows(rank)][KB] row-major: a token's scale per 128 columns
+  const float* b_scales = nullptr;        // f32[experts][NB][KB]: one per 128 x 128 block of each expert's b
 };
 
 // AllGather + grouped GEMM. Methods: chunked (copy-engine puts with one flag per source chunk; the
 // tiles whose rows are all this rank's run first, then each chunk's tiles once its flag is up, a
 // launch per chunk), fused (the same puts; one grouped GEMM launch whose producer waits before each
 // tile for the chunks of its rows' sources), baseline (NCCL AllGather, then the grouped GEMM), auto
-// (the fastest of them timed at a shape class's first call; else choose_moe_method).
+// (the fastest of them timed at a shape class's first call; else choose_moe_method). FP8 moves each
+// token's e4m3 row and its scales and runs the FP8 grouped GEMM; it has no fused method yet.
 class MoeAgGroupGemm {
  public:
   MoeAgGroupGemm(World& world, SymmetricHeap& heap, const MoeConfig& config);

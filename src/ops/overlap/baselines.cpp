@@ -24,16 +24,17 @@ void by_rows(const kernels::gemm::RowChunks& rows, Even even, PerRoot per_root) 
 
 void nccl_all_gather_rows(const void* local, void* gathered, const kernels::gemm::RowChunks& rows, size_t row_elems,
                           DType dtype, World& world, cudaStream_t stream) {
-  const ncclDataType_t t = detail::nccl_type(dtype);
+  // An AllGather moves bytes: counted as such, any element type goes (e4m3 rows, which NCCL has no
+  // reduction type for, too).
   const int rank = world.rank();
   ncclComm_t comm = world.comm();
   auto* out = static_cast<char*>(gathered);
   const size_t row_bytes = row_elems * dtype_size(dtype);
   by_rows(
-      rows, [&] { return ncclAllGather(local, gathered, rows.rows(rank) * row_elems, t, comm, stream); },
+      rows, [&] { return ncclAllGather(local, gathered, rows.rows(rank) * row_bytes, ncclUint8, comm, stream); },
       [&](int r) {
-        return ncclBroadcast(r == rank ? local : nullptr, out + rows.begin(r) * row_bytes, rows.rows(r) * row_elems, t,
-                             r, comm, stream);
+        return ncclBroadcast(r == rank ? local : nullptr, out + rows.begin(r) * row_bytes, rows.rows(r) * row_bytes,
+                             ncclUint8, r, comm, stream);
       });
   world.watch_nccl(stream, "AllGather of rows");
 }

@@ -47,7 +47,10 @@ namespace km = kernels::moe;
 namespace {
 
 void check_moe_config(const MoeConfig& c, bool by_k, int world_size) {
-  check_overlap_dtype(c.dtype);
+  if (by_k && c.dtype == DType::kFloat8E4M3)  // the AllGather op's FP8 instance
+    TDIST_CHECK_ARG(c.k % 16 == 0, "config.k", "FP8 needs k a multiple of 16 (16-byte e4m3 rows), got ", c.k);
+  else
+    check_overlap_dtype(c.dtype);
   TDIST_CHECK_ARG(c.max_m > 0 && c.max_m < (int64_t{1} << 31), "config.max_m", "expected 0 < max_m < 2^31, got ",
                   c.max_m);
   if (by_k)
@@ -60,18 +63,33 @@ void check_moe_config(const MoeConfig& c, bool by_k, int world_size) {
 }
 
 // The grouped GEMM's tile: the routing's tiles are kMoeTile rows, so BLOCK_M is 128.
-GemmTile moe_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
+GemmTile moe_tile(int64_t m, int64_t n, int64_t k, DType dtype, int num_sms) {
+  if (dtype == DType::kFloat8E4M3) {
+    const GemmTile t = choose_fp8_gemm_tile(m, n, num_sms);
+    return t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 128, 6, 1};
+  }
   const GemmTile t = choose_gemm_tile(m, n, k, num_sms);
   return t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 64, 6, 1};
+}
+
+// FP8 tokens carry one f32 scale per 128 columns.
+int64_t moe_scale_blocks(const MoeConfig& c) { return (c.k + 127) / 128; }
+size_t moe_token_scale_bytes(const MoeConfig& c) {
+  return c.dtype == DType::kFloat8E4M3 ? static_cast<size_t>(moe_scale_blocks(c)) * sizeof(float) : 0;
 }
 
 // AllGather + grouped GEMM's symmetric buffers.
 struct MoeAgLayout {
   SymmetricLayout layout;
   SymmetricLayout::Region<char> gathered;  // T[max_m][k]: rank r's tokens at RowChunks{m, world}.begin(r)
-  SymmetricLayout::Region<u64> flags;      // u64[world]: flags[r] = 1 once rank r's tokens have landed
+  SymmetricLayout::Region<char> scales;    // FP8: f32[max_m][KB], the tokens' scales as `gathered` (else
+                                           // 16 unused bytes)
+  SymmetricLayout::Region<u64> flags;      // u64[world]: flags[r] = 1 once rank r's tokens (and scales)
+                                           // have landed
   MoeAgLayout(const MoeConfig& c, int world_size)
       : gathered(layout.add<char>(static_cast<size_t>(c.max_m) * c.k * dtype_size(c.dtype), "moe gathered tokens")),
+        scales(layout.add<char>(std::max<size_t>(static_cast<size_t>(c.max_m) * moe_token_scale_bytes(c), 16),
+                                "moe gathered token scales")),
         flags(layout.add<u64>(static_cast<size_t>(world_size), "moe gather flags")) {}
 };
 
@@ -177,25 +195,32 @@ struct MoeAgGroupGemm::Impl {
   OverlapRuntime rt;
   SymmetricBlock block;
   char* gathered = nullptr;
+  float* gathered_scales = nullptr;  // FP8
   u64* flags = nullptr;
   MoeRouter router;
   GroupedGemm gemm;
   MoeFusedGemm fused_gemm;
-  DeviceBuffer plain;  // T[max_m][k]: the baseline's NCCL AllGather output
+  DeviceBuffer plain;         // T[max_m][k]: the baseline's NCCL AllGather output
+  DeviceBuffer plain_scales;  // FP8: f32[max_m][KB], the same for the tokens' scales
 
   Impl(World& world, SymmetricHeap& heap, const MoeConfig& c)
       : config((check_moe_config(c, true, world.world_size()), c)),
         layout(c, world.world_size()),
-        rt(world, heap, c.dtype, 1, /*with_addend=*/false, kOwner),
+        // FP8's runtime serves its bf16 output (its own kernels take bf16 or fp16).
+        rt(world, heap, c.dtype == DType::kFloat8E4M3 ? DType::kBFloat16 : c.dtype, 1, /*with_addend=*/false, kOwner),
         block(heap, layout.layout, kOwner),
         gathered(block[layout.gathered]),
+        gathered_scales(reinterpret_cast<float*>(block[layout.scales])),
         flags(block[layout.flags]),
         router(c.max_m, c.topk, c.experts, world.world_size(), world.rank()),
         fused_gemm(rt.num_sms()),
-        plain(layout.gathered.bytes()) {}
+        plain(layout.gathered.bytes()),
+        plain_scales(layout.scales.bytes()) {}
   ~Impl() { cudaDeviceSynchronize(); }
 
+  bool fp8() const { return config.dtype == DType::kFloat8E4M3; }
   size_t row_bytes() const { return static_cast<size_t>(config.k) * dtype_size(config.dtype); }
+  size_t scale_row_bytes() const { return moe_token_scale_bytes(config); }
 
   void check(const MoeAgGroupGemmArgs& a) const {
     TDIST_CHECK_ARG(a.m >= 0 && a.m <= config.max_m, "m", "expected 0 <= m <= max_m (", config.max_m, "), got ", a.m);
@@ -209,11 +234,21 @@ struct MoeAgGroupGemm::Impl {
                     static_cast<const void*>(a.topk_ids));
     check_operand(a.b, "b", true);
     check_operand(a.d, "d", true);
+    if (!fp8()) return;
+    TDIST_CHECK_ARG(
+        rows == 0 || (a.a_local_scales != nullptr && reinterpret_cast<uintptr_t>(a.a_local_scales) % 4 == 0),
+        "a_local_scales", "FP8 needs a 4-byte aligned device pointer to f32 [rows][ceil(k / 128)], got ",
+        static_cast<const void*>(a.a_local_scales));
+    TDIST_CHECK_ARG(a.b_scales != nullptr && reinterpret_cast<uintptr_t>(a.b_scales) % 4 == 0, "b_scales",
+                    "FP8 needs a 4-byte aligned device pointer to f32 [experts][ceil(n / 128)][ceil(k / 128)], got ",
+                    static_cast<const void*>(a.b_scales));
   }
 
   OverlapMethod method(const MoeAgGroupGemmArgs& a, OverlapMethod requested) const {
     check(a);
-    return resolve_moe_method(requested, a.m, rt.size(), "MoE AllGather + grouped GEMM", /*fused_ok=*/true);
+    return resolve_moe_method(requested, a.m, rt.size(),
+                              fp8() ? "MoE AllGather + grouped GEMM in FP8" : "MoE AllGather + grouped GEMM",
+                              /*fused_ok=*/!fp8());
   }
 
   // The grouped GEMM over the expert-ordered rows, read from the tokens through the routing's index
@@ -231,10 +266,33 @@ struct MoeAgGroupGemm::Impl {
                            .a_gather = gather};
   }
 
+  // The grouped GEMM of the rows `g` gathers (FP8: their scales from `scales`, this rank's from
+  // `local_scales`) over the tiles `options` lists.
+  void run_gemm(const MoeAgGroupGemmArgs& a, const MoeRouting& r, const kg::RowGather& g, const float* scales,
+                const float* local_scales, const GroupedGemmRunOptions& options, cudaStream_t stream) {
+    if (!fp8()) {
+      gemm.run(gemm_args(a, r, g), stream, options);
+      return;
+    }
+    gemm.run(GroupedGemmFp8Args{.a_scales = scales,
+                                .b = a.b,
+                                .b_scales = a.b_scales,
+                                .d = a.d,
+                                .offsets = r.offsets,
+                                .offsets_type = IndexType::kInt32,
+                                .m = r.capacity,
+                                .n = a.n,
+                                .k = config.k,
+                                .num_groups = config.experts,
+                                .a_gather = g,
+                                .a_scales_local = local_scales},
+             stream, options);
+  }
+
   void run(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
     execute(a, stream,
             moe_call_method(rt, "moe_ag_group_gemm", requested, method(a, requested), a.m, a.n, config.k, config,
-                            /*fused_ok=*/true, stream, [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); }));
+                            /*fused_ok=*/!fp8(), stream, [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); }));
   }
 
   void execute(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod method) {
@@ -246,27 +304,40 @@ struct MoeAgGroupGemm::Impl {
       router.route(a.topk_ids, a.m, stream);  // the routing of these (no) tokens, for the second projection
       return;
     }
-    const GemmTile tile = moe_tile(moe_capacity(a.m, config.topk, config.experts), a.n, config.k, rt.num_sms());
+    const GemmTile tile =
+        moe_tile(moe_capacity(a.m, config.topk, config.experts), a.n, config.k, config.dtype, rt.num_sms());
     kg::RowGather g;
     g.ld_bytes = row_bytes();
 
     if (method == OverlapMethod::kBaseline) {
       // One rank: the GEMM reads a_local itself (every token is local), no copy through NCCL.
-      if (world > 1) nccl_all_gather_rows(a.a_local, plain.get(), rows, config.k, config.dtype, rt.world(), stream);
+      if (world > 1) {
+        nccl_all_gather_rows(a.a_local, plain.get(), rows, config.k, config.dtype, rt.world(), stream);
+        if (fp8())
+          nccl_all_gather_rows(a.a_local_scales, plain_scales.get(), rows, moe_scale_blocks(config), DType::kFloat32,
+                               rt.world(), stream);
+      }
       const MoeRouting& r = router.route(a.topk_ids, a.m, stream);
       g.token_of_row = r.token_of_row;
       g.gathered = world > 1 ? plain.get() : a.a_local;
-      gemm.run(gemm_args(a, r, g), stream, GroupedGemmRunOptions{.tile = tile});
+      run_gemm(a, r, g, world > 1 ? static_cast<const float*>(plain_scales.get()) : a.a_local_scales, nullptr,
+               GroupedGemmRunOptions{.tile = tile}, stream);
       return;
     }
 
-    // Chunked and fused.
+    // Chunked and fused. FP8: each token's scales go first, its rows with the flag after them.
     const size_t local_bytes = rows.rows(rank) * row_bytes();
     char* local = gathered + rows.begin(rank) * row_bytes();
+    float* local_scales = gathered_scales + rows.begin(rank) * moe_scale_blocks(config);
     rt.begin_call({{flags, layout.flags.bytes()}}, stream);
     rt.side().fork(stream);
-    for (int i = 1; i < world; ++i)
-      put_signal_async(rt.heap(), local, a.a_local, local_bytes, flags + rank, 1, (rank + i) % world, rt.side().get());
+    for (int i = 1; i < world; ++i) {
+      const int peer = (rank + i) % world;
+      if (fp8() && local_bytes > 0)
+        put_async(rt.heap(), local_scales, a.a_local_scales, rows.rows(rank) * scale_row_bytes(), peer,
+                  rt.side().get());
+      put_signal_async(rt.heap(), local, a.a_local, local_bytes, flags + rank, 1, peer, rt.side().get());
+    }
     const MoeRouting& r = router.route(a.topk_ids, a.m, stream);
     g.token_of_row = r.token_of_row;
     g.gathered = gathered;
@@ -274,6 +345,7 @@ struct MoeAgGroupGemm::Impl {
     g.local_begin = rows.begin(rank);
     g.local_rows = rows.rows(rank);
     if (method == OverlapMethod::kFused) {
+      TDIST_CHECK(!fp8(), "the fused MoE AllGather has no FP8 instance");  // resolve_moe_method refuses it
       // Every list in one launch, list 0 (no wait) first; GroupedGemm::run's steps with the hooks.
       const GroupedGemmArgs args = check_grouped_gemm_args(gemm_args(a, r, g));
       const GroupedGemmRunOptions order{.tile = tile,
@@ -290,10 +362,11 @@ struct MoeAgGroupGemm::Impl {
     for (int j = 0; j < world; ++j) {
       const int source = (rank + j) % world;
       if (j > 0) rt.wait_flags(flags, source, 1, -1, stream);
-      gemm.run(gemm_args(a, r, g), stream,
+      run_gemm(a, r, g, gathered_scales, a.a_local_scales,
                GroupedGemmRunOptions{.tile = tile,
                                      .m_tile_order = r.ag_order + static_cast<size_t>(j) * r.max_tiles,
-                                     .m_tile_count = r.ag_count + j});
+                                     .m_tile_count = r.ag_count + j},
+               stream);
     }
     rt.side().join(stream);
   }
@@ -415,7 +488,7 @@ struct MoeGroupGemmRs::Impl {
     const int rank = rt.rank(), world = rt.size();
     const MoeRouting& r = *a.routing;
     const kg::RowChunks rows{static_cast<u64>(a.m), world};
-    const GemmTile tile = moe_tile(r.capacity, a.n, a.k, rt.num_sms());
+    const GemmTile tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms());
 
     if (method == OverlapMethod::kBaseline) {
       gemm.run(gemm_args(a), stream, GroupedGemmRunOptions{.tile = tile});
@@ -459,7 +532,8 @@ struct MoeGroupGemmRs::Impl {
     TDIST_NVTX_RANGE("tdist::MoeGroupGemmRs::run_all_reduce", "m=", a.m, " n=", a.n, " k=", a.k);
     if (a.m == 0 || a.n == 0) return;
     const MoeRouting& r = *a.routing;
-    gemm.run(gemm_args(a), stream, GroupedGemmRunOptions{.tile = moe_tile(r.capacity, a.n, a.k, rt.num_sms())});
+    gemm.run(gemm_args(a), stream,
+             GroupedGemmRunOptions{.tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms())});
     if (rt.size() == 1) {
       kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
       return;
