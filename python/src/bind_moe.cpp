@@ -109,8 +109,9 @@ class MoeAg : public MoeContext<tdist::MoeAgGroupGemm> {
 
   // Runs with `method` as asked (auto: the op's own choice, timed where the op times it); returns
   // what auto resolves to without timing, or the method asked for (run false: only that).
+  // FP8 (a context of dtype e4m3): a_local_scales and b_scales too, d bf16.
   std::string run(uint64_t a_local, uint64_t topk_ids, uint64_t b, uint64_t d, int64_t m, int64_t n, uint64_t stream,
-                  const std::string& method, bool run) {
+                  const std::string& method, bool run, uint64_t a_local_scales, uint64_t b_scales) {
     tdist::MoeAgGroupGemmArgs a;
     a.a_local = ptr<const void>(a_local);
     a.topk_ids = ptr<const int>(topk_ids);
@@ -118,6 +119,8 @@ class MoeAg : public MoeContext<tdist::MoeAgGroupGemm> {
     a.d = ptr<void>(d);
     a.m = m;
     a.n = n;
+    a.a_local_scales = ptr<const float>(a_local_scales);
+    a.b_scales = ptr<const float>(b_scales);
     const tdist::OverlapMethod requested = tdist::parse_overlap_method(method, "method");
     nb::gil_scoped_release release;
     tdist_python::ScopedDevice scope(device_);
@@ -280,7 +283,7 @@ void bind_moe(nb::module_& m) {
       .def(nb::init<nb::handle, int64_t, int64_t, int, int, const std::string&>(), "runtime"_a, "max_m"_a, "k"_a,
            "experts"_a, "topk"_a, "dtype"_a)
       .def("run", &MoeAg::run, "a_local"_a, "topk_ids"_a, "b"_a, "d"_a, "m"_a, "n"_a, "stream"_a, "method"_a,
-           "run"_a = true)
+           "run"_a = true, "a_local_scales"_a = 0, "b_scales"_a = 0)
       .def("check_errors", &MoeAg::check_errors)
       .def("close", &MoeAg::close)
       .def_prop_ro("closed", &MoeAg::closed)

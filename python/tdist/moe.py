@@ -8,6 +8,9 @@ the grouped GEMM.
     y_rows = tdist.moe_group_gemm_rs(h, w2, topk_ids, topk_weights)     # grouped GEMM + top-k reduce + RS
     y_all = tdist.moe_group_gemm_ar(h, w2, topk_ids, topk_weights)      # ... + AllReduce (decode)
 
+    # FP8 first projection: e4m3 tokens and weights with their block scales, bf16 out
+    h13 = tdist.moe_ag_group_gemm_fp8(*quantize_fp8_rows(x_rows), topk_ids, *quantize_fp8_blocks(w13))
+
 Shapes (M tokens over all ranks, rows(r) = M // W + (r < M % W) of them on rank r, after rank r's
 predecessors'; E experts; T = bf16 or fp16):
 
@@ -71,6 +74,7 @@ from ._tensors import tensor_shape as _shape
 
 _DTYPES = {"bfloat16": "bf16", "float16": "f16"}
 AG_METHODS = ("auto", "fused", "chunked", "baseline")  # moe_ag_group_gemm
+AG_FP8_METHODS = ("auto", "chunked", "baseline")  # moe_ag_group_gemm_fp8 (no fused FP8 instance)
 RS_METHODS = ("auto", "chunked", "baseline")  # moe_group_gemm_rs (no fused method)
 _contexts = {}  # (kind, dtype, experts, topk, k) -> C++ context of the live runtime
 
@@ -302,6 +306,27 @@ def check_grouped_gemm_fp8_args(a, a_scales, w, w_scales, offsets) -> dict:
     return dict(m=m, n=n, k=k, groups=groups, offsets_dtype=torch_dtype_name(offsets.dtype))
 
 
+def check_ag_fp8_args(x_rows, x_scales, topk_ids, w, w_scales, method="auto", world_size=1, rank=0) -> dict:
+    """Shapes, dtypes and devices of a moe_ag_group_gemm_fp8 call; raises tdist.Error naming the argument."""
+    op = "moe_ag_group_gemm_fp8"
+    _check_method(op, method, AG_FP8_METHODS)
+    _check_tensor(op, "w", w, (_FP8,), (None, None, None), None)
+    experts, n, k = _shape(w)
+    if k % 16 != 0 or k == 0:
+        _fail(op, "w", "K (its last dimension) a positive multiple of 16", k)
+    if n % 8 != 0:
+        _fail(op, "w", "N (its second dimension) a multiple of 8", n)
+    kb, nb = -(-k // _SCALE_BLOCK), -(-n // _SCALE_BLOCK)
+    _check_tensor(op, "w_scales", w_scales, ("float32",), (experts, nb, kb), w.device)
+    _check_tensor(op, "topk_ids", topk_ids, ("int32", "int64"), (None, None), w.device)
+    m, topk = _shape(topk_ids)
+    _C.moe_check_routing(m, topk, experts, world_size, rank)
+    rows = rows_of(m, world_size, rank)[1]
+    _check_tensor(op, "x_rows", x_rows, (_FP8,), (rows, k), w.device)
+    _check_tensor(op, "x_scales", x_scales, ("float32",), (rows, kb), w.device)  # row-major: it travels as bytes
+    return dict(m=m, n=n, k=k, experts=experts, topk=topk, dtype="e4m3")
+
+
 def _grouped_gemm_fp8(a, a_scales, w, w_scales, offsets):
     torch = torch_module()
     s = check_grouped_gemm_fp8_args(a, a_scales, w, w_scales, offsets)
@@ -398,6 +423,22 @@ def _ag(x_rows, topk_ids, w, method):
     return d
 
 
+def _ag_fp8(x_rows, x_scales, topk_ids, w, w_scales, method):
+    from ._runtime import runtime
+
+    torch = torch_module()
+    rt = runtime("moe_ag_group_gemm_fp8")
+    s = check_ag_fp8_args(x_rows, x_scales, topk_ids, w, w_scales, method, rt.world_size, rt.rank)
+    d = torch.empty((capacity(s["m"], s["topk"], s["experts"]), s["n"]), dtype=torch.bfloat16, device=w.device)
+    if s["m"] == 0 or s["n"] == 0:
+        return d
+    ids = _ids32(topk_ids)
+    ctx = _context("ag", s, rt)
+    ctx.run(x_rows.data_ptr(), ids.data_ptr(), w.data_ptr(), d.data_ptr(), s["m"], s["n"],
+            raw_stream(w.device.index), method, True, x_scales.data_ptr(), w_scales.data_ptr())
+    return d
+
+
 def _rs(h, w, topk_ids, topk_weights, method, all_reduce):
     from ._runtime import runtime
 
@@ -428,6 +469,17 @@ def _register(torch):
         s = check_ag_args(x_rows, topk_ids, w, method, rt.world_size, rt.rank)
         return w.new_empty((capacity(s["m"], s["topk"], s["experts"]), s["n"]))
 
+    def ag_fp8(x_rows: Tensor, x_scales: Tensor, topk_ids: Tensor, w: Tensor, w_scales: Tensor,
+               method: str = "auto") -> Tensor:
+        return _ag_fp8(x_rows, x_scales, topk_ids, w, w_scales, method)
+
+    def ag_fp8_fake(x_rows, x_scales, topk_ids, w, w_scales, method="auto"):
+        from ._runtime import runtime
+
+        rt = runtime("moe_ag_group_gemm_fp8")
+        s = check_ag_fp8_args(x_rows, x_scales, topk_ids, w, w_scales, method, rt.world_size, rt.rank)
+        return w.new_empty((capacity(s["m"], s["topk"], s["experts"]), s["n"]), dtype=torch.bfloat16)
+
     def rs(h: Tensor, w: Tensor, topk_ids: Tensor, topk_weights: Tensor, method: str = "auto",
            all_reduce: bool = False) -> Tensor:
         return _rs(h, w, topk_ids, topk_weights, method, all_reduce)
@@ -455,7 +507,9 @@ def _register(torch):
         return w.new_empty((s["m"], s["n"]), dtype=torch.bfloat16)
 
     ops = []
-    for name, fn, fake in (("tdist::moe_ag_group_gemm", ag, ag_fake), ("tdist::moe_group_gemm_rs", rs, rs_fake),
+    for name, fn, fake in (("tdist::moe_ag_group_gemm", ag, ag_fake),
+                           ("tdist::moe_ag_group_gemm_fp8", ag_fp8, ag_fp8_fake),
+                           ("tdist::moe_group_gemm_rs", rs, rs_fake),
                            ("tdist::grouped_gemm", gg, gg_fake), ("tdist::grouped_gemm_fp8", gg_fp8, gg_fp8_fake)):
         op = torch.library.custom_op(name, mutates_args=())(fn)
         op.register_fake(fake)
@@ -489,6 +543,17 @@ def moe_ag_group_gemm(x_rows, topk_ids, w, *, method: str = "auto"):
     if _eager(x_rows, topk_ids, w):
         return _ag(x_rows, topk_ids, w, method)
     return torch.ops.tdist.moe_ag_group_gemm(x_rows, topk_ids, w, method)
+
+
+def moe_ag_group_gemm_fp8(x_rows, x_scales, topk_ids, w, w_scales, *, method: str = "auto"):
+    """moe_ag_group_gemm on e4m3 tokens and weights with their block scales (quantize_fp8_rows of this
+    rank's tokens, quantize_fp8_blocks of its weight shard): bf16 [capacity(M, topk, E), N] in expert
+    order. Each token's e4m3 row travels with its scales; methods 'auto', 'chunked', 'baseline'.
+    Inference only (no autograd). Collective."""
+    torch = _torch("moe_ag_group_gemm_fp8")
+    if _eager(x_rows, x_scales, topk_ids, w, w_scales):
+        return _ag_fp8(x_rows, x_scales, topk_ids, w, w_scales, method)
+    return torch.ops.tdist.moe_ag_group_gemm_fp8(x_rows, x_scales, topk_ids, w, w_scales, method)
 
 
 def moe_group_gemm_rs(h, w, topk_ids, topk_weights, *, method: str = "auto"):

@@ -9,10 +9,13 @@ rank's partial sums added through torch.distributed.
 * moe_ag_group_gemm: every expert-ordered row against x[token] @ w[e]^T, padding rows exactly 0;
 * moe_group_gemm_rs / moe_group_gemm_ar: against the sum over ranks and slots of w * h[row] @ w2[e]^T,
   with h's padding rows and the rows past offsets[E] filled with garbage (they must not be read);
-* methods auto, fused (the first projection's), chunked and baseline; bf16 and fp16; random, skewed, single-expert routings; M = 1
-  (below the world size), odd M, M past the chunked bound; K and N odd multiples of 8; int64 ids;
+* methods auto, fused (the first projection's), chunked and baseline; bf16 and fp16; random, skewed,
+  single-expert routings; M = 1 (below the world size), odd M, M past the chunked bound; K and N odd
+  multiples of 8; int64 ids;
 * the worked layer of docs/moe.md (up projection, SwiGLU, down projection) against a float64 layer;
 * a CUDA graph of the layer replayed with fresh routing and tokens; torch.compile(fullgraph=True);
+* moe_ag_group_gemm_fp8 (e4m3 tokens and weights with block scales) against float64 of the dequantised
+  operands, every method, under torch.compile; its argument errors;
 * the grouped GEMM alone (tdist.moe.grouped_gemm): every group's rows, padding included, against
   float64 x w[g]^T; empty groups, int32 and int64 offsets, rows past offsets[G]; its argument errors;
 * its FP8 instance (tdist.moe.grouped_gemm_fp8) on tdist.moe.quantize_fp8_* outputs against float64 of
@@ -140,6 +143,56 @@ def test_moe_ag_group_gemm():
                 pad = torch.tensor([r for r, t in enumerate(routing["token_of_row"]) if t < 0], dtype=torch.long)
                 if pad.numel():
                     assert bool((got.cpu()[pad] == 0).all()), f"{what}: padding rows not 0"
+
+
+FP8_AG_CASES = [  # (m, topk, experts, K, N, routing): K a multiple of 16, not always of 128
+    (301, 2, 8, 208, 136, "random"),
+    (1200, 4, 16, 256, 264, "skewed"),
+    (3, 2, 4, 400, 40, "random"),
+]
+
+
+def test_moe_ag_group_gemm_fp8():
+    """tdist.moe_ag_group_gemm_fp8 on every rank's tokens quantised by quantize_fp8_rows and its weight
+    shard by quantize_fp8_blocks, every method: against float64 of the dequantised operands, padding
+    rows 0; under torch.compile(fullgraph=True). Argument errors name the argument."""
+    W, me = world(), rank()
+    seed = 700
+    for (m, topk, E, K, N, kind) in FP8_AG_CASES:
+        for method in moe.AG_FP8_METHODS:
+            seed += 1
+            what = f"ag fp8 m={m} topk={topk} E={E} K={K} N={N} {kind} {method}"
+            ids = routing_ids(m, topk, E, kind, seed)
+            x_all = rand((m, K), torch.bfloat16, seed + 1).cuda()
+            w = rand((E, N, K), torch.bfloat16, seed + 100 * (me + 2), scale=0.1).cuda()
+            x_q, x_s = moe.quantize_fp8_rows(x_all)  # every token's (the same on every rank)
+            w_q, w_s = moe.quantize_fp8_blocks(w)
+            first, rows = moe.rows_of(m, W, me)
+            poison_allocator()
+            d = tdist.moe_ag_group_gemm_fp8(x_q[first:first + rows], x_s[first:first + rows], ids.cuda(), w_q, w_s,
+                                            method=method)
+            assert d.dtype == torch.bfloat16 and tuple(d.shape) == (moe.capacity(m, topk, E), N), what
+            x_deq = (x_q.double() * x_s.double().repeat_interleave(128, 1)[:, :K]).cpu()
+            w_deq = (w_q.double() * w_s.double().repeat_interleave(128, 1)[:, :N].repeat_interleave(128, 2)[..., :K])
+            routing = moe.routing_reference(ids, E, W, me)
+            got = d[:routing["offsets"][E]]
+            check_close(got, ag_reference(x_deq, ids, w_deq.cpu(), routing), what, 1e-2)
+            pad = torch.tensor([r for r, t in enumerate(routing["token_of_row"]) if t < 0], dtype=torch.long)
+            if pad.numel():
+                assert bool((got.cpu()[pad] == 0).all()), f"{what}: padding rows not 0"
+    m, topk, E, K, N = 64, 2, 4, 128, 72
+    ids = routing_ids(m, topk, E, "random", 5).cuda()
+    first, rows = moe.rows_of(m, W, me)
+    x_q, x_s = moe.quantize_fp8_rows(rand((m, K), torch.bfloat16, 6).cuda()[first:first + rows])
+    w_q, w_s = moe.quantize_fp8_blocks(rand((E, N, K), torch.bfloat16, 7 + me).cuda())
+    compiled = torch.compile(lambda *t: tdist.moe_ag_group_gemm_fp8(*t) * 2, fullgraph=True)
+    eager = tdist.moe_ag_group_gemm_fp8(x_q, x_s, ids, w_q, w_s).double().cpu()
+    check_close(compiled(x_q, x_s, ids, w_q, w_s), 2 * eager, "moe_ag_group_gemm_fp8 under torch.compile", 1e-2)
+    expect_error(lambda: tdist.moe_ag_group_gemm_fp8(x_q, x_s, ids, w_q, w_s, method="fused"), "'method'")
+    expect_error(lambda: tdist.moe_ag_group_gemm_fp8(x_q.float(), x_s, ids, w_q, w_s), "'x_rows'")
+    expect_error(lambda: tdist.moe_ag_group_gemm_fp8(x_q, x_s[:, :0], ids, w_q, w_s), "'x_scales'")
+    expect_error(lambda: tdist.moe_ag_group_gemm_fp8(x_q, x_s, ids, w_q, w_s[:1]), "'w_scales'")
+    torch.cuda.synchronize()
 
 
 def test_moe_group_gemm_rs_and_ar():
@@ -569,6 +622,7 @@ def test_routing_on_gpu():
 TESTS = [
     test_routing_on_gpu,
     test_moe_ag_group_gemm,
+    test_moe_ag_group_gemm_fp8,
     test_moe_group_gemm_rs_and_ar,
     test_docs_layer,
     test_cuda_graph_fresh_routing,

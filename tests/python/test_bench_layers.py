@@ -106,7 +106,8 @@ def test_moe_options_pick_models_by_kind():
 @pytest.mark.parametrize("argv,words", [
     (["--layers", "moe", "--models", "8b"], ["--layers moe", "needs a model of its kind", "qwen3"]),
     (["--layers", "mlp", "--models", "8b,qwen3"], ["--models qwen3", "no layer of --layers"]),
-    (["--layers", "moe", "--tdist-method", "fused"], ["--tdist-method fused", "auto, chunked, baseline"]),
+    (["--layers", "moe", "--tdist-method", "sequential"],
+     ["--tdist-method sequential", "auto, fused, chunked, baseline"]),
     (["--layers", "moe", "--moe-routing", "hot"], ["--moe-routing"]),
     (["--layers", "moe,ffn"], ["unknown layers 'ffn'"]),
     (["--models", "qwen4"], ["unknown models 'qwen4'"]),

@@ -879,7 +879,7 @@ def test_ep_and_moe_exist():
     assert callable(ep.Buffer) and callable(ep.heap_bytes) and callable(ep.count_tokens)
     for name in ("low_latency_dispatch", "low_latency_combine", "dispatch", "combine", "check_errors", "close"):
         assert callable(getattr(ep.Buffer, name)), name
-    for name in ("moe_ag_group_gemm", "moe_group_gemm_rs", "moe_group_gemm_ar"):
+    for name in ("moe_ag_group_gemm", "moe_ag_group_gemm_fp8", "moe_group_gemm_rs", "moe_group_gemm_ar"):
         assert getattr(tdist, name) is getattr(moe, name) and name in tdist.__all__
     assert "ep" in tdist.__all__ and "moe" in tdist.__all__
 
@@ -1000,5 +1000,25 @@ def test_ep_and_moe_fake_implementations():
         assert moe.rs_method("fused") == "chunked" and moe.rs_method("baseline") == "baseline"
         with pytest.raises(tdist.Error, match="'h'"):
             tdist.moe_group_gemm_ar(h[:-1], wt, ids, tw)
+        # FP8 AllGather: e4m3 rows [150, 208] with scales [150, 2], weights [8, 136, 208] with [8, 2, 2]
+        e4m3 = torch.float8_e4m3fn
+        xq = torch.empty((150, 208), dtype=e4m3, device="meta")
+        xs = torch.empty((150, 2), dtype=torch.float32, device="meta")
+        wq = torch.empty((8, 136, 208), dtype=e4m3, device="meta")
+        ws = torch.empty((8, 2, 2), dtype=torch.float32, device="meta")
+        d = torch.ops.tdist.moe_ag_group_gemm_fp8(xq, xs, ids, wq, ws, "chunked")
+        assert d.shape == (moe.capacity(301, 2, 8), 136) and d.dtype == torch.bfloat16
+        bad = [(dict(method="fused"), "'method'.*'auto' or 'chunked' or 'baseline'"),
+               (dict(x_rows=xq.to(torch.bfloat16)), "'x_rows'"), (dict(x_rows=xq[:149]), "'x_rows'"),
+               (dict(x_scales=xs[:, :1]), "'x_scales'"), (dict(x_scales=xs.t().contiguous().t()), "'x_scales'"),
+               (dict(w_scales=ws[:, :1]), "'w_scales'"), (dict(w=wq[..., :200]), "'w'"),
+               (dict(w=torch.empty((8, 136, 200), dtype=e4m3, device="meta")), "'w'.*multiple of 16"),
+               (dict(topk_ids=ids.float()), "'topk_ids'")]
+        for change, words in bad:
+            args = dict(x_rows=xq, x_scales=xs, topk_ids=ids, w=wq, w_scales=ws, method="auto")
+            args.update(change)
+            with pytest.raises(tdist.Error, match=words):
+                tdist.moe_ag_group_gemm_fp8(args["x_rows"], args["x_scales"], args["topk_ids"], args["w"],
+                                            args["w_scales"], method=args["method"])
     finally:
         _runtime._state.runtime = None
