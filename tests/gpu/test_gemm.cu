@@ -287,6 +287,20 @@ GroupedCheck check_grouped_output(const T* d, const double* ref, long rows, int 
   return r;
 }
 
+// Gathered A's index: each group's real rows take random tokens of [0, num_tokens), padding rows -1
+// (advances the case's random state `r`).
+std::vector<int> draw_token_of_row(const GroupedCase& c, const std::vector<int64_t>& offsets,
+                                   const std::vector<long long>& counts, long m_total, long num_tokens,
+                                   unsigned long long& r) {
+  std::vector<int> tor(std::max(m_total, 1L), -1);
+  for (int g = 0; g < c.groups; ++g)
+    for (long i = 0; i < counts[g]; ++i) {
+      r = mix(r + 0x9E3779B97F4A7C15ull);
+      tor[offsets[g] + i] = static_cast<int>(r % num_tokens);
+    }
+  return tor;
+}
+
 template <typename T>
 Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist::GemmTile& tile, const GroupedCase& c,
                         unsigned long long seed, cudaStream_t stream) {
@@ -329,12 +343,7 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   if (c.gather) {
     const long num_tokens = 50 + rows / 3, ld_tok = c.k + 16;
     const long local_begin = num_tokens / 3, local_rows = num_tokens / 3;
-    tor.assign(std::max(m_total, 1L), -1);
-    for (int g = 0; g < c.groups; ++g)
-      for (long i = 0; i < counts[g]; ++i) {
-        r = mix(r + 0x9E3779B97F4A7C15ull);
-        tor[offsets[g] + i] = static_cast<int>(r % num_tokens);
-      }
+    tor = draw_token_of_row(c, offsets, counts, m_total, num_tokens, r);
     TDIST_CUDA_CHECK(cudaMalloc(&tokens, sizeof(T) * num_tokens * ld_tok));
     TDIST_CUDA_CHECK(cudaMalloc(&local, sizeof(T) * local_rows * ld_tok));
     TDIST_CUDA_CHECK(cudaMalloc(&token_of_row, sizeof(int) * tor.size()));
@@ -356,12 +365,12 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
         host_a[row * lda + j] = tor[row] >= 0 && j < c.k ? host_tokens[tor[row] * ld_tok + j] : T(0.0f);
     TDIST_CUDA_CHECK(cudaMemcpyAsync(a, host_a.data(), sizeof(T) * m_total * lda, cudaMemcpyHostToDevice, stream));
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-    gather.token_of_row = token_of_row;
-    gather.local = local;
-    gather.gathered = tokens;
-    gather.local_begin = static_cast<unsigned long long>(local_begin);
-    gather.local_rows = static_cast<unsigned long long>(local_rows);
-    gather.ld_bytes = sizeof(T) * ld_tok;
+    gather = {token_of_row,
+              local,
+              tokens,
+              static_cast<unsigned long long>(local_begin),
+              static_cast<unsigned long long>(local_rows),
+              sizeof(T) * ld_tok};
   }
   const unsigned short poison = 0x7FC1;  // a NaN in bf16 and fp16 alike
   fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(d),
@@ -504,12 +513,7 @@ Result run_fp8_case(tdist::GroupedGemm& gg, const tdist::GemmTile& tile, const F
   if (fc.gather) {
     const long num_tokens = 50 + rows / 3, ld_tok = c.k + 32;
     const long local_begin = num_tokens / 3, local_rows = num_tokens / 3;
-    std::vector<int> tor(m_total, -1);
-    for (int g = 0; g < c.groups; ++g)
-      for (long i = 0; i < counts[g]; ++i) {
-        r = mix(r + 0x9E3779B97F4A7C15ull);
-        tor[offsets[g] + i] = static_cast<int>(r % num_tokens);
-      }
+    const std::vector<int> tor = draw_token_of_row(c, offsets, counts, m_total, num_tokens, r);
     TDIST_CUDA_CHECK(cudaMalloc(&tokens, num_tokens * ld_tok));
     TDIST_CUDA_CHECK(cudaMalloc(&local, local_rows * ld_tok));
     TDIST_CUDA_CHECK(cudaMalloc(&tok_sa, sizeof(float) * num_tokens * kb));
@@ -540,12 +544,12 @@ Result run_fp8_case(tdist::GroupedGemm& gg, const tdist::GemmTile& tile, const F
     TDIST_CUDA_CHECK(
         cudaMemcpyAsync(sa, host_sa.data(), sizeof(float) * host_sa.size(), cudaMemcpyHostToDevice, stream));
     TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
-    gather.token_of_row = token_of_row;
-    gather.local = local;
-    gather.gathered = tokens;
-    gather.local_begin = static_cast<unsigned long long>(local_begin);
-    gather.local_rows = static_cast<unsigned long long>(local_rows);
-    gather.ld_bytes = static_cast<unsigned long long>(ld_tok);
+    gather = {token_of_row,
+              local,
+              tokens,
+              static_cast<unsigned long long>(local_begin),
+              static_cast<unsigned long long>(local_rows),
+              static_cast<unsigned long long>(ld_tok)};
   }
   const unsigned short poison = 0x7FC1;  // a NaN in bf16
   fill_u16<<<264, 256, 0, stream>>>(reinterpret_cast<unsigned short*>(d), static_cast<size_t>(m_total) * ldd, poison);
