@@ -157,8 +157,8 @@ OverlapMethod resolve_moe_method(OverlapMethod requested, int64_t m, int world_s
 
 // The method a call runs: `resolved` (the requested method, checked), or under auto the winner that
 // OverlapRuntime::tune_methods timed for the call's shape class, chunked (and fused where `fused_ok`)
-// only where there are peers to overlap. The class holds the sizes that set a MoE call's speed; the routing's skew is
-// left out (it varies call to call).
+// only where there are peers to overlap. The class holds the sizes that set a MoE call's speed; the
+// routing's skew is left out (it varies call to call).
 OverlapMethod moe_call_method(OverlapRuntime& rt, const char* op, OverlapMethod requested, OverlapMethod resolved,
                               int64_t m, int64_t n, int64_t k, const MoeConfig& c, bool fused_ok, cudaStream_t stream,
                               const OverlapRuntime::MethodRunner& execute) {
