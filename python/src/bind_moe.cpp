@@ -136,9 +136,11 @@ class MoeRs : public MoeContext<tdist::MoeGroupGemmRs> {
       : MoeContext(runtime, "moe_group_gemm_rs", max_m, 0, max_n, experts, topk, dtype) {}
 
   // Routes `topk_ids` on `stream`, then runs (all_reduce: run_all_reduce) with `method` as asked;
-  // returns what auto resolves to without timing, or the method asked for.
+  // returns what auto resolves to without timing, or the method asked for. FP8 (a context of dtype
+  // e4m3): h_scales and b_scales too, d bf16.
   std::string run(uint64_t h, uint64_t b, uint64_t topk_ids, uint64_t topk_weights, uint64_t d, int64_t m, int64_t n,
-                  int64_t k, uint64_t stream, const std::string& method, bool all_reduce, bool run) {
+                  int64_t k, uint64_t stream, const std::string& method, bool all_reduce, bool run, uint64_t h_scales,
+                  uint64_t b_scales) {
     TDIST_CHECK_ARG(m >= 0 && m <= config_.max_m, "m", "0 to the context's max_m (", config_.max_m, "), got ", m);
     TDIST_CHECK_ARG(m == 0 || topk_ids != 0, "topk_ids", "a device pointer");
     const tdist::OverlapMethod requested = tdist::parse_overlap_method(method, "method");
@@ -150,6 +152,8 @@ class MoeRs : public MoeContext<tdist::MoeGroupGemmRs> {
     a.m = m;
     a.n = n;
     a.k = k;
+    a.h_scales = ptr<const float>(h_scales);
+    a.b_scales = ptr<const float>(b_scales);
     const auto s = reinterpret_cast<cudaStream_t>(stream);
     nb::gil_scoped_release release;
     tdist_python::ScopedDevice scope(device_);
@@ -294,7 +298,7 @@ void bind_moe(nb::module_& m) {
       .def(nb::init<nb::handle, int64_t, int64_t, int, int, const std::string&>(), "runtime"_a, "max_m"_a, "max_n"_a,
            "experts"_a, "topk"_a, "dtype"_a)
       .def("run", &MoeRs::run, "h"_a, "b"_a, "topk_ids"_a, "topk_weights"_a, "d"_a, "m"_a, "n"_a, "k"_a, "stream"_a,
-           "method"_a, "all_reduce"_a, "run"_a = true)
+           "method"_a, "all_reduce"_a, "run"_a = true, "h_scales"_a = 0, "b_scales"_a = 0)
       .def("check_errors", &MoeRs::check_errors)
       .def("close", &MoeRs::close)
       .def_prop_ro("closed", &MoeRs::closed)

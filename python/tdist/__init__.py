@@ -54,7 +54,8 @@ from .ops import catalogue_functions as _catalogue_functions
 from . import jit
 from .flash_decode import flash_decode
 from . import ep, moe
-from .moe import moe_ag_group_gemm, moe_ag_group_gemm_fp8, moe_group_gemm_ar, moe_group_gemm_rs
+from .moe import (moe_ag_group_gemm, moe_ag_group_gemm_fp8, moe_group_gemm_ar, moe_group_gemm_ar_fp8, moe_group_gemm_rs,
+                  moe_group_gemm_rs_fp8)
 
 # Every other op of the C++ catalogue of overlapped ops, as tdist.<name> (e.g. tdist.ag_gemm_swiglu).
 globals().update(_catalogue_functions)
@@ -97,5 +98,7 @@ __all__ = [
     "moe_ag_group_gemm",
     "moe_ag_group_gemm_fp8",
     "moe_group_gemm_rs",
+    "moe_group_gemm_rs_fp8",
     "moe_group_gemm_ar",
+    "moe_group_gemm_ar_fp8",
 ]

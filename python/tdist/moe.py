@@ -8,8 +8,9 @@ the grouped GEMM.
     y_rows = tdist.moe_group_gemm_rs(h, w2, topk_ids, topk_weights)     # grouped GEMM + top-k reduce + RS
     y_all = tdist.moe_group_gemm_ar(h, w2, topk_ids, topk_weights)      # ... + AllReduce (decode)
 
-    # FP8 first projection: e4m3 tokens and weights with their block scales, bf16 out
+    # FP8: e4m3 tokens, h and weights with their block scales, bf16 out
     h13 = tdist.moe_ag_group_gemm_fp8(*quantize_fp8_rows(x_rows), topk_ids, *quantize_fp8_blocks(w13))
+    y_rows = tdist.moe_group_gemm_rs_fp8(*quantize_fp8_rows(h), *quantize_fp8_blocks(w2), topk_ids, topk_weights)
 
 Shapes (M tokens over all ranks, rows(r) = M // W + (r < M % W) of them on rank r, after rank r's
 predecessors'; E experts; T = bf16 or fp16):
@@ -75,6 +76,7 @@ from ._tensors import tensor_shape as _shape
 _DTYPES = {"bfloat16": "bf16", "float16": "f16"}
 AG_METHODS = ("auto", "fused", "chunked", "baseline")  # moe_ag_group_gemm
 AG_FP8_METHODS = ("auto", "chunked", "baseline")  # moe_ag_group_gemm_fp8 (no fused FP8 instance)
+RS_FP8_METHODS = RS_METHODS  # moe_group_gemm_rs_fp8
 RS_METHODS = ("auto", "chunked", "baseline")  # moe_group_gemm_rs (no fused method)
 _contexts = {}  # (kind, dtype, experts, topk, k) -> C++ context of the live runtime
 
@@ -327,6 +329,29 @@ def check_ag_fp8_args(x_rows, x_scales, topk_ids, w, w_scales, method="auto", wo
     return dict(m=m, n=n, k=k, experts=experts, topk=topk, dtype="e4m3")
 
 
+def check_rs_fp8_args(h, h_scales, w, w_scales, topk_ids, topk_weights, method="auto", world_size=1, rank=0) -> dict:
+    """Shapes, dtypes and devices of a moe_group_gemm_rs_fp8 / _ar_fp8 call; raises tdist.Error naming the
+    argument."""
+    op = "moe_group_gemm_rs_fp8"
+    _check_method(op, method, RS_FP8_METHODS)
+    _check_tensor(op, "w", w, (_FP8,), (None, None, None), None)
+    experts, n, k = _shape(w)
+    if k % 16 != 0 or k == 0:
+        _fail(op, "w", "K (its last dimension) a positive multiple of 16", k)
+    if n % 8 != 0:
+        _fail(op, "w", "N (its second dimension) a multiple of 8", n)
+    kb, nb = -(-k // _SCALE_BLOCK), -(-n // _SCALE_BLOCK)
+    _check_tensor(op, "w_scales", w_scales, ("float32",), (experts, nb, kb), w.device)
+    _check_tensor(op, "topk_ids", topk_ids, ("int32", "int64"), (None, None), w.device)
+    m, topk = _shape(topk_ids)
+    _C.moe_check_routing(m, topk, experts, world_size, rank)
+    _check_tensor(op, "topk_weights", topk_weights, ("float32",), (m, topk), w.device)
+    cap = capacity(m, topk, experts)
+    _check_tensor(op, "h", h, (_FP8,), (cap, k), w.device)
+    _check_tensor(op, "h_scales", h_scales, ("float32",), (cap, kb), w.device)
+    return dict(m=m, n=n, k=k, experts=experts, topk=topk, dtype="e4m3")
+
+
 def _grouped_gemm_fp8(a, a_scales, w, w_scales, offsets):
     torch = torch_module()
     s = check_grouped_gemm_fp8_args(a, a_scales, w, w_scales, offsets)
@@ -456,6 +481,23 @@ def _rs(h, w, topk_ids, topk_weights, method, all_reduce):
     return d
 
 
+def _rs_fp8(h, h_scales, w, w_scales, topk_ids, topk_weights, method, all_reduce):
+    from ._runtime import runtime
+
+    torch = torch_module()
+    rt = runtime("moe_group_gemm_rs_fp8")
+    s = check_rs_fp8_args(h, h_scales, w, w_scales, topk_ids, topk_weights, method, rt.world_size, rt.rank)
+    rows = s["m"] if all_reduce else rows_of(s["m"], rt.world_size, rt.rank)[1]
+    d = torch.empty((rows, s["n"]), dtype=torch.bfloat16, device=w.device)
+    if s["m"] == 0 or s["n"] == 0:
+        return d
+    ids = _ids32(topk_ids)
+    ctx = _context("rs", s, rt)
+    ctx.run(h.data_ptr(), w.data_ptr(), ids.data_ptr(), topk_weights.data_ptr(), d.data_ptr(), s["m"], s["n"], s["k"],
+            raw_stream(w.device.index), method, all_reduce, True, h_scales.data_ptr(), w_scales.data_ptr())
+    return d
+
+
 def _register(torch):
     from torch import Tensor
 
@@ -492,6 +534,18 @@ def _register(torch):
         rows = s["m"] if all_reduce else rows_of(s["m"], rt.world_size, rt.rank)[1]
         return w.new_empty((rows, s["n"]))
 
+    def rs_fp8(h: Tensor, h_scales: Tensor, w: Tensor, w_scales: Tensor, topk_ids: Tensor, topk_weights: Tensor,
+               method: str = "auto", all_reduce: bool = False) -> Tensor:
+        return _rs_fp8(h, h_scales, w, w_scales, topk_ids, topk_weights, method, all_reduce)
+
+    def rs_fp8_fake(h, h_scales, w, w_scales, topk_ids, topk_weights, method="auto", all_reduce=False):
+        from ._runtime import runtime
+
+        rt = runtime("moe_group_gemm_rs_fp8")
+        s = check_rs_fp8_args(h, h_scales, w, w_scales, topk_ids, topk_weights, method, rt.world_size, rt.rank)
+        rows = s["m"] if all_reduce else rows_of(s["m"], rt.world_size, rt.rank)[1]
+        return w.new_empty((rows, s["n"]), dtype=torch.bfloat16)
+
     def gg(a: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
         return _grouped_gemm(a, w, offsets)
 
@@ -510,6 +564,7 @@ def _register(torch):
     for name, fn, fake in (("tdist::moe_ag_group_gemm", ag, ag_fake),
                            ("tdist::moe_ag_group_gemm_fp8", ag_fp8, ag_fp8_fake),
                            ("tdist::moe_group_gemm_rs", rs, rs_fake),
+                           ("tdist::moe_group_gemm_rs_fp8", rs_fp8, rs_fp8_fake),
                            ("tdist::grouped_gemm", gg, gg_fake), ("tdist::grouped_gemm_fp8", gg_fp8, gg_fp8_fake)):
         op = torch.library.custom_op(name, mutates_args=())(fn)
         op.register_fake(fake)
@@ -563,6 +618,25 @@ def moe_group_gemm_rs(h, w, topk_ids, topk_weights, *, method: str = "auto"):
     if _eager(h, w, topk_ids, topk_weights):
         return _rs(h, w, topk_ids, topk_weights, method, False)
     return torch.ops.tdist.moe_group_gemm_rs(h, w, topk_ids, topk_weights, method, False)
+
+
+def moe_group_gemm_rs_fp8(h, h_scales, w, w_scales, topk_ids, topk_weights, *, method: str = "auto"):
+    """moe_group_gemm_rs on e4m3 h and weights with their block scales (quantize_fp8_rows of h in expert
+    order, quantize_fp8_blocks of this rank's w2 shard): bf16 [rows(rank), N]. The products, their
+    top-k sum and the ReduceScatter are bf16; methods 'auto', 'chunked', 'baseline'. Inference only.
+    Collective."""
+    torch = _torch("moe_group_gemm_rs_fp8")
+    if _eager(h, h_scales, w, w_scales, topk_ids, topk_weights):
+        return _rs_fp8(h, h_scales, w, w_scales, topk_ids, topk_weights, method, False)
+    return torch.ops.tdist.moe_group_gemm_rs_fp8(h, h_scales, w, w_scales, topk_ids, topk_weights, method, False)
+
+
+def moe_group_gemm_ar_fp8(h, h_scales, w, w_scales, topk_ids, topk_weights):
+    """moe_group_gemm_ar on e4m3 operands (as moe_group_gemm_rs_fp8): bf16 [M, N] on every rank. Collective."""
+    torch = _torch("moe_group_gemm_ar_fp8")
+    if _eager(h, h_scales, w, w_scales, topk_ids, topk_weights):
+        return _rs_fp8(h, h_scales, w, w_scales, topk_ids, topk_weights, "auto", True)
+    return torch.ops.tdist.moe_group_gemm_rs_fp8(h, h_scales, w, w_scales, topk_ids, topk_weights, "auto", True)
 
 
 def moe_group_gemm_ar(h, w, topk_ids, topk_weights):

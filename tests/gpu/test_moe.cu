@@ -428,6 +428,102 @@ void run_fp8_up_case(World& world, MoeAgGroupGemm& up, const Shape& s, OverlapMe
   expect_close(max_err, max_ref, "FP8 AllGather + grouped GEMM");
 }
 
+// Expert weights [E][rows][cols] of `values`, quantised per expert in 128 x 128 blocks: the e4m3
+// weights and scales as the ops take them, and the experts' matrices for the reference.
+struct Fp8Experts {
+  std::vector<Fp8Matrix> experts;
+  std::vector<__nv_fp8_e4m3> q;
+  std::vector<float> scales;
+};
+Fp8Experts quantize_fp8_experts(const std::vector<float>& values, int experts, int64_t rows, int64_t cols) {
+  Fp8Experts w;
+  for (int e = 0; e < experts; ++e) {
+    w.experts.push_back(quantize_fp8(
+        std::vector<float>(values.begin() + e * rows * cols, values.begin() + (e + 1) * rows * cols), rows, cols, 128));
+    w.q.insert(w.q.end(), w.experts.back().q.begin(), w.experts.back().q.end());
+    w.scales.insert(w.scales.end(), w.experts.back().scales.begin(), w.experts.back().scales.end());
+  }
+  return w;
+}
+
+// One FP8 call of `down` (config.dtype kFloat8E4M3) with `method`, then run_all_reduce: every rank's
+// h (expert order, e4m3 per row, padding rows of garbage) and w2 shard (128 x 128 blocks); the output
+// of this rank's tokens (and of all of them) against float64 of sum over ranks and slots of
+// weight x dequantised h row x dequantised w2^T, outputs poisoned (NaN) first.
+void run_fp8_down_case(World& world, MoeGroupGemmRs& down, const Shape& s, OverlapMethod method, uint64_t seed,
+                       cudaStream_t stream) {
+  const int rank = world.rank(), size = world.world_size();
+  const RowChunks split{static_cast<uint64_t>(s.m), size};
+  std::vector<int> ids;
+  std::vector<float> weights;
+  draw_routing(s, seed, ids, weights);
+  const int64_t capacity = moe_capacity(s.m, s.topk, s.experts);
+  // Rank r's h and w2, quantised as that rank quantises them.
+  auto h_of = [&](int r) {
+    std::vector<float> h(capacity * s.inter);
+    for (size_t i = 0; i < h.size(); ++i) h[i] = input_value(seed ^ 0x61, r, i) * (1 + static_cast<float>(i % 5));
+    return quantize_fp8(h, capacity, s.inter, 1);
+  };
+  auto w2_of = [&](int r) {
+    std::vector<float> w(s.experts * s.hidden * s.inter);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = input_value(seed ^ 0x62, r, i) * 0.25f;
+    return quantize_fp8_experts(w, s.experts, s.hidden, s.inter);
+  };
+  const Fp8Matrix hq = h_of(rank);
+  const Fp8Experts wq = w2_of(rank);
+  MoeRouter router(s.m, s.topk, s.experts, size, rank);
+  DeviceBuffer d_ids = upload(ids), d_weights = upload(weights), d_h = upload(hq.q), d_hs = upload(hq.scales),
+               d_w = upload(wq.q), d_ws = upload(wq.scales);
+  const int64_t rows = static_cast<int64_t>(split.rows(rank)), begin = static_cast<int64_t>(split.begin(rank));
+  DeviceBuffer d_y(std::max<int64_t>(rows, 1) * s.hidden * 2), d_all(std::max<int64_t>(s.m, 1) * s.hidden * 2);
+  test::fill_device(d_y.get(), 0xFF, std::max<int64_t>(rows, 1) * s.hidden * 2);  // NaN
+  test::fill_device(d_all.get(), 0xFF, std::max<int64_t>(s.m, 1) * s.hidden * 2);
+  const MoeRouting& r = router.route(d_ids.get<int>(), s.m, stream);
+  world.barrier("moe fp8 down inputs");
+  MoeGroupGemmRsArgs a{.h = d_h.get(),
+                       .b = d_w.get(),
+                       .topk_weights = d_weights.get<float>(),
+                       .routing = &r,
+                       .d = d_y.get(),
+                       .m = s.m,
+                       .n = s.hidden,
+                       .k = s.inter,
+                       .h_scales = d_hs.get<float>(),
+                       .b_scales = d_ws.get<float>()};
+  down.run(a, stream, method);
+  a.d = d_all.get();
+  down.run_all_reduce(a, stream);
+  TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // Reference: every rank's partial sums, each through its own routing's rows.
+  std::vector<double> ref(s.m * s.hidden, 0.0);
+  for (int src = 0; src < size; ++src) {
+    const Fp8Matrix h = src == rank ? hq : h_of(src);
+    const Fp8Experts w = src == rank ? wq : w2_of(src);
+    const MoeRoutingHost rr = moe_routing_reference(ids, s.m, s.topk, s.experts, size, src);
+    for (int64_t t = 0; t < s.m; ++t)
+      for (int k = 0; k < s.topk; ++k) {
+        const int e = ids[t * s.topk + k], row = rr.row_of_pair[t * s.topk + k];
+        for (int64_t j = 0; j < s.hidden; ++j) {
+          double dot = 0;
+          for (int64_t c = 0; c < s.inter; ++c) dot += h.value(row, c) * w.experts[e].value(j, c);
+          ref[t * s.hidden + j] += static_cast<double>(weights[t * s.topk + k]) * dot;
+        }
+      }
+  }
+  auto compare = [&](const DeviceBuffer& out, int64_t first, int64_t count, const char* what) {
+    const auto got = download<__nv_bfloat16>(out.get(), count * s.hidden);
+    double max_err = 0, max_ref = 0;
+    for (int64_t i = 0; i < count * s.hidden; ++i) {
+      const double want = ref[first * s.hidden + i], g = static_cast<double>(__bfloat162float(got[i]));
+      max_ref = std::max(max_ref, std::fabs(want));
+      max_err = std::max(max_err, std::isfinite(g) ? std::fabs(g - want) : 1e30);
+    }
+    expect_close(max_err, max_ref, what);
+  };
+  compare(d_y, begin, rows, "FP8 grouped GEMM + ReduceScatter");
+  compare(d_all, 0, s.m, "FP8 grouped GEMM + AllReduce");
+}
+
 // The ops of one dtype for every shape of the test (contexts sized for the largest).
 struct Ops {
   MoeAgGroupGemm up;
@@ -589,18 +685,28 @@ int main(int argc, char** argv) {
   // FP8 (e4m3 tokens and weights with block scales, bf16 out): every method of the AllGather op, K
   // not a multiple of 128, N not of 128, fewer tokens than ranks; its argument errors.
   {
-    const std::vector<Shape> fp8_shapes = {{301, 400, 136, 6, 2, Routing::kRandom},
-                                           {1000, 256, 200, 16, 4, Routing::kSkewed},
-                                           {1, 128, 40, 4, 2, Routing::kRandom}};
+    // hidden: K of the first projection, N of the second; inter: its N and the second's K (both
+    // multiples of 16 here, as FP8 needs of a K).
+    const std::vector<Shape> fp8_shapes = {{301, 400, 144, 6, 2, Routing::kRandom},
+                                           {1000, 256, 208, 16, 4, Routing::kSkewed},
+                                           {1, 128, 48, 4, 2, Routing::kRandom}};
     for (const Shape& s0 : small ? std::vector<Shape>{fp8_shapes[0]} : fp8_shapes) {
       MoeAgGroupGemm up(
           world, heap,
           {.max_m = s0.m, .k = s0.hidden, .experts = s0.experts, .topk = s0.topk, .dtype = DType::kFloat8E4M3});
+      // The second projection: K = the intermediate size, N = the hidden size.
+      MoeGroupGemmRs down(
+          world, heap,
+          {.max_m = s0.m, .max_n = s0.hidden, .experts = s0.experts, .topk = s0.topk, .dtype = DType::kFloat8E4M3});
       for (OverlapMethod method : {OverlapMethod::kAuto, OverlapMethod::kChunked, OverlapMethod::kBaseline}) {
-        suite.run(detail::concat("moe e4m3 up ", to_string(method), " m ", s0.m, " hidden ", s0.hidden, " inter ",
-                                 s0.inter, " experts ", s0.experts, " top-", s0.topk, " ", name_of(s0.routing)),
+        const std::string shape = detail::concat(" m ", s0.m, " hidden ", s0.hidden, " inter ", s0.inter, " experts ",
+                                                 s0.experts, " top-", s0.topk, " ", name_of(s0.routing));
+        suite.run(detail::concat("moe e4m3 up ", to_string(method), shape),
                   [&] { run_fp8_up_case(world, up, s0, method, ++case_seed, stream); });
         test::sync_all(world, "moe fp8 case");
+        suite.run(detail::concat("moe e4m3 down ", to_string(method), shape),
+                  [&] { run_fp8_down_case(world, down, s0, method, ++case_seed, stream); });
+        test::sync_all(world, "moe fp8 down case");
       }
     }
     MoeAgGroupGemm up(world, heap, {.max_m = 64, .k = 128, .experts = 4, .topk = 2, .dtype = DType::kFloat8E4M3});
@@ -624,10 +730,32 @@ int main(int argc, char** argv) {
       expect_error("config.k", [&] {
         MoeAgGroupGemm bad(world, heap, {.max_m = 16, .k = 72, .experts = 4, .topk = 1, .dtype = DType::kFloat8E4M3});
       });
-      expect_error("dtype", [&] {
-        MoeGroupGemmRs bad(world, heap,
-                           {.max_m = 16, .max_n = 64, .experts = 4, .topk = 1, .dtype = DType::kFloat8E4M3});
-      });
+      MoeGroupGemmRs down(world, heap,
+                          {.max_m = 64, .max_n = 64, .experts = 4, .topk = 2, .dtype = DType::kFloat8E4M3});
+      MoeRouting routing;  // the fields the check compares (the pointers are not read)
+      routing.m = 64;
+      routing.topk = 2;
+      routing.experts = 4;
+      routing.world_size = world.world_size();
+      routing.rank = world.rank();
+      MoeGroupGemmRsArgs d{.h = buf.get(),
+                           .b = buf.get(),
+                           .topk_weights = buf.get<float>(),
+                           .routing = &routing,
+                           .d = buf.get(),
+                           .m = 64,
+                           .n = 64,
+                           .k = 128,
+                           .h_scales = buf.get<float>(),
+                           .b_scales = buf.get<float>()};
+      d.h_scales = nullptr;
+      expect_error("h_scales", [&] { down.run(d, stream); });
+      d.h_scales = buf.get<float>();
+      d.k = 72;  // a multiple of 8, not of 16
+      expect_error("k", [&] { down.run(d, stream); });
+      d.k = 128;
+      d.b_scales = nullptr;
+      expect_error("b_scales", [&] { down.run_all_reduce(d, stream); });
     });
     test::sync_all(world, "moe fp8 errors");
   }

@@ -15,7 +15,8 @@ rank's partial sums added through torch.distributed.
 * the worked layer of docs/moe.md (up projection, SwiGLU, down projection) against a float64 layer;
 * a CUDA graph of the layer replayed with fresh routing and tokens; torch.compile(fullgraph=True);
 * moe_ag_group_gemm_fp8 (e4m3 tokens and weights with block scales) against float64 of the dequantised
-  operands, every method, under torch.compile; its argument errors;
+  operands, every method, under torch.compile; moe_group_gemm_rs_fp8 / _ar_fp8 likewise (summed over
+  ranks); their argument errors;
 * the grouped GEMM alone (tdist.moe.grouped_gemm): every group's rows, padding included, against
   float64 x w[g]^T; empty groups, int32 and int64 offsets, rows past offsets[G]; its argument errors;
 * its FP8 instance (tdist.moe.grouped_gemm_fp8) on tdist.moe.quantize_fp8_* outputs against float64 of
@@ -219,6 +220,45 @@ def test_moe_group_gemm_rs_and_ar():
                     y = tdist.moe_group_gemm_rs(hh.cuda(), w2.cuda(), ids.cuda(), weights.cuda(), method=method)
                     first, rows = moe.rows_of(m, W, me)
                     check_close(y, ref[first:first + rows], what, TOL[dtype])
+
+
+def test_moe_group_gemm_rs_fp8():
+    """tdist.moe_group_gemm_rs_fp8 / _ar_fp8 on this rank's h (expert order, garbage padding rows) quantised
+    by quantize_fp8_rows and its w2 shard by quantize_fp8_blocks, every method: against float64 of the
+    dequantised operands summed over ranks. Argument errors name the argument."""
+    W, me = world(), rank()
+    seed = 1700
+    for (m, topk, E, N, K, kind) in FP8_AG_CASES:  # the first projection's N and K swapped
+        for method in moe.RS_FP8_METHODS + ("all_reduce",):
+            seed += 1
+            what = f"rs fp8 m={m} topk={topk} E={E} K={K} N={N} {kind} {method}"
+            ids = routing_ids(m, topk, E, kind, seed)
+            weights = torch.rand((m, topk), generator=torch.Generator().manual_seed(seed + 2))
+            cap = moe.capacity(m, topk, E)
+            routing = moe.routing_reference(ids, E, W, me)
+            h = garbage_padding(rand((cap, K), torch.bfloat16, seed + 100 * (me + 2)), routing, cap).cuda()
+            w2 = rand((E, N, K), torch.bfloat16, seed + 100 * (me + 2) + 1, scale=0.1).cuda()
+            h_q, h_s = moe.quantize_fp8_rows(h)
+            w_q, w_s = moe.quantize_fp8_blocks(w2)
+            h_deq = (h_q.double() * h_s.double().repeat_interleave(128, 1)[:, :K]).cpu()
+            w_deq = (w_q.double() * w_s.double().repeat_interleave(128, 1)[:, :N].repeat_interleave(128, 2)[..., :K])
+            ref = all_ranks_sum(rs_partial(h_deq, w_deq.cpu(), ids, weights, routing))
+            poison_allocator()
+            if method == "all_reduce":
+                y = tdist.moe_group_gemm_ar_fp8(h_q, h_s, w_q, w_s, ids.cuda(), weights.cuda())
+                assert y.dtype == torch.bfloat16 and tuple(y.shape) == (m, N), what
+                check_close(y, ref, what, 1e-2)
+            else:
+                y = tdist.moe_group_gemm_rs_fp8(h_q, h_s, w_q, w_s, ids.cuda(), weights.cuda(), method=method)
+                first, rows = moe.rows_of(m, W, me)
+                assert y.dtype == torch.bfloat16 and tuple(y.shape) == (rows, N), what
+                check_close(y, ref[first:first + rows], what, 1e-2)
+    ids, weights = ids.cuda(), weights.cuda()
+    expect_error(lambda: tdist.moe_group_gemm_rs_fp8(h_q, h_s, w_q, w_s, ids, weights, method="fused"), "'method'")
+    expect_error(lambda: tdist.moe_group_gemm_rs_fp8(h_q[:-1], h_s, w_q, w_s, ids, weights), "'h'")
+    expect_error(lambda: tdist.moe_group_gemm_rs_fp8(h_q, h_s.double(), w_q, w_s, ids, weights), "'h_scales'")
+    expect_error(lambda: tdist.moe_group_gemm_ar_fp8(h_q, h_s, w_q, w_s[:, :, :0], ids, weights), "'w_scales'")
+    torch.cuda.synchronize()
 
 
 def layer_weights(E, hidden, ffn_local, seed):
@@ -624,6 +664,7 @@ TESTS = [
     test_moe_ag_group_gemm,
     test_moe_ag_group_gemm_fp8,
     test_moe_group_gemm_rs_and_ar,
+    test_moe_group_gemm_rs_fp8,
     test_docs_layer,
     test_cuda_graph_fresh_routing,
     test_torch_compile,

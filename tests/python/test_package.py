@@ -879,7 +879,8 @@ def test_ep_and_moe_exist():
     assert callable(ep.Buffer) and callable(ep.heap_bytes) and callable(ep.count_tokens)
     for name in ("low_latency_dispatch", "low_latency_combine", "dispatch", "combine", "check_errors", "close"):
         assert callable(getattr(ep.Buffer, name)), name
-    for name in ("moe_ag_group_gemm", "moe_ag_group_gemm_fp8", "moe_group_gemm_rs", "moe_group_gemm_ar"):
+    for name in ("moe_ag_group_gemm", "moe_ag_group_gemm_fp8", "moe_group_gemm_rs", "moe_group_gemm_rs_fp8",
+                 "moe_group_gemm_ar", "moe_group_gemm_ar_fp8"):
         assert getattr(tdist, name) is getattr(moe, name) and name in tdist.__all__
     assert "ep" in tdist.__all__ and "moe" in tdist.__all__
 
@@ -1014,6 +1015,19 @@ def test_ep_and_moe_fake_implementations():
                (dict(w_scales=ws[:, :1]), "'w_scales'"), (dict(w=wq[..., :200]), "'w'"),
                (dict(w=torch.empty((8, 136, 200), dtype=e4m3, device="meta")), "'w'.*multiple of 16"),
                (dict(topk_ids=ids.float()), "'topk_ids'")]
+        # FP8 second projection: h e4m3 [capacity, 208] with [capacity, 2]; w2 [8, 136, 208] with [8, 2, 2]
+        hq = torch.empty((moe.capacity(301, 2, 8), 208), dtype=e4m3, device="meta")
+        hs = torch.empty((moe.capacity(301, 2, 8), 2), dtype=torch.float32, device="meta")
+        y = torch.ops.tdist.moe_group_gemm_rs_fp8(hq, hs, wq, ws, ids, tw, "chunked", False)
+        assert y.shape == (150, 136) and y.dtype == torch.bfloat16
+        y = torch.ops.tdist.moe_group_gemm_rs_fp8(hq, hs, wq, ws, ids, tw, "auto", True)
+        assert y.shape == (301, 136) and y.dtype == torch.bfloat16
+        for call, words in ((lambda: tdist.moe_group_gemm_rs_fp8(hq, hs, wq, ws, ids, tw, method="fused"), "'method'"),
+                            (lambda: tdist.moe_group_gemm_rs_fp8(hq[:-1], hs, wq, ws, ids, tw), "'h'"),
+                            (lambda: tdist.moe_group_gemm_rs_fp8(hq, hs[:, :1], wq, ws, ids, tw), "'h_scales'"),
+                            (lambda: tdist.moe_group_gemm_ar_fp8(hq, hs, wq, ws, ids, tw[:, :1]), "'topk_weights'")):
+            with pytest.raises(tdist.Error, match=words):
+                call()
         for change, words in bad:
             args = dict(x_rows=xq, x_scales=xs, topk_ids=ids, w=wq, w_scales=ws, method="auto")
             args.update(change)

@@ -120,8 +120,8 @@ struct MoeConfig {
   int64_t max_n = 0;  // MoeGroupGemmRs: the largest N (the hidden size of its output)
   int experts = 0;
   int topk = 0;
-  // bf16 or fp16 (inputs and outputs); MoeAgGroupGemm also takes kFloat8E4M3: e4m3 tokens and
-  // weights with DeepSeek-V3's block scales (the FP8 grouped GEMM's, ops/grouped_gemm.hpp), bf16 out.
+  // bf16 or fp16 (inputs and outputs), or kFloat8E4M3: e4m3 inputs (tokens or h, and weights) with
+  // DeepSeek-V3's block scales (the FP8 grouped GEMM's, ops/grouped_gemm.hpp), bf16 outputs.
   DType dtype = DType::kBFloat16;
 };
 
@@ -168,8 +168,11 @@ struct MoeGroupGemmRsArgs {
   const void* b = nullptr;              // T[experts][n][k]
   const float* topk_weights = nullptr;  // fp32[m][topk], device: the router's weights
   const MoeRouting* routing = nullptr;  // of these m tokens on this rank (MoeAgGroupGemm::routing())
-  void* d = nullptr;                    // T[rows(rank)][n] (run_all_reduce: T[m][n])
+  void* d = nullptr;                    // T[rows(rank)][n] (run_all_reduce: T[m][n]); bf16 for FP8
   int64_t m = 0, n = 0, k = 0;
+  // FP8 (config.dtype kFloat8E4M3) only, k a multiple of 16, KB = ceil(k / 128), NB = ceil(n / 128):
+  const float* h_scales = nullptr;  // f32[routing->capacity][KB] row-major: a row's scale per 128 columns
+  const float* b_scales = nullptr;  // f32[experts][NB][KB]: one per 128 x 128 block of each expert's b
 };
 
 // Grouped GEMM + top-k weighted reduce + ReduceScatter (or AllReduce). Methods of run: chunked (the

@@ -46,11 +46,15 @@ namespace km = kernels::moe;
 
 namespace {
 
+// The type of the ops' outputs (and of their runtimes' kernels): FP8 inputs give bf16.
+DType moe_out_dtype(const MoeConfig& c) { return c.dtype == DType::kFloat8E4M3 ? DType::kBFloat16 : c.dtype; }
+
 void check_moe_config(const MoeConfig& c, bool by_k, int world_size) {
-  if (by_k && c.dtype == DType::kFloat8E4M3)  // the AllGather op's FP8 instance
-    TDIST_CHECK_ARG(c.k % 16 == 0, "config.k", "FP8 needs k a multiple of 16 (16-byte e4m3 rows), got ", c.k);
-  else
+  if (c.dtype == DType::kFloat8E4M3) {  // the FP8 instances
+    if (by_k) TDIST_CHECK_ARG(c.k % 16 == 0, "config.k", "FP8 needs k a multiple of 16 (16-byte e4m3 rows), got ", c.k);
+  } else {
     check_overlap_dtype(c.dtype);
+  }
   TDIST_CHECK_ARG(c.max_m > 0 && c.max_m < (int64_t{1} << 31), "config.max_m", "expected 0 < max_m < 2^31, got ",
                   c.max_m);
   if (by_k)
@@ -101,9 +105,9 @@ struct MoeRsLayout {
   SymmetricLayout::Region<u64> flags;  // u64[world]: flags[s] = 1 once slot s has landed
   static int64_t slot_rows(const MoeConfig& c, int world_size) { return (c.max_m + world_size - 1) / world_size; }
   MoeRsLayout(const MoeConfig& c, int world_size)
-      : recv(
-            layout.add<char>(static_cast<size_t>(world_size) * slot_rows(c, world_size) * c.max_n * dtype_size(c.dtype),
-                             "moe reduce-scatter slots")),
+      : recv(layout.add<char>(
+            static_cast<size_t>(world_size) * slot_rows(c, world_size) * c.max_n * dtype_size(moe_out_dtype(c)),
+            "moe reduce-scatter slots")),
         flags(layout.add<u64>(static_cast<size_t>(world_size), "moe reduce-scatter flags")) {}
 };
 
@@ -207,7 +211,7 @@ struct MoeAgGroupGemm::Impl {
       : config((check_moe_config(c, true, world.world_size()), c)),
         layout(c, world.world_size()),
         // FP8's runtime serves its bf16 output (its own kernels take bf16 or fp16).
-        rt(world, heap, c.dtype == DType::kFloat8E4M3 ? DType::kBFloat16 : c.dtype, 1, /*with_addend=*/false, kOwner),
+        rt(world, heap, moe_out_dtype(c), 1, /*with_addend=*/false, kOwner),
         block(heap, layout.layout, kOwner),
         gathered(block[layout.gathered]),
         gathered_scales(reinterpret_cast<float*>(block[layout.scales])),
@@ -400,21 +404,25 @@ struct MoeGroupGemmRs::Impl {
   u64* flags = nullptr;
   moe::MoeKernels kernels;
   GroupedGemm gemm;
-  DeviceBuffer d_rows;   // T[moe_capacity(max_m)][max_n]: the GEMM's products, expert order
-  DeviceBuffer staging;  // T[max_m][max_n]: reduced rows of the peers' tokens (chunked: at their
+  // Outputs, reductions and transfers are of type O = moe_out_dtype(config) (bf16 for FP8 inputs).
+  DeviceBuffer d_rows;   // O[moe_capacity(max_m)][max_n]: the GEMM's products, expert order
+  DeviceBuffer staging;  // O[max_m][max_n]: reduced rows of the peers' tokens (chunked: at their
                          // RowChunks place; baseline and run_all_reduce: every token, the collective's input)
 
   Impl(World& world, SymmetricHeap& heap, const MoeConfig& c)
       : config((check_moe_config(c, false, world.world_size()), c)),
         layout(c, world.world_size()),
-        rt(world, heap, c.dtype, kMoeCollectiveBytes, /*with_addend=*/false, kOwner),
+        rt(world, heap, moe_out_dtype(c), kMoeCollectiveBytes, /*with_addend=*/false, kOwner),
         block(heap, layout.layout, kOwner),
         recv(block[layout.recv]),
         flags(block[layout.flags]),
-        kernels(c.dtype),
-        d_rows(static_cast<size_t>(moe_capacity(c.max_m, c.topk, c.experts)) * c.max_n * dtype_size(c.dtype)),
-        staging(static_cast<size_t>(c.max_m) * c.max_n * dtype_size(c.dtype)) {}
+        kernels(moe_out_dtype(c)),
+        d_rows(static_cast<size_t>(moe_capacity(c.max_m, c.topk, c.experts)) * c.max_n * dtype_size(moe_out_dtype(c))),
+        staging(static_cast<size_t>(c.max_m) * c.max_n * dtype_size(moe_out_dtype(c))) {}
   ~Impl() { cudaDeviceSynchronize(); }
+
+  bool fp8() const { return config.dtype == DType::kFloat8E4M3; }
+  DType out() const { return moe_out_dtype(config); }
 
   void check(const MoeGroupGemmRsArgs& a, bool all_rows) const {
     TDIST_CHECK_ARG(a.m >= 0 && a.m <= config.max_m, "m", "expected 0 <= m <= max_m (", config.max_m, "), got ", a.m);
@@ -439,6 +447,14 @@ struct MoeGroupGemmRs::Impl {
                     "expected a 4-byte aligned device pointer to fp32 [m][topk], got ",
                     static_cast<const void*>(a.topk_weights));
     check_operand(a.d, "d", all_rows || rows > 0);
+    if (!fp8()) return;
+    TDIST_CHECK_ARG(a.k % 16 == 0, "k", "FP8 needs k a multiple of 16 (16-byte e4m3 rows), got ", a.k);
+    TDIST_CHECK_ARG(a.h_scales != nullptr && reinterpret_cast<uintptr_t>(a.h_scales) % 4 == 0, "h_scales",
+                    "FP8 needs a 4-byte aligned device pointer to f32 [capacity][ceil(k / 128)], got ",
+                    static_cast<const void*>(a.h_scales));
+    TDIST_CHECK_ARG(a.b_scales != nullptr && reinterpret_cast<uintptr_t>(a.b_scales) % 4 == 0, "b_scales",
+                    "FP8 needs a 4-byte aligned device pointer to f32 [experts][ceil(n / 128)][ceil(k / 128)], got ",
+                    static_cast<const void*>(a.b_scales));
   }
 
   OverlapMethod method(const MoeGroupGemmRsArgs& a, OverlapMethod requested) const {
@@ -446,17 +462,35 @@ struct MoeGroupGemmRs::Impl {
     return resolve_moe_method(requested, a.m, rt.size(), "MoE grouped GEMM + ReduceScatter", /*fused_ok=*/false);
   }
 
-  GroupedGemmArgs gemm_args(const MoeGroupGemmRsArgs& a) const {
-    return GroupedGemmArgs{.a = a.h,
-                           .b = a.b,
-                           .d = d_rows.get(),
-                           .offsets = a.routing->offsets,
-                           .offsets_type = IndexType::kInt32,
-                           .m = a.routing->capacity,
-                           .n = a.n,
-                           .k = a.k,
-                           .num_groups = config.experts,
-                           .dtype = config.dtype};
+  // The grouped GEMM of h's rows into d_rows over the tiles `options` lists (FP8: h and b e4m3 with
+  // their scales).
+  void run_gemm(const MoeGroupGemmRsArgs& a, const GroupedGemmRunOptions& options, cudaStream_t stream) {
+    const MoeRouting& r = *a.routing;
+    if (fp8())
+      gemm.run(GroupedGemmFp8Args{.a = a.h,
+                                  .a_scales = a.h_scales,
+                                  .b = a.b,
+                                  .b_scales = a.b_scales,
+                                  .d = d_rows.get(),
+                                  .offsets = r.offsets,
+                                  .offsets_type = IndexType::kInt32,
+                                  .m = r.capacity,
+                                  .n = a.n,
+                                  .k = a.k,
+                                  .num_groups = config.experts},
+               stream, options);
+    else
+      gemm.run(GroupedGemmArgs{.a = a.h,
+                               .b = a.b,
+                               .d = d_rows.get(),
+                               .offsets = r.offsets,
+                               .offsets_type = IndexType::kInt32,
+                               .m = r.capacity,
+                               .n = a.n,
+                               .k = a.k,
+                               .num_groups = config.experts,
+                               .dtype = config.dtype},
+               stream, options);
   }
 
   km::CombineParams combine_params(const MoeGroupGemmRsArgs& a, u64 first_token, u64 tokens, void* out) const {
@@ -473,7 +507,7 @@ struct MoeGroupGemmRs::Impl {
     return p;
   }
 
-  size_t elem() const { return dtype_size(config.dtype); }
+  size_t elem() const { return dtype_size(out()); }
 
   void run(const MoeGroupGemmRsArgs& a, cudaStream_t stream, OverlapMethod requested) {
     execute(a, stream,
@@ -491,13 +525,13 @@ struct MoeGroupGemmRs::Impl {
     const GemmTile tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms());
 
     if (method == OverlapMethod::kBaseline) {
-      gemm.run(gemm_args(a), stream, GroupedGemmRunOptions{.tile = tile});
+      run_gemm(a, GroupedGemmRunOptions{.tile = tile}, stream);
       if (world == 1) {  // one rank: the reduction is the output, no copy through NCCL
         kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
         return;
       }
       kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), staging.get()), stream);
-      nccl_reduce_scatter_rows(staging.get(), a.d, rows, a.n, config.dtype, rt.world(), stream);
+      nccl_reduce_scatter_rows(staging.get(), a.d, rows, a.n, out(), rt.world(), stream);
       return;
     }
 
@@ -506,10 +540,11 @@ struct MoeGroupGemmRs::Impl {
     rt.begin_call({{flags, layout.flags.bytes()}}, stream);
     for (int s = 0; s < world; ++s) {
       const int owner = (rank + s + 1) % world;
-      gemm.run(gemm_args(a), stream,
+      run_gemm(a,
                GroupedGemmRunOptions{.tile = tile,
                                      .m_tile_order = r.rs_order + static_cast<size_t>(s) * r.max_tiles,
-                                     .m_tile_count = r.rs_count + s});
+                                     .m_tile_count = r.rs_count + s},
+               stream);
       if (owner != rank) {
         void* out = byte_at(staging.get(), rows.begin(owner) * a.n * elem());
         kernels.combine(combine_params(a, rows.begin(owner), rows.rows(owner), out), stream);
@@ -532,8 +567,7 @@ struct MoeGroupGemmRs::Impl {
     TDIST_NVTX_RANGE("tdist::MoeGroupGemmRs::run_all_reduce", "m=", a.m, " n=", a.n, " k=", a.k);
     if (a.m == 0 || a.n == 0) return;
     const MoeRouting& r = *a.routing;
-    gemm.run(gemm_args(a), stream,
-             GroupedGemmRunOptions{.tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms())});
+    run_gemm(a, GroupedGemmRunOptions{.tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms())}, stream);
     if (rt.size() == 1) {
       kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
       return;
@@ -541,9 +575,9 @@ struct MoeGroupGemmRs::Impl {
     kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), staging.get()), stream);
     const size_t count = static_cast<size_t>(a.m) * a.n;
     if (count * elem() <= rt.sequential_max_bytes())
-      rt.coll().all_reduce(staging.get(), a.d, count, config.dtype, stream);
+      rt.coll().all_reduce(staging.get(), a.d, count, out(), stream);
     else
-      rt.coll().all_reduce(staging.get(), a.d, count, config.dtype, stream, AllReduceMethod::kNccl);
+      rt.coll().all_reduce(staging.get(), a.d, count, out(), stream, AllReduceMethod::kNccl);
   }
 };
 
