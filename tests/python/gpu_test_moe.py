@@ -153,6 +153,13 @@ FP8_AG_CASES = [  # (m, topk, experts, K, N, routing): K a multiple of 16, not a
 ]
 
 
+FP8_RS_CASES = [  # (m, topk, experts, K, N, routing): K (the intermediate size) a multiple of 16
+    (301, 2, 8, 144, 200, "random"),
+    (1200, 4, 16, 256, 264, "skewed"),
+    (3, 2, 4, 48, 400, "random"),
+]
+
+
 def test_moe_ag_group_gemm_fp8():
     """tdist.moe_ag_group_gemm_fp8 on every rank's tokens quantised by quantize_fp8_rows and its weight
     shard by quantize_fp8_blocks, every method: against float64 of the dequantised operands, padding
@@ -228,7 +235,7 @@ def test_moe_group_gemm_rs_fp8():
     dequantised operands summed over ranks. Argument errors name the argument."""
     W, me = world(), rank()
     seed = 1700
-    for (m, topk, E, N, K, kind) in FP8_AG_CASES:  # the first projection's N and K swapped
+    for (m, topk, E, K, N, kind) in FP8_RS_CASES:
         for method in moe.RS_FP8_METHODS + ("all_reduce",):
             seed += 1
             what = f"rs fp8 m={m} topk={topk} E={E} K={K} N={N} {kind} {method}"
