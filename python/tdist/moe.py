@@ -308,10 +308,10 @@ def check_grouped_gemm_fp8_args(a, a_scales, w, w_scales, offsets) -> dict:
     return dict(m=m, n=n, k=k, groups=groups, offsets_dtype=torch_dtype_name(offsets.dtype))
 
 
-def check_ag_fp8_args(x_rows, x_scales, topk_ids, w, w_scales, method="auto", world_size=1, rank=0) -> dict:
-    """Shapes, dtypes and devices of a moe_ag_group_gemm_fp8 call; raises tdist.Error naming the argument."""
-    op = "moe_ag_group_gemm_fp8"
-    _check_method(op, method, AG_FP8_METHODS)
+def _check_fp8_weights_and_ids(op, method, methods, w, w_scales, topk_ids, world_size, rank) -> dict:
+    """The checks both FP8 projections start with: method, the e4m3 weights w [E, N, K] and their scales,
+    the ids [M, topk]."""
+    _check_method(op, method, methods)
     _check_tensor(op, "w", w, (_FP8,), (None, None, None), None)
     experts, n, k = _shape(w)
     if k % 16 != 0 or k == 0:
@@ -323,33 +323,30 @@ def check_ag_fp8_args(x_rows, x_scales, topk_ids, w, w_scales, method="auto", wo
     _check_tensor(op, "topk_ids", topk_ids, ("int32", "int64"), (None, None), w.device)
     m, topk = _shape(topk_ids)
     _C.moe_check_routing(m, topk, experts, world_size, rank)
-    rows = rows_of(m, world_size, rank)[1]
+    return dict(m=m, n=n, k=k, kb=kb, experts=experts, topk=topk, dtype="e4m3")
+
+
+def check_ag_fp8_args(x_rows, x_scales, topk_ids, w, w_scales, method="auto", world_size=1, rank=0) -> dict:
+    """Shapes, dtypes and devices of a moe_ag_group_gemm_fp8 call; raises tdist.Error naming the argument."""
+    op = "moe_ag_group_gemm_fp8"
+    s = _check_fp8_weights_and_ids(op, method, AG_FP8_METHODS, w, w_scales, topk_ids, world_size, rank)
+    k, kb = s["k"], s["kb"]
+    rows = rows_of(s["m"], world_size, rank)[1]
     _check_tensor(op, "x_rows", x_rows, (_FP8,), (rows, k), w.device)
     _check_tensor(op, "x_scales", x_scales, ("float32",), (rows, kb), w.device)  # row-major: it travels as bytes
-    return dict(m=m, n=n, k=k, experts=experts, topk=topk, dtype="e4m3")
+    return s
 
 
 def check_rs_fp8_args(h, h_scales, w, w_scales, topk_ids, topk_weights, method="auto", world_size=1, rank=0) -> dict:
     """Shapes, dtypes and devices of a moe_group_gemm_rs_fp8 / _ar_fp8 call; raises tdist.Error naming the
     argument."""
     op = "moe_group_gemm_rs_fp8"
-    _check_method(op, method, RS_FP8_METHODS)
-    _check_tensor(op, "w", w, (_FP8,), (None, None, None), None)
-    experts, n, k = _shape(w)
-    if k % 16 != 0 or k == 0:
-        _fail(op, "w", "K (its last dimension) a positive multiple of 16", k)
-    if n % 8 != 0:
-        _fail(op, "w", "N (its second dimension) a multiple of 8", n)
-    kb, nb = -(-k // _SCALE_BLOCK), -(-n // _SCALE_BLOCK)
-    _check_tensor(op, "w_scales", w_scales, ("float32",), (experts, nb, kb), w.device)
-    _check_tensor(op, "topk_ids", topk_ids, ("int32", "int64"), (None, None), w.device)
-    m, topk = _shape(topk_ids)
-    _C.moe_check_routing(m, topk, experts, world_size, rank)
-    _check_tensor(op, "topk_weights", topk_weights, ("float32",), (m, topk), w.device)
-    cap = capacity(m, topk, experts)
-    _check_tensor(op, "h", h, (_FP8,), (cap, k), w.device)
-    _check_tensor(op, "h_scales", h_scales, ("float32",), (cap, kb), w.device)
-    return dict(m=m, n=n, k=k, experts=experts, topk=topk, dtype="e4m3")
+    s = _check_fp8_weights_and_ids(op, method, RS_FP8_METHODS, w, w_scales, topk_ids, world_size, rank)
+    _check_tensor(op, "topk_weights", topk_weights, ("float32",), (s["m"], s["topk"]), w.device)
+    cap = capacity(s["m"], s["topk"], s["experts"])
+    _check_tensor(op, "h", h, (_FP8,), (cap, s["k"]), w.device)
+    _check_tensor(op, "h_scales", h_scales, ("float32",), (cap, s["kb"]), w.device)
+    return s
 
 
 def _grouped_gemm_fp8(a, a_scales, w, w_scales, offsets):

@@ -102,6 +102,17 @@ def rs_partial(h, w2, ids, weights, routing):
     return out
 
 
+def dequant_rows(q, scales):
+    """float64 [M, K] on the host of quantize_fp8_rows' (q [M, K], scales [M, ceil(K / 128)])."""
+    return (q.double() * scales.double().repeat_interleave(128, 1)[:, :q.shape[1]]).cpu()
+
+
+def dequant_blocks(q, scales):
+    """float64 [G, N, K] on the host of quantize_fp8_blocks' (q [G, N, K], scales [G, NB, KB])."""
+    n, k = q.shape[1], q.shape[2]
+    return (q.double() * scales.double().repeat_interleave(128, 1)[:, :n].repeat_interleave(128, 2)[..., :k]).cpu()
+
+
 def garbage_padding(h, routing, capacity):
     """h with its padding rows and the rows past offsets[E] set to large values (not read by the op)."""
     h = h.clone()
@@ -180,11 +191,9 @@ def test_moe_ag_group_gemm_fp8():
             d = tdist.moe_ag_group_gemm_fp8(x_q[first:first + rows], x_s[first:first + rows], ids.cuda(), w_q, w_s,
                                             method=method)
             assert d.dtype == torch.bfloat16 and tuple(d.shape) == (moe.capacity(m, topk, E), N), what
-            x_deq = (x_q.double() * x_s.double().repeat_interleave(128, 1)[:, :K]).cpu()
-            w_deq = (w_q.double() * w_s.double().repeat_interleave(128, 1)[:, :N].repeat_interleave(128, 2)[..., :K])
             routing = moe.routing_reference(ids, E, W, me)
             got = d[:routing["offsets"][E]]
-            check_close(got, ag_reference(x_deq, ids, w_deq.cpu(), routing), what, 1e-2)
+            check_close(got, ag_reference(dequant_rows(x_q, x_s), ids, dequant_blocks(w_q, w_s), routing), what, 1e-2)
             pad = torch.tensor([r for r, t in enumerate(routing["token_of_row"]) if t < 0], dtype=torch.long)
             if pad.numel():
                 assert bool((got.cpu()[pad] == 0).all()), f"{what}: padding rows not 0"
@@ -247,9 +256,7 @@ def test_moe_group_gemm_rs_fp8():
             w2 = rand((E, N, K), torch.bfloat16, seed + 100 * (me + 2) + 1, scale=0.1).cuda()
             h_q, h_s = moe.quantize_fp8_rows(h)
             w_q, w_s = moe.quantize_fp8_blocks(w2)
-            h_deq = (h_q.double() * h_s.double().repeat_interleave(128, 1)[:, :K]).cpu()
-            w_deq = (w_q.double() * w_s.double().repeat_interleave(128, 1)[:, :N].repeat_interleave(128, 2)[..., :K])
-            ref = all_ranks_sum(rs_partial(h_deq, w_deq.cpu(), ids, weights, routing))
+            ref = all_ranks_sum(rs_partial(dequant_rows(h_q, h_s), dequant_blocks(w_q, w_s), ids, weights, routing))
             poison_allocator()
             if method == "all_reduce":
                 y = tdist.moe_group_gemm_ar_fp8(h_q, h_s, w_q, w_s, ids.cuda(), weights.cuda())
@@ -582,8 +589,7 @@ def test_grouped_gemm_fp8():
             w_q, w_s = moe.quantize_fp8_blocks(w)
             if column_major:
                 a_s = a_s.t().contiguous().t()  # [M, KB] with strides (1, M)
-            a_deq = (a_q.double().view(m_total, -1) * a_s.double().repeat_interleave(128, 1)[:, :K]).cpu()
-            w_deq = (w_q.double() * w_s.double().repeat_interleave(128, 1)[:, :N].repeat_interleave(128, 2)[..., :K]).cpu()
+            a_deq, w_deq = dequant_rows(a_q, a_s), dequant_blocks(w_q, w_s)
             ref = torch.zeros((offsets[-1], N), dtype=torch.float64)
             exact = torch.zeros((offsets[-1], N), dtype=torch.float64)
             for g in range(len(counts)):

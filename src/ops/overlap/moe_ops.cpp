@@ -113,6 +113,25 @@ struct MoeRsLayout {
 
 constexpr size_t kMoeCollectiveBytes = size_t{8} << 20;  // run_all_reduce's tdist AllReduce, NCCL past it
 
+// The FP8 grouped GEMM of the problem `g` describes (its A and B then e4m3, its D bf16), with these
+// scales (ops/grouped_gemm.hpp).
+GroupedGemmFp8Args fp8_problem(const GroupedGemmArgs& g, const float* a_scales, const float* a_scales_local,
+                               const float* b_scales) {
+  return GroupedGemmFp8Args{.a = g.a,
+                            .a_scales = a_scales,
+                            .b = g.b,
+                            .b_scales = b_scales,
+                            .d = g.d,
+                            .offsets = g.offsets,
+                            .offsets_type = g.offsets_type,
+                            .m = g.m,
+                            .n = g.n,
+                            .k = g.k,
+                            .num_groups = g.num_groups,
+                            .a_gather = g.a_gather,
+                            .a_scales_local = a_scales_local};
+}
+
 // The fused AllGather + grouped GEMM's kernel: the gathered-A grouped GEMM whose tiles wait for
 // their sources. Its instances are the shipped tiles of BLOCK_M kMoeTile (moe_tile's).
 using MoeFusedGemm = detail::GemmRuntime<kg::GatherGroupedScheduler, kg::MoeGatherWaitParams>;
@@ -274,23 +293,10 @@ struct MoeAgGroupGemm::Impl {
   // `local_scales`) over the tiles `options` lists.
   void run_gemm(const MoeAgGroupGemmArgs& a, const MoeRouting& r, const kg::RowGather& g, const float* scales,
                 const float* local_scales, const GroupedGemmRunOptions& options, cudaStream_t stream) {
-    if (!fp8()) {
+    if (fp8())
+      gemm.run(fp8_problem(gemm_args(a, r, g), scales, local_scales, a.b_scales), stream, options);
+    else
       gemm.run(gemm_args(a, r, g), stream, options);
-      return;
-    }
-    gemm.run(GroupedGemmFp8Args{.a_scales = scales,
-                                .b = a.b,
-                                .b_scales = a.b_scales,
-                                .d = a.d,
-                                .offsets = r.offsets,
-                                .offsets_type = IndexType::kInt32,
-                                .m = r.capacity,
-                                .n = a.n,
-                                .k = config.k,
-                                .num_groups = config.experts,
-                                .a_gather = g,
-                                .a_scales_local = local_scales},
-             stream, options);
   }
 
   void run(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
@@ -465,32 +471,20 @@ struct MoeGroupGemmRs::Impl {
   // The grouped GEMM of h's rows into d_rows over the tiles `options` lists (FP8: h and b e4m3 with
   // their scales).
   void run_gemm(const MoeGroupGemmRsArgs& a, const GroupedGemmRunOptions& options, cudaStream_t stream) {
-    const MoeRouting& r = *a.routing;
+    const GroupedGemmArgs g{.a = a.h,
+                            .b = a.b,
+                            .d = d_rows.get(),
+                            .offsets = a.routing->offsets,
+                            .offsets_type = IndexType::kInt32,
+                            .m = a.routing->capacity,
+                            .n = a.n,
+                            .k = a.k,
+                            .num_groups = config.experts,
+                            .dtype = config.dtype};
     if (fp8())
-      gemm.run(GroupedGemmFp8Args{.a = a.h,
-                                  .a_scales = a.h_scales,
-                                  .b = a.b,
-                                  .b_scales = a.b_scales,
-                                  .d = d_rows.get(),
-                                  .offsets = r.offsets,
-                                  .offsets_type = IndexType::kInt32,
-                                  .m = r.capacity,
-                                  .n = a.n,
-                                  .k = a.k,
-                                  .num_groups = config.experts},
-               stream, options);
+      gemm.run(fp8_problem(g, a.h_scales, nullptr, a.b_scales), stream, options);
     else
-      gemm.run(GroupedGemmArgs{.a = a.h,
-                               .b = a.b,
-                               .d = d_rows.get(),
-                               .offsets = r.offsets,
-                               .offsets_type = IndexType::kInt32,
-                               .m = r.capacity,
-                               .n = a.n,
-                               .k = a.k,
-                               .num_groups = config.experts,
-                               .dtype = config.dtype},
-               stream, options);
+      gemm.run(g, stream, options);
   }
 
   km::CombineParams combine_params(const MoeGroupGemmRsArgs& a, u64 first_token, u64 tokens, void* out) const {
