@@ -36,7 +36,8 @@ their own tokens; docs/moe.md). rs_method(method) is the second projection's met
 with one method. Each op keeps one context per (dtype, experts, topk, K or N) on tdist's
 heap, created on the first call and re-created larger when a call has more tokens (collective; never
 during a CUDA graph capture: run the largest call once first). Registered as
-torch.ops.tdist.moe_ag_group_gemm and torch.ops.tdist.moe_group_gemm_rs with fake implementations.
+torch.ops.tdist.moe_ag_group_gemm and torch.ops.tdist.moe_group_gemm_rs (and their _fp8 forms) with fake
+implementations.
 
 The grouped GEMM alone (one GPU, not collective; tdist/ops/grouped_gemm.hpp), on any tensors:
 
