@@ -364,6 +364,24 @@ Fp8Matrix quantize_fp8(const std::vector<float>& v, int64_t rows, int64_t cols, 
   return m;
 }
 
+// Expert weights [E][rows][cols] of `values`, quantised per expert in 128 x 128 blocks: the e4m3
+// weights and scales as the ops take them, and the experts' matrices for the reference.
+struct Fp8Experts {
+  std::vector<Fp8Matrix> experts;
+  std::vector<__nv_fp8_e4m3> q;
+  std::vector<float> scales;
+};
+Fp8Experts quantize_fp8_experts(const std::vector<float>& values, int experts, int64_t rows, int64_t cols) {
+  Fp8Experts w;
+  for (int e = 0; e < experts; ++e) {
+    w.experts.push_back(quantize_fp8(
+        std::vector<float>(values.begin() + e * rows * cols, values.begin() + (e + 1) * rows * cols), rows, cols, 128));
+    w.q.insert(w.q.end(), w.experts.back().q.begin(), w.experts.back().q.end());
+    w.scales.insert(w.scales.end(), w.experts.back().scales.begin(), w.experts.back().scales.end());
+  }
+  return w;
+}
+
 // One FP8 call of `up` (config.dtype kFloat8E4M3) with `method`: every real row of d against float64
 // of the dequantised token row times the dequantised expert weights, padding rows exactly 0, d
 // poisoned (NaN) first. Tokens and ids are shared; the weights are this rank's.
@@ -378,22 +396,13 @@ void run_fp8_up_case(World& world, MoeAgGroupGemm& up, const Shape& s, OverlapMe
   for (size_t i = 0; i < x.size(); ++i) x[i] = input_value(seed ^ 0x51, 0, i) * (1 + static_cast<float>(i % 7));
   for (size_t i = 0; i < w.size(); ++i) w[i] = input_value(seed ^ 0x52, rank, i) * 0.25f;
   const Fp8Matrix xq = quantize_fp8(x, s.m, s.hidden, 1);
-  std::vector<Fp8Matrix> wq;  // per expert: 128 x 128 blocks
-  std::vector<__nv_fp8_e4m3> w_all;
-  std::vector<float> ws_all;
-  for (int e = 0; e < s.experts; ++e) {
-    wq.push_back(
-        quantize_fp8(std::vector<float>(w.begin() + e * s.inter * s.hidden, w.begin() + (e + 1) * s.inter * s.hidden),
-                     s.inter, s.hidden, 128));
-    w_all.insert(w_all.end(), wq.back().q.begin(), wq.back().q.end());
-    ws_all.insert(ws_all.end(), wq.back().scales.begin(), wq.back().scales.end());
-  }
+  const Fp8Experts wq = quantize_fp8_experts(w, s.experts, s.inter, s.hidden);
   const int64_t begin = static_cast<int64_t>(split.begin(rank)), rows = static_cast<int64_t>(split.rows(rank));
   const std::vector<__nv_fp8_e4m3> x_local(xq.q.begin() + begin * s.hidden, xq.q.begin() + (begin + rows) * s.hidden);
   const std::vector<float> xs_local(xq.scales.begin() + begin * xq.kb, xq.scales.begin() + (begin + rows) * xq.kb);
   const int64_t capacity = moe_capacity(s.m, s.topk, s.experts);
-  DeviceBuffer d_ids = upload(ids), d_x = upload(x_local), d_xs = upload(xs_local), d_w = upload(w_all),
-               d_ws = upload(ws_all), d_out(std::max<int64_t>(capacity, 1) * s.inter * 2);
+  DeviceBuffer d_ids = upload(ids), d_x = upload(x_local), d_xs = upload(xs_local), d_w = upload(wq.q),
+               d_ws = upload(wq.scales), d_out(std::max<int64_t>(capacity, 1) * s.inter * 2);
   test::fill_device(d_out.get(), 0xFF, std::max<int64_t>(capacity, 1) * s.inter * 2);  // NaN
   world.barrier("moe fp8 inputs");
   up.run({.a_local = d_x.get(),
@@ -420,30 +429,12 @@ void run_fp8_up_case(World& world, MoeAgGroupGemm& up, const Shape& s, OverlapMe
           continue;
         }
         double want = 0;
-        for (int64_t c = 0; c < s.hidden; ++c) want += xq.value(t, c) * wq[e].value(j, c);
+        for (int64_t c = 0; c < s.hidden; ++c) want += xq.value(t, c) * wq.experts[e].value(j, c);
         max_ref = std::max(max_ref, std::fabs(want));
         max_err = std::max(max_err, std::isfinite(got) ? std::fabs(got - want) : 1e30);
       }
     }
   expect_close(max_err, max_ref, "FP8 AllGather + grouped GEMM");
-}
-
-// Expert weights [E][rows][cols] of `values`, quantised per expert in 128 x 128 blocks: the e4m3
-// weights and scales as the ops take them, and the experts' matrices for the reference.
-struct Fp8Experts {
-  std::vector<Fp8Matrix> experts;
-  std::vector<__nv_fp8_e4m3> q;
-  std::vector<float> scales;
-};
-Fp8Experts quantize_fp8_experts(const std::vector<float>& values, int experts, int64_t rows, int64_t cols) {
-  Fp8Experts w;
-  for (int e = 0; e < experts; ++e) {
-    w.experts.push_back(quantize_fp8(
-        std::vector<float>(values.begin() + e * rows * cols, values.begin() + (e + 1) * rows * cols), rows, cols, 128));
-    w.q.insert(w.q.end(), w.experts.back().q.begin(), w.experts.back().q.end());
-    w.scales.insert(w.scales.end(), w.experts.back().scales.begin(), w.experts.back().scales.end());
-  }
-  return w;
 }
 
 // One FP8 call of `down` (config.dtype kFloat8E4M3) with `method`, then run_all_reduce: every rank's
