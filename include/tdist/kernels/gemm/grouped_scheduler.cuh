@@ -127,9 +127,10 @@ struct GroupedScheduler {
   // Tile of linear index `i` (< num_tiles() of a prepared scheduler), in list `list` (list_of(i);
   // 0 for a walk without lists).
   TDIST_HOST_DEVICE TileCoord tile(u32 i, u32 list) const {
-    const u32 first = list_end_at(list - 1);  // the list's first position (listed walk; 0 for list 0)
+    const bool lists = listed();
+    const u32 first = lists ? list_end_at(list - 1) : 0;  // the list's first position (0 for list 0)
     TileScheduler raster;
-    raster.tiles_m = listed() ? list_end_at(list) - first : tiles_m;
+    raster.tiles_m = lists ? list_end_at(list) - first : tiles_m;
     raster.tiles_n = tiles_n;
     raster.group_m = group_m;
     raster.first_tile_m = m_tile_order != nullptr ? 0 : first_tile_m;
