@@ -76,7 +76,7 @@ from ._tensors import tensor_shape as _shape
 
 _DTYPES = {"bfloat16": "bf16", "float16": "f16"}
 AG_METHODS = ("auto", "fused", "chunked", "baseline")  # moe_ag_group_gemm
-AG_FP8_METHODS = ("auto", "chunked", "baseline")  # moe_ag_group_gemm_fp8 (no fused FP8 instance)
+AG_FP8_METHODS = AG_METHODS  # moe_ag_group_gemm_fp8
 RS_METHODS = ("auto", "chunked", "baseline")  # moe_group_gemm_rs (no fused method)
 RS_FP8_METHODS = RS_METHODS  # moe_group_gemm_rs_fp8
 _contexts = {}  # (kind, dtype, experts, topk, k) -> C++ context of the live runtime

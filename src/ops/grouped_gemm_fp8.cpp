@@ -99,38 +99,50 @@ GemmTile choose_fp8_gemm_tile(int64_t m, int64_t n, int num_sms) {
   return detail::choose_tile_among(fp8_gemm_tiles(), m, n, num_sms);
 }
 
-std::string grouped_gemm_fp8_kernel_name(const GemmTile& t, bool gathered_a) {
-  return detail::concat(
-      "tdist::kernels::gemm::sm90_fp8_gemm_tn<", t.block_m, ", ", t.block_n, ", ", t.stages,
-      gathered_a ? ", tdist::kernels::gemm::GatherGroupedScheduler>" : ", tdist::kernels::gemm::GroupedScheduler>");
+std::string grouped_gemm_fp8_kernel_name(const GemmTile& t, Fp8GroupedKernel kind) {
+  const char* tail = kind == Fp8GroupedKernel::kTma         ? "GroupedScheduler>"
+                     : kind == Fp8GroupedKernel::kGatheredA ? "GatherGroupedScheduler>"
+                                                            : "GatherGroupedScheduler, tdist::kernels::gemm::"
+                                                              "MoeGatherWaitHooks>";
+  return detail::concat("tdist::kernels::gemm::sm90_fp8_gemm_tn<", t.block_m, ", ", t.block_n, ", ", t.stages,
+                        ", tdist::kernels::gemm::", tail);
 }
 
-namespace {
-
-jit::CompileRequest fp8_request(const GemmTile& tile, bool gathered_a) {
+jit::CompileRequest grouped_gemm_fp8_compile_request(const GemmTile& tile, Fp8GroupedKernel kind) {
   check_fp8_gemm_tile(tile);
+  const bool waits = kind == Fp8GroupedKernel::kGatheredAWaiting;
   jit::CompileRequest r;
   r.source = "#include \"tdist/kernels/gemm/sm90_fp8_gemm.cuh\"\n";
-  r.file_name = detail::concat("gemm_sm90_fp8_", tile.name(), gathered_a ? "_grouped_gather.cu" : "_grouped.cu");
-  r.name_expressions = {grouped_gemm_fp8_kernel_name(tile, gathered_a)};
+  if (waits) r.source += "#include \"tdist/kernels/gemm/overlap.cuh\"\n";
+  r.file_name = detail::concat("gemm_sm90_fp8_", tile.name(),
+                               kind == Fp8GroupedKernel::kTma ? "_grouped.cu"
+                               : waits                        ? "_grouped_gather_MoeGatherWaitHooks.cu"
+                                                              : "_grouped_gather.cu");
+  r.name_expressions = {grouped_gemm_fp8_kernel_name(tile, kind)};
   r.arch = "sm_90a";
   if (env::flag("TDIST_GEMM_DEBUG")) r.defines.push_back("TDIST_GEMM_DEBUG");
   return r;
 }
 
-// GemmModules' name and request functions of the two instances (TMA and gathered A).
-std::string fp8_name(DType, const GemmTile& tile) { return grouped_gemm_fp8_kernel_name(tile, false); }
-std::string fp8_gather_name(DType, const GemmTile& tile) { return grouped_gemm_fp8_kernel_name(tile, true); }
-jit::CompileRequest fp8_tma_request(const GemmTile& tile) { return fp8_request(tile, false); }
-jit::CompileRequest fp8_gather_request(const GemmTile& tile) { return fp8_request(tile, true); }
+namespace {
+
+// GemmModules' name and request functions of one instance kind.
+template <Fp8GroupedKernel kKind>
+std::string fp8_name(DType, const GemmTile& tile) {
+  return grouped_gemm_fp8_kernel_name(tile, kKind);
+}
+template <Fp8GroupedKernel kKind>
+jit::CompileRequest fp8_request(const GemmTile& tile) {
+  return grouped_gemm_fp8_compile_request(tile, kKind);
+}
 
 }  // namespace
 
 std::vector<jit::CompileRequest> grouped_gemm_fp8_compile_requests() {
   std::vector<jit::CompileRequest> v;
   for (const GemmTile& t : fp8_gemm_tiles())
-    for (bool gathered_a : {false, true}) {
-      v.push_back(fp8_request(t, gathered_a));
+    for (Fp8GroupedKernel kind : {Fp8GroupedKernel::kTma, Fp8GroupedKernel::kGatheredA}) {
+      v.push_back(grouped_gemm_fp8_compile_request(t, kind));
       v.back().arch.clear();  // tdist-compile sets it
     }
   return v;
@@ -139,10 +151,15 @@ std::vector<jit::CompileRequest> grouped_gemm_fp8_compile_requests() {
 TDIST_JIT_REGISTER_KERNELS(grouped_gemm_fp8, grouped_gemm_fp8_compile_requests);
 
 void detail::Fp8GroupedRuntime::launch(const GroupedGemmFp8Args& a, const GemmTile& tile,
-                                       const kg::GroupedScheduler& sched, int max_ctas, cudaStream_t stream) {
+                                       const kg::GroupedScheduler& sched, int max_ctas, cudaStream_t stream,
+                                       const kg::MoeGatherWaitParams* source_waits) {
+  using K = Fp8GroupedKernel;
+  TDIST_CHECK(source_waits == nullptr || a.a_gather, "FP8 source waits need a gathered A");
   const jit::Kernel& kernel =
-      a.a_gather ? gather_modules_.load(DType::kFloat8E4M3, tile, &fp8_gather_name, &fp8_gather_request)
-                 : modules_.load(DType::kFloat8E4M3, tile, &fp8_name, &fp8_tma_request);
+      source_waits ? modules_[2].load(DType::kFloat8E4M3, tile, &fp8_name<K::kGatheredAWaiting>,
+                                      &fp8_request<K::kGatheredAWaiting>)
+      : a.a_gather ? modules_[1].load(DType::kFloat8E4M3, tile, &fp8_name<K::kGatheredA>, &fp8_request<K::kGatheredA>)
+                   : modules_[0].load(DType::kFloat8E4M3, tile, &fp8_name<K::kTma>, &fp8_request<K::kTma>);
   const GemmArgs in = grouped_operands(a, DType::kFloat8E4M3), out = grouped_operands(a, DType::kBFloat16);
   const int64_t b_rows = static_cast<int64_t>(a.num_groups) * a.n;
   const GemmTensorMap map_a = encode_gemm_tensor_map(gemm_tensor_map_a(in, tile), DType::kFloat8E4M3);
@@ -164,6 +181,10 @@ void detail::Fp8GroupedRuntime::launch(const GroupedGemmFp8Args& a, const GemmTi
     kargs.add(kg::GatherGroupedScheduler{sched, *a.a_gather});
   else
     kargs.add(sched);
+  if (source_waits)
+    kargs.add(*source_waits);
+  else
+    kargs.add(kg::NoTileHooks{});
   // The grid is sized for M_total (the offsets are on the device); CTAs past the real tiles exit.
   const int64_t tiles = ((a.m + tile.block_m - 1) / tile.block_m) * ((a.n + tile.block_n - 1) / tile.block_n);
   jit::LaunchConfig cfg;

@@ -773,8 +773,21 @@ TEST(Fp8GemmTiles, ShippedTilesAreValidAndChosen) {
   EXPECT_EQ(tdist::choose_fp8_gemm_tile(64, 16384, 132).block_m, 64);
   EXPECT_NE(tdist::grouped_gemm_fp8_kernel_name({128, 128, 128, 6, 1}).find("sm90_fp8_gemm_tn<128, 128, 6, "),
             std::string::npos);
-  EXPECT_NE(tdist::grouped_gemm_fp8_kernel_name({128, 128, 128, 6, 1}, true).find("GatherGroupedScheduler>"),
+  using tdist::Fp8GroupedKernel;
+  EXPECT_NE(tdist::grouped_gemm_fp8_kernel_name({128, 128, 128, 6, 1}, Fp8GroupedKernel::kGatheredA)
+                .find(", tdist::kernels::gemm::GatherGroupedScheduler>"),
             std::string::npos);
+  EXPECT_NE(tdist::grouped_gemm_fp8_kernel_name({128, 64, 128, 8, 1}, Fp8GroupedKernel::kGatheredAWaiting)
+                .find("sm90_fp8_gemm_tn<128, 64, 8, tdist::kernels::gemm::GatherGroupedScheduler, "
+                      "tdist::kernels::gemm::MoeGatherWaitHooks>"),
+            std::string::npos);
+  // The waiting instance's request brings the hooks' header; the family's requests leave it out.
+  const auto waiting =
+      tdist::grouped_gemm_fp8_compile_request({128, 128, 128, 6, 1}, Fp8GroupedKernel::kGatheredAWaiting);
+  EXPECT_NE(waiting.source.find("tdist/kernels/gemm/overlap.cuh"), std::string::npos);
+  EXPECT_NE(waiting.file_name.find("MoeGatherWaitHooks"), std::string::npos);
+  for (const auto& r : tdist::grouped_gemm_fp8_compile_requests())
+    EXPECT_EQ(r.file_name.find("Hooks"), std::string::npos) << r.file_name;
 }
 
 // Every FP8 instance (TMA and gathered A, each tile) compiles for sm_90a without spills, stack or

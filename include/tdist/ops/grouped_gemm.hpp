@@ -147,7 +147,13 @@ const std::vector<GemmTile>& fp8_gemm_tiles();
 void check_fp8_gemm_tile(const GemmTile& tile);
 size_t fp8_gemm_shared_bytes(const GemmTile& tile);
 GemmTile choose_fp8_gemm_tile(int64_t m, int64_t n, int num_sms);
-std::string grouped_gemm_fp8_kernel_name(const GemmTile& tile, bool gathered_a = false);
+// Its instances: A by TMA; A gathered through a row index (a_gather); gathered A whose tiles first
+// wait for their rows' sources (the fused MoE AllGather's, MoeGatherWaitHooks in
+// kernels/gemm/overlap.cuh; launched by that op only). The family grouped_gemm_fp8 ships the first
+// two of every tile.
+enum class Fp8GroupedKernel { kTma, kGatheredA, kGatheredAWaiting };
+std::string grouped_gemm_fp8_kernel_name(const GemmTile& tile, Fp8GroupedKernel kind = Fp8GroupedKernel::kTma);
+jit::CompileRequest grouped_gemm_fp8_compile_request(const GemmTile& tile, Fp8GroupedKernel kind);
 std::vector<jit::CompileRequest> grouped_gemm_fp8_compile_requests();
 
 class GroupedGemm {

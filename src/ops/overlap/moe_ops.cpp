@@ -15,7 +15,8 @@
 // Fused AllGather + grouped GEMM: steps 1 and 2 as chunked, then one persistent grouped GEMM over
 // every list in turn (GroupedScheduler's listed walk), whose producer waits before each tile of list
 // j > 0 for the chunks of the sources its rows come from (MoeGatherWaitHooks, kernels/gemm/overlap.cuh):
-// no launch or flag kernel between lists, and a tile waits for its own sources only.
+// no launch or flag kernel between lists, and a tile waits for its own sources only. FP8 runs the
+// FP8 kernel with the same hooks, which copies a tile's rows and their scales after the waits.
 //
 // Chunked grouped GEMM + ReduceScatter, per call: begin_call; for step s = 0 .. world - 1 (owner
 // rank + s + 1, own tokens last): grouped GEMM over rs list s, then the owner's tokens reduced over
@@ -133,16 +134,18 @@ GroupedGemmFp8Args fp8_problem(const GroupedGemmArgs& g, const float* a_scales, 
 }
 
 // The fused AllGather + grouped GEMM's kernel: the gathered-A grouped GEMM whose tiles wait for
-// their sources. Its instances are the shipped tiles of BLOCK_M kMoeTile (moe_tile's).
+// their sources (bf16 / fp16, and FP8's Fp8GroupedKernel::kGatheredAWaiting). Its instances are the
+// shipped tiles of BLOCK_M kMoeTile (moe_tile's).
 using MoeFusedGemm = detail::GemmRuntime<kg::GatherGroupedScheduler, kg::MoeGatherWaitParams>;
 
 std::vector<jit::CompileRequest> moe_fused_compile_requests() {
   std::vector<jit::CompileRequest> v;
   for (const GemmTile& t : gemm_tiles())
-    if (t.block_m == static_cast<int>(km::kMoeTile)) {
-      v.push_back(MoeFusedGemm::compile_request(t));
-      v.back().arch.clear();  // tdist-compile sets it
-    }
+    if (t.block_m == static_cast<int>(km::kMoeTile)) v.push_back(MoeFusedGemm::compile_request(t));
+  for (const GemmTile& t : fp8_gemm_tiles())
+    if (t.block_m == static_cast<int>(km::kMoeTile))
+      v.push_back(grouped_gemm_fp8_compile_request(t, Fp8GroupedKernel::kGatheredAWaiting));
+  for (jit::CompileRequest& r : v) r.arch.clear();  // tdist-compile sets it
   return v;
 }
 
@@ -223,6 +226,7 @@ struct MoeAgGroupGemm::Impl {
   MoeRouter router;
   GroupedGemm gemm;
   MoeFusedGemm fused_gemm;
+  detail::Fp8GroupedRuntime fused_fp8_gemm;
   DeviceBuffer plain;         // T[max_m][k]: the baseline's NCCL AllGather output
   DeviceBuffer plain_scales;  // FP8: f32[max_m][KB], the same for the tokens' scales
 
@@ -237,6 +241,7 @@ struct MoeAgGroupGemm::Impl {
         flags(block[layout.flags]),
         router(c.max_m, c.topk, c.experts, world.world_size(), world.rank()),
         fused_gemm(rt.num_sms()),
+        fused_fp8_gemm(rt.num_sms()),
         plain(layout.gathered.bytes()),
         plain_scales(layout.scales.bytes()) {}
   ~Impl() { cudaDeviceSynchronize(); }
@@ -271,7 +276,7 @@ struct MoeAgGroupGemm::Impl {
     check(a);
     return resolve_moe_method(requested, a.m, rt.size(),
                               fp8() ? "MoE AllGather + grouped GEMM in FP8" : "MoE AllGather + grouped GEMM",
-                              /*fused_ok=*/!fp8());
+                              /*fused_ok=*/true);
   }
 
   // The grouped GEMM over the expert-ordered rows, read from the tokens through the routing's index
@@ -302,7 +307,7 @@ struct MoeAgGroupGemm::Impl {
   void run(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod requested) {
     execute(a, stream,
             moe_call_method(rt, "moe_ag_group_gemm", requested, method(a, requested), a.m, a.n, config.k, config,
-                            /*fused_ok=*/!fp8(), stream, [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); }));
+                            /*fused_ok=*/true, stream, [&](OverlapMethod m, cudaStream_t s) { execute(a, s, m); }));
   }
 
   void execute(const MoeAgGroupGemmArgs& a, cudaStream_t stream, OverlapMethod method) {
@@ -355,17 +360,26 @@ struct MoeAgGroupGemm::Impl {
     g.local_begin = rows.begin(rank);
     g.local_rows = rows.rows(rank);
     if (method == OverlapMethod::kFused) {
-      TDIST_CHECK(!fp8(), "the fused MoE AllGather has no FP8 instance");  // resolve_moe_method refuses it
       // Every list in one launch, list 0 (no wait) first; GroupedGemm::run's steps with the hooks.
-      const GroupedGemmArgs args = check_grouped_gemm_args(gemm_args(a, r, g));
       const GroupedGemmRunOptions order{.tile = tile,
                                         .m_tile_order = r.ag_order,
                                         .m_tile_count = r.ag_count,
                                         .tile_lists = world,
                                         .tile_list_stride = r.max_tiles};
       const kg::MoeGatherWaitParams wait{flags, r.token_of_row, rows, rank};
-      fused_gemm.launch(grouped_gemm_problem(args), tile, static_cast<int64_t>(config.experts) * a.n,
-                        kg::GatherGroupedScheduler{grouped_gemm_schedule(args, tile, order), g}, wait, 0, stream);
+      if (fp8()) {
+        const GroupedGemmFp8Args args =
+            check_grouped_gemm_fp8_args(fp8_problem(gemm_args(a, r, g), gathered_scales, a.a_local_scales, a.b_scales));
+        check_fp8_gemm_tile(tile);
+        fused_fp8_gemm.launch(
+            args, tile,
+            detail::grouped_walk(args.offsets, args.offsets_type, args.num_groups, args.m, args.n, tile, order), 0,
+            stream, &wait);
+      } else {
+        const GroupedGemmArgs args = check_grouped_gemm_args(gemm_args(a, r, g));
+        fused_gemm.launch(grouped_gemm_problem(args), tile, static_cast<int64_t>(config.experts) * a.n,
+                          kg::GatherGroupedScheduler{grouped_gemm_schedule(args, tile, order), g}, wait, 0, stream);
+      }
       rt.side().join(stream);
       return;
     }

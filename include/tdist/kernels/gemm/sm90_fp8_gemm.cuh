@@ -25,7 +25,9 @@
 //             copies A's rows through the index with cp.async (gather_a_producer, sm90_gemm.cuh;
 //             128-byte rows of e4m3 as of bf16), and thread i also row i's scales (its token's, from
 //             Fp8BlockScales::a_local or ::a as RowGather places the row; zeros for padding rows),
-//             thread 0 the B scale: one arrival per thread (1 + 128).
+//             thread 0 the B scale: one arrival per thread (1 + 128). Tile hooks (Hooks, as
+//             sm90_gemm.cuh's; before_loads only) run here, before the tile's row and scale copies:
+//             the fused MoE AllGather's source waits (MoeGatherWaitHooks, overlap.cuh).
 //   consumers per K block: wait for the stage, issue BLOCK_K / 32 wgmma m64nBLOCK_Nk32 into a block
 //             accumulator, read this thread's two rows' A scales and the B scale, wait for the wgmma
 //             (wait_group 0: the scales multiply a finished block), release the stage, and add block
@@ -94,17 +96,21 @@ struct Fp8GatheredScaleCopies {
   }
 };
 
-template <int BLOCK_M, int BLOCK_N, int kNumStages, typename Scheduler = TileScheduler>
+template <int BLOCK_M, int BLOCK_N, int kNumStages, typename Scheduler = TileScheduler, typename Hooks = NoTileHooks>
 __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     sm90_fp8_gemm_tn(const __grid_constant__ CUtensorMap tmap_a, const __grid_constant__ CUtensorMap tmap_b,
                      const __grid_constant__ CUtensorMap tmap_d, __nv_bfloat16* d, u64 ldd, u32 m, u32 n, u32 k,
-                     Fp8BlockScales scales, Scheduler sched) {
+                     Fp8BlockScales scales, Scheduler sched, Hooks hooks) {
   using Out = __nv_bfloat16;
   constexpr int BLOCK_K = kFp8BlockK;
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M: 64 or 128 (one consumer warpgroup per 64 rows)");
   static_assert(BLOCK_N % 16 == 0 && kFp8BlockK % BLOCK_N == 0, "BLOCK_N: a multiple of 16 dividing 128 (one B scale)");
   static_assert(kNumStages >= 2, "at least two stages");
   constexpr bool kGatherA = SchedulerGathersA<Scheduler>::value;
+  // Hooks run before a tile's loads only (the MoE AllGather's source waits), where one warpgroup
+  // copies both the rows and their scales after them; nothing is published after the stores.
+  static_assert(IsNoTileHooks<Hooks>::value || (kGatherA && !HooksNeedStoredTile<Hooks>::value),
+                "FP8 tile hooks: before_loads with a gathered A only");
   static_assert(gemm_smem_bytes_mixed(BLOCK_M, BLOCK_N, BLOCK_K, kNumStages, 1, sizeof(Out),
                                       fp8_scale_stage_bytes(BLOCK_M)) <= kMaxSmemBytes,
                 "stages do not fit in shared memory");
@@ -151,12 +157,10 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   if (warpgroup == 0) {
     if constexpr (Regs::kEnabled) ptx::setmaxnreg_dec<Regs::kProducer>();
     if constexpr (kGatherA) {
-      NoTileHooks hooks;
       gather_a_producer<__nv_fp8_e4m3, BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(
           tiles, hooks, pipe, tmap_b, smem_a, smem_b, kTileBBytes, num_k_blocks, m, n, k,
           Fp8GatheredScaleCopies<BLOCK_M>{scales, tiles.gather, smem_scales, m});
     } else if (threadIdx.x == 0) {
-      NoTileHooks hooks;
       tma_producer<BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_a, tmap_b, smem_a, smem_b,
                                                           kTileABytes, kTileBBytes, num_k_blocks, m, n);
     } else if (threadIdx.x / 32 == 1) {

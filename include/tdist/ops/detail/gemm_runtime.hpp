@@ -23,7 +23,8 @@
 //                                          the launch: tensor maps (B over b_rows rows), grid, parameters
 //     run(args, tile, params, options, stream)   (TileScheduler only) checks the args, builds the
 //                                          schedule of options.group_m / first_row, launches
-//   Fp8GroupedRuntime               the FP8 grouped instances (sm90_fp8_gemm.cuh): loaded modules, launch
+//   Fp8GroupedRuntime               the FP8 grouped instances (sm90_fp8_gemm.cuh, Fp8GroupedKernel):
+//                                   loaded modules, launch (with the MoE source waits or without)
 //   HookedGemm<Params>              GemmRuntime<TileScheduler, Params>: the plain-order GEMM whose tiles
 //                                   run the hooks of Params. An overlap op holds one per hooks type:
 //
@@ -215,18 +216,20 @@ GemmArgs grouped_operands(const GroupedArgs& a, DType dtype) {
   return g;
 }
 
-// The FP8 grouped instances (kernels/gemm/sm90_fp8_gemm.cuh) of one GroupedGemm: loaded by tile on
-// first use, launched on checked args (check_grouped_gemm_fp8_args) and a checked tile.
+// The FP8 grouped instances (kernels/gemm/sm90_fp8_gemm.cuh) of one GroupedGemm or MoE op: loaded
+// by tile on first use, launched on checked args (check_grouped_gemm_fp8_args) and a checked tile.
 class Fp8GroupedRuntime {
  public:
   explicit Fp8GroupedRuntime(int num_sms) : num_sms_(num_sms) {}
-  // The TMA instance, or with checked_args.a_gather the gathering one.
+  // The TMA instance, or with checked_args.a_gather the gathering one; with `source_waits` (which
+  // needs a_gather) the gathering one whose tiles wait for their sources first.
   void launch(const GroupedGemmFp8Args& checked_args, const GemmTile& tile,
-              const kernels::gemm::GroupedScheduler& sched, int max_ctas, cudaStream_t stream);
+              const kernels::gemm::GroupedScheduler& sched, int max_ctas, cudaStream_t stream,
+              const kernels::gemm::MoeGatherWaitParams* source_waits = nullptr);
 
  private:
   int num_sms_;
-  GemmModules modules_, gather_modules_;
+  GemmModules modules_[3];  // by Fp8GroupedKernel
 };
 
 // The checks of a gathered A's index (GroupedGemmArgs / GroupedGemmFp8Args::a_gather) for rows of
