@@ -316,6 +316,53 @@ def test_forward_errors(runtime_2_1):
         assert words in str(e.value), (words, str(e.value))
 
 
+# --- FP8 serving ------------------------------------------------------------------------------------
+
+def test_quantize_fp8_replaces_the_experts(runtime_2_1):
+    router, gate_up, down = full_weights(hidden=128, inter=160)
+    mod = tdist.nn.ParallelMoE.from_weights(router, gate_up, down, K)
+    w13, w2 = mod.w13.detach().clone(), mod.w2.detach().clone()
+    assert mod.quantize_fp8() is mod and mod.fp8 and "fp8=True" in repr(mod)
+    assert [n for n, _ in mod.named_parameters()] == ["router_weight"]
+    assert not hasattr(mod, "w13") and not hasattr(mod, "w2")
+    f = 80  # 160 over two ranks: one full block and one of 32 rows / columns past it
+    for name, shape in (("w13_fp8", (E, 2 * f, 128)), ("w13_scales", (E, 2, 1)), ("w2_fp8", (E, 128, f)),
+                        ("w2_scales", (E, 1, 1))):
+        t = getattr(mod, name)
+        assert tuple(t.shape) == shape, (name, tuple(t.shape))
+        assert t.dtype == (torch.float8_e4m3fn if name.endswith("fp8") else torch.float32), name
+        assert name in dict(mod.named_buffers()), name
+    for q, sc, w in ((mod.w13_fp8, mod.w13_scales, w13), (mod.w2_fp8, mod.w2_scales, w2)):
+        scale = sc.repeat_interleave(128, 1)[:, :w.shape[1]].repeat_interleave(128, 2)[:, :, :w.shape[2]]
+        value = q.float() * scale
+        err = float((value - w.float()).abs().max() / w.float().abs().max())
+        assert 0 < err < 2 ** -4, err  # e4m3: 3 mantissa bits, rounding to nearest
+    with pytest.raises(ValueError, match="already FP8"):
+        mod.quantize_fp8()
+    with pytest.raises(ValueError, match="reset_parameters: the experts are quantised"):
+        mod.reset_parameters()
+
+
+@pytest.mark.parametrize("hidden,inter,words", [(72, 96, "hidden_size = 72"), (64, 48, "world size = 24")])
+def test_quantize_fp8_needs_multiples_of_16(runtime_2_1, hidden, inter, words):
+    mod = tdist.nn.ParallelMoE(hidden, inter, E, K, device="meta")
+    with pytest.raises(ValueError) as e:
+        mod.quantize_fp8()
+    assert words in str(e.value) and "multiple of 16" in str(e.value), str(e.value)
+    assert not mod.fp8 and isinstance(mod.w13, torch.nn.Parameter)  # unchanged
+
+
+def test_fp8_forward_on_meta(runtime_2_1):
+    mod = tdist.nn.ParallelMoE(H, I, E, K, device="meta", dtype=torch.float16).quantize_fp8()
+    with torch.no_grad():
+        y = mod(meta((5, H), torch.float16), m=11)
+    assert y.shape == (5, H) and y.dtype == torch.float16  # the module's dtype
+    y3 = mod(meta((3, 2, H), torch.float16))  # grad mode on, the input needs none
+    assert y3.shape == (3, 2, H) and not y3.requires_grad
+    with pytest.raises(ValueError, match="inference only: the input requires grad"):
+        mod(meta((5, H), torch.float16, grad=True), m=11)
+
+
 def test_gather_routing_backward_keeps_this_ranks_rows():
     """At one rank the gather is a copy; the weights' gradient comes back as it is (the MoE op gives it
     complete, summed over ranks)."""

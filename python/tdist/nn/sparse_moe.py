@@ -24,6 +24,12 @@ the tokens gathered outside the op (M x H x 2 bytes, 64 MiB there: the op gather
 GEMM and does not return them) and W times the router's GEMM, with the top-k then computed on W GPUs
 that must agree bit for bit.
 
+FP8 serving (quantize_fp8()): w13 and w2 become e4m3 buffers with one f32 scale per 128 x 128 block
+(w13_fp8 (E, 2 F, H), w13_scales (E, ceil(2 F / 128), ceil(H / 128)); w2_fp8 (E, H, F), w2_scales
+(E, ceil(H / 128), ceil(F / 128))); the forward quantises this rank's tokens and the SwiGLU output per
+row and 128 columns (moe.quantize_fp8_rows) and runs the FP8 ops, under no_grad. The AllGather then
+moves e4m3 rows (half the bytes) with their scales.
+
 Gradients: the top-k weights' gradient that moe_group_gemm_rs returns is already summed over ranks
 (complete on every rank, docs/moe.md "Training"), so the gather's backward keeps this rank's rows
 (no ReduceScatter). The router weight feeds only this rank's tokens, so its gradient is summed over
@@ -188,14 +194,40 @@ class ParallelMoE(torch.nn.Module):
         self.router_weight = torch.nn.Parameter(torch.empty((num_experts, hidden_size), **kw))
         self.w13 = torch.nn.Parameter(torch.empty((num_experts, 2 * f, hidden_size), **kw))
         self.w2 = torch.nn.Parameter(torch.empty((num_experts, hidden_size, f), **kw))
+        self.fp8 = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Uniform in +-1/sqrt(fan-in) of the full matrices, as torch.nn.Linear."""
+        if self.fp8:
+            _fail("reset_parameters: the experts are quantised to FP8 (quantize_fp8); build a new module")
         for p, fan_in in ((self.router_weight, self.hidden_size), (self.w13, self.hidden_size),
                           (self.w2, self.intermediate_size)):
             bound = 1.0 / math.sqrt(fan_in)
             torch.nn.init.uniform_(p, -bound, bound)
+
+    def quantize_fp8(self) -> "ParallelMoE":
+        """Serving in FP8 (e4m3 with DeepSeek-V3's block scales, docs/moe.md "FP8"): replaces the
+        parameters w13 and w2 by e4m3 buffers and their 128 x 128 block scales (module docstring),
+        freeing the bf16 / fp16 copies. The forward then quantises the tokens and the SwiGLU output
+        per row and 128 columns and runs tdist.moe_ag_group_gemm_fp8 and moe_group_gemm_rs_fp8; the
+        router stays in the module's dtype, the output too. Inference only: the forward runs under
+        torch.no_grad and refuses an input that requires grad while grad mode is on. Needs H and F
+        multiples of 16 (the FP8 GEMMs' K). Returns self; a second call is refused."""
+        if self.fp8:
+            _fail("quantize_fp8: the experts are already FP8")
+        for name, size in (("hidden_size", self.hidden_size), ("intermediate_size / world size",
+                                                                self.local_intermediate_size)):
+            if size % 16:
+                _fail(f"quantize_fp8: {name} = {size} must be a multiple of 16 (an FP8 GEMM's K)")
+        with torch.no_grad():
+            w13 = _moe.quantize_fp8_blocks(self.w13)
+            w2 = _moe.quantize_fp8_blocks(self.w2)
+        del self.w13, self.w2
+        for name, t in zip(("w13_fp8", "w13_scales", "w2_fp8", "w2_scales"), (*w13, *w2)):
+            self.register_buffer(name, t)
+        self.fp8 = True
+        return self
 
     def route(self, x):
         """The router alone on this rank's rows x (rows, H): top_k_routing with this module's weight,
@@ -208,10 +240,14 @@ class ParallelMoE(torch.nn.Module):
         rows, shaped as x. ``m``: all ranks' rows of the flattened input when the ranks hold unequal
         counts (RowChunks{m, W}; the same on every rank); default rows x world_size."""
         x2 = _flatten(_CLS, x, self.hidden_size, "this rank's rows (tokens) first")
-        if x2.dtype != self.w13.dtype:
-            _fail(f"input has dtype {x2.dtype}; expected the parameters' {self.w13.dtype}")
-        if x2.device != self.w13.device:
-            _fail(f"input is on {x2.device}; expected the parameters' device {self.w13.device}")
+        dtype, device = self.router_weight.dtype, self.router_weight.device
+        if x2.dtype != dtype:
+            _fail(f"input has dtype {x2.dtype}; expected the parameters' {dtype}")
+        if x2.device != device:
+            _fail(f"input is on {x2.device}; expected the parameters' device {device}")
+        if self.fp8 and torch.is_grad_enabled() and x2.requires_grad:
+            _fail("the FP8 experts (quantize_fp8) are inference only: the input requires grad; call under "
+                  "torch.no_grad() or detach it")
         rows = x2.shape[0]
         if m is None:
             m = rows * self.world_size
@@ -221,6 +257,9 @@ class ParallelMoE(torch.nn.Module):
         if rows != expected:
             _fail(f"input has {rows} rows on rank {self.rank}; expected {expected}, this rank's share of m={m} "
                   f"over {self.world_size} ranks (RowChunks)")
+        if self.fp8:
+            with torch.no_grad():
+                return _unflatten(self._forward_fp8(x2, m).to(dtype), x)
         ids, weights = self.route(x2)
         ids, weights = GatherRouting.apply(ids, weights, m, self.rank, self.world_size)
         h13 = _moe.moe_ag_group_gemm(_ag.dense(x2), ids, self.w13, method=self.method)
@@ -228,6 +267,17 @@ class ParallelMoE(torch.nn.Module):
         h = swiglu(h13, f)
         y = _moe.moe_group_gemm_rs(h, self.w2, ids, weights, method=_moe.rs_method(self.method))
         return _unflatten(y, x)
+
+    def _forward_fp8(self, x2, m: int):
+        """The forward on FP8 experts (quantize_fp8), bf16 out; under no_grad."""
+        ids, weights = self.route(x2)
+        ids, weights = GatherRouting.apply(ids, weights, m, self.rank, self.world_size)
+        h13 = _moe.moe_ag_group_gemm_fp8(*_moe.quantize_fp8_rows(x2), ids, self.w13_fp8, self.w13_scales,
+                                         method=self.method)
+        f = self.local_intermediate_size
+        h = torch.nn.functional.silu(h13[:, :f]) * h13[:, f:]
+        return _moe.moe_group_gemm_rs_fp8(*_moe.quantize_fp8_rows(h), self.w2_fp8, self.w2_scales, ids, weights,
+                                          method=_moe.rs_method(self.method))
 
     @classmethod
     def from_weights(cls, router_weight, gate_up_weight, down_weight, top_k: int, *, norm_topk_prob: bool = True,
@@ -318,7 +368,7 @@ class ParallelMoE(torch.nn.Module):
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size} "
                 f"({self.local_intermediate_size} on rank {self.rank} of {self.world_size}), "
                 f"num_experts={self.num_experts}, top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, "
-                f"method={self.method!r}")
+                f"method={self.method!r}" + (", fp8=True" if self.fp8 else ""))
 
 
 def _check_silu(name: str, act) -> None:
