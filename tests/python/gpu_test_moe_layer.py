@@ -22,7 +22,9 @@ of the experts' weight gradients. Checked:
   (the full experts gathered from every rank's shards);
 * ParallelMoE.from_module of transformers' Qwen3MoeSparseMoeBlock (where transformers is installed)
   against that block's own forward;
-* argument errors raised alike on every rank before any collective.
+* argument errors raised alike on every rank before any collective;
+* FP8 serving (quantize_fp8): the output against float64 of the block with the same quantisation
+  (fp8_reference), every method, bf16 and fp16 modules, one token.
 
 The routing is made unambiguous, so that bf16 rounding cannot flip a token's experts between the
 module and the reference: the router weight's row e is the unit vector of feature e, so a token's
@@ -37,7 +39,7 @@ import sys
 
 import gpu_harness as h
 from gpu_harness import check_close, rank, world
-from gpu_test_moe import poison_allocator
+from gpu_test_moe import dequant_blocks, dequant_rows, poison_allocator
 from gpu_test_moe_grad import Checks
 
 import tdist
@@ -78,10 +80,11 @@ def full_inputs(m, experts, top_k, hidden, inter, empty, dtype, seed):
     return [t.to(dtype).cuda() for t in (x, router, gate_up, down, grad)]
 
 
-def block_reference(x, router, gate_up, down, top_k, norm, margin_check=True):
+def block_reference(x, router, gate_up, down, top_k, norm, margin_check=True, x_experts=None, h_map=None):
     """float64 output (m, H) of the unsharded block, differentiable in every argument (float64 leaves
     the caller made). Raises when a token's k-th and (k+1)-th logits are closer than 0.05 (the test's
-    routing would then be ambiguous in bf16)."""
+    routing would then be ambiguous in bf16). ``x_experts``: the tokens the experts read (default x,
+    which the router reads); ``h_map``: applied to each expert's SwiGLU output (m_e, I)."""
     logits = x @ router.T
     if margin_check and logits.shape[1] > top_k and logits.shape[0]:
         top = logits.detach().topk(top_k + 1, dim=1).values
@@ -92,12 +95,16 @@ def block_reference(x, router, gate_up, down, top_k, norm, margin_check=True):
     if norm:
         weights = weights / weights.sum(dim=1, keepdim=True)
     inter = down.shape[2]
+    x_experts = x if x_experts is None else x_experts
     y = torch.zeros_like(x)
     for e in range(router.shape[0]):
         t, j = (ids == e).nonzero(as_tuple=True)
         if t.numel():
-            a = x[t] @ gate_up[e].T
-            y = y.index_add(0, t, weights[t, j].unsqueeze(1) * ((F.silu(a[:, :inter]) * a[:, inter:]) @ down[e].T))
+            a = x_experts[t] @ gate_up[e].T
+            hidden = F.silu(a[:, :inter]) * a[:, inter:]
+            if h_map is not None:
+                hidden = h_map(hidden)
+            y = y.index_add(0, t, weights[t, j].unsqueeze(1) * (hidden @ down[e].T))
     return y
 
 
@@ -175,6 +182,58 @@ def run_case(check, name, m, experts, top_k, hidden, f, empty, norm, dtype, meth
                   f"{what} {p} gradient of the experts without tokens is not 0")
     check(expect, same_on_every_rank(mod.router_weight.grad), f"{what} router_weight gradient differs between ranks")
     return mod, (x_all, router, gate_up, down, grad), (ref_router, ref_gate_up, ref_down)
+
+
+FP8_TOL = 6e-2  # bf16 rounding of h13 and h moves some e4m3 roundings of h by one step (2^-3 relative)
+FP8_CASES = [  # as CASES; hidden and intermediate per rank multiples of 16
+    ("fp8", 301, 12, 3, 208, 80, 3, True, torch.bfloat16, "auto"),
+    ("fp8_fused", 389, 10, 2, 144, 48, 2, False, torch.bfloat16, "fused"),
+    ("fp8_fp16_chunked", 263, 9, 3, 144, 144, 1, True, torch.float16, "chunked"),
+    ("fp8_baseline_one_token", 1, 8, 2, 128, 16, 2, True, torch.bfloat16, "baseline"),
+]
+
+
+def fp8_reference(x_all, router, gate_up, down, top_k, norm, f):
+    """float64 output (m, H) of the block as the FP8 module computes it: the experts' values are every
+    rank's shards quantised by quantize_fp8_blocks (dequantised back into the full weights), the
+    experts read the tokens quantised by quantize_fp8_rows, and each expert's SwiGLU output is quantised
+    per row over each rank's F columns (what that rank's second projection reads)."""
+    W, inter = world(), f * world()
+    gu, dn = gate_up.double().clone(), down.double().clone()
+    for r in range(W):
+        w13 = dequant_blocks(*moe.quantize_fp8_blocks(shard_w13(gate_up, f, r))).to(gu.device)
+        gu[:, r * f:(r + 1) * f], gu[:, inter + r * f:inter + (r + 1) * f] = w13[:, :f], w13[:, f:]
+        dn[:, :, r * f:(r + 1) * f] = dequant_blocks(*moe.quantize_fp8_blocks(shard_w2(down, f, r).contiguous()))
+
+    def h_map(h):
+        return torch.cat([dequant_rows(*moe.quantize_fp8_rows(h[:, r * f:(r + 1) * f])) for r in range(W)],
+                         dim=1).to(h.device)
+
+    x_q = dequant_rows(*moe.quantize_fp8_rows(x_all)).to(x_all.device)
+    return block_reference(x_all.double(), router.double(), gu, dn, top_k, norm, x_experts=x_q, h_map=h_map)
+
+
+def test_fp8_serving():
+    """ParallelMoE.quantize_fp8: the output against fp8_reference, the module's dtype out, every method,
+    grad mode on with an input that needs none."""
+    check = Checks()
+    for i, (name, m, experts, top_k, hidden, f, empty, norm, dtype, method) in enumerate(FP8_CASES):
+        W = world()
+        what = f"[{name}] m={m} E={experts} k={top_k} H={hidden} F={f} x{W} {dtype} norm={norm} method={method}"
+        x_all, router, gate_up, down, _ = full_inputs(m, experts, top_k, hidden, f * W, empty, dtype, 400 + i)
+        mod = tdist.nn.ParallelMoE.from_weights(router, gate_up, down, top_k, norm_topk_prob=norm, method=method)
+        mod.quantize_fp8()
+        first, rows, x_rows = local_rows(x_all, m)
+        poison_allocator()
+        y = mod(x_rows.clone(), m=m)
+        torch.cuda.synchronize()
+        check(no_moe_errors, what)
+        check(expect, y.dtype == dtype and y.shape == x_rows.shape and not y.requires_grad,
+              f"{what}: output {y.dtype} {tuple(y.shape)} requires_grad={y.requires_grad}")
+        with torch.no_grad():
+            ref = fp8_reference(x_all, router, gate_up, down, top_k, norm, f)
+        check(check_close, y, ref[first:first + rows].cpu(), what + " output", FP8_TOL)
+    check.raise_failed()
 
 
 def test_forward_backward_against_float64():
@@ -306,6 +365,7 @@ TESTS = [
     test_one_sgd_step,
     test_from_transformers_block,
     test_argument_errors,
+    test_fp8_serving,
 ]
 
 if __name__ == "__main__":
