@@ -2,7 +2,7 @@
 (torch._grouped_mm + NCCL), and of tdist's grouped GEMM beside torch._grouped_mm, from one run.
 
     torchrun --nproc-per-node 2 -m tdist.bench_moe [--models mixtral,qwen3,dsv2lite] [--tokens 1024,4096,16384]
-        [--routing uniform,skewed] [--ops ag,rs] [--iters 20] [--json FILE]
+        [--routing uniform,skewed] [--ops ag,rs] [--fp8] [--iters 20] [--json FILE]
 
 Shapes (every rank holds every expert's shard of the intermediate features, TP = the world size; F =
 intermediate / world): Mixtral-8x7B (hidden 4096, intermediate 14336, 8 experts, top-2), Qwen3-30B-A3B
@@ -23,6 +23,11 @@ Ops and what each row times (median us, slowest rank):
       group_gemm_us        tdist.moe.grouped_gemm alone on that projection's expert-ordered rows (rows
                            padded per expert to 128, as the op computes them)
       torch_grouped_mm_us  torch._grouped_mm alone on the same rows, unpadded, int32 offsets
+  with --fp8, also (the operands quantised once per input set, outside the timing: e4m3 with 1 x 128
+  scales for the tokens or h, 128 x 128 for the weights; bf16 out):
+      tdist_fp8_us         the op's FP8 form (tdist.moe_ag_group_gemm_fp8 / moe_group_gemm_rs_fp8 / _ar_fp8)
+      group_gemm_fp8_us    tdist.moe.grouped_gemm_fp8 alone on the quantised expert-ordered rows
+      checked against the bf16 op and grouped GEMM (max |diff| / max |bf16| <= 0.1: FP8 rounding)
 
 Where this torch has no torch._grouped_mm that runs bf16 on this GPU and matches a loop of per-expert
 matmuls on a small problem (checked once, on every rank), the baseline and torch_grouped_mm_us use
@@ -63,6 +68,7 @@ MODELS = {
 OPS = {"ag": "moe_ag_group_gemm", "rs": "moe_group_gemm_rs", "ar": "moe_group_gemm_ar"}
 ROUTINGS = ("uniform", "skewed")
 METHODS = ("tdist", "group_gemm", "baseline", "torch_grouped_mm")
+FP8_METHODS = ("tdist_fp8", "group_gemm_fp8")  # --fp8
 COLLECTIVE = ("tdist", "baseline")
 # Goals (docs/moe.md, "Benchmark"): grouped GEMM throughput vs torch._grouped_mm; op time over the
 # grouped GEMM alone at M >= kLargeM; baseline time over the op's, at M >= kLargeM and below it.
@@ -71,6 +77,7 @@ kOverhead = {"ag": 1.10, "rs": 1.12}
 kSpeedupLarge, kSpeedupSmall = 1.25, 1.0
 kLargeM = 4096
 kCheckTol = 2e-2  # max |diff| / max |ref| between two bf16 results of fp32 accumulation
+kFp8CheckTol = 0.1  # an FP8 result against the bf16 one: e4m3 rounding of both operands (2^-4 each at most)
 GROUPED_MM = "torch._grouped_mm"
 GROUPED_MM_LOOP = "loop of per-expert torch.matmul"
 
@@ -83,6 +90,8 @@ def _parse(argv):
                    help="comma-separated token counts M (all ranks); not --m, which torchrun takes for its own")
     p.add_argument("--routing", default=",".join(ROUTINGS), help="comma-separated: " + ", ".join(ROUTINGS))
     p.add_argument("--ops", default="ag,rs", help="comma-separated: " + ", ".join(OPS))
+    p.add_argument("--fp8", action="store_true",
+                   help="also time the FP8 forms of the op and of the grouped GEMM (tdist_fp8_us, group_gemm_fp8_us)")
     p.add_argument("--tdist-method", default="auto", choices=AG_METHODS,
                    help="method of moe_ag_group_gemm (moe_group_gemm_rs runs chunked for fused)")
     p.add_argument("--sets", type=int, default=3, help="input sets rotated over (fresh routing each)")
@@ -311,7 +320,35 @@ def _methods(torch, dist, tdist, op, sets, w, dims, args):
             dist.reduce_scatter_tensor(rows, out)
             return rows
 
-    return {"tdist": tdist_op, "group_gemm": group_gemm, "baseline": baseline, "torch_grouped_mm": torch_grouped_mm}
+    calls = {"tdist": tdist_op, "group_gemm": group_gemm, "baseline": baseline, "torch_grouped_mm": torch_grouped_mm}
+    if args.fp8:
+        calls.update(_fp8_methods(tdist, op, sets, moe.quantize_fp8_blocks(w), args))
+    return calls
+
+
+def _fp8_methods(tdist, op, sets, w_fp8, args):
+    """{tdist_fp8, group_gemm_fp8: call(i)} of one op on set i, with its operands quantised (set i's
+    "x_fp8" (this rank's tokens, ag) and "a_fp8" (the expert-ordered rows), w_fp8 the weights')."""
+    moe = tdist.moe
+    w_q, w_s = w_fp8
+    for entry in sets:
+        entry["a_fp8"] = moe.quantize_fp8_rows(entry["a_pad"])
+        if op == "ag":
+            entry["x_fp8"] = moe.quantize_fp8_rows(entry["s"].x_rows)
+
+    def group_gemm_fp8(i):
+        return moe.grouped_gemm_fp8(*sets[i]["a_fp8"], w_q, w_s, sets[i]["s"].offsets)
+
+    def tdist_fp8(i):
+        s = sets[i]
+        if op == "ag":
+            return tdist.moe_ag_group_gemm_fp8(*s["x_fp8"], s["s"].ids, w_q, w_s, method=args.tdist_method)
+        if op == "ar":
+            return tdist.moe_group_gemm_ar_fp8(*s["a_fp8"], w_q, w_s, s["s"].ids, s["s"].wts)
+        return tdist.moe_group_gemm_rs_fp8(*s["a_fp8"], w_q, w_s, s["s"].ids, s["s"].wts,
+                                           method=rs_method(args.tdist_method))
+
+    return {"tdist_fp8": tdist_fp8, "group_gemm_fp8": group_gemm_fp8}
 
 
 def _rel_err(torch, got, ref):
@@ -324,9 +361,15 @@ def _rel_err(torch, got, ref):
 
 def _check(torch, op, outs, sets):
     """{method: max relative error} of set 0's outputs: tdist against the baseline, the grouped GEMM
-    against torch._grouped_mm (tdist's rows taken in PyTorch's order)."""
+    against torch._grouped_mm (tdist's rows taken in PyTorch's order), the FP8 forms against the bf16
+    ones (rows up to the last expert's end only: the rest is not written)."""
     s = sets[0]["s"]
     errs = {}
+    end = int(s.offsets[-1])
+    for fp8, bf16 in (("tdist_fp8", "tdist"), ("group_gemm_fp8", "group_gemm")):
+        if fp8 in outs and bf16 in outs:
+            rows = end if op == "ag" or bf16 == "group_gemm" else outs[bf16].shape[0]
+            errs[fp8] = _rel_err(torch, outs[fp8][:rows], outs[bf16][:rows])
     if "group_gemm" in outs and "torch_grouped_mm" in outs:
         errs["group_gemm"] = _rel_err(torch, outs["group_gemm"][s.perm], outs["torch_grouped_mm"])
     if "tdist" in outs and "baseline" in outs:
@@ -343,6 +386,7 @@ def _error_text(e):
 def _bench_op(torch, dist, tdist, op, sets, w, dims, args):
     """(times {method: us or None}, errors {method: text}, rel_err {method: float}) of one op."""
     calls = _methods(torch, dist, tdist, op, sets, w, dims, args)
+    methods = tuple(calls)  # METHODS, then FP8_METHODS with --fp8
     outs, failed = {}, {}
 
     def try_call(name):
@@ -355,27 +399,28 @@ def _bench_op(torch, dist, tdist, op, sets, w, dims, args):
 
     # Local methods first: the baseline needs PyTorch's grouped GEMM, and a collective must start on
     # every rank or on none.
-    for name in ("group_gemm", "torch_grouped_mm"):
-        try_call(name)
+    for name in ("group_gemm", "torch_grouped_mm", "group_gemm_fp8"):
+        if name in calls:
+            try_call(name)
     if "torch_grouped_mm" in failed:
         failed["baseline"] = f"needs {dims['grouped_mm']}: " + failed["torch_grouped_mm"]
-    ok = torch.tensor([0.0 if name in failed else 1.0 for name in METHODS], device=w.device)
+    ok = torch.tensor([0.0 if name in failed else 1.0 for name in methods], device=w.device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    for name in COLLECTIVE:
-        if ok[METHODS.index(name)] > 0:
+    for name in COLLECTIVE + ("tdist_fp8",):
+        if name in calls and ok[methods.index(name)] > 0:
             try_call(name)
     # Every rank runs the same methods (the collective ones wait for each other).
-    ok = torch.tensor([0.0 if name in failed else 1.0 for name in METHODS], device=w.device)
+    ok = torch.tensor([0.0 if name in failed else 1.0 for name in methods], device=w.device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    live = [name for name, flag in zip(METHODS, ok.tolist()) if flag > 0]
-    for name in METHODS:
+    live = [name for name, flag in zip(methods, ok.tolist()) if flag > 0]
+    for name in methods:
         if name not in live and name not in failed:
             failed[name] = "failed on another rank"
     errs = _check(torch, op, {k: v for k, v in outs.items() if k in live}, sets)
     outs.clear()
-    err_t = torch.tensor([errs.get(name, -1.0) for name in METHODS], dtype=torch.float64, device=w.device)
+    err_t = torch.tensor([errs.get(name, -1.0) for name in methods], dtype=torch.float64, device=w.device)
     dist.all_reduce(err_t, op=dist.ReduceOp.MAX)  # the worst rank's (inf stays inf)
-    rel = {name: v for name, v in zip(METHODS, err_t.tolist()) if v >= 0}
+    rel = {name: v for name, v in zip(methods, err_t.tolist()) if v >= 0}
 
     nsets = len(sets)
     for i in range(args.warmup):
@@ -393,11 +438,15 @@ def _bench_op(torch, dist, tdist, op, sets, w, dims, args):
             events[name].append((start, end))
     torch.cuda.synchronize()
     med = [statistics.median(s.elapsed_time(e) * 1000.0 for s, e in events[name]) if name in events else -1.0
-           for name in METHODS]
+           for name in methods]
     t = torch.tensor(med, dtype=torch.float64, device=w.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a collective op is as fast as its slowest rank
-    times = {name: (v if name in live else None) for name, v in zip(METHODS, t.tolist())}
+    times = {name: (v if name in live else None) for name, v in zip(methods, t.tolist())}
     return times, failed, rel
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
 
 
 def _goals(op, m, row):
@@ -472,14 +521,20 @@ def main(argv=None) -> int:
                                "baseline_us": times["baseline"], "torch_grouped_mm_us": times["torch_grouped_mm"],
                                "grouped_mm_baseline": grouped_mm,
                                "n": w.shape[1], "k": w.shape[2], "experts": experts, "topk": topk,
-                               "max_rel_err": {k: rel[k] for k in ("tdist", "group_gemm") if k in rel}}
+                               "max_rel_err": {k: rel[k] for k in ("tdist", "group_gemm") + FP8_METHODS if k in rel}}
+                        if args.fp8:
+                            row.update({f"{k}_us": times.get(k) for k in FP8_METHODS})
+                            row["ratios_fp8"] = {"op_bf16_over_fp8": _ratio(times["tdist"], times.get("tdist_fp8")),
+                                                 "gg_bf16_over_fp8": _ratio(times["group_gemm"],
+                                                                            times.get("group_gemm_fp8"))}
                         goals, gg, over, speed = _goals(op, m, row)
                         row["ratios"] = {"group_gemm_vs_torch": gg, "tdist_over_group_gemm": over,
                                          "speedup_vs_baseline": speed}
                         row["goals"] = goals
                         if failed:
                             row["errors"] = failed
-                        bad = [k for k, v in row["max_rel_err"].items() if not v <= kCheckTol]
+                        bad = [k for k, v in row["max_rel_err"].items()
+                               if not v <= (kFp8CheckTol if k in FP8_METHODS else kCheckTol)]
                         if bad:
                             row["check_failed"] = bad
                         rows.append(row)
@@ -496,7 +551,8 @@ def main(argv=None) -> int:
             _print_summary(rows)
         if me == 0 and args.json:
             doc = {"world_size": world, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "tdist": tdist.__version__, "dtype": "bf16", "command": " ".join(sys.argv),
+                   "tdist": tdist.__version__, "dtype": "bf16" + (" and e4m3 (--fp8)" if args.fp8 else ""),
+                   "command": " ".join(sys.argv),
                    "tdist_method": args.tdist_method, "sets": args.sets, "iters": args.iters,
                    "warmup": args.warmup, "seed": args.seed, "random": args.random,
                    "grouped_mm_baseline": grouped_mm, "grouped_mm_fallback_reason": why,
@@ -555,7 +611,17 @@ def _print_row(row, first, world, args, grouped_mm=GROUPED_MM):
           + _fmt(r["tdist_over_group_gemm"], 7, ".2f") + _mark(g.get("tdist_over_group_gemm"))
           + _fmt(r["speedup_vs_baseline"], 8, ".2f") + _mark(g.get("speedup_vs_baseline"))
           + f"  {_fmt(err.get('tdist'), 0, '.1e')} / {_fmt(err.get('group_gemm'), 0, '.1e')}"
-          + ("  CHECK FAILED" if row.get("check_failed") else ""), flush=True)
+          + _fp8_text(row) + ("  CHECK FAILED" if row.get("check_failed") else ""), flush=True)
+
+
+def _fp8_text(row):
+    """With --fp8: the FP8 op's and grouped GEMM's times, the bf16 ones over them, their errors."""
+    if "tdist_fp8_us" not in row:
+        return ""
+    r, err = row["ratios_fp8"], row["max_rel_err"]
+    return (f"  | fp8 op {_fmt(row['tdist_fp8_us'], 0)} us ({_fmt(r['op_bf16_over_fp8'], 0, '.2f')}x) gg "
+            f"{_fmt(row['group_gemm_fp8_us'], 0)} us ({_fmt(r['gg_bf16_over_fp8'], 0, '.2f')}x) err "
+            f"{_fmt(err.get('tdist_fp8'), 0, '.1e')} / {_fmt(err.get('group_gemm_fp8'), 0, '.1e')}")
 
 
 def _print_summary(rows):

@@ -121,6 +121,22 @@ def test_table_names_the_baseline(capsys):
     assert f"torch gg): {bm.GROUPED_MM}" in capsys.readouterr().out.splitlines()[0]
 
 
+def test_fp8_columns(capsys):
+    assert not bm._parse([]).fp8 and bm._parse(["--fp8"]).fp8
+    row = {"op": "moe_group_gemm_rs", "model": "Qwen3-30B-A3B", "m": 4096, "routing": "skewed", "tdist_us": 90.0,
+           "group_gemm_us": 80.0, "baseline_us": 150.0, "torch_grouped_mm_us": 85.0, "tdist_fp8_us": 60.0,
+           "group_gemm_fp8_us": None, "ratios": {"group_gemm_vs_torch": 85 / 80, "tdist_over_group_gemm": 90 / 80,
+                                                 "speedup_vs_baseline": 150 / 90},
+           "ratios_fp8": {"op_bf16_over_fp8": bm._ratio(90.0, 60.0), "gg_bf16_over_fp8": bm._ratio(80.0, None)},
+           "goals": {}, "max_rel_err": {"tdist_fp8": 0.03}}
+    bm._print_row(row, False, 2, bm._parse(["--fp8"]))
+    line = capsys.readouterr().out
+    assert "| fp8 op 60.0 us (1.50x) gg - us (-x) err 3.0e-02 / -" in line, line
+    del row["tdist_fp8_us"]
+    bm._print_row(row, False, 2, bm._parse([]))
+    assert "fp8" not in capsys.readouterr().out
+
+
 def test_loop_agrees_with_torch_grouped_mm_where_it_runs(torch):
     # The loop must mean what torch._grouped_mm means (offsets, mat_b layout): where this torch runs it
     # on the CPU, the choice must not fall back for a difference.
