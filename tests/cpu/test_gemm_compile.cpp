@@ -826,3 +826,76 @@ TEST(GroupedGemmFp8Kernels, EveryInstanceCompilesForSm90aWithoutSpills) {
   }
   EXPECT_EQ(ptx_files, static_cast<int>(2 * tdist::fp8_gemm_tiles().size()));
 }
+
+// ---------------- FP8 row quantisation ----------------
+
+TEST(Fp8Quantize, DefaultsAndErrorsNameTheArgument) {
+  using tdist::Fp8QuantizeArgs;
+  auto valid = [] {
+    Fp8QuantizeArgs a;
+    a.x = reinterpret_cast<const void*>(0x10000);
+    a.q = reinterpret_cast<void*>(0x20000);
+    a.scales = reinterpret_cast<float*>(0x30004);
+    a.rows = 300;
+    a.k = 208;  // two scale blocks, the second partial
+    return a;
+  };
+  const Fp8QuantizeArgs d = tdist::check_fp8_quantize_args(valid());
+  EXPECT_EQ(d.ldx, 208);
+  EXPECT_EQ(d.ldq, 208);
+  EXPECT_EQ(d.scale_ld, 2);
+  Fp8QuantizeArgs glu = valid();
+  glu.swiglu = true;
+  EXPECT_EQ(tdist::check_fp8_quantize_args(glu).ldx, 416);  // gate and up columns
+  Fp8QuantizeArgs empty = valid();
+  empty.rows = 0;
+  empty.x = nullptr;
+  EXPECT_NO_THROW(tdist::check_fp8_quantize_args(empty));
+  auto with = [&](auto change) {
+    Fp8QuantizeArgs a = valid();
+    change(a);
+    return [a] { tdist::check_fp8_quantize_args(a); };
+  };
+  expect_arg_error(with([](Fp8QuantizeArgs& a) { a.dtype = DType::kFloat8E4M3; }), "dtype");
+  expect_arg_error(with([](Fp8QuantizeArgs& a) { a.k = 200; }), "k");  // not a multiple of 16
+  expect_arg_error(with([](Fp8QuantizeArgs& a) { a.rows = -1; }), "rows");
+  expect_arg_error(with([](Fp8QuantizeArgs& a) {
+                     a.swiglu = true;
+                     a.ldx = 208;  // holds the gate only
+                   }),
+                   "ldx");
+  expect_arg_error(with([](Fp8QuantizeArgs& a) { a.ldq = 216; }), "ldq");
+  expect_arg_error(with([](Fp8QuantizeArgs& a) { a.scale_ld = 1; }), "scale_ld");
+  expect_arg_error(with([](Fp8QuantizeArgs& a) { a.x = reinterpret_cast<const void*>(0x10008); }), "x");
+  expect_arg_error(with([](Fp8QuantizeArgs& a) { a.q = nullptr; }), "q");
+  expect_arg_error(with([](Fp8QuantizeArgs& a) { a.scales = reinterpret_cast<float*>(0x30002); }), "scales");
+}
+
+// Every instance (bf16, fp16, fp32 rows; plain and SwiGLU) compiles for sm_90a without spills or
+// local memory, converting with the saturating round-to-nearest e4m3 instruction.
+TEST(Fp8Quantize, KernelsCompileForSm90a) {
+  TempDir cache, dump;
+  ASSERT_EQ(setenv("TDIST_JIT_DUMP", dump.path.c_str(), 1), 0);
+  jit::KernelCache kernels(cache.path);
+  const auto requests = tdist::fp8_quantize_compile_requests();
+  ASSERT_EQ(requests.size(), 1u);
+  jit::CompileRequest r = requests[0];
+  r.arch = "sm_90a";
+  r.compiler = jit::CompilerKind::kNvrtc;
+  const auto compiled = jit::compile(r, kernels);
+  unsetenv("TDIST_JIT_DUMP");
+  ASSERT_FALSE(compiled->cubin.empty());
+  EXPECT_EQ(r.name_expressions.size(), 6u);
+  for (const auto& name : r.name_expressions) EXPECT_FALSE(compiled->lowered_name(name).empty()) << name;
+  EXPECT_EQ(compiled->spill_stores + compiled->spill_loads, 0) << compiled->log;
+  int ptx_files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dump.path)) {
+    if (e.path().extension() != ".ptx") continue;
+    ++ptx_files;
+    const std::string ptx = read(e.path());
+    EXPECT_NE(ptx.find("cvt.rn.satfinite.e4m3x2.f32"), std::string::npos);
+    EXPECT_EQ(ptx.find("ld.local"), std::string::npos);
+    EXPECT_EQ(ptx.find("st.local"), std::string::npos);
+  }
+  EXPECT_EQ(ptx_files, 1);
+}

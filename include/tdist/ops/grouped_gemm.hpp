@@ -156,6 +156,28 @@ std::string grouped_gemm_fp8_kernel_name(const GemmTile& tile, Fp8GroupedKernel 
 jit::CompileRequest grouped_gemm_fp8_compile_request(const GemmTile& tile, Fp8GroupedKernel kind);
 std::vector<jit::CompileRequest> grouped_gemm_fp8_compile_requests();
 
+// The FP8 GEMM's A from 16- or 32-bit rows, in one pass (kernels/gemm/fp8_quantize.cuh): row r of x
+// (dtype bf16, fp16 or fp32; with `swiglu`, SiLU(x[r][0, k)) * x[r][k, 2 k) in fp32) -> q (e4m3) and
+// one f32 scale per 128 columns, amax / 448 (the A scales of GroupedGemmFp8Args, row-major).
+struct Fp8QuantizeArgs {
+  const void* x = nullptr;
+  DType dtype = DType::kBFloat16;
+  int64_t ldx = 0;  // elements; 0: dense (k, or 2 k with swiglu)
+  void* q = nullptr;
+  int64_t ldq = 0;  // bytes; 0: k
+  float* scales = nullptr;
+  int64_t scale_ld = 0;  // 0: ceil(k / 128)
+  int64_t rows = 0, k = 0;
+  bool swiglu = false;
+};
+// Checks (k > 0 and a multiple of 16, leading dimensions, 16-byte aligned x and q, 4-byte aligned
+// scales; errors name the argument) and returns the args with the leading dimensions filled in.
+Fp8QuantizeArgs check_fp8_quantize_args(const Fp8QuantizeArgs& args);
+// On `stream`, no host synchronisation (graph-capturable once loaded); rows == 0 is a no-op. The
+// instances are JIT family fp8_quantize.
+void quantize_fp8_rows(const Fp8QuantizeArgs& args, cudaStream_t stream);
+std::vector<jit::CompileRequest> fp8_quantize_compile_requests();
+
 class GroupedGemm {
  public:
   // Reads the current device's SM count (a Hopper GPU); compiles nothing yet.
