@@ -232,6 +232,27 @@ void grouped_gemm_fp8(uint64_t a, uint64_t a_scales, int64_t a_scales_row_stride
   grouped_gemm_for(device).run(checked, reinterpret_cast<cudaStream_t>(stream));
 }
 
+// FP8 row quantisation (python/tdist/moe.py: quantize_fp8_rows, swiglu_quantize_fp8): x's rows (dtype
+// bf16 / f16 / f32, ldx elements apart; with swiglu SiLU(gate) * up of [gate | up]) -> dense e4m3 q
+// [rows][k] and f32 scales [rows][ceil(k / 128)].
+void quantize_fp8(uint64_t x, const std::string& dtype, int64_t ldx, uint64_t q, uint64_t scales, int64_t rows,
+                  int64_t k, bool swiglu, int device, uint64_t stream) {
+  tdist::Fp8QuantizeArgs args;
+  args.x = ptr<const void>(x);
+  args.dtype = tdist::parse_dtype(dtype, "x");
+  args.ldx = ldx;
+  args.q = ptr<void>(q);
+  args.scales = ptr<float>(scales);
+  args.rows = rows;
+  args.k = k;
+  args.swiglu = swiglu;
+  const tdist::Fp8QuantizeArgs checked = tdist::check_fp8_quantize_args(args);  // before the device
+  if (rows == 0) return;
+  nb::gil_scoped_release release;
+  tdist_python::ScopedDevice scope(device);
+  tdist::quantize_fp8_rows(checked, reinterpret_cast<cudaStream_t>(stream));
+}
+
 // The routing alone into the caller's int32 tensors (python/tdist/moe.py: tdist.moe.routing of GPU
 // ids, which the ops' backward calls): a MoeRouter on one device for up to max_m tokens. Not
 // collective, and no runtime: it owns ordinary device memory only.
@@ -319,6 +340,10 @@ void bind_moe(nb::module_& m) {
         "b"_a, "b_scales"_a, "d"_a, "offsets"_a, "offsets_dtype"_a, "m"_a, "n"_a, "k"_a, "num_groups"_a, "device"_a,
         "stream"_a,
         "FP8 grouped GEMM on raw device pointers (tdist/ops/grouped_gemm.hpp); use tdist.moe.grouped_gemm_fp8.");
+  m.def("quantize_fp8", &quantize_fp8, "x"_a, "dtype"_a, "ldx"_a, "q"_a, "scales"_a, "rows"_a, "k"_a, "swiglu"_a,
+        "device"_a, "stream"_a,
+        "FP8 row quantisation on raw device pointers (tdist/ops/grouped_gemm.hpp); use "
+        "tdist.moe.quantize_fp8_rows or swiglu_quantize_fp8.");
   m.def("grouped_gemm_alignment", &tdist::grouped_gemm_alignment,
         "Rows of every group of the grouped GEMM are padded to a multiple of this.");
   m.def("moe_capacity", &tdist::moe_capacity, "m"_a, "topk"_a, "experts"_a,

@@ -10,7 +10,8 @@ the grouped GEMM.
 
     # FP8: e4m3 tokens, h and weights with their block scales, bf16 out
     h13 = tdist.moe_ag_group_gemm_fp8(*quantize_fp8_rows(x_rows), topk_ids, *quantize_fp8_blocks(w13))
-    y_rows = tdist.moe_group_gemm_rs_fp8(*quantize_fp8_rows(h), *quantize_fp8_blocks(w2), topk_ids, topk_weights)
+    h_q, h_s = swiglu_quantize_fp8(h13)                                # SiLU(gate) * up in e4m3, one pass
+    y_rows = tdist.moe_group_gemm_rs_fp8(h_q, h_s, *quantize_fp8_blocks(w2), topk_ids, topk_weights)
 
 Shapes (M tokens over all ranks, rows(r) = M // W + (r < M % W) of them on rank r, after rank r's
 predecessors'; E experts; T = bf16 or fp16):
@@ -374,17 +375,72 @@ def _to_e4m3(torch, blocks, block_dims):
     return q, scales.squeeze(block_dims)
 
 
-def quantize_fp8_rows(x):
-    """e4m3 [M, K] and f32 scales [M, ceil(K / 128)] of x [M, K] (any float type): one scale per row and
-    128 columns, amax / 448, so that x ~ q * scale (grouped_gemm_fp8's A). Torch ops on x's device."""
-    torch = _torch("moe.quantize_fp8_rows")
-    if x.dim() != 2:
-        _fail("moe.quantize_fp8_rows", "x", "a 2-D tensor [M, K]", list(x.shape))
+def _quantize_rows_torch(torch, x):
+    """quantize_fp8_rows in torch ops (any device and float type)."""
     m, k = x.shape
     kb = -(-k // _SCALE_BLOCK)
     blocks = torch.nn.functional.pad(x.float(), (0, kb * _SCALE_BLOCK - k)).view(m, kb, _SCALE_BLOCK)
     q, scales = _to_e4m3(torch, blocks, (2,))
     return q.view(m, kb * _SCALE_BLOCK)[:, :k].contiguous(), scales
+
+
+_QUANTIZE_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+def _quantize(x, swiglu: bool):
+    """(q, scales) of x's rows, or with swiglu of SiLU(x[:, :k]) * x[:, k:] (fp32), k = x's columns / 2:
+    tdist's kernel (tdist/ops/grouped_gemm.hpp, quantize_fp8_rows) where it takes x (a CUDA tensor of
+    bf16, fp16 or fp32 with unit column stride, 16-byte aligned rows, k a multiple of 16), else torch
+    ops with the same arithmetic."""
+    torch = torch_module()
+    m, k = x.shape[0], x.shape[1] // 2 if swiglu else x.shape[1]
+    name = torch_dtype_name(x.dtype)
+    if (x.is_cuda and name in _QUANTIZE_DTYPES and k > 0 and k % 16 == 0 and x.stride(1) == 1
+            and (m <= 1 or x.stride(0) % 8 == 0) and x.data_ptr() % 16 == 0):
+        q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+        scales = torch.empty((m, -(-k // _SCALE_BLOCK)), dtype=torch.float32, device=x.device)
+        ldx = x.stride(0) if m > 1 else (2 * k if swiglu else k)
+        _C.quantize_fp8(x.data_ptr(), _QUANTIZE_DTYPES[name], ldx, q.data_ptr(), scales.data_ptr(), m, k, swiglu,
+                        x.device.index, raw_stream(x.device.index))
+        return q, scales
+    if swiglu:
+        gate, up = x[:, :k].float(), x[:, k:2 * k].float()
+        x = gate / (1.0 + torch.exp(-gate)) * up
+    return _quantize_rows_torch(torch, x)
+
+
+def _check_quantize_input(op: str, x, swiglu: bool):
+    if x.dim() != 2:
+        _fail(op, "h13" if swiglu else "x", "a 2-D tensor [M, 2 F] (gate, up)" if swiglu else "a 2-D tensor [M, K]",
+              list(x.shape))
+    if swiglu and x.shape[1] % 2:
+        _fail(op, "h13", "an even number of columns (gate, then up)", list(x.shape))
+    if not x.dtype.is_floating_point:
+        _fail(op, "h13" if swiglu else "x", "a floating-point tensor", torch_dtype_name(x.dtype))
+
+
+def quantize_fp8_rows(x):
+    """e4m3 [M, K] and f32 scales [M, ceil(K / 128)] of x [M, K] (any float type): one scale per row and
+    128 columns, amax / 448, so that x ~ q * scale (grouped_gemm_fp8's A). One pass of tdist's kernel
+    on a CUDA tensor of bf16, fp16 or fp32 with K a multiple of 16 (rows of unit column stride);
+    torch ops with the same arithmetic otherwise (the same bits). torch.ops.tdist.quantize_fp8_rows."""
+    torch = _torch("moe.quantize_fp8_rows")
+    _check_quantize_input("moe.quantize_fp8_rows", x, False)
+    if _eager(x):
+        return _quantize(x, False)
+    return torch.ops.tdist.quantize_fp8_rows(x)
+
+
+def swiglu_quantize_fp8(h13):
+    """quantize_fp8_rows of SiLU(gate) * up, computed in fp32, for h13 = [gate | up] [M, 2 F] (the first
+    projection's output): e4m3 [M, F] and f32 [M, ceil(F / 128)], in one pass that reads h13 once
+    (tdist's kernel where quantize_fp8_rows's runs). The input of moe_group_gemm_rs_fp8.
+    torch.ops.tdist.swiglu_quantize_fp8."""
+    torch = _torch("moe.swiglu_quantize_fp8")
+    _check_quantize_input("moe.swiglu_quantize_fp8", h13, True)
+    if _eager(h13):
+        return _quantize(h13, True)
+    return torch.ops.tdist.swiglu_quantize_fp8(h13)
 
 
 def quantize_fp8_blocks(w):
@@ -497,6 +553,8 @@ def _rs_fp8(h, h_scales, w, w_scales, topk_ids, topk_weights, method, all_reduce
 
 
 def _register(torch):
+    from typing import Tuple
+
     from torch import Tensor
 
     def ag(x_rows: Tensor, topk_ids: Tensor, w: Tensor, method: str = "auto") -> Tensor:
@@ -558,8 +616,27 @@ def _register(torch):
         s = check_grouped_gemm_fp8_args(a, a_scales, w, w_scales, offsets)
         return w.new_empty((s["m"], s["n"]), dtype=torch.bfloat16)
 
+    def quantize(x: Tensor) -> Tuple[Tensor, Tensor]:
+        return _quantize(x, False)
+
+    def swiglu_quantize(h13: Tensor) -> Tuple[Tensor, Tensor]:
+        return _quantize(h13, True)
+
+    def quantized(x, k):  # the quantisers' outputs for x's rows, k columns
+        m = x.shape[0]
+        return (x.new_empty((m, k), dtype=torch.float8_e4m3fn),
+                x.new_empty((m, -(-k // _SCALE_BLOCK)), dtype=torch.float32))
+
+    def quantize_fake(x):
+        return quantized(x, x.shape[1])
+
+    def swiglu_quantize_fake(h13):
+        return quantized(h13, h13.shape[1] // 2)
+
     ops = []
-    for name, fn, fake in (("tdist::moe_ag_group_gemm", ag, ag_fake),
+    for name, fn, fake in (("tdist::quantize_fp8_rows", quantize, quantize_fake),
+                           ("tdist::swiglu_quantize_fp8", swiglu_quantize, swiglu_quantize_fake),
+                           ("tdist::moe_ag_group_gemm", ag, ag_fake),
                            ("tdist::moe_ag_group_gemm_fp8", ag_fp8, ag_fp8_fake),
                            ("tdist::moe_group_gemm_rs", rs, rs_fake),
                            ("tdist::moe_group_gemm_rs_fp8", rs_fp8, rs_fp8_fake),

@@ -672,7 +672,42 @@ def test_routing_on_gpu():
     torch.cuda.synchronize()
 
 
+def test_quantize_kernels():
+    """tdist's FP8 row quantisers on the GPU (not collective): quantize_fp8_rows the same bits as its torch
+    form on bf16, fp16 and fp32 rows (one row, K of one block, a partial last block, a column window of
+    a wider tensor); swiglu_quantize_fp8 within e4m3's rounding of float64 SiLU(gate) * up and equal to
+    the torch form's bits but for a rare step where fp32 expf and torch's exp differ; outputs poisoned."""
+    for i, (m, k, dtype) in enumerate([(1, 16, torch.bfloat16), (301, 208, torch.bfloat16), (1000, 400, torch.float16),
+                                       (77, 128, torch.float32), (5, 2064, torch.bfloat16)]):
+        what = f"quantize_fp8_rows m={m} k={k} {dtype}"
+        wide = rand((m, k + 48), dtype, 900 + i, scale=3.0).cuda()
+        wide[0, :16] = 0  # an all-zero block when k = 16
+        for x in (wide[:, :k].contiguous(), wide[:, 32:32 + k]):
+            poison_allocator()
+            q, sc = moe.quantize_fp8_rows(x)
+            q_ref, sc_ref = moe._quantize_rows_torch(torch, x)
+            torch.cuda.synchronize()
+            assert torch.equal(sc, sc_ref), f"{what}: scales differ from the torch form"
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"{what}: e4m3 differ from the torch form"
+    for i, (m, f) in enumerate([(1, 16), (517, 208), (64, 768)]):
+        what = f"swiglu_quantize_fp8 m={m} f={f}"
+        h13 = rand((m, 2 * f), torch.bfloat16, 950 + i, scale=2.0).cuda()
+        poison_allocator()
+        q, sc = moe.swiglu_quantize_fp8(h13)
+        gate, up = h13[:, :f].float(), h13[:, f:].float()
+        q_ref, sc_ref = moe._quantize_rows_torch(torch, gate / (1.0 + torch.exp(-gate)) * up)
+        torch.cuda.synchronize()
+        ref = (torch.nn.functional.silu(h13[:, :f].double()) * h13[:, f:].double()).cpu()
+        got = dequant_rows(q, sc)
+        step = sc.double().cpu().repeat_interleave(128, 1)[:, :f]
+        assert bool(((got - ref).abs() <= ref.abs() * 2 ** -4 + step * 2 ** -8).all()), f"{what}: beyond e4m3 rounding"
+        same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).double().mean().item()
+        assert same > 0.999, f"{what}: only {same:.4%} of the e4m3 values equal the torch form's"
+        assert bool(((sc - sc_ref).abs() <= sc_ref * 1e-6).all()), f"{what}: scales differ from the torch form"
+
+
 TESTS = [
+    test_quantize_kernels,
     test_routing_on_gpu,
     test_moe_ag_group_gemm,
     test_moe_ag_group_gemm_fp8,

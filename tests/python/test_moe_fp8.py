@@ -4,10 +4,12 @@ skip, saying so, without it.
 * quantize_fp8_rows / quantize_fp8_blocks: shapes, e4m3 and float32 dtypes, K and N not multiples of
   128, every block's amax mapped to 448, dequantised values within e4m3's half-ulp of the input,
   all-zero blocks kept finite;
-* the registered op's fake implementation gives bf16 [M_total, N] on meta tensors, column-major A
-  scales accepted;
+* swiglu_quantize_fp8: quantize_fp8_rows of SiLU(gate) * up computed in fp32;
+* the registered ops' fake implementations: bf16 [M_total, N] of the GEMM on meta tensors, column-major
+  A scales accepted; the quantisers' e4m3 rows and f32 scales;
 * argument errors name the argument.
-The product itself is checked on a GPU: tests/python/gpu_test_moe.py (test_grouped_gemm_fp8).
+The product and the quantisers' kernel are checked on a GPU: tests/python/gpu_test_moe.py
+(test_grouped_gemm_fp8, test_quantize_kernels).
 """
 
 import pytest
@@ -38,6 +40,28 @@ def test_quantize_rows(m, k):
     # Every block's largest magnitude maps to 448 (up to the e4m3 rounding of 448 itself: exact).
     blocks = torch.nn.functional.pad(q.float().abs(), (0, kb * 128 - k)).view(m, kb, 128).amax(-1)
     assert torch.equal(blocks[blocks > 0], torch.full_like(blocks[blocks > 0], 448.0))
+
+
+@pytest.mark.parametrize("m,f", [(1, 16), (37, 208)])
+def test_swiglu_quantize(m, f):
+    h13 = (torch.randn((m, 2 * f), generator=torch.Generator().manual_seed(m * f)) * 2).to(torch.bfloat16)
+    q, s = moe.swiglu_quantize_fp8(h13)
+    assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == (m, f) and tuple(s.shape) == (m, -(-f // 128))
+    gate, up = h13[:, :f].float(), h13[:, f:].float()
+    q2, s2 = moe.quantize_fp8_rows(gate / (1.0 + torch.exp(-gate)) * up)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    ref = torch.nn.functional.silu(h13[:, :f].double()) * h13[:, f:].double()
+    got = dequantize_rows(q, s, f)
+    assert ((got - ref).abs() <= ref.abs() * 2 ** -4 + s.double().repeat_interleave(128, 1)[:, :f] * 2 ** -8).all()
+
+
+def test_quantizers_fake_shapes():
+    x = torch.empty((300, 400), dtype=torch.bfloat16, device="meta")
+    q, s = moe.quantize_fp8_rows(x)
+    assert (q.dtype, tuple(q.shape), s.dtype, tuple(s.shape)) == (torch.float8_e4m3fn, (300, 400), torch.float32,
+                                                                   (300, 4))
+    q, s = moe.swiglu_quantize_fp8(x)
+    assert tuple(q.shape) == (300, 200) and tuple(s.shape) == (300, 2) and q.device.type == "meta"
 
 
 @pytest.mark.parametrize("g,n,k", [(1, 8, 16), (3, 136, 400), (2, 256, 128)])
@@ -94,6 +118,9 @@ def test_argument_errors():
     expect_error(lambda: check(a, a_s, w, w_s, offs.float()), "'offsets'")
     expect_error(lambda: moe.quantize_fp8_rows(torch.zeros(4)), "'x'")
     expect_error(lambda: moe.quantize_fp8_blocks(torch.zeros(4)), "'w'")
+    expect_error(lambda: moe.quantize_fp8_rows(torch.zeros((4, 16), dtype=torch.int32)), "'x'", "floating-point")
+    expect_error(lambda: moe.swiglu_quantize_fp8(torch.zeros((4, 33))), "'h13'", "even number of columns")
+    expect_error(lambda: moe.swiglu_quantize_fp8(torch.zeros(4)), "'h13'", "2-D")
 
 
 def test_bench_arguments():

@@ -27,7 +27,8 @@ that must agree bit for bit.
 FP8 serving (quantize_fp8()): w13 and w2 become e4m3 buffers with one f32 scale per 128 x 128 block
 (w13_fp8 (E, 2 F, H), w13_scales (E, ceil(2 F / 128), ceil(H / 128)); w2_fp8 (E, H, F), w2_scales
 (E, ceil(H / 128), ceil(F / 128))); the forward quantises this rank's tokens and the SwiGLU output per
-row and 128 columns (moe.quantize_fp8_rows) and runs the FP8 ops, under no_grad. The AllGather then
+row and 128 columns (moe.quantize_fp8_rows, moe.swiglu_quantize_fp8: tdist's one-pass kernels) and
+runs the FP8 ops, under no_grad. The AllGather then
 moves e4m3 rows (half the bytes) with their scales.
 
 Gradients: the top-k weights' gradient that moe_group_gemm_rs returns is already summed over ranks
@@ -274,9 +275,7 @@ class ParallelMoE(torch.nn.Module):
         ids, weights = GatherRouting.apply(ids, weights, m, self.rank, self.world_size)
         h13 = _moe.moe_ag_group_gemm_fp8(*_moe.quantize_fp8_rows(x2), ids, self.w13_fp8, self.w13_scales,
                                          method=self.method)
-        f = self.local_intermediate_size
-        h = torch.nn.functional.silu(h13[:, :f]) * h13[:, f:]
-        return _moe.moe_group_gemm_rs_fp8(*_moe.quantize_fp8_rows(h), self.w2_fp8, self.w2_scales, ids, weights,
+        return _moe.moe_group_gemm_rs_fp8(*_moe.swiglu_quantize_fp8(h13), self.w2_fp8, self.w2_scales, ids, weights,
                                           method=_moe.rs_method(self.method))
 
     @classmethod
