@@ -1009,7 +1009,9 @@ def test_ep_and_moe_fake_implementations():
         ws = torch.empty((8, 2, 2), dtype=torch.float32, device="meta")
         d = torch.ops.tdist.moe_ag_group_gemm_fp8(xq, xs, ids, wq, ws, "chunked")
         assert d.shape == (moe.capacity(301, 2, 8), 136) and d.dtype == torch.bfloat16
-        bad = [(dict(method="fused"), "'method'.*'auto' or 'chunked' or 'baseline'"),
+        d = torch.ops.tdist.moe_ag_group_gemm_fp8(xq, xs, ids, wq, ws, "fused")
+        assert d.shape == (moe.capacity(301, 2, 8), 136)
+        bad = [(dict(method="sequential"), "'method'.*'auto' or 'fused' or 'chunked' or 'baseline'"),
                (dict(x_rows=xq.to(torch.bfloat16)), "'x_rows'"), (dict(x_rows=xq[:149]), "'x_rows'"),
                (dict(x_scales=xs[:, :1]), "'x_scales'"), (dict(x_scales=xs.t().contiguous().t()), "'x_scales'"),
                (dict(w_scales=ws[:, :1]), "'w_scales'"), (dict(w=wq[..., :200]), "'w'"),
