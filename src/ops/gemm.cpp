@@ -82,6 +82,16 @@ const std::vector<GemmTile>& gemm_tiles() {
 
 GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
   (void)k;
+  // A shipped tile named by TDIST_GEMM_TILE (GemmTile::name()) in place of the heuristic's choice,
+  // for tuning experiments; read at each call.
+  if (const auto forced = env::get("TDIST_GEMM_TILE")) {
+    std::string names;
+    for (const GemmTile& t : gemm_tiles()) {
+      if (t.name() == *forced) return t;
+      names += (names.empty() ? "" : ", ") + t.name();
+    }
+    TDIST_FAIL("TDIST_GEMM_TILE='", *forced, "' names no shipped tile; expected one of ", names);
+  }
   return detail::choose_tile_among(gemm_tiles(), m, n, num_sms);
 }
 

@@ -145,6 +145,22 @@ TEST(GemmTiles, Choice) {
   EXPECT_EQ(tdist::choose_gemm_tile(64, 8192, 8192, 132).block_m, 64);
 }
 
+TEST(GemmTiles, ForcedByEnvironment) {
+  ASSERT_EQ(setenv("TDIST_GEMM_TILE", "64x128x64_s8_c1", 1), 0);
+  EXPECT_EQ(tdist::choose_gemm_tile(8192, 8192, 8192, 132), (GemmTile{64, 128, 64, 8, 1}));
+  ASSERT_EQ(setenv("TDIST_GEMM_TILE", "128x96x64_s4_c1", 1), 0);
+  try {
+    tdist::choose_gemm_tile(8192, 8192, 8192, 132);
+    ADD_FAILURE() << "an unshipped tile was accepted";
+  } catch (const tdist::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("TDIST_GEMM_TILE='128x96x64_s4_c1' names no shipped tile"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("128x256x64_s4_c1"), std::string::npos) << e.what();
+  }
+  unsetenv("TDIST_GEMM_TILE");
+  EXPECT_EQ(tdist::choose_gemm_tile(8192, 8192, 8192, 132), (GemmTile{128, 256, 64, 4, 1}));
+}
+
 TEST(GemmLaunch, ConfigScheduleAndTensorMaps) {
   GemmArgs a = tdist::check_gemm_args(valid());  // 1000 x 520 x 72
   const GemmTile t{128, 256, 64, 4, 1};
