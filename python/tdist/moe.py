@@ -370,7 +370,8 @@ def _grouped_gemm_fp8(a, a_scales, w, w_scales, offsets):
 def _to_e4m3(torch, blocks, block_dims):
     """e4m3 of fp32 `blocks` (scale blocks along `block_dims`) and the blocks' scales, amax / 448 (the
     largest magnitude of a block maps to 448; an all-zero block gets a tiny positive scale)."""
-    scales = blocks.abs().amax(dim=block_dims, keepdim=True).clamp(min=1e-12) / _FP8_MAX
+    # times the reciprocal, as the kernel (kernels/gemm/fp8_quantize.cuh) and torch's division by a scalar
+    scales = blocks.abs().amax(dim=block_dims, keepdim=True).clamp(min=1e-12) * (1.0 / _FP8_MAX)
     q = (blocks / scales).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
     return q, scales.squeeze(block_dims)
 

@@ -8,7 +8,7 @@
 //   q       e4m3[rows][ldq]          columns [0, k)
 //   scales  f32[rows][ceil(k / 128)] scales[r * scale_ld + kb]
 // Block (r, kb) covers columns [128 kb, 128 kb + 128) of row r (zeros past k): scale = max(amax,
-// 1e-12) / 448 and q = e4m3(v / scale), rounded to nearest, saturating at +-448; v ~ q x scale. The
+// 1e-12) x fp32(1 / 448) and q = e4m3(v / scale), rounded to nearest, saturating at +-448; v ~ q x scale. The
 // same arithmetic as tdist.moe.quantize_fp8_rows's torch form, so the two agree bit for bit on the
 // same input rows.
 //
@@ -26,8 +26,9 @@ using device::u32;
 using device::u64;
 
 constexpr int kQuantizeThreads = 256;
-constexpr float kE4m3Max = 448.0f;  // the largest finite e4m3 value
-constexpr float kMinAmax = 1e-12f;  // an all-zero block's amax: a tiny positive scale, q = 0
+constexpr float kE4m3Max = 448.0f;              // the largest finite e4m3 value
+constexpr float kInvE4m3Max = 1.0f / kE4m3Max;  // scales are amax times this, as torch divides by a scalar
+constexpr float kMinAmax = 1e-12f;              // an all-zero block's amax: a tiny positive scale, q = 0
 
 struct Fp8QuantizeParams {
   const void* x;
@@ -92,7 +93,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) fp8_quantize_rows(Fp8Quantiz
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = fmaxf(amax, kMinAmax) / kE4m3Max;
+    const float scale = fmaxf(amax, kMinAmax) * kInvE4m3Max;
     if (col < p.k) {
       const __nv_fp8x2_storage_t lo =
           __nv_cvt_float2_to_fp8x2(make_float2(v[0] / scale, v[1] / scale), __NV_SATFINITE, __NV_E4M3);
