@@ -37,10 +37,6 @@ namespace tdist {
 // expert), and their tiles of 128 rows.
 int64_t moe_capacity(int64_t m, int topk, int experts);
 int64_t moe_max_tiles(int64_t m, int topk, int experts);
-// The rows a routing of m tokens is expected to fill (offsets[E]), for the grouped GEMM's tile choice
-// (offsets[E] is on the device, and the capacity is the worst case, every expert a nearly empty
-// padding tile): the mean of offsets[E] under uniform routing, each expert's count binomial.
-int64_t moe_expected_rows(int64_t m, int topk, int experts);
 
 // Throws tdist::Error naming the argument: m (>= 0, < 2^31 / topk), topk (1 .. experts), experts
 // (1 .. 1024), world_size (1 .. 8), rank.

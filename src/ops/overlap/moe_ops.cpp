@@ -67,8 +67,7 @@ void check_moe_config(const MoeConfig& c, bool by_k, int world_size) {
   check_moe_routing_args(c.max_m, c.topk, c.experts, world_size, 0);
 }
 
-// The grouped GEMM's tile for `m` rows (moe_expected_rows: offsets[E] is on the device): the
-// routing's tiles are kMoeTile rows, so BLOCK_M is 128.
+// The grouped GEMM's tile: the routing's tiles are kMoeTile rows, so BLOCK_M is 128.
 GemmTile moe_tile(int64_t m, int64_t n, int64_t k, DType dtype, int num_sms) {
   if (dtype == DType::kFloat8E4M3) {
     const GemmTile t = choose_fp8_gemm_tile(m, n, num_sms);
@@ -321,7 +320,7 @@ struct MoeAgGroupGemm::Impl {
       return;
     }
     const GemmTile tile =
-        moe_tile(moe_expected_rows(a.m, config.topk, config.experts), a.n, config.k, config.dtype, rt.num_sms());
+        moe_tile(moe_capacity(a.m, config.topk, config.experts), a.n, config.k, config.dtype, rt.num_sms());
     kg::RowGather g;
     g.ld_bytes = row_bytes();
 
@@ -531,8 +530,7 @@ struct MoeGroupGemmRs::Impl {
     const int rank = rt.rank(), world = rt.size();
     const MoeRouting& r = *a.routing;
     const kg::RowChunks rows{static_cast<u64>(a.m), world};
-    const GemmTile tile =
-        moe_tile(moe_expected_rows(a.m, config.topk, config.experts), a.n, a.k, config.dtype, rt.num_sms());
+    const GemmTile tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms());
 
     if (method == OverlapMethod::kBaseline) {
       run_gemm(a, GroupedGemmRunOptions{.tile = tile}, stream);
@@ -577,10 +575,7 @@ struct MoeGroupGemmRs::Impl {
     TDIST_NVTX_RANGE("tdist::MoeGroupGemmRs::run_all_reduce", "m=", a.m, " n=", a.n, " k=", a.k);
     if (a.m == 0 || a.n == 0) return;
     const MoeRouting& r = *a.routing;
-    run_gemm(a,
-             GroupedGemmRunOptions{.tile = moe_tile(moe_expected_rows(a.m, config.topk, config.experts), a.n, a.k,
-                                                    config.dtype, rt.num_sms())},
-             stream);
+    run_gemm(a, GroupedGemmRunOptions{.tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms())}, stream);
     if (rt.size() == 1) {
       kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
       return;

@@ -2,7 +2,6 @@
 // kernels of kernels/moe/routing.cuh on the GPU. The kernels' module also holds the top-k weighted
 // reduce the MoE ops launch (MoeKernels, src/ops/overlap/moe_kernels.hpp).
 #include <algorithm>
-#include <cmath>
 
 #include "src/ops/overlap/moe_kernels.hpp"
 #include "tdist/common/cuda_check.hpp"
@@ -21,21 +20,6 @@ int64_t moe_capacity(int64_t m, int topk, int experts) {
                                                static_cast<uint32_t>(std::max(experts, 0))));
 }
 int64_t moe_max_tiles(int64_t m, int topk, int experts) { return moe_capacity(m, topk, experts) / km::kMoeTile; }
-
-int64_t moe_expected_rows(int64_t m, int topk, int experts) {
-  // An expert's count c is binomial (pairs, 1 / E): E[rows] = E x tile x sum_j P(c > j tile), with
-  // P(c > 0) exact and the others from the normal approximation (continuity-corrected).
-  const double pairs = static_cast<double>(std::max<int64_t>(m, 0)) * std::max(topk, 0);
-  const double e = std::max(experts, 1), tile = km::kMoeTile;
-  const double mean = pairs / e, sd = std::sqrt(mean * (1.0 - 1.0 / e));
-  double tiles = -std::expm1(pairs * std::log1p(-1.0 / e));  // P(c > 0); 1 when E = 1
-  if (e == 1) tiles = pairs > 0 ? 1.0 : 0.0;
-  for (double j = 1; j * tile < mean + 8 * sd + 1; ++j)
-    tiles += sd > 0 ? 0.5 * std::erfc((j * tile + 0.5 - mean) / (sd * std::sqrt(2.0))) : (mean > j * tile ? 1.0 : 0.0);
-  const double rows = e * tile * tiles;
-  return std::clamp<int64_t>(static_cast<int64_t>(std::llround(rows)), static_cast<int64_t>(pairs),
-                             moe_capacity(m, topk, experts));
-}
 
 void check_moe_routing_args(int64_t m, int topk, int experts, int world_size, int rank) {
   TDIST_CHECK_ARG(experts >= 1 && experts <= static_cast<int>(km::kMaxMoeExperts), "experts", "expected 1 .. ",
@@ -232,17 +216,15 @@ void MoeRouter::check_errors() {
 namespace {
 void check_int_array(const int* a, const char* name) {
   if (a == nullptr || reinterpret_cast<uintptr_t>(a) % alignof(int) != 0)
-    TDIST_FAIL("invalid argument '", name, "': expected a 4-byte aligned device pointer to int32, got ",
-               static_cast<const void*>(a));
+    TDIST_FAIL("invalid argument '", name,
+               "': expected a 4-byte aligned device pointer to int32, got ", static_cast<const void*>(a));
 }
 }  // namespace
 
 const MoeRouting& MoeRouter::route(const int* topk_ids, int64_t m, cudaStream_t stream) {
   Impl& s = *impl_;
-  const MoeRoutingArrays own{.offsets = s.offsets.get<int>(),
-                             .counts = s.counts.get<int>(),
-                             .token_of_row = s.token_of_row.get<int>(),
-                             .row_of_pair = s.row_of_pair.get<int>()};
+  const MoeRoutingArrays own{.offsets = s.offsets.get<int>(), .counts = s.counts.get<int>(),
+                             .token_of_row = s.token_of_row.get<int>(), .row_of_pair = s.row_of_pair.get<int>()};
   launch(topk_ids, m, own, stream, /*all_rows=*/false);
   MoeRouting& v = s.view;
   v.offsets = own.offsets;
@@ -293,7 +275,8 @@ void MoeRouter::launch(const int* topk_ids, int64_t m, const MoeRoutingArrays& o
                   static_cast<const void*>(topk_ids));
   // The kernels write the padding rows up to offsets[E]; all_rows: the rows past it read -1 too.
   if (all_rows)
-    TDIST_CUDA_CHECK(cudaMemsetAsync(out.token_of_row, 0xFF, moe_capacity(m, s.topk, s.experts) * sizeof(int), stream));
+    TDIST_CUDA_CHECK(
+        cudaMemsetAsync(out.token_of_row, 0xFF, moe_capacity(m, s.topk, s.experts) * sizeof(int), stream));
   km::RouteParams p{};
   p.topk_ids = topk_ids;
   p.bad = s.bad.get<km::BadIdRecord>();
