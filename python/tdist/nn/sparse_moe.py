@@ -28,8 +28,8 @@ FP8 serving (quantize_fp8()): w13 and w2 become e4m3 buffers with one f32 scale 
 (w13_fp8 (E, 2 F, H), w13_scales (E, ceil(2 F / 128), ceil(H / 128)); w2_fp8 (E, H, F), w2_scales
 (E, ceil(H / 128), ceil(F / 128))); the forward quantises this rank's tokens and the SwiGLU output per
 row and 128 columns (moe.quantize_fp8_rows, moe.swiglu_quantize_fp8: tdist's one-pass kernels) and
-runs the FP8 ops, under no_grad. The AllGather then
-moves e4m3 rows (half the bytes) with their scales.
+runs the FP8 ops, under no_grad. The AllGather then moves e4m3 rows (half the bytes) with their
+scales.
 
 Gradients: the top-k weights' gradient that moe_group_gemm_rs returns is already summed over ranks
 (complete on every rank, docs/moe.md "Training"), so the gather's backward keeps this rank's rows
