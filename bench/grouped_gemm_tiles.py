@@ -32,48 +32,61 @@ def median_us(events):
     return statistics.median(s.elapsed_time(e) * 1000 for s, e in events)
 
 
+def problem(experts, topk, m, n, k, kind, dev):
+    """One projection's operands, as tdist.bench_moe builds them: (torch's call, tdist's call, rows of
+    tdist's expert order, pairs). tdist's rows are padded per expert to 128, torch's are not."""
+    ids, _ = bench_moe._routing(torch, m, topk, experts, kind, 7)
+    ref = moe.routing_reference(ids, experts, 1, 0)
+    counts = torch.bincount(ids.view(-1).long(), minlength=experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32).to(dev)
+    pairs = m * topk
+    a_sorted = torch.randn((pairs, k), device=dev).to(torch.bfloat16)
+    a_pad = torch.zeros((moe.capacity(m, topk, experts), k), dtype=torch.bfloat16, device=dev)
+    rows = torch.tensor([r for r in range(ref["offsets"][experts]) if ref["token_of_row"][r] >= 0], device=dev)
+    a_pad[rows] = a_sorted
+    offsets = torch.tensor(ref["offsets"], dtype=torch.int32, device=dev)
+    w = (torch.randn((experts, n, k), device=dev) * k ** -0.5).to(torch.bfloat16)
+    w_t = w.transpose(1, 2)
+    return (lambda: torch._grouped_mm(a_sorted, w_t, offs=offs), lambda: moe.grouped_gemm(a_pad, w, offsets),
+            ref["offsets"][experts], pairs)
+
+
+def time_alternating(calls, rounds=15):
+    """{name: median us} of `calls` after two untimed calls each, `rounds` rounds alternating."""
+    for c in calls.values():
+        c()
+        c()
+    torch.cuda.synchronize()
+    events = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, c in calls.items():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            c()
+            e.record()
+            events[name].append((s, e))
+    torch.cuda.synchronize()
+    return {name: median_us(ev) for name, ev in events.items()}
+
+
 def main():
     dev = torch.device("cuda", 0)
     for experts, topk, m, n, k, kind in SHAPES:
-        ids, _ = bench_moe._routing(torch, m, topk, experts, kind, 7)
-        ref = moe.routing_reference(ids, experts, 1, 0)
-        counts = torch.bincount(ids.view(-1).long(), minlength=experts)
-        offs = torch.cumsum(counts, 0).to(torch.int32).to(dev)
-        pairs = m * topk
-        a_sorted = torch.randn((pairs, k), device=dev).to(torch.bfloat16)
-        a_pad = torch.zeros((moe.capacity(m, topk, experts), k), dtype=torch.bfloat16, device=dev)
-        rows = torch.tensor([r for r in range(ref["offsets"][experts]) if ref["token_of_row"][r] >= 0], device=dev)
-        a_pad[rows] = a_sorted
-        offsets = torch.tensor(ref["offsets"], dtype=torch.int32, device=dev)
-        w = (torch.randn((experts, n, k), device=dev) * k ** -0.5).to(torch.bfloat16)
-        w_t = w.transpose(1, 2)
-        calls = {"torch": lambda: torch._grouped_mm(a_sorted, w_t, offs=offs)}
+        torch_call, tdist_call, rows, pairs = problem(experts, topk, m, n, k, kind, dev)
+        calls = {"torch": torch_call}
         for tile in TILES:
             def call(tile=tile):
                 if tile:
                     os.environ["TDIST_GEMM_TILE"] = tile
                 else:
                     os.environ.pop("TDIST_GEMM_TILE", None)
-                return moe.grouped_gemm(a_pad, w, offsets)
+                return tdist_call()
             calls[tile or "auto"] = call
-        for c in calls.values():
-            c()
-            c()
-        torch.cuda.synchronize()
-        events = {name: [] for name in calls}
-        for _ in range(15):
-            for name, c in calls.items():
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                c()
-                e.record()
-                events[name].append((s, e))
-        torch.cuda.synchronize()
+        times = time_alternating(calls)
         os.environ.pop("TDIST_GEMM_TILE", None)
-        t_torch = median_us(events["torch"])
-        ratios = "  ".join(f"{name.split('x64')[0]}:{t_torch / median_us(events[name]):.2f}"
-                           for name in calls if name != "torch")
-        print(f"E{experts} k{topk} m{m} N{n} K{k} {kind} rows={ref['offsets'][experts]}/{pairs} torch {t_torch:.0f} us "
+        t_torch = times["torch"]
+        ratios = "  ".join(f"{name.split('x64')[0]}:{t_torch / t:.2f}" for name, t in times.items() if name != "torch")
+        print(f"E{experts} k{topk} m{m} N{n} K{k} {kind} rows={rows}/{pairs} torch {t_torch:.0f} us "
               f"({2 * pairs * n * k / t_torch / 1e6:.0f} TF/s) | torch/tdist {ratios}", flush=True)
 
 
