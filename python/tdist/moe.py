@@ -410,6 +410,17 @@ def _quantize(x, swiglu: bool):
     return _quantize_rows_torch(torch, x)
 
 
+def _quantize_op(name: str, x, swiglu: bool):
+    """The public quantisers' call: x checked, then tdist's kernel or torch ops eagerly, else through
+    torch.ops.tdist.<name> (compile, meta and autograd-watched tensors)."""
+    op = f"moe.{name}"
+    torch = _torch(op)
+    _check_quantize_input(op, x, swiglu)
+    if _eager(x):
+        return _quantize(x, swiglu)
+    return getattr(torch.ops.tdist, name)(x)
+
+
 def _check_quantize_input(op: str, x, swiglu: bool):
     if x.dim() != 2:
         _fail(op, "h13" if swiglu else "x", "a 2-D tensor [M, 2 F] (gate, up)" if swiglu else "a 2-D tensor [M, K]",
@@ -425,11 +436,7 @@ def quantize_fp8_rows(x):
     128 columns, amax / 448, so that x ~ q * scale (grouped_gemm_fp8's A). One pass of tdist's kernel
     on a CUDA tensor of bf16, fp16 or fp32 with K a multiple of 16 (rows of unit column stride);
     torch ops with the same arithmetic otherwise (the same bits). torch.ops.tdist.quantize_fp8_rows."""
-    torch = _torch("moe.quantize_fp8_rows")
-    _check_quantize_input("moe.quantize_fp8_rows", x, False)
-    if _eager(x):
-        return _quantize(x, False)
-    return torch.ops.tdist.quantize_fp8_rows(x)
+    return _quantize_op("quantize_fp8_rows", x, False)
 
 
 def swiglu_quantize_fp8(h13):
@@ -437,11 +444,7 @@ def swiglu_quantize_fp8(h13):
     projection's output): e4m3 [M, F] and f32 [M, ceil(F / 128)], in one pass that reads h13 once
     (tdist's kernel where quantize_fp8_rows's runs). The input of moe_group_gemm_rs_fp8.
     torch.ops.tdist.swiglu_quantize_fp8."""
-    torch = _torch("moe.swiglu_quantize_fp8")
-    _check_quantize_input("moe.swiglu_quantize_fp8", h13, True)
-    if _eager(h13):
-        return _quantize(h13, True)
-    return torch.ops.tdist.swiglu_quantize_fp8(h13)
+    return _quantize_op("swiglu_quantize_fp8", h13, True)
 
 
 def quantize_fp8_blocks(w):

@@ -2,6 +2,7 @@
 // checks, the JIT module (one per process: kernels are context-independent), launch. Kernel:
 // kernels/gemm/fp8_quantize.cuh.
 #include <algorithm>
+#include <iterator>
 #include <mutex>
 
 #include "tdist/common/alignment.hpp"
@@ -40,11 +41,11 @@ jit::CompileRequest quantize_request() {
 // The loaded instances, by (input type, swiglu), and the grid's bound.
 struct QuantizeKernels {
   std::shared_ptr<jit::Module> module;
-  jit::Kernel kernel[3][2];
+  jit::Kernel kernel[std::size(kQuantizeInputs)][2];
   int num_sms = 0;
 
   QuantizeKernels() : module(jit::Module::load(jit::compile(quantize_request()))) {
-    for (int t = 0; t < 3; ++t)
+    for (size_t t = 0; t < std::size(kQuantizeInputs); ++t)
       for (int s = 0; s < 2; ++s) kernel[t][s] = module->kernel(quantize_instance(kQuantizeInputs[t], s == 1));
     int device = 0;
     TDIST_CUDA_CHECK(cudaGetDevice(&device));
@@ -91,7 +92,8 @@ void quantize_fp8_rows(const Fp8QuantizeArgs& raw, cudaStream_t stream) {
   const Fp8QuantizeArgs a = check_fp8_quantize_args(raw);
   if (a.rows == 0) return;
   const QuantizeKernels& k = quantize_kernels();
-  const int type = a.dtype == DType::kBFloat16 ? 0 : a.dtype == DType::kFloat16 ? 1 : 2;
+  const int type = static_cast<int>(std::find(std::begin(kQuantizeInputs), std::end(kQuantizeInputs), a.dtype) -
+                                    std::begin(kQuantizeInputs));  // checked: one of them
   kg::Fp8QuantizeParams p{a.x,
                           static_cast<kg::u64>(a.ldx),
                           a.q,

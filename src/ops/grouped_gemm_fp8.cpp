@@ -155,11 +155,13 @@ void detail::Fp8GroupedRuntime::launch(const GroupedGemmFp8Args& a, const GemmTi
                                        const kg::MoeGatherWaitParams* source_waits) {
   using K = Fp8GroupedKernel;
   TDIST_CHECK(source_waits == nullptr || a.a_gather, "FP8 source waits need a gathered A");
-  const jit::Kernel& kernel =
-      source_waits ? modules_[2].load(DType::kFloat8E4M3, tile, &fp8_name<K::kGatheredAWaiting>,
-                                      &fp8_request<K::kGatheredAWaiting>)
-      : a.a_gather ? modules_[1].load(DType::kFloat8E4M3, tile, &fp8_name<K::kGatheredA>, &fp8_request<K::kGatheredA>)
-                   : modules_[0].load(DType::kFloat8E4M3, tile, &fp8_name<K::kTma>, &fp8_request<K::kTma>);
+  // By Fp8GroupedKernel, as modules_.
+  static constexpr GemmModules::NameFn kNames[] = {&fp8_name<K::kTma>, &fp8_name<K::kGatheredA>,
+                                                   &fp8_name<K::kGatheredAWaiting>};
+  static constexpr GemmModules::RequestFn kRequests[] = {&fp8_request<K::kTma>, &fp8_request<K::kGatheredA>,
+                                                         &fp8_request<K::kGatheredAWaiting>};
+  const int kind = static_cast<int>(source_waits ? K::kGatheredAWaiting : a.a_gather ? K::kGatheredA : K::kTma);
+  const jit::Kernel& kernel = modules_[kind].load(DType::kFloat8E4M3, tile, kNames[kind], kRequests[kind]);
   const GemmArgs in = grouped_operands(a, DType::kFloat8E4M3), out = grouped_operands(a, DType::kBFloat16);
   const int64_t b_rows = static_cast<int64_t>(a.num_groups) * a.n;
   const GemmTensorMap map_a = encode_gemm_tensor_map(gemm_tensor_map_a(in, tile), DType::kFloat8E4M3);
