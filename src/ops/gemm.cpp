@@ -82,17 +82,19 @@ const std::vector<GemmTile>& gemm_tiles() {
 
 GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
   (void)k;
-  // A shipped tile named by TDIST_GEMM_TILE (GemmTile::name()) in place of the heuristic's choice,
-  // for tuning experiments; read at each call.
-  if (const auto forced = env::get("TDIST_GEMM_TILE")) {
-    std::string names;
-    for (const GemmTile& t : gemm_tiles()) {
-      if (t.name() == *forced) return t;
-      names += (names.empty() ? "" : ", ") + t.name();
-    }
-    TDIST_FAIL("TDIST_GEMM_TILE='", *forced, "' names no shipped tile; expected one of ", names);
-  }
+  if (const auto forced = detail::forced_tile("TDIST_GEMM_TILE", gemm_tiles())) return *forced;
   return detail::choose_tile_among(gemm_tiles(), m, n, num_sms);
+}
+
+std::optional<GemmTile> detail::forced_tile(const char* variable, const std::vector<GemmTile>& shipped) {
+  const auto forced = env::get(variable);
+  if (!forced) return std::nullopt;
+  std::string names;
+  for (const GemmTile& t : shipped) {
+    if (t.name() == *forced) return t;
+    names += (names.empty() ? "" : ", ") + t.name();
+  }
+  TDIST_FAIL(variable, "='", *forced, "' names no shipped tile; expected one of ", names);
 }
 
 GemmTile detail::choose_tile_among(const std::vector<GemmTile>& tiles, int64_t m, int64_t n, int num_sms) {
@@ -147,8 +149,8 @@ struct GemmModules::Loaded {
 };
 
 const jit::Kernel& GemmModules::load(DType dtype, const GemmTile& tile, NameFn name, RequestFn request) {
-  const auto key = std::make_tuple(static_cast<int>(dtype), tile.block_m, tile.block_n, tile.block_k, tile.stages,
-                                   tile.cluster_m);
+  const auto key =
+      std::make_tuple(static_cast<int>(dtype), tile.block_m, tile.block_n, tile.block_k, tile.stages, tile.cluster_m);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = loaded_.find(key);
   if (it != loaded_.end()) return it->second->kernel;
@@ -284,10 +286,8 @@ GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype)
   const CUtensorMapDataType type = dtype == DType::kBFloat16     ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                    : dtype == DType::kFloat8E4M3 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                                                  : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult r =
-      encode(&map, type, 2,
-             const_cast<void*>(spec.base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-             promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(&map, type, 2, const_cast<void*>(spec.base), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TDIST_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r), ") for dims {",
               spec.dims[0], ", ", spec.dims[1], "}, row stride ", spec.row_stride_bytes, " bytes, box {", spec.box[0],
               ", ", spec.box[1], "}, swizzle ", spec.swizzle_bytes, " bytes");

@@ -96,6 +96,7 @@ void check_fp8_gemm_tile(const GemmTile& t) {
 }
 
 GemmTile choose_fp8_gemm_tile(int64_t m, int64_t n, int num_sms) {
+  if (const auto forced = detail::forced_tile("TDIST_GEMM_FP8_TILE", fp8_gemm_tiles())) return *forced;
   return detail::choose_tile_among(fp8_gemm_tiles(), m, n, num_sms);
 }
 
@@ -173,6 +174,8 @@ void detail::Fp8GroupedRuntime::launch(const GroupedGemmFp8Args& a, const GemmTi
   scales.a_row_stride = static_cast<uint64_t>(a.a_scales_row_stride);
   scales.a_kb_stride = static_cast<uint64_t>(a.a_scales_kb_stride);
   scales.b = a.b_scales;
+  scales.a_rows_contiguous = !a.a_gather && a.a_scales_row_stride == 1 && a.a_scales_kb_stride % 4 == 0 &&
+                             reinterpret_cast<uintptr_t>(a.a_scales) % 16 == 0 && a.m % 4 == 0;
   scales.n_blocks = static_cast<unsigned>(blocks_of(a.n));
   scales.k_blocks = static_cast<unsigned>(blocks_of(a.k));
   jit::KernelArgs kargs;

@@ -88,6 +88,9 @@ struct Fp8BlockScales {
   const float* a_local = nullptr;  // gathered A only: RowGather's `local` tokens' scales, from local_begin
   tdist::device::u64 a_row_stride = 0, a_kb_stride = 0;  // both of a and a_local
   const float* b = nullptr;
+  // 1: a's rows are contiguous (a_row_stride 1, column-major), a and a_kb_stride 16-byte aligned and M a
+  // multiple of 4, so a tile's A scales of one K block come in one bulk copy (a TMA A only).
+  unsigned a_rows_contiguous = 0;
   unsigned n_blocks = 0;  // NB = ceil(N / 128)
   unsigned k_blocks = 0;  // KB = ceil(K / 128)
 };

@@ -15,12 +15,14 @@
 //
 // Threads and ring as sm90_gemm_tn (the same TMA producer, tma_producer, and epilogue,
 // store_tile_d), BLOCK_K = 128 e4m3 (one 128-byte swizzle row and one scale block per stage), and:
-//   scales    warp 1 of the producer warpgroup copies each stage's scales into shared memory with
-//             4-byte cp.async (A's of the tile's rows, zeros past M, and the tile's B scale; BLOCK_N
-//             divides 128, so a tile's columns share one), arriving on the stage's full barrier
-//             (1 + 32 arrivals). Read from global memory by the consumers instead (prefetched a
-//             block ahead), they made the kernel 1.2x slower (H200, 8 groups of 4096 rows, N 4096,
-//             K 7168: 2.31 against 1.92 ms).
+//   scales    warp 1 of the producer warpgroup copies each stage's scales into shared memory, arriving
+//             on the stage's full barrier (1 + 32 arrivals): A's of the tile's rows in one bulk copy
+//             where they are contiguous (column-major, Fp8BlockScales::a_rows_contiguous), else with
+//             a 4-byte cp.async per row (zeros past M), and the tile's B scale (BLOCK_N divides 128,
+//             so a tile's columns share one). The per-row copies cost up to a quarter of the time
+//             (H200, 8 groups of 1024 rows, N 4096, K 14336: 1278 us, 960 us with no scale copies).
+//             Read from global memory by the consumers instead (prefetched a block ahead), they made
+//             the kernel 1.2x slower (8 groups of 4096 rows, N 4096, K 7168: 2.31 against 1.92 ms).
 //   gathered A (GatherGroupedScheduler, the MoE ops' token rows): the whole producer warpgroup
 //             copies A's rows through the index with cp.async (gather_a_producer, sm90_gemm.cuh;
 //             128-byte rows of e4m3 as of bf16), and thread i also row i's scales (its token's, from
@@ -45,7 +47,9 @@ namespace tdist::kernels::gemm {
 
 // The scale producer (one warp; a stage's scales: f32[BLOCK_M] of A, then B's, in
 // fp8_scale_stage_bytes(BLOCK_M) bytes). Walks the tiles and K blocks as tma_producer does.
-template <int BLOCK_M, int BLOCK_N, int kNumStages, typename Scheduler>
+// kRowsContiguous: Fp8BlockScales::a_rows_contiguous (a template parameter, as one loop holding both
+// forms needs more than the producer's 40 registers).
+template <int BLOCK_M, int BLOCK_N, int kNumStages, bool kRowsContiguous, typename Scheduler>
 TDIST_DEVICE void fp8_scale_producer(const Scheduler& tiles, const TmaPipeline<kNumStages>& pipe,
                                      const Fp8BlockScales& sc, u32 smem_scales, u32 num_k_blocks, u32 m, u32 n) {
   const u32 lane = threadIdx.x % 32;
@@ -53,18 +57,30 @@ TDIST_DEVICE void fp8_scale_producer(const Scheduler& tiles, const TmaPipeline<k
   for (u32 t = blockIdx.x; t < tiles.num_tiles(); t += gridDim.x) {
     const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
     const float* sb = sc.b + (static_cast<u64>(info.group) * sc.n_blocks + info.n0 / kFp8BlockK) * sc.k_blocks;
+    // Bulk copies: the tile's rows below M (M % 4 == 0, so a multiple of 16 bytes; rows past M are not
+    // copied, as their products are never stored).
+    const u32 bulk_bytes = min(static_cast<u32>(BLOCK_M), m - info.m0) * 4;
     for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
       pipe.producer_acquire(st);
       const u32 dst = smem_scales + st.stage() * fp8_scale_stage_bytes(BLOCK_M);
+      if constexpr (kRowsContiguous) {
+        // One bulk copy by lane 0, whose arrival carries its bytes.
+        if (lane == 0) {
+          ptx::mbar_arrive_expect_tx(pipe.full(st), bulk_bytes);
+          ptx::bulk_load_1d(dst, sc.a + kb * sc.a_kb_stride + info.m0, bulk_bytes, pipe.full(st));
+        }
+      } else {
 #pragma unroll
-      for (int i = 0; i < BLOCK_M / 32; ++i) {
-        const u32 r = lane + 32 * i, row = info.m0 + r;
-        const bool inside = row < m;
-        ptx::cp_async_4(dst + r * 4, inside ? sc.a + row * sc.a_row_stride + kb * sc.a_kb_stride : sc.a,
-                        inside ? 4 : 0);
+        for (int i = 0; i < BLOCK_M / 32; ++i) {
+          const u32 r = lane + 32 * i, row = info.m0 + r;
+          const bool inside = row < m;
+          ptx::cp_async_4(dst + r * 4, inside ? sc.a + row * sc.a_row_stride + kb * sc.a_kb_stride : sc.a,
+                          inside ? 4 : 0);
+        }
       }
-      if (lane == 0) ptx::cp_async_4(dst + BLOCK_M * 4, sb + kb, 4);
-      ptx::cp_async_mbar_arrive_noinc(pipe.full(st));
+      if (lane == 31) ptx::cp_async_4(dst + BLOCK_M * 4, sb + kb, 4);
+      // The other lanes arrive when their copies have landed.
+      if (!kRowsContiguous || lane != 0) ptx::cp_async_mbar_arrive_noinc(pipe.full(st));
     }
   }
   ptx::cp_async_wait_all();  // no copy outlives its thread
@@ -164,7 +180,10 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
       tma_producer<BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_a, tmap_b, smem_a, smem_b,
                                                           kTileABytes, kTileBBytes, num_k_blocks, m, n);
     } else if (threadIdx.x / 32 == 1) {
-      fp8_scale_producer<BLOCK_M, BLOCK_N, kNumStages>(tiles, pipe, scales, smem_scales, num_k_blocks, m, n);
+      if (scales.a_rows_contiguous)
+        fp8_scale_producer<BLOCK_M, BLOCK_N, kNumStages, true>(tiles, pipe, scales, smem_scales, num_k_blocks, m, n);
+      else
+        fp8_scale_producer<BLOCK_M, BLOCK_N, kNumStages, false>(tiles, pipe, scales, smem_scales, num_k_blocks, m, n);
     }
     return;
   }

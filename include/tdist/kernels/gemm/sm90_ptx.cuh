@@ -92,6 +92,13 @@ TDIST_DEVICE void tma_store_2d(const void* map, u32 src, int c0, int c1) {
       "r"(src), "r"(c0), "r"(c1)
       : "memory");
 }
+// One bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared
+// memory, completing `bytes` of the mbarrier's transaction count.
+TDIST_DEVICE void bulk_load_1d(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
 TDIST_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Waits until at most N of this thread's bulk async-groups are pending in reading their shared-memory
 // source (the source may be overwritten after it; the global writes may still be in flight).

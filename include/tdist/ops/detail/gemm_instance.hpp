@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,10 +36,10 @@ std::vector<jit::CompileRequest> gemm_compile_requests();
 // promotion and swizzle (the inner box is exactly that many bytes).
 struct GemmTensorMapSpec {
   const void* base = nullptr;
-  uint64_t dims[2] = {0, 0};      // A, B: {K, rows}; D: {N, M}
-  uint64_t row_stride_bytes = 0;  // leading dimension x element size
-  uint32_t box[2] = {0, 0};       // A, B: {BLOCK_K, BLOCK_M or BLOCK_N}; D: {EPI_N, 64}
-  uint32_t swizzle_bytes = 128;   // 128, 64 or 32
+  uint64_t dims[2] = {0, 0};          // A, B: {K, rows}; D: {N, M}
+  uint64_t row_stride_bytes = 0;      // leading dimension x element size
+  uint32_t box[2] = {0, 0};           // A, B: {BLOCK_K, BLOCK_M or BLOCK_N}; D: {EPI_N, 64}
+  uint32_t swizzle_bytes = 128;       // 128, 64 or 32
   uint32_t l2_promotion_bytes = 256;  // 256, 128, 64 or 0 (A and B: 128 where rows are not 32-byte aligned)
 };
 // Specs of A, B (TMA loads) and D (TMA stores of one consumer warpgroup's 64 x EPI_N chunk,
@@ -61,6 +62,10 @@ namespace detail {
 // The best of `tiles` for an M x N problem on `num_sms` SMs: wave fill x used area x the tile's own
 // efficiency (choose_gemm_tile over gemm_tiles(), choose_fp8_gemm_tile over fp8_gemm_tiles()).
 GemmTile choose_tile_among(const std::vector<GemmTile>& tiles, int64_t m, int64_t n, int num_sms);
+// The shipped tile that environment variable `variable` names (GemmTile::name()), in place of the
+// heuristic's choice, for tuning experiments; read at each call. Empty when it is unset; a name not in
+// `shipped` is an error listing them.
+std::optional<GemmTile> forced_tile(const char* variable, const std::vector<GemmTile>& shipped);
 }  // namespace detail
 
 // The launch of one instance: grid, block, shared memory, cluster (pure; used by Gemm and tests).
