@@ -137,10 +137,10 @@ class MoeRs : public MoeContext<tdist::MoeGroupGemmRs> {
 
   // Routes `topk_ids` on `stream`, then runs (all_reduce: run_all_reduce) with `method` as asked;
   // returns what auto resolves to without timing, or the method asked for. FP8 (a context of dtype
-  // e4m3): h_scales and b_scales too, d bf16.
+  // e4m3): h_scales (strides in elements; 0, 0: row-major) and b_scales too, d bf16.
   std::string run(uint64_t h, uint64_t b, uint64_t topk_ids, uint64_t topk_weights, uint64_t d, int64_t m, int64_t n,
                   int64_t k, uint64_t stream, const std::string& method, bool all_reduce, bool run, uint64_t h_scales,
-                  uint64_t b_scales) {
+                  uint64_t b_scales, int64_t h_scales_row_stride, int64_t h_scales_kb_stride) {
     TDIST_CHECK_ARG(m >= 0 && m <= config_.max_m, "m", "0 to the context's max_m (", config_.max_m, "), got ", m);
     TDIST_CHECK_ARG(m == 0 || topk_ids != 0, "topk_ids", "a device pointer");
     const tdist::OverlapMethod requested = tdist::parse_overlap_method(method, "method");
@@ -153,6 +153,8 @@ class MoeRs : public MoeContext<tdist::MoeGroupGemmRs> {
     a.n = n;
     a.k = k;
     a.h_scales = ptr<const float>(h_scales);
+    a.h_scales_row_stride = h_scales_row_stride;
+    a.h_scales_kb_stride = h_scales_kb_stride;
     a.b_scales = ptr<const float>(b_scales);
     const auto s = reinterpret_cast<cudaStream_t>(stream);
     nb::gil_scoped_release release;
@@ -234,15 +236,18 @@ void grouped_gemm_fp8(uint64_t a, uint64_t a_scales, int64_t a_scales_row_stride
 
 // FP8 row quantisation (python/tdist/moe.py: quantize_fp8_rows, swiglu_quantize_fp8): x's rows (dtype
 // bf16 / f16 / f32, ldx elements apart; with swiglu SiLU(gate) * up of [gate | up]) -> dense e4m3 q
-// [rows][k] and f32 scales [rows][ceil(k / 128)].
-void quantize_fp8(uint64_t x, const std::string& dtype, int64_t ldx, uint64_t q, uint64_t scales, int64_t rows,
-                  int64_t k, bool swiglu, int device, uint64_t stream) {
+// [rows][k] and f32 scales, block kb of row r at scales[r * scale_row_stride + kb * scale_kb_stride].
+void quantize_fp8(uint64_t x, const std::string& dtype, int64_t ldx, uint64_t q, uint64_t scales,
+                  int64_t scale_row_stride, int64_t scale_kb_stride, int64_t rows, int64_t k, bool swiglu, int device,
+                  uint64_t stream) {
   tdist::Fp8QuantizeArgs args;
   args.x = ptr<const void>(x);
   args.dtype = tdist::parse_dtype(dtype, "x");
   args.ldx = ldx;
   args.q = ptr<void>(q);
   args.scales = ptr<float>(scales);
+  args.scale_ld = scale_row_stride;
+  args.scale_kb_stride = scale_kb_stride;
   args.rows = rows;
   args.k = k;
   args.swiglu = swiglu;
@@ -319,7 +324,8 @@ void bind_moe(nb::module_& m) {
       .def(nb::init<nb::handle, int64_t, int64_t, int, int, const std::string&>(), "runtime"_a, "max_m"_a, "max_n"_a,
            "experts"_a, "topk"_a, "dtype"_a)
       .def("run", &MoeRs::run, "h"_a, "b"_a, "topk_ids"_a, "topk_weights"_a, "d"_a, "m"_a, "n"_a, "k"_a, "stream"_a,
-           "method"_a, "all_reduce"_a, "run"_a = true, "h_scales"_a = 0, "b_scales"_a = 0)
+           "method"_a, "all_reduce"_a, "run"_a = true, "h_scales"_a = 0, "b_scales"_a = 0, "h_scales_row_stride"_a = 0,
+           "h_scales_kb_stride"_a = 0)
       .def("check_errors", &MoeRs::check_errors)
       .def("close", &MoeRs::close)
       .def_prop_ro("closed", &MoeRs::closed)
@@ -340,8 +346,8 @@ void bind_moe(nb::module_& m) {
         "b"_a, "b_scales"_a, "d"_a, "offsets"_a, "offsets_dtype"_a, "m"_a, "n"_a, "k"_a, "num_groups"_a, "device"_a,
         "stream"_a,
         "FP8 grouped GEMM on raw device pointers (tdist/ops/grouped_gemm.hpp); use tdist.moe.grouped_gemm_fp8.");
-  m.def("quantize_fp8", &quantize_fp8, "x"_a, "dtype"_a, "ldx"_a, "q"_a, "scales"_a, "rows"_a, "k"_a, "swiglu"_a,
-        "device"_a, "stream"_a,
+  m.def("quantize_fp8", &quantize_fp8, "x"_a, "dtype"_a, "ldx"_a, "q"_a, "scales"_a, "scale_row_stride"_a,
+        "scale_kb_stride"_a, "rows"_a, "k"_a, "swiglu"_a, "device"_a, "stream"_a,
         "FP8 row quantisation on raw device pointers (tdist/ops/grouped_gemm.hpp); use "
         "tdist.moe.quantize_fp8_rows or swiglu_quantize_fp8.");
   m.def("grouped_gemm_alignment", &tdist::grouped_gemm_alignment,

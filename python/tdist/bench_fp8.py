@@ -11,7 +11,7 @@ uniformly (every expert gets M x topk / E rows, padded to 128 as the grouped GEM
 Columns (median us over --iters calls, CUDA events, after a warm-up; the weights of every shape here
 are larger than the L2 cache):
   bf16_us         tdist.moe.grouped_gemm on bf16 a and w
-  fp8_us          tdist.moe.grouped_gemm_fp8 on their quantised copies
+  fp8_us          tdist.moe.grouped_gemm_fp8 on their quantised copies (column-major A scales)
   torch_fp8_us    torch._scaled_grouped_mm (row-wise scales: one per token and one per weight row,
                   coarser than the block scales) on the same e4m3 operands, where this torch has it
                   and it runs here; null with the reason otherwise
@@ -97,7 +97,7 @@ def _row(torch, moe, model, m, proj, n, k, experts, topk, iters):
     offs = torch.tensor(padded, dtype=torch.int32, device="cuda")
     a = torch.randn((max(rows, 1), k), generator=gen, device="cuda").to(torch.bfloat16)
     w = (torch.randn((experts, n, k), generator=gen, device="cuda") * 0.05).to(torch.bfloat16)
-    a_q, a_s = moe.quantize_fp8_rows(a)
+    a_q, a_s = moe.quantize_fp8_rows(a, column_major=True)  # the layout the GEMM reads fastest
     w_q, w_s = moe.quantize_fp8_blocks(w)
     d = moe.grouped_gemm_fp8(a_q, a_s, w_q, w_s, offs)
     # Check a few groups in float64 (all of them would take longer than the timing).

@@ -332,7 +332,7 @@ def _fp8_methods(tdist, op, sets, w_fp8, args):
     moe = tdist.moe
     w_q, w_s = w_fp8
     for entry in sets:
-        entry["a_fp8"] = moe.quantize_fp8_rows(entry["a_pad"])
+        entry["a_fp8"] = moe.quantize_fp8_rows(entry["a_pad"], column_major=True)  # as ParallelMoE's h
         if op == "ag":
             entry["x_fp8"] = moe.quantize_fp8_rows(entry["s"].x_rows)
 

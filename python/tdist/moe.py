@@ -10,7 +10,7 @@ the grouped GEMM.
 
     # FP8: e4m3 tokens, h and weights with their block scales, bf16 out
     h13 = tdist.moe_ag_group_gemm_fp8(*quantize_fp8_rows(x_rows), topk_ids, *quantize_fp8_blocks(w13))
-    h_q, h_s = swiglu_quantize_fp8(h13)                                # SiLU(gate) * up in e4m3, one pass
+    h_q, h_s = swiglu_quantize_fp8(h13, column_major=True)             # SiLU(gate) * up in e4m3, one pass
     y_rows = tdist.moe_group_gemm_rs_fp8(h_q, h_s, *quantize_fp8_blocks(w2), topk_ids, topk_weights)
 
 Shapes (M tokens over all ranks, rows(r) = M // W + (r < M % W) of them on rank r, after rank r's
@@ -347,8 +347,18 @@ def check_rs_fp8_args(h, h_scales, w, w_scales, topk_ids, topk_weights, method="
     _check_tensor(op, "topk_weights", topk_weights, ("float32",), (s["m"], s["topk"]), w.device)
     cap = capacity(s["m"], s["topk"], s["experts"])
     _check_tensor(op, "h", h, (_FP8,), (cap, s["k"]), w.device)
-    _check_tensor(op, "h_scales", h_scales, ("float32",), (cap, s["kb"]), w.device)
+    _check_tensor(op, "h_scales", h_scales, ("float32",), (cap, s["kb"]), w.device, contiguous=False)
     return s
+
+
+def _scale_strides(scales):
+    """(scales, row stride, kb stride) for the C++ side, where strides (0, 0) mean row-major: a broadcast
+    scale is made contiguous first."""
+    row_stride, kb_stride = scales.stride()
+    if row_stride == 0 and kb_stride == 0:
+        scales = scales.contiguous()
+        row_stride, kb_stride = scales.stride()
+    return scales, row_stride, kb_stride
 
 
 def _grouped_gemm_fp8(a, a_scales, w, w_scales, offsets):
@@ -357,10 +367,7 @@ def _grouped_gemm_fp8(a, a_scales, w, w_scales, offsets):
     d = torch.empty((s["m"], s["n"]), dtype=torch.bfloat16, device=w.device)
     if s["m"] == 0 or s["n"] == 0:
         return d
-    row_stride, kb_stride = a_scales.stride()
-    if row_stride == 0 and kb_stride == 0:  # a broadcast scale; (0, 0) means row-major to the C++ side
-        a_scales = a_scales.contiguous()
-        row_stride, kb_stride = a_scales.stride()
+    a_scales, row_stride, kb_stride = _scale_strides(a_scales)
     _C.grouped_gemm_fp8(a.data_ptr(), a_scales.data_ptr(), row_stride, kb_stride, w.data_ptr(), w_scales.data_ptr(),
                         d.data_ptr(), offsets.data_ptr(), s["offsets_dtype"], s["m"], s["n"], s["k"], s["groups"],
                         w.device.index, raw_stream(w.device.index))
@@ -385,11 +392,20 @@ def _quantize_rows_torch(torch, x):
     return q.view(m, kb * _SCALE_BLOCK)[:, :k].contiguous(), scales
 
 
+def _empty_scales(torch, like, m: int, kb: int, column_major: bool):
+    """f32 [m, kb] on like's device: row-major, or column-major with rows padded to a multiple of 4
+    (strides (1, m rounded up to 4): the layout whose tiles the FP8 grouped GEMM copies in one piece)."""
+    if not column_major:
+        return like.new_empty((m, kb), dtype=torch.float32)
+    return like.new_empty_strided((m, kb), (1, -(-max(m, 1) // 4) * 4), dtype=torch.float32)
+
+
 _QUANTIZE_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 
 
-def _quantize(x, swiglu: bool):
-    """(q, scales) of x's rows, or with swiglu of SiLU(x[:, :k]) * x[:, k:] (fp32), k = x's columns / 2:
+def _quantize(x, swiglu: bool, column_major: bool):
+    """(q, scales) of x's rows, or with swiglu of SiLU(x[:, :k]) * x[:, k:] (fp32), k = x's columns / 2,
+    the scales in _empty_scales's layout:
     tdist's kernel (tdist/ops/grouped_gemm.hpp, quantize_fp8_rows) where it takes x (a CUDA tensor of
     bf16, fp16 or fp32 with unit column stride, 16-byte aligned rows, k a multiple of 16), else torch
     ops with the same arithmetic."""
@@ -399,26 +415,29 @@ def _quantize(x, swiglu: bool):
     if (x.is_cuda and name in _QUANTIZE_DTYPES and k > 0 and k % 16 == 0 and x.stride(1) == 1
             and (m <= 1 or x.stride(0) % 8 == 0) and x.data_ptr() % 16 == 0):
         q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-        scales = torch.empty((m, -(-k // _SCALE_BLOCK)), dtype=torch.float32, device=x.device)
+        scales = _empty_scales(torch, x, m, -(-k // _SCALE_BLOCK), column_major)
         ldx = x.stride(0) if m > 1 else (2 * k if swiglu else k)
-        _C.quantize_fp8(x.data_ptr(), _QUANTIZE_DTYPES[name], ldx, q.data_ptr(), scales.data_ptr(), m, k, swiglu,
-                        x.device.index, raw_stream(x.device.index))
+        _C.quantize_fp8(x.data_ptr(), _QUANTIZE_DTYPES[name], ldx, q.data_ptr(), scales.data_ptr(), *scales.stride(),
+                        m, k, swiglu, x.device.index, raw_stream(x.device.index))
         return q, scales
     if swiglu:
         gate, up = x[:, :k].float(), x[:, k:2 * k].float()
         x = gate / (1.0 + torch.exp(-gate)) * up
-    return _quantize_rows_torch(torch, x)
+    q, scales = _quantize_rows_torch(torch, x)
+    if column_major:
+        scales = _empty_scales(torch, scales, *scales.shape, True).copy_(scales)
+    return q, scales
 
 
-def _quantize_op(name: str, x, swiglu: bool):
+def _quantize_op(name: str, x, swiglu: bool, column_major: bool):
     """The public quantisers' call: x checked, then tdist's kernel or torch ops eagerly, else through
     torch.ops.tdist.<name> (compile, meta and autograd-watched tensors)."""
     op = f"moe.{name}"
     torch = _torch(op)
     _check_quantize_input(op, x, swiglu)
     if _eager(x):
-        return _quantize(x, swiglu)
-    return getattr(torch.ops.tdist, name)(x)
+        return _quantize(x, swiglu, column_major)
+    return getattr(torch.ops.tdist, name)(x, column_major)
 
 
 def _check_quantize_input(op: str, x, swiglu: bool):
@@ -431,20 +450,22 @@ def _check_quantize_input(op: str, x, swiglu: bool):
         _fail(op, "h13" if swiglu else "x", "a floating-point tensor", torch_dtype_name(x.dtype))
 
 
-def quantize_fp8_rows(x):
+def quantize_fp8_rows(x, *, column_major: bool = False):
     """e4m3 [M, K] and f32 scales [M, ceil(K / 128)] of x [M, K] (any float type): one scale per row and
     128 columns, amax / 448, so that x ~ q * scale (grouped_gemm_fp8's A). One pass of tdist's kernel
     on a CUDA tensor of bf16, fp16 or fp32 with K a multiple of 16 (rows of unit column stride);
-    torch ops with the same arithmetic otherwise (the same bits). torch.ops.tdist.quantize_fp8_rows."""
-    return _quantize_op("quantize_fp8_rows", x, False)
+    torch ops with the same arithmetic otherwise (the same bits). column_major: the scales [M, ceil(K / 128)]
+    with strides (1, M rounded up to 4), which grouped_gemm_fp8 and moe_group_gemm_rs_fp8 read faster
+    (a tile's scales in one copy). torch.ops.tdist.quantize_fp8_rows."""
+    return _quantize_op("quantize_fp8_rows", x, False, column_major)
 
 
-def swiglu_quantize_fp8(h13):
+def swiglu_quantize_fp8(h13, *, column_major: bool = False):
     """quantize_fp8_rows of SiLU(gate) * up, computed in fp32, for h13 = [gate | up] [M, 2 F] (the first
     projection's output): e4m3 [M, F] and f32 [M, ceil(F / 128)], in one pass that reads h13 once
-    (tdist's kernel where quantize_fp8_rows's runs). The input of moe_group_gemm_rs_fp8.
-    torch.ops.tdist.swiglu_quantize_fp8."""
-    return _quantize_op("swiglu_quantize_fp8", h13, True)
+    (tdist's kernel where quantize_fp8_rows's runs), the scales column-major with column_major (as
+    quantize_fp8_rows's). The input of moe_group_gemm_rs_fp8. torch.ops.tdist.swiglu_quantize_fp8."""
+    return _quantize_op("swiglu_quantize_fp8", h13, True, column_major)
 
 
 def quantize_fp8_blocks(w):
@@ -551,8 +572,10 @@ def _rs_fp8(h, h_scales, w, w_scales, topk_ids, topk_weights, method, all_reduce
         return d
     ids = _ids32(topk_ids)
     ctx = _context("rs", s, rt)
+    h_scales, row_stride, kb_stride = _scale_strides(h_scales)
     ctx.run(h.data_ptr(), w.data_ptr(), ids.data_ptr(), topk_weights.data_ptr(), d.data_ptr(), s["m"], s["n"], s["k"],
-            raw_stream(w.device.index), method, all_reduce, True, h_scales.data_ptr(), w_scales.data_ptr())
+            raw_stream(w.device.index), method, all_reduce, True, h_scales.data_ptr(), w_scales.data_ptr(),
+            row_stride, kb_stride)
     return d
 
 
@@ -620,22 +643,22 @@ def _register(torch):
         s = check_grouped_gemm_fp8_args(a, a_scales, w, w_scales, offsets)
         return w.new_empty((s["m"], s["n"]), dtype=torch.bfloat16)
 
-    def quantize(x: Tensor) -> Tuple[Tensor, Tensor]:
-        return _quantize(x, False)
+    def quantize(x: Tensor, column_major: bool = False) -> Tuple[Tensor, Tensor]:
+        return _quantize(x, False, column_major)
 
-    def swiglu_quantize(h13: Tensor) -> Tuple[Tensor, Tensor]:
-        return _quantize(h13, True)
+    def swiglu_quantize(h13: Tensor, column_major: bool = False) -> Tuple[Tensor, Tensor]:
+        return _quantize(h13, True, column_major)
 
-    def quantized(x, k):  # the quantisers' outputs for x's rows, k columns
+    def quantized(x, k, column_major):  # the quantisers' outputs for x's rows, k columns
         m = x.shape[0]
         return (x.new_empty((m, k), dtype=torch.float8_e4m3fn),
-                x.new_empty((m, -(-k // _SCALE_BLOCK)), dtype=torch.float32))
+                _empty_scales(torch, x, m, -(-k // _SCALE_BLOCK), column_major))
 
-    def quantize_fake(x):
-        return quantized(x, x.shape[1])
+    def quantize_fake(x, column_major=False):
+        return quantized(x, x.shape[1], column_major)
 
-    def swiglu_quantize_fake(h13):
-        return quantized(h13, h13.shape[1] // 2)
+    def swiglu_quantize_fake(h13, column_major=False):
+        return quantized(h13, h13.shape[1] // 2, column_major)
 
     ops = []
     for name, fn, fake in (("tdist::quantize_fp8_rows", quantize, quantize_fake),
@@ -701,7 +724,8 @@ def moe_group_gemm_rs(h, w, topk_ids, topk_weights, *, method: str = "auto"):
 
 def moe_group_gemm_rs_fp8(h, h_scales, w, w_scales, topk_ids, topk_weights, *, method: str = "auto"):
     """moe_group_gemm_rs on e4m3 h and weights with their block scales (quantize_fp8_rows of h in expert
-    order, quantize_fp8_blocks of this rank's w2 shard): bf16 [rows(rank), N]. The products, their
+    order, quantize_fp8_blocks of this rank's w2 shard; h_scales row- or column-major, the latter read
+    faster, as swiglu_quantize_fp8(column_major=True) makes them): bf16 [rows(rank), N]. The products, their
     top-k sum and the ReduceScatter are bf16; methods 'auto', 'chunked', 'baseline'. Inference only.
     Collective."""
     torch = _torch("moe_group_gemm_rs_fp8")

@@ -73,18 +73,26 @@ Fp8QuantizeArgs check_fp8_quantize_args(const Fp8QuantizeArgs& in) {
   const int64_t blocks = (a.k + kg::kFp8BlockK - 1) / kg::kFp8BlockK;
   if (a.ldx == 0) a.ldx = columns;
   if (a.ldq == 0) a.ldq = a.k;
-  if (a.scale_ld == 0) a.scale_ld = blocks;
+  const bool column_major = a.scale_ld == 1 && a.scale_kb_stride > 1;
+  if (a.scale_kb_stride == 0) a.scale_kb_stride = 1;
+  if (a.scale_ld == 0) a.scale_ld = column_major ? 1 : blocks;
   TDIST_CHECK_ARG(a.ldx >= columns && a.ldx % 8 == 0, "ldx", "expected >= ", columns,
                   a.swiglu ? " (2 k: gate, up)" : "", " and a multiple of 8, got ", a.ldx);
   TDIST_CHECK_ARG(a.ldq >= a.k && a.ldq % 16 == 0, "ldq", "expected >= k (", a.k, ") and a multiple of 16, got ",
                   a.ldq);
-  TDIST_CHECK_ARG(a.scale_ld >= blocks, "scale_ld", "expected >= ceil(k / 128) = ", blocks, ", got ", a.scale_ld);
+  if (column_major)
+    TDIST_CHECK_ARG(a.scale_kb_stride >= a.rows, "scale_kb_stride",
+                    "column-major scales (scale_ld 1): expected >= rows (", a.rows, "), got ", a.scale_kb_stride);
+  else
+    TDIST_CHECK_ARG(a.scale_kb_stride == 1 && (a.scale_ld >= blocks || a.rows <= 1), "scale_ld",
+                    "expected row-major scales (scale_ld >= ceil(k / 128) = ", blocks,
+                    ", scale_kb_stride 1) or column-major ones (scale_ld 1, scale_kb_stride >= rows), got scale_ld ",
+                    a.scale_ld, ", scale_kb_stride ", a.scale_kb_stride);
   if (a.rows == 0) return a;
   TDIST_CHECK_ARG(a.x != nullptr && is_aligned(a.x, 16), "x", "expected a 16-byte aligned device pointer, got ", a.x);
   TDIST_CHECK_ARG(a.q != nullptr && is_aligned(a.q, 16), "q", "expected a 16-byte aligned device pointer, got ", a.q);
   TDIST_CHECK_ARG(a.scales != nullptr && is_aligned(a.scales, 4), "scales",
-                  "expected a 4-byte aligned device pointer to f32 [rows][scale_ld], got ",
-                  static_cast<const void*>(a.scales));
+                  "expected a 4-byte aligned device pointer to f32 scales, got ", static_cast<const void*>(a.scales));
   return a;
 }
 
@@ -100,6 +108,7 @@ void quantize_fp8_rows(const Fp8QuantizeArgs& raw, cudaStream_t stream) {
                           static_cast<kg::u64>(a.ldq),
                           a.scales,
                           static_cast<kg::u64>(a.scale_ld),
+                          static_cast<kg::u64>(a.scale_kb_stride),
                           static_cast<kg::u64>(a.rows),
                           static_cast<kg::u32>(a.k)};
   constexpr kg::u64 kWarps = kg::kQuantizeThreads / 32, kBlocksPerSm = 8;  // 64 warps: a full SM

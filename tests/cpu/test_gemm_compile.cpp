@@ -159,6 +159,20 @@ TEST(GemmTiles, ForcedByEnvironment) {
   }
   unsetenv("TDIST_GEMM_TILE");
   EXPECT_EQ(tdist::choose_gemm_tile(8192, 8192, 8192, 132), (GemmTile{128, 256, 64, 4, 1}));
+  // The FP8 tiles have their own variable; a bf16 tile's name is not one of them.
+  ASSERT_EQ(setenv("TDIST_GEMM_FP8_TILE", "64x128x128_s8_c1", 1), 0);
+  EXPECT_EQ(tdist::choose_fp8_gemm_tile(8192, 8192, 132), (GemmTile{64, 128, 128, 8, 1}));
+  ASSERT_EQ(setenv("TDIST_GEMM_FP8_TILE", "128x256x64_s4_c1", 1), 0);
+  try {
+    tdist::choose_fp8_gemm_tile(8192, 8192, 132);
+    ADD_FAILURE() << "a bf16 tile was accepted as an FP8 one";
+  } catch (const tdist::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("TDIST_GEMM_FP8_TILE='128x256x64_s4_c1' names no shipped tile"),
+              std::string::npos)
+        << e.what();
+  }
+  unsetenv("TDIST_GEMM_FP8_TILE");
+  EXPECT_EQ(tdist::choose_fp8_gemm_tile(8192, 8192, 132).block_m, 128);
 }
 
 TEST(GemmLaunch, ConfigScheduleAndTensorMaps) {
@@ -860,6 +874,13 @@ TEST(Fp8Quantize, DefaultsAndErrorsNameTheArgument) {
   EXPECT_EQ(d.ldx, 208);
   EXPECT_EQ(d.ldq, 208);
   EXPECT_EQ(d.scale_ld, 2);
+  EXPECT_EQ(d.scale_kb_stride, 1);
+  Fp8QuantizeArgs column_major = valid();  // [KB][304]: rows padded to 4
+  column_major.scale_ld = 1;
+  column_major.scale_kb_stride = 304;
+  const Fp8QuantizeArgs c = tdist::check_fp8_quantize_args(column_major);
+  EXPECT_EQ(c.scale_ld, 1);
+  EXPECT_EQ(c.scale_kb_stride, 304);
   Fp8QuantizeArgs glu = valid();
   glu.swiglu = true;
   EXPECT_EQ(tdist::check_fp8_quantize_args(glu).ldx, 416);  // gate and up columns
@@ -882,6 +903,12 @@ TEST(Fp8Quantize, DefaultsAndErrorsNameTheArgument) {
                    "ldx");
   expect_arg_error(with([](Fp8QuantizeArgs& a) { a.ldq = 216; }), "ldq");
   expect_arg_error(with([](Fp8QuantizeArgs& a) { a.scale_ld = 1; }), "scale_ld");
+  expect_arg_error(with([](Fp8QuantizeArgs& a) { a.scale_kb_stride = 4; }), "scale_ld");  // blocks and rows overlap
+  expect_arg_error(with([](Fp8QuantizeArgs& a) {
+                     a.scale_ld = 1;
+                     a.scale_kb_stride = 296;  // fewer than the rows
+                   }),
+                   "scale_kb_stride");
   expect_arg_error(with([](Fp8QuantizeArgs& a) { a.x = reinterpret_cast<const void*>(0x10008); }), "x");
   expect_arg_error(with([](Fp8QuantizeArgs& a) { a.q = nullptr; }), "q");
   expect_arg_error(with([](Fp8QuantizeArgs& a) { a.scales = reinterpret_cast<float*>(0x30002); }), "scales");

@@ -240,21 +240,23 @@ def test_moe_group_gemm_rs_and_ar():
 
 def test_moe_group_gemm_rs_fp8():
     """tdist.moe_group_gemm_rs_fp8 / _ar_fp8 on this rank's h (expert order, garbage padding rows) quantised
-    by quantize_fp8_rows and its w2 shard by quantize_fp8_blocks, every method: against float64 of the
-    dequantised operands summed over ranks. Argument errors name the argument."""
+    by quantize_fp8_rows (row-major scales, or column-major: each method meets both) and its w2 shard by
+    quantize_fp8_blocks, every method: against float64 of the dequantised operands summed over ranks.
+    Argument errors name the argument."""
     W, me = world(), rank()
     seed = 1700
-    for (m, topk, E, K, N, kind) in FP8_RS_CASES:
-        for method in moe.RS_FP8_METHODS + ("all_reduce",):
+    for case, (m, topk, E, K, N, kind) in enumerate(FP8_RS_CASES):
+        for i, method in enumerate(moe.RS_FP8_METHODS + ("all_reduce",)):
             seed += 1
-            what = f"rs fp8 m={m} topk={topk} E={E} K={K} N={N} {kind} {method}"
+            column_major = (case + i) % 2 == 1
+            what = f"rs fp8 m={m} topk={topk} E={E} K={K} N={N} {kind} {method} column-major={column_major}"
             ids = routing_ids(m, topk, E, kind, seed)
             weights = torch.rand((m, topk), generator=torch.Generator().manual_seed(seed + 2))
             cap = moe.capacity(m, topk, E)
             routing = moe.routing_reference(ids, E, W, me)
             h = garbage_padding(rand((cap, K), torch.bfloat16, seed + 100 * (me + 2)), routing, cap).cuda()
             w2 = rand((E, N, K), torch.bfloat16, seed + 100 * (me + 2) + 1, scale=0.1).cuda()
-            h_q, h_s = moe.quantize_fp8_rows(h)
+            h_q, h_s = moe.quantize_fp8_rows(h, column_major=column_major)
             w_q, w_s = moe.quantize_fp8_blocks(w2)
             ref = all_ranks_sum(rs_partial(dequant_rows(h_q, h_s), dequant_blocks(w_q, w_s), ids, weights, routing))
             poison_allocator()
@@ -690,6 +692,11 @@ def test_quantize_kernels():
             torch.cuda.synchronize()
             assert torch.equal(sc, sc_ref), f"{what}: scales differ from the torch form"
             assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"{what}: e4m3 differ from the torch form"
+            poison_allocator()
+            q_c, sc_c = moe.quantize_fp8_rows(x, column_major=True)  # the kernel writing column-major scales
+            assert sc_c.stride() == (1, -(-m // 4) * 4), f"{what}: column-major strides {sc_c.stride()}"
+            assert torch.equal(sc_c, sc_ref) and torch.equal(q_c.view(torch.uint8), q_ref.view(torch.uint8)), \
+                f"{what}: column-major output differs from the torch form"
     for i, (m, f) in enumerate([(1, 16), (517, 208), (64, 768)]):
         what = f"swiglu_quantize_fp8 m={m} f={f}"
         h13 = rand((m, 2 * f), torch.bfloat16, 950 + i, scale=2.0).cuda()
@@ -705,6 +712,9 @@ def test_quantize_kernels():
         same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).double().mean().item()
         assert same > 0.999, f"{what}: only {same:.4%} of the e4m3 values equal the torch form's"
         assert bool(((sc - sc_ref).abs() <= sc_ref * 1e-6).all()), f"{what}: scales differ from the torch form"
+        q_c, sc_c = moe.swiglu_quantize_fp8(h13, column_major=True)
+        assert torch.equal(sc_c, sc) and torch.equal(q_c.view(torch.uint8), q.view(torch.uint8)), \
+            f"{what}: column-major output differs from the row-major one"
 
 
 TESTS = [

@@ -5,6 +5,8 @@ skip, saying so, without it.
   128, every block's amax mapped to 448, dequantised values within e4m3's half-ulp of the input,
   all-zero blocks kept finite;
 * swiglu_quantize_fp8: quantize_fp8_rows of SiLU(gate) * up computed in fp32;
+* column_major=True: the same values with scales of strides (1, M rounded up to 4), eagerly and in
+  the fakes;
 * the registered ops' fake implementations: bf16 [M_total, N] of the GEMM on meta tensors, column-major
   A scales accepted; the quantisers' e4m3 rows and f32 scales;
 * argument errors name the argument.
@@ -53,6 +55,19 @@ def test_swiglu_quantize(m, f):
     ref = torch.nn.functional.silu(h13[:, :f].double()) * h13[:, f:].double()
     got = dequantize_rows(q, s, f)
     assert ((got - ref).abs() <= ref.abs() * 2 ** -4 + s.double().repeat_interleave(128, 1)[:, :f] * 2 ** -8).all()
+
+
+@pytest.mark.parametrize("m,k", [(1, 16), (6, 400), (8, 256)])
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_column_major_scales(m, k, swiglu):
+    x = (torch.randn((m, 2 * k if swiglu else k), generator=torch.Generator().manual_seed(m + k)) * 2)
+    quantize = moe.swiglu_quantize_fp8 if swiglu else moe.quantize_fp8_rows
+    q, s = quantize(x.to(torch.bfloat16))
+    qc, sc = quantize(x.to(torch.bfloat16), column_major=True)
+    assert torch.equal(q.view(torch.uint8), qc.view(torch.uint8)) and torch.equal(s, sc)
+    assert sc.stride() == (1, -(-m // 4) * 4) and qc.is_contiguous()
+    meta = quantize(x.to(device="meta", dtype=torch.bfloat16), column_major=True)
+    assert meta[1].stride() == sc.stride() and tuple(meta[1].shape) == tuple(sc.shape)
 
 
 def test_quantizers_fake_shapes():

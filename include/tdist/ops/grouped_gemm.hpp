@@ -166,7 +166,10 @@ struct Fp8QuantizeArgs {
   void* q = nullptr;
   int64_t ldq = 0;  // bytes; 0: k
   float* scales = nullptr;
-  int64_t scale_ld = 0;  // 0: ceil(k / 128)
+  // Block kb of row r's scale at scales[r * scale_ld + kb * scale_kb_stride]: row-major (scale_ld >=
+  // ceil(k / 128), scale_kb_stride 1) or column-major (scale_ld 1, scale_kb_stride >= rows). 0: row-major dense.
+  int64_t scale_ld = 0;
+  int64_t scale_kb_stride = 0;
   int64_t rows = 0, k = 0;
   bool swiglu = false;
 };

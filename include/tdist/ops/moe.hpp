@@ -171,7 +171,11 @@ struct MoeGroupGemmRsArgs {
   void* d = nullptr;                    // T[rows(rank)][n] (run_all_reduce: T[m][n]); bf16 for FP8
   int64_t m = 0, n = 0, k = 0;
   // FP8 (config.dtype kFloat8E4M3) only, k a multiple of 16, KB = ceil(k / 128), NB = ceil(n / 128):
-  const float* h_scales = nullptr;  // f32[routing->capacity][KB] row-major: a row's scale per 128 columns
+  const float* h_scales = nullptr;  // f32: row r's scale of K block kb at h_scales[r * row_stride + kb * kb_stride]
+  // h_scales' strides in elements; both 0: row-major [routing->capacity][KB]. Column-major (row stride 1,
+  // kb stride a multiple of 4, 16-byte aligned) is the faster: the grouped GEMM copies a tile's scales
+  // in one piece (kernels/gemm/sm90_fp8_gemm.cuh).
+  int64_t h_scales_row_stride = 0, h_scales_kb_stride = 0;
   const float* b_scales = nullptr;  // f32[experts][NB][KB]: one per 128 x 128 block of each expert's b
 };
 

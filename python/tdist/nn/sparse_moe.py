@@ -275,7 +275,9 @@ class ParallelMoE(torch.nn.Module):
         ids, weights = GatherRouting.apply(ids, weights, m, self.rank, self.world_size)
         h13 = _moe.moe_ag_group_gemm_fp8(*_moe.quantize_fp8_rows(x2), ids, self.w13_fp8, self.w13_scales,
                                          method=self.method)
-        return _moe.moe_group_gemm_rs_fp8(*_moe.swiglu_quantize_fp8(h13), self.w2_fp8, self.w2_scales, ids, weights,
+        # Column-major scales: the second projection's GEMM copies a tile's scales in one piece.
+        h_q, h_s = _moe.swiglu_quantize_fp8(h13, column_major=True)
+        return _moe.moe_group_gemm_rs_fp8(h_q, h_s, self.w2_fp8, self.w2_scales, ids, weights,
                                           method=_moe.rs_method(self.method))
 
     @classmethod

@@ -470,7 +470,7 @@ struct MoeGroupGemmRs::Impl {
     if (!fp8()) return;
     TDIST_CHECK_ARG(a.k % 16 == 0, "k", "FP8 needs k a multiple of 16 (16-byte e4m3 rows), got ", a.k);
     TDIST_CHECK_ARG(a.h_scales != nullptr && reinterpret_cast<uintptr_t>(a.h_scales) % 4 == 0, "h_scales",
-                    "FP8 needs a 4-byte aligned device pointer to f32 [capacity][ceil(k / 128)], got ",
+                    "FP8 needs a 4-byte aligned device pointer to f32 scales [capacity][ceil(k / 128)], got ",
                     static_cast<const void*>(a.h_scales));
     TDIST_CHECK_ARG(a.b_scales != nullptr && reinterpret_cast<uintptr_t>(a.b_scales) % 4 == 0, "b_scales",
                     "FP8 needs a 4-byte aligned device pointer to f32 [experts][ceil(n / 128)][ceil(k / 128)], got ",
@@ -495,9 +495,12 @@ struct MoeGroupGemmRs::Impl {
                             .k = a.k,
                             .num_groups = config.experts,
                             .dtype = config.dtype};
-    if (fp8())
-      gemm.run(fp8_problem(g, a.h_scales, nullptr, a.b_scales), stream, options);
-    else
+    if (fp8()) {
+      GroupedGemmFp8Args p = fp8_problem(g, a.h_scales, nullptr, a.b_scales);
+      p.a_scales_row_stride = a.h_scales_row_stride;
+      p.a_scales_kb_stride = a.h_scales_kb_stride;
+      gemm.run(p, stream, options);
+    } else
       gemm.run(g, stream, options);
   }
 

@@ -6,7 +6,8 @@
 // Layouts (row-major, T = __nv_bfloat16, __half or float):
 //   x       T[rows][ldx]             kSwiGlu: gate = columns [0, k), up = columns [k, 2 k)
 //   q       e4m3[rows][ldq]          columns [0, k)
-//   scales  f32[rows][ceil(k / 128)] scales[r * scale_ld + kb]
+//   scales  f32 scales[r * scale_ld + kb * scale_kb_stride]: row-major [rows][ceil(k / 128)] or
+//           column-major [ceil(k / 128)][>= rows] (the FP8 GEMM's faster A scales)
 // Block (r, kb) covers columns [128 kb, 128 kb + 128) of row r (zeros past k): scale = max(amax,
 // 1e-12) x fp32(1 / 448) and q = e4m3(v / scale), rounded to nearest, saturating at +-448; v ~ q x scale. The
 // same arithmetic as tdist.moe.quantize_fp8_rows's torch form, so the two agree bit for bit on the
@@ -36,7 +37,8 @@ struct Fp8QuantizeParams {
   void* q;
   u64 ldq;  // bytes
   float* scales;
-  u64 scale_ld;  // scales per row: ceil(k / 128) when dense
+  u64 scale_ld;         // row stride of the scales: ceil(k / 128) when dense row-major, 1 column-major
+  u64 scale_kb_stride;  // 1 row-major
   u64 rows;
   u32 k;
 };
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(kQuantizeThreads) fp8_quantize_rows(Fp8Quantiz
       *reinterpret_cast<u32*>(static_cast<unsigned char*>(p.q) + row * p.ldq + col) =
           static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
     }
-    if (lane == 0) p.scales[row * p.scale_ld + kb] = scale;
+    if (lane == 0) p.scales[row * p.scale_ld + kb * p.scale_kb_stride] = scale;
   }
 }
 
