@@ -13,6 +13,7 @@
 #include "tdist/common/alignment.hpp"
 #include "tdist/common/checked.hpp"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/log.hpp"
@@ -195,9 +196,7 @@ Collectives::Collectives(World& world, SymmetricHeap& heap, size_t max_bytes, co
   TDIST_CHECK(n <= device::kMaxLsaRanks && n <= kernels::coll::kThreads, "world of ", n, " ranks is too large");
   TDIST_CHECK(world.lsa_size() == n, "Collectives needs every rank in one NVLink (LSA) domain; the LSA team has ",
               world.lsa_size(), " of ", n, " ranks");
-  int sms = 0;
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, world.device()));
-  max_blocks_ = options.max_blocks > 0 ? options.max_blocks : sms;
+  max_blocks_ = options.max_blocks > 0 ? options.max_blocks : sm_count(world.device());
   programmatic_launch_ = options.programmatic_launch;
   max_bytes_ = round_up(max_bytes, 256);
   ll_bytes_ = round_up(options.ll_bytes, 16);
@@ -374,7 +373,10 @@ void check_call(World& world, cudaStream_t stream, const char* op, size_t count,
     return detail::concat(op, "(count=", count, count_unit, ", ", to_string(dtype), ", method ", to_string(method),
                           ", in ", s.in_symmetric ? "symmetric" : "ordinary", ", out ",
                           s.out_symmetric ? "symmetric" : "ordinary", in_place ? ", in place" : "",
-                          !is_auto ? "" : s.aligned16 ? ", 16-byte aligned" : ", not 16-byte aligned", ")");
+                          !is_auto      ? ""
+                          : s.aligned16 ? ", 16-byte aligned"
+                                        : ", not 16-byte aligned",
+                          ")");
   });
 }
 

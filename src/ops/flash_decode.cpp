@@ -15,6 +15,7 @@
 #include "tdist/common/alignment.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/nvtx.hpp"
@@ -290,13 +291,6 @@ std::vector<jit::CompileRequest> flash_decode_compile_requests() {
 }
 TDIST_JIT_REGISTER_KERNELS(flash_decode, flash_decode_compile_requests);
 
-int current_sm_count() {
-  int dev = 0, n = 0;
-  TDIST_CUDA_CHECK(cudaGetDevice(&dev));
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-  return n;
-}
-
 void report_errors(u32* errors) {
   TDIST_CUDA_CHECK(cudaDeviceSynchronize());
   u32 bits = 0;
@@ -313,7 +307,7 @@ void report_errors(u32* errors) {
 
 // State shared by both ops: the split workspace (ordinary memory, grown on demand) and the error bits.
 struct FlashDecode::Impl {
-  int num_sms = current_sm_count();
+  int num_sms = sm_count(current_device());
   DeviceBuffer errors = DeviceBuffer::zeroed(sizeof(u32));
   DeviceBuffer partials;  // o_part f32[items][splits][D], then lse_part f32[items][splits]
   size_t partial_bytes = 0;

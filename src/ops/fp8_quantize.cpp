@@ -7,6 +7,7 @@
 
 #include "tdist/common/alignment.hpp"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/jit.hpp"
 #include "tdist/jit/launch.hpp"
@@ -47,9 +48,7 @@ struct QuantizeKernels {
   QuantizeKernels() : module(jit::Module::load(jit::compile(quantize_request()))) {
     for (size_t t = 0; t < std::size(kQuantizeInputs); ++t)
       for (int s = 0; s < 2; ++s) kernel[t][s] = module->kernel(quantize_instance(kQuantizeInputs[t], s == 1));
-    int device = 0;
-    TDIST_CUDA_CHECK(cudaGetDevice(&device));
-    TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+    num_sms = sm_count(current_device());
   }
 };
 

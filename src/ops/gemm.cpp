@@ -14,6 +14,7 @@
 
 #include "tdist/common/alignment.hpp"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/nvtx.hpp"
@@ -340,17 +341,9 @@ jit::KernelArgs gemm_kernel_args(const GemmArgs& args, const GemmTile& tile, con
   return kargs;
 }
 
-int compute_capability(int device) {
-  int major = 0, minor = 0;
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return 10 * major + minor;
-}
-
 Gemm::Gemm() {
-  int device = 0;
-  TDIST_CUDA_CHECK(cudaGetDevice(&device));
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
+  const int device = current_device();
+  num_sms_ = sm_count(device);
   const int cc = compute_capability(device);
   TDIST_CHECK(cc == kGemmComputeCapability, "tdist::Gemm needs a Hopper GPU (sm_90a); device ", device, " is sm_", cc);
   runtime_ = std::make_unique<detail::PlainGemm>(num_sms_);

@@ -7,6 +7,7 @@
 
 #include "tdist/common/alignment.hpp"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/nvtx.hpp"
 #include "tdist/jit/registry.hpp"
@@ -139,9 +140,8 @@ std::string grouped_gemm_kernel_name(DType dtype, const GemmTile& tile, bool gat
 TDIST_JIT_REGISTER_KERNELS(grouped_gemm, grouped_gemm_compile_requests);
 
 GroupedGemm::GroupedGemm() {
-  int device = 0;
-  TDIST_CUDA_CHECK(cudaGetDevice(&device));
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
+  const int device = current_device();
+  num_sms_ = sm_count(device);
   const int cc = compute_capability(device);
   TDIST_CHECK(cc == kGemmComputeCapability, "tdist::GroupedGemm needs a Hopper GPU (sm_90a); device ", device,
               " is sm_", cc);

@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 
@@ -214,9 +215,7 @@ void KernelProfiler::enable(const KernelProfilerOptions& o) {
   TDIST_CUDA_CHECK(cudaGetDevice(&dev));
   int max_blocks = o.max_blocks;
   if (max_blocks == 0) {
-    int sms = 0;
-    TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    max_blocks = 2 * sms;
+    max_blocks = 2 * sm_count(dev);
   }
   const int records = o.records_per_track == 0 ? kernel_profile_records_from_env() : o.records_per_track;
   TDIST_CHECK_ARG(max_blocks >= 1 && max_blocks <= kMaxBlocks, "options.max_blocks",

@@ -42,6 +42,7 @@
 #include "../common/bench_report.hpp"
 #include "tdist/common/cli.hpp"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/json.hpp"
 #include "tdist/common/random_sweep.hpp"
 #include "tdist/ops/collectives.hpp"
@@ -239,8 +240,7 @@ int run(const Options& opt, int argc, char** argv) {
   CollectivesOptions coll_options;
   coll_options.ll_bytes = opt.ll_bytes;
   coll_options.ll128_bytes = opt.ll128_bytes;
-  int sms = 0;
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, world.device()));
+  const int sms = sm_count(world.device());
   const size_t per_context = Collectives::heap_bytes(n, S, sms, coll_options);
   SymmetricHeap heap(world, opt.pdl.size() * per_context + (opt.symmetric ? 2 * buf : 0) + (16ull << 20));
   // One context per programmatic-launch setting, each with its own buffers.

@@ -17,6 +17,7 @@
 #include "tdist/common/cli.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/collectives.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
@@ -91,8 +92,7 @@ int run(const Options& o) {
   const int rank = world.rank(), w = world.world_size();
   // Before the ops are built: their kernels compile with the recorder.
   KernelProfiler::enable(KernelProfilerOptions{.records_per_track = o.records});
-  int sms = 0;
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, world.device()));
+  const int sms = sm_count(world.device());
   const AllGatherGemmConfig cfg{.max_m = o.m, .k = o.k, .dtype = DType::kBFloat16};
   const size_t push_out = o.bytes * static_cast<size_t>(w);
   const size_t heap_bytes = all_gather_gemm_heap_bytes(cfg, w, sms) + Collectives::heap_bytes(w, push_out, sms) +

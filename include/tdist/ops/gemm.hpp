@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/dtype.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/launch.hpp"
@@ -81,9 +82,8 @@ struct GemmRunOptions {
   int max_ctas = 0;              // persistent CTAs at most; 0: the SM count
 };
 
-// Compute capability of `device` as 10 x major + minor. tdist's GEMM runs on kGemmComputeCapability
-// only (sm_90a: its wgmma and TMA code is arch-specific).
-int compute_capability(int device);
+// tdist's GEMM runs on this compute capability only (compute_capability, common/device_info.hpp;
+// sm_90a: its wgmma and TMA code is arch-specific).
 constexpr int kGemmComputeCapability = 90;
 
 class Gemm {

@@ -13,6 +13,7 @@
 #include "src/ops/overlap/runtime.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/nvtx.hpp"
 #include "tdist/jit/registry.hpp"
@@ -76,12 +77,7 @@ class AllGatherGemmSwiGlu final : public OverlapContext {
   AllGatherGemmSwiGlu(World& world, SymmetricHeap& heap, const OverlapContextConfig& c)
       : config_(c),
         gemm_(world, heap, inner_config(c)),
-        swiglu_(c.dtype,
-                [&] {
-                  int n = 0;
-                  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, world.device()));
-                  return n;
-                }()),
+        swiglu_(c.dtype, [&] { return sm_count(world.device()); }()),
         h_(static_cast<size_t>(c.max_m) * c.max_n * dtype_size(c.dtype)) {
     TDIST_CHECK_ARG(c.max_n > 0 && c.max_n % 16 == 0, "config.max_n", "expected a positive multiple of 16, got ",
                     c.max_n);

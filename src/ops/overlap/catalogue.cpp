@@ -5,11 +5,12 @@
 #include <cstdlib>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/error.hpp"
-#include "tdist/runtime/stream.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"  // RowChunks
 #include "tdist/ops/detail/overlap_registry.hpp"
 #include "tdist/ops/overlap_ops.hpp"
+#include "tdist/runtime/stream.hpp"
 
 namespace tdist {
 
@@ -143,7 +144,7 @@ std::string describe(const OverlapOpTraits& op, const OverlapContextConfig& c) {
 }  // namespace
 
 OverlapContextCache::OverlapContextCache(World& world, SymmetricHeap& heap) : world_(world), heap_(heap) {
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, world.device()));
+  num_sms_ = sm_count(world.device());
 }
 
 OverlapContextCache::~OverlapContextCache() = default;

@@ -6,6 +6,7 @@
 #include "src/ops/overlap/moe_kernels.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/registry.hpp"
 #include "tdist/ops/moe.hpp"
@@ -113,9 +114,7 @@ jit::CompileRequest MoeKernels::compile_request() {
 }
 
 MoeKernels::MoeKernels(DType dtype) : module_(jit::Module::load(jit::compile(compile_request()))) {
-  int device = 0;
-  TDIST_CUDA_CHECK(cudaGetDevice(&device));
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device));
+  num_sms_ = sm_count(current_device());
   count_ = module_->kernel(kCount);
   build_ = module_->kernel(kBuild);
   if (dtype == DType::kBFloat16 || dtype == DType::kFloat16) combine_ = module_->kernel(combine_instance(dtype));
@@ -216,15 +215,17 @@ void MoeRouter::check_errors() {
 namespace {
 void check_int_array(const int* a, const char* name) {
   if (a == nullptr || reinterpret_cast<uintptr_t>(a) % alignof(int) != 0)
-    TDIST_FAIL("invalid argument '", name,
-               "': expected a 4-byte aligned device pointer to int32, got ", static_cast<const void*>(a));
+    TDIST_FAIL("invalid argument '", name, "': expected a 4-byte aligned device pointer to int32, got ",
+               static_cast<const void*>(a));
 }
 }  // namespace
 
 const MoeRouting& MoeRouter::route(const int* topk_ids, int64_t m, cudaStream_t stream) {
   Impl& s = *impl_;
-  const MoeRoutingArrays own{.offsets = s.offsets.get<int>(), .counts = s.counts.get<int>(),
-                             .token_of_row = s.token_of_row.get<int>(), .row_of_pair = s.row_of_pair.get<int>()};
+  const MoeRoutingArrays own{.offsets = s.offsets.get<int>(),
+                             .counts = s.counts.get<int>(),
+                             .token_of_row = s.token_of_row.get<int>(),
+                             .row_of_pair = s.row_of_pair.get<int>()};
   launch(topk_ids, m, own, stream, /*all_rows=*/false);
   MoeRouting& v = s.view;
   v.offsets = own.offsets;
@@ -275,8 +276,7 @@ void MoeRouter::launch(const int* topk_ids, int64_t m, const MoeRoutingArrays& o
                   static_cast<const void*>(topk_ids));
   // The kernels write the padding rows up to offsets[E]; all_rows: the rows past it read -1 too.
   if (all_rows)
-    TDIST_CUDA_CHECK(
-        cudaMemsetAsync(out.token_of_row, 0xFF, moe_capacity(m, s.topk, s.experts) * sizeof(int), stream));
+    TDIST_CUDA_CHECK(cudaMemsetAsync(out.token_of_row, 0xFF, moe_capacity(m, s.topk, s.experts) * sizeof(int), stream));
   km::RouteParams p{};
   p.topk_ids = topk_ids;
   p.bad = s.bad.get<km::BadIdRecord>();

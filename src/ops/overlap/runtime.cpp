@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/log.hpp"
@@ -108,9 +109,7 @@ OverlapRuntime::OverlapRuntime(World& world, SymmetricHeap& heap, DType dtype, s
       dtype_(dtype),
       num_sms_([&] {
         check_overlap_dtype(dtype);
-        int n = 0;
-        TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, world.device()));
-        return n;
+        return sm_count(world.device());
       }()),
       fused_ok_(compute_capability(world.device()) == kGemmComputeCapability),
       kernels_(dtype),
@@ -211,9 +210,9 @@ OverlapMethod OverlapRuntime::tune_methods(const std::string& shape, const std::
   req.warmup = 2;
   req.repeat = 7;
   if (!tuner_)
-    tuner_ = std::make_unique<jit::Autotuner>(
-        "", jit::Autotuner::Timer{},
-        [this](const std::vector<double>& v) { return world_.max_across_ranks("tdist overlap method tuning", v); });
+    tuner_ = std::make_unique<jit::Autotuner>("", jit::Autotuner::Timer{}, [this](const std::vector<double>& v) {
+      return world_.max_across_ranks("tdist overlap method tuning", v);
+    });
   {
     // The candidates' nested collective calls (sequential) are not compared one by one while timed.
     const ScopedCallCheckMode checks_off(world_, CallCheckMode::kOff);
