@@ -373,10 +373,7 @@ void check_call(World& world, cudaStream_t stream, const char* op, size_t count,
     return detail::concat(op, "(count=", count, count_unit, ", ", to_string(dtype), ", method ", to_string(method),
                           ", in ", s.in_symmetric ? "symmetric" : "ordinary", ", out ",
                           s.out_symmetric ? "symmetric" : "ordinary", in_place ? ", in place" : "",
-                          !is_auto      ? ""
-                          : s.aligned16 ? ", 16-byte aligned"
-                                        : ", not 16-byte aligned",
-                          ")");
+                          !is_auto ? "" : s.aligned16 ? ", 16-byte aligned" : ", not 16-byte aligned", ")");
   });
 }
 

@@ -112,7 +112,7 @@ constexpr const char* kLlSymbols[] = {
 enum class HtKernel { kLayout, kDispatch, kDispatchRecv, kCombineSend, kCombineRecv, kCount };
 
 constexpr const char* kHtSymbols[] = {
-    "tdist::kernels::ep::ep_ht_layout",        "tdist::kernels::ep::ep_ht_dispatch",
+    "tdist::kernels::ep::ep_ht_layout",       "tdist::kernels::ep::ep_ht_dispatch",
     "tdist::kernels::ep::ep_ht_dispatch_recv", "tdist::kernels::ep::ep_ht_combine_send",
     "tdist::kernels::ep::ep_ht_combine_recv",
 };
@@ -140,9 +140,10 @@ std::vector<jit::CompileRequest> ep_compile_requests() { return {ll_request(), h
 TDIST_JIT_REGISTER_KERNELS(ep, ep_compile_requests);
 
 void check_ep_config(const EpConfig& c, int world_size) {
-  TDIST_CHECK_ARG(world_size >= 1 && world_size <= device::kMaxLsaRanks, "world_size", "1 to ", device::kMaxLsaRanks,
-                  " ranks in one NVLink domain, got ", world_size);
-  TDIST_CHECK_ARG(c.max_tokens >= 1 && c.max_tokens <= (1 << 20), "config.max_tokens", "1 to 2^20, got ", c.max_tokens);
+  TDIST_CHECK_ARG(world_size >= 1 && world_size <= device::kMaxLsaRanks, "world_size", "1 to ",
+                  device::kMaxLsaRanks, " ranks in one NVLink domain, got ", world_size);
+  TDIST_CHECK_ARG(c.max_tokens >= 1 && c.max_tokens <= (1 << 20), "config.max_tokens", "1 to 2^20, got ",
+                  c.max_tokens);
   TDIST_CHECK_ARG(c.hidden >= 8 && c.hidden % 8 == 0 && c.hidden <= (1 << 20), "config.hidden",
                   "a multiple of 8 (16-byte bf16 rows) from 8 to 2^20, got ", c.hidden);
   TDIST_CHECK_ARG(c.num_experts >= world_size && c.num_experts % world_size == 0, "config.num_experts",
@@ -173,15 +174,15 @@ size_t ep_heap_bytes(const EpConfig& config, int world_size) {
   return EpLlLayout(config, world_size).layout.bytes();
 }
 
-EpTokenCounts ep_count_tokens(const int64_t* topk_idx, int64_t num_tokens, int topk, int num_experts, int world_size) {
+EpTokenCounts ep_count_tokens(const int64_t* topk_idx, int64_t num_tokens, int topk, int num_experts,
+                              int world_size) {
   TDIST_CHECK_ARG(num_tokens >= 0 && (num_tokens == 0 || topk_idx != nullptr), "topk_idx",
                   "a host array of num_tokens x topk ids");
   TDIST_CHECK_ARG(topk >= 1, "topk", "at least 1, got ", topk);
   TDIST_CHECK_ARG(world_size >= 1 && num_experts >= world_size && num_experts % world_size == 0, "num_experts",
                   "a positive multiple of world_size ", world_size, ", got ", num_experts);
   const int L = num_experts / world_size;
-  EpTokenCounts c{std::vector<int>(static_cast<size_t>(world_size)),
-                  std::vector<int>(static_cast<size_t>(num_experts))};
+  EpTokenCounts c{std::vector<int>(static_cast<size_t>(world_size)), std::vector<int>(static_cast<size_t>(num_experts))};
   auto sent = [&](const int64_t* row, int j) {
     if (row[j] < 0 || row[j] >= num_experts) return false;
     for (int k = 0; k < j; ++k)
@@ -238,8 +239,8 @@ namespace {
 
 // The fields both protocols' kernel parameters share (EpHtParams and EpLlParams name them alike).
 template <class Params>
-void set_common_params(Params& p, const SymmetricHeap& heap, const EpConfig& c, int num_local_experts, EpState* state,
-                       int* error) {
+void set_common_params(Params& p, const SymmetricHeap& heap, const EpConfig& c, int num_local_experts,
+                       EpState* state, int* error) {
   p.heap = heap.view();
   p.max_tokens = static_cast<int>(c.max_tokens);
   p.hidden = static_cast<int>(c.hidden);
@@ -266,9 +267,8 @@ void check_dispatch_common(const Args& a, const EpConfig& c) {
 EpBuffer::EpBuffer(World& world, SymmetricHeap& heap, const EpConfig& config)
     : world_(world), heap_(heap), config_(config), world_size_(world.world_size()) {
   check_ep_config(config, world_size_);
-  TDIST_CHECK(world.lsa_size() == world_size_,
-              "EpBuffer needs every rank in one NVLink (LSA) domain; the LSA team has ", world.lsa_size(), " of ",
-              world_size_, " ranks");
+  TDIST_CHECK(world.lsa_size() == world_size_, "EpBuffer needs every rank in one NVLink (LSA) domain; the LSA team has ",
+              world.lsa_size(), " of ", world_size_, " ranks");
   all_sms_ = sm_count(world.device());
   const bool ht = config.mode == EpMode::kHighThroughput;
   // Low latency takes every SM (latency); high throughput leaves SMs to the computation it overlaps.
@@ -499,8 +499,7 @@ void EpBuffer::check_ht_combine(const EpHtCombineArgs& a, const EpHtHandle& h) c
   TDIST_CHECK_ARG((a.y != nullptr) != (a.y_compact != nullptr), "y",
                   "exactly one of y (expert-major) and y_compact (compact rows)");
   TDIST_CHECK_ARG(a.y == nullptr || is_aligned(a.y, 16), "y", "a 16-byte aligned device pointer");
-  TDIST_CHECK_ARG(a.y_compact == nullptr || is_aligned(a.y_compact, 16), "y_compact",
-                  "a 16-byte aligned device pointer");
+  TDIST_CHECK_ARG(a.y_compact == nullptr || is_aligned(a.y_compact, 16), "y_compact", "a 16-byte aligned device pointer");
   if (h.num_tokens > 0) {
     TDIST_CHECK_ARG(a.topk_idx != nullptr && is_aligned(a.topk_idx, 8), "topk_idx", "an 8-byte aligned device pointer");
     TDIST_CHECK_ARG(a.out != nullptr && is_aligned(a.out, 16), "out", "a 16-byte aligned device pointer");
@@ -571,7 +570,8 @@ void EpBuffer::ht_combine(const EpHtCombineArgs& a, const EpHtHandle& h, cudaStr
   // it sends), so by default it takes every SM, as the receives do; num_sms, when set, bounds it.
   const int send_sms = config_.num_sms > 0 ? sms_ : all_sms_;
   launch_ep(m.get(HtKernel::kCombineSend), static_cast<unsigned>(send_sms), kernels::ep::kHtThreads, 0, p, stream);
-  launch_ep(m.get(HtKernel::kCombineRecv), warp_blocks(h.num_tokens, all_sms_), kernels::ep::kHtThreads, 0, p, stream);
+  launch_ep(m.get(HtKernel::kCombineRecv), warp_blocks(h.num_tokens, all_sms_), kernels::ep::kHtThreads, 0, p,
+            stream);
 }
 
 EpDeviceError EpBuffer::device_error(cudaStream_t stream) {

@@ -77,7 +77,7 @@ class AllGatherGemmSwiGlu final : public OverlapContext {
   AllGatherGemmSwiGlu(World& world, SymmetricHeap& heap, const OverlapContextConfig& c)
       : config_(c),
         gemm_(world, heap, inner_config(c)),
-        swiglu_(c.dtype, [&] { return sm_count(world.device()); }()),
+        swiglu_(c.dtype, sm_count(world.device())),
         h_(static_cast<size_t>(c.max_m) * c.max_n * dtype_size(c.dtype)) {
     TDIST_CHECK_ARG(c.max_n > 0 && c.max_n % 16 == 0, "config.max_n", "expected a positive multiple of 16, got ",
                     c.max_n);

@@ -215,17 +215,15 @@ void MoeRouter::check_errors() {
 namespace {
 void check_int_array(const int* a, const char* name) {
   if (a == nullptr || reinterpret_cast<uintptr_t>(a) % alignof(int) != 0)
-    TDIST_FAIL("invalid argument '", name, "': expected a 4-byte aligned device pointer to int32, got ",
-               static_cast<const void*>(a));
+    TDIST_FAIL("invalid argument '", name,
+               "': expected a 4-byte aligned device pointer to int32, got ", static_cast<const void*>(a));
 }
 }  // namespace
 
 const MoeRouting& MoeRouter::route(const int* topk_ids, int64_t m, cudaStream_t stream) {
   Impl& s = *impl_;
-  const MoeRoutingArrays own{.offsets = s.offsets.get<int>(),
-                             .counts = s.counts.get<int>(),
-                             .token_of_row = s.token_of_row.get<int>(),
-                             .row_of_pair = s.row_of_pair.get<int>()};
+  const MoeRoutingArrays own{.offsets = s.offsets.get<int>(), .counts = s.counts.get<int>(),
+                             .token_of_row = s.token_of_row.get<int>(), .row_of_pair = s.row_of_pair.get<int>()};
   launch(topk_ids, m, own, stream, /*all_rows=*/false);
   MoeRouting& v = s.view;
   v.offsets = own.offsets;
@@ -276,7 +274,8 @@ void MoeRouter::launch(const int* topk_ids, int64_t m, const MoeRoutingArrays& o
                   static_cast<const void*>(topk_ids));
   // The kernels write the padding rows up to offsets[E]; all_rows: the rows past it read -1 too.
   if (all_rows)
-    TDIST_CUDA_CHECK(cudaMemsetAsync(out.token_of_row, 0xFF, moe_capacity(m, s.topk, s.experts) * sizeof(int), stream));
+    TDIST_CUDA_CHECK(
+        cudaMemsetAsync(out.token_of_row, 0xFF, moe_capacity(m, s.topk, s.experts) * sizeof(int), stream));
   km::RouteParams p{};
   p.topk_ids = topk_ids;
   p.bad = s.bad.get<km::BadIdRecord>();

@@ -210,9 +210,9 @@ OverlapMethod OverlapRuntime::tune_methods(const std::string& shape, const std::
   req.warmup = 2;
   req.repeat = 7;
   if (!tuner_)
-    tuner_ = std::make_unique<jit::Autotuner>("", jit::Autotuner::Timer{}, [this](const std::vector<double>& v) {
-      return world_.max_across_ranks("tdist overlap method tuning", v);
-    });
+    tuner_ = std::make_unique<jit::Autotuner>(
+        "", jit::Autotuner::Timer{},
+        [this](const std::vector<double>& v) { return world_.max_across_ranks("tdist overlap method tuning", v); });
   {
     // The candidates' nested collective calls (sequential) are not compared one by one while timed.
     const ScopedCallCheckMode checks_off(world_, CallCheckMode::kOff);
