@@ -335,7 +335,7 @@ def check_ag_fp8_args(x_rows, x_scales, topk_ids, w, w_scales, method="auto", wo
     k, kb = s["k"], s["kb"]
     rows = rows_of(s["m"], world_size, rank)[1]
     _check_tensor(op, "x_rows", x_rows, (_FP8,), (rows, k), w.device)
-    _check_tensor(op, "x_scales", x_scales, ("float32",), (rows, kb), w.device)  # row-major: it travels as bytes
+    _check_tensor(op, "x_scales", x_scales, ("float32",), (rows, kb), w.device, contiguous=False)
     return s
 
 
@@ -537,6 +537,7 @@ def _ag_fp8(x_rows, x_scales, topk_ids, w, w_scales, method):
     if s["m"] == 0 or s["n"] == 0:
         return d
     ids = _ids32(topk_ids)
+    x_scales = x_scales.contiguous()  # row-major: a token's scales travel with its row, as bytes
     ctx = _context("ag", s, rt)
     ctx.run(x_rows.data_ptr(), ids.data_ptr(), w.data_ptr(), d.data_ptr(), s["m"], s["n"],
             raw_stream(w.device.index), method, True, x_scales.data_ptr(), w_scales.data_ptr())
@@ -705,7 +706,8 @@ def moe_ag_group_gemm(x_rows, topk_ids, w, *, method: str = "auto"):
 def moe_ag_group_gemm_fp8(x_rows, x_scales, topk_ids, w, w_scales, *, method: str = "auto"):
     """moe_ag_group_gemm on e4m3 tokens and weights with their block scales (quantize_fp8_rows of this
     rank's tokens, quantize_fp8_blocks of its weight shard): bf16 [capacity(M, topk, E), N] in expert
-    order. Each token's e4m3 row travels with its scales; methods 'auto', 'chunked', 'baseline'.
+    order. Each token's e4m3 row travels with its scales (any strides; column-major ones are copied to
+    row-major first); methods 'auto', 'fused', 'chunked', 'baseline'.
     Inference only (no autograd). Collective."""
     torch = _torch("moe_ag_group_gemm_fp8")
     if _eager(x_rows, x_scales, topk_ids, w, w_scales):

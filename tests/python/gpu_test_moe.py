@@ -174,7 +174,8 @@ FP8_RS_CASES = [  # (m, topk, experts, K, N, routing): K (the intermediate size)
 def test_moe_ag_group_gemm_fp8():
     """tdist.moe_ag_group_gemm_fp8 on every rank's tokens quantised by quantize_fp8_rows and its weight
     shard by quantize_fp8_blocks, every method: against float64 of the dequantised operands, padding
-    rows 0; under torch.compile(fullgraph=True). Argument errors name the argument."""
+    rows 0; column-major token scales give the same bits; under torch.compile(fullgraph=True). Argument
+    errors name the argument."""
     W, me = world(), rank()
     seed = 700
     for (m, topk, E, K, N, kind) in FP8_AG_CASES:
@@ -205,6 +206,8 @@ def test_moe_ag_group_gemm_fp8():
     compiled = torch.compile(lambda *t: tdist.moe_ag_group_gemm_fp8(*t) * 2, fullgraph=True)
     eager = tdist.moe_ag_group_gemm_fp8(x_q, x_s, ids, w_q, w_s).double().cpu()
     check_close(compiled(x_q, x_s, ids, w_q, w_s), 2 * eager, "moe_ag_group_gemm_fp8 under torch.compile", 1e-2)
+    column = tdist.moe_ag_group_gemm_fp8(x_q, x_s.t().contiguous().t(), ids, w_q, w_s).double().cpu()
+    assert torch.equal(column, eager), "moe_ag_group_gemm_fp8: column-major token scales changed the result"
     expect_error(lambda: tdist.moe_ag_group_gemm_fp8(x_q, x_s, ids, w_q, w_s, method="sequential"), "'method'")
     expect_error(lambda: tdist.moe_ag_group_gemm_fp8(x_q.float(), x_s, ids, w_q, w_s), "'x_rows'")
     expect_error(lambda: tdist.moe_ag_group_gemm_fp8(x_q, x_s[:, :0], ids, w_q, w_s), "'x_scales'")

@@ -1011,9 +1011,11 @@ def test_ep_and_moe_fake_implementations():
         assert d.shape == (moe.capacity(301, 2, 8), 136) and d.dtype == torch.bfloat16
         d = torch.ops.tdist.moe_ag_group_gemm_fp8(xq, xs, ids, wq, ws, "fused")
         assert d.shape == (moe.capacity(301, 2, 8), 136)
+        d = torch.ops.tdist.moe_ag_group_gemm_fp8(xq, xs.t().contiguous().t(), ids, wq, ws, "auto")  # column-major
+        assert d.shape == (moe.capacity(301, 2, 8), 136)
         bad = [(dict(method="sequential"), "'method'.*'auto' or 'fused' or 'chunked' or 'baseline'"),
                (dict(x_rows=xq.to(torch.bfloat16)), "'x_rows'"), (dict(x_rows=xq[:149]), "'x_rows'"),
-               (dict(x_scales=xs[:, :1]), "'x_scales'"), (dict(x_scales=xs.t().contiguous().t()), "'x_scales'"),
+               (dict(x_scales=xs[:, :1]), "'x_scales'"),
                (dict(w_scales=ws[:, :1]), "'w_scales'"), (dict(w=wq[..., :200]), "'w'"),
                (dict(w=torch.empty((8, 136, 200), dtype=e4m3, device="meta")), "'w'.*multiple of 16"),
                (dict(topk_ids=ids.float()), "'topk_ids'")]
