@@ -150,8 +150,8 @@ struct GemmModules::Loaded {
 };
 
 const jit::Kernel& GemmModules::load(DType dtype, const GemmTile& tile, NameFn name, RequestFn request) {
-  const auto key =
-      std::make_tuple(static_cast<int>(dtype), tile.block_m, tile.block_n, tile.block_k, tile.stages, tile.cluster_m);
+  const auto key = std::make_tuple(static_cast<int>(dtype), tile.block_m, tile.block_n, tile.block_k, tile.stages,
+                                   tile.cluster_m);
   std::lock_guard<std::mutex> lock(mu_);
   auto it = loaded_.find(key);
   if (it != loaded_.end()) return it->second->kernel;
@@ -287,8 +287,10 @@ GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype)
   const CUtensorMapDataType type = dtype == DType::kBFloat16     ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                    : dtype == DType::kFloat8E4M3 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                                                  : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult r = encode(&map, type, 2, const_cast<void*>(spec.base), dims, strides, box, elem_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r =
+      encode(&map, type, 2,
+             const_cast<void*>(spec.base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+             promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TDIST_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r), ") for dims {",
               spec.dims[0], ", ", spec.dims[1], "}, row stride ", spec.row_stride_bytes, " bytes, box {", spec.box[0],
               ", ", spec.box[1], "}, swizzle ", spec.swizzle_bytes, " bytes");
