@@ -115,11 +115,14 @@ struct MoeRsLayout {
 constexpr size_t kMoeCollectiveBytes = size_t{8} << 20;  // run_all_reduce's tdist AllReduce, NCCL past it
 
 // The FP8 grouped GEMM of the problem `g` describes (its A and B then e4m3, its D bf16), with these
-// scales (ops/grouped_gemm.hpp).
+// scales (ops/grouped_gemm.hpp; A's strides 0, 0: row-major).
 GroupedGemmFp8Args fp8_problem(const GroupedGemmArgs& g, const float* a_scales, const float* a_scales_local,
-                               const float* b_scales) {
+                               const float* b_scales, int64_t a_scales_row_stride = 0,
+                               int64_t a_scales_kb_stride = 0) {
   return GroupedGemmFp8Args{.a = g.a,
                             .a_scales = a_scales,
+                            .a_scales_row_stride = a_scales_row_stride,
+                            .a_scales_kb_stride = a_scales_kb_stride,
                             .b = g.b,
                             .b_scales = b_scales,
                             .d = g.d,
@@ -495,12 +498,10 @@ struct MoeGroupGemmRs::Impl {
                             .k = a.k,
                             .num_groups = config.experts,
                             .dtype = config.dtype};
-    if (fp8()) {
-      GroupedGemmFp8Args p = fp8_problem(g, a.h_scales, nullptr, a.b_scales);
-      p.a_scales_row_stride = a.h_scales_row_stride;
-      p.a_scales_kb_stride = a.h_scales_kb_stride;
-      gemm.run(p, stream, options);
-    } else
+    if (fp8())
+      gemm.run(fp8_problem(g, a.h_scales, nullptr, a.b_scales, a.h_scales_row_stride, a.h_scales_kb_stride), stream,
+               options);
+    else
       gemm.run(g, stream, options);
   }
 
