@@ -312,6 +312,8 @@ const char* profile_kernel_name(ProfileKernel kernel) {
     case ProfileKernel::kAllGatherPush: return "ag_push";
     case ProfileKernel::kUser0: return "user0";
     case ProfileKernel::kUser1: return "user1";
+    case ProfileKernel::kFlashDecodeSplit: return "decode_split";
+    case ProfileKernel::kFlashDecodeCombine: return "decode_combine";
   }
   return "unknown";
 }

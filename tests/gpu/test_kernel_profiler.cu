@@ -11,6 +11,10 @@
 //   * the AllGather push (odd byte count, poisoned symmetric output) is bit-exact, and every block's
 //     track is: the opening exchange, per chunk a copy to each peer in staggered order, the closing
 //     exchange;
+//   * decode attention (single GPU on each rank, two sequences of 4000 and 1500 tokens) is right
+//     against a float64 reference, and every CTA of its split grid recorded [user [wait] [tile]]
+//     (no tile span where a split is empty), every combine CTA [user [wait]] with its wait ending
+//     after the last split CTA did;
 //   * disabled at run time the same kernels record nothing and stay right; enabled again they
 //     record again (the JIT writes the new buffer into the loaded modules);
 //   * the trace of every rank, gathered on rank 0, has no unmatched, truncated or dropped record and
@@ -33,6 +37,7 @@
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/ops/collectives.hpp"
+#include "tdist/ops/flash_decode.hpp"
 #include "tdist/ops/gemm_overlap.hpp"
 #include "tdist/runtime/kernel_profiler.hpp"
 
@@ -202,6 +207,47 @@ void check_push_events(const ProfileSnapshot& s, int rank, int world, u64 bytes)
   }
 }
 
+// Decode attention's tracks (one call): every split CTA of the grid is [user [wait] [tile] ] with
+// the tile span absent for a split left empty; every combine CTA is [user [wait] ], its wait ending
+// no earlier than the last split CTA ended (it waits for the split grid). The grid is batch x
+// kv_heads x splits (4 heads a CTA: one chunk per KV head), the splits read from the payloads.
+void check_decode_events(const ProfileSnapshot& s, int64_t batch, int64_t kv_heads) {
+  using E = ProfileEvent;
+  const auto split = tracks_of(s, ProfileKernel::kFlashDecodeSplit);
+  const auto combine = tracks_of(s, ProfileKernel::kFlashDecodeCombine);
+  TDIST_CHECK(!split.empty() && !combine.empty(), "decode: ", split.size(), " split and ", combine.size(),
+              " combine tracks");
+  auto kinds = [](const ProfileTrack& t) {
+    std::vector<E> k;
+    for (const ProfileRecord& r : t.records) k.push_back(static_cast<E>(r.event));
+    return k;
+  };
+  const std::vector<E> full{E::kUserBegin, E::kWaitBegin, E::kWaitEnd, E::kTileBegin, E::kTileEnd, E::kUserEnd};
+  const std::vector<E> bare{E::kUserBegin, E::kWaitBegin, E::kWaitEnd, E::kUserEnd};
+  uint32_t splits = 0;
+  uint64_t last_end = 0;
+  int empty = 0;
+  for (const auto& [key, t] : split) {
+    check_common(*t, "decode split");
+    const std::vector<E> k = kinds(*t);
+    TDIST_CHECK(k == full || k == bare, "decode split block ", key.first, ": ", k.size(),
+                " records, not [user [wait] [tile]]");
+    splits = std::max(splits, t->records.front().payload + 1);
+    last_end = std::max<uint64_t>(last_end, t->records.back().time_ns);
+    empty += k == bare;
+  }
+  TDIST_CHECK(static_cast<int64_t>(split.size()) == batch * kv_heads * splits, "decode: ", split.size(),
+              " split tracks, expected batch x kv_heads x ", splits, " splits");
+  TDIST_CHECK(splits > 1 && empty > 0, "decode: ", splits, " splits, ", empty,
+              " empty: expected the short sequence to leave splits empty");
+  for (const auto& [key, t] : combine) {
+    check_common(*t, "decode combine");
+    TDIST_CHECK(kinds(*t) == bare, "decode combine block ", key.first, ": not [user [wait]]");
+    TDIST_CHECK(t->records[2].time_ns >= last_end, "decode combine block ", key.first, ": its wait ended ",
+                last_end - t->records[2].time_ns, " ns before the last split CTA did");
+  }
+}
+
 struct Env {
   World& world;
   SymmetricHeap& heap;
@@ -285,6 +331,78 @@ struct PushCase {
   }
 };
 
+// Decode attention alone on each rank, contiguous cache: 32 query and 8 KV heads, head dim 128, two
+// sequences of 4000 and 1500 tokens (the second leaves splits empty); out against a float64
+// reference of softmax attention, out poisoned with NaN first.
+struct DecodeCase {
+  static constexpr int64_t kBatch = 2, kQHeads = 32, kKvHeads = 8, kDim = 128, kCapacity = 4000;
+  static constexpr int32_t kLens[kBatch] = {4000, 1500};
+  Env& env;
+  FlashDecode op;
+  DeviceBuffer q{kBatch * kQHeads * kDim * sizeof(T)}, k{kBatch * kCapacity * kKvHeads * kDim * sizeof(T)},
+      v{kBatch * kCapacity * kKvHeads * kDim * sizeof(T)}, out{kBatch * kQHeads * kDim * sizeof(T)},
+      lens{kBatch * sizeof(int32_t)};
+  std::vector<double> ref;
+  explicit DecodeCase(Env& e) : env(e) {}
+
+  void prepare(u64 seed) {
+    const int rank = env.world.rank();
+    fill(q.get<T>(), kBatch * kQHeads * kDim, seed, rank, env.stream);
+    fill(k.get<T>(), kBatch * kCapacity * kKvHeads * kDim, seed + 1, rank, env.stream);
+    fill(v.get<T>(), kBatch * kCapacity * kKvHeads * kDim, seed + 2, rank, env.stream);
+    TDIST_CUDA_CHECK(
+        cudaMemcpyAsync(lens.get(), kLens, sizeof(kLens), cudaMemcpyHostToDevice, env.stream));  // a static array
+    ref.assign(kBatch * kQHeads * kDim, 0.0);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(kDim));
+    for (int64_t b = 0; b < kBatch; ++b)
+      for (int64_t h = 0; h < kQHeads; ++h) {
+        const int64_t kh = h / (kQHeads / kKvHeads);
+        auto qv = [&](int64_t d) { return test::input_value(seed, rank, (b * kQHeads + h) * kDim + d); };
+        auto at = [&](int64_t t, int64_t d) { return ((b * kCapacity + t) * kKvHeads + kh) * kDim + d; };
+        std::vector<double> logit(kLens[b]);
+        double mx = -INFINITY;
+        for (int64_t t = 0; t < kLens[b]; ++t) {
+          double dot = 0;
+          for (int64_t d = 0; d < kDim; ++d) dot += qv(d) * test::input_value(seed + 1, rank, at(t, d));
+          logit[t] = dot * scale;
+          mx = std::max(mx, logit[t]);
+        }
+        double sum = 0;
+        for (double& l : logit) sum += (l = std::exp(l - mx));
+        for (int64_t t = 0; t < kLens[b]; ++t)
+          for (int64_t d = 0; d < kDim; ++d)
+            ref[(b * kQHeads + h) * kDim + d] += logit[t] / sum * test::input_value(seed + 2, rank, at(t, d));
+      }
+  }
+
+  void run_and_check() {
+    TDIST_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xFF, kBatch * kQHeads * kDim * sizeof(T), env.stream));  // NaN
+    FlashDecodeArgs a{.dtype = DType::kBFloat16,
+                      .batch = kBatch,
+                      .q_heads = kQHeads,
+                      .kv_heads = kKvHeads,
+                      .head_dim = kDim,
+                      .q = q.get(),
+                      .k_cache = k.get(),
+                      .v_cache = v.get(),
+                      .num_pages = kBatch,
+                      .page_size = kCapacity,
+                      .seq_lens = lens.get<int32_t>(),
+                      .out = out.get(),
+                      .softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(kDim)))};
+    op.run(a, env.stream);
+    std::vector<T> host(ref.size());
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(host.data(), out.get(), host.size() * sizeof(T), cudaMemcpyDeviceToHost,
+                                     env.stream));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(env.stream));
+    op.check_errors();
+    for (size_t i = 0; i < host.size(); ++i) {
+      const double got = test::to_f(host[i]), err = std::fabs(got - ref[i]);
+      TDIST_CHECK(err <= 2e-2, "decode: out[", i / kDim, "][", i % kDim, "] = ", got, ", reference ", ref[i]);
+    }
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -310,21 +428,27 @@ int main(int argc, char** argv) {
 
   AgGemmCase gemm(env);
   PushCase push(env);
+  DecodeCase decode(env);
   ProfileSnapshot snap;
-  suite.run("ag_gemm fused + ag_push, profiled: results right", [&] {
+  suite.run("ag_gemm fused + ag_push + decode attention, profiled: results right", [&] {
     gemm.prepare(env.seed);
+    decode.prepare(env.seed + 5);
     gemm.run_and_check();  // warm-up: compiles, and the flags' first call
     push.run_and_check(env.seed + 1);
+    decode.run_and_check();
     test::sync_all(world, "warm");
     KernelProfiler::reset();
     gemm.run_and_check();
     push.run_and_check(env.seed + 2);
+    decode.run_and_check();
     snap = KernelProfiler::read(rank);
   });
   suite.run("ag_gemm events: tiles, waits inside them, monotonic, nothing dropped",
             [&] { check_gemm_events(snap, rank, w); });
   suite.run("ag_push events: exchanges around the copies to each peer",
             [&] { check_push_events(snap, rank, w, PushCase::kBytes); });
+  suite.run("decode attention events: every split CTA, the combine after the last",
+            [&] { check_decode_events(snap, DecodeCase::kBatch, DecodeCase::kKvHeads); });
   suite.run("no record lost", [&] {
     TDIST_CHECK(snap.lost_records == 0 && snap.dropped_records() == 0, snap.lost_records, " lost, ",
                 snap.dropped_records(), " dropped");
@@ -364,6 +488,7 @@ int main(int argc, char** argv) {
     KernelProfiler::disable();
     gemm.run_and_check();
     push.run_and_check(env.seed + 3);
+    decode.run_and_check();
     TDIST_CHECK(!KernelProfiler::enabled(), "still enabled");
   });
   suite.run("enabled again: the loaded kernels record into the new buffer", [&] {
@@ -371,9 +496,11 @@ int main(int argc, char** argv) {
     KernelProfiler::enable(KernelProfilerOptions{.records_per_track = 8192});
     gemm.run_and_check();
     push.run_and_check(env.seed + 4);
+    decode.run_and_check();
     const ProfileSnapshot again = KernelProfiler::read(rank);
     check_gemm_events(again, rank, w);
     check_push_events(again, rank, w, PushCase::kBytes);
+    check_decode_events(again, DecodeCase::kBatch, DecodeCase::kKvHeads);
   });
   test::sync_all(world, "end");
   KernelProfiler::disable();

@@ -54,8 +54,10 @@ enum class ProfileKernel : unsigned {
   kAllGatherPush = 1,  // collectives/all_gather.cuh, tdist_ag_push
   kUser0 = 2,          // free for the user's own kernels
   kUser1 = 3,
+  kFlashDecodeSplit = 4,    // attention/flash_decode.cuh, flash_decode_split
+  kFlashDecodeCombine = 5,  // attention/flash_decode.cuh, flash_decode_combine
 };
-constexpr unsigned kNumProfileKernels = 4;
+constexpr unsigned kNumProfileKernels = 6;
 
 // One event, 16 bytes.
 struct alignas(16) ProfileRecord {

@@ -87,7 +87,8 @@ class KernelProfiler {
   static bool jit_define();
 };
 
-// Name of a kernel's tracks in traces: "ag_gemm", "ag_push", "user0", "user1".
+// Name of a kernel's tracks in traces: "ag_gemm", "ag_push", "user0", "user1", "decode_split",
+// "decode_combine".
 const char* profile_kernel_name(device::ProfileKernel kernel);
 // "tile", "wait", "copy", "user" for a begin or end kind; "mark" for kMark.
 const char* profile_event_name(device::ProfileEvent event);

@@ -36,6 +36,7 @@
 // outside [0, capacity]: clamped). Compiles under NVRTC.
 #pragma once
 
+#include "tdist/device/profile.cuh"
 #include "tdist/kernels/collectives/common.cuh"  // EpochState, begin_call / end_call, from_f32
 
 namespace tdist::kernels::attention {
@@ -212,6 +213,15 @@ TDIST_DEVICE Piece split_piece(u32 len, u32 split, u32 num_splits) {
   return {t0, min(t0 + per, len)};
 }
 
+// Profiled (device/profile.cuh): thread 0 of each CTA records on track 0. Split kernel: a `user`
+// span from entry to exit (payload: the split), inside it a `wait` for the kernel before (payload 0)
+// and a `tile` span from warp 0's first landed tile to the end of its loop (payload: its tiles).
+// Combine kernel: a `user` span (payload: the block), inside it a `wait` for the split kernel
+// (payload 0) and, distributed, one for the peers' lines of the block's first item (payload 1).
+TDIST_DEVICE void decode_record(ProfileKernel kernel, ProfileEvent event, u32 payload) {
+  if (threadIdx.x == 0) profile_record(kernel, 0, event, payload);
+}
+
 // grid (kv_heads * head_chunks, num_splits, batch), block kDecodeThreads, dynamic shared memory
 // decode_smem_bytes(D, sizeof(T)). The heads vary fastest, so that the CTAs of one piece of a
 // sequence start side by side and read each token's row of all KV heads (contiguous in a page) at
@@ -252,6 +262,8 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   // kernel before may still change them (a decode step appends a token), so they steer only the
   // prefetch (grid_dependency.cuh). The chain of reads a CTA starts with then hits L2. CTAs of later
   // waves start after the kernel before has ended; for them the prefetch would only add its chain.
+  constexpr ProfileKernel kProfiled = ProfileKernel::kFlashDecodeSplit;
+  decode_record(kProfiled, ProfileEvent::kUserBegin, split);
   const u64 cta = (static_cast<u64>(b) * gridDim.y + split) * gridDim.x + blockIdx.x;
   if (cta < p.first_wave_ctas && lane < kDecodeTile) {
     const Piece guess = split_piece(clamp_len(__ldcg(p.seq_lens + b), p.capacity), split, p.num_splits);
@@ -272,7 +284,9 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
   }
   // Then start once the kernel before (which may write q, the cache or the lengths) has completed;
   // the combine kernel may then be scheduled (it waits for this grid's completion itself).
+  decode_record(kProfiled, ProfileEvent::kWaitBegin, 0);
   wait_for_prior_grid();
+  decode_record(kProfiled, ProfileEvent::kWaitEnd, 0);
   allow_dependent_launch();
   const int len_in = p.seq_lens[b];
   if (len_in < 0 || static_cast<u32>(len_in) > p.capacity) {
@@ -367,6 +381,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
     next_entry = entry_of(i + kStages);
     cp_async_wait<kStages - 1>();  // tile i's group
     __syncwarp();                  // every lane's copies of tile i visible to the warp
+    if (i == 0) decode_record(kProfiled, ProfileEvent::kTileBegin, static_cast<u32>(my_tiles));
     const int stage = i % kStages;
     const T* ks = my_kv + stage * 2 * kTileElems;
     const T* vs = ks + kTileElems;
@@ -430,6 +445,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
       mma_16816(o[2 * j + 1], pa, vb[2], vb[3], T{});
     }
   }
+  if (my_tiles > 0) decode_record(kProfiled, ProfileEvent::kTileEnd, static_cast<u32>(my_tiles));
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(kFull, l[h], 1);
@@ -508,6 +524,7 @@ __global__ void __launch_bounds__(kDecodeThreads) flash_decode_split(DecodeParam
       *reinterpret_cast<float4*>(p.o_part + at) = acc;
     }
   }
+  decode_record(kProfiled, ProfileEvent::kUserEnd, split);
 }
 
 // o[kPer] += w x one split's partial, held as kPer / kVec vectors of the lane's dims.
@@ -685,20 +702,25 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine(CombineP
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const u32 first = blockIdx.x * kWarps + warp, stride = gridDim.x * kWarps;
   float o[kPer];
+  constexpr ProfileKernel kProfiled = ProfileKernel::kFlashDecodeCombine;
+  decode_record(kProfiled, ProfileEvent::kUserBegin, blockIdx.x);
   if (p.ll == nullptr) {
     __shared__ __align__(16) float sm_o[kWarps][D];
+    decode_record(kProfiled, ProfileEvent::kWaitBegin, 0);
     wait_for_prior_grid();  // the split kernel's partials (programmatic launch: it may still run)
+    decode_record(kProfiled, ProfileEvent::kWaitEnd, 0);
     // The next kernel (the next step's split kernel, say) may be scheduled onto the SMs this small
     // grid leaves idle; it waits for this grid on the device before it touches memory.
     allow_dependent_launch();
     if (p.cta_per_item) {
       for (u32 item = blockIdx.x; item < p.items; item += gridDim.x) merge_item_by_cta<T, D>(p, item, warp, lane, sm_o);
-      return;
+    } else {
+      for (u32 item = first; item < p.items; item += stride) {
+        const float lse2 = merge_splits<D>(p, item, lane, o);
+        store_item<T, D>(p, item, lane, o, lse2);
+      }
     }
-    for (u32 item = first; item < p.items; item += stride) {
-      const float lse2 = merge_splits<D>(p, item, lane, o);
-      store_item<T, D>(p, item, lane, o, lse2);
-    }
+    decode_record(kProfiled, ProfileEvent::kUserEnd, blockIdx.x);
     return;
   }
   const u64 e = coll::begin_call(p.epoch);
@@ -723,10 +745,12 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine(CombineP
   for (u32 item = first; item < p.items; item += stride) {
     // First wait until every line this lane reads carries the call's epoch (nothing else live across
     // the waits), then read them: a line keeps its value until this rank has finished the call.
+    if (item == first) decode_record(kProfiled, ProfileEvent::kWaitBegin, 1);
     for (int k = 0; k < n * (kPer + 1); ++k) {  // one call site of the wait: no registers saved around others
       const int r = k / (kPer + 1), j = k % (kPer + 1);
       coll::ll_read(ll_line(p, par, r, item, j == kPer ? D : lane * kPer + j, D), flag);
     }
+    if (item == first) decode_record(kProfiled, ProfileEvent::kWaitEnd, 1);
     float mx = -kInf;
     for (int r = 0; r < n; ++r) mx = fmaxf(mx, line_value(ll_line(p, par, r, item, D, D)));
     float acc[kPer];
@@ -749,6 +773,7 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine(CombineP
     store_item<T, D>(p, item, lane, acc, mx == -kInf ? -kInf : mx + log2f(sum));
   }
   coll::end_call(p.epoch, e);
+  decode_record(kProfiled, ProfileEvent::kUserEnd, blockIdx.x);
 }
 
 #undef kInf
