@@ -188,10 +188,17 @@ int run(const Options& o) {
   const int sms = sm_count(world.device());
   // Before the ops are built: their kernels compile with the recorder. Every block of the decode
   // split kernel gets a slot (batch 1 at 32K tokens: 256 CTAs); its tracks need 6 records a call.
+  // Without --records, a track holds what fits in 1 GiB for the whole buffer, at most the default.
   KernelProfilerOptions profile{.records_per_track = o.records};
   if (o.flash_decode) {
     profile.max_blocks = static_cast<int>(std::clamp<int64_t>(DecodeCase::blocks(o, w, sms), 2 * sms, 1 << 14));
-    if (o.records == 0 && !o.ag_gemm && !o.ag_push) profile.records_per_track = std::max(16, 8 * o.calls);
+    if (o.records == 0) {
+      const int64_t tracks = int64_t{device::kNumProfileKernels} * profile.max_blocks * profile.num_tracks;
+      const int64_t fit = ((int64_t{1} << 30) / tracks - sizeof(device::ProfileSlotHeader)) /
+                          static_cast<int64_t>(sizeof(device::ProfileRecord));
+      const int64_t want = o.ag_gemm || o.ag_push ? kernel_profile_records_from_env() : std::max(16, 8 * o.calls);
+      profile.records_per_track = static_cast<int>(std::clamp<int64_t>(std::min(want, fit), 16, 1 << 20));
+    }
   }
   KernelProfiler::enable(profile);
   const AllGatherGemmConfig cfg{.max_m = o.m, .k = o.k, .dtype = DType::kBFloat16};
