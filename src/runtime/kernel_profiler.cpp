@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <mutex>
 
 #include "tdist/common/cuda_check.hpp"
@@ -304,6 +305,35 @@ bool KernelProfiler::jit_define() {
 #else
   return enabled();
 #endif
+}
+
+std::vector<std::vector<std::vector<ProfileRecord>>> blocks_by_launch(const ProfileSnapshot& s, ProfileKernel kernel) {
+  std::vector<std::vector<std::vector<ProfileRecord>>> launches;
+  for (const ProfileTrack& t : s.tracks) {
+    if (t.kernel != kernel) continue;
+    struct Open {
+      int depth = 0;
+      std::vector<ProfileRecord> records;
+    };
+    std::map<unsigned, Open> open;  // by SM
+    std::vector<std::vector<ProfileRecord>> done;
+    for (const ProfileRecord& r : t.records) {
+      const auto e = static_cast<ProfileEvent>(r.event);
+      Open& o = open[r.sm];
+      if (o.depth == 0 && e != ProfileEvent::kUserBegin) continue;  // outside a block's span
+      o.records.push_back(r);
+      if (e == ProfileEvent::kUserBegin) ++o.depth;
+      if (e == ProfileEvent::kUserEnd && --o.depth == 0) {
+        done.push_back(std::move(o.records));
+        open.erase(r.sm);
+      }
+    }
+    std::stable_sort(done.begin(), done.end(),
+                     [](const auto& a, const auto& b) { return a.front().time_ns < b.front().time_ns; });
+    if (launches.size() < done.size()) launches.resize(done.size());
+    for (size_t k = 0; k < done.size(); ++k) launches[k].push_back(std::move(done[k]));
+  }
+  return launches;
 }
 
 const char* profile_kernel_name(ProfileKernel kernel) {

@@ -5,7 +5,7 @@
 //     the expected events: B/E balanced and properly nested per tid, ts monotonic per tid and
 //     relative to the earliest record, names and args as recorded, truncated begins closed;
 //   * snapshots survive their compact byte form; malformed buffers and snapshots are refused with
-//     an error naming the argument;
+//     an error naming the argument; blocks of launches that interleave in a slot are told apart;
 //   * compiled out by default: the instrumented kernels (the AllGather-GEMM's hooked GEMM, the
 //     AllGather push, decode attention's split and combine kernels) compiled for sm_90a without the
 //     define carry no recorder (no tdist_profile_config symbol, which every record reads first),
@@ -295,6 +295,51 @@ TEST(KernelProfiler, TraceRepairsOverflowAndStrayEnds) {
   if (!have_python()) GTEST_SKIP() << "python3 missing: the trace's JSON is not parsed back";
   const std::string out = python_check(dir.file("t.json"), dir.path, /*origin_written=*/false);
   EXPECT_EQ(out.substr(0, 3), "ok ") << out;
+}
+
+// Blocks of consecutive launches interleave in a slot (the next launch's block resident early on
+// another SM): blocks_by_launch separates them by SM, orders each slot's by start, and leaves out
+// records outside a block's user span and other kernels' tracks; a nested user span stays inside.
+TEST(KernelProfiler, BlocksOfInterleavedLaunchesAreSeparated) {
+  using E = ProfileEvent;
+  auto track = [](ProfileKernel k, uint32_t block, std::vector<ProfileRecord> r) {
+    ProfileTrack t;
+    t.kernel = k;
+    t.block = block;
+    t.claimed = static_cast<uint32_t>(r.size());
+    t.records = std::move(r);
+    return t;
+  };
+  ProfileSnapshot s;
+  // Slot 3: launch 0 on SM 5, launch 1 on SM 9 entering during it; a stray end and a record outside
+  // any span on SM 7.
+  s.tracks.push_back(track(ProfileKernel::kFlashDecodeSplit, 3,
+                           {rec(5, E::kWaitEnd, 0, 7), rec(10, E::kUserBegin, 0, 5), rec(11, E::kWaitBegin, 0, 5),
+                            rec(12, E::kWaitEnd, 0, 5), rec(15, E::kTileBegin, 4, 5), rec(16, E::kUserBegin, 0, 9),
+                            rec(17, E::kWaitBegin, 0, 9), rec(30, E::kTileEnd, 4, 5), rec(31, E::kUserEnd, 0, 5),
+                            rec(40, E::kWaitEnd, 0, 9), rec(45, E::kTileBegin, 4, 9), rec(60, E::kTileEnd, 4, 9),
+                            rec(61, E::kUserEnd, 0, 9)}));
+  // Slot 4: both launches on SM 2, one after the other; the second with a nested user span.
+  s.tracks.push_back(track(ProfileKernel::kFlashDecodeSplit, 4,
+                           {rec(9, E::kUserBegin, 1, 2), rec(29, E::kUserEnd, 1, 2), rec(33, E::kUserBegin, 1, 2),
+                            rec(50, E::kUserBegin, 7, 2), rec(52, E::kUserEnd, 7, 2), rec(62, E::kUserEnd, 1, 2)}));
+  s.tracks.push_back(track(ProfileKernel::kFlashDecodeCombine, 0,
+                           {rec(35, E::kUserBegin, 0, 1), rec(36, E::kUserEnd, 0, 1)}));
+  const auto launches = blocks_by_launch(s, ProfileKernel::kFlashDecodeSplit);
+  ASSERT_EQ(launches.size(), 2u);
+  ASSERT_EQ(launches[0].size(), 2u);
+  ASSERT_EQ(launches[1].size(), 2u);
+  auto times = [](const std::vector<ProfileRecord>& b) {
+    std::vector<uint64_t> t;
+    for (const ProfileRecord& r : b) t.push_back(r.time_ns);
+    return t;
+  };
+  EXPECT_EQ(times(launches[0][0]), (std::vector<uint64_t>{10, 11, 12, 15, 30, 31}));
+  EXPECT_EQ(times(launches[0][1]), (std::vector<uint64_t>{9, 29}));
+  EXPECT_EQ(times(launches[1][0]), (std::vector<uint64_t>{16, 17, 40, 45, 60, 61}));
+  EXPECT_EQ(times(launches[1][1]), (std::vector<uint64_t>{33, 50, 52, 62}));
+  EXPECT_EQ(blocks_by_launch(s, ProfileKernel::kFlashDecodeCombine).size(), 1u);
+  EXPECT_TRUE(blocks_by_launch(s, ProfileKernel::kAllGatherPush).empty());
 }
 
 TEST(KernelProfiler, OptionsAndEnvironmentAreChecked) {

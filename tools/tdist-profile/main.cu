@@ -96,6 +96,49 @@ void print_summary(const ProfileSnapshot& s) {
                 static_cast<unsigned long long>(s.dropped_records()), static_cast<unsigned long long>(s.lost_records));
 }
 
+// Decode attention's calls as a timeline (docs/flash_decode.md, "the CTAs' timeline"): per call, when
+// the CTAs of each kernel passed each event, in us from the previous call's last combine exit (the
+// first call: from its first entry), as first / median / last over the CTAs.
+void print_decode_timeline(const ProfileSnapshot& s) {
+  using E = device::ProfileEvent;
+  const auto split = blocks_by_launch(s, device::ProfileKernel::kFlashDecodeSplit);
+  const auto combine = blocks_by_launch(s, device::ProfileKernel::kFlashDecodeCombine);
+  if (split.empty()) return;
+  using Blocks = std::vector<std::vector<device::ProfileRecord>>;
+  // When each block first recorded `e` (kUserBegin: its entry, kUserEnd: its exit, the run's first
+  // and last records), in us after `base`, as "first/median/last"; "-" where no block did.
+  auto spread = [](const Blocks& blocks, E e, uint64_t base) {
+    std::vector<double> v;
+    for (const auto& b : blocks) {
+      const device::ProfileRecord* r = e == E::kUserBegin ? &b.front() : e == E::kUserEnd ? &b.back() : nullptr;
+      for (size_t i = 0; r == nullptr && i < b.size(); ++i)
+        if (b[i].event == static_cast<unsigned short>(e)) r = &b[i];
+      if (r != nullptr) v.push_back((static_cast<double>(r->time_ns) - static_cast<double>(base)) * 1e-3);
+    }
+    if (v.empty()) return std::string("-");
+    std::sort(v.begin(), v.end());
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.1f/%.1f/%.1f", v.front(), v[v.size() / 2], v.back());
+    return std::string(buf);
+  };
+  std::printf("rank %d decode attention, us from the previous call's last combine exit (first/median/last CTA):\n",
+              s.rank);
+  std::printf("%4s %20s %20s %20s %20s %20s | %20s %20s\n", "call", "split entry", "grid wait end", "first tile",
+              "loop end", "exit", "combine wait end", "combine exit");
+  uint64_t base = UINT64_MAX;
+  for (const auto& b : split[0]) base = std::min<uint64_t>(base, b.front().time_ns);
+  const Blocks none;
+  for (size_t k = 0; k < split.size(); ++k) {
+    const Blocks& c = k < combine.size() ? combine[k] : none;
+    std::printf("%4zu %20s %20s %20s %20s %20s | %20s %20s\n", k, spread(split[k], E::kUserBegin, base).c_str(),
+                spread(split[k], E::kWaitEnd, base).c_str(), spread(split[k], E::kTileBegin, base).c_str(),
+                spread(split[k], E::kTileEnd, base).c_str(), spread(split[k], E::kUserEnd, base).c_str(),
+                spread(c, E::kWaitEnd, base).c_str(), spread(c, E::kUserEnd, base).c_str());
+    base = 0;
+    for (const auto& b : c.empty() ? split[k] : c) base = std::max<uint64_t>(base, b.back().time_ns);
+  }
+}
+
 constexpr int64_t kDecodeHeadDim = 128;
 
 // Decode attention for the profile: a paged cache of 16-token pages (or --page) in shuffled order,
@@ -258,6 +301,7 @@ int run(const Options& o) {
     for (int i = 0; i < o.calls; ++i) op();
   const ProfileSnapshot snap = KernelProfiler::read(rank);
   print_summary(snap);
+  if (o.flash_decode) print_decode_timeline(snap);
 
   const std::string bytes = snap.serialize();
   const auto all = world.all_gather("tdist-profile snapshots", Bytes(bytes.begin(), bytes.end()));

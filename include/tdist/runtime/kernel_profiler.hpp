@@ -87,6 +87,16 @@ class KernelProfiler {
   static bool jit_define();
 };
 
+// The blocks of one kernel in a snapshot, grouped by launch, for kernels whose recording thread opens
+// a `user` span at entry and closes it at exit (decode attention's): launches[k][i] is the records of
+// one block of launch k, from its outermost user begin to that span's end. A slot's records may
+// interleave blocks of consecutive launches (one resident early, under programmatic dependent launch,
+// beside the one still running), which run on different SMs: a block is the run of records on one
+// SM, and the k-th block of a slot by start time belongs to launch k. Records outside a user span
+// are left out.
+std::vector<std::vector<std::vector<device::ProfileRecord>>> blocks_by_launch(const ProfileSnapshot& s,
+                                                                              device::ProfileKernel kernel);
+
 // Name of a kernel's tracks in traces: "ag_gemm", "ag_push", "user0", "user1", "decode_split",
 // "decode_combine".
 const char* profile_kernel_name(device::ProfileKernel kernel);
