@@ -8,7 +8,8 @@ Against torch's scaled_dot_product_attention in float64 on the whole cache (gath
 block table): bf16 / fp16, head dim 64 / 128 / 256, GQA 1 / 4 / 6 / 8, page sizes 1, 16, 64, 256 and
 the contiguous cache, mixed lengths (0, 1, not a multiple of the page); the lse against float64
 logsumexp; the sequence-parallel step of docs/flash_decode.md (two halves of each sequence decoded
-apart, merged by their lse); torch.compile(fullgraph=True); a CUDA graph replayed with new lengths;
+apart, merged by their lse); torch.compile(fullgraph=True); a CUDA graph replayed with new lengths
+(three chosen sets, then 1000 drawn ones, each replay checked);
 under torchrun, tdist.flash_decode(distributed=True) with tokens dealt to ranks, eagerly and in a graph;
 argument errors naming the argument; a bad block table reported by check_errors. Outputs come back
 from the op as new tensors, so the allocator's blocks are filled with NaN before each call.
@@ -202,6 +203,29 @@ def test_cuda_graph_new_lengths():
         check(out, lse, ref_out, ref_lse, torch.bfloat16, f"graph replay with lengths {new}")
 
 
+def test_thousand_graph_replays_with_changing_lengths():
+    """One captured call replayed 1000 times, each with new lengths drawn in [0, capacity] (0 and the
+    capacity among them) and out poisoned first, every replay against the float64 reference."""
+    capacity, batch = 300, 3
+    q, k, v, sl, table, kw, vw = make_cache(batch, 8, 2, 64, 16, [capacity] * batch, torch.bfloat16, 23,
+                                            capacity=capacity, fill_all=True)
+    fd(q, k, v, sl, table)  # sizes the workspace before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fd(q, k, v, sl, table)
+    gen = torch.Generator().manual_seed(29)
+    for replay in range(1000):
+        new = torch.randint(0, capacity + 1, (batch,), generator=gen).tolist()
+        if replay % 100 == 0:
+            new[replay // 100 % batch] = 0 if replay % 200 == 0 else capacity
+        sl.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        ref_out, ref_lse = reference(q, kw, vw, new, 1 / math.sqrt(64))
+        check(out, lse, ref_out, ref_lse, torch.bfloat16, f"replay {replay} with lengths {new}")
+
+
 def expect_error(fn, *fragments):
     try:
         fn()
@@ -227,7 +251,8 @@ def test_argument_errors():
     fd(q, k, v, sl, table)
     q_strided = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=q.dtype, device="cuda").transpose(1, 2)
     expect_error(lambda: fd(q_strided, k, v, sl, table), "'q'", "contiguous")
-    v_strided = torch.empty(v.shape[0], v.shape[2], v.shape[1], v.shape[3], dtype=v.dtype, device="cuda").transpose(1, 2)
+    v_strided = torch.empty(v.shape[0], v.shape[2], v.shape[1], v.shape[3], dtype=v.dtype,
+                            device="cuda").transpose(1, 2)
     expect_error(lambda: fd(q, k, v_strided, sl, table), "'v_cache'", "dense")
     kv = torch.stack([k, v], dim=1)  # FlashInfer's combined cache: pages of 2 x 16 rows apart
     expect_error(lambda: fd(q, kv[:, 0], v, sl, table), "'v_cache'", "page stride")  # K strided, V dense
@@ -280,8 +305,8 @@ def test_distributed_against_sdpa():
 
 
 TESTS = [test_against_sdpa, test_combined_kv_pages, test_softcap_and_scale, test_sequence_parallel_step,
-         test_torch_compile_fullgraph, test_cuda_graph_new_lengths, test_argument_errors,
-         test_bad_block_table_is_reported]
+         test_torch_compile_fullgraph, test_cuda_graph_new_lengths, test_thousand_graph_replays_with_changing_lengths,
+         test_argument_errors, test_bad_block_table_is_reported]
 
 
 def main():
