@@ -723,7 +723,9 @@ __global__ void __launch_bounds__(kCombineThreads) flash_decode_combine(CombineP
     decode_record(kProfiled, ProfileEvent::kUserEnd, blockIdx.x);
     return;
   }
-  const u64 e = coll::begin_call(p.epoch);
+  decode_record(kProfiled, ProfileEvent::kWaitBegin, 0);
+  const u64 e = coll::begin_call(p.epoch);  // waits for the split kernel
+  decode_record(kProfiled, ProfileEvent::kWaitEnd, 0);
   const u32 flag = static_cast<u32>(e);
   const u64 par = e & 1;
   const int n = p.heap.num_ranks, me = p.heap.rank;
