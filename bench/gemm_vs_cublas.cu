@@ -36,6 +36,7 @@
 #include "fill_random.cuh"
 #include "tdist/common/cli.hpp"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/json.hpp"
 #include "tdist/ops/detail/cublas.hpp"
@@ -285,8 +286,8 @@ int main(int argc, char** argv) {
     };
     if (!shapes_arg.empty()) shapes = parse_shapes(shapes_arg);
 
-    int device = 0, l2 = 0;
-    TDIST_CUDA_CHECK(cudaGetDevice(&device));
+    const int device = tdist::current_device();
+    int l2 = 0;
     TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
     cudaDeviceProp prop{};
     TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));

@@ -15,6 +15,7 @@
 #include "../tools/common/bench_report.hpp"
 #include "tdist/common/cli.hpp"
 #include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/common/json.hpp"
 #include "tdist/device.cuh"
 #include "tdist/runtime/stream.hpp"
@@ -69,8 +70,7 @@ int run(size_t bytes, int iters, const std::string& json_path, int argc, char** 
   TDIST_CUDA_CHECK(cudaMemset(src, 0x5A + world.rank(), bytes));  // non-zero data
   cudaStream_t stream;
   TDIST_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  int num_sms = 0;
-  TDIST_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, world.device()));
+  const int num_sms = sm_count(world.device());
   char* peer_dst = heap.peer_ptr(dst, peer);
 
   // Reference figures measured on 2 x H200 with the same launch shapes (shared/BASELINES.md).

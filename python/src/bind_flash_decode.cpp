@@ -11,7 +11,7 @@
 #include <mutex>
 
 #include "runtime_access.hpp"
-#include "tdist/common/cuda_check.hpp"
+#include "tdist/common/device_info.hpp"
 #include "tdist/ops/flash_decode.hpp"
 
 namespace nb = nanobind;
@@ -23,8 +23,7 @@ namespace {
 tdist::FlashDecode& decode_for_current_device() {
   static std::mutex mu;
   static std::map<int, std::unique_ptr<tdist::FlashDecode>> ops;
-  int device = 0;
-  TDIST_CUDA_CHECK(cudaGetDevice(&device));
+  const int device = tdist::current_device();
   std::lock_guard<std::mutex> lock(mu);
   auto& op = ops[device];
   if (!op) op = std::make_unique<tdist::FlashDecode>();

@@ -247,10 +247,8 @@ class FlashDecodeKernels {
 
  private:
   static SmLimits current_sm_limits() {
-    int dev = 0;
-    TDIST_CUDA_CHECK(cudaGetDevice(&dev));
     cudaDeviceProp prop;
-    TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
+    TDIST_CUDA_CHECK(cudaGetDeviceProperties(&prop, current_device()));
     SmLimits sm;
     sm.regs = prop.regsPerMultiprocessor;
     sm.max_threads = prop.maxThreadsPerMultiProcessor;

@@ -175,7 +175,7 @@ void detail::Fp8GroupedRuntime::launch(const GroupedGemmFp8Args& a, const GemmTi
   scales.a_kb_stride = static_cast<uint64_t>(a.a_scales_kb_stride);
   scales.b = a.b_scales;
   scales.a_rows_contiguous = !a.a_gather && a.a_scales_row_stride == 1 && a.a_scales_kb_stride % 4 == 0 &&
-                             reinterpret_cast<uintptr_t>(a.a_scales) % 16 == 0 && a.m % 4 == 0;
+                             is_aligned(a.a_scales, 16) && a.m % 4 == 0;
   scales.n_blocks = static_cast<unsigned>(blocks_of(a.n));
   scales.k_blocks = static_cast<unsigned>(blocks_of(a.k));
   jit::KernelArgs kargs;

@@ -212,8 +212,7 @@ void KernelProfiler::enable(const KernelProfilerOptions& o) {
   State& st = state();
   std::lock_guard<std::mutex> lock(st.mu);
   TDIST_CHECK(st.buffer == nullptr, "KernelProfiler::enable: the profiler is already enabled (disable() first)");
-  int dev = 0;
-  TDIST_CUDA_CHECK(cudaGetDevice(&dev));
+  const int dev = current_device();
   int max_blocks = o.max_blocks;
   if (max_blocks == 0) {
     max_blocks = 2 * sm_count(dev);
