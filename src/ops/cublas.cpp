@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "tdist/common/alignment.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
@@ -224,8 +225,7 @@ void CublasGemm::run_add(const GemmArgs& raw, const void* c, cudaStream_t stream
   TDIST_CHECK(lt_handle_ != nullptr, "CublasGemm::run_add needs a CublasGemm created with_addend");
   const GemmArgs a = check_gemm_args(raw);
   if (a.m == 0 || a.n == 0) return;
-  TDIST_CHECK_ARG(c != nullptr && reinterpret_cast<uintptr_t>(c) % 16 == 0, "c",
-                  "expected a 16-byte aligned pointer, got ", c);
+  TDIST_CHECK_ARG(c != nullptr && is_aligned(c, 16), "c", "expected a 16-byte aligned pointer, got ", c);
   const LtPlan& plan = lt_plan(a, c);
   const float alpha = 1.0f, beta = 1.0f;
   TDIST_CUBLAS_CALL(lt_api_->matmul(static_cast<cublasLtHandle_t>(lt_handle_), plan.desc, &alpha, a.b, plan.a, a.a,

@@ -29,6 +29,7 @@
 #include "src/ops/overlap/baselines.hpp"
 #include "src/ops/overlap/moe_kernels.hpp"
 #include "src/ops/overlap/runtime.hpp"
+#include "tdist/common/alignment.hpp"
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/common/env.hpp"
@@ -260,17 +261,16 @@ struct MoeAgGroupGemm::Impl {
     if (a.m == 0 || a.n == 0) return;
     const int64_t rows = static_cast<int64_t>(kg::RowChunks{static_cast<u64>(a.m), rt.size()}.rows(rt.rank()));
     check_operand(a.a_local, "a_local", rows > 0);
-    TDIST_CHECK_ARG(a.topk_ids != nullptr && reinterpret_cast<uintptr_t>(a.topk_ids) % 4 == 0, "topk_ids",
+    TDIST_CHECK_ARG(a.topk_ids != nullptr && is_aligned(a.topk_ids, 4), "topk_ids",
                     "expected a 4-byte aligned device pointer to int32 [m][topk], got ",
                     static_cast<const void*>(a.topk_ids));
     check_operand(a.b, "b", true);
     check_operand(a.d, "d", true);
     if (!fp8()) return;
-    TDIST_CHECK_ARG(
-        rows == 0 || (a.a_local_scales != nullptr && reinterpret_cast<uintptr_t>(a.a_local_scales) % 4 == 0),
-        "a_local_scales", "FP8 needs a 4-byte aligned device pointer to f32 [rows][ceil(k / 128)], got ",
-        static_cast<const void*>(a.a_local_scales));
-    TDIST_CHECK_ARG(a.b_scales != nullptr && reinterpret_cast<uintptr_t>(a.b_scales) % 4 == 0, "b_scales",
+    TDIST_CHECK_ARG(rows == 0 || (a.a_local_scales != nullptr && is_aligned(a.a_local_scales, 4)), "a_local_scales",
+                    "FP8 needs a 4-byte aligned device pointer to f32 [rows][ceil(k / 128)], got ",
+                    static_cast<const void*>(a.a_local_scales));
+    TDIST_CHECK_ARG(a.b_scales != nullptr && is_aligned(a.b_scales, 4), "b_scales",
                     "FP8 needs a 4-byte aligned device pointer to f32 [experts][ceil(n / 128)][ceil(k / 128)], got ",
                     static_cast<const void*>(a.b_scales));
   }
@@ -466,16 +466,16 @@ struct MoeGroupGemmRs::Impl {
     const int64_t rows = static_cast<int64_t>(kg::RowChunks{static_cast<u64>(a.m), rt.size()}.rows(rt.rank()));
     check_operand(a.h, "h", true);
     check_operand(a.b, "b", true);
-    TDIST_CHECK_ARG(a.topk_weights != nullptr && reinterpret_cast<uintptr_t>(a.topk_weights) % 4 == 0, "topk_weights",
+    TDIST_CHECK_ARG(a.topk_weights != nullptr && is_aligned(a.topk_weights, 4), "topk_weights",
                     "expected a 4-byte aligned device pointer to fp32 [m][topk], got ",
                     static_cast<const void*>(a.topk_weights));
     check_operand(a.d, "d", all_rows || rows > 0);
     if (!fp8()) return;
     TDIST_CHECK_ARG(a.k % 16 == 0, "k", "FP8 needs k a multiple of 16 (16-byte e4m3 rows), got ", a.k);
-    TDIST_CHECK_ARG(a.h_scales != nullptr && reinterpret_cast<uintptr_t>(a.h_scales) % 4 == 0, "h_scales",
+    TDIST_CHECK_ARG(a.h_scales != nullptr && is_aligned(a.h_scales, 4), "h_scales",
                     "FP8 needs a 4-byte aligned device pointer to f32 scales [capacity][ceil(k / 128)], got ",
                     static_cast<const void*>(a.h_scales));
-    TDIST_CHECK_ARG(a.b_scales != nullptr && reinterpret_cast<uintptr_t>(a.b_scales) % 4 == 0, "b_scales",
+    TDIST_CHECK_ARG(a.b_scales != nullptr && is_aligned(a.b_scales, 4), "b_scales",
                     "FP8 needs a 4-byte aligned device pointer to f32 [experts][ceil(n / 128)][ceil(k / 128)], got ",
                     static_cast<const void*>(a.b_scales));
   }
