@@ -357,7 +357,10 @@ int main(int argc, char** argv) {
         o.tile = tile;
         const std::string tile_name =
             tile ? tile->name()
-                 : (tune ? "tuned " : "auto ") + tdist::choose_gemm_tile(sh.m, sh.n, sh.k, gemm.num_sms()).name();
+                 : (tune ? "tuned " : "auto ") +
+                       tdist::with_b_multicast(tdist::choose_gemm_tile(sh.m, sh.n, sh.k, gemm.num_sms()), sh.m, bs[0],
+                                               sh.k, dtype)
+                           .name();
         const double ms = median_ms(stream, iters, sets, [&](int s) { gemm.run(args(s), stream, o); });
         char shape[64];
         std::snprintf(shape, sizeof(shape), "%dx%dx%d", sh.m, sh.n, sh.k);

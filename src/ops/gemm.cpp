@@ -63,8 +63,7 @@ void check_gemm_tile(const GemmTile& t) {
                   "block_n must be a multiple of 16 in [16, 256], got ", t.block_n);
   TDIST_CHECK_ARG(t.block_k == 64, "tile", "block_k must be 64 (one 128-byte swizzle row), got ", t.block_k);
   TDIST_CHECK_ARG(t.stages >= 2, "tile", "at least 2 stages, got ", t.stages);
-  TDIST_CHECK_ARG(t.cluster_m == 1, "tile", "cluster_m must be 1 (TMA multicast is not implemented), got ",
-                  t.cluster_m);
+  TDIST_CHECK_ARG(t.cluster_m == 1 || t.cluster_m == 2, "tile", "cluster_m must be 1 or 2, got ", t.cluster_m);
   const size_t smem = gemm_shared_bytes(t, DType::kBFloat16);
   TDIST_CHECK_ARG(smem <= kg::kMaxSmemBytes, "tile", t.name(), " needs ", smem, " bytes of shared memory, more than ",
                   kg::kMaxSmemBytes);
@@ -85,6 +84,19 @@ GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
   (void)k;
   if (const auto forced = detail::forced_tile("TDIST_GEMM_TILE", gemm_tiles())) return *forced;
   return detail::choose_tile_among(gemm_tiles(), m, n, num_sms);
+}
+
+GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_t ldb, DType dtype) {
+  if (tile.cluster_m != 1) return tile;
+  GemmTile t = tile;
+  if (const auto forced = env::get("TDIST_GEMM_CLUSTER")) {
+    TDIST_CHECK_ARG(*forced == "1" || *forced == "2", "TDIST_GEMM_CLUSTER", "expected 1 or 2, got '", *forced, "'");
+    t.cluster_m = *forced == "2" ? 2 : 1;
+    return t;
+  }
+  const bool b_rows_aligned = is_aligned(b, 32) && ldb * static_cast<int64_t>(element_bytes(dtype)) % 32 == 0;
+  if (!b_rows_aligned && t.block_m == 128 && m > t.block_m) t.cluster_m = 2;
+  return t;
 }
 
 std::optional<GemmTile> detail::forced_tile(const char* variable, const std::vector<GemmTile>& shipped) {
@@ -231,12 +243,13 @@ GemmTensorMapSpec gemm_tensor_map_a(const GemmArgs& args, const GemmTile& tile) 
   return k_major_tensor_map(args.a, args.m, args.lda, tile.block_m, args, tile);
 }
 
+// B's box: the tile's rows, or each CTA's half of them in a cluster (the multicast load).
 GemmTensorMapSpec gemm_tensor_map_b(const GemmArgs& args, const GemmTile& tile) {
-  return k_major_tensor_map(args.b, args.n, args.ldb, tile.block_n, args, tile);
+  return gemm_tensor_map_b_rows(args, tile, args.n);
 }
 
 GemmTensorMapSpec gemm_tensor_map_b_rows(const GemmArgs& args, const GemmTile& tile, int64_t b_rows) {
-  return k_major_tensor_map(args.b, b_rows, args.ldb, tile.block_n, args, tile);
+  return k_major_tensor_map(args.b, b_rows, args.ldb, tile.block_n / tile.cluster_m, args, tile);
 }
 
 GemmTensorMapSpec gemm_tensor_map_d(const GemmArgs& args, const GemmTile& tile) {
@@ -365,7 +378,9 @@ void Gemm::run(const GemmArgs& raw, cudaStream_t stream, const GemmRunOptions& o
   } else {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = tuned_.find(detail::concat(args.m, ",", args.n, ",", args.k, ",", to_string(args.dtype)));
-    tile = it != tuned_.end() ? it->second : choose_gemm_tile(args.m, args.n, args.k, num_sms_);
+    tile = it != tuned_.end() ? it->second
+                              : with_b_multicast(choose_gemm_tile(args.m, args.n, args.k, num_sms_), args.m, args.b,
+                                                 args.ldb, args.dtype);
   }
   runtime_->run(args, tile, kg::NoTileHooks{}, options, stream);
 }

@@ -127,7 +127,35 @@ TEST(GemmTiles, ShippedTilesAreValidAndFit) {
   expect_arg_error([] { tdist::check_gemm_tile({128, 256, 32, 4, 1}); }, "tile");
   expect_arg_error([] { tdist::check_gemm_tile({128, 256, 64, 5, 1}); }, "tile");  // 241 KiB
   expect_arg_error([] { tdist::check_gemm_tile({128, 256, 64, 1, 1}); }, "tile");
-  expect_arg_error([] { tdist::check_gemm_tile({128, 256, 64, 4, 2}); }, "tile");
+  expect_arg_error([] { tdist::check_gemm_tile({128, 256, 64, 4, 3}); }, "tile");
+  expect_arg_error([] { tdist::check_gemm_tile({128, 256, 64, 4, 0}); }, "tile");
+  EXPECT_NO_THROW(tdist::check_gemm_tile({128, 256, 64, 4, 2}));
+  EXPECT_EQ((GemmTile{128, 224, 64, 4, 2}.name()), "128x224x64_s4_c2");
+}
+
+TEST(GemmTiles, MulticastOfUnalignedB) {
+  const GemmTile t{128, 224, 64, 4, 1}, pair{128, 224, 64, 4, 2};
+  const void* aligned = reinterpret_cast<const void*>(0x10000);
+  const void* off16 = reinterpret_cast<const void*>(0x10010);
+  // Rows 32-byte aligned (base and stride): no cluster; either unaligned: a pair of CTAs.
+  EXPECT_EQ(tdist::with_b_multicast(t, 4096, aligned, 6400, DType::kBFloat16), t);
+  EXPECT_EQ(tdist::with_b_multicast(t, 4096, aligned, 6376, DType::kBFloat16), pair);
+  EXPECT_EQ(tdist::with_b_multicast(t, 4096, off16, 6400, DType::kFloat16), pair);
+  EXPECT_EQ(tdist::with_b_multicast(t, 4096, aligned, 6392, DType::kBFloat16), pair);  // 12784 bytes: 16 mod 32
+  // One m-tile (no neighbour to share with) or a 64-row tile: none.
+  EXPECT_EQ(tdist::with_b_multicast(t, 128, aligned, 6376, DType::kBFloat16), t);
+  EXPECT_EQ(tdist::with_b_multicast(GemmTile{64, 256, 64, 5, 1}, 4096, aligned, 6376, DType::kBFloat16),
+            (GemmTile{64, 256, 64, 5, 1}));
+  // A tile with its cluster already set is kept.
+  EXPECT_EQ(tdist::with_b_multicast(pair, 128, aligned, 6400, DType::kBFloat16), pair);
+  // The variable forces the cluster either way, and names itself when it holds anything else.
+  ASSERT_EQ(setenv("TDIST_GEMM_CLUSTER", "2", 1), 0);
+  EXPECT_EQ(tdist::with_b_multicast(t, 4096, aligned, 6400, DType::kBFloat16), pair);
+  ASSERT_EQ(setenv("TDIST_GEMM_CLUSTER", "1", 1), 0);
+  EXPECT_EQ(tdist::with_b_multicast(t, 4096, aligned, 6376, DType::kBFloat16), t);
+  ASSERT_EQ(setenv("TDIST_GEMM_CLUSTER", "4", 1), 0);
+  expect_arg_error([&] { tdist::with_b_multicast(t, 4096, aligned, 6376, DType::kBFloat16); }, "TDIST_GEMM_CLUSTER");
+  unsetenv("TDIST_GEMM_CLUSTER");
 }
 
 TEST(GemmTiles, Choice) {
@@ -216,6 +244,17 @@ TEST(GemmLaunch, ConfigScheduleAndTensorMaps) {
   EXPECT_EQ(mb.row_stride_bytes, 144u);
   EXPECT_EQ(mb.box[1], 256u);
   EXPECT_EQ(mb.swizzle_bytes, 128u);
+  // A 2-CTA cluster: each CTA loads half of B's rows (and multicasts them); the grid is whole clusters.
+  const GemmTile pair{128, 256, 64, 4, 2};
+  EXPECT_EQ(tdist::gemm_tensor_map_b(b, pair).box[1], 128u);
+  EXPECT_EQ(tdist::gemm_tensor_map_a(b, pair).box[1], 128u);
+  const auto pair_cfg = tdist::gemm_launch_config(b, pair, 132, 5, nullptr);
+  EXPECT_EQ(pair_cfg.cluster.x, 2u);
+  EXPECT_EQ(pair_cfg.grid.x, 4u);
+  GemmArgs one_tile = b;
+  one_tile.m = 100;
+  one_tile.n = 200;
+  EXPECT_EQ(tdist::gemm_launch_config(one_tile, pair, 132, 0, nullptr).grid.x, 2u);  // one tile: a whole cluster
   // D: dims {N rounded down to 8, M} (TMA clips in 16-byte units; the kernel stores the N % 8 tail
   // columns itself), one warpgroup's 64 x 64 chunk.
   b.n = 517;
@@ -246,7 +285,9 @@ TEST(GemmKernels, Registered) {
     if (f.name != "gemm") continue;
     found = true;
     const auto reqs = f.requests();
-    EXPECT_EQ(reqs.size(), tdist::gemm_tiles().size());
+    size_t tiles = 0;  // every shipped tile, and the 2-CTA cluster of the 128-row ones
+    for (const GemmTile& t : tdist::gemm_tiles()) tiles += t.block_m == 128 ? 2 : 1;
+    EXPECT_EQ(reqs.size(), tiles);
     for (const auto& r : reqs) {
       EXPECT_TRUE(r.arch.empty());
       EXPECT_EQ(r.name_expressions.size(), 2u);
@@ -261,7 +302,12 @@ TEST(GemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
   ASSERT_EQ(setenv("TDIST_JIT_DUMP", dump.path.c_str(), 1), 0);
   jit::KernelCache kernels(cache.path);
   const std::regex used(R"(Used (\d+) registers)");
+  std::vector<GemmTile> instances;  // the shipped tiles and the 2-CTA clusters of the 128-row ones
   for (const GemmTile& t : tdist::gemm_tiles()) {
+    instances.push_back(t);
+    if (t.block_m == 128) instances.push_back({t.block_m, t.block_n, t.block_k, t.stages, 2});
+  }
+  for (const GemmTile& t : instances) {
     SCOPED_TRACE(t.name());
     jit::CompileRequest r = tdist::gemm_compile_request(t);
     r.compiler = jit::CompilerKind::kNvrtc;
@@ -328,8 +374,14 @@ TEST(GemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
       EXPECT_NE(ptx.find("setmaxnreg.dec.sync.aligned.u32 40"), std::string::npos);
       EXPECT_NE(ptx.find("setmaxnreg.inc.sync.aligned.u32 232"), std::string::npos);
     }
+    // A cluster: B multicast to both CTAs, consumers' releases on both CTAs' barriers, the cluster's
+    // barrier after the initialisation; without one, none of them.
+    const bool pair = file.find("_c2") != std::string::npos;
+    EXPECT_EQ(ptx.find(".multicast::cluster") != std::string::npos, pair);
+    EXPECT_EQ(ptx.find("mbarrier.arrive.release.cluster.shared::cluster.b64") != std::string::npos, pair);
+    EXPECT_EQ(ptx.find("barrier.cluster.wait.acquire.aligned") != std::string::npos, pair);
   }
-  EXPECT_EQ(ptx_files, static_cast<int>(tdist::gemm_tiles().size()));
+  EXPECT_EQ(ptx_files, static_cast<int>(instances.size()));
 }
 
 // The hook points: hooks that wait for a flag before a tile's loads and publish each tile (fence,
@@ -619,6 +671,15 @@ TEST(GemmRuntime, NamesAndRequests) {
   EXPECT_NE(ag.source.find("tdist/kernels/gemm/overlap.cuh"), std::string::npos);
   EXPECT_EQ(ag.file_name, "gemm_sm90_128x192x64_s5_c1_AllGatherWaitHooks.cu");
   EXPECT_EQ(ag.arch, "sm_90a");
+  // Hooked instances take no cluster: an error before anything reaches the GPU.
+  static_assert(!AgGemm::kClusters && tdist::detail::HookedGemm<kg::NoTileHooks>::kClusters);
+  AgGemm hooked(132);
+  expect_arg_error(
+      [&] {
+        hooked.launch(tdist::check_gemm_args(valid()), GemmTile{128, 192, 64, 5, 2}, 520, kg::TileScheduler{},
+                      kg::AllGatherWaitParams{}, 0, nullptr);
+      },
+      "tile");
   const auto rs = tdist::detail::HookedGemm<kg::ChunkPublishParams>::compile_request(t);
   EXPECT_EQ(rs.name_expressions.size(), 2u);
   EXPECT_NE(rs.name_expressions[0].find("ChunkPublishHooks>"), std::string::npos);
@@ -629,16 +690,23 @@ TEST(GemmRuntime, NamesAndRequests) {
   EXPECT_EQ(tdist::grouped_gemm_kernel_name(DType::kFloat16, t, /*gathered_a=*/true),
             "tdist::kernels::gemm::sm90_gemm_tn<__half, 128, 192, 64, 5, 1, tdist::kernels::gemm::NoTileHooks, "
             "tdist::kernels::gemm::GatherGroupedScheduler>");
-  // One plain and one gathered-A instance per shipped tile.
+  // One plain and one gathered-A instance per shipped tile, and a 2-CTA cluster of the plain 128-row
+  // ones (the gathered-A producer has none).
   const auto reqs = tdist::grouped_gemm_compile_requests();
-  ASSERT_EQ(reqs.size(), 2 * tdist::gemm_tiles().size());
-  size_t gathered = 0;
+  size_t rows128 = 0;
+  for (const GemmTile& s : tdist::gemm_tiles()) rows128 += s.block_m == 128;
+  ASSERT_EQ(reqs.size(), 2 * tdist::gemm_tiles().size() + rows128);
+  size_t gathered = 0, pairs = 0;
   for (const auto& r : reqs) {
     EXPECT_TRUE(r.arch.empty());
     EXPECT_NE(r.file_name.find("_grouped"), std::string::npos) << r.file_name;
     gathered += r.file_name.find("_grouped_gather") != std::string::npos;
+    const bool pair = r.file_name.find("_c2_") != std::string::npos;
+    pairs += pair;
+    EXPECT_FALSE(pair && r.file_name.find("_grouped_gather") != std::string::npos) << r.file_name;
   }
   EXPECT_EQ(gathered, tdist::gemm_tiles().size());
+  EXPECT_EQ(pairs, rows128);
   bool found = false;
   for (const auto& f : jit::registered_kernels()) found = found || f.name == "grouped_gemm";
   EXPECT_TRUE(found) << "the grouped_gemm family is not registered";
@@ -682,8 +750,10 @@ TEST(GroupedGemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
     const bool gathers = e.path().filename().string().find("_grouped_gather") != std::string::npos;
     EXPECT_EQ(ptx.find("cp.async.cg.shared.global") != std::string::npos, gathers);
     EXPECT_EQ(ptx.find("cp.async.mbarrier.arrive.noinc.shared::cta.b64") != std::string::npos, gathers);
+    const bool pair = e.path().filename().string().find("_c2_") != std::string::npos;
+    EXPECT_EQ(ptx.find(".multicast::cluster") != std::string::npos, pair);
   }
-  EXPECT_EQ(ptx_files, static_cast<int>(2 * tdist::gemm_tiles().size()));
+  EXPECT_EQ(ptx_files, static_cast<int>(tdist::grouped_gemm_compile_requests().size()));
 }
 
 // ---------------- FP8 grouped GEMM ----------------

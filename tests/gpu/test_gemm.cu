@@ -2,11 +2,12 @@
 // Fresh random inputs per case, D poisoned before every run (and the padding columns between N
 // and ldd checked to stay poisoned), odd M/N/K (K a multiple of 8), padded leading dimensions,
 // rotated and grouped tile orders, fewer CTAs than tiles (many tiles per CTA: the ring's phases
-// wrap), every shipped tile in bf16 and fp16. Then tdist::GroupedGemm (m-grouped, MoE): random
-// group sizes with empty groups, one group holding every row, a single group, many small groups,
-// int32 and int64 offsets, rows past offsets[G] (must stay poisoned), N and K odd multiples of 8 and
-// an N that is no multiple of 8, rotated, table-ordered and few-CTA walks; each group checked against
-// the float64 reference of its rows and its own B_g. Prints "N passed, M failed" last.
+// wrap), every shipped tile (and the 2-CTA cluster of each 128-row one) in bf16 and fp16. Then
+// tdist::GroupedGemm (m-grouped, MoE): random group sizes with empty groups, one group holding every
+// row, a single group, many small groups, int32 and int64 offsets, rows past offsets[G] (must stay
+// poisoned), N and K odd multiples of 8 and an N that is no multiple of 8, rotated, table-ordered and
+// few-CTA walks; each group checked against the float64 reference of its rows and its own B_g.
+// Prints "N passed, M failed" last.
 //
 //   build-gpu/tests/gpu_test_gemm [--quick | --small]
 // Single process; under tdistrun each rank tests its own GPU (LOCAL_RANK).
@@ -656,9 +657,16 @@ int main(int argc, char** argv) {
     if (small) cases = {cases[0], cases[1], cases[2], cases[4]};
     unsigned long long seed =
         static_cast<unsigned long long>(std::chrono::steady_clock::now().time_since_epoch().count());
+    // Every shipped tile, and the 2-CTA cluster (multicast B) of the 128-row ones: the cases hold pairs
+    // that share B, pairs across two n-tiles or groups, and a CTA left without a tile.
+    std::vector<tdist::GemmTile> instances;
+    for (const tdist::GemmTile& t : tdist::gemm_tiles()) {
+      instances.push_back(t);
+      if (t.block_m == 128) instances.push_back({t.block_m, t.block_n, t.block_k, t.stages, 2});
+    }
     for (tdist::DType dtype : {tdist::DType::kBFloat16, tdist::DType::kFloat16}) {
       if (small && dtype != tdist::DType::kBFloat16) continue;
-      for (const tdist::GemmTile& tile : tdist::gemm_tiles()) {
+      for (const tdist::GemmTile& tile : instances) {
         for (const Case& c : cases) {
           char name[200];
           std::snprintf(name, sizeof(name), "%s %s m=%d n=%d k=%d pads=%d/%d/%d group=%d first_row=%ld ctas=%d",
@@ -698,8 +706,9 @@ int main(int argc, char** argv) {
     }
     for (tdist::DType dtype : {tdist::DType::kBFloat16, tdist::DType::kFloat16}) {
       if (small && dtype != tdist::DType::kBFloat16) continue;
-      for (const tdist::GemmTile& tile : tdist::gemm_tiles()) {
+      for (const tdist::GemmTile& tile : instances) {
         for (const GroupedCase& c : gcases) {
+          if (c.gather && tile.cluster_m > 1) continue;  // the gathered-A producer has no cluster
           char name[240];
           std::snprintf(name, sizeof(name), "grouped%s %s %s G=%d n=%d k=%d (%s)", c.gather ? " gathered-A" : "",
                         tdist::to_string(dtype), tile.name().c_str(), c.groups, c.n, c.k, c.what);

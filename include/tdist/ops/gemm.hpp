@@ -45,7 +45,7 @@ struct GemmTile {
   int block_n = 256;  // multiple of 16, 16 .. 256
   int block_k = 64;   // 64 (one 128-byte swizzle row of 2-byte elements)
   int stages = 4;     // shared-memory ring depth
-  int cluster_m = 1;  // CTAs per cluster along M (1; multicast of B is not implemented yet)
+  int cluster_m = 1;  // CTAs per cluster along M: 1, or 2 sharing each B tile by TMA multicast
 
   std::string name() const;  // "128x256x64_s4_c1"
   bool operator==(const GemmTile&) const = default;
@@ -61,6 +61,13 @@ const std::vector<GemmTile>& gemm_tiles();
 // The tile the heuristic picks for an M x N x K problem on `num_sms` SMs: the best of gemm_tiles()
 // by wave efficiency weighted by the tile's own efficiency.
 GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms);
+// `tile` with the cluster that pays for a B of this placement, for the plain and the grouped GEMM
+// (not the fused ops' instances): a 2-CTA cluster multicasting B when B's rows are not 32-byte
+// aligned (`b` or the row stride `ldb` x element size), where L2's traffic bounds the GEMM, the tile
+// has 128 rows and M (the rows of every group, for the grouped GEMM) spans two m-tiles or more.
+// TDIST_GEMM_CLUSTER=1 or 2, read at each call, forces the cluster. A tile that already has a cluster
+// is returned as it is.
+GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_t ldb, DType dtype);
 
 struct GemmArgs {
   const void* a = nullptr;

@@ -6,7 +6,9 @@
 // Ring protocol, per stage s (kNumStages stages, shared memory layout in config.cuh):
 //   full[s]   count 1: the producer's arrive.expect_tx(bytes) plus the TMA loads' complete_tx (with A
 //             gathered by cp.async: count 1 + 128, each producer thread's loads arriving once).
-//   empty[s]  count `consumer_arrivals`: one arrive per consumer warp once it has finished reading.
+//   empty[s]  count `consumer_arrivals` x kClusterM: one arrive per consumer warp of every CTA of the
+//             cluster once it has finished reading (with kClusterM > 1 the CTAs load parts of each
+//             other's stages, TMA multicast, so a stage is empty once every CTA's consumers freed it).
 // Pass p over the ring (count / kNumStages = p) uses phase parity p & 1 of both barriers: consumers
 // wait for full's phase p; the producer waits for empty's phase p - 1, i.e. parity (p & 1) ^ 1, which
 // a fresh barrier reports complete at once (the first pass finds every stage empty).
@@ -44,8 +46,8 @@ struct PipelineState {
 #if defined(__CUDACC__)
 
 // The full/empty mbarrier pairs of a kNumStages ring. Addresses are shared-memory (shared::cta) ones:
-// full at full_bar + 8 s, empty at empty_bar + 8 s.
-template <int kNumStages>
+// full at full_bar + 8 s, empty at empty_bar + 8 s, at the same offsets in every CTA of a cluster.
+template <int kNumStages, int kClusterM = 1>
 struct TmaPipeline {
   using State = PipelineState<kNumStages>;
   u32 full_bar;
@@ -60,7 +62,7 @@ struct TmaPipeline {
   TDIST_DEVICE void init(u32 consumer_arrivals, u32 producer_arrivals = 1) const {
     for (int s = 0; s < kNumStages; ++s) {
       ptx::mbar_init(full_bar + 8 * s, producer_arrivals);
-      ptx::mbar_init(empty_bar + 8 * s, consumer_arrivals);  // one arrive per consumer warp
+      ptx::mbar_init(empty_bar + 8 * s, consumer_arrivals * kClusterM);  // per consumer warp of the cluster
     }
   }
 
@@ -83,8 +85,21 @@ struct TmaPipeline {
     const u32 s = st.stage(), phase = st.phase();
     ptx::mbar_wait(full_bar + 8 * s, phase, "consumer full");
   }
-  // Consumer: one arrive on the stage's empty barrier (one lane per consumer warp calls it).
-  TDIST_DEVICE void consumer_release(const State& st) const { ptx::mbar_arrive(empty(st)); }
+  // Consumer: one arrive per consumer warp on the stage's empty barrier of every CTA of the cluster,
+  // each CTA's by its own lane (lane r: CTA r), so that the warp signals them in one instruction.
+  // Every lane of the warp calls it.
+  TDIST_DEVICE void consumer_release(const State& st, u32 lane) const {
+    if constexpr (kClusterM == 1) {
+      if (lane == 0) ptx::mbar_arrive(empty(st));
+    } else {
+      if (lane < kClusterM) ptx::mbar_arrive_cluster(empty(st), lane);
+    }
+  }
+  // Producer, after its last load: waits until every stage has been released for good, so that no
+  // arrive from a peer CTA's consumers can reach this CTA's barriers after it exits.
+  TDIST_DEVICE void producer_tail(State st) const {
+    for (int i = 0; i < kNumStages; ++i, ++st) producer_acquire(st);
+  }
 };
 
 #endif  // __CUDACC__

@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kAccum; ++i) ptx::fence_operand(block[i]);
-      if (lane == 0) pipe.consumer_release(st);  // the block's wgmma have read the stage
+      pipe.consumer_release(st, lane);  // the block's wgmma have read the stage
 #pragma unroll
       for (int j = 0; j < kAccum / 4; ++j) {
         acc[4 * j + 0] += scale0 * block[4 * j + 0];

@@ -34,6 +34,10 @@
 //             issuing threads wait for their stores to complete (wait_group 0) before a barrier of
 //             all consumers and the hooks' after_store (before_loads runs on the producer before a
 //             tile's first load; tile_scheduler.cuh).
+// Clusters (kClusterM = 2): two CTAs with neighbouring m-tiles share each B tile by TMA multicast
+// (tma_producer_pair), halving B's traffic from L2, which is what bounds the GEMM when B's rows are not
+// 32-byte aligned (docs/gemm.md). Their rings then run in step: a stage is empty once the consumers
+// of both CTAs released it, and each producer waits for its stages' last releases before exiting.
 // The ring is a TmaPipeline (pipeline.cuh). Producer and consumers walk the same tile list, each
 // advancing its own PipelineState once per K block, so the ring's stage/phase sequence matches on
 // both sides across tiles; the producer runs ahead into the next tile while the consumers store the
@@ -301,6 +305,71 @@ TDIST_DEVICE void tma_producer(const Scheduler& tiles, Hooks& hooks, const TmaPi
   }
 }
 
+// The walk of a cluster of kClusterM CTAs along M: cluster c takes the tile groups c, c + clusters,
+// ... of kClusterM consecutive linear tiles, and its CTA of rank r the tile kClusterM q + r of group
+// q (none when that is past the last tile: the CTA then only keeps the ring in step). The schedulers'
+// grouped raster makes consecutive linear tiles neighbours along M with the same n-tile, so that the
+// CTAs of a cluster mostly multiply the same B tile.
+template <int kClusterM>
+struct ClusterWalk {
+  u32 first, step, count;  // this cluster's first tile group, the clusters, the tile groups
+  TDIST_DEVICE static ClusterWalk make(u32 num_tiles) {
+    return {blockIdx.x / kClusterM, gridDim.x / kClusterM, (num_tiles + kClusterM - 1) / kClusterM};
+  }
+};
+
+// The TMA producer of a 2-CTA cluster (one thread per CTA). When both CTAs' tiles multiply the same
+// B rows (same b_row), each CTA loads half of the B tile (BLOCK_N / 2 rows: the tensor map's box) and
+// multicasts it into both CTAs' stage, so B crosses from L2 once for two tiles; A is each CTA's own.
+// Otherwise (tiles of two groups or two n-tiles, or no tile for one CTA) each CTA loads its own B in
+// two halves. A CTA without a tile arms its stages with no bytes, so that its consumers release them
+// in step with the peer's.
+template <int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, typename Scheduler, typename Hooks>
+TDIST_DEVICE void tma_producer_pair(const Scheduler& tiles, Hooks& hooks, const TmaPipeline<kNumStages, 2>& pipe,
+                                    const CUtensorMap& tmap_a, const CUtensorMap& tmap_b, u32 smem_a, u32 smem_b,
+                                    u32 tile_a_bytes, u32 tile_b_bytes, u32 num_k_blocks, u32 m, u32 n) {
+  using Profile = HooksProfile<Hooks>;
+  constexpr int kHalfRows = BLOCK_N / 2;
+  const u32 half_bytes = tile_b_bytes / 2;
+  const u32 rank = ptx::cluster_ctarank();
+  const u32 num_tiles = tiles.num_tiles();
+  const ClusterWalk<2> walk = ClusterWalk<2>::make(num_tiles);
+  PipelineState<kNumStages> st;
+  for (u32 q = walk.first; q < walk.count; q += walk.step) {
+    const u32 t = 2 * q + rank, t_peer = 2 * q + (rank ^ 1);
+    const bool mine = t < num_tiles;
+    TileInfo info{}, peer{};
+    if (mine) info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
+    if (t_peer < num_tiles) peer = tiles.tile_info(t_peer, BLOCK_M, BLOCK_N, m, n);
+    const bool shared_b = mine && t_peer < num_tiles && info.b_row == peer.b_row;
+    if (mine) {
+      if constexpr (Profile::kEnabled)
+        tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileBegin, t);
+      hooks.before_loads(info);
+      ptx::fence_proxy_async_global();  // what the hook waited for is visible to the TMA loads
+    }
+    const int m0 = static_cast<int>(info.m0), b_row = static_cast<int>(info.b_row);
+    for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
+      const u32 s = st.stage();
+      pipe.producer_acquire(st);  // both CTAs' consumers have released the stage
+      const u32 full = pipe.producer_commit(st, mine ? tile_a_bytes + tile_b_bytes : 0);
+      if (!mine) continue;
+      const int k0 = static_cast<int>(kb * BLOCK_K);
+      const u32 b_dst = smem_b + s * tile_b_bytes;
+      ptx::tma_load_2d(smem_a + s * tile_a_bytes, &tmap_a, full, k0, m0);
+      if (shared_b) {
+        ptx::tma_load_2d_multicast(b_dst + rank * half_bytes, &tmap_b, full, k0, b_row + rank * kHalfRows, 0x3);
+      } else {
+        ptx::tma_load_2d(b_dst, &tmap_b, full, k0, b_row);
+        ptx::tma_load_2d(b_dst + half_bytes, &tmap_b, full, k0, b_row + kHalfRows);
+      }
+    }
+    if constexpr (Profile::kEnabled)
+      if (mine) tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileEnd, t);
+  }
+  pipe.producer_tail(st);
+}
+
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, int kClusterM,
           typename Hooks = NoTileHooks, typename Scheduler = TileScheduler>
 __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
@@ -312,7 +381,8 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   static_assert(BLOCK_M == 64 || BLOCK_M == 128, "BLOCK_M: 64 or 128 (one consumer warpgroup per 64 rows)");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N >= 16 && BLOCK_N <= 256, "BLOCK_N: a multiple of 16 up to 256");
   static_assert(kNumStages >= 2, "at least two stages");
-  static_assert(kClusterM == 1, "clusters (TMA multicast of B) are not implemented yet");
+  static_assert(kClusterM == 1 || kClusterM == 2, "clusters of 1 or 2 CTAs along M");
+  static_assert(kClusterM == 1 || (BLOCK_N / 2) % 8 == 0, "each CTA's half of B is whole 8-row swizzle atoms");
   static_assert(gemm_smem_bytes(BLOCK_M, BLOCK_N, BLOCK_K, kNumStages, sizeof(T)) <= kMaxSmemBytes,
                 "stages do not fit in shared memory");
 
@@ -326,6 +396,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   constexpr u32 kEpiBuffers = gemm_epi_buffers(BLOCK_M, BLOCK_N, BLOCK_K, kNumStages, sizeof(T));
   constexpr bool kStoredTileBeforeHook = HooksNeedStoredTile<Hooks>::value;
   constexpr bool kGatherA = SchedulerGathersA<Scheduler>::value;
+  static_assert(kClusterM == 1 || !kGatherA, "a cluster loads A by TMA (the gathered-A producer has no cluster)");
   using Regs = RegisterSplit<kNumMathWarpgroups>;
   using Mma = Wgmma<T, BLOCK_N>;
   using Profile = HooksProfile<Hooks>;
@@ -337,7 +408,7 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   const u32 smem_d = smem_b + kNumStages * kTileBBytes;  // + (wg * kEpiBuffers + buf) * kEpiChunkBytes
   const u32 full_bar = smem_d + kNumMathWarpgroups * kEpiBuffers * kEpiChunkBytes;  // + stage * 8
   const u32 empty_bar = full_bar + kNumStages * 8;                                  // + stage * 8
-  using Pipeline = TmaPipeline<kNumStages>;
+  using Pipeline = TmaPipeline<kNumStages, kClusterM>;
   using PipeState = PipelineState<kNumStages>;
   const Pipeline pipe{full_bar, empty_bar};
 
@@ -350,7 +421,10 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     pipe.init(kNumMathWarps, kGatherA ? 1 + kWarpgroupThreads : 1);  // one release per consumer warp
     ptx::fence_mbar_init();
   }
-  __syncthreads();
+  if constexpr (kClusterM > 1)
+    ptx::cluster_sync();  // the peers' barriers are initialised before any multicast or remote arrive
+  else
+    __syncthreads();
 
   const Scheduler tiles = sched.prepare();  // what the walk reads from device memory, read once
   const u32 num_tiles = tiles.num_tiles();
@@ -362,6 +436,10 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
     if constexpr (kGatherA) {
       gather_a_producer<T, BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_b, smem_a, smem_b,
                                                                   kTileBBytes, num_k_blocks, m, n, k);
+    } else if constexpr (kClusterM == 2) {
+      if (threadIdx.x == 0)
+        tma_producer_pair<BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_a, tmap_b, smem_a, smem_b,
+                                                                 kTileABytes, kTileBBytes, num_k_blocks, m, n);
     } else if (threadIdx.x == 0) {
       tma_producer<BLOCK_M, BLOCK_N, BLOCK_K, kNumStages>(tiles, hooks, pipe, tmap_a, tmap_b, smem_a, smem_b,
                                                           kTileABytes, kTileBBytes, num_k_blocks, m, n);
@@ -379,7 +457,19 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
 
   PipeState st;      // running count of K blocks, as the producer's
   u32 epi_iter = 0;  // running count of this warpgroup's D chunks: buffer = epi_iter % kEpiBuffers
-  for (u32 t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+  const ClusterWalk<kClusterM> walk = ClusterWalk<kClusterM>::make(num_tiles);
+  const u32 cluster_rank = kClusterM == 1 ? 0 : ptx::cluster_ctarank();
+  for (u32 q = walk.first; q < walk.count; q += walk.step) {
+    const u32 t = q * kClusterM + cluster_rank;
+    if constexpr (kClusterM > 1) {
+      if (t >= num_tiles) {  // no tile for this CTA: release the stages the peer's loads pass through
+        for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
+          pipe.consumer_wait(st);
+          pipe.consumer_release(st, lane);
+        }
+        continue;
+      }
+    }
     const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
     if constexpr (Profile::kEnabled)
       if (math_thread == 0)
@@ -406,13 +496,13 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
       ptx::wgmma_wait<1>();
 #pragma unroll
       for (int i = 0; i < kAccum; ++i) ptx::fence_operand(acc[i]);
-      if (kb > 0 && lane == 0) pipe.consumer_release(st.previous());
+      if (kb > 0) pipe.consumer_release(st.previous(), lane);
     }
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kAccum; ++i) ptx::fence_operand(acc[i]);
     // The tile's last block (st.previous(): the loop has counted it) is done with its stage.
-    if (lane == 0) pipe.consumer_release(st.previous());
+    pipe.consumer_release(st.previous(), lane);
 
     store_tile_d<T, BLOCK_N, kEpiBuffers>(acc, info, math_wg, my_chunks, epi_iter, tmap_d, d, ldd, m, n);
     if constexpr (kStoredTileBeforeHook) {

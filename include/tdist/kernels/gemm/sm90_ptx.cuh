@@ -35,6 +35,16 @@ TDIST_DEVICE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
 TDIST_DEVICE void mbar_arrive(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+// Arrives on the mbarrier at shared-memory offset `bar` of the cluster's CTA `cta_rank` (this CTA's
+// own included). Default semantics (release at CTA scope), as a consumer's release of a stage needs:
+// its reads were wgmma's, complete before the call, and nothing it wrote is read through the barrier.
+TDIST_DEVICE void mbar_arrive_cluster(u32 bar, u32 cta_rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(cta_rank)
+      : "memory");
+}
 TDIST_DEVICE bool mbar_try_wait(u32 bar, u32 parity) {
   u32 done;
   asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
@@ -66,6 +76,19 @@ TDIST_DEVICE void mbar_wait(u32 bar, u32 parity, const char* what) {
   }
 }
 
+// ---- clusters ----
+// This CTA's rank in its cluster.
+TDIST_DEVICE u32 cluster_ctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster: the cluster's barrier, with release / acquire ordering
+// (mbarrier initialisations fenced by fence_mbar_init become visible to the peers).
+TDIST_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // ---- TMA ----
 TDIST_DEVICE void prefetch_tensor_map(const void* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
@@ -80,6 +103,16 @@ TDIST_DEVICE void tma_load_2d(u32 dst, const void* map, u32 bar, int c0, int c1)
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
           dst),
       "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// The same box delivered to every CTA of the cluster in `cta_mask` (bit r: cluster rank r), at the
+// same shared-memory offset `dst` in each, completing its bytes on the mbarrier at offset `bar` of each.
+TDIST_DEVICE void tma_load_2d_multicast(u32 dst, const void* map, u32 bar, int c0, int c1, unsigned short cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
       : "memory");
 }
 

@@ -17,7 +17,9 @@
 //   GemmRuntime<Scheduler, Params>  the instances of one (scheduler, hooks) pair over (dtype, tile):
 //     static kernel_name(dtype, tile)      name expression: sm90_gemm_tn<T, BM, BN, BK, S, C, Hooks[, Scheduler]>
 //     static compile_request(tile)         one JIT request (bf16 and fp16 name expressions), arch sm_90a
-//     static compile_requests()            one per shipped tile, arch empty (TDIST_JIT_REGISTER_KERNELS)
+//     static compile_requests()            one per shipped tile, and its 2-CTA cluster for the 128-row
+//                                          tiles of the runtimes with clusters (kClusters: no hooks, A
+//                                          by TMA), arch empty (TDIST_JIT_REGISTER_KERNELS)
 //     kernel(dtype, tile)                  the loaded kernel (compiled or read from the cache on first use)
 //     launch(checked_args, tile, b_rows, sched, params, max_ctas, stream)
 //                                          the launch: tensor maps (B over b_rows rows), grid, parameters
@@ -47,6 +49,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "tdist/common/error.hpp"
 #include "tdist/jit/compiler.hpp"
 #include "tdist/jit/launch.hpp"
 #include "tdist/kernels/gemm/grouped_scheduler.cuh"
@@ -135,6 +138,11 @@ class GemmRuntime {
   using HooksTraits = GemmHooksTraits<Params>;
 
  public:
+  // Instances with a 2-CTA cluster (multicast B): the plain and the grouped GEMM without hooks, whose
+  // A comes by TMA (with_b_multicast picks them).
+  static constexpr bool kClusters = std::is_same_v<Params, kernels::gemm::NoTileHooks> &&
+                                    !std::is_same_v<Scheduler, kernels::gemm::GatherGroupedScheduler>;
+
   explicit GemmRuntime(int num_sms) : num_sms_(num_sms) {}
 
   static std::string kernel_name(DType dtype, const GemmTile& tile) {
@@ -153,6 +161,12 @@ class GemmRuntime {
     for (const GemmTile& t : gemm_tiles()) {
       v.push_back(compile_request(t));
       v.back().arch.clear();  // tdist-compile sets it
+      if (kClusters && t.block_m == 128) {  // the cluster with_b_multicast gives 128-row tiles
+        GemmTile pair = t;
+        pair.cluster_m = 2;
+        v.push_back(compile_request(pair));
+        v.back().arch.clear();
+      }
     }
     return v;
   }
@@ -165,6 +179,8 @@ class GemmRuntime {
   // min(SMs, max_ctas if > 0, args.m x args.n tiles).
   void launch(const GemmArgs& checked, const GemmTile& tile, int64_t b_rows, const Scheduler& sched,
               const Params& params, int max_ctas, cudaStream_t stream) {
+    TDIST_CHECK_ARG(kClusters || tile.cluster_m == 1, "tile", "the ", kernel_name(checked.dtype, tile),
+                    " instances take no cluster (cluster_m 1), got ", tile.cluster_m);
     const jit::Kernel& k = kernel(checked.dtype, tile);
     const jit::LaunchConfig cfg = gemm_launch_config(checked, tile, num_sms_, max_ctas, stream);
     jit::KernelArgs kargs = gemm_operand_args(checked, tile, b_rows);
