@@ -86,7 +86,8 @@ GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
   return detail::choose_tile_among(gemm_tiles(), m, n, num_sms);
 }
 
-GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_t ldb, DType dtype) {
+GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_t ldb, DType dtype,
+                          int64_t num_groups) {
   if (tile.cluster_m != 1) return tile;
   GemmTile t = tile;
   if (const auto forced = env::get("TDIST_GEMM_CLUSTER")) {
@@ -95,7 +96,8 @@ GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_
     return t;
   }
   const bool b_rows_aligned = is_aligned(b, 32) && ldb * static_cast<int64_t>(element_bytes(dtype)) % 32 == 0;
-  if (!b_rows_aligned && t.block_m == 128 && m > t.block_m) t.cluster_m = 2;
+  const int64_t rows_per_b = m / std::max<int64_t>(num_groups, 1);
+  if (!b_rows_aligned && t.block_m == 128 && rows_per_b >= 2 * t.block_m) t.cluster_m = 2;
   return t;
 }
 
