@@ -275,6 +275,17 @@ TDIST_DEVICE void store_tile_d(const float (&acc)[BLOCK_N / 2], const TileInfo& 
   }
 }
 
+// A tile's start on the TMA producer thread: its profile span opens, the hooks' before_loads runs, and
+// what it waited for is made visible to the TMA loads.
+template <typename Hooks>
+TDIST_DEVICE void producer_tile_begin(Hooks& hooks, const TileInfo& info, u32 t) {
+  using Profile = HooksProfile<Hooks>;
+  if constexpr (Profile::kEnabled)
+    tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileBegin, t);
+  hooks.before_loads(info);
+  ptx::fence_proxy_async_global();
+}
+
 // The TMA producer (one thread): per tile, before_loads of the hooks, then per K block a wait for the
 // stage to be empty, its full barrier armed with the stage's bytes, and the TMA loads of A (box
 // BLOCK_K x BLOCK_M at (k0, m0)) and B (BLOCK_K x BLOCK_N at (k0, b_row)). Shared by the bf16 and the
@@ -287,10 +298,7 @@ TDIST_DEVICE void tma_producer(const Scheduler& tiles, Hooks& hooks, const TmaPi
   PipelineState<kNumStages> st;  // running count of K blocks
   for (u32 t = blockIdx.x; t < tiles.num_tiles(); t += gridDim.x) {
     const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
-    if constexpr (Profile::kEnabled)
-      tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileBegin, t);
-    hooks.before_loads(info);
-    ptx::fence_proxy_async_global();  // what the hook waited for is visible to the TMA loads
+    producer_tile_begin(hooks, info, t);
     const int m0 = static_cast<int>(info.m0), b_row = static_cast<int>(info.b_row);
     for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
       const u32 s = st.stage();
@@ -342,12 +350,7 @@ TDIST_DEVICE void tma_producer_pair(const Scheduler& tiles, Hooks& hooks, const 
     if (mine) info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
     if (t_peer < num_tiles) peer = tiles.tile_info(t_peer, BLOCK_M, BLOCK_N, m, n);
     const bool shared_b = mine && t_peer < num_tiles && info.b_row == peer.b_row;
-    if (mine) {
-      if constexpr (Profile::kEnabled)
-        tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileBegin, t);
-      hooks.before_loads(info);
-      ptx::fence_proxy_async_global();  // what the hook waited for is visible to the TMA loads
-    }
+    if (mine) producer_tile_begin(hooks, info, t);
     const int m0 = static_cast<int>(info.m0), b_row = static_cast<int>(info.b_row);
     for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
       const u32 s = st.stage();
