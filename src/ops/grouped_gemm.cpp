@@ -154,9 +154,8 @@ GroupedGemm::~GroupedGemm() = default;
 
 GemmTile GroupedGemm::tile_for(const GroupedGemmArgs& args, const GroupedGemmRunOptions& options) const {
   if (options.tile) return *options.tile;
-  const GemmTile tile = choose_gemm_tile(args.m, args.n, args.k, num_sms_);
-  return args.a_gather ? tile : with_b_multicast(tile, args.m, args.b, args.ldb > 0 ? args.ldb : args.k, args.dtype,
-                                                   args.num_groups);
+  return with_b_multicast(choose_gemm_tile(args.m, args.n, args.k, num_sms_), args.m, args.b,
+                          args.ldb > 0 ? args.ldb : args.k, args.dtype, args.num_groups);
 }
 
 void GroupedGemm::run(const GroupedGemmArgs& raw, cudaStream_t stream, const GroupedGemmRunOptions& options) {

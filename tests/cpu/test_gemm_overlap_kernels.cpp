@@ -39,16 +39,18 @@ TEST(GemmOverlapKernels, RegisteredProgramsCompileCleanForSm90a) {
 }
 
 // The fused MoE AllGather's gathered-A grouped GEMM with the source-wait hooks: every tile of
-// BLOCK_M 128, bf16 / fp16 and FP8.
+// BLOCK_M 128, bf16 / fp16 (also with the 2-CTA cluster) and FP8.
 TEST(GemmOverlapKernels, MoeFusedGemmCompilesCleanForSm90a) {
-  int fp8 = 0;
+  int fp8 = 0, pairs = 0;
   const int programs = compile_family_for_sm90a(
       "moe_fused_gemm", [&](const jit::CompileRequest& r, const jit::CompiledKernel& compiled) {
         EXPECT_NE(r.file_name.find("grouped_gather"), std::string::npos) << r.file_name;
         EXPECT_NE(r.file_name.find("MoeGatherWaitHooks"), std::string::npos) << r.file_name;
         fp8 += r.file_name.find("_fp8_") != std::string::npos;
+        pairs += r.file_name.find("_c2_") != std::string::npos;
         expect_hooks_cost_nothing(compiled);
       });
-  EXPECT_EQ(programs, 6);  // the shipped tiles of BLOCK_M 128: four bf16 / fp16, two FP8
+  EXPECT_EQ(programs, 10);  // the shipped tiles of BLOCK_M 128: four bf16 / fp16 and their clusters, two FP8
   EXPECT_EQ(fp8, 2);
+  EXPECT_EQ(pairs, 4);
 }

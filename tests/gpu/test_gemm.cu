@@ -708,7 +708,6 @@ int main(int argc, char** argv) {
       if (small && dtype != tdist::DType::kBFloat16) continue;
       for (const tdist::GemmTile& tile : instances) {
         for (const GroupedCase& c : gcases) {
-          if (c.gather && tile.cluster_m > 1) continue;  // the gathered-A producer has no cluster
           char name[240];
           std::snprintf(name, sizeof(name), "grouped%s %s %s G=%d n=%d k=%d (%s)", c.gather ? " gathered-A" : "",
                         tdist::to_string(dtype), tile.name().c_str(), c.groups, c.n, c.k, c.what);

@@ -61,8 +61,8 @@ const std::vector<GemmTile>& gemm_tiles();
 // The tile the heuristic picks for an M x N x K problem on `num_sms` SMs: the best of gemm_tiles()
 // by wave efficiency weighted by the tile's own efficiency.
 GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms);
-// `tile` with the cluster that pays for a B of this placement, for the plain and the grouped GEMM
-// (not the fused ops' instances): a 2-CTA cluster multicasting B when B's rows are not 32-byte
+// `tile` with the cluster that pays for a B of this placement, for the plain and the grouped GEMM and
+// the MoE ops (not the dense fused ops' instances): a 2-CTA cluster multicasting B when B's rows are not 32-byte
 // aligned (`b` or the row stride `ldb` x element size), where L2's traffic bounds the GEMM, the tile
 // has 128 rows, and the rows that multiply one B (M / num_groups: M is every group's rows for the
 // grouped GEMM) span two m-tiles or more on average, so that neighbouring tiles mostly share it.

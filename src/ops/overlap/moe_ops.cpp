@@ -68,14 +68,17 @@ void check_moe_config(const MoeConfig& c, bool by_k, int world_size) {
   check_moe_routing_args(c.max_m, c.topk, c.experts, world_size, 0);
 }
 
-// The grouped GEMM's tile: the routing's tiles are kMoeTile rows, so BLOCK_M is 128.
-GemmTile moe_tile(int64_t m, int64_t n, int64_t k, DType dtype, int num_sms) {
+// The grouped GEMM's tile over `m` rows (the routing's capacity) and B = `b` (experts x n x k): the
+// routing's tiles are kMoeTile rows, so BLOCK_M is 128; bf16 and fp16 with the cluster
+// with_b_multicast gives that B.
+GemmTile moe_tile(int64_t m, int64_t n, int64_t k, DType dtype, int num_sms, const void* b, int experts) {
   if (dtype == DType::kFloat8E4M3) {
     const GemmTile t = choose_fp8_gemm_tile(m, n, num_sms);
     return t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 128, 6, 1};
   }
   const GemmTile t = choose_gemm_tile(m, n, k, num_sms);
-  return t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 64, 6, 1};
+  return with_b_multicast(t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 64, 6, 1}, m, b, k,
+                          dtype, experts);
 }
 
 // FP8 tokens carry one f32 scale per 128 columns.
@@ -139,12 +142,12 @@ GroupedGemmFp8Args fp8_problem(const GroupedGemmArgs& g, const float* a_scales, 
 
 // The fused AllGather + grouped GEMM's kernel: the gathered-A grouped GEMM whose tiles wait for
 // their sources (bf16 / fp16, and FP8's Fp8GroupedKernel::kGatheredAWaiting). Its instances are the
-// shipped tiles of BLOCK_M kMoeTile (moe_tile's).
+// shipped tiles of BLOCK_M kMoeTile (moe_tile's), with and without the 2-CTA cluster.
 using MoeFusedGemm = detail::GemmRuntime<kg::GatherGroupedScheduler, kg::MoeGatherWaitParams>;
 
 std::vector<jit::CompileRequest> moe_fused_compile_requests() {
   std::vector<jit::CompileRequest> v;
-  for (const GemmTile& t : gemm_tiles())
+  for (const GemmTile& t : MoeFusedGemm::instance_tiles())
     if (t.block_m == static_cast<int>(km::kMoeTile)) v.push_back(MoeFusedGemm::compile_request(t));
   for (const GemmTile& t : fp8_gemm_tiles())
     if (t.block_m == static_cast<int>(km::kMoeTile))
@@ -323,7 +326,8 @@ struct MoeAgGroupGemm::Impl {
       return;
     }
     const GemmTile tile =
-        moe_tile(moe_capacity(a.m, config.topk, config.experts), a.n, config.k, config.dtype, rt.num_sms());
+        moe_tile(moe_capacity(a.m, config.topk, config.experts), a.n, config.k, config.dtype, rt.num_sms(), a.b,
+                 config.experts);
     kg::RowGather g;
     g.ld_bytes = row_bytes();
 
@@ -534,7 +538,7 @@ struct MoeGroupGemmRs::Impl {
     const int rank = rt.rank(), world = rt.size();
     const MoeRouting& r = *a.routing;
     const kg::RowChunks rows{static_cast<u64>(a.m), world};
-    const GemmTile tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms());
+    const GemmTile tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms(), a.b, config.experts);
 
     if (method == OverlapMethod::kBaseline) {
       run_gemm(a, GroupedGemmRunOptions{.tile = tile}, stream);
@@ -579,7 +583,8 @@ struct MoeGroupGemmRs::Impl {
     TDIST_NVTX_RANGE("tdist::MoeGroupGemmRs::run_all_reduce", "m=", a.m, " n=", a.n, " k=", a.k);
     if (a.m == 0 || a.n == 0) return;
     const MoeRouting& r = *a.routing;
-    run_gemm(a, GroupedGemmRunOptions{.tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms())}, stream);
+    const GemmTile tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms(), a.b, config.experts);
+    run_gemm(a, GroupedGemmRunOptions{.tile = tile}, stream);
     if (rt.size() == 1) {
       kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
       return;

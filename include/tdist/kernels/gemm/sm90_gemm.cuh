@@ -127,6 +127,19 @@ struct RegisterSplit {
   static constexpr int kConsumer = kNumMathWarpgroups == 2 ? 232 : 160;
 };
 
+// The walk of a cluster of kClusterM CTAs along M: cluster c takes the tile groups c, c + clusters,
+// ... of kClusterM consecutive linear tiles, and its CTA of rank r the tile kClusterM q + r of group
+// q (none when that is past the last tile: the CTA then only keeps the ring in step). The schedulers'
+// grouped raster makes consecutive linear tiles neighbours along M with the same n-tile, so that the
+// CTAs of a cluster mostly multiply the same B tile.
+template <int kClusterM>
+struct ClusterWalk {
+  u32 first, step, count;  // this cluster's first tile group, the clusters, the tile groups
+  TDIST_DEVICE static ClusterWalk make(u32 num_tiles) {
+    return {blockIdx.x / kClusterM, gridDim.x / kClusterM, (num_tiles + kClusterM - 1) / kClusterM};
+  }
+};
+
 // The producer of a gathering scheduler, run by the whole producer warpgroup (128 threads). Per K
 // block: thread 0 arms the stage with B's bytes and issues B's TMA load; every thread copies its
 // share of A's BLOCK_M x 128-byte block with cp.async (16 bytes each: thread i takes 16-byte column
@@ -134,7 +147,8 @@ struct RegisterSplit {
 // row r at r * 128 + ((c ^ r % 8) * 16), the tile base 1024-byte aligned), zeros for padding rows and
 // for K past its end, then one cp.async arrive per thread on the stage's full barrier (count 129).
 // Hooks run on thread 0 before a tile's loads; the warpgroup meets after them (named barrier
-// kGatherBarrier) so that no thread loads before what they waited for.
+// kGatherBarrier) so that no thread loads before what they waited for. In a 2-CTA cluster B comes
+// as in tma_producer_pair (below).
 // `extra` adds a kernel's own copies to each stage, in the same arrival (the FP8 kernel's scales):
 //   begin_tile(info, thread)   once per tile, after the hooks
 //   copy(kb, stage, thread)    per K block, after the thread's A copies, before its arrival
@@ -151,9 +165,9 @@ template <>
 struct IsNoTileHooks<NoTileHooks> {
   static constexpr bool value = true;
 };
-template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, typename Scheduler, typename Hooks,
-          typename StageCopies = NoStageCopies>
-TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks, const TmaPipeline<kNumStages>& pipe,
+template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, int kClusterM, typename Scheduler,
+          typename Hooks, typename StageCopies = NoStageCopies>
+TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks, const TmaPipeline<kNumStages, kClusterM>& pipe,
                                     const CUtensorMap& tmap_b, u32 smem_a, u32 smem_b, u32 tile_b_bytes,
                                     u32 num_k_blocks, u32 m, u32 n, u32 k, StageCopies extra = {}) {
   constexpr u32 kUnits = BLOCK_K * sizeof(T) / 16;                      // 16-byte units per row: 8
@@ -164,20 +178,39 @@ TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks, const 
   const u32 tid = threadIdx.x;  // 0 .. 127
   const u32 unit = tid % kUnits, row_first = tid / kUnits;
   const RowGather& g = tiles.gather;
+  const u32 num_tiles = tiles.num_tiles();
+  const u32 rank = kClusterM == 1 ? 0 : ptx::cluster_ctarank();
+  const ClusterWalk<kClusterM> walk = ClusterWalk<kClusterM>::make(num_tiles);
   PipelineState<kNumStages> st;
-  for (u32 t = blockIdx.x; t < tiles.num_tiles(); t += gridDim.x) {
-    const TileInfo info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
-    if constexpr (!IsNoTileHooks<Hooks>::value) {
-      if (tid == 0) hooks.before_loads(info);
-      ptx::named_barrier(kGatherBarrier, kWarpgroupThreads);
+  for (u32 q = walk.first; q < walk.count; q += walk.step) {
+    // In a cluster as tma_producer_pair: B shared by multicast when both tiles multiply the same rows,
+    // and a CTA without a tile arms its stages with no bytes (its threads still arrive).
+    const u32 t = q * kClusterM + rank;
+    bool mine = true, shared_b = false;
+    TileInfo info{};
+    if constexpr (kClusterM == 1) {
+      info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
+    } else {
+      const u32 t_peer = q * kClusterM + (rank ^ 1);
+      mine = t < num_tiles;
+      TileInfo peer{};
+      if (mine) info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
+      if (t_peer < num_tiles) peer = tiles.tile_info(t_peer, BLOCK_M, BLOCK_N, m, n);
+      shared_b = mine && t_peer < num_tiles && info.b_row == peer.b_row;
     }
-    extra.begin_tile(info, tid);
+    if constexpr (!IsNoTileHooks<Hooks>::value) {
+      if (mine) {
+        if (tid == 0) hooks.before_loads(info);
+        ptx::named_barrier(kGatherBarrier, kWarpgroupThreads);
+      }
+    }
+    if (mine) extra.begin_tile(info, tid);
     // This thread's rows: their source addresses at this unit, null for padding rows.
     const char* src[kRowsPerThread];
 #pragma unroll
     for (int j = 0; j < kRowsPerThread; ++j) {
       const u32 row = info.m0 + row_first + j * kRowStep;
-      const int token = row < m ? g.token_of_row[row] : -1;
+      const int token = mine && row < m ? g.token_of_row[row] : -1;
       src[j] = token >= 0 ? g.row(static_cast<u64>(token)) + unit * 16 : nullptr;
     }
     const int b_row = static_cast<int>(info.b_row);
@@ -186,23 +219,40 @@ TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks, const 
       pipe.producer_acquire(st);
       const u32 full = pipe.full(st);
       if (tid == 0) {
-        ptx::mbar_arrive_expect_tx(full, tile_b_bytes);
-        ptx::tma_load_2d(smem_b + s * tile_b_bytes, &tmap_b, full, static_cast<int>(kb * BLOCK_K), b_row);
+        const int k0 = static_cast<int>(kb * BLOCK_K);
+        const u32 b_dst = smem_b + s * tile_b_bytes;
+        if constexpr (kClusterM == 1) {
+          ptx::mbar_arrive_expect_tx(full, tile_b_bytes);
+          ptx::tma_load_2d(b_dst, &tmap_b, full, k0, b_row);
+        } else {
+          ptx::mbar_arrive_expect_tx(full, mine ? tile_b_bytes : 0);
+          const u32 half_bytes = tile_b_bytes / 2;
+          if (shared_b) {
+            ptx::tma_load_2d_multicast(b_dst + rank * half_bytes, &tmap_b, full, k0, b_row + rank * (BLOCK_N / 2),
+                                       0x3);
+          } else if (mine) {
+            ptx::tma_load_2d(b_dst, &tmap_b, full, k0, b_row);
+            ptx::tma_load_2d(b_dst + half_bytes, &tmap_b, full, k0, b_row + BLOCK_N / 2);
+          }
+        }
       }
-      const bool k_inside = kb * BLOCK_K + unit * (16 / sizeof(T)) < k;
-      const u32 k_bytes = kb * BLOCK_K * sizeof(T);
-      const u32 stage_a = smem_a + s * kTileABytes;
+      if (mine) {
+        const bool k_inside = kb * BLOCK_K + unit * (16 / sizeof(T)) < k;
+        const u32 k_bytes = kb * BLOCK_K * sizeof(T);
+        const u32 stage_a = smem_a + s * kTileABytes;
 #pragma unroll
-      for (int j = 0; j < kRowsPerThread; ++j) {
-        const u32 r = row_first + j * kRowStep;
-        const u32 dst = stage_a + r * (BLOCK_K * sizeof(T)) + ((unit ^ (r % 8)) * 16);
-        const bool load = src[j] != nullptr && k_inside;
-        ptx::cp_async_16(dst, load ? src[j] + k_bytes : static_cast<const void*>(g.token_of_row), load ? 16 : 0);
+        for (int j = 0; j < kRowsPerThread; ++j) {
+          const u32 r = row_first + j * kRowStep;
+          const u32 dst = stage_a + r * (BLOCK_K * sizeof(T)) + ((unit ^ (r % 8)) * 16);
+          const bool load = src[j] != nullptr && k_inside;
+          ptx::cp_async_16(dst, load ? src[j] + k_bytes : static_cast<const void*>(g.token_of_row), load ? 16 : 0);
+        }
+        extra.copy(kb, s, tid);
       }
-      extra.copy(kb, s, tid);
       ptx::cp_async_mbar_arrive_noinc(full);
     }
   }
+  if constexpr (kClusterM > 1) pipe.producer_tail(st);
   ptx::cp_async_wait_all();  // no copy outlives its thread
 }
 
@@ -313,19 +363,6 @@ TDIST_DEVICE void tma_producer(const Scheduler& tiles, Hooks& hooks, const TmaPi
   }
 }
 
-// The walk of a cluster of kClusterM CTAs along M: cluster c takes the tile groups c, c + clusters,
-// ... of kClusterM consecutive linear tiles, and its CTA of rank r the tile kClusterM q + r of group
-// q (none when that is past the last tile: the CTA then only keeps the ring in step). The schedulers'
-// grouped raster makes consecutive linear tiles neighbours along M with the same n-tile, so that the
-// CTAs of a cluster mostly multiply the same B tile.
-template <int kClusterM>
-struct ClusterWalk {
-  u32 first, step, count;  // this cluster's first tile group, the clusters, the tile groups
-  TDIST_DEVICE static ClusterWalk make(u32 num_tiles) {
-    return {blockIdx.x / kClusterM, gridDim.x / kClusterM, (num_tiles + kClusterM - 1) / kClusterM};
-  }
-};
-
 // The TMA producer of a 2-CTA cluster (one thread per CTA). When both CTAs' tiles multiply the same
 // B rows (same b_row), each CTA loads half of the B tile (BLOCK_N / 2 rows: the tensor map's box) and
 // multicasts it into both CTAs' stage, so B crosses from L2 once for two tiles; A is each CTA's own.
@@ -399,7 +436,6 @@ __global__ void __launch_bounds__(gemm_threads(BLOCK_M), 1)
   constexpr u32 kEpiBuffers = gemm_epi_buffers(BLOCK_M, BLOCK_N, BLOCK_K, kNumStages, sizeof(T));
   constexpr bool kStoredTileBeforeHook = HooksNeedStoredTile<Hooks>::value;
   constexpr bool kGatherA = SchedulerGathersA<Scheduler>::value;
-  static_assert(kClusterM == 1 || !kGatherA, "a cluster loads A by TMA (the gathered-A producer has no cluster)");
   using Regs = RegisterSplit<kNumMathWarpgroups>;
   using Mma = Wgmma<T, BLOCK_N>;
   using Profile = HooksProfile<Hooks>;

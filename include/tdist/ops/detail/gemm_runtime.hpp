@@ -17,9 +17,10 @@
 //   GemmRuntime<Scheduler, Params>  the instances of one (scheduler, hooks) pair over (dtype, tile):
 //     static kernel_name(dtype, tile)      name expression: sm90_gemm_tn<T, BM, BN, BK, S, C, Hooks[, Scheduler]>
 //     static compile_request(tile)         one JIT request (bf16 and fp16 name expressions), arch sm_90a
-//     static compile_requests()            one per shipped tile, and its 2-CTA cluster for the 128-row
-//                                          tiles of the runtimes with clusters (kClusters: no hooks, A
-//                                          by TMA), arch empty (TDIST_JIT_REGISTER_KERNELS)
+//     static instance_tiles()              the shipped tiles, and the 2-CTA cluster of the 128-row ones
+//                                          for the runtimes with clusters (kClusters: no hooks, or the
+//                                          MoE gather waits)
+//     static compile_requests()            one per instance tile, arch empty (TDIST_JIT_REGISTER_KERNELS)
 //     kernel(dtype, tile)                  the loaded kernel (compiled or read from the cache on first use)
 //     launch(checked_args, tile, b_rows, sched, params, max_ctas, stream)
 //                                          the launch: tensor maps (B over b_rows rows), grid, parameters
@@ -138,10 +139,12 @@ class GemmRuntime {
   using HooksTraits = GemmHooksTraits<Params>;
 
  public:
-  // Instances with a 2-CTA cluster (multicast B): the plain and the grouped GEMM without hooks, whose
-  // A comes by TMA (with_b_multicast picks them).
-  static constexpr bool kClusters = std::is_same_v<Params, kernels::gemm::NoTileHooks> &&
-                                    !std::is_same_v<Scheduler, kernels::gemm::GatherGroupedScheduler>;
+  // Instances with a 2-CTA cluster (multicast B; with_b_multicast picks them): the plain and the
+  // grouped GEMM without hooks, and the MoE ops' gathered-A GEMM whose tiles wait for their tokens.
+  static constexpr bool kClusters =
+      std::is_same_v<Params, kernels::gemm::NoTileHooks> ||
+      (std::is_same_v<Params, kernels::gemm::MoeGatherWaitParams> &&
+       std::is_same_v<Scheduler, kernels::gemm::GatherGroupedScheduler>);
 
   explicit GemmRuntime(int num_sms) : num_sms_(num_sms) {}
 
@@ -156,17 +159,21 @@ class GemmRuntime {
         std::is_same_v<Scheduler, kernels::gemm::TileScheduler> ? nullptr : SchedTraits::kDeviceType,
         SchedTraits::kTag);
   }
+  // The shipped tiles, each followed by its 2-CTA cluster where with_b_multicast can give one (the
+  // 128-row tiles of a runtime with clusters).
+  static std::vector<GemmTile> instance_tiles() {
+    std::vector<GemmTile> v;
+    for (const GemmTile& t : gemm_tiles()) {
+      v.push_back(t);
+      if (kClusters && t.block_m == 128) v.push_back({t.block_m, t.block_n, t.block_k, t.stages, 2});
+    }
+    return v;
+  }
   static std::vector<jit::CompileRequest> compile_requests() {
     std::vector<jit::CompileRequest> v;
-    for (const GemmTile& t : gemm_tiles()) {
+    for (const GemmTile& t : instance_tiles()) {
       v.push_back(compile_request(t));
       v.back().arch.clear();  // tdist-compile sets it
-      if (kClusters && t.block_m == 128) {  // the cluster with_b_multicast gives 128-row tiles
-        GemmTile pair = t;
-        pair.cluster_m = 2;
-        v.push_back(compile_request(pair));
-        v.back().arch.clear();
-      }
     }
     return v;
   }
