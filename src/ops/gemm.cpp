@@ -390,9 +390,9 @@ void Gemm::run(const GemmArgs& raw, cudaStream_t stream, const GemmRunOptions& o
 GemmTile Gemm::tune(const GemmArgs& raw, cudaStream_t stream) {
   const GemmArgs args = check_gemm_args(raw);
   jit::TuneRequest req;
-  req.kernel = "tdist.gemm.sm90.v1";
+  req.kernel = "tdist.gemm.sm90.v2";  // v2: the candidates include the 2-CTA clusters
   req.shape_class = detail::concat("m=", args.m, ",n=", args.n, ",k=", args.k, ",", to_string(args.dtype));
-  for (const GemmTile& t : gemm_tiles()) {
+  for (const GemmTile& t : detail::PlainGemm::instance_tiles()) {  // with the 2-CTA clusters
     req.configs.push_back({t.name(),
                            {{"block_m", t.block_m},
                             {"block_n", t.block_n},
