@@ -325,9 +325,8 @@ struct MoeAgGroupGemm::Impl {
       router.route(a.topk_ids, a.m, stream);  // the routing of these (no) tokens, for the second projection
       return;
     }
-    const GemmTile tile =
-        moe_tile(moe_capacity(a.m, config.topk, config.experts), a.n, config.k, config.dtype, rt.num_sms(), a.b,
-                 config.experts);
+    const GemmTile tile = moe_tile(moe_capacity(a.m, config.topk, config.experts), a.n, config.k, config.dtype,
+                                   rt.num_sms(), a.b, config.experts);
     kg::RowGather g;
     g.ld_bytes = row_bytes();
 

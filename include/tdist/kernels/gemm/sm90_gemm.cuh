@@ -167,9 +167,10 @@ struct IsNoTileHooks<NoTileHooks> {
 };
 template <typename T, int BLOCK_M, int BLOCK_N, int BLOCK_K, int kNumStages, int kClusterM, typename Scheduler,
           typename Hooks, typename StageCopies = NoStageCopies>
-TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks, const TmaPipeline<kNumStages, kClusterM>& pipe,
-                                    const CUtensorMap& tmap_b, u32 smem_a, u32 smem_b, u32 tile_b_bytes,
-                                    u32 num_k_blocks, u32 m, u32 n, u32 k, StageCopies extra = {}) {
+TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks,
+                                    const TmaPipeline<kNumStages, kClusterM>& pipe, const CUtensorMap& tmap_b,
+                                    u32 smem_a, u32 smem_b, u32 tile_b_bytes, u32 num_k_blocks, u32 m, u32 n, u32 k,
+                                    StageCopies extra = {}) {
   constexpr u32 kUnits = BLOCK_K * sizeof(T) / 16;                      // 16-byte units per row: 8
   constexpr u32 kRowStep = kWarpgroupThreads / kUnits;                  // 16
   constexpr int kRowsPerThread = BLOCK_M / static_cast<int>(kRowStep);  // 8 (BLOCK_M 128) or 4
@@ -228,8 +229,7 @@ TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks, const 
           ptx::mbar_arrive_expect_tx(full, mine ? tile_b_bytes : 0);
           const u32 half_bytes = tile_b_bytes / 2;
           if (shared_b) {
-            ptx::tma_load_2d_multicast(b_dst + rank * half_bytes, &tmap_b, full, k0, b_row + rank * (BLOCK_N / 2),
-                                       0x3);
+            ptx::tma_load_2d_multicast(b_dst + rank * half_bytes, &tmap_b, full, k0, b_row + rank * (BLOCK_N / 2), 0x3);
           } else if (mine) {
             ptx::tma_load_2d(b_dst, &tmap_b, full, k0, b_row);
             ptx::tma_load_2d(b_dst + half_bytes, &tmap_b, full, k0, b_row + BLOCK_N / 2);

@@ -141,10 +141,9 @@ class GemmRuntime {
  public:
   // Instances with a 2-CTA cluster (multicast B; with_b_multicast picks them): the plain and the
   // grouped GEMM without hooks, and the MoE ops' gathered-A GEMM whose tiles wait for their tokens.
-  static constexpr bool kClusters =
-      std::is_same_v<Params, kernels::gemm::NoTileHooks> ||
-      (std::is_same_v<Params, kernels::gemm::MoeGatherWaitParams> &&
-       std::is_same_v<Scheduler, kernels::gemm::GatherGroupedScheduler>);
+  static constexpr bool kClusters = std::is_same_v<Params, kernels::gemm::NoTileHooks> ||
+                                    (std::is_same_v<Params, kernels::gemm::MoeGatherWaitParams> &&
+                                     std::is_same_v<Scheduler, kernels::gemm::GatherGroupedScheduler>);
 
   explicit GemmRuntime(int num_sms) : num_sms_(num_sms) {}
 
