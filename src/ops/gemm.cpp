@@ -33,6 +33,12 @@ namespace {
 
 size_t element_bytes(DType dtype) { return dtype_size(dtype); }
 
+// Whether every row of a K-major operand starts 32-byte aligned (an L2 sector): the base and the row
+// stride. Rows that are not read slower (docs/gemm.md, "Rows that are not 32-byte aligned").
+bool rows_32_byte_aligned(const void* base, uint64_t row_stride_bytes) {
+  return is_aligned(base, 32) && row_stride_bytes % 32 == 0;
+}
+
 void check_gemm_dtype(DType dtype) {
   TDIST_CHECK_ARG(dtype == DType::kBFloat16 || dtype == DType::kFloat16, "dtype",
                   "the GEMM takes bf16 or fp16 inputs, got ", to_string(dtype));
@@ -95,9 +101,9 @@ GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_
     t.cluster_m = *forced == "2" ? 2 : 1;
     return t;
   }
-  const bool b_rows_aligned = is_aligned(b, 32) && ldb * static_cast<int64_t>(element_bytes(dtype)) % 32 == 0;
+  const bool b_rows_aligned = rows_32_byte_aligned(b, static_cast<uint64_t>(ldb) * element_bytes(dtype));
   const int64_t rows_per_b = m / std::max<int64_t>(num_groups, 1);
-  if (!b_rows_aligned && t.block_m == 128 && rows_per_b >= 2 * t.block_m) t.cluster_m = 2;
+  if (!b_rows_aligned && detail::takes_cluster(t) && rows_per_b >= 2 * t.block_m) t.cluster_m = 2;
   return t;
 }
 
@@ -234,8 +240,7 @@ GemmTensorMapSpec k_major_tensor_map(const void* base, int64_t rows, int64_t ld,
   // Rows that are only 16-byte aligned read through 256-byte L2 promotion ran the GEMM 1.5-1.7x
   // slower than aligned ones; 128-byte promotion took that to 1.2-1.4x (docs/gemm.md, "Rows that are
   // not 32-byte aligned"). Aligned rows keep 256 bytes (no difference measured there).
-  const bool aligned_rows = is_aligned(base, 32) && s.row_stride_bytes % 32 == 0;
-  s.l2_promotion_bytes = aligned_rows ? 256 : 128;
+  s.l2_promotion_bytes = rows_32_byte_aligned(base, s.row_stride_bytes) ? 256 : 128;
   return s;
 }
 

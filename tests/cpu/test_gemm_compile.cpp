@@ -306,11 +306,8 @@ TEST(GemmKernels, EveryInstanceCompilesForSm90aWithoutSpills) {
   ASSERT_EQ(setenv("TDIST_JIT_DUMP", dump.path.c_str(), 1), 0);
   jit::KernelCache kernels(cache.path);
   const std::regex used(R"(Used (\d+) registers)");
-  std::vector<GemmTile> instances;  // the shipped tiles and the 2-CTA clusters of the 128-row ones
-  for (const GemmTile& t : tdist::gemm_tiles()) {
-    instances.push_back(t);
-    if (t.block_m == 128) instances.push_back({t.block_m, t.block_n, t.block_k, t.stages, 2});
-  }
+  // The shipped tiles and the 2-CTA clusters of the 128-row ones.
+  const std::vector<GemmTile> instances = tdist::detail::PlainGemm::instance_tiles();
   for (const GemmTile& t : instances) {
     SCOPED_TRACE(t.name());
     jit::CompileRequest r = tdist::gemm_compile_request(t);

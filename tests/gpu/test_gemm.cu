@@ -27,6 +27,7 @@
 
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/error.hpp"
+#include "tdist/ops/detail/gemm_runtime.hpp"
 #include "tdist/ops/gemm.hpp"
 #include "tdist/ops/grouped_gemm.hpp"
 
@@ -659,11 +660,7 @@ int main(int argc, char** argv) {
         static_cast<unsigned long long>(std::chrono::steady_clock::now().time_since_epoch().count());
     // Every shipped tile, and the 2-CTA cluster (multicast B) of the 128-row ones: the cases hold pairs
     // that share B, pairs across two n-tiles or groups, and a CTA left without a tile.
-    std::vector<tdist::GemmTile> instances;
-    for (const tdist::GemmTile& t : tdist::gemm_tiles()) {
-      instances.push_back(t);
-      if (t.block_m == 128) instances.push_back({t.block_m, t.block_n, t.block_k, t.stages, 2});
-    }
+    const std::vector<tdist::GemmTile> instances = tdist::detail::PlainGemm::instance_tiles();
     for (tdist::DType dtype : {tdist::DType::kBFloat16, tdist::DType::kFloat16}) {
       if (small && dtype != tdist::DType::kBFloat16) continue;
       for (const tdist::GemmTile& tile : instances) {

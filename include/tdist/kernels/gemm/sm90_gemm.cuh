@@ -140,6 +140,25 @@ struct ClusterWalk {
   }
 };
 
+// What a producer of a 2-CTA cluster loads for tile group q: its CTA's tile (`mine`: one exists), and
+// whether the peer's tile multiplies the same B rows (`shared_b`: each CTA then multicasts half of B).
+struct PairTile {
+  u32 t;
+  bool mine, shared_b;
+  TileInfo info;
+};
+template <int BLOCK_M, int BLOCK_N, typename Scheduler>
+TDIST_DEVICE PairTile pair_tile(const Scheduler& tiles, u32 q, u32 rank, u32 num_tiles, u32 m, u32 n) {
+  PairTile p{2 * q + rank, false, false, TileInfo{}};
+  const u32 t_peer = 2 * q + (rank ^ 1);
+  p.mine = p.t < num_tiles;
+  TileInfo peer{};
+  if (p.mine) p.info = tiles.tile_info(p.t, BLOCK_M, BLOCK_N, m, n);
+  if (t_peer < num_tiles) peer = tiles.tile_info(t_peer, BLOCK_M, BLOCK_N, m, n);
+  p.shared_b = p.mine && t_peer < num_tiles && p.info.b_row == peer.b_row;
+  return p;
+}
+
 // The producer of a gathering scheduler, run by the whole producer warpgroup (128 threads). Per K
 // block: thread 0 arms the stage with B's bytes and issues B's TMA load; every thread copies its
 // share of A's BLOCK_M x 128-byte block with cp.async (16 bytes each: thread i takes 16-byte column
@@ -186,18 +205,13 @@ TDIST_DEVICE void gather_a_producer(const Scheduler& tiles, Hooks& hooks,
   for (u32 q = walk.first; q < walk.count; q += walk.step) {
     // In a cluster as tma_producer_pair: B shared by multicast when both tiles multiply the same rows,
     // and a CTA without a tile arms its stages with no bytes (its threads still arrive).
-    const u32 t = q * kClusterM + rank;
     bool mine = true, shared_b = false;
     TileInfo info{};
     if constexpr (kClusterM == 1) {
-      info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
+      info = tiles.tile_info(q, BLOCK_M, BLOCK_N, m, n);
     } else {
-      const u32 t_peer = q * kClusterM + (rank ^ 1);
-      mine = t < num_tiles;
-      TileInfo peer{};
-      if (mine) info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
-      if (t_peer < num_tiles) peer = tiles.tile_info(t_peer, BLOCK_M, BLOCK_N, m, n);
-      shared_b = mine && t_peer < num_tiles && info.b_row == peer.b_row;
+      const PairTile p = pair_tile<BLOCK_M, BLOCK_N>(tiles, q, rank, num_tiles, m, n);
+      mine = p.mine, shared_b = p.shared_b, info = p.info;
     }
     if constexpr (!IsNoTileHooks<Hooks>::value) {
       if (mine) {
@@ -381,23 +395,18 @@ TDIST_DEVICE void tma_producer_pair(const Scheduler& tiles, Hooks& hooks, const 
   const ClusterWalk<2> walk = ClusterWalk<2>::make(num_tiles);
   PipelineState<kNumStages> st;
   for (u32 q = walk.first; q < walk.count; q += walk.step) {
-    const u32 t = 2 * q + rank, t_peer = 2 * q + (rank ^ 1);
-    const bool mine = t < num_tiles;
-    TileInfo info{}, peer{};
-    if (mine) info = tiles.tile_info(t, BLOCK_M, BLOCK_N, m, n);
-    if (t_peer < num_tiles) peer = tiles.tile_info(t_peer, BLOCK_M, BLOCK_N, m, n);
-    const bool shared_b = mine && t_peer < num_tiles && info.b_row == peer.b_row;
-    if (mine) producer_tile_begin(hooks, info, t);
-    const int m0 = static_cast<int>(info.m0), b_row = static_cast<int>(info.b_row);
+    const PairTile p = pair_tile<BLOCK_M, BLOCK_N>(tiles, q, rank, num_tiles, m, n);
+    if (p.mine) producer_tile_begin(hooks, p.info, p.t);
+    const int m0 = static_cast<int>(p.info.m0), b_row = static_cast<int>(p.info.b_row);
     for (u32 kb = 0; kb < num_k_blocks; ++kb, ++st) {
       const u32 s = st.stage();
       pipe.producer_acquire(st);  // both CTAs' consumers have released the stage
-      const u32 full = pipe.producer_commit(st, mine ? tile_a_bytes + tile_b_bytes : 0);
-      if (!mine) continue;
+      const u32 full = pipe.producer_commit(st, p.mine ? tile_a_bytes + tile_b_bytes : 0);
+      if (!p.mine) continue;
       const int k0 = static_cast<int>(kb * BLOCK_K);
       const u32 b_dst = smem_b + s * tile_b_bytes;
       ptx::tma_load_2d(smem_a + s * tile_a_bytes, &tmap_a, full, k0, m0);
-      if (shared_b) {
+      if (p.shared_b) {
         ptx::tma_load_2d_multicast(b_dst + rank * half_bytes, &tmap_b, full, k0, b_row + rank * kHalfRows, 0x3);
       } else {
         ptx::tma_load_2d(b_dst, &tmap_b, full, k0, b_row);
@@ -405,7 +414,7 @@ TDIST_DEVICE void tma_producer_pair(const Scheduler& tiles, Hooks& hooks, const 
       }
     }
     if constexpr (Profile::kEnabled)
-      if (mine) tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileEnd, t);
+      if (p.mine) tdist::device::profile_record(Profile::kKernel, 0, tdist::device::ProfileEvent::kTileEnd, p.t);
   }
   pipe.producer_tail(st);
 }

@@ -66,6 +66,9 @@ GemmTile choose_tile_among(const std::vector<GemmTile>& tiles, int64_t m, int64_
 // heuristic's choice, for tuning experiments; read at each call. Empty when it is unset; a name not in
 // `shipped` is an error listing them.
 std::optional<GemmTile> forced_tile(const char* variable, const std::vector<GemmTile>& shipped);
+// Whether a tile of this shape may run in a 2-CTA cluster (with_b_multicast's choice, and the cluster
+// instances the runtimes ship): the 128-row tiles.
+inline bool takes_cluster(const GemmTile& t) { return t.block_m == 128; }
 }  // namespace detail
 
 // The launch of one instance: grid, block, shared memory, cluster (pure; used by Gemm and tests).

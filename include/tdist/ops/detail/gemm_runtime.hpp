@@ -164,7 +164,7 @@ class GemmRuntime {
     std::vector<GemmTile> v;
     for (const GemmTile& t : gemm_tiles()) {
       v.push_back(t);
-      if (kClusters && t.block_m == 128) v.push_back({t.block_m, t.block_n, t.block_k, t.stages, 2});
+      if (kClusters && takes_cluster(t)) v.push_back({t.block_m, t.block_n, t.block_k, t.stages, 2});
     }
     return v;
   }
