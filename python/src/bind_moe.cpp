@@ -188,8 +188,10 @@ tdist::IndexType offsets_type(const std::string& offsets_dtype) {
   return offsets_dtype == "int32" ? tdist::IndexType::kInt32 : tdist::IndexType::kInt64;
 }
 
+// order_scratch: 0, or int32 [grouped_gemm_scratch_entries(m)] (GroupedGemmRunOptions::order_scratch).
 void grouped_gemm(uint64_t a, uint64_t b, uint64_t d, uint64_t offsets, const std::string& offsets_dtype, int64_t m,
-                  int64_t n, int64_t k, int num_groups, const std::string& dtype, int device, uint64_t stream) {
+                  int64_t n, int64_t k, int num_groups, const std::string& dtype, uint64_t order_scratch, int device,
+                  uint64_t stream) {
   tdist::GroupedGemmArgs args;
   args.a = ptr<const void>(a);
   args.b = ptr<const void>(b);
@@ -205,7 +207,8 @@ void grouped_gemm(uint64_t a, uint64_t b, uint64_t d, uint64_t offsets, const st
   if (m == 0) return;
   nb::gil_scoped_release release;
   tdist_python::ScopedDevice scope(device);
-  grouped_gemm_for(device).run(checked, reinterpret_cast<cudaStream_t>(stream));
+  grouped_gemm_for(device).run(checked, reinterpret_cast<cudaStream_t>(stream),
+                               tdist::GroupedGemmRunOptions{.order_scratch = ptr<uint32_t>(order_scratch)});
 }
 
 // The FP8 grouped GEMM alone (python/tdist/moe.py: tdist.moe.grouped_gemm_fp8): e4m3 a and b, f32
@@ -339,8 +342,10 @@ void bind_moe(nb::module_& m) {
            "compact_of_pair"_a, "stream"_a)
       .def("check_errors", &RouterOnDevice::check_errors)
       .def_prop_ro("max_m", &RouterOnDevice::max_m);
+  m.def("grouped_gemm_scratch_entries", &tdist::grouped_gemm_scratch_entries, "m"_a,
+        "int32 entries of grouped_gemm's order_scratch for m rows.");
   m.def("grouped_gemm", &grouped_gemm, "a"_a, "b"_a, "d"_a, "offsets"_a, "offsets_dtype"_a, "m"_a, "n"_a, "k"_a,
-        "num_groups"_a, "dtype"_a, "device"_a, "stream"_a,
+        "num_groups"_a, "dtype"_a, "order_scratch"_a, "device"_a, "stream"_a,
         "D = A x B_g^T per group on raw device pointers (tdist/ops/grouped_gemm.hpp); use tdist.moe.grouped_gemm.");
   m.def("grouped_gemm_fp8", &grouped_gemm_fp8, "a"_a, "a_scales"_a, "a_scales_row_stride"_a, "a_scales_kb_stride"_a,
         "b"_a, "b_scales"_a, "d"_a, "offsets"_a, "offsets_dtype"_a, "m"_a, "n"_a, "k"_a, "num_groups"_a, "device"_a,

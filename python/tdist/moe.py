@@ -279,8 +279,11 @@ def _grouped_gemm(a, w, offsets):
     d = torch.empty((s["m"], s["n"]), dtype=w.dtype, device=w.device)
     if s["m"] == 0 or s["n"] == 0:
         return d
+    # The m-tile order of a clustered walk, from torch's allocator (stream-ordered, graph-safe).
+    order_scratch = torch.empty((_C.grouped_gemm_scratch_entries(s["m"]),), dtype=torch.int32, device=w.device)
     _C.grouped_gemm(a.data_ptr(), w.data_ptr(), d.data_ptr(), offsets.data_ptr(), s["offsets_dtype"], s["m"], s["n"],
-                    s["k"], s["groups"], s["dtype"], w.device.index, raw_stream(w.device.index))
+                    s["k"], s["groups"], s["dtype"], order_scratch.data_ptr(), w.device.index,
+                    raw_stream(w.device.index))
     return d
 
 

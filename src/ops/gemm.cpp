@@ -93,7 +93,7 @@ GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
 }
 
 GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_t ldb, DType dtype,
-                          int64_t num_groups) {
+                          int64_t num_groups, bool pair_walk) {
   if (tile.cluster_m != 1) return tile;
   GemmTile t = tile;
   if (const auto forced = env::get("TDIST_GEMM_CLUSTER")) {
@@ -103,7 +103,8 @@ GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_
   }
   const bool b_rows_aligned = rows_32_byte_aligned(b, static_cast<uint64_t>(ldb) * element_bytes(dtype));
   const int64_t rows_per_b = m / std::max<int64_t>(num_groups, 1);
-  if (!b_rows_aligned && detail::takes_cluster(t) && rows_per_b >= 2 * t.block_m) t.cluster_m = 2;
+  const bool shared = pair_walk ? rows_per_b > t.block_m : rows_per_b >= 2 * t.block_m;
+  if (!b_rows_aligned && detail::takes_cluster(t) && shared) t.cluster_m = 2;
   return t;
 }
 

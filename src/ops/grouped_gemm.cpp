@@ -10,7 +10,9 @@
 #include "tdist/common/device_info.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/common/nvtx.hpp"
+#include "tdist/jit/launch.hpp"
 #include "tdist/jit/registry.hpp"
+#include "tdist/kernels/gemm/grouped_pair_order.cuh"
 #include "tdist/ops/detail/gemm_runtime.hpp"
 
 namespace tdist {
@@ -22,7 +24,51 @@ namespace {
 using GroupedRuntime = detail::GemmRuntime<kg::GroupedScheduler, kg::NoTileHooks>;
 using GatherRuntime = detail::GemmRuntime<kg::GatherGroupedScheduler, kg::NoTileHooks>;
 
+const std::string kPairOrderKernel =
+    detail::concat("tdist::kernels::gemm::grouped_pair_order<", kg::kPairOrderThreads, ">");
+
+jit::CompileRequest pair_order_request() {
+  jit::CompileRequest r;
+  r.source = "#include \"tdist/kernels/gemm/grouped_pair_order.cuh\"\n";
+  r.file_name = "grouped_pair_order.cu";
+  r.name_expressions = {kPairOrderKernel};
+  return r;
+}
+
 }  // namespace
+
+// The pair-order kernel (kernels/gemm/grouped_pair_order.cuh): one block before a clustered walk.
+class detail::PairOrderKernel {
+ public:
+  PairOrderKernel() : module_(jit::Module::load(jit::compile(pair_order_request()))) {
+    kernel_ = module_->kernel(kPairOrderKernel);
+  }
+  void launch(const kg::GroupedScheduler& plain_walk, uint32_t* order, cudaStream_t stream) const {
+    jit::LaunchConfig cfg;
+    cfg.grid = {1};
+    cfg.block = {kg::kPairOrderThreads};
+    cfg.stream = stream;
+    jit::launch(kernel_, cfg, jit::make_args(plain_walk, order));
+  }
+
+ private:
+  std::shared_ptr<jit::Module> module_;
+  jit::Kernel kernel_;
+};
+
+std::vector<uint32_t> grouped_pair_order(const std::vector<int64_t>& tiles_per_group) {
+  std::vector<uint32_t> pairs, lone;
+  uint32_t first = 0;
+  for (size_t g = 0; g < tiles_per_group.size(); ++g) {
+    TDIST_CHECK_ARG(tiles_per_group[g] >= 0, "tiles_per_group", "group ", g, " has ", tiles_per_group[g], " tiles");
+    const auto count = static_cast<uint32_t>(tiles_per_group[g]);
+    for (uint32_t i = 0; i + 1 < count; i += 2) pairs.insert(pairs.end(), {first + i, first + i + 1});
+    if (count % 2 == 1) lone.push_back(first + count - 1);
+    first += count;
+  }
+  pairs.insert(pairs.end(), lone.begin(), lone.end());
+  return pairs;
+}
 
 GroupedGemmArgs check_grouped_gemm_args(const GroupedGemmArgs& in) {
   GroupedGemmArgs a = in;
@@ -139,6 +185,11 @@ std::string grouped_gemm_kernel_name(DType dtype, const GemmTile& tile, bool gat
 
 TDIST_JIT_REGISTER_KERNELS(grouped_gemm, grouped_gemm_compile_requests);
 
+namespace {
+std::vector<jit::CompileRequest> pair_order_requests() { return {pair_order_request()}; }
+}  // namespace
+TDIST_JIT_REGISTER_KERNELS(grouped_pair_order, pair_order_requests);
+
 GroupedGemm::GroupedGemm() {
   const int device = current_device();
   num_sms_ = sm_count(device);
@@ -152,10 +203,18 @@ GroupedGemm::GroupedGemm() {
 
 GroupedGemm::~GroupedGemm() = default;
 
+namespace {
+// Whether run() walks a 2-CTA cluster's tiles in pair order (GroupedGemmRunOptions::order_scratch).
+bool pair_order_walk(const GroupedGemmRunOptions& o) {
+  return o.order_scratch != nullptr && o.m_tile_order == nullptr && o.first_row == 0;
+}
+}  // namespace
+
 GemmTile GroupedGemm::tile_for(const GroupedGemmArgs& args, const GroupedGemmRunOptions& options) const {
   if (options.tile) return *options.tile;
   return with_b_multicast(choose_gemm_tile(args.m, args.n, args.k, num_sms_), args.m, args.b,
-                          args.ldb > 0 ? args.ldb : args.k, args.dtype, args.num_groups);
+                          args.ldb > 0 ? args.ldb : args.k, args.dtype, args.num_groups,
+                          args.num_groups == 1 || pair_order_walk(options));
 }
 
 void GroupedGemm::run(const GroupedGemmArgs& raw, cudaStream_t stream, const GroupedGemmRunOptions& options) {
@@ -164,7 +223,15 @@ void GroupedGemm::run(const GroupedGemmArgs& raw, cudaStream_t stream, const Gro
   const GroupedGemmArgs args = check_grouped_gemm_args(raw);
   if (args.m == 0 || args.n == 0) return;
   const GemmTile tile = tile_for(args, options);
-  const kg::GroupedScheduler sched = grouped_gemm_schedule(args, tile, options);
+  GroupedGemmRunOptions walk = options;
+  if (tile.cluster_m == 2 && pair_order_walk(options) && args.num_groups > 1) {
+    TDIST_CHECK_ARG(is_aligned(options.order_scratch, 4), "order_scratch", "must be 4-byte aligned, got ",
+                    static_cast<const void*>(options.order_scratch));
+    std::call_once(pair_order_once_, [&] { pair_order_ = std::make_unique<detail::PairOrderKernel>(); });
+    pair_order_->launch(grouped_gemm_schedule(args, tile, options), options.order_scratch, stream);
+    walk.m_tile_order = options.order_scratch;
+  }
+  const kg::GroupedScheduler sched = grouped_gemm_schedule(args, tile, walk);
   // The grid is sized for M_total (the offsets are on the device); CTAs past the real tiles exit.
   const int64_t b_rows = static_cast<int64_t>(args.num_groups) * args.n;
   if (args.a_gather)

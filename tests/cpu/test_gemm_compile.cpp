@@ -142,12 +142,15 @@ TEST(GemmTiles, MulticastOfUnalignedB) {
   EXPECT_EQ(tdist::with_b_multicast(t, 4096, aligned, 6376, DType::kBFloat16), pair);
   EXPECT_EQ(tdist::with_b_multicast(t, 4096, off16, 6400, DType::kFloat16), pair);
   EXPECT_EQ(tdist::with_b_multicast(t, 4096, aligned, 6392, DType::kBFloat16), pair);  // 12784 bytes: 16 mod 32
-  // Fewer than two m-tiles per B (one m-tile, or groups of 1.9 tiles on average) or a 64-row tile:
-  // neighbouring tiles would rarely share B, none.
-  EXPECT_EQ(tdist::with_b_multicast(t, 255, aligned, 6376, DType::kBFloat16), t);
-  EXPECT_EQ(tdist::with_b_multicast(t, 256, aligned, 6376, DType::kBFloat16), pair);
-  EXPECT_EQ(tdist::with_b_multicast(t, 10 * 243, aligned, 6376, DType::kBFloat16, 10), t);
-  EXPECT_EQ(tdist::with_b_multicast(t, 10 * 256, aligned, 6376, DType::kBFloat16, 10), pair);
+  // One m-tile per B or a 64-row tile: the cluster's tiles would not share B, none. In a walk that keeps
+  // each B's m-tiles in pairs (dense, or grouped in pair order) more than one m-tile per B on average
+  // suffices; otherwise two or more (groups starting at odd m-tiles split their pairs).
+  EXPECT_EQ(tdist::with_b_multicast(t, 128, aligned, 6376, DType::kBFloat16), t);
+  EXPECT_EQ(tdist::with_b_multicast(t, 129, aligned, 6376, DType::kBFloat16), pair);
+  EXPECT_EQ(tdist::with_b_multicast(t, 10 * 128, aligned, 6376, DType::kBFloat16, 10), t);
+  EXPECT_EQ(tdist::with_b_multicast(t, 10 * 192, aligned, 6376, DType::kBFloat16, 10), pair);
+  EXPECT_EQ(tdist::with_b_multicast(t, 10 * 243, aligned, 6376, DType::kBFloat16, 10, false), t);
+  EXPECT_EQ(tdist::with_b_multicast(t, 10 * 256, aligned, 6376, DType::kBFloat16, 10, false), pair);
   EXPECT_EQ(tdist::with_b_multicast(GemmTile{64, 256, 64, 5, 1}, 4096, aligned, 6376, DType::kBFloat16),
             (GemmTile{64, 256, 64, 5, 1}));
   // A tile with its cluster already set is kept.

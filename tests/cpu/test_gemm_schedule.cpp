@@ -12,9 +12,11 @@
 #include <tuple>
 #include <vector>
 
+#include "tdist/kernels/gemm/grouped_pair_order.cuh"
 #include "tdist/kernels/gemm/grouped_scheduler.cuh"
 #include "tdist/kernels/gemm/pipeline.cuh"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
+#include "tdist/ops/grouped_gemm.hpp"
 
 namespace kg = tdist::kernels::gemm;
 using kg::u32;
@@ -359,6 +361,56 @@ TEST(GroupedSchedule, ListedWalkRunsListAfterListEveryTileOnce) {
           .prepare();
   EXPECT_EQ(clipped.num_tiles(), 3u);
   for (u32 t = 0; t < 3; ++t) EXPECT_EQ(clipped.tile_info(t, 128, 64, 3 * 128, 64).list, 0u);
+}
+
+// The pair order (grouped_pair_order.cuh) of a 2-CTA clustered walk: a permutation of the m-tiles in
+// which every group's m-tiles sit two by two at even positions, so that the cluster pairs of the walk
+// (linear tiles 2q, 2q + 1) share B for sum over groups of count / 2 pairs per n-tile, the most there
+// can be; the plain order shares fewer whenever a group starts at an odd m-tile.
+TEST(GroupedSchedule, PairOrderKeepsEveryGroupsTilesInPairs) {
+  std::mt19937 rng(99);
+  for (int trial = 0; trial < 200; ++trial) {
+    const u32 groups = 1 + rng() % 80;
+    std::vector<u64> counts(groups);
+    for (auto& c : counts) c = rng() % 4 == 0 ? 0 : rng() % (128 * (1 + trial % 5));
+    const std::vector<int> offsets = padded_offsets<int>(counts);
+    std::vector<int64_t> tiles_per_group(groups);
+    u32 pairs = 0;
+    for (u32 g = 0; g < groups; ++g) {
+      const auto s = kg::GroupedScheduler::make(offsets.data(), 4, groups, offsets.back(), 8, 128, 8).prepare();
+      u32 first, count;
+      kg::group_tiles(s, g, &first, &count);  // the kernel's view of the group
+      ASSERT_EQ(first, static_cast<u32>(offsets[g] / 128));
+      ASSERT_EQ(count, static_cast<u32>((offsets[g + 1] - offsets[g]) / 128));
+      tiles_per_group[g] = count;
+      pairs += count / 2;
+    }
+    const std::vector<u32> order = tdist::grouped_pair_order(tiles_per_group);
+    const u32 tiles_m = static_cast<u32>(offsets.back() / 128);
+    ASSERT_EQ(order.size(), tiles_m);
+    std::vector<u32> sorted = order;
+    std::sort(sorted.begin(), sorted.end());
+    for (u32 i = 0; i < tiles_m; ++i) ASSERT_EQ(sorted[i], i) << "not a permutation, trial " << trial;
+
+    // Cluster pairs of the walk that share B, with the order table and without.
+    const u32 tiles_n = 1 + rng() % 5;
+    auto shared_pairs = [&](const u32* table) {
+      const auto s =
+          kg::GroupedScheduler::make(offsets.data(), 4, groups, offsets.back(), tiles_n * 64, 128, 64, 8, 0, table)
+              .prepare();
+      u32 shared = 0;
+      for (u32 q = 0; 2 * q + 1 < s.num_tiles(); ++q)
+        shared += s.tile_info(2 * q, 128, 64, offsets.back(), tiles_n * 64).b_row ==
+                  s.tile_info(2 * q + 1, 128, 64, offsets.back(), tiles_n * 64).b_row;
+      return shared;
+    };
+    const u32 with_order = shared_pairs(order.data()), plain = shared_pairs(nullptr);
+    EXPECT_GE(with_order, plain) << "trial " << trial;
+    // Every raster group of 8 m-tiles keeps its pairs within one n-tile; an odd last one may split one.
+    if (tiles_m % 2 == 0) EXPECT_EQ(with_order, pairs * tiles_n) << "trial " << trial;
+    EXPECT_LE(with_order, pairs * tiles_n) << "trial " << trial;
+  }
+  EXPECT_EQ(tdist::grouped_pair_order({3, 2, 1, 0, 4}), (std::vector<u32>{0, 1, 3, 4, 6, 7, 8, 9, 2, 5}));
 }
 
 TEST(GroupedSchedule, AlignmentSuitsEveryBlockM) {

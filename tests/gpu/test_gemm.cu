@@ -207,6 +207,8 @@ struct GroupedCase {
   int group_m = 8;
   int max_ctas = 0;
   bool reversed_order = false;  // m_tile_order: the m-tiles last to first
+  bool order_scratch = false;   // GroupedGemmRunOptions::order_scratch given (a clustered walk then
+                                // runs in pair order, which the case checks against the host's)
   bool gather = false;          // A's rows gathered from token rows (RowGather): random tokens, padding
                                 // rows -1, a third of the tokens read from a separate `local` buffer
 };
@@ -331,6 +333,12 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
     TDIST_CUDA_CHECK(cudaMalloc(&order, 4 * o.size()));
     TDIST_CUDA_CHECK(cudaMemcpy(order, o.data(), 4 * o.size(), cudaMemcpyHostToDevice));
   }
+  uint32_t* scratch = nullptr;
+  const size_t scratch_entries = static_cast<size_t>(tdist::grouped_gemm_scratch_entries(m_total));
+  if (c.order_scratch) {
+    TDIST_CUDA_CHECK(cudaMalloc(&scratch, 4 * scratch_entries));
+    TDIST_CUDA_CHECK(cudaMemset(scratch, 0xFF, 4 * scratch_entries));
+  }
   // A pageable cudaMemcpy may return before its DMA lands; `stream` is not ordered after it.
   TDIST_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
   fill_random<<<264, 256, 0, stream>>>(a, static_cast<size_t>(std::max(m_total, 1L)) * lda, seed);
@@ -409,21 +417,38 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
   o.first_row = c.first_row;
   o.max_ctas = c.max_ctas;
   o.m_tile_order = order;
+  o.order_scratch = scratch;
   if (c.gather) args.a_gather = gather;
   gg.run(args, stream, o);
   TDIST_CUDA_CHECK(cudaGetLastError());
+  // A clustered walk of several groups wrote the pair order (grouped_pair_order.cuh) there first.
+  std::string order_error;
+  if (scratch != nullptr && gg.tile_for(args, o).cluster_m == 2 && c.groups > 1 && order == nullptr &&
+      c.first_row == 0) {
+    std::vector<int64_t> tiles_per_group(c.groups);
+    for (int g = 0; g < c.groups; ++g) tiles_per_group[g] = (offsets[g + 1] - offsets[g]) / tile.block_m;
+    const std::vector<uint32_t> want = tdist::grouped_pair_order(tiles_per_group);
+    std::vector<uint32_t> got(scratch_entries);
+    TDIST_CUDA_CHECK(cudaMemcpyAsync(got.data(), scratch, 4 * got.size(), cudaMemcpyDeviceToHost, stream));
+    TDIST_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (size_t i = 0; i < want.size() && order_error.empty(); ++i)
+      if (got[i] != want[i])
+        order_error = "; pair order entry " + std::to_string(i) + " is " + std::to_string(got[i]) + ", expected " +
+                      std::to_string(want[i]);
+  }
 
   const GroupedCheck check =
       check_grouped_output(d, ref, rows, c.extra_rows, c.n, ldd, poison, stats, counters, stream);
   for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(d), static_cast<void*>(ref),
                   static_cast<void*>(stats), static_cast<void*>(counters), offs, static_cast<void*>(order),
-                  static_cast<void*>(tokens), static_cast<void*>(local), static_cast<void*>(token_of_row)})
+                  static_cast<void*>(tokens), static_cast<void*>(local), static_cast<void*>(token_of_row),
+                  static_cast<void*>(scratch)})
     TDIST_CUDA_CHECK(cudaFree(p));
 
   int non_empty = 0;
   for (long long cnt : counts) non_empty += cnt > 0;
   std::string detail = std::to_string(non_empty) + " of " + std::to_string(c.groups) + " groups non-empty, " +
-                       check.summary(rows, c.extra_rows);
+                       check.summary(rows, c.extra_rows) + order_error;
   if (check.bad > 0 && c.gather && (check.first_bad >> 32) < tor.size()) {
     const int t = tor[check.first_bad >> 32];
     char buf[80];
@@ -431,7 +456,7 @@ Result run_grouped_case(tdist::GroupedGemm& gg, tdist::DType dtype, const tdist:
                   t < 0 ? ", padding" : (t - gather.local_begin < gather.local_rows ? ", local" : ""));
     detail += buf;
   }
-  return {check.ok(rows), detail};
+  return {check.ok(rows) && order_error.empty(), detail};
 }
 
 // ---------------- FP8 grouped GEMM ----------------
@@ -691,10 +716,12 @@ int main(int argc, char** argv) {
         {"every group empty", 6, 128, 64, std::vector<int>(6, 0), 0, 130},
         {"rotated start, groups of 3, 5 CTAs", 20, 1032, 1024, {}, 500, 0, false, 1500, 3, 5},
         {"m-tiles in reverse order, 7 CTAs", 10, 776, 256, {}, 500, 64, true, 0, 8, 7, true},
+        {"pair order: 0 to 5 m-tiles per group, K 8 mod 16", 40, 1032, 1048, {}, 520, 0, false, 0, 8, 0, false, true},
+        {"pair order, rows past offsets[G], 9 CTAs", 11, 264, 520, {}, 300, 200, true, 0, 8, 9, false, true},
     };
     gcases[1].counts[11] = 3000;
     if (quick) gcases.resize(4);
-    if (small) gcases = {gcases[0], gcases[2], gcases[5]};
+    if (small) gcases = {gcases[0], gcases[2], gcases[5], gcases[8]};
     // The same cases with A gathered through a token index (the MoE ops' path).
     for (size_t i = 0, count = gcases.size(); i < count; ++i) {
       GroupedCase g = gcases[i];

@@ -119,7 +119,7 @@ std::vector<T> download(const void* p, size_t count) {
   return v;
 }
 
-// A GPU routing against the host reference: every array and both tile lists.
+// A GPU routing against the host reference: every array, both tile lists and the pair order.
 void check_same_routing(const MoeRouting& r, const MoeRoutingHost& ref, const std::string& what) {
   const int e = r.experts;
   if (download<int>(r.offsets, e + 1) != ref.offsets) TDIST_FAIL(what, ": offsets differ from the reference");
@@ -134,6 +134,8 @@ void check_same_routing(const MoeRouting& r, const MoeRoutingHost& ref, const st
     if (rs_count[j] > r.max_tiles || download<uint32_t>(r.rs_order + j * r.max_tiles, rs_count[j]) != ref.rs_order[j])
       TDIST_FAIL(what, ": rs list ", j, " differs (", rs_count[j], " tiles vs ", ref.rs_order[j].size(), ")");
   }
+  if (download<uint32_t>(r.pair_order, ref.pair_order.size()) != ref.pair_order)
+    TDIST_FAIL(what, ": pair order differs from the reference");
 }
 
 // MoeRouter::route_into on poisoned caller buffers: the same arrays as the reference, the compact

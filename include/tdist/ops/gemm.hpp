@@ -65,11 +65,12 @@ GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms);
 // the MoE ops (not the dense fused ops' instances): a 2-CTA cluster multicasting B when B's rows are not 32-byte
 // aligned (`b` or the row stride `ldb` x element size), where L2's traffic bounds the GEMM, the tile
 // has 128 rows, and the rows that multiply one B (M / num_groups: M is every group's rows for the
-// grouped GEMM) span two m-tiles or more on average, so that neighbouring tiles mostly share it.
-// TDIST_GEMM_CLUSTER=1 or 2, read at each call, forces the cluster. A tile that already has a cluster
-// is returned as it is.
+// grouped GEMM) span enough m-tiles on average for the cluster's two tiles to share it: more than one
+// where the walk keeps each B's m-tiles in pairs (`pair_walk`: a dense GEMM, a grouped one in pair
+// order), two or more where groups may start at odd m-tiles. TDIST_GEMM_CLUSTER=1 or 2, read at each
+// call, forces the cluster. A tile that already has a cluster is returned as it is.
 GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_t ldb, DType dtype,
-                          int64_t num_groups = 1);
+                          int64_t num_groups = 1, bool pair_walk = true);
 
 struct GemmArgs {
   const void* a = nullptr;

@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
@@ -38,6 +39,7 @@ namespace detail {
 template <typename Scheduler, typename Params>
 class GemmRuntime;
 class Fp8GroupedRuntime;
+class PairOrderKernel;
 }  // namespace detail
 
 enum class IndexType { kInt32, kInt64 };
@@ -79,7 +81,19 @@ struct GroupedGemmRunOptions {
                                            // (GroupedScheduler's listed walk; both pointers needed)
   int64_t tile_list_stride = 0;            // with tile_lists > 1: entries between two lists' starts
   int max_ctas = 0;                        // persistent CTAs at most; 0: the SM count
+  uint32_t* order_scratch = nullptr;       // device, optional: u32[grouped_gemm_scratch_entries(M_total)].
+                                           // With a 2-CTA cluster tile, no m_tile_order and first_row
+                                           // 0, run() first writes there the order that keeps each
+                                           // group's m-tiles in pairs, so that the cluster shares B for
+                                           // all of them (kernels/gemm/grouped_pair_order.cuh); without
+                                           // it, the plain walk shares B for fewer pairs
 };
+
+// Entries of GroupedGemmRunOptions::order_scratch for M_total rows (any tile).
+constexpr int64_t grouped_gemm_scratch_entries(int64_t m_total) { return m_total / 64 + 1; }
+// The order grouped_pair_order writes on the device, from each group's m-tile count (the groups'
+// m-tiles consecutive from 0, in group order): for tests and tools.
+std::vector<uint32_t> grouped_pair_order(const std::vector<int64_t>& tiles_per_group);
 
 // Checks the arguments and returns them with the leading dimensions filled in. Throws tdist::Error
 // naming the argument: dtype, m, n, k (> 0, multiple of 8), num_groups (1 .. 2^31 / N), lda, ldb,
@@ -207,6 +221,8 @@ class GroupedGemm {
   std::unique_ptr<detail::GemmRuntime<kernels::gemm::GroupedScheduler, kernels::gemm::NoTileHooks>> runtime_;
   std::unique_ptr<detail::GemmRuntime<kernels::gemm::GatherGroupedScheduler, kernels::gemm::NoTileHooks>> gather_;
   std::unique_ptr<detail::Fp8GroupedRuntime> fp8_;
+  std::unique_ptr<detail::PairOrderKernel> pair_order_;  // loaded on the first clustered call
+  std::once_flag pair_order_once_;
 };
 
 }  // namespace tdist

@@ -48,6 +48,7 @@ struct MoeRoutingHost {
   std::vector<int> offsets, counts, token_of_row, row_of_pair;  // token_of_row: offsets[E] rows
   std::vector<int> compact_offsets, row_of_compact, token_of_compact, pair_of_compact, compact_of_pair;
   std::vector<std::vector<uint32_t>> ag_order, rs_order;  // [world] lists of tiles
+  std::vector<uint32_t> pair_order;                       // every tile (grouped_pair_order)
 };
 // Throws naming "topk_ids" for a wrong size or an id outside [0, experts).
 MoeRoutingHost moe_routing_reference(const std::vector<int>& topk_ids, int64_t m, int topk, int experts, int world_size,
@@ -63,6 +64,7 @@ struct MoeRouting {
   const uint32_t* ag_count = nullptr;  // u32[world]
   const uint32_t* rs_order = nullptr;  // u32[world][max_tiles]
   const uint32_t* rs_count = nullptr;  // u32[world]
+  const uint32_t* pair_order = nullptr;  // u32[offsets[E] / 128]: the walk of a 2-CTA cluster
   int64_t m = 0, capacity = 0, max_tiles = 0;
   int topk = 0, experts = 0, world_size = 0, rank = 0;
 };

@@ -68,17 +68,28 @@ void check_moe_config(const MoeConfig& c, bool by_k, int world_size) {
   check_moe_routing_args(c.max_m, c.topk, c.experts, world_size, 0);
 }
 
-// The grouped GEMM's tile over `m` rows (the routing's capacity) and B = `b` (experts x n x k): the
-// routing's tiles are kMoeTile rows, so BLOCK_M is 128; bf16 and fp16 with the cluster
-// with_b_multicast gives that B.
-GemmTile moe_tile(int64_t m, int64_t n, int64_t k, DType dtype, int num_sms, const void* b, int experts) {
-  if (dtype == DType::kFloat8E4M3) {
+// The grouped GEMM's tile for `tokens` tokens (the routing's capacity of rows) and B = `b` (experts x
+// n x k): the routing's tiles are kMoeTile rows, so BLOCK_M is 128; bf16 and fp16 with the cluster
+// with_b_multicast gives that B, for the expert's average rows padded to whole tiles, in a walk that
+// keeps each expert's tiles in pairs (the routing's pair order) or not (`pair_walk`).
+GemmTile moe_tile(const MoeConfig& c, int64_t tokens, int64_t n, int64_t k, int num_sms, const void* b,
+                  bool pair_walk) {
+  const int64_t m = moe_capacity(tokens, c.topk, c.experts);
+  if (c.dtype == DType::kFloat8E4M3) {
     const GemmTile t = choose_fp8_gemm_tile(m, n, num_sms);
     return t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 128, 6, 1};
   }
   const GemmTile t = choose_gemm_tile(m, n, k, num_sms);
-  return with_b_multicast(t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 64, 6, 1}, m, b, k,
-                          dtype, experts);
+  const int64_t per_expert = (tokens * c.topk + c.experts - 1) / c.experts, tile_rows = km::kMoeTile;
+  const int64_t padded_rows = c.experts * ((per_expert + tile_rows - 1) / tile_rows * tile_rows);
+  return with_b_multicast(t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 64, 6, 1},
+                          padded_rows, b, k, c.dtype, c.experts, pair_walk);
+}
+
+// The run options of a grouped GEMM over every tile of routing `r`: in its pair order for a 2-CTA
+// cluster.
+GroupedGemmRunOptions whole_walk(const GemmTile& tile, const MoeRouting& r) {
+  return GroupedGemmRunOptions{.tile = tile, .m_tile_order = tile.cluster_m == 2 ? r.pair_order : nullptr};
 }
 
 // FP8 tokens carry one f32 scale per 128 columns.
@@ -325,8 +336,8 @@ struct MoeAgGroupGemm::Impl {
       router.route(a.topk_ids, a.m, stream);  // the routing of these (no) tokens, for the second projection
       return;
     }
-    const GemmTile tile = moe_tile(moe_capacity(a.m, config.topk, config.experts), a.n, config.k, config.dtype,
-                                   rt.num_sms(), a.b, config.experts);
+    const GemmTile tile =
+        moe_tile(config, a.m, a.n, config.k, rt.num_sms(), a.b, /*pair_walk=*/method == OverlapMethod::kBaseline);
     kg::RowGather g;
     g.ld_bytes = row_bytes();
 
@@ -342,7 +353,7 @@ struct MoeAgGroupGemm::Impl {
       g.token_of_row = r.token_of_row;
       g.gathered = world > 1 ? plain.get() : a.a_local;
       run_gemm(a, r, g, world > 1 ? static_cast<const float*>(plain_scales.get()) : a.a_local_scales, nullptr,
-               GroupedGemmRunOptions{.tile = tile}, stream);
+               whole_walk(tile, r), stream);
       return;
     }
 
@@ -537,10 +548,11 @@ struct MoeGroupGemmRs::Impl {
     const int rank = rt.rank(), world = rt.size();
     const MoeRouting& r = *a.routing;
     const kg::RowChunks rows{static_cast<u64>(a.m), world};
-    const GemmTile tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms(), a.b, config.experts);
+    const GemmTile tile =
+        moe_tile(config, a.m, a.n, a.k, rt.num_sms(), a.b, /*pair_walk=*/method == OverlapMethod::kBaseline);
 
     if (method == OverlapMethod::kBaseline) {
-      run_gemm(a, GroupedGemmRunOptions{.tile = tile}, stream);
+      run_gemm(a, whole_walk(tile, r), stream);
       if (world == 1) {  // one rank: the reduction is the output, no copy through NCCL
         kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
         return;
@@ -582,8 +594,8 @@ struct MoeGroupGemmRs::Impl {
     TDIST_NVTX_RANGE("tdist::MoeGroupGemmRs::run_all_reduce", "m=", a.m, " n=", a.n, " k=", a.k);
     if (a.m == 0 || a.n == 0) return;
     const MoeRouting& r = *a.routing;
-    const GemmTile tile = moe_tile(r.capacity, a.n, a.k, config.dtype, rt.num_sms(), a.b, config.experts);
-    run_gemm(a, GroupedGemmRunOptions{.tile = tile}, stream);
+    const GemmTile tile = moe_tile(config, a.m, a.n, a.k, rt.num_sms(), a.b, /*pair_walk=*/true);
+    run_gemm(a, whole_walk(tile, r), stream);
     if (rt.size() == 1) {
       kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
       return;

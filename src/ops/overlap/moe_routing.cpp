@@ -9,6 +9,7 @@
 #include "tdist/common/device_info.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/registry.hpp"
+#include "tdist/ops/grouped_gemm.hpp"
 #include "tdist/ops/moe.hpp"
 
 namespace tdist {
@@ -95,6 +96,9 @@ MoeRoutingHost moe_routing_reference(const std::vector<int>& ids, int64_t m, int
     r.ag_order[ag_key].push_back(tile);
     r.rs_order[rs_key].push_back(tile);
   }
+  std::vector<int64_t> tiles_per_expert(experts);
+  for (int e = 0; e < experts; ++e) tiles_per_expert[e] = (r.offsets[e + 1] - r.offsets[e]) / km::kMoeTile;
+  r.pair_order = grouped_pair_order(tiles_per_expert);
   return r;
 }
 
@@ -164,7 +168,7 @@ struct MoeRouter::Impl {
   moe::MoeKernels kernels;
   DeviceBuffer segment_counts;  // u32[max_segments][E]
   DeviceBuffer offsets, counts, token_of_row, row_of_pair;
-  DeviceBuffer ag_order, ag_count, rs_order, rs_count;
+  DeviceBuffer ag_order, ag_count, rs_order, rs_count, pair_order;
   DeviceBuffer bad = DeviceBuffer::zeroed(sizeof(km::BadIdRecord));  // routing.cuh
   MoeRouting view;
 
@@ -198,7 +202,8 @@ struct MoeRouter::Impl {
         ag_order(static_cast<size_t>(w) * max_tiles * 4),
         ag_count(static_cast<size_t>(w) * 4),
         rs_order(static_cast<size_t>(w) * max_tiles * 4),
-        rs_count(static_cast<size_t>(w) * 4) {}
+        rs_count(static_cast<size_t>(w) * 4),
+        pair_order(static_cast<size_t>(max_tiles) * 4) {}
 };
 
 MoeRouter::MoeRouter(int64_t max_m, int topk, int experts, int world_size, int rank)
@@ -234,6 +239,7 @@ const MoeRouting& MoeRouter::route(const int* topk_ids, int64_t m, cudaStream_t 
   v.ag_count = s.ag_count.get<uint32_t>();
   v.rs_order = s.rs_order.get<uint32_t>();
   v.rs_count = s.rs_count.get<uint32_t>();
+  v.pair_order = s.pair_order.get<uint32_t>();
   v.m = m;
   v.capacity = moe_capacity(m, s.topk, s.experts);
   v.max_tiles = s.max_tiles;
@@ -298,6 +304,7 @@ void MoeRouter::launch(const int* topk_ids, int64_t m, const MoeRoutingArrays& o
   p.ag_order = s.ag_order.get<uint32_t>();
   p.ag_count = s.ag_count.get<uint32_t>();
   p.rs_order = s.rs_order.get<uint32_t>();
+  p.pair_order = s.pair_order.get<uint32_t>();
   p.rs_count = s.rs_count.get<uint32_t>();
   p.max_tiles = static_cast<uint32_t>(s.max_tiles);
   s.kernels.route(p, stream);

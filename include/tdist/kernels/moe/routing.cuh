@@ -37,8 +37,11 @@
 //            (rel + world - 1) mod world, the tile's key = min step over its real rows; after list s
 //            every row of rel (s + 1) mod world is computed
 // Tiles keep increasing index within a list.
+// Pair order: u32[offsets[E] / kMoeTile], every tile once, each expert's tiles two by two at even
+// positions (kernels/gemm/grouped_pair_order.cuh): the walk of the grouped GEMM in a 2-CTA cluster.
 #pragma once
 
+#include "tdist/kernels/gemm/grouped_pair_order.cuh"
 #include "tdist/kernels/gemm/grouped_scheduler.cuh"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
 
@@ -195,6 +198,7 @@ struct RouteParams {
   u32* ag_count;        // u32[world]
   u32* rs_order;        // u32[world][max_tiles]
   u32* rs_count;        // u32[world]
+  u32* pair_order;      // u32[max_tiles]
   u32 max_tiles;
 };
 
@@ -217,6 +221,7 @@ struct CombineParams {
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "tdist/device/block_scan.cuh"
 #include "tdist/device/grid_dependency.cuh"
 #include "tdist/kernels/collectives/common.cuh"  // to_f32 / from_f32
 
@@ -283,37 +288,14 @@ struct SharedCum {
   TDIST_DEVICE u32 operator()(int j) const { return first[static_cast<u32>(j - 1) * experts]; }
 };
 
-// Exclusive prefix over the block's kRouteThreads threads of N values per thread, in place, and
-// their totals. warp_sums: shared scratch.
-template <int N>
-__device__ __forceinline__ void block_exclusive_scan(u32 (&v)[N], u32 (&total)[N], u32 (*warp_sums)[N]) {
-  const u32 warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  u32 incl[N];
-#pragma unroll
-  for (int c = 0; c < N; ++c) {
-    u32 x = v[c];
-#pragma unroll
-    for (u32 d = 1; d < 32; d <<= 1) {
-      const u32 y = __shfl_up_sync(0xffffffffu, x, d);
-      if (lane >= d) x += y;
-    }
-    incl[c] = x;
-    if (lane == 31) warp_sums[warp][c] = x;
+// The m-tiles of expert e from the padded offsets (shared memory): write_pair_order's groups.
+struct ExpertTiles {
+  const int* offs;
+  TDIST_DEVICE void operator()(u32 e, u32* first, u32* count) const {
+    *first = static_cast<u32>(offs[e]) / kMoeTile;
+    *count = static_cast<u32>(offs[e + 1] - offs[e]) / kMoeTile;
   }
-  __syncthreads();
-#pragma unroll
-  for (int c = 0; c < N; ++c) {
-    u32 before = 0, all = 0;
-    for (u32 w = 0; w < kRouteWarps; ++w) {
-      const u32 s = warp_sums[w][c];
-      before += w < warp ? s : 0;
-      all += s;
-    }
-    v[c] = before + incl[c] - v[c];
-    total[c] = all;
-  }
-  __syncthreads();  // warp_sums free again
-}
+};
 
 // Everything after the counts, in one launch of num_segments blocks (one when there are no pairs) of
 // kRouteThreads threads. Every block reads the whole count table (at most kMaxRouteSegments + world
@@ -325,8 +307,9 @@ __device__ __forceinline__ void block_exclusive_scan(u32 (&v)[N], u32 (&total)[N
 //   3. the last block lists the tiles (keys from the pairs per source, list positions from a block
 //      scan over experts); every block marks its share of the padding rows;
 //   4. this segment's pairs placed, stable in the rotated order (warp match_any plus per-warp counts).
+//   5. the last block writes the pair order (after 4, where fewer registers are live).
 // Block 0 writes counts and offsets (and compact_offsets).
-__global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) {
+__global__ void __launch_bounds__(kRouteThreads, 1) moe_route_build(RouteParams p) {
   constexpr u32 kScratch = kRouteWarps * kMaxMoeExperts;
   static_assert(kScratch >= (kMaxMoeRanks - 1) * kMaxMoeExperts, "scratch holds the pairs per source");
   __shared__ int offs[kMaxMoeExperts + 1];
@@ -381,7 +364,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
   {
     u32 v[1] = {0}, all[1];
     for (u32 e = e_begin; e < e_end; ++e) v[0] += (total[e] + kMoeTile - 1) / kMoeTile * kMoeTile;
-    block_exclusive_scan<1>(v, all, reinterpret_cast<u32(*)[1]>(&warp_sums[0][0]));
+    device::block_exclusive_scan<kRouteThreads, 1>(v, all, reinterpret_cast<u32(*)[1]>(&warp_sums[0][0]));
     u32 o = v[0];
     for (u32 e = e_begin; e < e_end; ++e) {
       offs[e] = static_cast<int>(o);
@@ -409,7 +392,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
 #pragma unroll
           for (int j = 0; j < static_cast<int>(kMaxMoeRanks); ++j) n[j] += key == j ? 1 : 0;
         }
-      block_exclusive_scan<kMaxMoeRanks>(n, all, warp_sums);
+      device::block_exclusive_scan<kRouteThreads, kMaxMoeRanks>(n, all, warp_sums);
       for (u32 e = e_begin; e < e_end; ++e)
         for (u32 i = 0; i * kMoeTile < total[e]; ++i) {
           const TileKeys k = keys_of(e, i);
@@ -428,6 +411,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
       }
     }
   }
+
   for (u64 x = static_cast<u64>(my) * kRouteThreads + tid; x < static_cast<u64>(E) * kMoeTile;
        x += static_cast<u64>(gridDim.x) * kRouteThreads) {
     const u32 e = static_cast<u32>(x / kMoeTile), r = static_cast<u32>(x % kMoeTile);
@@ -443,7 +427,7 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
   if (compact) {
     u32 v[1] = {0}, all[1];
     for (u32 e = e_begin; e < e_end; ++e) v[0] += total[e];
-    block_exclusive_scan<1>(v, all, reinterpret_cast<u32(*)[1]>(&warp_sums[0][0]));
+    device::block_exclusive_scan<kRouteThreads, 1>(v, all, reinterpret_cast<u32(*)[1]>(&warp_sums[0][0]));
     for (u32 e = e_begin, c = v[0]; e < e_end; ++e) {
       const u32 n = total[e];
       compact_offs[e] = c;
@@ -501,6 +485,11 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_build(RouteParams p) 
     __syncthreads();
     q = q_next, t = t_next, k = k_next, valid = valid_next, e = e_next;
   }
+
+  // 5. The pair order (last block).
+  if (my == gridDim.x - 1)
+    gemm::write_pair_order<kRouteThreads>(ExpertTiles{offs}, E, static_cast<u32>(offs[E]) / kMoeTile, p.pair_order,
+                                          reinterpret_cast<u32(*)[2]>(&warp_sums[0][0]));
 }
 
 // Two 16-bit elements of a 32-bit word to fp32, and back, by value (a reinterpret_cast of a vector
