@@ -92,8 +92,8 @@ GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
   return detail::choose_tile_among(gemm_tiles(), m, n, num_sms);
 }
 
-GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_t ldb, DType dtype,
-                          int64_t num_groups, bool pair_walk) {
+GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_t ldb, DType dtype, int64_t num_groups,
+                          bool pair_walk) {
   if (tile.cluster_m != 1) return tile;
   GemmTile t = tile;
   if (const auto forced = env::get("TDIST_GEMM_CLUSTER")) {

@@ -82,8 +82,8 @@ GemmTile moe_tile(const MoeConfig& c, int64_t tokens, int64_t n, int64_t k, int 
   const GemmTile t = choose_gemm_tile(m, n, k, num_sms);
   const int64_t per_expert = (tokens * c.topk + c.experts - 1) / c.experts, tile_rows = km::kMoeTile;
   const int64_t padded_rows = c.experts * ((per_expert + tile_rows - 1) / tile_rows * tile_rows);
-  return with_b_multicast(t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 64, 6, 1},
-                          padded_rows, b, k, c.dtype, c.experts, pair_walk);
+  return with_b_multicast(t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 64, 6, 1}, padded_rows,
+                          b, k, c.dtype, c.experts, pair_walk);
 }
 
 // The run options of a grouped GEMM over every tile of routing `r`: in its pair order for a 2-CTA
