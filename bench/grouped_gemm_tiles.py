@@ -32,9 +32,10 @@ def median_us(events):
     return statistics.median(s.elapsed_time(e) * 1000 for s, e in events)
 
 
-def problem(experts, topk, m, n, k, kind, dev):
+def problem(experts, topk, m, n, k, kind, dev, operands=False):
     """One projection's operands, as tdist.bench_moe builds them: (torch's call, tdist's call, rows of
-    tdist's expert order, pairs). tdist's rows are padded per expert to 128, torch's are not."""
+    tdist's expert order, pairs), and with `operands` tdist's (a, w, offsets). tdist's rows are padded
+    per expert to 128, torch's are not."""
     ids, _ = bench_moe._routing(torch, m, topk, experts, kind, 7)
     ref = moe.routing_reference(ids, experts, 1, 0)
     counts = torch.bincount(ids.view(-1).long(), minlength=experts)
@@ -47,8 +48,9 @@ def problem(experts, topk, m, n, k, kind, dev):
     offsets = torch.tensor(ref["offsets"], dtype=torch.int32, device=dev)
     w = (torch.randn((experts, n, k), device=dev) * k ** -0.5).to(torch.bfloat16)
     w_t = w.transpose(1, 2)
-    return (lambda: torch._grouped_mm(a_sorted, w_t, offs=offs), lambda: moe.grouped_gemm(a_pad, w, offsets),
-            ref["offsets"][experts], pairs)
+    calls = (lambda: torch._grouped_mm(a_sorted, w_t, offs=offs), lambda: moe.grouped_gemm(a_pad, w, offsets),
+             ref["offsets"][experts], pairs)
+    return calls + ((a_pad, w, offsets),) if operands else calls
 
 
 def time_alternating(calls, rounds=15):
