@@ -411,7 +411,6 @@ __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_build(RouteParams 
       }
     }
   }
-
   for (u64 x = static_cast<u64>(my) * kRouteThreads + tid; x < static_cast<u64>(E) * kMoeTile;
        x += static_cast<u64>(gridDim.x) * kRouteThreads) {
     const u32 e = static_cast<u32>(x / kMoeTile), r = static_cast<u32>(x % kMoeTile);
