@@ -119,6 +119,32 @@ std::vector<int> make_ids(Routing kind, int64_t m, int topk, int experts, std::m
   return ids;
 }
 
+// moe_expected_rows against the mean padded rows (offsets[E]) of drawn uniform routings, from tens of
+// tokens per expert to thousands, and against the capacity it must not pass.
+TEST(MoeRouting, ExpectedRowsMatchUniformRoutings) {
+  std::mt19937_64 rng(20261203);
+  struct Case {
+    int64_t m;
+    int topk, experts;
+  };
+  for (const Case c : {Case{1717, 3, 39}, Case{222, 4, 5}, Case{156, 1, 129}, Case{268, 8, 88}, Case{4096, 2, 8},
+                       Case{6933, 6, 169}, Case{2112, 4, 64}, Case{50, 2, 256}}) {
+    SCOPED_TRACE(testing::Message() << "m " << c.m << " topk " << c.topk << " experts " << c.experts);
+    double mean = 0;
+    constexpr int kDraws = 60;
+    for (int d = 0; d < kDraws; ++d) {
+      const std::vector<int> ids = make_ids(Routing::kRandom, c.m, c.topk, c.experts, rng);
+      std::vector<int64_t> counts(c.experts, 0);
+      for (int id : ids) ++counts[id];
+      for (int64_t n : counts) mean += static_cast<double>((n + 127) / 128 * 128) / kDraws;
+    }
+    const int64_t expected = tdist::moe_expected_rows(c.m, c.topk, c.experts);
+    EXPECT_NEAR(static_cast<double>(expected), mean, 0.02 * mean + 128);
+    EXPECT_LE(expected, tdist::moe_capacity(c.m, c.topk, c.experts));
+  }
+  EXPECT_EQ(tdist::moe_expected_rows(0, 2, 8), 0);
+}
+
 TEST(MoeRouting, ReferenceMatchesBruteForce) {
   std::mt19937_64 rng(20261201);
   struct Case {

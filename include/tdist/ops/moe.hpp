@@ -37,6 +37,11 @@ namespace tdist {
 // expert), and their tiles of 128 rows.
 int64_t moe_capacity(int64_t m, int topk, int experts);
 int64_t moe_max_tiles(int64_t m, int topk, int experts);
+// The rows offsets[E] of a uniform routing of m tokens on average: per expert the expected tiles
+// E[ceil(c / 128)] of its count c ~ Binomial(m, topk / experts) (P(c >= 1) exactly, P(c > 128 j) for
+// j >= 1 by the normal approximation), times 128; at most the capacity, which assumes every expert's
+// last tile nearly empty. The M of the MoE GEMMs' tile choice.
+int64_t moe_expected_rows(int64_t m, int topk, int experts);
 
 // Throws tdist::Error naming the argument: m (>= 0, < 2^31 / topk), topk (1 .. experts), experts
 // (1 .. 1024), world_size (1 .. 8), rank.

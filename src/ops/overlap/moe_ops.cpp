@@ -68,22 +68,21 @@ void check_moe_config(const MoeConfig& c, bool by_k, int world_size) {
   check_moe_routing_args(c.max_m, c.topk, c.experts, world_size, 0);
 }
 
-// The grouped GEMM's tile for `tokens` tokens (the routing's capacity of rows) and B = `b` (experts x
-// n x k): the routing's tiles are kMoeTile rows, so BLOCK_M is 128; bf16 and fp16 with the cluster
-// with_b_multicast gives that B, for the expert's average rows padded to whole tiles, in a walk that
-// keeps each expert's tiles in pairs (the routing's pair order) or not (`pair_walk`).
+// The grouped GEMM's tile for `tokens` tokens and B = `b` (experts x n x k), chosen for the rows a
+// uniform routing gives on average (moe_expected_rows: the routing's own rows are on the device):
+// the routing's tiles are kMoeTile rows, so BLOCK_M is 128; bf16 and fp16 with the cluster
+// with_b_multicast gives that B, in a walk that keeps each expert's tiles in pairs (the routing's
+// pair order) or not (`pair_walk`).
 GemmTile moe_tile(const MoeConfig& c, int64_t tokens, int64_t n, int64_t k, int num_sms, const void* b,
                   bool pair_walk) {
-  const int64_t m = moe_capacity(tokens, c.topk, c.experts);
+  const int64_t m = std::max<int64_t>(moe_expected_rows(tokens, c.topk, c.experts), km::kMoeTile);
   if (c.dtype == DType::kFloat8E4M3) {
     const GemmTile t = choose_fp8_gemm_tile(m, n, num_sms);
     return t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 128, 6, 1};
   }
   const GemmTile t = choose_gemm_tile(m, n, k, num_sms);
-  const int64_t per_expert = (tokens * c.topk + c.experts - 1) / c.experts, tile_rows = km::kMoeTile;
-  const int64_t padded_rows = c.experts * ((per_expert + tile_rows - 1) / tile_rows * tile_rows);
-  return with_b_multicast(t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 64, 6, 1}, padded_rows,
-                          b, k, c.dtype, c.experts, pair_walk);
+  return with_b_multicast(t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 64, 6, 1}, m, b, k,
+                          c.dtype, c.experts, pair_walk);
 }
 
 // The run options of a grouped GEMM over every tile of routing `r`: in its pair order for a 2-CTA

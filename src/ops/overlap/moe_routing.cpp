@@ -2,6 +2,7 @@
 // kernels of kernels/moe/routing.cuh on the GPU. The kernels' module also holds the top-k weighted
 // reduce the MoE ops launch (MoeKernels, src/ops/overlap/moe_kernels.hpp).
 #include <algorithm>
+#include <cmath>
 
 #include "src/ops/overlap/moe_kernels.hpp"
 #include "tdist/common/cuda_check.hpp"
@@ -22,6 +23,17 @@ int64_t moe_capacity(int64_t m, int topk, int experts) {
                                                static_cast<uint32_t>(std::max(experts, 0))));
 }
 int64_t moe_max_tiles(int64_t m, int topk, int experts) { return moe_capacity(m, topk, experts) / km::kMoeTile; }
+
+int64_t moe_expected_rows(int64_t m, int topk, int experts) {
+  if (m <= 0 || topk <= 0 || experts <= 0) return 0;
+  const double p = std::min(1.0, static_cast<double>(topk) / experts), mean = m * p;
+  const double sd = std::sqrt(m * p * (1 - p)), tile = km::kMoeTile;
+  double tiles = 1 - std::pow(1 - p, static_cast<double>(m));  // P(c >= 1)
+  for (double j = 1; tile * j < mean + 8 * sd + 1; ++j)         // P(c > 128 j), continuity-corrected
+    tiles += sd > 0 ? 0.5 * std::erfc((tile * j + 0.5 - mean) / (sd * std::sqrt(2.0))) : (mean > tile * j ? 1 : 0);
+  const auto rows = static_cast<int64_t>(std::llround(experts * tile * tiles));
+  return std::min(rows, moe_capacity(m, topk, experts));
+}
 
 void check_moe_routing_args(int64_t m, int topk, int experts, int world_size, int rank) {
   TDIST_CHECK_ARG(experts >= 1 && experts <= static_cast<int>(km::kMaxMoeExperts), "experts", "expected 1 .. ",
