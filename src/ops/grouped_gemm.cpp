@@ -223,15 +223,14 @@ void GroupedGemm::run(const GroupedGemmArgs& raw, cudaStream_t stream, const Gro
   const GroupedGemmArgs args = check_grouped_gemm_args(raw);
   if (args.m == 0 || args.n == 0) return;
   const GemmTile tile = tile_for(args, options);
-  GroupedGemmRunOptions walk = options;
+  kg::GroupedScheduler sched = grouped_gemm_schedule(args, tile, options);
   if (tile.cluster_m == 2 && pair_order_walk(options) && args.num_groups > 1) {
     TDIST_CHECK_ARG(is_aligned(options.order_scratch, 4), "order_scratch", "must be 4-byte aligned, got ",
                     static_cast<const void*>(options.order_scratch));
     std::call_once(pair_order_once_, [&] { pair_order_ = std::make_unique<detail::PairOrderKernel>(); });
-    pair_order_->launch(grouped_gemm_schedule(args, tile, options), options.order_scratch, stream);
-    walk.m_tile_order = options.order_scratch;
+    pair_order_->launch(sched, options.order_scratch, stream);  // the plain walk's order, rearranged
+    sched.m_tile_order = options.order_scratch;
   }
-  const kg::GroupedScheduler sched = grouped_gemm_schedule(args, tile, walk);
   // The grid is sized for M_total (the offsets are on the device); CTAs past the real tiles exit.
   const int64_t b_rows = static_cast<int64_t>(args.num_groups) * args.n;
   if (args.a_gather)
