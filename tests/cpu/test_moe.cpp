@@ -227,12 +227,11 @@ TEST(MoeRouting, SegmentsCoverThePairsSourceBySource) {
           SCOPED_TRACE(testing::Message() << "m=" << m << " topk=" << topk << " world=" << world << " rank=" << rank);
           const uint64_t pairs = static_cast<uint64_t>(m) * topk;
           const km::RotatedPairs rot{{static_cast<uint64_t>(m), world}, static_cast<uint32_t>(topk), rank};
-          for (uint32_t segment : {km::route_segment_size(pairs), km::kRouteThreads}) {
+          // The model's sizes for 8 and 1024 experts (their bounds), and the smallest size.
+          for (uint32_t experts : {8u, 1024u, 0u}) {
+            const uint32_t segment = experts > 0 ? km::route_segment_size(pairs, experts) : km::kRouteThreads;
             const km::RouteSegments seg{rot, segment};
-            if (segment != km::kRouteThreads) {
-              EXPECT_LE(seg.count(), km::route_max_segments(pairs, world));
-              EXPECT_LE(seg.count(), km::kMaxRouteSegments + world);
-            }
+            if (experts > 0) EXPECT_LE(seg.count(), km::route_max_segments(pairs, experts, world));
             EXPECT_EQ(segment % km::kRouteThreads, 0u);
             uint64_t next = 0;
             for (uint32_t s = 0; s < seg.count(); ++s) {
@@ -253,6 +252,33 @@ TEST(MoeRouting, SegmentsCoverThePairsSourceBySource) {
           }
         }
   EXPECT_GT(checked, 100);
+}
+
+// The segment size follows the cost model of routing.cuh (S* = sqrt(P / (8 ceil(E / 256))) segments),
+// and the count buffer sized for P pairs holds the segments of any smaller routing.
+TEST(MoeRouting, SegmentSizeFollowsTheModel) {
+  namespace km = tdist::kernels::moe;
+  EXPECT_EQ(km::route_isqrt(0), 0u);
+  EXPECT_EQ(km::route_isqrt(4096), 64u);
+  EXPECT_EQ(km::route_isqrt(4095), 63u);
+  EXPECT_EQ(km::route_isqrt((uint64_t{1} << 40) + 5), uint64_t{1} << 20);
+  // Measured optima on one H200 (docs/moe.md): 8192 pairs -> 256, 32768 -> 512, 131072 -> 1024,
+  // 524288 -> 2048 with 128 experts; fewer, longer segments with 1024 experts.
+  EXPECT_EQ(km::route_segment_size(8192, 128), 256u);
+  EXPECT_EQ(km::route_segment_size(32768, 128), 512u);
+  EXPECT_EQ(km::route_segment_size(131072, 128), 1024u);
+  EXPECT_EQ(km::route_segment_size(524288, 128), 2048u);
+  EXPECT_EQ(km::route_segment_size(262144, 1024), 3072u);
+  EXPECT_EQ(km::route_segment_size(1, 8), km::kRouteThreads);
+  for (uint32_t experts : {1u, 8u, 256u, 257u, 1024u})
+    for (uint64_t max_pairs : {uint64_t{1}, uint64_t{300}, uint64_t{8192}, uint64_t{99999}, uint64_t{4000000}}) {
+      const uint64_t bound = km::route_max_segments(max_pairs, experts, 1);
+      for (uint64_t pairs = 1; pairs <= max_pairs; pairs += 1 + pairs / 7) {
+        const uint32_t size = km::route_segment_size(pairs, experts);
+        ASSERT_EQ(size % km::kRouteThreads, 0u);
+        ASSERT_LE((pairs + size - 1) / size + 1, bound) << pairs << " of " << max_pairs << " pairs, " << experts;
+      }
+    }
 }
 
 TEST(MoeRouting, ZeroTokens) {

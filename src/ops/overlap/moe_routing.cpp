@@ -204,7 +204,7 @@ struct MoeRouter::Impl {
         rank(r),
         capacity((check_moe_routing_args(m, k, e, w, r), moe_capacity(m, k, e))),
         max_tiles(std::max<int64_t>(moe_max_tiles(m, k, e), 1)),
-        max_segments(km::route_max_segments(static_cast<uint64_t>(m) * k, w)),
+        max_segments(km::route_max_segments(static_cast<uint64_t>(m) * k, static_cast<uint32_t>(e), w)),
         kernels(DType::kBFloat16),
         segment_counts(static_cast<size_t>(e) * max_segments * 4),
         offsets((e + 1) * sizeof(int)),
@@ -298,7 +298,8 @@ void MoeRouter::launch(const int* topk_ids, int64_t m, const MoeRoutingArrays& o
   p.topk_ids = topk_ids;
   p.bad = s.bad.get<km::BadIdRecord>();
   const km::RotatedPairs pairs{{static_cast<uint64_t>(m), s.world}, static_cast<uint32_t>(s.topk), s.rank};
-  p.segments = km::RouteSegments{pairs, km::route_segment_size(static_cast<uint64_t>(m) * s.topk)};
+  p.segments = km::RouteSegments{
+      pairs, km::route_segment_size(static_cast<uint64_t>(m) * s.topk, static_cast<uint32_t>(s.experts))};
   p.experts = static_cast<uint32_t>(s.experts);
   p.num_segments = p.segments.count();
   TDIST_CHECK(p.num_segments <= s.max_segments, "moe routing: ", p.num_segments, " segments exceed the bound ",

@@ -53,8 +53,6 @@ using device::u64;
 constexpr u32 kMoeTile = gemm::kGroupedAlignment;  // rows per tile and per padding unit
 constexpr u32 kMaxMoeExperts = 1024;               // the routing kernels' shared histograms
 constexpr u32 kMaxMoeRanks = 8;
-constexpr u32 kRouteSegment = 2048;     // pairs per block of the count and build kernels, at least
-constexpr u32 kMaxRouteSegments = 128;  // past this many, segments grow (each build block reads them all)
 constexpr u32 kRouteThreads = 256;
 constexpr u32 kMoeCopyThreads = 256;  // the combine kernel: a warp per (token, columns)
 // Blocks per SM the launch bounds guarantee room for (registers): the grids' size per SM, so that
@@ -131,17 +129,37 @@ struct RouteSegments {
   }
 };
 
-// Segment size for `pairs` pairs: kRouteSegment, grown so that at most kMaxRouteSegments segments
-// hold whole runs (a segment per source may be partial: count() <= kMaxRouteSegments + world).
-TDIST_HOST_DEVICE u32 route_segment_size(u64 pairs) {
-  const u64 per = static_cast<u64>(kRouteSegment) * kMaxRouteSegments;
-  const u64 scale = pairs <= per ? 1 : (pairs + per - 1) / per;
-  return static_cast<u32>(scale * kRouteSegment);
+// Segment size: a block of the count and build kernels per segment. Long segments cost the build
+// kernel's placement (phase 4: a step with three block barriers per kRouteThreads pairs of its
+// segment); many segments cost its phase 1, where every block reads every segment's counts (a round
+// of 8 loads per 8 segments, for each kRouteThreads experts). For P pairs in S segments and
+// c = ceil(E / kRouteThreads):
+//   time ~ a (P / S) / kRouteThreads + b S c / 8,  minimal at S* = sqrt(a 8 P / (b c kRouteThreads))
+// with a = 4 b (fitted on one H200: the routing's time over segments of 256 to 4096 pairs, 256 to
+// 524288 pairs, 8 to 1024 experts; docs/moe.md), i.e. S* = sqrt(P / (8 c)). The size is P / S*
+// rounded up to a multiple of kRouteThreads, so that at most S* segments hold whole runs (and a
+// segment per source may be partial: count() <= S* + world).
+TDIST_HOST_DEVICE u64 route_isqrt(u64 v) {  // floor(sqrt(v)), no library call (NVRTC)
+  u64 r = 0;
+  for (u64 bit = u64{1} << 31; bit > 0; bit >>= 1)
+    if ((r + bit) * (r + bit) <= v) r += bit;
+  return r;
 }
-// Segments any routing of up to `pairs` pairs over `world` ranks can need (the count buffer's rows).
-TDIST_HOST_DEVICE u64 route_max_segments(u64 pairs, int world) {
-  const u64 whole = (pairs + kRouteSegment - 1) / kRouteSegment;
-  return (whole < kMaxRouteSegments ? whole : kMaxRouteSegments) + static_cast<u64>(world);
+TDIST_HOST_DEVICE u64 route_target_segments(u64 pairs, u32 experts) {
+  const u64 c = (experts + kRouteThreads - 1) / kRouteThreads;
+  const u64 s = route_isqrt(pairs / (8 * (c > 0 ? c : 1)));
+  return s > 0 ? s : 1;
+}
+TDIST_HOST_DEVICE u32 route_segment_size(u64 pairs, u32 experts) {
+  const u64 s = route_target_segments(pairs, experts);
+  const u64 per = (pairs + s - 1) / s;
+  const u64 size = (per + kRouteThreads - 1) / kRouteThreads * kRouteThreads;
+  return static_cast<u32>(size > kRouteThreads ? size : kRouteThreads);
+}
+// Segments any routing of up to `pairs` pairs over `world` ranks can need (the count buffer's rows):
+// route_target_segments grows with the pairs.
+TDIST_HOST_DEVICE u64 route_max_segments(u64 pairs, u32 experts, int world) {
+  return route_target_segments(pairs, experts) + static_cast<u64>(world);
 }
 
 // The two list keys of tile i of an expert with `count` pairs, from the expert's pairs per source:
@@ -298,8 +316,8 @@ struct ExpertTiles {
 };
 
 // Everything after the counts, in one launch of num_segments blocks (one when there are no pairs) of
-// kRouteThreads threads. Every block reads the whole count table (at most kMaxRouteSegments + world
-// rows) and derives the same per-expert totals, padded offsets and pairs per source, so no block
+// kRouteThreads threads. Every block reads the whole count table (route_max_segments rows at most)
+// and derives the same per-expert totals, padded offsets and pairs per source, so no block
 // waits on another:
 //   1. per expert (a thread each): the total, this segment's prefix, the prefix at each source's
 //      first segment;
