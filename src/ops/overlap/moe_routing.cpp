@@ -8,6 +8,7 @@
 #include "tdist/common/cuda_check.hpp"
 #include "tdist/common/device_buffer.hpp"
 #include "tdist/common/device_info.hpp"
+#include "tdist/common/env.hpp"
 #include "tdist/common/error.hpp"
 #include "tdist/jit/registry.hpp"
 #include "tdist/ops/grouped_gemm.hpp"
@@ -196,6 +197,16 @@ struct MoeRouter::Impl {
                     "that call's outputs are wrong (the first such id since the last check is reported)");
   }
 
+  // TDIST_MOE_ROUTE_SEGMENT: pairs per segment in place of the model's (route_segment_size), a
+  // multiple of kRouteThreads; for measuring the model (bench/moe_routing_segments.py). A router made
+  // while it is set sizes its count table for the shortest segments.
+  static int64_t forced_segment() {
+    const int64_t v = env::integer("TDIST_MOE_ROUTE_SEGMENT", 0, 0, int64_t{1} << 30);
+    TDIST_CHECK_ARG(v % km::kRouteThreads == 0, "TDIST_MOE_ROUTE_SEGMENT", "expected a multiple of ", km::kRouteThreads,
+                    " (0: the model's size), got ", v);
+    return v;
+  }
+
   Impl(int64_t m, int k, int e, int w, int r)
       : max_m(m),
         topk(k),
@@ -204,7 +215,9 @@ struct MoeRouter::Impl {
         rank(r),
         capacity((check_moe_routing_args(m, k, e, w, r), moe_capacity(m, k, e))),
         max_tiles(std::max<int64_t>(moe_max_tiles(m, k, e), 1)),
-        max_segments(km::route_max_segments(static_cast<uint64_t>(m) * k, static_cast<uint32_t>(e), w)),
+        max_segments(forced_segment() > 0
+                         ? static_cast<uint64_t>(m) * k / km::kRouteThreads + 1 + w
+                         : km::route_max_segments(static_cast<uint64_t>(m) * k, static_cast<uint32_t>(e), w)),
         kernels(DType::kBFloat16),
         segment_counts(static_cast<size_t>(e) * max_segments * 4),
         offsets((e + 1) * sizeof(int)),
@@ -298,10 +311,15 @@ void MoeRouter::launch(const int* topk_ids, int64_t m, const MoeRoutingArrays& o
   p.topk_ids = topk_ids;
   p.bad = s.bad.get<km::BadIdRecord>();
   const km::RotatedPairs pairs{{static_cast<uint64_t>(m), s.world}, static_cast<uint32_t>(s.topk), s.rank};
+  const int64_t forced = Impl::forced_segment();
   p.segments = km::RouteSegments{
-      pairs, km::route_segment_size(static_cast<uint64_t>(m) * s.topk, static_cast<uint32_t>(s.experts))};
+      pairs, forced > 0 ? static_cast<uint32_t>(forced)
+                        : km::route_segment_size(static_cast<uint64_t>(m) * s.topk, static_cast<uint32_t>(s.experts))};
   p.experts = static_cast<uint32_t>(s.experts);
   p.num_segments = p.segments.count();
+  TDIST_CHECK_ARG(forced == 0 || p.num_segments <= s.max_segments, "TDIST_MOE_ROUTE_SEGMENT", forced,
+                  " pairs per segment make ", p.num_segments, " segments, more than this router's bound ",
+                  s.max_segments, " (set the variable before the router is made)");
   TDIST_CHECK(p.num_segments <= s.max_segments, "moe routing: ", p.num_segments, " segments exceed the bound ",
               s.max_segments);
   p.segment_counts = s.segment_counts.get<uint32_t>();
