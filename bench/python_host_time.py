@@ -56,6 +56,15 @@ def main():
     table = torch.arange(256, device="cuda", dtype=torch.int32).view(1, 256)
     lens = torch.full((1,), 4096, device="cuda", dtype=torch.int32)
     q = torch.randn(1, 32, 128, device="cuda", dtype=bf)
+    # grouped GEMM: 8 groups of 64 rows (tdist's padded to 128 each; torch's unpadded)
+    groups, rows = 8, 64
+    align = tdist.moe.grouped_gemm_alignment()
+    a_groups = torch.randn(groups * align, k, device="cuda", dtype=bf)
+    w_groups = torch.randn(groups, n, k, device="cuda", dtype=bf)
+    offsets = torch.arange(groups + 1, device="cuda", dtype=torch.int32) * align
+    a_sorted = torch.randn(groups * rows, k, device="cuda", dtype=bf)
+    offs = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
+    w_groups_t = w_groups.transpose(1, 2)
     ops = torch.ops.tdist
     cases = {
         "torch.mm (M x N x K)": lambda: torch.mm(a_full, b.t()),
@@ -64,6 +73,8 @@ def main():
         "tdist.gemm_ar": lambda: tdist.gemm_ar(a_full, b),
         "tdist.all_reduce (64K bf16)": lambda: tdist.all_reduce(x),
         "tdist.flash_decode (b1, 4K)": lambda: tdist.flash_decode(q, kc, vc, lens, table),
+        "torch._grouped_mm (8 x 64 rows)": lambda: torch._grouped_mm(a_sorted, w_groups_t, offs=offs),
+        "tdist.moe.grouped_gemm (8 x 64 rows)": lambda: tdist.moe.grouped_gemm(a_groups, w_groups, offsets),
         "torch.ops.tdist.ag_gemm": lambda: ops.ag_gemm.default(a_local, b, None, "auto"),
         "torch.ops.tdist.gemm_rs": lambda: ops.gemm_rs.default(a_full, b, "auto"),
         "torch.ops.tdist.all_reduce_inplace": lambda: ops.all_reduce_inplace.default(x, "auto"),
