@@ -1,5 +1,6 @@
-"""Host time per call of tdist's Python ops beside torch.mm: problems small enough that the GPU is never
-the limit, so the time a call takes on the host is what bounds a short layer run eagerly.
+"""Host time per call of tdist's Python ops beside torch.mm (and the grouped GEMM beside
+torch._grouped_mm): problems small enough that the GPU is never the limit, so the time a call takes
+on the host is what bounds a short layer run eagerly.
 
     python -m torch.distributed.run --nproc-per-node 1 bench/python_host_time.py     # any world size
 
