@@ -755,14 +755,16 @@ int main(int argc, char** argv) {
     test::sync_all(world, "moe fp8 errors");
   }
 
-  // The routing alone past the op cases' sizes (many segments: 179 of 1792 pairs at 40000 x 8 pairs;
-  // 1024 experts), for world sizes and ranks this run need not have (the router
-  // takes them as parameters), each router then reused for fewer tokens and for none.
+  // The routing alone past the op cases' sizes (many segments: 200 at 40000 x 8 pairs; 1024 experts;
+  // more tiles than the list's threads: 1024 at 65536 x 2 pairs over 8 experts), for world sizes and
+  // ranks this run need not have (the router takes them as parameters), each router then reused for
+  // fewer tokens and for none.
   suite.run("moe routing at scale", [&] {
     std::vector<Shape> cases = {{4096, 8, 8, 128, 8, Routing::kRandom},   {16384, 8, 8, 128, 8, Routing::kSkewed},
                                 {40000, 8, 8, 128, 8, Routing::kRandom},  {4097, 8, 8, 8, 2, Routing::kOneExpert},
                                 {3001, 8, 8, 64, 6, Routing::kHalfEmpty}, {2500, 8, 8, 1024, 3, Routing::kRandom},
-                                {7, 8, 8, 1024, 8, Routing::kSkewed}};
+                                {7, 8, 8, 1024, 8, Routing::kSkewed},     {65536, 8, 8, 8, 2, Routing::kRandom},
+                                {50001, 8, 8, 16, 3, Routing::kSkewed}};
     if (small) cases = {cases[4]};
     DeviceBuffer d_ids(40000 * 8 * sizeof(int));
     for (const Shape& rc : cases)

@@ -322,8 +322,8 @@ struct ExpertTiles {
 //   1. per expert (a thread each): the total, this segment's prefix, the prefix at each source's
 //      first segment;
 //   2. padded offsets (a block scan over experts; the compact ones likewise, after 3);
-//   3. the last block lists the tiles (keys from the pairs per source, list positions from a block
-//      scan over experts); every block marks its share of the padding rows;
+//   3. the last block lists the tiles (keys from the pairs per source, a thread per run of tiles, list
+//      positions from a block scan over the runs); every block marks its share of the padding rows;
 //   4. this segment's pairs placed, stable in the rotated order (warp match_any plus per-warp counts).
 //   5. the last block writes the pair order (after 4, where fewer registers are live).
 // Block 0 writes counts and offsets (and compact_offsets).
@@ -396,31 +396,43 @@ __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_build(RouteParams 
 
   // 3. Tile lists (last block) and padding rows (every block, a share each).
   if (my == gridDim.x - 1) {
-    auto keys_of = [&](u32 e, u32 i) { return tile_keys(SharedCum{scratch + e, E}, total[e], i, world); };
+    // Thread tid lists tiles [t_begin, t_end) in expert order: a share of the tiles rather than of the
+    // experts, since with few experts and many tokens a thread per expert would list its tiles alone
+    // (8 experts, 65536 tokens, top-2: 128 tiles each).
+    const u32 tiles = static_cast<u32>(offs[E]) / kMoeTile, per_thread = (tiles + kRouteThreads - 1) / kRouteThreads;
+    const u32 t_begin = tid * per_thread < tiles ? tid * per_thread : tiles;
+    const u32 t_end = t_begin + per_thread < tiles ? t_begin + per_thread : tiles;
+    u32 e_first = 0;  // the expert of tile t_begin: the last e with offs[e] <= its first row (offs[0] = 0)
+    for (u32 hi = E; hi - e_first > 1;) {
+      const u32 mid = (e_first + hi) / 2;
+      (static_cast<u32>(offs[mid]) <= t_begin * kMoeTile ? e_first : hi) = mid;
+    }
+    // The key of tile t in `order`, its expert e advanced from the previous tile's.
+    auto key_of = [&](int order, u32 t, u32& e) {
+      while (static_cast<u32>(offs[e + 1]) <= t * kMoeTile) ++e;  // past experts without pairs
+      const TileKeys k = tile_keys(SharedCum{scratch + e, E}, total[e], t - static_cast<u32>(offs[e]) / kMoeTile, world);
+      return order == 0 ? k.ag : k.rs;
+    };
     // One order at a time (ag, then rs): kMaxMoeRanks running positions per thread in registers.
     for (int order = 0; order < 2; ++order) {
       u32* lists = order == 0 ? p.ag_order : p.rs_order;
       u32 n[kMaxMoeRanks], all[kMaxMoeRanks];  // this thread's tiles per key, then their first positions
 #pragma unroll
       for (u32 j = 0; j < kMaxMoeRanks; ++j) n[j] = 0;
-      for (u32 e = e_begin; e < e_end; ++e)
-        for (u32 i = 0; i * kMoeTile < total[e]; ++i) {
-          const TileKeys k = keys_of(e, i);
-          const int key = order == 0 ? k.ag : k.rs;
+      for (u32 t = t_begin, e = e_first; t < t_end; ++t) {
+        const int key = key_of(order, t, e);
 #pragma unroll
-          for (int j = 0; j < static_cast<int>(kMaxMoeRanks); ++j) n[j] += key == j ? 1 : 0;
-        }
+        for (int j = 0; j < static_cast<int>(kMaxMoeRanks); ++j) n[j] += key == j ? 1 : 0;
+      }
       device::block_exclusive_scan<kRouteThreads, kMaxMoeRanks>(n, all, warp_sums);
-      for (u32 e = e_begin; e < e_end; ++e)
-        for (u32 i = 0; i * kMoeTile < total[e]; ++i) {
-          const TileKeys k = keys_of(e, i);
-          const int key = order == 0 ? k.ag : k.rs;
-          u32 pos = 0;
+      for (u32 t = t_begin, e = e_first; t < t_end; ++t) {
+        const int key = key_of(order, t, e);
+        u32 pos = 0;
 #pragma unroll
-          for (int j = 0; j < static_cast<int>(kMaxMoeRanks); ++j)  // constant indices: registers
-            if (key == j) pos = n[j]++;
-          lists[static_cast<u64>(key) * p.max_tiles + pos] = static_cast<u32>(offs[e]) / kMoeTile + i;
-        }
+        for (int j = 0; j < static_cast<int>(kMaxMoeRanks); ++j)  // constant indices: registers
+          if (key == j) pos = n[j]++;
+        lists[static_cast<u64>(key) * p.max_tiles + pos] = t;
+      }
       if (tid < static_cast<u32>(world)) {
         u32 count = 0;
 #pragma unroll
@@ -429,12 +441,10 @@ __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_build(RouteParams 
       }
     }
   }
-  for (u64 x = static_cast<u64>(my) * kRouteThreads + tid; x < static_cast<u64>(E) * kMoeTile;
-       x += static_cast<u64>(gridDim.x) * kRouteThreads) {
-    const u32 e = static_cast<u32>(x / kMoeTile), r = static_cast<u32>(x % kMoeTile);
-    const u32 pad_begin = static_cast<u32>(offs[e]) + total[e];
-    if (pad_begin + r < static_cast<u32>(offs[e + 1])) p.token_of_row[pad_begin + r] = -1;
-  }
+  // Padding rows: a warp per expert, its lanes over the expert's at most kMoeTile - 1 padding rows.
+  for (u32 e = my * kRouteWarps + tid / 32; e < E; e += gridDim.x * kRouteWarps)
+    for (u32 r = static_cast<u32>(offs[e]) + total[e] + tid % 32; r < static_cast<u32>(offs[e + 1]); r += 32)
+      p.token_of_row[r] = -1;
   __syncthreads();  // scratch becomes warp_count
 
   // The compact offsets (a block scan, as the padded ones), in total[], which phase 3 was the last
