@@ -2,10 +2,10 @@
 (torch._grouped_mm + NCCL), and of tdist's grouped GEMM beside torch._grouped_mm, from one run.
 
     torchrun --nproc-per-node 2 -m tdist.bench_moe [--models mixtral,qwen3,dsv2lite] [--tokens 1024,4096,16384]
-        [--routing uniform,skewed] [--ops ag,rs] [--fp8] [--iters 20] [--json FILE]
+        [--routing uniform,skewed] [--ops ag,rs] [--fp8] [--tp N] [--iters 20] [--json FILE]
 
-Shapes (every rank holds every expert's shard of the intermediate features, TP = the world size; F =
-intermediate / world): Mixtral-8x7B (hidden 4096, intermediate 14336, 8 experts, top-2), Qwen3-30B-A3B
+Shapes (every rank holds every expert's shard of the intermediate features, TP = the world size, or
+--tp; F = intermediate / TP): Mixtral-8x7B (hidden 4096, intermediate 14336, 8 experts, top-2), Qwen3-30B-A3B
 (2048, 768, 128, top-8), DeepSeek-V2-Lite (2048, 1408, 64, top-6); bf16. M: tokens of all ranks.
 Routing: uniform (top-k distinct experts drawn uniformly per token) or skewed (a random half of the
 tokens sends one of its k slots to one hot expert, the rest uniform).
@@ -102,6 +102,10 @@ def _parse(argv):
     p.add_argument("--random", type=int, default=0, metavar="N",
                    help="N model shapes and token counts drawn from --seed (see random_cases) instead of "
                         "--models x --tokens x --routing")
+    p.add_argument("--tp", type=int, default=0, metavar="N",
+                   help="shards of the intermediate features (0: the world size; else a multiple of it). Above the "
+                        "world size each rank computes one rank's share of a TP = N layer, without the other "
+                        "ranks' communication: on one GPU, the per-rank problem of a larger layer")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON (rank 0)")
     args = p.parse_args(argv)
 
@@ -118,6 +122,8 @@ def _parse(argv):
         p.error("--sets and --iters must be at least 1, --warmup at least 0")
     if not 0 <= args.random <= 10000:
         p.error(f"--random: expected 0 (off) to 10000 cases, got {args.random}")
+    if not 0 <= args.tp <= 64:
+        p.error(f"--tp: expected 0 (the world size) to 64 shards, got {args.tp}")
     return args
 
 
@@ -473,24 +479,27 @@ def main(argv=None) -> int:
 
     tdist.init(process_group=dist.group.WORLD, heap_size=args.heap_size)
     world, me = dist.get_world_size(), dist.get_rank()
+    tp = args.tp or world
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     try:
+        if tp % world:
+            raise SystemExit(f"tdist.bench_moe: --tp {tp} is not a multiple of the world size {world}")
         grouped_mm, why = _pick_everywhere(torch, dist, dev)
         if me == 0 and why:
             print(f"tdist.bench_moe: PyTorch's grouped GEMM is a {grouped_mm} ({why})", file=sys.stderr, flush=True)
         if args.random:
             shapes = [((name, hidden, inter, experts, topk), [m], [kind])
-                      for name, hidden, inter, experts, topk, m, kind in random_cases(args.random, args.seed, world)]
+                      for name, hidden, inter, experts, topk, m, kind in random_cases(args.random, args.seed, tp)]
         else:
             shapes = [(MODELS[model], args.m, args.routing) for model in args.models]
         for mi, ((name, hidden, inter, experts, topk), tokens, routings) in enumerate(shapes):
-            if inter % world or (inter // world) % 8:
+            if inter % tp or (inter // tp) % 8:
                 if me == 0:
-                    print(f"tdist.bench_moe: {name}: intermediate {inter} does not split over {world} ranks into "
-                          "multiples of 8; skipped", file=sys.stderr)
+                    print(f"tdist.bench_moe: {name}: intermediate {inter} does not split into {tp} shards of a "
+                          "multiple of 8; skipped", file=sys.stderr)
                 continue
-            f = inter // world
+            f = inter // tp
             # This rank's shards: w13 [E, 2 F, H] (gate rows, then up rows), w2 [E, H, F].
             g = torch.Generator(device=dev).manual_seed(args.seed * 7919 + 97 * mi + 1 + me)
             w13 = (torch.randn((experts, 2 * f, hidden), generator=g, device=dev) * hidden ** -0.5).to(torch.bfloat16)
@@ -539,7 +548,7 @@ def main(argv=None) -> int:
                             row["check_failed"] = bad
                         rows.append(row)
                         if me == 0:
-                            _print_row(row, len(rows) == 1, world, args, grouped_mm)
+                            _print_row(row, len(rows) == 1, world, args, grouped_mm, tp)
                             for k, e in failed.items():
                                 print(f"    {k}: {e}", file=sys.stderr, flush=True)
                         del sets
@@ -550,7 +559,7 @@ def main(argv=None) -> int:
         if me == 0:
             _print_summary(rows)
         if me == 0 and args.json:
-            doc = {"world_size": world, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            doc = {"world_size": world, "tp": tp, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "tdist": tdist.__version__, "dtype": "bf16" + (" and e4m3 (--fp8)" if args.fp8 else ""),
                    "command": " ".join(sys.argv),
                    "tdist_method": args.tdist_method, "sets": args.sets, "iters": args.iters,
@@ -590,9 +599,10 @@ def _mark(ok):
     return " " if ok is None or ok else "!"
 
 
-def _print_row(row, first, world, args, grouped_mm=GROUPED_MM):
+def _print_row(row, first, world, args, grouped_mm=GROUPED_MM, tp=None):
     if first:
-        print(f"tdist.bench_moe: {world} ranks, bf16, median of {args.iters} alternating rounds over {args.sets} "
+        shards = "" if tp in (None, world) else f" (each one rank's share of TP {tp}, no other ranks' communication)"
+        print(f"tdist.bench_moe: {world} ranks{shards}, bf16, median of {args.iters} alternating rounds over {args.sets} "
               f"input sets after {args.warmup} warm-up, slowest rank; tdist method={args.tdist_method}; "
               f"PyTorch's grouped GEMM (baseline, torch gg): {grouped_mm}")
         print(f"gg/torch: torch gg time over tdist's grouped GEMM (goal >= {kGroupGemmVsTorch}); "

@@ -168,3 +168,18 @@ def test_random_flag_is_checked():
     assert bm._parse(["--random", "5"]).random == 5
     with pytest.raises(SystemExit):
         bm._parse(["--random", "-1"])
+
+
+def test_tp_flag_is_checked_and_named(capsys):
+    assert bm._parse([]).tp == 0 and bm._parse(["--tp", "2"]).tp == 2
+    for bad in ("-1", "65"):
+        with pytest.raises(SystemExit):
+            bm._parse(["--tp", bad])
+    row = {"op": "moe_group_gemm_rs", "model": "Qwen3-30B-A3B", "m": 4096, "routing": "uniform", "tdist_us": 90.0,
+           "group_gemm_us": 80.0, "baseline_us": 150.0, "torch_grouped_mm_us": 85.0,
+           "ratios": {"group_gemm_vs_torch": 85 / 80, "tdist_over_group_gemm": 90 / 80, "speedup_vs_baseline": 150 / 90},
+           "goals": {}, "max_rel_err": {}}
+    bm._print_row(row, True, 1, bm._parse(["--tp", "2"]), bm.GROUPED_MM, 2)
+    assert "1 ranks (each one rank's share of TP 2, no other ranks' communication)" in capsys.readouterr().out
+    bm._print_row(row, True, 2, bm._parse([]), bm.GROUPED_MM, 2)
+    assert "share of TP" not in capsys.readouterr().out
