@@ -86,10 +86,10 @@ const std::vector<GemmTile>& gemm_tiles() {
   return tiles;
 }
 
-GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms) {
+GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms, bool gathered_a) {
   (void)k;
   if (const auto forced = detail::forced_tile("TDIST_GEMM_TILE", gemm_tiles())) return *forced;
-  return detail::choose_tile_among(gemm_tiles(), m, n, num_sms);
+  return detail::choose_tile_among(gemm_tiles(), m, n, num_sms, gathered_a ? kGatheredFedColumns : 0.0);
 }
 
 GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_t ldb, DType dtype, int64_t num_groups,
@@ -119,7 +119,8 @@ std::optional<GemmTile> detail::forced_tile(const char* variable, const std::vec
   TDIST_FAIL(variable, "='", *forced, "' names no shipped tile; expected one of ", names);
 }
 
-GemmTile detail::choose_tile_among(const std::vector<GemmTile>& tiles, int64_t m, int64_t n, int num_sms) {
+GemmTile detail::choose_tile_among(const std::vector<GemmTile>& tiles, int64_t m, int64_t n, int num_sms,
+                                   double fed_columns) {
   TDIST_CHECK_ARG(num_sms > 0, "num_sms", "expected a positive SM count, got ", num_sms);
   const GemmTile* best = nullptr;
   double best_score = -1;
@@ -131,7 +132,9 @@ GemmTile detail::choose_tile_among(const std::vector<GemmTile>& tiles, int64_t m
     const double used = static_cast<double>(std::max<int64_t>(m, 1)) * std::max<int64_t>(n, 1) /
                         (static_cast<double>(count) * t.block_m * t.block_n);
     const double fill = static_cast<double>(count) / static_cast<double>(waves * num_sms);
-    const double score = used * fill * tile_efficiency(t);
+    // A stage's MMAs last as long as block_n columns, or as the A they wait for.
+    const double fed = fed_columns > t.block_n ? t.block_n / fed_columns : 1.0;
+    const double score = used * fill * tile_efficiency(t) * fed;
     if (score > best_score * (1 + 1e-9)) best_score = score, best = &t;
   }
   TDIST_CHECK(best != nullptr, "no tile to choose from");

@@ -212,7 +212,7 @@ bool pair_order_walk(const GroupedGemmRunOptions& o) {
 
 GemmTile GroupedGemm::tile_for(const GroupedGemmArgs& args, const GroupedGemmRunOptions& options) const {
   if (options.tile) return *options.tile;
-  return with_b_multicast(choose_gemm_tile(args.m, args.n, args.k, num_sms_), args.m, args.b,
+  return with_b_multicast(choose_gemm_tile(args.m, args.n, args.k, num_sms_, args.a_gather.has_value()), args.m, args.b,
                           args.ldb > 0 ? args.ldb : args.k, args.dtype, args.num_groups,
                           args.num_groups == 1 || pair_order_walk(options));
 }

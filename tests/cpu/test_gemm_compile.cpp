@@ -180,6 +180,21 @@ TEST(GemmTiles, Choice) {
   EXPECT_EQ(tdist::choose_gemm_tile(64, 8192, 8192, 132).block_m, 64);
 }
 
+TEST(GemmTiles, GatheredANeverNarrowsTheTile) {
+  // DeepSeek-V2-Lite's first projection at TP 2, 4096 tokens (28544 expert rows, N 1408): TMA-fed A
+  // takes the 128 x 128 tile, which gathered A cannot feed (kGatheredFedColumns).
+  EXPECT_EQ(tdist::choose_gemm_tile(28544, 1408, 2048, 132), (GemmTile{128, 128, 64, 6, 1}));
+  EXPECT_GE(tdist::choose_gemm_tile(28544, 1408, 2048, 132, /*gathered_a=*/true).block_n, tdist::kGatheredFedColumns);
+  // Only tiles narrower than the feed lose score, so the choice never gets narrower.
+  for (int64_t m : {128, 1000, 8192, 28544, 40832, 139776})
+    for (int64_t n : {128, 512, 768, 1408, 2816, 14336}) {
+      const GemmTile fed = tdist::choose_gemm_tile(m, n, 2048, 132);
+      const GemmTile gathered = tdist::choose_gemm_tile(m, n, 2048, 132, /*gathered_a=*/true);
+      EXPECT_GE(gathered.block_n, fed.block_n) << m << "x" << n << ": " << gathered.name() << " vs " << fed.name();
+      if (fed.block_n >= tdist::kGatheredFedColumns) EXPECT_EQ(gathered, fed) << m << "x" << n;
+    }
+}
+
 TEST(GemmTiles, ForcedByEnvironment) {
   ASSERT_EQ(setenv("TDIST_GEMM_TILE", "64x128x64_s8_c1", 1), 0);
   EXPECT_EQ(tdist::choose_gemm_tile(8192, 8192, 8192, 132), (GemmTile{64, 128, 64, 8, 1}));

@@ -72,17 +72,26 @@ void check_moe_config(const MoeConfig& c, bool by_k, int world_size) {
 // uniform routing gives on average (moe_expected_rows: the routing's own rows are on the device):
 // the routing's tiles are kMoeTile rows, so BLOCK_M is 128; bf16 and fp16 with the cluster
 // with_b_multicast gives that B, in a walk that keeps each expert's tiles in pairs (the routing's
-// pair order) or not (`pair_walk`).
-GemmTile moe_tile(const MoeConfig& c, int64_t tokens, int64_t n, int64_t k, int num_sms, const void* b,
-                  bool pair_walk) {
+// pair order) or not (`pair_walk`). `gathered_a`: the GEMM gathers its tokens through the routing
+// (the first projection), which narrow tiles wait for (choose_gemm_tile).
+GemmTile moe_tile(const MoeConfig& c, int64_t tokens, int64_t n, int64_t k, int num_sms, const void* b, bool pair_walk,
+                  bool gathered_a) {
   const int64_t m = std::max<int64_t>(moe_expected_rows(tokens, c.topk, c.experts), km::kMoeTile);
   if (c.dtype == DType::kFloat8E4M3) {
     const GemmTile t = choose_fp8_gemm_tile(m, n, num_sms);
     return t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 128, 6, 1};
   }
-  const GemmTile t = choose_gemm_tile(m, n, k, num_sms);
-  return with_b_multicast(t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 64, 6, 1}, m, b, k,
-                          c.dtype, c.experts, pair_walk);
+  GemmTile t = choose_gemm_tile(m, n, k, num_sms, gathered_a);
+  if (t.block_m != static_cast<int>(km::kMoeTile)) {  // the best of the tiles of the routing's rows
+    static const std::vector<GemmTile> tall = [] {
+      std::vector<GemmTile> v;
+      for (const GemmTile& s : gemm_tiles())
+        if (s.block_m == static_cast<int>(km::kMoeTile)) v.push_back(s);
+      return v;
+    }();
+    t = detail::choose_tile_among(tall, m, n, num_sms, gathered_a ? kGatheredFedColumns : 0.0);
+  }
+  return with_b_multicast(t, m, b, k, c.dtype, c.experts, pair_walk);
 }
 
 // The run options of a grouped GEMM over every tile of routing `r`: in its pair order for a 2-CTA
@@ -336,7 +345,8 @@ struct MoeAgGroupGemm::Impl {
       return;
     }
     const GemmTile tile =
-        moe_tile(config, a.m, a.n, config.k, rt.num_sms(), a.b, /*pair_walk=*/method == OverlapMethod::kBaseline);
+        moe_tile(config, a.m, a.n, config.k, rt.num_sms(), a.b, /*pair_walk=*/method == OverlapMethod::kBaseline,
+                 /*gathered_a=*/true);
     kg::RowGather g;
     g.ld_bytes = row_bytes();
 
@@ -548,7 +558,8 @@ struct MoeGroupGemmRs::Impl {
     const MoeRouting& r = *a.routing;
     const kg::RowChunks rows{static_cast<u64>(a.m), world};
     const GemmTile tile =
-        moe_tile(config, a.m, a.n, a.k, rt.num_sms(), a.b, /*pair_walk=*/method == OverlapMethod::kBaseline);
+        moe_tile(config, a.m, a.n, a.k, rt.num_sms(), a.b, /*pair_walk=*/method == OverlapMethod::kBaseline,
+                 /*gathered_a=*/false);
 
     if (method == OverlapMethod::kBaseline) {
       run_gemm(a, whole_walk(tile, r), stream);
@@ -593,7 +604,7 @@ struct MoeGroupGemmRs::Impl {
     TDIST_NVTX_RANGE("tdist::MoeGroupGemmRs::run_all_reduce", "m=", a.m, " n=", a.n, " k=", a.k);
     if (a.m == 0 || a.n == 0) return;
     const MoeRouting& r = *a.routing;
-    const GemmTile tile = moe_tile(config, a.m, a.n, a.k, rt.num_sms(), a.b, /*pair_walk=*/true);
+    const GemmTile tile = moe_tile(config, a.m, a.n, a.k, rt.num_sms(), a.b, /*pair_walk=*/true, /*gathered_a=*/false);
     run_gemm(a, whole_walk(tile, r), stream);
     if (rt.size() == 1) {
       kernels.combine(combine_params(a, 0, static_cast<u64>(a.m), a.d), stream);
