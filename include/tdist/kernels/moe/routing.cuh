@@ -410,7 +410,8 @@ __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_build(RouteParams 
     // The key of tile t in `order`, its expert e advanced from the previous tile's.
     auto key_of = [&](int order, u32 t, u32& e) {
       while (static_cast<u32>(offs[e + 1]) <= t * kMoeTile) ++e;  // past experts without pairs
-      const TileKeys k = tile_keys(SharedCum{scratch + e, E}, total[e], t - static_cast<u32>(offs[e]) / kMoeTile, world);
+      const TileKeys k =
+          tile_keys(SharedCum{scratch + e, E}, total[e], t - static_cast<u32>(offs[e]) / kMoeTile, world);
       return order == 0 ? k.ag : k.rs;
     };
     // One order at a time (ag, then rs): kMaxMoeRanks running positions per thread in registers.
