@@ -14,12 +14,14 @@ alternating CUDA-graph replays of 8 calls, per call, in us.
 """
 
 import os
-import statistics
 
 import tdist
 import torch
 import torch.distributed as dist
+from moe_routing_segments import capture, replay_us  # this folder's: the same graph timer
 from tdist import bench_moe
+
+CALLS, ROUNDS = 8, 7
 
 TILES = ["auto", "128x256x64_s4_c1", "128x224x64_s4_c1", "128x192x64_s5_c1", "128x128x64_s6_c1"]
 SHAPES = [  # name, K (hidden), N (2 F per rank), experts, top-k, tokens
@@ -30,33 +32,6 @@ SHAPES = [  # name, K (hidden), N (2 F per rank), experts, top-k, tokens
     ("mixtral-tp4", 4096, 7168, 8, 2, 4096), ("e16", 5120, 2560, 16, 2, 8192), ("e32", 7168, 4096, 32, 4, 2048),
     ("e40", 3072, 1024, 40, 4, 8192),
 ]
-
-
-def graph(call, calls=8):
-    """A CUDA graph of `calls` calls (after one eager call) and its call count."""
-    call()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            call()
-    g.replay()
-    torch.cuda.synchronize()
-    return g, calls
-
-
-def time_alternating(graphs, rounds=7):
-    """{name: median us per call} over `rounds` rounds, each replaying every graph once."""
-    times = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, (g, calls) in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3 / calls)
-    return {name: statistics.median(v) for name, v in times.items()}
 
 
 def main():
@@ -70,16 +45,17 @@ def main():
         s = bench_moe._Set(torch, tdist.moe, dims, m, "uniform", 11 + si, 1, 0)
         a_pad, _ = bench_moe._op_inputs(torch, "ag", s, dims)
         w = (torch.randn((experts, n, k), device=dev) * k ** -0.5).to(torch.bfloat16)
-        graphs = {"routing": graph(lambda: tdist.moe.routing(s.ids, experts))}
+        graphs = {"routing": capture(lambda: tdist.moe.routing(s.ids, experts), CALLS)}
         for tile in TILES:
             if tile == "auto":
                 os.environ.pop("TDIST_GEMM_TILE", None)
             else:
                 os.environ["TDIST_GEMM_TILE"] = tile
-            graphs["op " + tile] = graph(lambda: tdist.moe_ag_group_gemm(s.x_rows, s.ids, w, method="baseline"))
-            graphs["gg " + tile] = graph(lambda: tdist.moe.grouped_gemm(a_pad, w, s.offsets))
+            op = lambda: tdist.moe_ag_group_gemm(s.x_rows, s.ids, w, method="baseline")  # noqa: E731
+            graphs["op " + tile] = capture(op, CALLS)
+            graphs["gg " + tile] = capture(lambda: tdist.moe.grouped_gemm(a_pad, w, s.offsets), CALLS)
         os.environ.pop("TDIST_GEMM_TILE", None)
-        t = time_alternating(graphs)
+        t = replay_us(graphs, CALLS, ROUNDS)
         print(f"{name} K{k} N{n} E{experts} k{topk} M{m} rows{int(s.offsets[-1])} routing {t['routing']:.1f}")
         for kind in ("op", "gg"):
             print(f"  {kind} " + " ".join(f"{tile.split('x64')[0]}={t[kind + ' ' + tile]:.1f}" for tile in TILES),

@@ -21,8 +21,8 @@ TOKENS = (128, 1024, 4096, 16384, 65536)
 VARIABLE = "TDIST_MOE_ROUTE_SEGMENT"
 
 
-def graph_us(call, calls=20, replays=5):
-    """Median GPU time of `call` in us, from CUDA-graph replays of `calls` calls."""
+def capture(call, calls):
+    """A CUDA graph of `calls` calls of `call` (after one eager call), replayed once."""
     call()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -31,15 +31,27 @@ def graph_us(call, calls=20, replays=5):
             call()
     g.replay()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    return g
+
+
+def replay_us(graphs, calls, rounds):
+    """{name: median us per call} of the graphs of `calls` calls each, over `rounds` rounds that replay
+    every graph once, in turn."""
+    times = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / calls)
+    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+
+
+def graph_us(call, calls=20, replays=5):
+    """Median GPU time of `call` in us, from CUDA-graph replays of `calls` calls."""
+    return replay_us({"call": capture(call, calls)}, calls, replays)["call"]
 
 
 def model_size(pairs, experts):
