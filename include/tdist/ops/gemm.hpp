@@ -63,9 +63,9 @@ const std::vector<GemmTile>& gemm_tiles();
 // producer's cp.async (the grouped GEMM's a_gather), which feeds about kGatheredFedColumns columns of
 // MMA a stage: a narrower tile waits for its A.
 GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms, bool gathered_a = false);
-// Measured on H200 over ten MoE first projections (K 2048-7168, N 768-14336, 8-128 experts): the
-// 128 x 128 tile with gathered A took 1.14-1.18x its time on the same rows loaded by TMA, the tiles of
-// 192 columns and more no longer (docs/gemm.md, "Gathered A").
+// Measured on H200 over eleven MoE first projections of 4096 tokens or more (K 2048-7168, N 768-14336,
+// 8-128 experts): the 128 x 128 tile with gathered A took 1.14-1.18x its time on the same rows loaded
+// by TMA, the tiles of 192 columns and more no longer (docs/gemm.md, "Gathered A").
 inline constexpr double kGatheredFedColumns = 149.0;
 // `tile` with the cluster that pays for a B of this placement, for the plain and the grouped GEMM and
 // the MoE ops (not the dense fused ops' instances): a 2-CTA cluster multicasting B when B's rows are not 32-byte
