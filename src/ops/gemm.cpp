@@ -86,10 +86,11 @@ const std::vector<GemmTile>& gemm_tiles() {
   return tiles;
 }
 
-GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms, bool gathered_a) {
+GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms, bool gathered_a, int block_m) {
   (void)k;
-  if (const auto forced = detail::forced_tile("TDIST_GEMM_TILE", gemm_tiles())) return *forced;
-  return detail::choose_tile_among(gemm_tiles(), m, n, num_sms, gathered_a ? kGatheredFedColumns : 0.0);
+  const auto forced = detail::forced_tile("TDIST_GEMM_TILE", gemm_tiles());
+  if (forced && (block_m == 0 || forced->block_m == block_m)) return *forced;
+  return detail::choose_tile_among(gemm_tiles(), m, n, num_sms, gathered_a ? kGatheredFedColumns : 0.0, block_m);
 }
 
 GemmTile with_b_multicast(const GemmTile& tile, int64_t m, const void* b, int64_t ldb, DType dtype, int64_t num_groups,
@@ -120,11 +121,12 @@ std::optional<GemmTile> detail::forced_tile(const char* variable, const std::vec
 }
 
 GemmTile detail::choose_tile_among(const std::vector<GemmTile>& tiles, int64_t m, int64_t n, int num_sms,
-                                   double fed_columns) {
+                                   double fed_columns, int block_m) {
   TDIST_CHECK_ARG(num_sms > 0, "num_sms", "expected a positive SM count, got ", num_sms);
   const GemmTile* best = nullptr;
   double best_score = -1;
   for (const GemmTile& t : tiles) {
+    if (block_m > 0 && t.block_m != block_m) continue;
     const int64_t count = ((std::max<int64_t>(m, 1) + t.block_m - 1) / t.block_m) *
                           ((std::max<int64_t>(n, 1) + t.block_n - 1) / t.block_n);
     const int64_t waves = (count + num_sms - 1) / num_sms;

@@ -178,6 +178,8 @@ TEST(GemmTiles, Choice) {
     }
   // A single row: a 64-row tile wastes less.
   EXPECT_EQ(tdist::choose_gemm_tile(64, 8192, 8192, 132).block_m, 64);
+  // Unless the rows come in 128-row tiles (the MoE routing's): the best of those.
+  EXPECT_EQ(tdist::choose_gemm_tile(64, 8192, 8192, 132, false, 128), (GemmTile{128, 128, 64, 6, 1}));
 }
 
 TEST(GemmTiles, GatheredANeverNarrowsTheTile) {
@@ -198,6 +200,8 @@ TEST(GemmTiles, GatheredANeverNarrowsTheTile) {
 TEST(GemmTiles, ForcedByEnvironment) {
   ASSERT_EQ(setenv("TDIST_GEMM_TILE", "64x128x64_s8_c1", 1), 0);
   EXPECT_EQ(tdist::choose_gemm_tile(8192, 8192, 8192, 132), (GemmTile{64, 128, 64, 8, 1}));
+  // A forced tile of another height than the one asked for is passed over.
+  EXPECT_EQ(tdist::choose_gemm_tile(8192, 8192, 8192, 132, false, 128), (GemmTile{128, 256, 64, 4, 1}));
   ASSERT_EQ(setenv("TDIST_GEMM_TILE", "128x96x64_s4_c1", 1), 0);
   try {
     tdist::choose_gemm_tile(8192, 8192, 8192, 132);

@@ -61,8 +61,9 @@ const std::vector<GemmTile>& gemm_tiles();
 // The tile the heuristic picks for an M x N x K problem on `num_sms` SMs: the best of gemm_tiles()
 // by wave efficiency weighted by the tile's own efficiency. `gathered_a`: A's rows are gathered by the
 // producer's cp.async (the grouped GEMM's a_gather), which feeds about kGatheredFedColumns columns of
-// MMA a stage: a narrower tile waits for its A.
-GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms, bool gathered_a = false);
+// MMA a stage: a narrower tile waits for its A. `block_m` > 0: only the tiles of that many rows (a
+// TDIST_GEMM_TILE of another height is then passed over).
+GemmTile choose_gemm_tile(int64_t m, int64_t n, int64_t k, int num_sms, bool gathered_a = false, int block_m = 0);
 // Measured on H200 over eleven MoE first projections of 4096 tokens or more (K 2048-7168, N 768-14336,
 // 8-128 experts): the 128 x 128 tile with gathered A took 1.14-1.18x its time on the same rows loaded
 // by TMA, the tiles of 192 columns and more no longer (docs/gemm.md, "Gathered A").

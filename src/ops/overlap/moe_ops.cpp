@@ -81,17 +81,8 @@ GemmTile moe_tile(const MoeConfig& c, int64_t tokens, int64_t n, int64_t k, int 
     const GemmTile t = choose_fp8_gemm_tile(m, n, num_sms);
     return t.block_m == static_cast<int>(km::kMoeTile) ? t : GemmTile{128, 128, 128, 6, 1};
   }
-  GemmTile t = choose_gemm_tile(m, n, k, num_sms, gathered_a);
-  if (t.block_m != static_cast<int>(km::kMoeTile)) {  // the best of the tiles of the routing's rows
-    static const std::vector<GemmTile> tall = [] {
-      std::vector<GemmTile> v;
-      for (const GemmTile& s : gemm_tiles())
-        if (s.block_m == static_cast<int>(km::kMoeTile)) v.push_back(s);
-      return v;
-    }();
-    t = detail::choose_tile_among(tall, m, n, num_sms, gathered_a ? kGatheredFedColumns : 0.0);
-  }
-  return with_b_multicast(t, m, b, k, c.dtype, c.experts, pair_walk);
+  return with_b_multicast(choose_gemm_tile(m, n, k, num_sms, gathered_a, static_cast<int>(km::kMoeTile)), m, b, k,
+                          c.dtype, c.experts, pair_walk);
 }
 
 // The run options of a grouped GEMM over every tile of routing `r`: in its pair order for a 2-CTA

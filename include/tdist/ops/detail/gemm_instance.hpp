@@ -61,9 +61,10 @@ GemmTensorMap encode_gemm_tensor_map(const GemmTensorMapSpec& spec, DType dtype)
 namespace detail {
 // The best of `tiles` for an M x N problem on `num_sms` SMs: wave fill x used area x the tile's own
 // efficiency (choose_gemm_tile over gemm_tiles(), choose_fp8_gemm_tile over fp8_gemm_tiles()), x
-// block_n / fed_columns for tiles narrower than the columns a stage's A operand feeds (0: TMA-fed).
+// block_n / fed_columns for tiles narrower than the columns a stage's A operand feeds (0: TMA-fed);
+// block_m > 0: among the tiles of that many rows only.
 GemmTile choose_tile_among(const std::vector<GemmTile>& tiles, int64_t m, int64_t n, int num_sms,
-                           double fed_columns = 0.0);
+                           double fed_columns = 0.0, int block_m = 0);
 // The shipped tile that environment variable `variable` names (GemmTile::name()), in place of the
 // heuristic's choice, for tuning experiments; read at each call. Empty when it is unset; a name not in
 // `shipped` is an error listing them.
