@@ -18,8 +18,9 @@ import os
 import tdist
 import torch
 import torch.distributed as dist
-from moe_routing_segments import capture, replay_us  # this folder's: the same graph timer
+from moe_routing_segments import replay_us  # this folder's: the same graph timer
 from tdist import bench_moe
+from tdist.bench import capture_graph
 
 CALLS, ROUNDS = 8, 7
 
@@ -45,15 +46,15 @@ def main():
         s = bench_moe._Set(torch, tdist.moe, dims, m, "uniform", 11 + si, 1, 0)
         a_pad, _ = bench_moe._op_inputs(torch, "ag", s, dims)
         w = (torch.randn((experts, n, k), device=dev) * k ** -0.5).to(torch.bfloat16)
-        graphs = {"routing": capture(lambda: tdist.moe.routing(s.ids, experts), CALLS)}
+        graphs = {"routing": capture_graph(torch, lambda: tdist.moe.routing(s.ids, experts), CALLS)}
         for tile in TILES:
             if tile == "auto":
                 os.environ.pop("TDIST_GEMM_TILE", None)
             else:
                 os.environ["TDIST_GEMM_TILE"] = tile
             op = lambda: tdist.moe_ag_group_gemm(s.x_rows, s.ids, w, method="baseline")  # noqa: E731
-            graphs["op " + tile] = capture(op, CALLS)
-            graphs["gg " + tile] = capture(lambda: tdist.moe.grouped_gemm(a_pad, w, s.offsets), CALLS)
+            graphs["op " + tile] = capture_graph(torch, op, CALLS)
+            graphs["gg " + tile] = capture_graph(torch, lambda: tdist.moe.grouped_gemm(a_pad, w, s.offsets), CALLS)
         os.environ.pop("TDIST_GEMM_TILE", None)
         t = replay_us(graphs, CALLS, ROUNDS)
         print(f"{name} K{k} N{n} E{experts} k{topk} M{m} rows{int(s.offsets[-1])} routing {t['routing']:.1f}")

@@ -14,6 +14,9 @@ import os
 import tdist  # noqa: F401  (before torch: tdist's libnccl)
 import torch
 from tdist import bench_moe
+from tdist.bench import capture_graph
+
+from grouped_gemm_tiles import time_alternating  # this folder's
 
 SIZES = (256, 512, 1024, 2048, 4096)
 SHAPES = ((128, 8), (64, 6), (8, 2), (256, 8), (1024, 4))  # experts, top-k
@@ -21,37 +24,16 @@ TOKENS = (128, 1024, 4096, 16384, 65536)
 VARIABLE = "TDIST_MOE_ROUTE_SEGMENT"
 
 
-def capture(call, calls):
-    """A CUDA graph of `calls` calls of `call` (after one eager call), replayed once."""
-    call()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            call()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
 def replay_us(graphs, calls, rounds):
     """{name: median us per call} of the graphs of `calls` calls each, over `rounds` rounds that replay
     every graph once, in turn."""
-    times = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, g in graphs.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3 / calls)
-    return {name: sorted(v)[len(v) // 2] for name, v in times.items()}
+    per_replay = time_alternating({name: g.replay for name, g in graphs.items()}, rounds)
+    return {name: t / calls for name, t in per_replay.items()}
 
 
 def graph_us(call, calls=20, replays=5):
     """Median GPU time of `call` in us, from CUDA-graph replays of `calls` calls."""
-    return replay_us({"call": capture(call, calls)}, calls, replays)["call"]
+    return replay_us({"call": capture_graph(torch, call, calls)}, calls, replays)["call"]
 
 
 def model_size(pairs, experts):

@@ -297,6 +297,24 @@ def _parse(argv):
     return args
 
 
+def capture_graph(torch, fn, calls: int, warmup: int = 1):
+    """A CUDA graph of `calls` calls of `fn`, after `warmup` (at least one) calls on a side stream, so
+    that lazy initialisation and allocations stay out of the capture; replayed once before it returns."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(1, warmup)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    return graph
+
+
 def _time_rounds(fns, warmup: int, iters: int, rounds: int, torch, dist, ops_per_graph: int = 0):
     """{name: median per-call time (us), the slowest rank's} of the callables of `fns`, which take turns
     round by round, each round timing its share of `iters` calls: a clock or a neighbour that drifts
@@ -312,19 +330,7 @@ def _time_rounds(fns, warmup: int, iters: int, rounds: int, torch, dist, ops_per
                 fn()
             runs[name] = fn
             continue
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # lazy initialisation and allocations stay out of the capture
-            for _ in range(max(1, warmup)):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(ops_per_graph):
-                fn()
-        graph.replay()
-        runs[name] = graph.replay
+        runs[name] = capture_graph(torch, fn, ops_per_graph, warmup).replay
     rounds = max(1, min(rounds, iters))
     events = {name: [] for name in names}
     for r in range(rounds):
