@@ -123,7 +123,7 @@ std::string MoeKernels::combine_instance(DType dtype) {
 
 jit::CompileRequest MoeKernels::compile_request() {
   jit::CompileRequest r;
-  r.source = "#include \"tdist/kernels/moe/routing.cuh\"\n";
+  r.source = "#include \"tdist/kernels/moe/routing.cuh\"\n#include \"tdist/kernels/moe/combine.cuh\"\n";
   r.file_name = "moe_routing.cu";
   r.name_expressions = {kCount, kBuild};
   for (DType t : {DType::kBFloat16, DType::kFloat16}) r.name_expressions.push_back(combine_instance(t));

@@ -44,21 +44,11 @@
 #include "tdist/kernels/gemm/grouped_pair_order.cuh"
 #include "tdist/kernels/gemm/grouped_scheduler.cuh"
 #include "tdist/kernels/gemm/tile_scheduler.cuh"
+#include "tdist/kernels/moe/common.cuh"
 
 namespace tdist::kernels::moe {
 
-using device::u32;
-using device::u64;
-
-constexpr u32 kMoeTile = gemm::kGroupedAlignment;  // rows per tile and per padding unit
-constexpr u32 kMaxMoeExperts = 1024;               // the routing kernels' shared histograms
-constexpr u32 kMaxMoeRanks = 8;
 constexpr u32 kRouteThreads = 256;
-constexpr u32 kMoeCopyThreads = 256;  // the combine kernel: a warp per (token, columns)
-// Blocks per SM the launch bounds guarantee room for (registers): the grids' size per SM, so that
-// every block of the grid-stride loops is resident from the start (no second, thinner wave).
-constexpr u32 kCombineBlocksPerSm = 3;
-constexpr u32 kCombineCols = 2;  // 16-byte column vectors per lane per work item of the combine
 
 // Rows any routing of m tokens, top-k of `experts`, can need: every pair plus a partial tile per
 // non-empty expert, rounded down to whole tiles (offsets[E] is a multiple of kMoeTile).
@@ -220,28 +210,11 @@ struct RouteParams {
   u32 max_tiles;
 };
 
-// out[i][c] = sum_k weight[t][k] d_rows[row_of_pair[t][k]][c] + sum_s extra[s][i][c], in fp32, for the
-// tokens t = first_token + i, i < tokens (extra: received partials of the same rows, row stride n).
-struct CombineParams {
-  const void* d_rows;      // T[capacity][n], expert order
-  const int* row_of_pair;  // int32[M][topk]
-  const float* weights;    // fp32[M][topk]
-  const void* extra[kMaxMoeRanks];
-  int num_extra;
-  void* out;  // T[tokens][n]
-  u64 first_token, tokens;
-  u32 topk, n;
-};
-
 }  // namespace tdist::kernels::moe
 
 #if defined(__CUDACC__)
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "tdist/device/block_scan.cuh"
 #include "tdist/device/grid_dependency.cuh"
-#include "tdist/kernels/collectives/common.cuh"  // to_f32 / from_f32
 
 namespace tdist::kernels::moe {
 
@@ -518,107 +491,6 @@ __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_build(RouteParams 
   if (my == gridDim.x - 1)
     gemm::write_pair_order<kRouteThreads>(ExpertTiles{offs}, E, static_cast<u32>(offs[E]) / kMoeTile, p.pair_order,
                                           reinterpret_cast<u32(*)[2]>(&warp_sums[0][0]));
-}
-
-// Two 16-bit elements of a 32-bit word to fp32, and back, by value (a reinterpret_cast of a vector
-// register's address would put the vector in local memory).
-__device__ __forceinline__ float lo_f32(u32 bits, __nv_bfloat16) { return __uint_as_float(bits << 16); }
-__device__ __forceinline__ float hi_f32(u32 bits, __nv_bfloat16) { return __uint_as_float(bits & 0xffff0000u); }
-__device__ __forceinline__ float lo_f32(u32 bits, __half) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits & 0xffffu)));
-}
-__device__ __forceinline__ float hi_f32(u32 bits, __half) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(bits >> 16)));
-}
-__device__ __forceinline__ u32 bits_of(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
-__device__ __forceinline__ u32 bits_of(__half v) { return __half_as_ushort(v); }
-template <typename T>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-  return bits_of(coll::from_f32<T>(lo)) | (bits_of(coll::from_f32<T>(hi)) << 16);
-}
-
-// Adds w x (8 elements of T in a 16-byte vector) to acc.
-template <typename T>
-__device__ __forceinline__ void add_scaled(float* acc, float w, const uint4& x) {
-  const u32 words[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    acc[2 * j] += w * lo_f32(words[j], T{});
-    acc[2 * j + 1] += w * hi_f32(words[j], T{});
-  }
-}
-
-// A warp per work item (token i, 32 kCombineCols column vectors): the token's (row, weight) pairs
-// loaded by lanes 0 .. 31 (32 pairs at a time) and broadcast; each lane sums kCombineCols 16-byte
-// vectors over the pairs in fp32 registers, four pairs' loads in flight at once. Items rather than
-// whole tokens keep the warps evenly loaded when tokens are few (M = 4096, n = 2048: 16384 items).
-template <typename T>
-__global__ void __launch_bounds__(kMoeCopyThreads, kCombineBlocksPerSm) moe_combine(CombineParams p) {
-  constexpr u32 kWarps = kMoeCopyThreads / 32, kCols = kCombineCols, kPairs = 4;
-  const u32 lane = threadIdx.x % 32;
-  const u32 vectors = p.n / 8;
-  const u32 chunks = (vectors + 32 * kCols - 1) / (32 * kCols);
-  const u64 items = p.tokens * chunks;
-  const T* d_rows = static_cast<const T*>(p.d_rows);
-  device::wait_for_prior_grid();  // the grouped GEMM's rows, or the partials' arrival (a flag wait kernel)
-  device::allow_dependent_launch();
-  for (u64 item = static_cast<u64>(blockIdx.x) * kWarps + threadIdx.x / 32; item < items;
-       item += static_cast<u64>(gridDim.x) * kWarps) {  // warp-uniform: every lane shuffles
-    const u64 i = item / chunks;
-    const u32 base = static_cast<u32>(item % chunks) * 32 * kCols;
-    const u64 pair0 = (p.first_token + i) * p.topk;
-    float acc[kCols][8];
-#pragma unroll
-    for (u32 c = 0; c < kCols; ++c)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[c][j] = 0.0f;
-    for (u32 k0 = 0; k0 < p.topk; k0 += 32) {
-      const u32 kn = p.topk - k0 < 32 ? p.topk - k0 : 32;
-      const int my_row = lane < kn ? p.row_of_pair[pair0 + k0 + lane] : 0;
-      const float my_w = lane < kn ? p.weights[pair0 + k0 + lane] : 0.0f;
-      for (u32 kk = 0; kk < kn; kk += kPairs) {
-        uint4 x[kPairs][kCols];
-        float w[kPairs];
-#pragma unroll
-        for (u32 u = 0; u < kPairs; ++u) {
-          const u64 row = static_cast<u64>(__shfl_sync(0xffffffffu, my_row, (kk + u) % 32));
-          w[u] = __shfl_sync(0xffffffffu, my_w, (kk + u) % 32);
-          const uint4* src = reinterpret_cast<const uint4*>(d_rows + row * p.n);
-#pragma unroll
-          for (u32 c = 0; c < kCols; ++c) {
-            const u32 v = base + c * 32 + lane;
-            x[u][c] = kk + u < kn && v < vectors ? src[v] : make_uint4(0, 0, 0, 0);
-          }
-        }
-#pragma unroll
-        for (u32 u = 0; u < kPairs; ++u)
-#pragma unroll
-          for (u32 c = 0; c < kCols; ++c)
-            if (kk + u < kn) add_scaled<T>(acc[c], w[u], x[u][c]);
-      }
-    }
-#pragma unroll
-    for (int s = 0; s < static_cast<int>(kMaxMoeRanks); ++s) {  // constant indices keep p.extra in the parameters
-      if (s >= p.num_extra) break;
-      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(p.extra[s]) + i * p.n);
-      uint4 x[kCols];
-#pragma unroll
-      for (u32 c = 0; c < kCols; ++c) {
-        const u32 v = base + c * 32 + lane;
-        x[c] = v < vectors ? src[v] : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (u32 c = 0; c < kCols; ++c) add_scaled<T>(acc[c], 1.0f, x[c]);
-    }
-    uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(p.out) + i * p.n);
-#pragma unroll
-    for (u32 c = 0; c < kCols; ++c) {
-      const u32 v = base + c * 32 + lane;
-      if (v >= vectors) continue;
-      out[v] = make_uint4(pack2<T>(acc[c][0], acc[c][1]), pack2<T>(acc[c][2], acc[c][3]),
-                          pack2<T>(acc[c][4], acc[c][5]), pack2<T>(acc[c][6], acc[c][7]));
-    }
-  }
 }
 
 }  // namespace tdist::kernels::moe
