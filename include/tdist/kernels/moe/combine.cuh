@@ -13,9 +13,13 @@ namespace tdist::kernels::moe {
 
 constexpr u32 kMoeCopyThreads = 256;  // the combine kernel: a warp per (token, columns)
 // Blocks per SM the launch bounds guarantee room for (registers): the grids' size per SM, so that
-// every block of the grid-stride loops is resident from the start (no second, thinner wave).
-constexpr u32 kCombineBlocksPerSm = 3;
-constexpr u32 kCombineCols = 2;  // 16-byte column vectors per lane per work item of the combine
+// every block of the grid-stride loops is resident from the start (no second, thinner wave). Four
+// blocks with two pairs' loads in flight per warp beat three with four (H200, top-2 to top-8 at
+// 1024 to 16384 tokens: 0-10% faster; more warps hide the gathers' latency better).
+constexpr u32 kCombineBlocksPerSm = 4;
+constexpr u32 kCombineCols = 2;   // 16-byte column vectors per lane per work item of the combine
+constexpr u32 kCombinePairs = 2;  // pairs' loads in flight per warp
+// (bench/moe_combine.cu times the other choices of the three.)
 // out[i][c] = sum_k weight[t][k] d_rows[row_of_pair[t][k]][c] + sum_s extra[s][i][c], in fp32, for the
 // tokens t = first_token + i, i < tokens (extra: received partials of the same rows, row stride n).
 struct CombineParams {
@@ -70,11 +74,10 @@ __device__ __forceinline__ void add_scaled(float* acc, float w, const uint4& x) 
 
 // Sums, in fp32, weight x row over the top-k pairs of `token` (p's rows and weights), the 16-byte
 // column vectors v0 + 32 c + lane (c < kCols) below v_end, into acc[c]: the pairs' (row, weight) are
-// loaded by lanes 0 .. 31 (32 pairs at a time) and broadcast, four pairs' loads in flight at once.
-template <typename T, u32 kCols>
+// loaded by lanes 0 .. 31 (32 pairs at a time) and broadcast, kPairs pairs' loads in flight at once.
+template <typename T, u32 kCols, u32 kPairs>
 __device__ __forceinline__ void sum_pairs(const CombineParams& p, u64 token, u32 v0, u32 v_end, u32 lane,
                                           float (&acc)[kCols][8]) {
-  constexpr u32 kPairs = 4;
   const T* d_rows = static_cast<const T*>(p.d_rows);
   const u64 pair0 = token * p.topk;
 #pragma unroll
@@ -113,12 +116,12 @@ __device__ __forceinline__ uint4 pack8(const float (&a)[8]) {
   return make_uint4(pack2<T>(a[0], a[1]), pack2<T>(a[2], a[3]), pack2<T>(a[4], a[5]), pack2<T>(a[6], a[7]));
 }
 
-// A warp per work item (token i, 32 kCombineCols column vectors): sum_pairs, then p's extra
-// partials, stored to row i of p.out. Items rather than whole tokens keep the warps evenly loaded
-// when tokens are few (M = 4096, n = 2048: 16384 items).
-template <typename T>
-__global__ void __launch_bounds__(kMoeCopyThreads, kCombineBlocksPerSm) moe_combine(CombineParams p) {
-  constexpr u32 kWarps = kMoeCopyThreads / 32, kCols = kCombineCols, kItemVectors = 32 * kCols;
+// A warp per work item (token i, 32 kCols column vectors): sum_pairs, then p's extra partials,
+// stored to row i of p.out. Items rather than whole tokens keep the warps evenly loaded when tokens
+// are few (M = 4096, n = 2048: 8192 items). The grid: kBlocksPerSm blocks per SM at most.
+template <typename T, u32 kCols = kCombineCols, u32 kPairs = kCombinePairs, u32 kBlocksPerSm = kCombineBlocksPerSm>
+__global__ void __launch_bounds__(kMoeCopyThreads, kBlocksPerSm) moe_combine(CombineParams p) {
+  constexpr u32 kWarps = kMoeCopyThreads / 32, kItemVectors = 32 * kCols;
   const u32 lane = threadIdx.x % 32, vectors = p.n / 8;
   const u32 chunks = (vectors + kItemVectors - 1) / kItemVectors;
   const u64 items = p.tokens * chunks;
@@ -129,7 +132,7 @@ __global__ void __launch_bounds__(kMoeCopyThreads, kCombineBlocksPerSm) moe_comb
     const u64 i = item / chunks;
     const u32 v0 = static_cast<u32>(item % chunks) * kItemVectors;
     float acc[kCols][8];
-    sum_pairs<T, kCols>(p, p.first_token + i, v0, vectors, lane, acc);
+    sum_pairs<T, kCols, kPairs>(p, p.first_token + i, v0, vectors, lane, acc);
 #pragma unroll
     for (int s = 0; s < static_cast<int>(kMaxMoeRanks); ++s) {  // constant indices keep p.extra in the parameters
       if (s >= p.num_extra) break;
