@@ -1,5 +1,6 @@
 // The typed launcher of kernels/moe/routing.cuh (routing) and kernels/moe/combine.cuh (top-k
-// weighted reduce): the kernels' names live here only. Shared by MoeRouter (moe_routing.cpp) and the MoE ops (moe_ops.cpp).
+// weighted reduce): the kernels' names live here only. Shared by MoeRouter (moe_routing.cpp) and
+// the MoE ops (moe_ops.cpp).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,8 +9,8 @@
 #include <string>
 
 #include "tdist/common/dtype.hpp"
-#include "tdist/jit/launch.hpp"
 #include "tdist/jit/jit.hpp"
+#include "tdist/jit/launch.hpp"
 #include "tdist/kernels/moe/combine.cuh"
 #include "tdist/kernels/moe/routing.cuh"
 
