@@ -6,20 +6,21 @@
 // into one output (MoE grouped GEMM + ReduceScatter / AllReduce, src/ops/overlap/moe_ops.cpp).
 #pragma once
 
-#include "tdist/kernels/gemm/tile_scheduler.cuh"
 #include "tdist/kernels/moe/common.cuh"
 
 namespace tdist::kernels::moe {
 
 constexpr u32 kMoeCopyThreads = 256;  // the combine kernel: a warp per (token, columns)
-// Blocks per SM the launch bounds guarantee room for (registers): the grids' size per SM, so that
-// every block of the grid-stride loops is resident from the start (no second, thinner wave). Four
-// blocks with two pairs' loads in flight per warp beat three with four (H200, top-2 to top-8 at
-// 1024 to 16384 tokens: 0-10% faster; more warps hide the gathers' latency better).
+// The combine's shape (bench/moe_combine.cu times the other choices): 16-byte column vectors per lane
+// per work item, pairs' loads in flight per warp, and blocks per SM, which the launch bounds keep
+// room for (registers) and the grid holds at most, so that every block of the grid-stride loop is
+// resident from the start (no second, thinner wave). Four blocks with two pairs in flight beat three
+// with four (one H200, top-2 to top-8 at 1024 to 16384 tokens: 0-9 % faster): more warps hide the
+// gathers' latency better than more loads per warp.
+constexpr u32 kCombineCols = 2;
+constexpr u32 kCombinePairs = 2;
 constexpr u32 kCombineBlocksPerSm = 4;
-constexpr u32 kCombineCols = 2;   // 16-byte column vectors per lane per work item of the combine
-constexpr u32 kCombinePairs = 2;  // pairs' loads in flight per warp
-// (bench/moe_combine.cu times the other choices of the three.)
+
 // out[i][c] = sum_k weight[t][k] d_rows[row_of_pair[t][k]][c] + sum_s extra[s][i][c], in fp32, for the
 // tokens t = first_token + i, i < tokens (extra: received partials of the same rows, row stride n).
 struct CombineParams {
@@ -118,7 +119,7 @@ __device__ __forceinline__ uint4 pack8(const float (&a)[8]) {
 
 // A warp per work item (token i, 32 kCols column vectors): sum_pairs, then p's extra partials,
 // stored to row i of p.out. Items rather than whole tokens keep the warps evenly loaded when tokens
-// are few (M = 4096, n = 2048: 8192 items). The grid: kBlocksPerSm blocks per SM at most.
+// are few (M = 4096, n = 2048: 16384 items). The grid: kBlocksPerSm blocks per SM at most.
 template <typename T, u32 kCols = kCombineCols, u32 kPairs = kCombinePairs, u32 kBlocksPerSm = kCombineBlocksPerSm>
 __global__ void __launch_bounds__(kMoeCopyThreads, kBlocksPerSm) moe_combine(CombineParams p) {
   constexpr u32 kWarps = kMoeCopyThreads / 32, kItemVectors = 32 * kCols;
