@@ -68,8 +68,8 @@ int run(int iters) {
     p.n = static_cast<unsigned>(s.n);
     const double bytes = static_cast<double>(pairs + s.m) * s.n * 2;
     for (const Variant& v : variants) {
-      const uint64_t items = s.m * ((s.n / 8 + 32 * v.cols - 1) / (32 * v.cols));
-      const unsigned grid = static_cast<unsigned>(std::min<uint64_t>((items + 7) / 8, uint64_t(sms) * v.blocks_per_sm));
+      const unsigned grid = km::combine_grid(static_cast<uint64_t>(s.m), static_cast<unsigned>(s.n),
+                                             static_cast<unsigned>(sms), v.cols, v.blocks_per_sm);
       cudaEvent_t start, end;
       TDIST_CUDA_CHECK(cudaEventCreate(&start));
       TDIST_CUDA_CHECK(cudaEventCreate(&end));

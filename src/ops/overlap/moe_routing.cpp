@@ -154,10 +154,7 @@ void MoeKernels::combine(const km::CombineParams& p, cudaStream_t stream) const 
   cfg.stream = stream;
   cfg.programmatic_dependent_launch = true;
   cfg.block = {km::kMoeCopyThreads};  // a warp per (token, 32 kCombineCols column vectors)
-  constexpr uint64_t kWarps = km::kMoeCopyThreads / 32, kItemVectors = 32 * km::kCombineCols;
-  const uint64_t items = p.tokens * ((p.n / 8 + kItemVectors - 1) / kItemVectors);
-  cfg.grid = {static_cast<unsigned>(
-      std::min<uint64_t>((items + kWarps - 1) / kWarps, uint64_t(num_sms_) * km::kCombineBlocksPerSm))};
+  cfg.grid = {km::combine_grid(p.tokens, p.n, static_cast<unsigned>(num_sms_))};
   jit::launch(combine_, cfg, jit::make_args(p));
 }
 

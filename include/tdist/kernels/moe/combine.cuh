@@ -34,6 +34,18 @@ struct CombineParams {
   u32 topk, n;
 };
 
+// The combine's work items: (token, 32 kCols column vectors of its n / 8), a warp each.
+TDIST_HOST_DEVICE u64 combine_items(u64 tokens, u32 n, u32 cols = kCombineCols) {
+  return tokens * ((n / 8 + 32 * cols - 1) / (32 * cols));
+}
+// Its grid: a block of kMoeCopyThreads per kMoeCopyThreads / 32 items, blocks_per_sm per SM at most.
+TDIST_HOST_DEVICE u32 combine_grid(u64 tokens, u32 n, u32 num_sms, u32 cols = kCombineCols,
+                                   u32 blocks_per_sm = kCombineBlocksPerSm) {
+  constexpr u64 kWarps = kMoeCopyThreads / 32;
+  const u64 blocks = (combine_items(tokens, n, cols) + kWarps - 1) / kWarps, cap = u64{num_sms} * blocks_per_sm;
+  return static_cast<u32>(blocks < cap ? blocks : cap);
+}
+
 }  // namespace tdist::kernels::moe
 
 #if defined(__CUDACC__)
@@ -125,7 +137,7 @@ __global__ void __launch_bounds__(kMoeCopyThreads, kBlocksPerSm) moe_combine(Com
   constexpr u32 kWarps = kMoeCopyThreads / 32, kItemVectors = 32 * kCols;
   const u32 lane = threadIdx.x % 32, vectors = p.n / 8;
   const u32 chunks = (vectors + kItemVectors - 1) / kItemVectors;
-  const u64 items = p.tokens * chunks;
+  const u64 items = combine_items(p.tokens, p.n, kCols);
   device::wait_for_prior_grid();  // the grouped GEMM's rows, or the partials' arrival (a flag wait kernel)
   device::allow_dependent_launch();
   for (u64 item = static_cast<u64>(blockIdx.x) * kWarps + threadIdx.x / 32; item < items;
